@@ -1,0 +1,268 @@
+/*
+ * llmc_py's C surface: every kernel the Python layer calls, with its contract.
+ *
+ * This file is read twice: by the C compiler (through llmc.h) and by cffi as
+ * its cdef, so it holds declarations only, with no #include, #if or guards.
+ *
+ * Conventions, stated once for every block below:
+ *   - every function returns an llmc_status (LLMC_OK == 0), never exits or
+ *     prints; Python turns a non-zero status into an exception;
+ *   - arguments come as outputs, inputs, sizes, scalars; backward functions
+ *     take the gradients they produce first, then dout, then what the forward
+ *     saved;
+ *   - shapes use B T C OC V Vp L NH hs; arrays are contiguous row-major fp32,
+ *     token arrays contiguous int32;
+ *   - "(written)" outputs are overwritten and never read; "(+=)" outputs are
+ *     accumulated into, so the caller zeroes them once per step;
+ *   - no output may alias an input unless its block says so;
+ *   - results do not depend on the number of threads: every sum over a
+ *     reduced dimension runs in one fixed order.
+ */
+
+typedef enum {
+    LLMC_OK = 0,
+    LLMC_ERR_SHAPE = 1,    /* a size is <= 0, or sizes disagree (e.g. C % NH)   */
+    LLMC_ERR_RANGE = 2,    /* an index such as a token id is out of range       */
+    LLMC_ERR_NOMEM = 3,    /* an internal scratch allocation failed             */
+    LLMC_ERR_NULL = 4      /* a required pointer is NULL                        */
+} llmc_status;
+
+/* ---- status.c ----------------------------------------------------------- */
+
+/* A static, human-readable text for a status code (never NULL). */
+const char* llmc_status_string(int status);
+
+/* Threads used by the parallel kernels; n <= 0 is LLMC_ERR_SHAPE. */
+int llmc_set_num_threads(int n);
+/* Returns the thread count itself (not a status). */
+int llmc_get_num_threads(void);
+/* Returns 1 if the library was built with OpenMP, else 0 (not a status). */
+int llmc_has_openmp(void);
+
+/* ---- encoder.c ---------------------------------------------------------- */
+
+/*
+ * encoder_forward: out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]
+ *
+ *   out [B, T, C]  (written)
+ *   inp [B, T]     int32 token ids, each in [0, V); else LLMC_ERR_RANGE
+ *   wte [V, C]     (any padded rows past V are never read)
+ *   wpe [T, C]     (the first T rows of the position table)
+ */
+int encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
+                    int B, int T, int C, int V);
+
+/*
+ * encoder_backward: gradients of encoder_forward.
+ *
+ *   dwte [V, C]     (+=) row inp[b,t] gathers dout[b,t,:]
+ *   dwpe [T, C]     (+=)
+ *   dout [B, T, C]
+ *   inp  [B, T]     int32 token ids in [0, V)
+ */
+int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
+                     int B, int T, int C, int V);
+
+/* ---- norms.c ------------------------------------------------------------ */
+
+/*
+ * layernorm_forward: out = (inp - mean) * rstd * weight + bias, per row of C,
+ * with rstd = 1 / sqrt(var + eps) and var the biased variance.
+ *
+ *   out    [B, T, C]  (written)
+ *   mean   [B, T]     (written) saved for backward
+ *   rstd   [B, T]     (written) saved for backward
+ *   inp    [B, T, C]
+ *   weight [C]
+ *   bias   [C]
+ */
+int layernorm_forward(float* out, float* mean, float* rstd,
+                      const float* inp, const float* weight, const float* bias,
+                      int B, int T, int C, float eps);
+
+/*
+ * layernorm_backward: gradients of layernorm_forward.
+ *
+ *   dinp    [B, T, C]  (+=)
+ *   dweight [C]        (+=)
+ *   dbias   [C]        (+=)
+ *   dout    [B, T, C]
+ *   inp     [B, T, C]  forward input
+ *   weight  [C]
+ *   mean    [B, T]     saved by layernorm_forward
+ *   rstd    [B, T]     saved by layernorm_forward
+ */
+int layernorm_backward(float* dinp, float* dweight, float* dbias,
+                       const float* dout, const float* inp, const float* weight,
+                       const float* mean, const float* rstd,
+                       int B, int T, int C);
+
+/* ---- matmul.c ----------------------------------------------------------- */
+
+/*
+ * matmul_forward: out[b,t,o] = bias[o] + sum_i inp[b,t,i] * weight[o,i]
+ *
+ *   out    [B, T, OC]  (written)
+ *   inp    [B, T, C]
+ *   weight [OC, C]
+ *   bias   [OC] or NULL (no bias)
+ */
+int matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                   int B, int T, int C, int OC);
+
+/*
+ * matmul_backward: gradients of matmul_forward.
+ *
+ *   dinp    [B, T, C]  (+=) dout . weight
+ *   dweight [OC, C]    (+=) dout^T . inp
+ *   dbias   [OC]       (+=) sum of dout over B, T; or NULL (no bias)
+ *   dout    [B, T, OC]
+ *   inp     [B, T, C]
+ *   weight  [OC, C]
+ */
+int matmul_backward(float* dinp, float* dweight, float* dbias,
+                    const float* dout, const float* inp, const float* weight,
+                    int B, int T, int C, int OC);
+
+/* The plain triple loops, kept as the reference the fast path is checked
+   against; same contracts as matmul_forward / matmul_backward. */
+int matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,
+                         int B, int T, int C, int OC);
+int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
+                          const float* dout, const float* inp, const float* weight,
+                          int B, int T, int C, int OC);
+
+/* ---- attention.c -------------------------------------------------------- */
+
+/*
+ * attention_forward: causal multi-head self-attention over packed q, k, v.
+ * For head h (hs = C / NH channels), query t attends to keys t2 <= t:
+ *   att[b,h,t,t2] = softmax_t2(q[b,t,h] . k[b,t2,h] / sqrt(hs))
+ *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h]
+ *
+ *   out [B, T, C]       (written)
+ *   att [B, NH, T, T]   (written) the probabilities, 0 where t2 > t; saved
+ *                       for backward
+ *   inp [B, T, 3C]      q, k, v side by side in each row
+ * C % NH must be 0.
+ */
+int attention_forward(float* out, float* att, const float* inp,
+                      int B, int T, int C, int NH);
+
+/*
+ * attention_backward: gradients of attention_forward.
+ *
+ *   dinp [B, T, 3C]     (+=) dq, dk, dv side by side
+ *   dout [B, T, C]
+ *   inp  [B, T, 3C]     forward input
+ *   att  [B, NH, T, T]  saved by attention_forward
+ */
+int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
+                       int B, int T, int C, int NH);
+
+/* ---- activations.c ------------------------------------------------------ */
+
+/*
+ * gelu_forward: out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+ *
+ *   out [N]  (written)
+ *   inp [N]
+ */
+int gelu_forward(float* out, const float* inp, long N);
+
+/*
+ * gelu_backward: dinp += gelu'(inp) * dout
+ *
+ *   dinp [N]  (+=)
+ *   dout [N]
+ *   inp  [N]  forward input
+ */
+int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
+
+/*
+ * residual_forward: out = inp1 + inp2
+ *
+ *   out  [N]  (written) may alias inp1 or inp2
+ *   inp1 [N]
+ *   inp2 [N]
+ */
+int residual_forward(float* out, const float* inp1, const float* inp2, long N);
+
+/*
+ * residual_backward: dinp1 += dout; dinp2 += dout
+ *
+ *   dinp1 [N]  (+=)
+ *   dinp2 [N]  (+=)
+ *   dout  [N]
+ */
+int residual_backward(float* dinp1, float* dinp2, const float* dout, long N);
+
+/* ---- softmax_xent.c ----------------------------------------------------- */
+
+/*
+ * softmax_forward: probs[b,t,:V] = softmax(logits[b,t,:V]); the padding
+ * columns V..Vp-1 are ignored in logits and written as 0 in probs.
+ *
+ *   probs  [B, T, Vp]  (written)
+ *   logits [B, T, Vp]
+ */
+int softmax_forward(float* probs, const float* logits, int B, int T, int V, int Vp);
+
+/*
+ * crossentropy_forward: losses[b,t] = -log(probs[b,t,targets[b,t]])
+ *
+ *   losses  [B, T]      (written)
+ *   probs   [B, T, Vp]
+ *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
+ */
+int crossentropy_forward(float* losses, const float* probs, const int* targets,
+                         int B, int T, int V, int Vp);
+
+/*
+ * crossentropy_softmax_backward: gradient through softmax and cross-entropy
+ * together: dlogits[b,t,i] += (probs[b,t,i] - [i == target]) * dlosses[b,t]
+ * for i < V; the padding columns get no gradient.
+ *
+ *   dlogits [B, T, Vp]  (+=)
+ *   dlosses [B, T]
+ *   probs   [B, T, Vp]
+ *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
+ */
+int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
+                                  const float* probs, const int* targets,
+                                  int B, int T, int V, int Vp);
+
+/* ---- adamw.c ------------------------------------------------------------ */
+
+/*
+ * adamw_update: one AdamW step over N flat parameters, as llm.c's
+ * gpt2_update: with bias corrections c1 = 1 - beta1^t, c2 = 1 - beta2^t,
+ *   m = beta1 m + (1 - beta1) g
+ *   v = beta2 v + (1 - beta2) g^2
+ *   param -= lr * ((m / c1) / (sqrt(v / c2) + eps) + weight_decay * param)
+ *
+ *   params [N]  (updated in place)
+ *   m      [N]  (updated in place) first moment, zero before step 1
+ *   v      [N]  (updated in place) second moment, zero before step 1
+ *   grads  [N]
+ * t >= 1 is the step number.
+ */
+int adamw_update(float* params, float* m, float* v, const float* grads, long N,
+                 float learning_rate, float beta1, float beta2, float eps,
+                 float weight_decay, int t);
+
+/*
+ * global_norm_squared: *out = sum_i x[i]^2, accumulated in double over fixed
+ * chunks that are added in order.
+ *
+ *   out [1]  (written)
+ *   x   [N]
+ */
+int global_norm_squared(double* out, const float* x, long N);
+
+/*
+ * scale_inplace: x *= scale (e.g. gradient clipping)
+ *
+ *   x [N]  (updated in place)
+ */
+int scale_inplace(float* x, long N, float scale);

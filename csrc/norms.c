@@ -1,0 +1,86 @@
+/* LayerNorm (GPT-2), forward and backward. */
+#include "llmc.h"
+#include "common.h"
+
+/* Channels per block in the parameter-gradient pass (see layernorm_backward). */
+#define NORM_CHANNEL_BLOCK 64
+
+int layernorm_forward(float* out, float* mean, float* rstd,
+                      const float* inp, const float* weight, const float* bias,
+                      int B, int T, int C, float eps) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, mean, rstd) && LLMC_NONNULL3(inp, weight, bias),
+                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    const long BT = (long)B * T;
+
+    // rows are independent; the variance is taken about the mean (two passes),
+    // which stays accurate when |mean| is large against the spread
+    #pragma omp parallel for schedule(static)
+    for (long bt = 0; bt < BT; bt++) {
+        const float* x = inp + (size_t)bt * C;
+        float* y = out + (size_t)bt * C;
+        float sum = 0.0f;
+        for (int i = 0; i < C; i++) { sum += x[i]; }
+        const float m = sum / C;
+        float sumsq = 0.0f;
+        for (int i = 0; i < C; i++) { const float d = x[i] - m; sumsq += d * d; }
+        const float s = 1.0f / sqrtf(sumsq / C + eps);
+        for (int i = 0; i < C; i++) { y[i] = (x[i] - m) * s * weight[i] + bias[i]; }
+        mean[bt] = m;
+        rstd[bt] = s;
+    }
+    return LLMC_OK;
+}
+
+int layernorm_backward(float* dinp, float* dweight, float* dbias,
+                       const float* dout, const float* inp, const float* weight,
+                       const float* mean, const float* rstd,
+                       int B, int T, int C) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dbias) && LLMC_NONNULL3(dout, inp, weight)
+                 && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
+    const long BT = (long)B * T;
+
+    // pass 1, dinp. With n = (x - mean) * rstd and g = dout * weight:
+    //   dx = rstd * (g - mean(g) - n * mean(g * n))
+    // rows are independent
+    #pragma omp parallel for schedule(static)
+    for (long bt = 0; bt < BT; bt++) {
+        const float* x = inp + (size_t)bt * C;
+        const float* dy = dout + (size_t)bt * C;
+        float* dx = dinp + (size_t)bt * C;
+        const float m = mean[bt], s = rstd[bt];
+        float g_mean = 0.0f, gn_mean = 0.0f;
+        for (int i = 0; i < C; i++) {
+            const float g = dy[i] * weight[i];
+            g_mean += g;
+            gn_mean += g * ((x[i] - m) * s);
+        }
+        g_mean /= C;
+        gn_mean /= C;
+        for (int i = 0; i < C; i++) {
+            const float n = (x[i] - m) * s;
+            dx[i] += s * (dy[i] * weight[i] - g_mean - n * gn_mean);
+        }
+    }
+
+    // pass 2, dweight and dbias: sums over rows. Each thread owns whole blocks
+    // of channels and walks the rows in order: no two threads write the same
+    // element, and every sum runs in the same order
+    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int i0 = blk * NORM_CHANNEL_BLOCK;
+        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
+        for (long bt = 0; bt < BT; bt++) {
+            const float* x = inp + (size_t)bt * C;
+            const float* dy = dout + (size_t)bt * C;
+            const float m = mean[bt], s = rstd[bt];
+            for (int i = i0; i < i1; i++) {
+                dweight[i] += dy[i] * ((x[i] - m) * s);
+                dbias[i] += dy[i];
+            }
+        }
+    }
+    return LLMC_OK;
+}

@@ -1,0 +1,22 @@
+"""llmc_py: llm.c's CPU GPT-2 trainer, with C/OpenMP kernels under Python."""
+import pkgutil
+
+# Run from a source checkout after `pip install .`, Python imports this folder,
+# which has no compiled module; let the package also search the installed
+# copy (in site-packages) for it.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from ._lib import get_num_threads, has_openmp, set_num_threads
+from .config import GPT2Config
+from .errors import (CheckpointError, LlmcError, NullPointerError, OutOfMemoryError,
+                     RangeError, ShapeError)
+from .model import GPT2
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT2", "GPT2Config",
+    "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
+    "NullPointerError",
+    "set_num_threads", "get_num_threads", "has_openmp",
+]

@@ -1,0 +1,68 @@
+"""The only module that sees cffi: status checks and array-to-pointer adapters."""
+import numpy as np
+
+try:
+    from ._llmc import ffi, lib
+except ImportError as e:   # a source checkout that was never built
+    raise ImportError(
+        "llmc_py's compiled kernels (llmc_py._llmc) are not built: run "
+        "`pip install .` (or `pip install -e .` to work on the sources)") from e
+from .errors import LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError
+
+_ERROR_FOR_STATUS = {
+    lib.LLMC_ERR_SHAPE: ShapeError,
+    lib.LLMC_ERR_RANGE: RangeError,
+    lib.LLMC_ERR_NOMEM: OutOfMemoryError,
+    lib.LLMC_ERR_NULL: NullPointerError,
+}
+
+
+def check(status, where):
+    """Raises the exception mapped to a non-zero C status."""
+    if status == lib.LLMC_OK:
+        return
+    text = ffi.string(lib.llmc_status_string(status)).decode("ascii")
+    err = _ERROR_FOR_STATUS.get(status, LlmcError)(f"{where}: {text} (status {status})")
+    err.status = status
+    raise err
+
+
+def _pointer(arr, name, shape, dtype, ctype, out):
+    if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
+        got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+        raise TypeError(f"{name} must be a {np.dtype(dtype).name} numpy array, got {got}")
+    if not arr.flags.c_contiguous:
+        raise ShapeError(f"{name} must be C-contiguous")
+    if arr.shape != tuple(shape):
+        raise ShapeError(f"{name} has shape {arr.shape}, expected {tuple(shape)}")
+    if out and not arr.flags.writeable:
+        raise ValueError(f"{name} is read-only but is written by the kernel")
+    return ffi.from_buffer(ctype, arr, require_writable=out)
+
+
+def fptr(arr, name, shape, *, out=False):
+    """A float* into a float32 C-contiguous array of exactly ``shape`` (no copy)."""
+    return _pointer(arr, name, shape, np.float32, "float[]", out)
+
+
+def iptr(arr, name, shape):
+    """An int* into an int32 C-contiguous array of exactly ``shape`` (no copy)."""
+    return _pointer(arr, name, shape, np.int32, "int[]", False)
+
+
+def dptr(arr, name, shape, *, out=False):
+    """A double* into a float64 C-contiguous array of exactly ``shape`` (no copy)."""
+    return _pointer(arr, name, shape, np.float64, "double[]", out)
+
+
+def set_num_threads(n):
+    """Sets the number of threads the kernels use."""
+    check(lib.llmc_set_num_threads(int(n)), "set_num_threads")
+
+
+def get_num_threads():
+    return lib.llmc_get_num_threads()
+
+
+def has_openmp():
+    return bool(lib.llmc_has_openmp())

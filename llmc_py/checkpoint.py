@@ -1,0 +1,217 @@
+"""llm.c's binary files: the model checkpoint and the debug-state file.
+
+Model file (``gpt2_124M.bin``): 256 little-endian int32 header slots, then
+every parameter in PARAM_SPECS order, fp32 (version 3) or bf16 (version 5).
+Debug-state file (``gpt2_124M_debug_state.bin``): 256 int32 header slots,
+then x and y as int32 (B*T each), logits fp32 (B*T*V, unpadded), the mean
+loss fp32, and every parameter gradient fp32 in PARAM_SPECS order.
+
+Every header field is checked, and the file size must match the header
+exactly, before anything is allocated; a failure raises CheckpointError
+naming the file, the field and the value.
+"""
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import GPT2Config
+from .errors import CheckpointError, ShapeError
+from .layout import PARAM_SPECS
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+MAGIC_MODEL = 20240326
+VERSION_FP32 = 3
+VERSION_BF16 = 5
+BYTES_PER_PARAM = {VERSION_FP32: 4, VERSION_BF16: 2}
+
+MAGIC_DEBUG_STATE = 20240327
+VERSION_DEBUG_STATE = 2
+
+# model header slots 2..7
+MODEL_FIELDS = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "channels",
+                "padded_vocab_size")
+SLOT = {name: 2 + i for i, name in enumerate(MODEL_FIELDS)}
+
+# no header field may exceed what the C kernels take as an int
+INT32_MAX = 2**31 - 1
+
+
+def num_parameters(config):
+    """Total parameter count for a config, as an exact Python int."""
+    return sum(math.prod(fn(config)) for _, fn in PARAM_SPECS)
+
+
+def _read_header(path, what):
+    path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a {what} file")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} file: {e.strerror or e}") from e
+    if len(raw) < HEADER_BYTES:
+        raise CheckpointError(f"{path}: file size {size} bytes is smaller than the "
+                              f"{HEADER_BYTES}-byte {what} header (truncated or not a {what} file)")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64), size
+
+
+def _expect_size(path, size, expected, what):
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise CheckpointError(f"{path}: file size is {size} bytes but its header describes "
+                              f"{expected} bytes ({what} {kind})")
+
+
+def read_model_header(path):
+    """(GPT2Config, version, file size) from a model file's validated header."""
+    header, size = _read_header(path, "model")
+    if header[0] != MAGIC_MODEL:
+        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
+                              f"{MAGIC_MODEL} (not an llm.c model file)")
+    version = int(header[1])
+    if version not in BYTES_PER_PARAM:
+        raise CheckpointError(f"{path}: header field version is {version}, expected "
+                              f"{VERSION_FP32} (fp32) or {VERSION_BF16} (bf16); "
+                              f"re-export the model with llm.c's train_gpt2.py")
+    fields = {}
+    for name in MODEL_FIELDS:
+        value = int(header[SLOT[name]])
+        if value <= 0:
+            raise CheckpointError(f"{path}: header field {name} is {value}, must be positive")
+        fields[name] = value
+    try:
+        config = GPT2Config(**fields)
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    expected = HEADER_BYTES + num_parameters(config) * BYTES_PER_PARAM[version]
+    _expect_size(path, size, expected, "model file")
+    return config, version, size
+
+
+def read_model(path):
+    """(GPT2Config, params) from an llm.c model file; params is flat float32."""
+    config, version, _ = read_model_header(path)
+    count = num_parameters(config)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        if version == VERSION_FP32:
+            params = np.fromfile(f, dtype="<f4", count=count)
+        else:
+            # bf16 is the top half of an fp32: widen by shifting into place
+            params = (np.fromfile(f, dtype="<u2", count=count).astype(np.uint32) << 16)
+            params = params.view(np.float32)
+    if params.size != count:   # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
+    return config, params.astype(np.float32, copy=False)
+
+
+def model_header(config):
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0] = MAGIC_MODEL
+    header[1] = VERSION_FP32
+    for name in MODEL_FIELDS:
+        value = getattr(config, name)
+        if value > INT32_MAX:
+            raise CheckpointError(f"config field {name}={value} does not fit an int32 header")
+        header[SLOT[name]] = value
+    return header
+
+
+def write_model(path, config, params):
+    """Writes an llm.c version-3 (fp32) model file atomically."""
+    params = np.asarray(params)
+    if params.dtype != np.float32 or params.size != num_parameters(config):
+        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
+                         f"got {params.size} {params.dtype}")
+    atomic_write(path, [model_header(config).tobytes(), params.astype("<f4", copy=False)])
+
+
+def atomic_write(path, chunks):
+    """Writes ``chunks`` (bytes or arrays) to a temporary file in the same
+    folder, fsyncs it, then renames it over ``path``: a reader sees the old
+    file or the new one, never a partial one."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                if isinstance(chunk, np.ndarray):
+                    chunk.tofile(f)
+                else:
+                    f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:   # make the rename itself durable
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def write_debug_state(path, config, x, y, logits, loss, grads):
+    """Writes llm.c's debug-state file: x, y int32 (B, T); logits (B, T, V or
+    Vp; only the first V columns are stored); loss; grads flat in
+    PARAM_SPECS order."""
+    x = np.asarray(x)
+    B, T = x.shape
+    logits = np.asarray(logits, dtype=np.float32)[:, :, :config.vocab_size]
+    grads = np.asarray(grads, dtype=np.float32).reshape(-1)
+    if np.asarray(y).shape != (B, T) or logits.shape != (B, T, config.vocab_size):
+        raise ShapeError(f"debug state: y {np.shape(y)} and logits {logits.shape} "
+                         f"do not fit x {x.shape} and V={config.vocab_size}")
+    if grads.size != num_parameters(config):
+        raise ShapeError(f"debug state: {grads.size} gradients, expected "
+                         f"{num_parameters(config)}")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:4] = (MAGIC_DEBUG_STATE, VERSION_DEBUG_STATE, B, T)
+    atomic_write(path, [header.tobytes(), x.astype("<i4"), np.asarray(y).astype("<i4"),
+                        np.ascontiguousarray(logits, dtype="<f4"),
+                        np.array([loss], dtype="<f4"), grads.astype("<f4", copy=False)])
+
+
+def read_debug_state(path, config):
+    """dict(x, y, logits (B, T, V), loss, grads flat) from a debug-state file
+    written for a model of ``config``."""
+    header, size = _read_header(path, "debug-state")
+    if header[0] != MAGIC_DEBUG_STATE:
+        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
+                              f"{MAGIC_DEBUG_STATE} (not an llm.c debug-state file)")
+    if header[1] != VERSION_DEBUG_STATE:
+        raise CheckpointError(f"{path}: header field version is {header[1]}, expected "
+                              f"{VERSION_DEBUG_STATE}")
+    B, T = int(header[2]), int(header[3])
+    for name, value in (("B", B), ("T", T)):
+        if value <= 0:
+            raise CheckpointError(f"{path}: header field {name} is {value}, must be positive")
+    BT, V, P = B * T, config.vocab_size, num_parameters(config)
+    _expect_size(path, size, HEADER_BYTES + 4 * (2 * BT + BT * V + 1 + P), "debug-state file")
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        x = np.fromfile(f, dtype="<i4", count=BT).reshape(B, T)
+        y = np.fromfile(f, dtype="<i4", count=BT).reshape(B, T)
+        logits = np.fromfile(f, dtype="<f4", count=BT * V).reshape(B, T, V)
+        loss = float(np.fromfile(f, dtype="<f4", count=1)[0])
+        grads = np.fromfile(f, dtype="<f4", count=P)
+    return {"x": x.astype(np.int32), "y": y.astype(np.int32),
+            "logits": logits.astype(np.float32), "loss": loss,
+            "grads": grads.astype(np.float32)}

@@ -1,0 +1,28 @@
+"""The package's exceptions. Each also inherits the builtin it refines, so a
+caller may catch either ``LlmcError`` or, say, ``ValueError``."""
+
+
+class LlmcError(Exception):
+    """Base of every llmc_py error; ``status`` is the C status code, if any."""
+
+    status = None
+
+
+class ShapeError(LlmcError, ValueError):
+    """An array or size does not fit the kernel or model it is given to."""
+
+
+class RangeError(LlmcError, IndexError):
+    """An index, such as a token id, is outside its valid range."""
+
+
+class CheckpointError(LlmcError, ValueError):
+    """A model, state or debug file is malformed or does not fit."""
+
+
+class OutOfMemoryError(LlmcError, MemoryError):
+    """Memory for a buffer or kernel scratch space could not be had."""
+
+
+class NullPointerError(LlmcError, ValueError):
+    """A required array was missing (a NULL pointer reached C)."""

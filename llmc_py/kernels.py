@@ -1,0 +1,221 @@
+"""One thin wrapper per C kernel: the same name and argument order as in
+csrc/llmc_api.h, with sizes taken from the array shapes. Each wrapper checks
+dtype, layout and shape before C sees a pointer, and raises the mapped
+exception for any status C returns. Outputs are written in place."""
+import numpy as np
+
+from ._lib import check, dptr, ffi, fptr, iptr, lib
+from .errors import ShapeError
+
+
+def encoder_forward(out, inp, wte, wpe):
+    """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C]."""
+    B, T = inp.shape
+    V, C = wte.shape
+    check(lib.encoder_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        iptr(inp, "inp", (B, T)),
+        fptr(wte, "wte", (V, C)),
+        fptr(_first_rows(wpe, T, "wpe"), "wpe", (T, C)),
+        B, T, C, V), "encoder_forward")
+
+
+def encoder_backward(dwte, dwpe, dout, inp):
+    """dwte[V,C] (+=), dwpe[>=T,C] (+=) <- dout[B,T,C], inp int32 [B,T]."""
+    B, T = inp.shape
+    V, C = dwte.shape
+    check(lib.encoder_backward(
+        fptr(dwte, "dwte", (V, C), out=True),
+        fptr(_first_rows(dwpe, T, "dwpe"), "dwpe", (T, C), out=True),
+        fptr(dout, "dout", (B, T, C)),
+        iptr(inp, "inp", (B, T)),
+        B, T, C, V), "encoder_backward")
+
+
+def layernorm_forward(out, mean, rstd, inp, weight, bias, eps=1e-5):
+    """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C]."""
+    B, T, C = inp.shape
+    check(lib.layernorm_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(mean, "mean", (B, T), out=True),
+        fptr(rstd, "rstd", (B, T), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        fptr(bias, "bias", (C,)),
+        B, T, C, eps), "layernorm_forward")
+
+
+def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+    """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd."""
+    B, T, C = inp.shape
+    check(lib.layernorm_backward(
+        fptr(dinp, "dinp", (B, T, C), out=True),
+        fptr(dweight, "dweight", (C,), out=True),
+        fptr(dbias, "dbias", (C,), out=True),
+        fptr(dout, "dout", (B, T, C)),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        fptr(mean, "mean", (B, T)),
+        fptr(rstd, "rstd", (B, T)),
+        B, T, C), "layernorm_backward")
+
+
+def matmul_forward(out, inp, weight, bias=None, variant=""):
+    """out[B,T,OC] (written) = inp[B,T,C] . weight[OC,C]^T + bias[OC] (bias may be None).
+
+    ``variant="naive"`` runs the plain reference loops."""
+    B, T, C = inp.shape
+    OC = weight.shape[0]
+    fn = _variant(MATMUL_FORWARD, variant)
+    check(fn(
+        fptr(out, "out", (B, T, OC), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (OC, C)),
+        _optional(bias, "bias", (OC,)),
+        B, T, C, OC), "matmul_forward" + (f"_{variant}" if variant else ""))
+
+
+def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
+    """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=; dbias may be None) <- dout[B,T,OC], inp, weight."""
+    B, T, C = inp.shape
+    OC = weight.shape[0]
+    fn = _variant(MATMUL_BACKWARD, variant)
+    check(fn(
+        fptr(dinp, "dinp", (B, T, C), out=True),
+        fptr(dweight, "dweight", (OC, C), out=True),
+        _optional(dbias, "dbias", (OC,), out=True),
+        fptr(dout, "dout", (B, T, OC)),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (OC, C)),
+        B, T, C, OC), "matmul_backward" + (f"_{variant}" if variant else ""))
+
+
+def attention_forward(out, att, inp, NH):
+    """out[B,T,C] (written), att[B,NH,T,T] (written) <- inp[B,T,3C] (q, k, v)."""
+    B, T, C3 = inp.shape
+    C = _qkv_channels(C3, NH)
+    check(lib.attention_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(inp, "inp", (B, T, C3)),
+        B, T, C, NH), "attention_forward")
+
+
+def attention_backward(dinp, dout, inp, att, NH):
+    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], att[B,NH,T,T]."""
+    B, T, C3 = inp.shape
+    C = _qkv_channels(C3, NH)
+    check(lib.attention_backward(
+        fptr(dinp, "dinp", (B, T, C3), out=True),
+        fptr(dout, "dout", (B, T, C)),
+        fptr(inp, "inp", (B, T, C3)),
+        fptr(att, "att", (B, NH, T, T)),
+        B, T, C, NH), "attention_backward")
+
+
+def gelu_forward(out, inp):
+    """out (written) = gelu_tanh(inp), any shape."""
+    check(lib.gelu_forward(fptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
+                           inp.size), "gelu_forward")
+
+
+def gelu_backward(dinp, dout, inp):
+    """dinp (+=) gelu'(inp) * dout, any shape."""
+    check(lib.gelu_backward(fptr(dinp, "dinp", inp.shape, out=True),
+                            fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
+                            inp.size), "gelu_backward")
+
+
+def residual_forward(out, inp1, inp2):
+    """out (written) = inp1 + inp2, any shape."""
+    check(lib.residual_forward(fptr(out, "out", inp1.shape, out=True),
+                               fptr(inp1, "inp1", inp1.shape), fptr(inp2, "inp2", inp1.shape),
+                               inp1.size), "residual_forward")
+
+
+def residual_backward(dinp1, dinp2, dout):
+    """dinp1, dinp2 (+=) dout, any shape."""
+    check(lib.residual_backward(fptr(dinp1, "dinp1", dout.shape, out=True),
+                                fptr(dinp2, "dinp2", dout.shape, out=True),
+                                fptr(dout, "dout", dout.shape),
+                                dout.size), "residual_backward")
+
+
+def softmax_forward(probs, logits, V):
+    """probs[B,T,Vp] (written) = softmax over the first V columns of logits[B,T,Vp], 0 past V."""
+    B, T, Vp = logits.shape
+    check(lib.softmax_forward(fptr(probs, "probs", (B, T, Vp), out=True),
+                              fptr(logits, "logits", (B, T, Vp)),
+                              B, T, V, Vp), "softmax_forward")
+
+
+def crossentropy_forward(losses, probs, targets, V):
+    """losses[B,T] (written) = -log probs[b,t,targets[b,t]]; targets int32 in [0, V)."""
+    B, T, Vp = probs.shape
+    check(lib.crossentropy_forward(fptr(losses, "losses", (B, T), out=True),
+                                   fptr(probs, "probs", (B, T, Vp)),
+                                   iptr(targets, "targets", (B, T)),
+                                   B, T, V, Vp), "crossentropy_forward")
+
+
+def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
+    """dlogits[B,T,Vp] (+=) (probs - onehot(targets)) * dlosses over the first V columns."""
+    B, T, Vp = probs.shape
+    check(lib.crossentropy_softmax_backward(fptr(dlogits, "dlogits", (B, T, Vp), out=True),
+                                            fptr(dlosses, "dlosses", (B, T)),
+                                            fptr(probs, "probs", (B, T, Vp)),
+                                            iptr(targets, "targets", (B, T)),
+                                            B, T, V, Vp), "crossentropy_softmax_backward")
+
+
+def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t):
+    """params, m, v [N] (updated in place) by one AdamW step with grads [N]; t >= 1."""
+    N = params.size
+    check(lib.adamw_update(fptr(params, "params", (N,), out=True),
+                           fptr(m, "m", (N,), out=True),
+                           fptr(v, "v", (N,), out=True),
+                           fptr(grads, "grads", (N,)),
+                           N, learning_rate, beta1, beta2, eps, weight_decay, int(t)),
+          "adamw_update")
+
+
+def global_norm_squared(x):
+    """sum(x**2) over a flat float32 array, as a Python float (summed in double)."""
+    out = np.zeros(1, np.float64)
+    check(lib.global_norm_squared(dptr(out, "out", (1,), out=True),
+                                  fptr(x, "x", (x.size,)), x.size), "global_norm_squared")
+    return float(out[0])
+
+
+def scale_inplace(x, scale):
+    """x *= scale over a flat float32 array."""
+    check(lib.scale_inplace(fptr(x, "x", (x.size,), out=True), x.size, scale), "scale_inplace")
+
+
+MATMUL_FORWARD = {"": lib.matmul_forward, "naive": lib.matmul_forward_naive}
+MATMUL_BACKWARD = {"": lib.matmul_backward, "naive": lib.matmul_backward_naive}
+
+
+def _variant(table, variant):
+    try:
+        return table[variant]
+    except KeyError:
+        raise ValueError(f"unknown variant {variant!r}; known: {sorted(table)}") from None
+
+
+def _optional(arr, name, shape, out=False):
+    return ffi.NULL if arr is None else fptr(arr, name, shape, out=out)
+
+
+def _first_rows(table, T, name):
+    if not isinstance(table, np.ndarray) or table.ndim != 2 or table.shape[0] < T:
+        shape = getattr(table, "shape", None)
+        raise ShapeError(f"{name} has shape {shape}, needs at least {T} rows")
+    return table[:T]
+
+
+def _qkv_channels(C3, NH):
+    if C3 % 3 != 0 or (C3 // 3) % NH != 0:
+        raise ShapeError(f"inp has {C3} channels: expected 3*C with C divisible by NH={NH}")
+    return C3 // 3
+

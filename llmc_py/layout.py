@@ -1,0 +1,128 @@
+"""Named tensors carved from one contiguous float32 buffer.
+
+Each spec is a tuple of (name, shape function), in the order the tensors lie
+in memory. PARAM_SPECS follows llm.c's checkpoint order exactly; the same
+spec lays out the gradients. ACT_SPECS and GRAD_ACT_SPECS lay out the
+activations of a forward pass and the gradients the backward pass needs.
+"""
+import math
+
+import numpy as np
+
+# params and grads, llm.c's order: shapes from a GPT2Config
+PARAM_SPECS = (
+    ("wte", lambda c: (c.Vp, c.C)),
+    ("wpe", lambda c: (c.maxT, c.C)),
+    ("ln1w", lambda c: (c.L, c.C)),
+    ("ln1b", lambda c: (c.L, c.C)),
+    ("qkvw", lambda c: (c.L, 3 * c.C, c.C)),
+    ("qkvb", lambda c: (c.L, 3 * c.C)),
+    ("attprojw", lambda c: (c.L, c.C, c.C)),
+    ("attprojb", lambda c: (c.L, c.C)),
+    ("ln2w", lambda c: (c.L, c.C)),
+    ("ln2b", lambda c: (c.L, c.C)),
+    ("fcw", lambda c: (c.L, 4 * c.C, c.C)),
+    ("fcb", lambda c: (c.L, 4 * c.C)),
+    ("fcprojw", lambda c: (c.L, c.C, 4 * c.C)),
+    ("fcprojb", lambda c: (c.L, c.C)),
+    ("lnfw", lambda c: (c.C,)),
+    ("lnfb", lambda c: (c.C,)),
+)
+
+# activations of one forward pass: shapes from (config, B, T)
+ACT_SPECS = (
+    ("encoded", lambda c, B, T: (B, T, c.C)),
+    ("ln1", lambda c, B, T: (c.L, B, T, c.C)),
+    ("ln1_mean", lambda c, B, T: (c.L, B, T)),
+    ("ln1_rstd", lambda c, B, T: (c.L, B, T)),
+    ("qkv", lambda c, B, T: (c.L, B, T, 3 * c.C)),
+    ("atty", lambda c, B, T: (c.L, B, T, c.C)),
+    ("att", lambda c, B, T: (c.L, B, c.NH, T, T)),
+    ("attproj", lambda c, B, T: (c.L, B, T, c.C)),
+    ("residual2", lambda c, B, T: (c.L, B, T, c.C)),
+    ("ln2", lambda c, B, T: (c.L, B, T, c.C)),
+    ("ln2_mean", lambda c, B, T: (c.L, B, T)),
+    ("ln2_rstd", lambda c, B, T: (c.L, B, T)),
+    ("fch", lambda c, B, T: (c.L, B, T, 4 * c.C)),
+    ("fch_gelu", lambda c, B, T: (c.L, B, T, 4 * c.C)),
+    ("fcproj", lambda c, B, T: (c.L, B, T, c.C)),
+    ("residual3", lambda c, B, T: (c.L, B, T, c.C)),
+    ("lnf", lambda c, B, T: (B, T, c.C)),
+    ("lnf_mean", lambda c, B, T: (B, T)),
+    ("lnf_rstd", lambda c, B, T: (B, T)),
+    ("logits", lambda c, B, T: (B, T, c.Vp)),
+    ("probs", lambda c, B, T: (B, T, c.Vp)),
+    ("losses", lambda c, B, T: (B, T)),
+)
+
+# gradients of the activations: only the tensors the backward pass reads or
+# writes (att, the norm statistics and probs need none)
+_NO_GRAD = {"att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
+            "probs"}
+GRAD_ACT_SPECS = tuple((name, shape) for name, shape in ACT_SPECS if name not in _NO_GRAD)
+
+# buffers start on a 64-byte boundary (one cache line, one AVX-512 vector)
+ALIGN_BYTES = 64
+
+
+def aligned_empty(count, dtype=np.float32):
+    """A 1-D array of ``count`` elements whose data starts on ALIGN_BYTES."""
+    itemsize = np.dtype(dtype).itemsize
+    raw = np.empty(count * itemsize + ALIGN_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start:start + count * itemsize].view(dtype)
+
+
+def aligned_zeros(count, dtype=np.float32):
+    out = aligned_empty(count, dtype)
+    out[...] = 0
+    return out
+
+
+class TensorGroup:
+    """Named views into one flat float32 buffer, ``memory``.
+
+    ``group["qkvw"]`` (or ``group.qkvw``) is a view of shape (L, 3C, C) and
+    ``group.qkvw[l]`` is layer l. Views share memory with ``memory``: writing
+    one writes the other. ``memory`` may be given (at least ``size`` floats,
+    from a larger earlier layout); otherwise a zeroed aligned buffer is made.
+    """
+
+    def __init__(self, specs, *shape_args, memory=None):
+        self.shapes = {name: tuple(fn(*shape_args)) for name, fn in specs}
+        self.names = tuple(self.shapes)
+        self.size = sum(math.prod(shape) for shape in self.shapes.values())
+        if memory is None:
+            memory = aligned_zeros(self.size)
+        elif memory.dtype != np.float32 or memory.ndim != 1 or memory.size < self.size:
+            raise ValueError(f"memory must be a 1-D float32 array of at least {self.size} "
+                             f"elements, got {memory.dtype} {memory.shape}")
+        self.buffer = memory               # the whole allocation, possibly larger
+        self.memory = memory[:self.size]   # exactly this layout's tensors
+        self._views = {}
+        offset = 0
+        for name, shape in self.shapes.items():
+            count = math.prod(shape)
+            self._views[name] = self.memory[offset:offset + count].reshape(shape)
+            offset += count
+
+    def __getitem__(self, name):
+        return self._views[name]
+
+    def __getattr__(self, name):
+        views = self.__dict__.get("_views")
+        if views is not None and name in views:
+            return views[name]
+        raise AttributeError(name)
+
+    def __contains__(self, name):
+        return name in self._views
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def items(self):
+        return self._views.items()
+
+    def zero(self):
+        self.memory[...] = 0

@@ -1,0 +1,225 @@
+"""GPT-2 on the C kernels, sequenced as in llm.c's train_gpt2.c.
+
+Parameters, their gradients, the AdamW moments, the activations and the
+activation gradients each live in one contiguous float32 buffer; ``params``,
+``grads``, ``acts`` and ``grads_acts`` are TensorGroups of named views into
+them (``model.params["qkvw"][l]`` is layer l's qkv weight), never copies.
+
+Activation buffers are planned for the (B, T) of the first forward. A later
+forward with another (B, T) re-plans them: it reuses the same memory when the
+new shapes fit in it and allocates a larger buffer otherwise.
+"""
+import math
+
+import numpy as np
+
+from . import kernels as K
+from .checkpoint import read_model, write_model
+from .config import GPT2Config
+from .errors import RangeError, ShapeError
+from .layout import ACT_SPECS, GRAD_ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros
+
+LAYERNORM_EPS = 1e-5
+INIT_STD = 0.02
+# weights initialised from N(0, INIT_STD); the rest start at 1 (norm weights) or 0
+_NORMAL_INIT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
+# output projections into the residual stream: std scaled by 1/sqrt(2 L)
+_RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
+_NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
+
+
+class GPT2:
+    def __init__(self, config=None, seed=0, *, params=None):
+        """A GPT-2 with fresh GPT-2 initialisation from ``seed``, or with the
+        given flat float32 ``params`` (in PARAM_SPECS order)."""
+        self.config = config if config is not None else GPT2Config()
+        self.params = TensorGroup(PARAM_SPECS, self.config)
+        self.num_parameters = self.params.size
+        if params is None:
+            self._init_params(seed)
+        else:
+            params = np.asarray(params)
+            if params.dtype != np.float32 or params.size != self.num_parameters:
+                raise ShapeError(f"params must be {self.num_parameters} float32 values, "
+                                 f"got {params.size} {params.dtype}")
+            self.params.memory[...] = params.reshape(-1)
+        self._grads = None
+        self.m_memory = None   # AdamW moments, made on the first update
+        self.v_memory = None
+        self.acts = None       # made on the first forward, for its (B, T)
+        self.grads_acts = None
+        self.B = self.T = None
+        self.inputs = self.targets = None
+        self.mean_loss = None
+
+    @classmethod
+    def from_checkpoint(cls, path):
+        """Loads an llm.c model file (version 3 fp32, or version 5 bf16)."""
+        config, params = read_model(path)
+        return cls(config, params=params)
+
+    def save_checkpoint(self, path):
+        """Writes an llm.c version-3 model file, atomically."""
+        write_model(path, self.config, self.params.memory)
+
+    def _init_params(self, seed):
+        c, p = self.config, self.params
+        rng = np.random.default_rng(seed)
+        for name in _NORMAL_INIT:
+            std = INIT_STD / math.sqrt(2 * c.L) if name in _RESIDUAL_PROJECTIONS else INIT_STD
+            view = p[name]
+            view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
+        p.wte[c.V:] = 0.0   # the padding rows are never used
+        for name in _NORM_WEIGHTS:
+            p[name][...] = 1.0
+
+    @property
+    def grads(self):
+        """Parameter gradients, same layout as params; zero until a backward."""
+        if self._grads is None:
+            self._grads = TensorGroup(PARAM_SPECS, self.config)
+        return self._grads
+
+    @property
+    def logits(self):
+        """The (B, T, Vp) logits of the last forward (a view, not a copy)."""
+        if self.acts is None:
+            raise RuntimeError("no forward has run yet")
+        return self.acts.logits
+
+    # ---- forward -----------------------------------------------------------
+
+    def _tokens(self, tokens, name):
+        arr = np.asarray(tokens)
+        if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
+            raise ShapeError(f"{name} must have shape (B, T) with B, T >= 1, got {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integer token ids, got {arr.dtype}")
+        V = self.config.vocab_size
+        bad = np.flatnonzero((arr < 0) | (arr >= V))
+        if bad.size:
+            b, t = np.unravel_index(bad[0], arr.shape)
+            raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
+        return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def _plan(self, B, T):
+        if (B, T) == (self.B, self.T):
+            return
+        c = self.config
+        self.acts = TensorGroup(ACT_SPECS, c, B, T, memory=_reuse(self.acts, ACT_SPECS, c, B, T))
+        self.grads_acts = None if self.grads_acts is None else TensorGroup(
+            GRAD_ACT_SPECS, c, B, T, memory=_reuse(self.grads_acts, GRAD_ACT_SPECS, c, B, T))
+        self.B, self.T = B, T
+
+    def forward(self, inputs, targets=None):
+        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
+        loss as a float when ``targets`` (B, T) are given, else None; the
+        logits are in ``model.logits`` either way."""
+        c = self.config
+        inputs = self._tokens(inputs, "inputs")
+        B, T = inputs.shape
+        if T > c.max_seq_len:
+            raise ShapeError(f"sequence length T={T} exceeds the model's max_seq_len="
+                             f"{c.max_seq_len}")
+        if targets is not None:
+            targets = self._tokens(targets, "targets")
+            if targets.shape != inputs.shape:
+                raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
+        self._plan(B, T)
+        p, a = self.params, self.acts
+
+        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe)
+        residual = a.encoded
+        for l in range(c.L):
+            K.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
+                                p.ln1w[l], p.ln1b[l], LAYERNORM_EPS)
+            K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
+            K.attention_forward(a.atty[l], a.att[l], a.qkv[l], c.NH)
+            K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
+            K.residual_forward(a.residual2[l], residual, a.attproj[l])
+            K.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
+                                p.ln2w[l], p.ln2b[l], LAYERNORM_EPS)
+            K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
+            K.gelu_forward(a.fch_gelu[l], a.fch[l])
+            K.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
+            K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+            residual = a.residual3[l]
+        K.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p.lnfw, p.lnfb,
+                            LAYERNORM_EPS)
+        K.matmul_forward(a.logits, a.lnf, p.wte, None)
+
+        self.inputs, self.targets = inputs, targets
+        if targets is None:
+            self.mean_loss = None
+            return None
+        K.softmax_forward(a.probs, a.logits, c.V)
+        K.crossentropy_forward(a.losses, a.probs, targets, c.V)
+        self.mean_loss = float(a.losses.mean(dtype=np.float64))
+        return self.mean_loss
+
+    # ---- backward ----------------------------------------------------------
+
+    def zero_grad(self):
+        """Zeroes the parameter gradients (backward adds into them)."""
+        self.grads.zero()
+
+    def backward(self):
+        """Adds the gradients of the last forward's mean loss into ``grads``."""
+        if self.targets is None:
+            raise RuntimeError("backward needs a forward with targets first: "
+                               "call model.forward(inputs, targets)")
+        c, p, a, g = self.config, self.params, self.acts, self.grads
+        B, T = self.B, self.T
+        if self.grads_acts is None:
+            self.grads_acts = TensorGroup(GRAD_ACT_SPECS, c, B, T)
+        else:
+            self.grads_acts.zero()
+        d = self.grads_acts
+
+        d.losses[...] = 1.0 / (B * T)   # d(mean loss) / d(loss[b, t])
+        K.crossentropy_softmax_backward(d.logits, d.losses, a.probs, self.targets, c.V)
+        K.matmul_backward(d.lnf, g.wte, None, d.logits, a.lnf, p.wte)
+        residual = a.residual3[c.L - 1]
+        dresidual = d.residual3[c.L - 1]
+        K.layernorm_backward(dresidual, g.lnfw, g.lnfb, d.lnf, residual, p.lnfw,
+                             a.lnf_mean, a.lnf_rstd)
+        for l in reversed(range(c.L)):
+            residual = a.encoded if l == 0 else a.residual3[l - 1]
+            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
+            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
+            K.matmul_backward(d.fch_gelu[l], g.fcprojw[l], g.fcprojb[l], d.fcproj[l],
+                              a.fch_gelu[l], p.fcprojw[l])
+            K.gelu_backward(d.fch[l], d.fch_gelu[l], a.fch[l])
+            K.matmul_backward(d.ln2[l], g.fcw[l], g.fcb[l], d.fch[l], a.ln2[l], p.fcw[l])
+            K.layernorm_backward(d.residual2[l], g.ln2w[l], g.ln2b[l], d.ln2[l],
+                                 a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
+            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
+            K.matmul_backward(d.atty[l], g.attprojw[l], g.attprojb[l], d.attproj[l],
+                              a.atty[l], p.attprojw[l])
+            K.attention_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH)
+            K.matmul_backward(d.ln1[l], g.qkvw[l], g.qkvb[l], d.qkv[l], a.ln1[l], p.qkvw[l])
+            K.layernorm_backward(dresidual, g.ln1w[l], g.ln1b[l], d.ln1[l], residual,
+                                 p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
+        K.encoder_backward(g.wte[:c.V], g.wpe, d.encoded, self.inputs)
+
+    # ---- update ------------------------------------------------------------
+
+    def grad_norm(self):
+        """The global L2 norm of all parameter gradients."""
+        return math.sqrt(K.global_norm_squared(self.grads.memory))
+
+    def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1):
+        """One AdamW step over every parameter (llm.c's gpt2_update); t >= 1."""
+        if self.m_memory is None:
+            self.m_memory = aligned_zeros(self.num_parameters)
+            self.v_memory = aligned_zeros(self.num_parameters)
+        K.adamw_update(self.params.memory, self.m_memory, self.v_memory, self.grads.memory,
+                       learning_rate, beta1, beta2, eps, weight_decay, t)
+
+
+def _reuse(group, specs, config, B, T):
+    """The flat buffer of ``group`` if the layout for (B, T) fits in it, else None."""
+    if group is None:
+        return None
+    needed = sum(math.prod(fn(config, B, T)) for _, fn in specs)
+    return group.buffer if needed <= group.buffer.size else None

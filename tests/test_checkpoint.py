@@ -1,0 +1,126 @@
+"""llm.c's model file: reading both versions, writing atomically, and a
+clear CheckpointError (a ValueError) for every malformed file."""
+import os
+
+import numpy as np
+import pytest
+
+from llmc_py import GPT2, GPT2Config, CheckpointError
+from llmc_py.checkpoint import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32,
+                                num_parameters, read_debug_state, read_model, write_model)
+
+CONFIG = GPT2Config(max_seq_len=8, vocab_size=30, padded_vocab_size=32,
+                    num_layers=2, num_heads=2, channels=8)
+
+
+def header(**slots):
+    """A valid model header for CONFIG, with some slots overridden by index."""
+    h = np.zeros(256, dtype="<i4")
+    h[:8] = (MAGIC_MODEL, VERSION_FP32, 8, 30, 2, 2, 8, 32)
+    for index, value in slots.items():
+        h[int(index.lstrip("s"))] = value
+    return h
+
+
+@pytest.fixture
+def params():
+    return np.random.default_rng(0).standard_normal(num_parameters(CONFIG)).astype(np.float32)
+
+
+def write_raw(path, head, body):
+    path.write_bytes(head.tobytes() + body)
+    return path
+
+
+def test_header_layout_is_llm_c(tmp_path, params):
+    path = tmp_path / "model.bin"
+    write_model(path, CONFIG, params)
+    raw = np.fromfile(path, dtype="<i4", count=256)
+    assert list(raw[:8]) == [20240326, 3, 8, 30, 2, 2, 8, 32] and not raw[8:].any()
+    assert path.stat().st_size == HEADER_BYTES + 4 * params.size
+    assert np.array_equal(np.fromfile(path, dtype="<f4", offset=HEADER_BYTES), params)
+
+
+def test_bf16_version_is_widened(tmp_path, params):
+    bf16 = (params.view(np.uint32) >> 16).astype("<u2")
+    path = write_raw(tmp_path / "bf16.bin", header(s1=VERSION_BF16), bf16.tobytes())
+    config, loaded = read_model(path)
+    assert config == CONFIG
+    expected = (bf16.astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(loaded, expected)
+    np.testing.assert_allclose(loaded, params, rtol=1 / 128)   # bf16 keeps 8 mantissa bits
+    assert np.array_equal(GPT2.from_checkpoint(path).params.memory, expected)
+
+
+def test_write_replaces_atomically(tmp_path, params, monkeypatch):
+    """A failed write leaves the previous file intact and no temporary file."""
+    path = tmp_path / "model.bin"
+    write_model(path, CONFIG, params)
+    before = path.read_bytes()
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        write_model(path, CONFIG, params + 1)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["model.bin"]
+
+
+def bad_files(params):
+    """(name, header, body, text expected in the message) for each malformed file."""
+    body = params.tobytes()
+    return [
+        ("empty", None, b"", "smaller than"),
+        ("short-header", None, header().tobytes()[:500], "smaller than"),
+        ("wrong-magic", header(s0=1234), body, "magic is 1234"),
+        ("llama-magic", header(s0=20240803), body, "magic"),
+        ("unknown-version", header(s1=4), body, "version is 4"),
+        ("truncated-params", header(), body[:-4], "truncated"),
+        ("trailing-bytes", header(), body + b"\0\0\0\0", "trailing"),
+        ("zero-layers", header(s4=0), body, "num_layers is 0"),
+        ("negative-channels", header(s6=-8), body, "channels is -8"),
+        ("zero-maxT", header(s2=0), body, "max_seq_len is 0"),
+        ("zero-vocab", header(s3=0), body, "vocab_size is 0"),
+        ("zero-padded", header(s7=0), body, "padded_vocab_size is 0"),
+        ("heads-do-not-divide", header(s5=3), body, "not divisible by num_heads=3"),
+        ("padded-below-vocab", header(s7=16), body, "smaller than vocab_size"),
+        ("overflowing-sizes", header(s2=2**31 - 1, s3=2**31 - 1, s4=2**31 - 1,
+                                     s6=2**31 - 1, s7=2**31 - 1, s5=1), body, "describes"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(15))
+def test_bad_model_files_raise_checkpoint_error(tmp_path, params, case):
+    name, head, body, message = bad_files(params)[case]
+    path = tmp_path / f"{name}.bin"
+    path.write_bytes((b"" if head is None else head.tobytes()) + body)
+    with pytest.raises(CheckpointError, match=message) as info:
+        GPT2.from_checkpoint(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_directory_and_missing_file(tmp_path):
+    with pytest.raises(CheckpointError, match="is a directory"):
+        GPT2.from_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        GPT2.from_checkpoint(tmp_path / "missing.bin")
+
+
+def test_bad_debug_state_files(tmp_path):
+    path = tmp_path / "state.bin"
+    h = np.zeros(256, dtype="<i4")
+    h[:4] = (20240327, 2, 1, 2)
+    path.write_bytes(h.tobytes())
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_debug_state(path, CONFIG)
+    h[0] = 5
+    path.write_bytes(h.tobytes())
+    with pytest.raises(CheckpointError, match="magic is 5"):
+        read_debug_state(path, CONFIG)
+    h[:4] = (20240327, 2, 0, 2)
+    path.write_bytes(h.tobytes())
+    with pytest.raises(CheckpointError, match="B is 0"):
+        read_debug_state(path, CONFIG)
