@@ -10,8 +10,8 @@ from .errors import ShapeError
 
 def encoder_forward(out, inp, wte, wpe):
     """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C]."""
-    B, T = inp.shape
-    V, C = wte.shape
+    B, T = _dims(inp, "inp", 2)
+    V, C = _dims(wte, "wte", 2)
     check(lib.encoder_forward(
         fptr(out, "out", (B, T, C), out=True),
         iptr(inp, "inp", (B, T)),
@@ -22,8 +22,8 @@ def encoder_forward(out, inp, wte, wpe):
 
 def encoder_backward(dwte, dwpe, dout, inp):
     """dwte[V,C] (+=), dwpe[>=T,C] (+=) <- dout[B,T,C], inp int32 [B,T]."""
-    B, T = inp.shape
-    V, C = dwte.shape
+    B, T = _dims(inp, "inp", 2)
+    V, C = _dims(dwte, "dwte", 2)
     check(lib.encoder_backward(
         fptr(dwte, "dwte", (V, C), out=True),
         fptr(_first_rows(dwpe, T, "dwpe"), "dwpe", (T, C), out=True),
@@ -34,7 +34,7 @@ def encoder_backward(dwte, dwpe, dout, inp):
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias, eps=1e-5):
     """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C]."""
-    B, T, C = inp.shape
+    B, T, C = _dims(inp, "inp", 3)
     check(lib.layernorm_forward(
         fptr(out, "out", (B, T, C), out=True),
         fptr(mean, "mean", (B, T), out=True),
@@ -47,7 +47,7 @@ def layernorm_forward(out, mean, rstd, inp, weight, bias, eps=1e-5):
 
 def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd."""
-    B, T, C = inp.shape
+    B, T, C = _dims(inp, "inp", 3)
     check(lib.layernorm_backward(
         fptr(dinp, "dinp", (B, T, C), out=True),
         fptr(dweight, "dweight", (C,), out=True),
@@ -64,8 +64,8 @@ def matmul_forward(out, inp, weight, bias=None, variant=""):
     """out[B,T,OC] (written) = inp[B,T,C] . weight[OC,C]^T + bias[OC] (bias may be None).
 
     ``variant="naive"`` runs the plain reference loops."""
-    B, T, C = inp.shape
-    OC = weight.shape[0]
+    B, T, C = _dims(inp, "inp", 3)
+    OC = _dims(weight, "weight", 2)[0]
     fn = _variant(MATMUL_FORWARD, variant)
     check(fn(
         fptr(out, "out", (B, T, OC), out=True),
@@ -77,8 +77,8 @@ def matmul_forward(out, inp, weight, bias=None, variant=""):
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=; dbias may be None) <- dout[B,T,OC], inp, weight."""
-    B, T, C = inp.shape
-    OC = weight.shape[0]
+    B, T, C = _dims(inp, "inp", 3)
+    OC = _dims(weight, "weight", 2)[0]
     fn = _variant(MATMUL_BACKWARD, variant)
     check(fn(
         fptr(dinp, "dinp", (B, T, C), out=True),
@@ -92,7 +92,7 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
 
 def attention_forward(out, att, inp, NH):
     """out[B,T,C] (written), att[B,NH,T,T] (written) <- inp[B,T,3C] (q, k, v)."""
-    B, T, C3 = inp.shape
+    B, T, C3 = _dims(inp, "inp", 3)
     C = _qkv_channels(C3, NH)
     check(lib.attention_forward(
         fptr(out, "out", (B, T, C), out=True),
@@ -103,7 +103,7 @@ def attention_forward(out, att, inp, NH):
 
 def attention_backward(dinp, dout, inp, att, NH):
     """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], att[B,NH,T,T]."""
-    B, T, C3 = inp.shape
+    B, T, C3 = _dims(inp, "inp", 3)
     C = _qkv_channels(C3, NH)
     check(lib.attention_backward(
         fptr(dinp, "dinp", (B, T, C3), out=True),
@@ -115,12 +115,14 @@ def attention_backward(dinp, dout, inp, att, NH):
 
 def gelu_forward(out, inp):
     """out (written) = gelu_tanh(inp), any shape."""
+    _dims(inp, "inp")
     check(lib.gelu_forward(fptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
                            inp.size), "gelu_forward")
 
 
 def gelu_backward(dinp, dout, inp):
     """dinp (+=) gelu'(inp) * dout, any shape."""
+    _dims(inp, "inp")
     check(lib.gelu_backward(fptr(dinp, "dinp", inp.shape, out=True),
                             fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
                             inp.size), "gelu_backward")
@@ -128,6 +130,7 @@ def gelu_backward(dinp, dout, inp):
 
 def residual_forward(out, inp1, inp2):
     """out (written) = inp1 + inp2, any shape."""
+    _dims(inp1, "inp1")
     check(lib.residual_forward(fptr(out, "out", inp1.shape, out=True),
                                fptr(inp1, "inp1", inp1.shape), fptr(inp2, "inp2", inp1.shape),
                                inp1.size), "residual_forward")
@@ -135,6 +138,7 @@ def residual_forward(out, inp1, inp2):
 
 def residual_backward(dinp1, dinp2, dout):
     """dinp1, dinp2 (+=) dout, any shape."""
+    _dims(dout, "dout")
     check(lib.residual_backward(fptr(dinp1, "dinp1", dout.shape, out=True),
                                 fptr(dinp2, "dinp2", dout.shape, out=True),
                                 fptr(dout, "dout", dout.shape),
@@ -143,7 +147,7 @@ def residual_backward(dinp1, dinp2, dout):
 
 def softmax_forward(probs, logits, V):
     """probs[B,T,Vp] (written) = softmax over the first V columns of logits[B,T,Vp], 0 past V."""
-    B, T, Vp = logits.shape
+    B, T, Vp = _dims(logits, "logits", 3)
     check(lib.softmax_forward(fptr(probs, "probs", (B, T, Vp), out=True),
                               fptr(logits, "logits", (B, T, Vp)),
                               B, T, V, Vp), "softmax_forward")
@@ -151,7 +155,7 @@ def softmax_forward(probs, logits, V):
 
 def crossentropy_forward(losses, probs, targets, V):
     """losses[B,T] (written) = -log probs[b,t,targets[b,t]]; targets int32 in [0, V)."""
-    B, T, Vp = probs.shape
+    B, T, Vp = _dims(probs, "probs", 3)
     check(lib.crossentropy_forward(fptr(losses, "losses", (B, T), out=True),
                                    fptr(probs, "probs", (B, T, Vp)),
                                    iptr(targets, "targets", (B, T)),
@@ -160,7 +164,7 @@ def crossentropy_forward(losses, probs, targets, V):
 
 def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
     """dlogits[B,T,Vp] (+=) (probs - onehot(targets)) * dlosses over the first V columns."""
-    B, T, Vp = probs.shape
+    B, T, Vp = _dims(probs, "probs", 3)
     check(lib.crossentropy_softmax_backward(fptr(dlogits, "dlogits", (B, T, Vp), out=True),
                                             fptr(dlosses, "dlosses", (B, T)),
                                             fptr(probs, "probs", (B, T, Vp)),
@@ -170,6 +174,7 @@ def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
 
 def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t):
     """params, m, v [N] (updated in place) by one AdamW step with grads [N]; t >= 1."""
+    _dims(params, "params")
     N = params.size
     check(lib.adamw_update(fptr(params, "params", (N,), out=True),
                            fptr(m, "m", (N,), out=True),
@@ -181,6 +186,7 @@ def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_d
 
 def global_norm_squared(x):
     """sum(x**2) over a flat float32 array, as a Python float (summed in double)."""
+    _dims(x, "x")
     out = np.zeros(1, np.float64)
     check(lib.global_norm_squared(dptr(out, "out", (1,), out=True),
                                   fptr(x, "x", (x.size,)), x.size), "global_norm_squared")
@@ -189,6 +195,7 @@ def global_norm_squared(x):
 
 def scale_inplace(x, scale):
     """x *= scale over a flat float32 array."""
+    _dims(x, "x")
     check(lib.scale_inplace(fptr(x, "x", (x.size,), out=True), x.size, scale), "scale_inplace")
 
 
@@ -219,3 +226,12 @@ def _qkv_channels(C3, NH):
         raise ShapeError(f"inp has {C3} channels: expected 3*C with C divisible by NH={NH}")
     return C3 // 3
 
+
+
+def _dims(arr, name, ndim=None):
+    """arr's shape, after checking it is a numpy array of ``ndim`` dimensions."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ShapeError(f"{name} has shape {arr.shape}, expected {ndim} dimensions")
+    return arr.shape

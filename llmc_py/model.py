@@ -21,8 +21,9 @@ from .layout import ACT_SPECS, GRAD_ACT_SPECS, PARAM_SPECS, TensorGroup, aligned
 
 LAYERNORM_EPS = 1e-5
 INIT_STD = 0.02
-# weights initialised from N(0, INIT_STD); the rest start at 1 (norm weights) or 0
-_NORMAL_INIT = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
+# the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
+# tensors weight decay is meant for; the rest start at 1 (norm weights) or 0
+MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
 _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
@@ -65,7 +66,7 @@ class GPT2:
     def _init_params(self, seed):
         c, p = self.config, self.params
         rng = np.random.default_rng(seed)
-        for name in _NORMAL_INIT:
+        for name in MATRIX_PARAMS:
             std = INIT_STD / math.sqrt(2 * c.L) if name in _RESIDUAL_PROJECTIONS else INIT_STD
             view = p[name]
             view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
@@ -101,6 +102,12 @@ class GPT2:
             b, t = np.unravel_index(bad[0], arr.shape)
             raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
         return np.ascontiguousarray(arr, dtype=np.int32)
+
+    def reserve(self, B, T):
+        """Allocates activation memory for batches up to (B, T) now, so that
+        later forwards of any smaller shape reuse it (e.g. a growing context
+        while sampling)."""
+        self._plan(B, T)
 
     def _plan(self, B, T):
         if (B, T) == (self.B, self.T):
@@ -163,8 +170,9 @@ class GPT2:
         """Zeroes the parameter gradients (backward adds into them)."""
         self.grads.zero()
 
-    def backward(self):
-        """Adds the gradients of the last forward's mean loss into ``grads``."""
+    def backward(self, loss_scale=1.0):
+        """Adds the gradients of ``loss_scale`` times the last forward's mean
+        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
         if self.targets is None:
             raise RuntimeError("backward needs a forward with targets first: "
                                "call model.forward(inputs, targets)")
@@ -176,7 +184,7 @@ class GPT2:
             self.grads_acts.zero()
         d = self.grads_acts
 
-        d.losses[...] = 1.0 / (B * T)   # d(mean loss) / d(loss[b, t])
+        d.losses[...] = loss_scale / (B * T)   # d(scaled mean loss) / d(loss[b, t])
         K.crossentropy_softmax_backward(d.logits, d.losses, a.probs, self.targets, c.V)
         K.matmul_backward(d.lnf, g.wte, None, d.logits, a.lnf, p.wte)
         residual = a.residual3[c.L - 1]
@@ -208,13 +216,41 @@ class GPT2:
         """The global L2 norm of all parameter gradients."""
         return math.sqrt(K.global_norm_squared(self.grads.memory))
 
-    def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1):
-        """One AdamW step over every parameter (llm.c's gpt2_update); t >= 1."""
+    def clip_grad_norm(self, max_norm):
+        """Scales the gradients so their global norm is at most ``max_norm``;
+        returns the norm before clipping."""
+        norm = self.grad_norm()
+        if max_norm > 0 and norm > max_norm:
+            K.scale_inplace(self.grads.memory, max_norm / norm)
+        return norm
+
+    def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1,
+               decay=None):
+        """One AdamW step (llm.c's gpt2_update); t >= 1 is the step number.
+
+        Weight decay applies to every parameter (llm.c's CPU trainer) unless
+        ``decay`` names the tensors to decay, e.g. MATRIX_PARAMS for 2-D
+        weights only; the others then get none."""
         if self.m_memory is None:
             self.m_memory = aligned_zeros(self.num_parameters)
             self.v_memory = aligned_zeros(self.num_parameters)
-        K.adamw_update(self.params.memory, self.m_memory, self.v_memory, self.grads.memory,
-                       learning_rate, beta1, beta2, eps, weight_decay, t)
+        if decay is None:
+            K.adamw_update(self.params.memory, self.m_memory, self.v_memory, self.grads.memory,
+                           learning_rate, beta1, beta2, eps, weight_decay, t)
+            return
+        unknown = set(decay) - set(self.params.names)
+        if unknown:
+            raise ValueError(f"decay names unknown parameters: {sorted(unknown)}")
+        # tensors lie back to back in PARAM_SPECS order: update each run of
+        # them with its own decay
+        offset = 0
+        for name in self.params.names:
+            count = self.params[name].size
+            part = slice(offset, offset + count)
+            K.adamw_update(self.params.memory[part], self.m_memory[part], self.v_memory[part],
+                           self.grads.memory[part], learning_rate, beta1, beta2, eps,
+                           weight_decay if name in decay else 0.0, t)
+            offset += count
 
 
 def _reuse(group, specs, config, B, T):

@@ -1,0 +1,23 @@
+import zlib
+
+import numpy as np
+import pytest
+
+import llmc_py
+
+
+@pytest.fixture
+def rng(request):
+    """A numpy Generator seeded from the test's id: reproducible, and different
+    for each parametrization."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def set_threads():
+    """llmc_py.set_num_threads, with the thread count restored afterwards."""
+    before = llmc_py.get_num_threads()
+    try:
+        yield llmc_py.set_num_threads
+    finally:
+        llmc_py.set_num_threads(before)

@@ -1,0 +1,97 @@
+"""Shared test helpers: tolerances, the comparison, and small converters."""
+import numpy as np
+import torch
+
+import llmc_py
+
+# Tolerances for fp32 kernels against the float64 reference, as an error
+# relative to the tensor's largest entry: max|ours - ref| <= tol * max|ref|.
+# Scaling by the maximum (not per element) keeps the check meaningful for sums
+# whose terms cancel, where an element-wise rtol would demand more than fp32
+# can give. fp32 rounds at 2^-24 ~ 6e-8 (relative); each bound below is about
+# 10x the worst error seen on the test shapes, and far below what a wrong
+# index, a missing term or a kernel that skips an edge would give (>= 1e-2).
+# "fwd" bounds outputs, "bwd" gradients; a (+=) backward called twice is held
+# to its family's "bwd" against twice one call.
+TOL = {
+    # out: one fp32 add per element, so within half an ulp: 2^-24 (exact bound).
+    # grads: sums of up to B*T rows of dout (seen 1.4e-7)
+    "encoder": {"fwd": 2.0 ** -24, "bwd": 1e-6},
+    # fwd: C-term fp32 sums for mean and variance; with inputs offset by 10
+    # the mean's rounding dominates (seen 3.5e-6 at C=768; a one-pass
+    # E[x^2] - mean^2 variance would give ~1e-4, so 1e-5 also guards that).
+    # bwd: two C-term reductions per row, then B*T-term sums (seen 3.6e-6)
+    "layernorm": {"fwd": 1e-5, "bwd": 3e-5},
+    # K-term dot products, K up to 768 (seen 1.2e-6 fwd, 1.3e-6 bwd)
+    "matmul": {"fwd": 1e-5, "bwd": 1e-5},
+    # fast vs naive: same k order, they differ only by FMA contraction
+    # (seen 2.5e-7 fwd; the gradients came out bitwise equal)
+    "matmul_variant": {"fwd": 1e-6, "bwd": 1e-6},
+    # hs-term dots, a T-term softmax and weighted sums (seen 2.9e-7 fwd,
+    # 4.7e-7 bwd)
+    "attention": {"fwd": 3e-6, "bwd": 5e-6},
+    # tanhf is within ~2 ulp (seen 1.4e-8); the derivative's 1 - tanh^2
+    # cancels near saturation, times |x| du/dx ~ 10 (seen 3.9e-7)
+    "gelu": {"fwd": 2e-7, "bwd": 2e-6},
+    # fwd: one add, half an ulp; bwd: two (+=) calls onto a non-zero start,
+    # two roundings
+    "residual": {"fwd": 2.0 ** -24, "bwd": 2e-7},
+    # expf, a double normaliser, one scale (seen 3.4e-8)
+    "softmax": {"fwd": 3e-7},
+    # -logf of an fp32 prob (seen 8e-8); p - 1[target] times dloss (seen 4.8e-8)
+    "crossentropy": {"fwd": 5e-7, "bwd": 3e-7},
+    # five steps with fp32 state from params at GPT-2's init scale (0.02):
+    #   param: a few roundings a step (seen 3.2e-7);
+    #   update (param after - before, ~lr): the param's own ulp and powf's
+    #     rounding of beta2^t against 1 - beta2^t ~ 1e-3 (seen 6.6e-6);
+    #   m, v: two roundings a step (seen 1.0e-7)
+    "adamw": {"param": 1e-6, "update": 5e-5, "state": 1e-6},
+    # squares of fp32 values are exact in double; only the double sums round
+    "global_norm": {"fwd": 1e-12},
+}
+
+
+def assert_close(name, ours, ref, tol):
+    """Fails, naming the tensor, unless max|ours - ref| <= tol * max|ref|."""
+    ours = np.asarray(ours, dtype=np.float64)
+    ref = np64(ref)
+    assert ours.shape == ref.shape, f"{name}: shape {ours.shape}, reference {ref.shape}"
+    assert np.isfinite(ours).all(), f"{name}: {np.count_nonzero(~np.isfinite(ours))} non-finite"
+    diff = np.abs(ours - ref)
+    worst = np.unravel_index(np.argmax(diff), diff.shape) if diff.size else ()
+    err, scale = float(diff.max(initial=0.0)), float(np.abs(ref).max(initial=0.0))
+    assert err <= tol * scale, (
+        f"{name}: max|ours - ref| = {err:.3e} at {worst} (ours {ours[worst]:.9g}, "
+        f"ref {ref[worst]:.9g}) exceeds {tol:g} * max|ref| = {tol * scale:.3e}")
+
+
+def t64(x, grad=False):
+    """A float64 torch leaf from a numpy array (int arrays become long)."""
+    if np.issubdtype(np.asarray(x).dtype, np.integer):
+        return torch.tensor(x, dtype=torch.long)
+    return torch.tensor(x, dtype=torch.float64, requires_grad=grad)
+
+
+def np64(x):
+    """A float64 numpy copy of a tensor or array."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def randn(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def assert_thread_invariant(set_threads, run):
+    """Runs ``run()`` (returning {name: array}) on 1 and on 2 threads and
+    requires bitwise-equal results."""
+    results = []
+    for n in (1, 2):
+        set_threads(n)
+        assert llmc_py.get_num_threads() == n
+        results.append(run())
+    for name in results[0]:
+        one, two = results[0][name], results[1][name]
+        assert np.array_equal(one, two), (
+            f"{name}: 1 vs 2 threads differ by up to {np.max(np.abs(one - two)):.3e}")

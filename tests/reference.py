@@ -1,0 +1,89 @@
+"""Float64 PyTorch references for the C kernels, one plain function per kernel
+family, written from the math (not from llm.c). Each takes and returns torch
+tensors, so autograd gives the backward pass the kernels are checked against.
+Shapes use the letters of csrc/llmc_api.h."""
+import math
+
+import torch
+
+LN_EPS = 1e-5
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+
+
+def encoder(wte, wpe, inp):
+    """out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; inp a long tensor [B,T]."""
+    T = inp.shape[1]
+    return wte[inp] + wpe[:T]
+
+
+def layernorm(x, weight, bias, eps=LN_EPS):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, with the
+    biased variance. Returns out, mean [B,T] and rstd [B,T]."""
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    rstd = 1.0 / torch.sqrt(var + eps)
+    return (x - mean) * rstd * weight + bias, mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def matmul(x, weight, bias=None):
+    """x [B,T,C] @ weight^T with weight stored [OC,C], plus bias [OC] if given."""
+    out = x @ weight.T
+    return out if bias is None else out + bias
+
+
+def _softmax_last(scores):
+    # softmax is shift-invariant, so the max is only a constant: detach it
+    e = torch.exp(scores - scores.amax(-1, keepdim=True).detach())
+    return e / e.sum(-1, keepdim=True)
+
+
+def attention(qkv, NH):
+    """Causal multi-head self-attention over packed qkv [B,T,3C].
+
+    Returns out [B,T,C] and the probabilities att [B,NH,T,T], exactly 0 where
+    the key comes after the query."""
+    B, T, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    q, k, v = (part.reshape(B, T, NH, hs).transpose(1, 2) for part in qkv.split(C, dim=-1))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hs)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    att = _softmax_last(scores.masked_fill(future, float("-inf")))   # exp(-inf) == 0
+    out = (att @ v).transpose(1, 2).reshape(B, T, C)
+    return out, att
+
+
+def gelu(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh approximation."""
+    return 0.5 * x * (1.0 + torch.tanh(GELU_SCALE * (x + GELU_CUBIC * x ** 3)))
+
+
+def residual(a, b):
+    return a + b
+
+
+def softmax(logits, V):
+    """Softmax over the first V of the Vp columns; the padding columns are 0."""
+    p = _softmax_last(logits[..., :V])
+    pad = torch.zeros(*logits.shape[:-1], logits.shape[-1] - V, dtype=logits.dtype)
+    return torch.cat([p, pad], dim=-1)
+
+
+def crossentropy(probs, targets):
+    """losses[b,t] = -log probs[b,t,targets[b,t]]; targets a long tensor [B,T]."""
+    return -torch.log(probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+
+
+def adamw_step(param, grad, m, v, learning_rate, beta1, beta2, eps, weight_decay, t):
+    """One AdamW step as llm.c's gpt2_update; returns new (param, m, v).
+
+    m = beta1 m + (1-beta1) g;  v = beta2 v + (1-beta2) g^2
+    mhat = m / (1-beta1^t);     vhat = v / (1-beta2^t)
+    param -= learning_rate * (mhat / (sqrt(vhat) + eps) + weight_decay * param)"""
+    m = beta1 * m + (1.0 - beta1) * grad
+    v = beta2 * v + (1.0 - beta2) * grad * grad
+    mhat = m / (1.0 - beta1 ** t)
+    vhat = v / (1.0 - beta2 ** t)
+    param = param - learning_rate * (mhat / (torch.sqrt(vhat) + eps) + weight_decay * param)
+    return param, m, v

@@ -1,0 +1,73 @@
+"""csrc/adamw.c: the AdamW step, the gradient norm and the in-place scale."""
+import numpy as np
+import pytest
+
+import llmc_py
+from llmc_py import kernels as K
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from reference import adamw_step as ref_adamw_step
+
+# llm.c's defaults, with weight decay on so that its term is exercised; the
+# reference gets the values the kernel sees, i.e. rounded to fp32
+HYPER = dict(learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+HYPER32 = {k: float(np.float32(v)) for k, v in HYPER.items()}
+
+
+@pytest.mark.parametrize("N", [1, 1000, 100_003])
+def test_adamw_matches_reference_over_steps(rng, N):
+    params = randn(rng, N, scale=0.02)   # GPT-2's init scale
+    m, v = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    p_ref, m_ref, v_ref = t64(params), t64(m), t64(v)
+    tol = TOL["adamw"]
+    for t in range(1, 6):
+        # gradients across magnitudes, so eps matters for some entries
+        grads = randn(rng, N) * np.float32(10.0) ** rng.integers(-6, 2, N).astype(np.float32)
+        before = params.copy()
+        K.adamw_update(params, m, v, grads, t=t, **HYPER)
+        p_ref_before = p_ref
+        p_ref, m_ref, v_ref = ref_adamw_step(p_ref, t64(grads), m_ref, v_ref, t=t, **HYPER32)
+        assert_close(f"params at t={t}", params, p_ref, tol["param"])
+        # the step itself (~lr) is far smaller than the parameters: check it alone
+        assert_close(f"params update at t={t}", params.astype(np.float64) - before,
+                     p_ref - p_ref_before, tol["update"])
+        assert_close(f"m at t={t}", m, m_ref, tol["state"])
+        assert_close(f"v at t={t}", v, v_ref, tol["state"])
+
+
+def test_adamw_rejects_step_zero_and_mismatched_state(rng):
+    params, grads = randn(rng, 8), randn(rng, 8)
+    m, v = np.zeros(8, np.float32), np.zeros(8, np.float32)
+    with pytest.raises(llmc_py.ShapeError):
+        K.adamw_update(params, m, v, grads, t=0, **HYPER)
+    with pytest.raises(llmc_py.ShapeError, match="grads"):
+        K.adamw_update(params, m, v, grads[:7].copy(), t=1, **HYPER)
+    with pytest.raises(TypeError, match="^v "):
+        K.adamw_update(params, m, v.astype(np.float64), grads, t=1, **HYPER)
+
+
+@pytest.mark.parametrize("N", [1, 16384, 16385, 1_000_003])   # around and across chunks
+def test_global_norm_squared_matches_float64(rng, N):
+    x = randn(rng, N, scale=3.0)
+    got = K.global_norm_squared(x)
+    assert isinstance(got, float)
+    expected = float(np.sum(x.astype(np.float64) ** 2))
+    assert abs(got - expected) <= TOL["global_norm"]["fwd"] * expected, (got, expected)
+
+
+def test_global_norm_squared_thread_invariant(rng, set_threads):
+    x = randn(rng, 1_000_003)   # 62 chunks
+    assert_thread_invariant(set_threads, lambda: {
+        "norm2": np.array([K.global_norm_squared(x)])})
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.3, -2.0, 0.0])
+def test_scale_inplace(rng, scale):
+    x = randn(rng, 2479)
+    expected = x * np.float32(scale)   # one fp32 rounding, so exact
+    K.scale_inplace(x, scale)
+    assert np.array_equal(x, expected)
+
+
+def test_scale_inplace_rejects_wrong_dtype():
+    with pytest.raises(TypeError, match="x"):
+        K.scale_inplace(np.ones(4, np.float64), 2.0)

@@ -1,0 +1,119 @@
+"""csrc/matmul.c: both variants against the float64 reference and autograd,
+and the blocked GEMM against the naive loops where its tiles are partial."""
+import numpy as np
+import pytest
+
+import llmc_py
+from llmc_py import kernels as K
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from reference import matmul as ref_matmul
+
+VARIANTS = ["", "naive"]
+SHAPES = [  # B, T, C, OC
+    (4, 64, 768, 768),    # GPT-2 124M attention projection
+    (4, 64, 3072, 768),   # GPT-2 124M MLP projection: K=3072 spans 12 KC panels
+    (1, 1, 48, 48),
+    (2, 37, 67, 45),      # partial MR x NR tiles in every product
+]
+# The blocked kernel works in MR=6 x NR=32 micro-tiles, MC=96-row parallel
+# tiles and KC=256-deep panels; these shapes leave every one of them partial.
+EDGE_SHAPES = [
+    (1, 37, 67, 45),      # M=37 (not a multiple of 6), N=45 (>32, not a multiple of 32)
+    (3, 100, 300, 33),    # K=C=300 > KC in the forward; K=BT=300 > KC in dweight; M > MC
+    (1, 97, 257, 65),     # K one past a panel; M one past a parallel tile
+    (2, 3, 5, 7),         # smaller than one micro-tile
+    (1, 1, 1, 1),
+]
+
+
+def make_inputs(rng, B, T, C, OC):
+    return randn(rng, B, T, C), randn(rng, OC, C), randn(rng, OC), randn(rng, B, T, OC)
+
+
+def forward(x, w, bias, variant):
+    out = np.full(x.shape[:2] + (w.shape[0],), np.nan, np.float32)   # (written)
+    K.matmul_forward(out, x, w, bias, variant=variant)
+    return out
+
+
+def backward(dout, x, w, variant, with_bias=True, calls=1):
+    dinp, dweight = np.zeros_like(x), np.zeros_like(w)
+    dbias = np.zeros(w.shape[0], np.float32) if with_bias else None
+    for _ in range(calls):
+        K.matmul_backward(dinp, dweight, dbias, dout, x, w, variant=variant)
+    return {"dinp": dinp, "dweight": dweight, "dbias": dbias}
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("B,T,C,OC", SHAPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matmul_matches_reference(rng, variant, B, T, C, OC, with_bias):
+    x, w, bias, dout = make_inputs(rng, B, T, C, OC)
+    bias = bias if with_bias else None
+    out = forward(x, w, bias, variant)
+    grads = backward(dout, x, w, variant, with_bias)
+
+    xt, wt = t64(x, grad=True), t64(w, grad=True)
+    bt = t64(bias, grad=True) if with_bias else None
+    ref = ref_matmul(xt, wt, bt)
+    (ref * t64(dout)).sum().backward()
+
+    tol = TOL["matmul"]
+    assert_close("out", out, ref, tol["fwd"])
+    assert_close("dinp", grads["dinp"], xt.grad, tol["bwd"])
+    assert_close("dweight", grads["dweight"], wt.grad, tol["bwd"])
+    if with_bias:
+        assert_close("dbias", grads["dbias"], bt.grad, tol["bwd"])
+
+
+@pytest.mark.parametrize("B,T,C,OC", EDGE_SHAPES)
+def test_matmul_fast_matches_naive(rng, B, T, C, OC):
+    x, w, bias, dout = make_inputs(rng, B, T, C, OC)
+    tol = TOL["matmul_variant"]
+    assert_close("out", forward(x, w, bias, ""), forward(x, w, bias, "naive"), tol["fwd"])
+    fast, naive = backward(dout, x, w, ""), backward(dout, x, w, "naive")
+    for name in fast:
+        assert_close(name, fast[name], naive[name], tol["bwd"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matmul_backward_accumulates(rng, variant):
+    x, w, _, dout = make_inputs(rng, 3, 100, 300, 33)
+    once = backward(dout, x, w, variant)
+    twice = backward(dout, x, w, variant, calls=2)
+    for name in once:
+        assert_close(name, twice[name], 2.0 * once[name], TOL["matmul"]["bwd"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matmul_thread_invariant(rng, set_threads, variant):
+    x, w, bias, dout = make_inputs(rng, 3, 100, 300, 100)   # 4x4 parallel tiles
+    assert_thread_invariant(set_threads, lambda: {
+        "out": forward(x, w, bias, variant), **backward(dout, x, w, variant)})
+
+
+def test_matmul_rejects_unknown_variant(rng):
+    x, w, bias, _ = make_inputs(rng, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="naive"):
+        forward(x, w, bias, "avx9000")
+
+
+@pytest.mark.parametrize("bad", ["weight", "bias", "out"])
+def test_matmul_rejects_wrong_shape(rng, bad):
+    x, w, bias, _ = make_inputs(rng, 2, 3, 8, 5)
+    args = dict(out=np.empty((2, 3, 5), np.float32), inp=x, weight=w, bias=bias)
+    args[bad] = np.zeros(args[bad].shape[:-1] + (args[bad].shape[-1] + 1,), np.float32)
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.matmul_forward(**args)
+
+
+def test_matmul_rejects_non_contiguous(rng):
+    x, w, bias, _ = make_inputs(rng, 2, 3, 8, 8)
+    with pytest.raises(llmc_py.ShapeError, match="contiguous"):
+        forward(x, w.T, bias, "")
+
+
+def test_matmul_rejects_wrong_dtype(rng):
+    x, w, bias, _ = make_inputs(rng, 2, 3, 8, 5)
+    with pytest.raises(TypeError, match="bias"):
+        forward(x, w, bias.astype(np.float16), "")

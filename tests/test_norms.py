@@ -1,0 +1,97 @@
+"""csrc/norms.c: LayerNorm against the float64 reference and autograd."""
+import numpy as np
+import pytest
+
+import llmc_py
+from llmc_py import kernels as K
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from reference import layernorm as ref_layernorm
+
+SHAPES = [  # B, T, C
+    (4, 64, 768),   # GPT-2 124M
+    (1, 1, 48),
+    (2, 37, 67),    # C=67: no vector width divides it; B*T not a multiple of 8
+    (3, 5, 60),
+]
+
+
+def make_inputs(rng, B, T, C, offset=0.0):
+    x = randn(rng, B, T, C) + np.float32(offset)
+    w = randn(rng, C) + np.float32(1.0)
+    b = randn(rng, C, scale=0.1)
+    return x, w, b, randn(rng, B, T, C)
+
+
+def forward(x, w, b):
+    B, T, C = x.shape
+    out = np.full((B, T, C), np.nan, np.float32)   # (written): must not be read
+    mean, rstd = np.full((B, T), np.nan, np.float32), np.full((B, T), np.nan, np.float32)
+    K.layernorm_forward(out, mean, rstd, x, w, b)
+    return out, mean, rstd
+
+
+def backward(dout, x, w, mean, rstd, calls=1):
+    grads = np.zeros_like(x), np.zeros_like(w), np.zeros_like(w)
+    for _ in range(calls):
+        K.layernorm_backward(*grads, dout, x, w, mean, rstd)
+    return grads
+
+
+@pytest.mark.parametrize("offset", [0.0, 10.0])   # a mean far from 0 relative to the spread
+@pytest.mark.parametrize("B,T,C", SHAPES)
+def test_layernorm_matches_reference(rng, B, T, C, offset):
+    x, w, b, dout = make_inputs(rng, B, T, C, offset)
+    out, mean, rstd = forward(x, w, b)
+    dinp, dweight, dbias = backward(dout, x, w, mean, rstd)
+
+    xt, wt, bt = t64(x, grad=True), t64(w, grad=True), t64(b, grad=True)
+    ref, ref_mean, ref_rstd = ref_layernorm(xt, wt, bt)
+    (ref * t64(dout)).sum().backward()
+
+    tol = TOL["layernorm"]
+    for name, ours, theirs, kind in [("out", out, ref, "fwd"), ("mean", mean, ref_mean, "fwd"),
+                                     ("rstd", rstd, ref_rstd, "fwd"),
+                                     ("dinp", dinp, xt.grad, "bwd"),
+                                     ("dweight", dweight, wt.grad, "bwd"),
+                                     ("dbias", dbias, bt.grad, "bwd")]:
+        assert_close(name, ours, theirs, tol[kind])
+
+
+def test_layernorm_backward_accumulates(rng):
+    x, w, b, dout = make_inputs(rng, 2, 37, 67)
+    _, mean, rstd = forward(x, w, b)
+    once = backward(dout, x, w, mean, rstd)
+    twice = backward(dout, x, w, mean, rstd, calls=2)
+    for name, a, b2 in zip(["dinp", "dweight", "dbias"], once, twice):
+        assert_close(name, b2, 2.0 * a, TOL["layernorm"]["bwd"])
+
+
+def test_layernorm_backward_thread_invariant(rng, set_threads):
+    x, w, b, dout = make_inputs(rng, 4, 64, 300)   # 5 channel blocks, the last partial
+    _, mean, rstd = forward(x, w, b)
+    assert_thread_invariant(set_threads, lambda: dict(
+        zip(["dinp", "dweight", "dbias"], backward(dout, x, w, mean, rstd))))
+
+
+def test_layernorm_rejects_negative_eps(rng):
+    x, w, b, _ = make_inputs(rng, 1, 2, 8)
+    out, mean, rstd = forward(x, w, b)
+    with pytest.raises(llmc_py.ShapeError):
+        K.layernorm_forward(out, mean, rstd, x, w, b, eps=-1e-5)
+
+
+@pytest.mark.parametrize("bad", ["weight", "bias", "mean", "out"])
+def test_layernorm_rejects_wrong_shape(rng, bad):
+    x, w, b, _ = make_inputs(rng, 2, 3, 8)
+    args = dict(out=np.empty_like(x), mean=np.empty((2, 3), np.float32),
+                rstd=np.empty((2, 3), np.float32), inp=x, weight=w, bias=b)
+    args[bad] = np.zeros(args[bad].shape[:-1] + (args[bad].shape[-1] + 1,), np.float32)
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.layernorm_forward(**args)
+
+
+def test_layernorm_rejects_wrong_dtype(rng):
+    x, w, b, dout = make_inputs(rng, 2, 3, 8)
+    _, mean, rstd = forward(x, w, b)
+    with pytest.raises(TypeError, match="dout"):
+        backward(dout.astype(np.float64), x, w, mean, rstd)
