@@ -142,6 +142,7 @@ def atomic_write(path, chunks):
     folder = path.parent if str(path.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
                 if isinstance(chunk, np.ndarray):
@@ -167,6 +168,12 @@ def atomic_write(path, chunks):
         pass
     finally:
         os.close(dir_fd)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_debug_state(path, config, x, y, logits, loss, grads):

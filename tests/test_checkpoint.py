@@ -124,3 +124,24 @@ def test_bad_debug_state_files(tmp_path):
     path.write_bytes(h.tobytes())
     with pytest.raises(CheckpointError, match="B is 0"):
         read_debug_state(path, CONFIG)
+
+
+def test_state_file_round_trip_and_bad_files(tmp_path):
+    from llmc_py.checkpoint import read_state, write_state
+    rng = np.random.default_rng(1)
+    m, v = rng.standard_normal(100).astype(np.float32), rng.random(100).astype(np.float32)
+    path = tmp_path / "state.bin"
+    write_state(path, 42, m, v, {"loader": {"epoch": 1}, "rng": [1, 2]})
+    step, m2, v2, extra = read_state(path, 100)
+    assert step == 42 and np.array_equal(m, m2) and np.array_equal(v, v2)
+    assert extra == {"loader": {"epoch": 1}, "rng": [1, 2]}
+    with pytest.raises(CheckpointError, match="num_parameters is 100, but the model has 99"):
+        read_state(path, 99)
+    raw = path.read_bytes()
+    cases = [(raw[:-1], "truncated"), (raw + b" ", "trailing"),
+             (b"\0" * 4 + raw[4:], "magic is 0"),
+             (raw[:-2] + b"@@", "JSON block is not valid")]
+    for data, message in cases:
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=message):
+            read_state(path, 100)

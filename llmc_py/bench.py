@@ -1,0 +1,164 @@
+"""Benchmarks: ``python -m llmc_py.bench`` (``--help`` for options).
+
+1. matmul: each product of a linear layer at GPT-2 124M's shapes, verified
+   against the naive kernel, then timed beside numpy's sgemm for the same
+   product; GFLOP/s.
+2. the training step of GPT-2 124M (random init): forward + backward + AdamW,
+   ms/step and tokens/s, beside PyTorch eager on the same model when torch is
+   installed.
+Every time is the median of several repeats (min and max shown too).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from . import kernels as K
+from ._lib import get_num_threads, set_num_threads
+from .config import GPT2Config
+from .model import GPT2
+
+
+def timed(fn, repeats, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def bench_matmul(BT, C, OC, repeats, rng):
+    """GFLOP/s of forward, dinp and dweight for one (BT, C, OC), ours and numpy's."""
+    x = rng.standard_normal((1, BT, C), dtype=np.float32)
+    w = rng.standard_normal((OC, C), dtype=np.float32) * 0.02
+    dout = rng.standard_normal((1, BT, OC), dtype=np.float32)
+    out, ref = np.empty((1, BT, OC), np.float32), np.empty((1, BT, OC), np.float32)
+    # verify before timing
+    K.matmul_forward(out, x, w)
+    K.matmul_forward(ref, x, w, variant="naive")
+    err = float(np.abs(out - ref).max() / np.abs(ref).max())
+    if err > 1e-5:
+        raise AssertionError(f"matmul_forward disagrees with naive at {BT}x{C}x{OC}: {err:.2e}")
+    flop = 2.0 * BT * C * OC
+    dinp, dw = np.zeros_like(x), np.zeros_like(w)
+    rows = []
+    cases = [
+        ("fwd", lambda: K.matmul_forward(out, x, w), lambda: np.matmul(x[0], w.T, out=out[0])),
+        ("bwd (dinp+dW)", lambda: K.matmul_backward(dinp, dw, None, dout, x, w),
+         lambda: (np.matmul(dout[0], w, out=dinp[0]), np.matmul(dout[0].T, x[0], out=dw))),
+    ]
+    for name, ours, theirs in cases:
+        scale = 2 if name.startswith("bwd") else 1
+        t_ours, t_np = timed(ours, repeats), timed(theirs, repeats)
+        rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
+                     "gflops": scale * flop / t_ours["median"] / 1e9,
+                     "numpy_gflops": scale * flop / t_np["median"] / 1e9,
+                     "ms": t_ours["median"] * 1e3})
+    return rows
+
+
+def bench_step(config, B, T, repeats, rng):
+    model = GPT2(config, seed=0)
+    tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    state = {"t": 0}
+
+    def step():
+        state["t"] += 1
+        model.zero_grad()
+        model.forward(x, y)
+        model.backward()
+        model.update(1e-4, 0.9, 0.999, 1e-8, 0.0, state["t"])
+    return timed(step, repeats)
+
+
+def bench_torch_step(config, B, T, repeats, rng):
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(get_num_threads())
+    c = config
+    params = {}
+    model = GPT2(c, seed=0)
+    for name in model.params.names:
+        params[name] = torch.tensor(model.params[name], requires_grad=True)
+    del model
+    opt = torch.optim.AdamW(params.values(), lr=1e-4, weight_decay=0.0, fused=True)
+    tokens = torch.as_tensor(rng.integers(0, c.vocab_size, size=(B, T + 1)))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    F = torch.nn.functional
+
+    def forward():
+        p = params
+        h = p["wte"][x] + p["wpe"][:T]
+        for l in range(c.num_layers):
+            a = F.layer_norm(h, (c.channels,), p["ln1w"][l], p["ln1b"][l])
+            q, k, v = F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(c.channels, dim=-1)
+            q, k, v = (z.view(B, T, c.num_heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + F.linear(a.transpose(1, 2).reshape(B, T, c.channels),
+                             p["attprojw"][l], p["attprojb"][l])
+            a = F.layer_norm(h, (c.channels,), p["ln2w"][l], p["ln2b"][l])
+            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
+        h = F.layer_norm(h, (c.channels,), p["lnfw"], p["lnfb"])
+        logits = F.linear(h, p["wte"])[..., :c.vocab_size]
+        return F.cross_entropy(logits.reshape(-1, c.vocab_size), y.reshape(-1))
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        forward().backward()
+        opt.step()
+    return timed(step, repeats)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="0: OpenMP's default")
+    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
+    p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
+    p.add_argument("--skip-matmul", action="store_true")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    args = p.parse_args(argv)
+    if args.threads:
+        set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    B, T = args.batch
+    results = {"threads": get_num_threads(), "matmul": [], "step": {}}
+    if not args.skip_matmul:
+        for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
+            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng)
+    config = GPT2Config(num_layers=args.layers)
+    results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
+    if not args.skip_torch:
+        results["step"]["torch_eager"] = bench_torch_step(config, B, T, args.repeats, rng)
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print(f"threads: {results['threads']}")
+    if results["matmul"]:
+        print(f"{'kernel':<20}{'B*T x C x OC':>18}{'ms':>9}{'GFLOP/s':>10}{'numpy':>9}{'ratio':>7}")
+        for r in results["matmul"]:
+            print(f"{r['kernel']:<20}{r['shape']:>18}{r['ms']:9.2f}{r['gflops']:10.1f}"
+                  f"{r['numpy_gflops']:9.1f}{r['gflops'] / r['numpy_gflops']:7.2f}")
+    print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max):")
+    for name, t in results["step"].items():
+        if t is None:
+            print(f"  {name:<12} not installed")
+            continue
+        print(f"  {name:<12} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f})"
+              f"  {B * T / t['median']:8.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

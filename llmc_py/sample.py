@@ -1,0 +1,74 @@
+"""Generate text from a model file:
+
+    python -m llmc_py.sample -e out/model_00000500.bin --prompt "ROMEO:" -g 200 \\
+        --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1337
+
+Text streams to stdout as it is produced; temperature 0 is greedy decoding.
+"""
+import argparse
+import sys
+
+from .errors import LlmcError
+from .model import GPT2
+from .sampling import generate
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m llmc_py.sample",
+                                description="Sample text from an llm.c model file.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-e", "--checkpoint", required=True, help="llm.c model file")
+    p.add_argument("--prompt", default="", help="text to continue (empty: start of a document)")
+    p.add_argument("-g", "--gen-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=None, help="keep only the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="keep the likeliest tokens up to this total probability")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
+                   help="1: stop at the end-of-text token")
+    return p
+
+
+def main(argv=None, out=None):
+    out = sys.stdout if out is None else out
+    args = build_parser().parse_args(argv)
+    try:
+        if args.gen_tokens <= 0:
+            raise ValueError(f"-g must be positive, got {args.gen_tokens}")
+        if args.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+        from .tokenizer import EOT, get_encoding
+        model = GPT2.from_checkpoint(args.checkpoint)
+        encoding = get_encoding()
+        if model.config.vocab_size != encoding.n_vocab:
+            raise ValueError(f"{args.checkpoint}: vocab_size {model.config.vocab_size} does not "
+                             f"match the GPT-2 tokenizer's {encoding.n_vocab}")
+        prompt = [EOT] + encoding.encode(args.prompt, allowed_special="all")
+        out.write(args.prompt)
+        pending = []   # tokens whose bytes do not yet end on a whole character
+        for token in generate(model, prompt, args.gen_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              eot=EOT if args.stop_at_eot else None):
+            if token == EOT:
+                break
+            pending.append(token)
+            data = encoding.decode_bytes(pending)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            out.write(text)
+            out.flush()
+            pending = []
+        if pending:
+            out.write(encoding.decode(pending))
+        out.write("\n")
+        return 0
+    except (LlmcError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""Train a GPT-2: ``python -m llmc_py.train`` (``--help`` for every flag).
+
+With no arguments it prepares the Shakespeare dataset if it is missing and
+trains a small GPT-2 from scratch (DEFAULT_MODEL), printing progress,
+evaluating, sampling and checkpointing into ``out/``. Flags follow llm.c's
+train_gpt2 where one exists (-i -j -e -o -b -t -x -l -u -q -k -c -v -m -s -g
+-n -y -a -d), with long names too.
+
+Output folder:
+  main.log               one line per step ``s:N trl:LOSS lr:LR norm:NORM``
+                         and per evaluation ``s:N tel:LOSS`` (llm.c's format)
+  model_%08d.bin         llm.c's model file (loads in llm.c)
+  state_%08d.bin         AdamW moments, data position, RNG and schedule
+  DONE_%08d              empty; written last, marks a complete checkpoint
+"""
+import argparse
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .config import GPT2Config, padded_vocab
+from .errors import LlmcError
+from .model import GPT2, MATRIX_PARAMS
+from .sampling import generate
+
+DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
+DEFAULT_DATASET = "shakespeare"
+GPT2_VOCAB = 50257
+ADAM_BETAS = (0.9, 0.95)        # nanoGPT's and llm.c's GPU trainer's choice
+ADAM_EPS = 1e-8
+# the sizes of GPT-2 by depth; other depths get 64 channels per layer, heads of 64
+GPT2_DEPTHS = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
+
+
+class UsageError(Exception):
+    """Bad input from the command line or its files: one line, exit code 1."""
+
+
+# ---- configuration -----------------------------------------------------------
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m llmc_py.train",
+        description="Train a GPT-2 on token files (llm.c's format) with the C kernels.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("-i", "--train-data", default=None,
+      help="glob of training token files (default: the Shakespeare set, prepared if missing)")
+    a("-j", "--val-data", default=None, help="glob of validation token files")
+    a("-e", "--init", default=DEFAULT_MODEL,
+      help="an llm.c model file to start from (fine-tune), or a depth like d6 for a fresh "
+           "model (d12 is GPT-2 124M's shape)")
+    a("-o", "--output-dir", default="out", help="folder for the log and checkpoints")
+    a("-b", "--batch-size", type=int, default=8, help="B: sequences per micro-batch")
+    a("-t", "--seq-len", type=int, default=128, help="T: tokens per sequence")
+    a("-d", "--total-batch-tokens", type=int, default=0,
+      help="tokens per optimizer step; a multiple of B*T > B*T accumulates gradients "
+           "(0: B*T)")
+    a("-x", "--max-steps", type=int, default=500, help="optimizer steps to train in all")
+    a("-l", "--learning-rate", type=float, default=1e-3, help="peak learning rate")
+    a("-u", "--warmup-steps", type=int, default=25, help="steps of linear warmup")
+    a("-q", "--final-lr-fraction", type=float, default=0.1,
+      help="learning rate at the end, as a fraction of the peak")
+    a("-k", "--schedule", choices=("cosine", "linear", "constant"), default="cosine",
+      help="learning-rate decay after warmup")
+    a("-c", "--weight-decay", type=float, default=0.1,
+      help="AdamW weight decay, applied to the weight matrices only (wte, wpe, qkvw, "
+           "attprojw, fcw, fcprojw), not to biases or norm weights")
+    a("--grad-clip", type=float, default=1.0,
+      help="clip the global gradient norm to this (0: no clipping)")
+    a("-v", "--val-every", type=int, default=50, help="evaluate every N steps (0: never)")
+    a("-m", "--val-batches", type=int, default=10, help="batches per evaluation")
+    a("-s", "--sample-every", type=int, default=100, help="print a sample every N steps (0: never)")
+    a("-g", "--gen-tokens", type=int, default=64, help="tokens per sample")
+    a("-n", "--checkpoint-every", type=int, default=100,
+      help="write a checkpoint every N steps (0: only at the end)")
+    a("-nk", "--keep-checkpoints", type=int, default=0,
+      help="keep only the last N checkpoints (0: keep all)")
+    a("-y", "--resume", type=int, choices=(0, 1), default=0,
+      help="1: resume from the newest complete checkpoint in the output folder")
+    a("-a", "--overfit-single-batch", type=int, choices=(0, 1), default=0,
+      help="1: train on one batch over and over (a sanity check)")
+    a("--shuffle", type=int, choices=(0, 1), default=0,
+      help="1: visit training windows in a seeded random order")
+    a("--seed", type=int, default=1337, help="seed for initialisation, shuffling and sampling")
+    a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
+    a("--data-dir", default="data", help="where the default dataset is prepared")
+    return p
+
+
+def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB):
+    """A GPT2Config from a descriptor like "d6"; None if it is not one."""
+    match = re.fullmatch(r"d(\d+)", depth)
+    if not match:
+        return None
+    L = int(match.group(1))
+    if L <= 0:
+        raise UsageError(f"-e {depth}: the depth must be positive")
+    C, NH = GPT2_DEPTHS.get(L, (64 * L, L))
+    return GPT2Config(max_seq_len=max_seq_len, vocab_size=vocab_size,
+                      padded_vocab_size=padded_vocab(vocab_size), num_layers=L,
+                      num_heads=NH, channels=C)
+
+
+def lr_at(step, args):
+    """The learning rate for optimizer step ``step`` (1-based)."""
+    peak, final = args.learning_rate, args.learning_rate * args.final_lr_fraction
+    if step <= args.warmup_steps:
+        return peak * step / args.warmup_steps
+    if args.schedule == "constant":
+        return peak
+    span = max(args.max_steps - args.warmup_steps, 1)
+    progress = min((step - args.warmup_steps) / span, 1.0)
+    if args.schedule == "linear":
+        return peak + (final - peak) * progress
+    return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * progress))
+
+
+def check_args(args):
+    for name in ("batch_size", "seq_len", "max_steps"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
+                             f"{getattr(args, name)}")
+    for name in ("warmup_steps", "val_every", "val_batches", "sample_every", "gen_tokens",
+                 "checkpoint_every", "keep_checkpoints", "total_batch_tokens", "threads"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
+                             f"{getattr(args, name)}")
+    if not args.learning_rate > 0 or not 0 <= args.final_lr_fraction <= 1:
+        raise UsageError("--learning-rate must be > 0 and --final-lr-fraction in [0, 1]")
+    bt = args.batch_size * args.seq_len
+    if args.total_batch_tokens == 0:
+        args.total_batch_tokens = bt
+    if args.total_batch_tokens % bt:
+        raise UsageError(f"-d {args.total_batch_tokens} is not a multiple of B*T = {bt}")
+    args.grad_accum = args.total_batch_tokens // bt
+
+
+# ---- checkpoints ---------------------------------------------------------------
+
+def checkpoint_paths(out_dir, step):
+    out_dir = Path(out_dir)
+    return (out_dir / f"model_{step:08d}.bin", out_dir / f"state_{step:08d}.bin",
+            out_dir / f"DONE_{step:08d}")
+
+
+def completed_steps(out_dir):
+    """Steps with a DONE marker in ``out_dir``, ascending."""
+    steps = []
+    for marker in Path(out_dir).glob("DONE_*"):
+        match = re.fullmatch(r"DONE_(\d{8})", marker.name)
+        if match:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def save_checkpoint(out_dir, step, model, extra, keep):
+    """model, then state, then the DONE marker: a checkpoint without its
+    marker is incomplete and never resumed from."""
+    model_path, state_path, done_path = checkpoint_paths(out_dir, step)
+    model.save_checkpoint(model_path)
+    ckpt.write_state(state_path, step, model.m_memory, model.v_memory, extra)
+    ckpt.atomic_write(done_path, [b""])
+    if keep > 0:
+        for old in completed_steps(out_dir)[:-keep]:
+            for path in reversed(checkpoint_paths(out_dir, old)):   # the marker first
+                path.unlink(missing_ok=True)
+
+
+# ---- the run -------------------------------------------------------------------
+
+class Progress:
+    """A live line per step on a terminal; plain parseable lines otherwise."""
+
+    def __init__(self, stream=None):
+        self.stream = sys.stdout if stream is None else stream
+        self.live = self.stream.isatty()
+        self.open_line = False
+
+    def step(self, step, total, loss, norm, lr, ms, tokens_per_s, eta_s):
+        if self.live:
+            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | norm {norm:.3f} | "
+                              f"lr {lr:.2e} | {ms:6.0f} ms | {tokens_per_s:7.0f} tok/s | "
+                              f"eta {format_seconds(eta_s)}  ")
+            self.open_line = True
+        else:
+            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} norm {norm:.4f} "
+                              f"lr {lr:.3e} (took {ms:.1f} ms, {tokens_per_s:.0f} tok/s, "
+                              f"eta {eta_s:.0f} s)\n")
+        self.stream.flush()
+
+    def say(self, text):
+        if self.open_line:
+            self.stream.write("\n")
+            self.open_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def format_seconds(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def evaluate(model, loader, batches):
+    loader.reset()
+    losses = [model.forward(*loader.next_batch()) for _ in range(batches)]
+    return float(np.mean(losses))
+
+
+def run(args, out=None):
+    from .data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
+    from .tokenizer import EOT, get_encoding
+
+    check_args(args)
+    progress = Progress(out)
+    if args.threads:
+        from ._lib import set_num_threads
+        set_num_threads(args.threads)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # data
+    if args.train_data is None:
+        train_path, val_path = prepare_dataset(DEFAULT_DATASET, args.data_dir)
+        args.train_data = str(train_path)
+        if args.val_data is None:
+            args.val_data = str(val_path)
+
+    # model
+    resume_step = 0
+    if args.resume:
+        done = completed_steps(out_dir)
+        if not done:
+            raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {out_dir}")
+        resume_step = done[-1]
+        model = GPT2.from_checkpoint(checkpoint_paths(out_dir, resume_step)[0])
+    else:
+        config = config_from_depth(args.init)
+        if config is None:
+            if not Path(args.init).exists():
+                raise UsageError(f"-e {args.init}: no such model file, and not a depth "
+                                 f"like d6")
+            model = GPT2.from_checkpoint(args.init)
+        else:
+            model = GPT2(config, seed=args.seed)
+    c = model.config
+    if c.vocab_size != GPT2_VOCAB:
+        raise UsageError(f"the model's vocab_size is {c.vocab_size}; the GPT-2 tokenizer "
+                         f"needs {GPT2_VOCAB}")
+    if args.seq_len > c.max_seq_len:
+        raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
+                         f"{c.max_seq_len}")
+    B, T = args.batch_size, args.seq_len
+    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle),
+                              seed=args.seed, vocab_size=c.vocab_size)
+    val_loader = None
+    if args.val_data and args.val_every:
+        val_loader = DataLoader(args.val_data, B, T, vocab_size=c.vocab_size)
+        args.val_batches = min(args.val_batches, val_loader.num_batches)
+    encoding = get_encoding() if args.sample_every else None
+    sample_rng = np.random.default_rng(args.seed)
+
+    if resume_step:
+        _, m, v, extra = ckpt.read_state(checkpoint_paths(out_dir, resume_step)[1],
+                                         model.num_parameters)
+        for key in ("batch_size", "seq_len", "grad_accum", "shuffle"):
+            if extra["args"][key] != getattr(args, key):
+                raise UsageError(f"-y 1: the checkpoint was made with {key}="
+                                 f"{extra['args'][key]}, this run has {getattr(args, key)}")
+        model.m_memory, model.v_memory = m, v
+        train_loader.load_state_dict(extra["train_loader"])
+        sample_rng.bit_generator.state = extra["sample_rng"]
+        progress.say(f"resumed from step {resume_step} in {out_dir}")
+
+    progress.say(f"model: {c.num_layers} layers, {c.channels} channels, {c.num_heads} heads, "
+                 f"{model.num_parameters / 1e6:.1f}M parameters; batch {B}x{T}, "
+                 f"{args.grad_accum} micro-batch(es) per step; {args.max_steps} steps")
+    log = open(out_dir / "main.log", "a" if resume_step else "w")
+
+    def state_extra():
+        return {"args": {k: v for k, v in vars(args).items()},
+                "train_loader": train_loader.state_dict(),
+                "sample_rng": sample_rng.bit_generator.state}
+
+    fixed_batch = train_loader.next_batch() if args.overfit_single_batch else None
+    last_good = resume_step
+    finished, extra_after_step = resume_step, state_extra()
+    started = time.perf_counter()
+    losses = []
+    val_loss = None
+    try:
+        for step in range(resume_step + 1, args.max_steps + 1):
+            t0 = time.perf_counter()
+            model.zero_grad()
+            loss = 0.0
+            for _ in range(args.grad_accum):
+                x, y = fixed_batch if fixed_batch is not None else train_loader.next_batch()
+                loss += model.forward(x, y) / args.grad_accum
+                model.backward(loss_scale=1.0 / args.grad_accum)
+            norm = model.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 \
+                else model.grad_norm()
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                progress.say(f"step {step}: the loss ({loss}) or gradient norm ({norm}) is not "
+                             f"finite; stopping. The last good checkpoint is step {last_good}"
+                             + ("" if last_good else " (none written)") + f" in {out_dir}")
+                return 1
+            lr = lr_at(step, args)
+            model.update(lr, ADAM_BETAS[0], ADAM_BETAS[1], ADAM_EPS, args.weight_decay, step,
+                         decay=MATRIX_PARAMS)
+            finished, extra_after_step = step, state_extra()
+            ms = (time.perf_counter() - t0) * 1000
+            losses.append(loss)
+            log.write(f"s:{step} trl:{loss:.6f} lr:{lr:.6e} norm:{norm:.6f}\n")
+            log.flush()
+            done_steps = step - resume_step
+            elapsed = time.perf_counter() - started
+            eta = elapsed / done_steps * (args.max_steps - step)
+            progress.step(step, args.max_steps, loss, norm, lr, ms,
+                          args.total_batch_tokens / (ms / 1000), eta)
+
+            last = step == args.max_steps
+            if val_loader is not None and (step % args.val_every == 0 or last):
+                val_loss = evaluate(model, val_loader, args.val_batches)
+                log.write(f"s:{step} tel:{val_loss:.6f}\n")
+                log.flush()
+                progress.say(f"step {step}: val loss {val_loss:.6f}")
+            if args.sample_every and (step % args.sample_every == 0 or last):
+                ids = list(generate(model, [EOT], args.gen_tokens, temperature=1.0,
+                                    rng=sample_rng))
+                progress.say(f"step {step}: sample:\n---\n{encoding.decode(ids)}\n---")
+                extra_after_step = state_extra()   # the sampler's RNG moved on
+            if (args.checkpoint_every and step % args.checkpoint_every == 0) or last:
+                save_checkpoint(out_dir, step, model, extra_after_step, args.keep_checkpoints)
+                last_good = step
+    except KeyboardInterrupt:
+        # parameters, moments and extra_after_step all describe the last
+        # step whose update finished
+        if finished > last_good:
+            save_checkpoint(out_dir, finished, model, extra_after_step, args.keep_checkpoints)
+        if finished:
+            progress.say(f"interrupted: checkpoint of step {finished} in {out_dir}; "
+                         f"resume with -y 1")
+        else:
+            progress.say("interrupted before the first step finished; nothing saved")
+        return 130
+    finally:
+        log.close()
+
+    elapsed = time.perf_counter() - started
+    steps_run = args.max_steps - resume_step
+    summary = f"done: {steps_run} steps in {format_seconds(elapsed)}"
+    if losses:
+        summary += f", train loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    if val_loss is not None:
+        summary += f", val loss {val_loss:.4f}"
+    progress.say(summary + f"; checkpoint {checkpoint_paths(out_dir, args.max_steps)[0]}")
+    return 0
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (UsageError, LlmcError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""The training CLI end to end on tiny data: resume is bitwise exact,
+checkpoints follow llm.c's naming, bad input is one line and a non-zero
+exit, a non-finite loss stops the run and keeps the last good checkpoint."""
+import re
+
+import numpy as np
+import pytest
+
+from data_helpers import REAL_RANKS, require_real_ranks
+from llmc_py import GPT2, GPT2Config
+from llmc_py import train as train_mod
+from llmc_py.checkpoint import read_state
+from llmc_py.data import DataLoader, write_tokens
+from llmc_py.sampling import generate, sample_next
+
+SMALL = ["-e", "d1", "-b", "2", "-t", "16", "-v", "4", "-m", "2", "-s", "0", "-l", "3e-3",
+         "-u", "3"]
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Two training shards and one validation shard of random GPT-2 ids."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train_000.bin", 300), ("train_001.bin", 250), ("val.bin", 200)):
+        tokens = rng.integers(0, 50257, size=n)
+        tokens[::37] = 50256
+        write_tokens(data / name, tokens)
+    return str(data / "train_*.bin"), str(data / "val.bin")
+
+
+def run(shards, out_dir, *extra):
+    train_glob, val_glob = shards
+    return train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out_dir), *SMALL, *extra])
+
+
+def train_losses(out_dir):
+    return re.findall(r"s:(\d+) trl:(\S+)", (out_dir / "main.log").read_text())
+
+
+def interrupt_at_batch(monkeypatch, n):
+    """Makes the n-th training batch raise KeyboardInterrupt (Ctrl-C)."""
+    real = DataLoader.next_batch
+    calls = {"n": 0}
+
+    def next_batch(self):
+        if self.pattern.endswith("train_*.bin"):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+        return real(self)
+    monkeypatch.setattr(DataLoader, "next_batch", next_batch)
+
+
+@pytest.mark.parametrize("shuffle", ["0", "1"])
+def test_resume_after_ctrl_c_is_bitwise_exact(shards, tmp_path, monkeypatch, capsys, shuffle):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(shards, straight, "-x", "20", "-n", "5", "--shuffle", shuffle) == 0
+
+    interrupt_at_batch(monkeypatch, 11)            # during step 11: step 10 is the last whole one
+    assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle) == 130
+    assert "checkpoint of step 10" in capsys.readouterr().out
+    assert train_mod.completed_steps(resumed) == [5, 10]
+    monkeypatch.undo()
+    assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle, "-y", "1") == 0
+
+    assert train_losses(resumed) == train_losses(straight)
+    assert len(train_losses(straight)) == 20
+    for step in (15, 20):
+        name = f"model_{step:08d}.bin"
+        assert (resumed / name).read_bytes() == (straight / name).read_bytes()
+
+
+def test_resume_with_gradient_accumulation_and_constant_schedule(shards, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ("-d", "64", "-k", "constant", "-n", "3")
+    assert run(shards, straight, "-x", "6", *args) == 0
+    assert run(shards, resumed, "-x", "3", *args) == 0
+    assert run(shards, resumed, "-x", "6", *args, "-y", "1") == 0
+    assert train_losses(resumed) == train_losses(straight)
+    assert (resumed / "model_00000006.bin").read_bytes() == \
+        (straight / "model_00000006.bin").read_bytes()
+    num_params = GPT2.from_checkpoint(straight / "model_00000006.bin").num_parameters
+    step_a, m_a, v_a, extra_a = read_state(straight / "state_00000006.bin", num_params)
+    step_b, m_b, v_b, extra_b = read_state(resumed / "state_00000006.bin", num_params)
+    assert step_a == step_b == 6 and extra_a["train_loader"] == extra_b["train_loader"]
+    assert np.array_equal(m_a, m_b) and np.array_equal(v_a, v_b)
+
+
+def test_gradient_accumulation_matches_a_bigger_batch(shards, tmp_path):
+    """-d 2*B*T with B=2 averages two micro-batches: the same gradient as one
+    batch of 4 (up to fp32 rounding), so the same first loss and update."""
+    train_glob, val_glob = shards
+    base = ["-i", train_glob, "-j", val_glob, "-e", "d1", "-t", "16", "-x", "2", "-v", "0",
+            "-s", "0", "-k", "constant", "-u", "0"]
+    assert train_mod.main(base + ["-o", str(tmp_path / "a"), "-b", "2", "-d", "64"]) == 0
+    assert train_mod.main(base + ["-o", str(tmp_path / "b"), "-b", "4"]) == 0
+    la = [float(x) for _, x in train_losses(tmp_path / "a")]
+    lb = [float(x) for _, x in train_losses(tmp_path / "b")]
+    np.testing.assert_allclose(la, lb, rtol=1e-5)
+    pa = GPT2.from_checkpoint(tmp_path / "a" / "model_00000002.bin").params.memory
+    pb = GPT2.from_checkpoint(tmp_path / "b" / "model_00000002.bin").params.memory
+    np.testing.assert_allclose(pa, pb, rtol=0, atol=1e-5)
+
+
+def test_checkpoint_files_and_keep_last(shards, tmp_path):
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "6", "-n", "2", "-nk", "2") == 0
+    assert train_mod.completed_steps(out) == [4, 6]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["DONE_00000004", "DONE_00000006", "main.log", "model_00000004.bin",
+                     "model_00000006.bin", "state_00000004.bin", "state_00000006.bin"]
+    log = (out / "main.log").read_text().splitlines()
+    assert re.fullmatch(r"s:1 trl:\d+\.\d+ lr:\S+ norm:\d+\.\d+", log[0])
+    assert "s:4 tel:" in "\n".join(log) and "s:6 tel:" in log[-1]
+    # the model file is llm.c's: it loads on its own
+    assert GPT2.from_checkpoint(out / "model_00000006.bin").config.num_layers == 1
+
+
+def test_plain_progress_lines(shards, tmp_path, capsys):
+    assert run(shards, tmp_path / "out", "-x", "3", "-v", "0") == 0
+    out = capsys.readouterr().out
+    steps = re.findall(r"^step (\d+)/3: train loss (\S+) norm (\S+) lr (\S+) \(took (\S+) ms, "
+                       r"(\d+) tok/s, eta (\d+) s\)$", out, re.M)
+    assert [s[0] for s in steps] == ["1", "2", "3"]
+    assert "done: 3 steps" in out
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeypatch,
+                                                             capsys):
+    real = GPT2.forward
+    calls = {"n": 0}
+
+    def forward(self, inputs, targets=None):
+        loss = real(self, inputs, targets)
+        if targets is not None and self.B == 2:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return float("nan")
+        return loss
+    monkeypatch.setattr(GPT2, "forward", forward)
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "6", "-n", "2", "-v", "0") == 1
+    text = capsys.readouterr().out
+    assert "not finite" in text and "last good checkpoint is step 2" in text
+    assert train_mod.completed_steps(out) == [2]
+    assert not (out / "model_00000003.bin").exists()
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["-t", "2000"], "max_seq_len"),
+    (["-t", "200"], "fewer than one batch"),
+    (["-d", "50"], "not a multiple"),
+    (["-b", "0"], "must be positive"),
+])
+def test_bad_settings_are_one_line_errors(shards, tmp_path, capsys, extra, message):
+    assert run(shards, tmp_path / "out", "-x", "2", *extra) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_files_are_one_line_errors(shards, tmp_path, capsys):
+    train_glob, val_glob = shards
+    out = str(tmp_path / "out")
+    small = GPT2(GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128,
+                            num_layers=1, num_heads=1, channels=8))
+    small.save_checkpoint(tmp_path / "small_vocab.bin")
+    (tmp_path / "junk.bin").write_bytes(b"not a model")
+    cases = [
+        (["-i", str(tmp_path / "nothing_*.bin"), "-e", "d1"], "no token files match"),
+        (["-i", train_glob, "-e", str(tmp_path / "small_vocab.bin")], "vocab_size is 100"),
+        (["-i", train_glob, "-e", str(tmp_path / "junk.bin")], "smaller than"),
+        (["-i", train_glob, "-e", str(tmp_path / "missing.bin")], "no such model file"),
+        (["-i", train_glob, "-e", "d1", "-y", "1", "-o", str(tmp_path / "empty")],
+         "no complete checkpoint"),
+    ]
+    for args, message in cases:
+        code = train_mod.main(["-o", out, "-s", "0", "-v", "0", "-x", "1"] + args)
+        err = capsys.readouterr().err
+        assert code == 1 and message in err and err.count("\n") == 1, (args, err)
+
+
+def test_out_of_vocab_tokens_in_data(tmp_path, capsys):
+    write_tokens(tmp_path / "train.bin", np.full(100, 50257 + 3))
+    code = train_mod.main(["-i", str(tmp_path / "train.bin"), "-e", "d1", "-b", "1", "-t", "8",
+                           "-x", "1", "-v", "0", "-s", "0", "-o", str(tmp_path / "out")])
+    assert code == 1 and "50260" in capsys.readouterr().err
+
+
+def test_learning_rate_schedules():
+    parser = train_mod.build_parser()
+    args = parser.parse_args(["-l", "1.0", "-u", "10", "-x", "110", "-q", "0.1"])
+    assert train_mod.lr_at(5, args) == pytest.approx(0.5)
+    assert train_mod.lr_at(10, args) == pytest.approx(1.0)
+    assert train_mod.lr_at(60, args) == pytest.approx(0.55)     # cosine midpoint
+    assert train_mod.lr_at(110, args) == pytest.approx(0.1)
+    args.schedule = "linear"
+    assert train_mod.lr_at(60, args) == pytest.approx(0.55)
+    assert train_mod.lr_at(35, args) == pytest.approx(0.775)
+    args.schedule = "constant"
+    assert train_mod.lr_at(100, args) == 1.0
+
+
+def test_depth_descriptors():
+    c = train_mod.config_from_depth("d12")
+    assert (c.num_layers, c.channels, c.num_heads, c.padded_vocab_size) == (12, 768, 12, 50304)
+    c = train_mod.config_from_depth("d4")
+    assert (c.num_layers, c.channels, c.num_heads) == (4, 256, 4)
+    assert train_mod.config_from_depth("gpt2_124M.bin") is None
+
+
+def test_sampling_is_seeded_and_greedy_is_argmax():
+    model = GPT2(GPT2Config(max_seq_len=12, vocab_size=50, padded_vocab_size=64,
+                            num_layers=1, num_heads=2, channels=16), seed=3)
+    prompt = [1, 2, 3]
+    greedy = list(generate(model, prompt, 12, temperature=0))   # runs past max_seq_len
+    context = list(prompt)
+    for token in greedy:
+        model.forward(np.array([context[-12:]]))
+        assert token == int(np.argmax(model.logits[0, -1, :50]))
+        context.append(token)
+    a = list(generate(model, prompt, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7))
+    b = list(generate(model, prompt, 10, temperature=1.0, top_k=20, top_p=0.9, seed=7))
+    c = list(generate(model, prompt, 10, temperature=1.0, top_k=20, top_p=0.9, seed=8))
+    assert a == b and a != c
+
+
+def test_top_k_and_top_p_restrict_the_choice():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    rng = np.random.default_rng(0)
+    picks = {sample_next(logits, rng, 1.0, top_k=2) for _ in range(200)}
+    assert picks == {0, 1}
+    picks = {sample_next(logits, rng, 1.0, top_p=0.7) for _ in range(200)}
+    assert picks == {0, 1}
+    picks = {sample_next(logits, rng, 1.0) for _ in range(400)}
+    assert picks == {0, 1, 2, 3}
+
+
+def test_sample_cli_streams_text(shards, tmp_path, monkeypatch, capsys):
+    require_real_ranks()
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(REAL_RANKS.parent))
+    monkeypatch.setenv("LLMC_OFFLINE", "1")
+    from llmc_py import sample
+    from llmc_py.tokenizer import get_encoding
+    get_encoding.cache_clear()
+    assert run(shards, tmp_path / "out", "-x", "2") == 0
+    model_path = str(tmp_path / "out" / "model_00000002.bin")
+    capsys.readouterr()
+    args = ["-e", model_path, "--prompt", "ROMEO:", "-g", "8", "--seed", "5", "--stop-at-eot", "0"]
+    assert sample.main(args + ["--temperature", "0"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("ROMEO:") and len(first) > len("ROMEO:\n")
+    assert sample.main(args + ["--temperature", "0"]) == 0
+    assert capsys.readouterr().out == first
+    assert sample.main(["-e", str(tmp_path / "missing.bin")]) == 1
+    assert "missing.bin" in capsys.readouterr().err
