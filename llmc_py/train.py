@@ -24,7 +24,7 @@ import numpy as np
 
 from . import checkpoint as ckpt
 from .config import GPT2Config, padded_vocab
-from .errors import LlmcError
+from .errors import CheckpointError, LlmcError
 from .model import GPT2, MATRIX_PARAMS
 from .sampling import generate
 
@@ -172,6 +172,16 @@ def save_checkpoint(out_dir, step, model, extra, keep):
                 path.unlink(missing_ok=True)
 
 
+def truncate_log(path, step):
+    """Drops the lines of steps after ``step`` from a main.log (left by a run
+    that went on past its last checkpoint), so a resumed run continues it."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if not (re.match(r"s:(\d+) ", line) and int(line[2:line.index(" ")]) > step)]
+    ckpt.atomic_write(path, ["".join(kept).encode()])
+
+
 # ---- the run -------------------------------------------------------------------
 
 class Progress:
@@ -267,15 +277,21 @@ def run(args, out=None):
     sample_rng = np.random.default_rng(args.seed)
 
     if resume_step:
-        _, m, v, extra = ckpt.read_state(checkpoint_paths(out_dir, resume_step)[1],
-                                         model.num_parameters)
+        state_path = checkpoint_paths(out_dir, resume_step)[1]
+        _, m, v, extra = ckpt.read_state(state_path, model.num_parameters)
+        saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         for key in ("batch_size", "seq_len", "grad_accum", "shuffle"):
-            if extra["args"][key] != getattr(args, key):
+            if saved.get(key) != getattr(args, key):
                 raise UsageError(f"-y 1: the checkpoint was made with {key}="
-                                 f"{extra['args'][key]}, this run has {getattr(args, key)}")
+                                 f"{saved.get(key)}, this run has {getattr(args, key)}")
+        try:
+            train_loader.load_state_dict(extra["train_loader"])
+            sample_rng.bit_generator.state = extra["sample_rng"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{state_path}: the data loader or RNG state is not "
+                                  f"usable ({type(e).__name__}: {e})") from None
         model.m_memory, model.v_memory = m, v
-        train_loader.load_state_dict(extra["train_loader"])
-        sample_rng.bit_generator.state = extra["sample_rng"]
+        truncate_log(out_dir / "main.log", resume_step)
         progress.say(f"resumed from step {resume_step} in {out_dir}")
 
     progress.say(f"model: {c.num_layers} layers, {c.channels} channels, {c.num_heads} heads, "
@@ -284,7 +300,7 @@ def run(args, out=None):
     log = open(out_dir / "main.log", "a" if resume_step else "w")
 
     def state_extra():
-        return {"args": {k: v for k, v in vars(args).items()},
+        return {"args": dict(vars(args)),
                 "train_loader": train_loader.state_dict(),
                 "sample_rng": sample_rng.bit_generator.state}
 

@@ -148,6 +148,31 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, 
     assert not (out / "model_00000003.bin").exists()
 
 
+def test_resume_after_a_crash_past_the_checkpoint(shards, tmp_path, monkeypatch):
+    """A run that died after its last checkpoint left log lines past it; the
+    resumed run replaces them and matches an uninterrupted run."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert run(shards, straight, "-x", "10", "-n", "5") == 0
+    real = GPT2.forward
+    calls = {"n": 0}
+
+    def forward(self, inputs, targets=None):
+        loss = real(self, inputs, targets)
+        if targets is not None and self.B == 2:
+            calls["n"] += 1
+            if calls["n"] == 8:
+                return float("inf")
+        return loss
+    monkeypatch.setattr(GPT2, "forward", forward)
+    assert run(shards, crashed, "-x", "10", "-n", "5", "-v", "0") == 1
+    monkeypatch.undo()
+    assert [s for s, _ in train_losses(crashed)] == [str(i) for i in range(1, 8)]
+    assert run(shards, crashed, "-x", "10", "-n", "5", "-v", "0", "-y", "1") == 0
+    assert train_losses(crashed) == train_losses(straight)
+    assert (crashed / "model_00000010.bin").read_bytes() == \
+        (straight / "model_00000010.bin").read_bytes()
+
+
 @pytest.mark.parametrize("extra,message", [
     (["-t", "2000"], "max_seq_len"),
     (["-t", "200"], "fewer than one batch"),
