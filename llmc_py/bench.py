@@ -85,12 +85,19 @@ def bench_torch_step(config, B, T, repeats, rng):
         return None
     torch.set_num_threads(get_num_threads())
     c = config
-    params = {}
+    # one leaf tensor per layer, as an nn.Module would hold them (slicing a
+    # stacked (L, ...) leaf would make autograd build full-size gradients)
     model = GPT2(c, seed=0)
+    params = {}
     for name in model.params.names:
-        params[name] = torch.tensor(model.params[name], requires_grad=True)
+        value = model.params[name]
+        if value.ndim >= 2 and value.shape[0] == c.num_layers and name not in ("wte", "wpe"):
+            params[name] = [torch.tensor(v, requires_grad=True) for v in value]
+        else:
+            params[name] = torch.tensor(value, requires_grad=True)
     del model
-    opt = torch.optim.AdamW(params.values(), lr=1e-4, weight_decay=0.0, fused=True)
+    leaves = [t for v in params.values() for t in (v if isinstance(v, list) else [v])]
+    opt = torch.optim.AdamW(leaves, lr=1e-4, weight_decay=0.0, fused=True)
     tokens = torch.as_tensor(rng.integers(0, c.vocab_size, size=(B, T + 1)))
     x, y = tokens[:, :-1], tokens[:, 1:]
     F = torch.nn.functional
