@@ -47,19 +47,22 @@ def num_parameters(config):
     return sum(math.prod(fn(config)) for _, fn in PARAM_SPECS)
 
 
-def _read_header(path, what):
+def read_header(path, what, error=CheckpointError):
+    """(header as int64 [256], file size) of one of llm.c's files; a
+    directory, an unreadable file or one shorter than a header raises
+    ``error`` naming the file."""
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory, not a {what} file")
+        raise error(f"{path}: is a directory, not a {what} file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read {what} file: {e.strerror or e}") from e
+        raise error(f"{path}: cannot read {what} file: {e.strerror or e}") from e
     if len(raw) < HEADER_BYTES:
-        raise CheckpointError(f"{path}: file size {size} bytes is smaller than the "
-                              f"{HEADER_BYTES}-byte {what} header (truncated or not a {what} file)")
+        raise error(f"{path}: file size {size} bytes is smaller than the {HEADER_BYTES}-byte "
+                    f"{what} header (empty, truncated or not a {what} file)")
     return np.frombuffer(raw, dtype="<i4").astype(np.int64), size
 
 
@@ -72,7 +75,7 @@ def _expect_size(path, size, expected, what):
 
 def read_model_header(path):
     """(GPT2Config, version, file size) from a model file's validated header."""
-    header, size = _read_header(path, "model")
+    header, size = read_header(path, "model")
     if header[0] != MAGIC_MODEL:
         raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
                               f"{MAGIC_MODEL} (not an llm.c model file)")
@@ -200,7 +203,7 @@ def write_debug_state(path, config, x, y, logits, loss, grads):
 def read_debug_state(path, config):
     """dict(x, y, logits (B, T, V), loss, grads flat) from a debug-state file
     written for a model of ``config``."""
-    header, size = _read_header(path, "debug-state")
+    header, size = read_header(path, "debug-state")
     if header[0] != MAGIC_DEBUG_STATE:
         raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
                               f"{MAGIC_DEBUG_STATE} (not an llm.c debug-state file)")
@@ -261,7 +264,7 @@ def write_state(path, step, m, v, extra):
 def read_state(path, num_params):
     """(step, m, v, extra) from a training-state file for a model of
     ``num_params`` parameters."""
-    header, size = _read_header(path, "training-state")
+    header, size = read_header(path, "training-state")
     if header[0] != MAGIC_STATE:
         raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
                               f"{MAGIC_STATE} (not an llmc_py training-state file)")

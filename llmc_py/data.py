@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import HEADER_BYTES, HEADER_INTS, atomic_write
+from .checkpoint import HEADER_BYTES, HEADER_INTS, atomic_write, read_header
 from .errors import LlmcError, ShapeError
 
 MAGIC_TOKENS = 20240520
@@ -81,20 +81,7 @@ def write_tokens(path, tokens):
 
 def read_tokens_header(path):
     """The token count of a token file, after checking its header and size."""
-    path = Path(path)
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, not a token file")
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read token file: {e.strerror or e}") from e
-    if len(raw) < HEADER_BYTES:
-        raise DataError(f"{path}: file size {size} bytes is smaller than the "
-                        f"{HEADER_BYTES}-byte token-file header (empty, truncated or "
-                        f"not a token file)")
-    header = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    header, size = read_header(path, "token", DataError)
     if header[0] != MAGIC_TOKENS:
         raise DataError(f"{path}: header field magic is {header[0]}, expected "
                         f"{MAGIC_TOKENS} (not an llm.c token file)")

@@ -53,6 +53,21 @@ def interrupt_at_batch(monkeypatch, n):
     monkeypatch.setattr(DataLoader, "next_batch", next_batch)
 
 
+def bad_loss_at_step(monkeypatch, n, value):
+    """Makes the training loss (batches of B=2) of the n-th forward ``value``."""
+    real = GPT2.forward
+    calls = {"n": 0}
+
+    def forward(self, inputs, targets=None):
+        loss = real(self, inputs, targets)
+        if targets is not None and self.B == 2:
+            calls["n"] += 1
+            if calls["n"] == n:
+                return value
+        return loss
+    monkeypatch.setattr(GPT2, "forward", forward)
+
+
 @pytest.mark.parametrize("shuffle", ["0", "1"])
 def test_resume_after_ctrl_c_is_bitwise_exact(shards, tmp_path, monkeypatch, capsys, shuffle):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -129,17 +144,7 @@ def test_plain_progress_lines(shards, tmp_path, capsys):
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeypatch,
                                                              capsys):
-    real = GPT2.forward
-    calls = {"n": 0}
-
-    def forward(self, inputs, targets=None):
-        loss = real(self, inputs, targets)
-        if targets is not None and self.B == 2:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                return float("nan")
-        return loss
-    monkeypatch.setattr(GPT2, "forward", forward)
+    bad_loss_at_step(monkeypatch, 3, float("nan"))
     out = tmp_path / "out"
     assert run(shards, out, "-x", "6", "-n", "2", "-v", "0") == 1
     text = capsys.readouterr().out
@@ -153,17 +158,7 @@ def test_resume_after_a_crash_past_the_checkpoint(shards, tmp_path, monkeypatch)
     resumed run replaces them and matches an uninterrupted run."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     assert run(shards, straight, "-x", "10", "-n", "5") == 0
-    real = GPT2.forward
-    calls = {"n": 0}
-
-    def forward(self, inputs, targets=None):
-        loss = real(self, inputs, targets)
-        if targets is not None and self.B == 2:
-            calls["n"] += 1
-            if calls["n"] == 8:
-                return float("inf")
-        return loss
-    monkeypatch.setattr(GPT2, "forward", forward)
+    bad_loss_at_step(monkeypatch, 8, float("inf"))
     assert run(shards, crashed, "-x", "10", "-n", "5", "-v", "0") == 1
     monkeypatch.undo()
     assert [s for s, _ in train_losses(crashed)] == [str(i) for i in range(1, 8)]
