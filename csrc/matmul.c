@@ -29,17 +29,20 @@
 /* 16 floats; with -march=native on an AVX-512 machine, one zmm register. */
 typedef float vec16 __attribute__((vector_size(64)));
 
-#define MR 6            /* rows of C per micro-kernel call                */
-#define NR 32           /* columns of C per micro-kernel call: 2 vectors  */
-#define KC 256          /* depth of a packed B panel                      */
-#define MC 96           /* rows of C per parallel tile (a multiple of MR) */
+#define MR 6            /* rows of C per micro-kernel call                  */
+#define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
+#define KC 256          /* depth of a packed block                          */
+#define MC_MAX 480      /* rows of C per tile (a multiple of MR)            */
+#define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
 
 static inline vec16 load16(const float* p) { vec16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 /*
  * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
- * bp is a packed panel, NR floats per k; c has row stride ldc.
+ * a is either A itself (row-major: ars = lda, aks = 1) or a packed
+ * micro-panel (ars = 1, aks = MR); bp is a packed B panel (NR floats per
+ * k); c has row stride ldc.
  */
 static inline void micro_kernel(int kc, const float* a, size_t ars, size_t aks,
                                 const float* bp, float* c, size_t ldc) {
@@ -64,31 +67,44 @@ static inline void micro_kernel(int kc, const float* a, size_t ars, size_t aks,
     }
 }
 
-/* The same for a partial tile (mr <= MR rows, nr <= NR columns): works on a
-   local copy of the tile and writes back only its valid part. */
-static void edge_kernel(int kc, int mr, int nr, const float* a, size_t ars, size_t aks,
-                        const float* bp, float* c, size_t ldc) {
+/* The same for a partial tile (mr <= MR rows, nr <= NR columns) with a
+   packed, zero-padded A micro-panel: runs on a local copy of the tile and
+   writes back only its valid part. */
+static void edge_kernel(int kc, int mr, int nr, const float* ap, const float* bp,
+                        float* c, size_t ldc) {
     float tile[MR * NR];
     memset(tile, 0, sizeof tile);
     for (int r = 0; r < mr; r++) { memcpy(tile + r * NR, c + r * ldc, nr * sizeof(float)); }
-    if (mr == MR) {
-        micro_kernel(kc, a, ars, aks, bp, tile, NR);
-    } else {
-        for (int r = 0; r < mr; r++) {
-            float* tile_r = tile + r * NR;
-            const float* a_r = a + r * ars;
-            for (int k = 0; k < kc; k++) {
-                const float a_rk = a_r[k * aks];
-                const float* bp_k = bp + (size_t)k * NR;
-                for (int j = 0; j < NR; j++) { tile_r[j] += a_rk * bp_k[j]; }
-            }
-        }
-    }
+    micro_kernel(kc, ap, 1, MR, bp, tile, NR);
     for (int r = 0; r < mr; r++) { memcpy(c + r * ldc, tile + r * NR, nr * sizeof(float)); }
 }
 
-/* Copies B[k0 .. k0+kc, j0 .. j0+nr) into bp as kc rows of NR floats,
-   zero-filling columns past nr. */
+/* Packs A[m0 .. m0+mc, k0 .. k0+kc) as ceil(mc/MR) micro-panels of kc x MR
+   floats (A(m,k) = a[m*ars + k*aks]); rows past mc are zero. */
+static void pack_a_block(float* ap, const float* a, size_t ars, size_t aks,
+                         int m0, int mc, int k0, int kc) {
+    for (int mp = 0; mp < mc; mp += MR) {
+        float* panel = ap + (size_t)mp * kc;
+        const int mr = mc - mp < MR ? mc - mp : MR;
+        if (mr < MR) { memset(panel, 0, (size_t)kc * MR * sizeof(float)); }
+        if (ars == 1) {
+            // A is stored transposed (dout^T for dweight): each k reads mr
+            // neighbouring floats
+            for (int k = 0; k < kc; k++) {
+                const float* a_k = a + (size_t)(k0 + k) * aks + (size_t)(m0 + mp);
+                for (int r = 0; r < mr; r++) { panel[(size_t)k * MR + r] = a_k[r]; }
+            }
+        } else {
+            for (int r = 0; r < mr; r++) {
+                const float* a_r = a + (size_t)(m0 + mp + r) * ars + (size_t)k0 * aks;
+                for (int k = 0; k < kc; k++) { panel[(size_t)k * MR + r] = a_r[(size_t)k * aks]; }
+            }
+        }
+    }
+}
+
+/* Packs B[k0 .. k0+kc, j0 .. j0+nr) as kc rows of NR floats
+   (B(k,n) = b[k*brs + n*bcs]); columns past nr are zero. */
 static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
                          int k0, int kc, int j0, int nr) {
     if (nr < NR) { memset(bp, 0, (size_t)kc * NR * sizeof(float)); }
@@ -106,49 +122,89 @@ static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
     }
 }
 
+static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
+static long ceil_div(long x, long y) { return (x + y - 1) / y; }
+
 /*
  * c[m*ldc + n] += sum_k A(m,k) * B(k,n), with A(m,k) = a[m*ars + k*aks] and
  * B(k,n) = b[k*brs + n*bcs], for m < M, n < N, k < K.
+ *
+ * The output is cut into tiles of MC rows x NC columns, spread over the
+ * threads. Per tile and k block, each KC x NR panel of B is packed once and
+ * used by every row of the tile. A is read in place when its rows are
+ * contiguous (forward, dinp); when it is stored transposed (dout^T for
+ * dweight) the tile's MC x KC block is packed first. The tile shape follows
+ * from that: with A in place, MC covers all of a small M so that B is packed
+ * once per call, and NC is cut for parallelism; with A packed, NC is wide so
+ * that the packing pays off, and MC is cut instead.
  */
 static int gemm_accumulate(float* c, size_t ldc,
                            const float* a, size_t ars, size_t aks,
                            const float* b, size_t brs, size_t bcs,
                            int M, int N, int K) {
-    const long n_panels = (N + NR - 1) / NR;
-    const long m_blocks = (M + MC - 1) / MC;
-    const long tiles = n_panels * m_blocks;
     const int nthreads = omp_get_max_threads();
-    float* packs = aligned_alloc(64, (size_t)nthreads * KC * NR * sizeof(float));
-    LLMC_REQUIRE(packs != NULL, LLMC_ERR_NOMEM);
+    const long target_tiles = 4L * nthreads;
+    const int pack_a = aks != 1;
+    // blocks of (nearly) equal size, so that static scheduling balances
+    long m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+    if (pack_a) {
+        if (m_blocks * n_blocks < target_tiles) { m_blocks = ceil_div(target_tiles, n_blocks); }
+    } else {
+        if (m_blocks * n_blocks < target_tiles) { n_blocks = ceil_div(target_tiles, m_blocks); }
+    }
+    const int MC = round_up((int)ceil_div(M, m_blocks), MR);
+    const int NC = round_up((int)ceil_div(N, n_blocks), NR);
+    m_blocks = ceil_div(M, MC);
+    n_blocks = ceil_div(N, NC);
+    const long tiles = m_blocks * n_blocks;
+    const size_t ap_floats = (size_t)MC * KC, bp_floats = (size_t)KC * NR;
+    float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
-    // tiles go row-block major, so the tiles one thread takes in a row share
-    // their MC x K block of A, which stays in L2
     #pragma omp parallel
     {
-        float* bp = packs + (size_t)omp_get_thread_num() * KC * NR;
+        float* ap = scratch + (size_t)omp_get_thread_num() * (ap_floats + bp_floats);
+        float* bp = ap + ap_floats;
         #pragma omp for schedule(static)
         for (long tile = 0; tile < tiles; tile++) {
-            const int m0 = (int)(tile / n_panels) * MC;
-            const int j0 = (int)(tile % n_panels) * NR;
+            const int m0 = (int)(tile / n_blocks) * MC;
+            const int n0 = (int)(tile % n_blocks) * NC;
             const int mc = M - m0 < MC ? M - m0 : MC;
-            const int nr = N - j0 < NR ? N - j0 : NR;
+            const int nc = N - n0 < NC ? N - n0 : NC;
             for (int k0 = 0; k0 < K; k0 += KC) {
                 const int kc = K - k0 < KC ? K - k0 : KC;
-                pack_b_panel(bp, b, brs, bcs, k0, kc, j0, nr);
-                for (int m = m0; m < m0 + mc; m += MR) {
-                    const int mr = m0 + mc - m < MR ? m0 + mc - m : MR;
-                    const float* a_mk = a + (size_t)m * ars + (size_t)k0 * aks;
-                    float* c_mj = c + (size_t)m * ldc + j0;
-                    if (mr == MR && nr == NR) {
-                        micro_kernel(kc, a_mk, ars, aks, bp, c_mj, ldc);
-                    } else {
-                        edge_kernel(kc, mr, nr, a_mk, ars, aks, bp, c_mj, ldc);
+                // packed: all of the tile's rows; in place: only a partial last micro-panel
+                const int full_rows = pack_a ? 0 : mc / MR * MR;
+                if (mc > full_rows) {
+                    pack_a_block(ap, a, ars, aks, m0 + full_rows, mc - full_rows, k0, kc);
+                }
+                for (int j0 = n0; j0 < n0 + nc; j0 += NR) {
+                    const int nr = n0 + nc - j0 < NR ? n0 + nc - j0 : NR;
+                    pack_b_panel(bp, b, brs, bcs, k0, kc, j0, nr);
+                    for (int mp = 0; mp < mc; mp += MR) {
+                        const int mr = mc - mp < MR ? mc - mp : MR;
+                        float* c_mj = c + (size_t)(m0 + mp) * ldc + j0;
+                        if (mp < full_rows && nr == NR) {
+                            micro_kernel(kc, a + (size_t)(m0 + mp) * ars + k0, ars, 1,
+                                         bp, c_mj, ldc);
+                        } else if (mp < full_rows) {
+                            // in place but a partial column panel: copy A rows
+                            float panel[KC * MR];
+                            pack_a_block(panel, a, ars, aks, m0 + mp, MR, k0, kc);
+                            edge_kernel(kc, MR, nr, panel, bp, c_mj, ldc);
+                        } else if (mr == MR && nr == NR) {
+                            micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR,
+                                         bp, c_mj, ldc);
+                        } else {
+                            edge_kernel(kc, mr, nr, ap + (size_t)(mp - full_rows) * kc, bp,
+                                        c_mj, ldc);
+                        }
                     }
                 }
             }
         }
     }
-    free(packs);
+    free(scratch);
     return LLMC_OK;
 }
 

@@ -35,7 +35,9 @@ SOURCES = [
     "adamw.c",
 ]
 
-BASE_FLAGS = ["-O3", "-std=c11", "-ffp-contract=fast"]
+# -ffp-contract=fast: fused multiply-adds (ISO C mode turns them off);
+# -fno-math-errno: sqrtf and friends may then be vectorised. No -ffast-math.
+BASE_FLAGS = ["-O3", "-std=c11", "-ffp-contract=fast", "-fno-math-errno"]
 
 _PROBE_SOURCE = """
 #include <omp.h>

@@ -55,7 +55,8 @@ def bench_matmul(BT, C, OC, repeats, rng):
     ]
     for name, ours, theirs in cases:
         scale = 2 if name.startswith("bwd") else 1
-        t_ours, t_np = timed(ours, repeats), timed(theirs, repeats)
+        # a few untimed calls first: page faults, thread wake-up and clock ramp
+        t_ours, t_np = timed(ours, repeats, warmup=3), timed(theirs, repeats, warmup=3)
         rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
                      "gflops": scale * flop / t_ours["median"] / 1e9,
                      "numpy_gflops": scale * flop / t_np["median"] / 1e9,
