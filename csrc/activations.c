@@ -1,4 +1,5 @@
-/* Element-wise layers: GELU (tanh approximation) and the residual add. */
+/* Element-wise layers: GELU (tanh approximation) and the residual add.
+   GELU uses llmc_tanhf (common.h) rather than libm's tanhf, so its loops vectorise. */
 #include "llmc.h"
 #include "common.h"
 
@@ -12,7 +13,7 @@ int gelu_forward(float* out, const float* inp, long N) {
     for (long i = 0; i < N; i++) {
         const float x = inp[i];
         const float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
-        out[i] = 0.5f * x * (1.0f + tanhf(u));
+        out[i] = 0.5f * x * (1.0f + llmc_tanhf(u));
     }
     return LLMC_OK;
 }
@@ -26,7 +27,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
     for (long i = 0; i < N; i++) {
         const float x = inp[i];
         const float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
-        const float th = tanhf(u);
+        const float th = llmc_tanhf(u);
         const float sech2 = 1.0f - th * th;
         const float du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
         dinp[i] += (0.5f * (1.0f + th) + 0.5f * x * sech2 * du) * dout[i];
