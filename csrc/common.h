@@ -29,45 +29,71 @@ static inline void omp_set_num_threads(int n) { (void)n; }
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384
 
+/* 16 floats / 16 int32s: one zmm register with -march=native on AVX-512;
+   GCC and clang lower them to narrower vectors elsewhere. */
+typedef float vec16f __attribute__((vector_size(64)));
+typedef int32_t vec16i __attribute__((vector_size(64)));
+
+/* mask ? a : b, lane by lane (mask lanes are -1 or 0, as comparisons give). */
+static inline vec16f llmc_select16(vec16i mask, vec16f a, vec16f b) {
+    return (vec16f)(((vec16i)a & mask) | ((vec16i)b & ~mask));
+}
+
 /*
- * exp(x) in plain arithmetic, so that loops calling it vectorise (libm's
- * expf does not without -ffast-math). Cody-Waite range reduction
- * x = n ln2 + r, |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r;
- * within 2 ulp of exp over [-87.3, 88.7]; inputs below give 0, above +inf.
+ * exp(x) on 16 lanes in plain vector arithmetic (libm's expf does not
+ * vectorise without -ffast-math). Cody-Waite range reduction x = n ln2 + r,
+ * |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r. Within 2 ulp of
+ * exp on [-87.3, 88.7]; below that 0, above +inf; NaN stays NaN.
  */
-static inline float llmc_expf(float x) {
+static inline vec16f llmc_exp16(vec16f x) {
+    const vec16f zero = {0};
     const float hi = 88.72283f, lo = -87.3365478515625f;
-    const int overflow = x > hi, underflow = x < lo;
-    x = x > hi ? hi : (x < lo ? lo : x);
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    const vec16i too_big = x > zero + hi, too_small = x < zero + lo, nan = x != x;
+    vec16f xc = llmc_select16(too_big, zero + hi, x);
+    xc = llmc_select16(too_small, zero + lo, xc);
+    xc = llmc_select16(nan, zero, xc);
+    // n = floor(x / ln2 + 0.5): truncate, then step down where that rounded up
+    const vec16f t = xc * 1.44269504088896341f + 0.5f;
+    vec16i n = __builtin_convertvector(t, vec16i);
+    n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
+    const vec16f nf = __builtin_convertvector(n, vec16f);
+    vec16f r = xc - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vec16f p = zero + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    // scale by 2^n in two halves, so that n = 128 (x near hi) still fits
-    const int n_int = (int)n;
-    const int32_t half1 = (int32_t)((n_int / 2 + 127) << 23);
-    const int32_t half2 = (int32_t)((n_int - n_int / 2 + 127) << 23);
-    float s1, s2;
-    memcpy(&s1, &half1, sizeof s1);
-    memcpy(&s2, &half2, sizeof s2);
-    const float result = p * s1 * s2;
-    return overflow ? INFINITY : (underflow ? 0.0f : result);
+    // times 2^n, in two halves so that n = 128 (x near hi) still fits
+    const vec16i half1 = ((n >> 1) + 127) << 23;
+    const vec16i half2 = ((n - (n >> 1)) + 127) << 23;
+    vec16f result = p * (vec16f)half1 * (vec16f)half2;
+    result = llmc_select16(too_big, zero + INFINITY, result);
+    result = llmc_select16(too_small, zero, result);
+    return llmc_select16(nan, x, result);
 }
 
-/* tanh(x) through llmc_expf: (1 - e^-2|x|) / (1 + e^-2|x|) with the sign of x.
-   Absolute error within ~1e-7 (relative error grows as |x| -> 0, where the
-   value itself vanishes). */
-static inline float llmc_tanhf(float x) {
-    const float ax = x < 0 ? -x : x;
-    const float e = llmc_expf(-2.0f * ax);
-    const float t = (1.0f - e) / (1.0f + e);
-    return x < 0 ? -t : t;
+/* tanh(x) on 16 lanes: (1 - e^-2|x|) / (1 + e^-2|x|) with the sign of x.
+   Absolute error within ~1e-7 (the relative error grows as |x| -> 0, where
+   the value itself vanishes). */
+static inline vec16f llmc_tanh16(vec16f x) {
+    const vec16i sign_bit = (vec16i){0} + (int32_t)0x80000000;
+    const vec16f ax = (vec16f)((vec16i)x & ~sign_bit);
+    const vec16f e = llmc_exp16(ax * -2.0f);
+    const vec16f t = (1.0f - e) / (1.0f + e);
+    return (vec16f)((vec16i)t | ((vec16i)x & sign_bit));
+}
+
+/* Loads n <= 16 floats into a vector, zero-filling the rest; stores n back. */
+static inline vec16f llmc_load16(const float* p, int n) {
+    vec16f v = {0};
+    memcpy(&v, p, (size_t)n * sizeof(float));
+    return v;
+}
+static inline void llmc_store16(float* p, vec16f v, int n) {
+    memcpy(p, &v, (size_t)n * sizeof(float));
 }
 
 #endif

@@ -3,13 +3,16 @@
 1. matmul: each product of a linear layer at GPT-2 124M's shapes, verified
    against the naive kernel, then timed beside numpy's sgemm for the same
    product; GFLOP/s.
-2. the training step of GPT-2 124M (random init): forward + backward + AdamW,
+2. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
+   of the same bytes.
+3. the training step of GPT-2 124M (random init): forward + backward + AdamW,
    ms/step and tokens/s, beside PyTorch eager on the same model when torch is
-   installed.
+   installed (and on 1 thread with --scaling).
 Every time is the median of several repeats (min and max shown too).
 """
 import argparse
 import json
+import resource
 import statistics
 import sys
 import time
@@ -23,6 +26,8 @@ from .model import GPT2
 
 
 def timed(fn, repeats, warmup=1):
+    # let other libraries' spinning worker threads (numpy's BLAS) go idle first
+    time.sleep(0.05)
     for _ in range(warmup):
         fn()
     times = []
@@ -61,6 +66,36 @@ def bench_matmul(BT, C, OC, repeats, rng):
                      "gflops": scale * flop / t_ours["median"] / 1e9,
                      "numpy_gflops": scale * flop / t_np["median"] / 1e9,
                      "ms": t_ours["median"] * 1e3})
+    return rows
+
+
+def bench_memory_bound(N, repeats, rng):
+    """GB/s of the element-wise kernels and AdamW beside a numpy copy of the
+    same number of bytes (read + written)."""
+    x = rng.standard_normal(N, dtype=np.float32)
+    y = rng.standard_normal(N, dtype=np.float32)
+    out = np.empty_like(x)
+    m, v = np.zeros_like(x), np.zeros_like(x)
+    step = {"t": 0}
+
+    def adamw():
+        step["t"] += 1
+        K.adamw_update(out, m, v, x, 1e-4, 0.9, 0.999, 1e-8, 0.0, step["t"])
+    cases = [  # name, fn, bytes moved per call (reads + writes)
+        ("gelu_forward", lambda: K.gelu_forward(out, x), 8 * N),
+        ("gelu_backward", lambda: K.gelu_backward(out, y, x), 16 * N),
+        ("residual_forward", lambda: K.residual_forward(out, x, y), 12 * N),
+        ("adamw_update", adamw, 28 * N),
+    ]
+    rows = []
+    for name, fn, nbytes in cases:
+        t = timed(fn, repeats, warmup=2)
+        copy_src = np.empty(nbytes // 8, np.float32)
+        copy_dst = np.empty_like(copy_src)
+        t_copy = timed(lambda: np.copyto(copy_dst, copy_src), repeats, warmup=2)
+        rows.append({"kernel": name, "elements": N, "ms": t["median"] * 1e3,
+                     "gbps": nbytes / t["median"] / 1e9,
+                     "copy_gbps": nbytes / t_copy["median"] / 1e9})
     return rows
 
 
@@ -135,6 +170,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--scaling", action="store_true",
+                   help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args(argv)
     if args.threads:
@@ -145,10 +182,17 @@ def main(argv=None):
     if not args.skip_matmul:
         for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
             results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng)
+        results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     config = GPT2Config(num_layers=args.layers)
     results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
     if not args.skip_torch:
         results["step"]["torch_eager"] = bench_torch_step(config, B, T, args.repeats, rng)
+    if args.scaling:
+        threads = get_num_threads()
+        set_num_threads(1)
+        results["step"]["llmc_py_1_thread"] = bench_step(config, B, T, args.repeats, rng)
+        set_num_threads(threads)
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
@@ -158,13 +202,25 @@ def main(argv=None):
         for r in results["matmul"]:
             print(f"{r['kernel']:<20}{r['shape']:>18}{r['ms']:9.2f}{r['gflops']:10.1f}"
                   f"{r['numpy_gflops']:9.1f}{r['gflops'] / r['numpy_gflops']:7.2f}")
+    if results.get("memory_bound"):
+        print(f"\n{'kernel':<20}{'elements':>12}{'ms':>9}{'GB/s':>8}{'copy':>8}{'ratio':>7}")
+        for r in results["memory_bound"]:
+            print(f"{r['kernel']:<20}{r['elements']:>12}{r['ms']:9.2f}{r['gbps']:8.1f}"
+                  f"{r['copy_gbps']:8.1f}{r['gbps'] / r['copy_gbps']:7.2f}")
     print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max):")
     for name, t in results["step"].items():
         if t is None:
             print(f"  {name:<12} not installed")
             continue
-        print(f"  {name:<12} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f})"
-              f"  {B * T / t['median']:8.0f} tok/s")
+        print(f"  {name:<18} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s")
+    ours, torch_t = results["step"]["llmc_py"], results["step"].get("torch_eager")
+    if torch_t:
+        print(f"  speed-up over torch eager: {torch_t['median'] / ours['median']:.2f}x")
+    if "llmc_py_1_thread" in results["step"]:
+        one = results["step"]["llmc_py_1_thread"]
+        print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
     return 0
 
 
