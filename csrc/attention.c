@@ -31,19 +31,19 @@ int attention_forward(float* out, float* att, const float* inp,
                 float maxval = -INFINITY;
                 for (int t2 = 0; t2 <= t; t2++) {
                     const float* k = inp_b + (size_t)t2 * C3 + C + (size_t)h * hs;
-                    float dot = 0.0f;
-                    for (int i = 0; i < hs; i++) { dot += q[i] * k[i]; }
-                    dot *= scale;
+                    const float dot = llmc_dot(q, k, hs) * scale;
                     att_bth[t2] = dot;
                     if (dot > maxval) { maxval = dot; }
                 }
                 // softmax over t2 <= t; the masked future is exactly 0
-                float expsum = 0.0f;
-                for (int t2 = 0; t2 <= t; t2++) {
-                    const float e = expf(att_bth[t2] - maxval);
-                    att_bth[t2] = e;
-                    expsum += e;
+                vec16f expsum16 = {0};
+                for (int t2 = 0; t2 <= t; t2 += 16) {
+                    const int n = t + 1 - t2 < 16 ? t + 1 - t2 : 16;
+                    const vec16f e = llmc_exp16(llmc_load16(att_bth + t2, n) - maxval);
+                    llmc_store16(att_bth + t2, e, n);
+                    expsum16 += llmc_select16(llmc_lanes_below(n), e, (vec16f){0});
                 }
+                const float expsum = llmc_hsum16(expsum16);
                 const float inv = 1.0f / expsum;
                 for (int t2 = 0; t2 <= t; t2++) { att_bth[t2] *= inv; }
                 for (int t2 = t + 1; t2 < T; t2++) { att_bth[t2] = 0.0f; }
@@ -93,11 +93,8 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
                     const float* v = inp_b + v_off;
                     float* dv = dinp_b + v_off;
                     const float a = att_bth[t2];
-                    float d = 0.0f;
-                    for (int i = 0; i < hs; i++) {
-                        d += dout_bth[i] * v[i];
-                        dv[i] += a * dout_bth[i];
-                    }
+                    for (int i = 0; i < hs; i++) { dv[i] += a * dout_bth[i]; }
+                    const float d = llmc_dot(dout_bth, v, hs);
                     datt[t2] = d;
                     att_datt += a * d;
                 }

@@ -96,4 +96,27 @@ static inline void llmc_store16(float* p, vec16f v, int n) {
     memcpy(p, &v, (size_t)n * sizeof(float));
 }
 
+/* A mask whose first n lanes are set. */
+static inline vec16i llmc_lanes_below(int n) {
+    const vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return lane < n;
+}
+
+/* The sum of a vector's 16 lanes, added in a fixed order. */
+static inline float llmc_hsum16(vec16f v) {
+    float sum = 0.0f;
+    for (int i = 0; i < 16; i++) { sum += v[i]; }
+    return sum;
+}
+
+/* sum_i a[i] * b[i] over n floats: 16 lanes at a time, then the lanes in
+   order. The order is fixed by n alone, so the result is reproducible. */
+static inline float llmc_dot(const float* a, const float* b, int n) {
+    vec16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) { acc += llmc_load16(a + i, 16) * llmc_load16(b + i, 16); }
+    if (i < n) { acc += llmc_load16(a + i, n - i) * llmc_load16(b + i, n - i); }
+    return llmc_hsum16(acc);
+}
+
 #endif

@@ -25,11 +25,14 @@ int softmax_forward(float* probs, const float* logits, int B, int T, int V, int 
         float* p = probs + (size_t)bt * Vp;
         float maxval = -INFINITY;
         for (int i = 0; i < V; i++) { if (x[i] > maxval) { maxval = x[i]; } }
-        // the normaliser sums up to ~50k terms: accumulate it in double
+        // exponentials 16 lanes at a time; the normaliser sums up to ~50k
+        // terms, so each block's lanes are added into a double, in order
         double sum = 0.0;
-        for (int i = 0; i < V; i++) {
-            p[i] = expf(x[i] - maxval);
-            sum += p[i];
+        for (int i = 0; i < V; i += 16) {
+            const int n = V - i < 16 ? V - i : 16;
+            const vec16f e = llmc_exp16(llmc_load16(x + i, n) - maxval);
+            llmc_store16(p + i, e, n);
+            sum += llmc_hsum16(llmc_select16(llmc_lanes_below(n), e, (vec16f){0}));
         }
         const float inv = (float)(1.0 / sum);
         for (int i = 0; i < V; i++) { p[i] *= inv; }
