@@ -26,17 +26,11 @@
 #include "llmc.h"
 #include "common.h"
 
-/* 16 floats; with -march=native on an AVX-512 machine, one zmm register. */
-typedef float vec16 __attribute__((vector_size(64)));
-
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
 #define KC 256          /* depth of a packed block                          */
 #define MC_MAX 480      /* rows of C per tile (a multiple of MR)            */
 #define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
-
-static inline vec16 load16(const float* p) { vec16 v; memcpy(&v, p, sizeof v); return v; }
-static inline void store16(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
 
 /*
  * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
@@ -46,14 +40,14 @@ static inline void store16(float* p, vec16 v) { memcpy(p, &v, sizeof v); }
  */
 static inline void micro_kernel(int kc, const float* a, size_t ars, size_t aks,
                                 const float* bp, float* c, size_t ldc) {
-    vec16 acc[MR][2];
+    vec16f acc[MR][2];
     for (int r = 0; r < MR; r++) {
-        acc[r][0] = load16(c + r * ldc);
-        acc[r][1] = load16(c + r * ldc + 16);
+        acc[r][0] = llmc_load16(c + r * ldc, 16);
+        acc[r][1] = llmc_load16(c + r * ldc + 16, 16);
     }
     for (int k = 0; k < kc; k++) {
-        const vec16 b0 = load16(bp + (size_t)k * NR);
-        const vec16 b1 = load16(bp + (size_t)k * NR + 16);
+        const vec16f b0 = llmc_load16(bp + (size_t)k * NR, 16);
+        const vec16f b1 = llmc_load16(bp + (size_t)k * NR + 16, 16);
         const float* a_k = a + k * aks;
         for (int r = 0; r < MR; r++) {
             const float a_rk = a_k[r * ars];
@@ -62,8 +56,8 @@ static inline void micro_kernel(int kc, const float* a, size_t ars, size_t aks,
         }
     }
     for (int r = 0; r < MR; r++) {
-        store16(c + r * ldc, acc[r][0]);
-        store16(c + r * ldc + 16, acc[r][1]);
+        llmc_store16(c + r * ldc, acc[r][0], 16);
+        llmc_store16(c + r * ldc + 16, acc[r][1], 16);
     }
 }
 
