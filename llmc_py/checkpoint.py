@@ -66,6 +66,15 @@ def read_header(path, what, error=CheckpointError):
     return np.frombuffer(raw, dtype="<i4").astype(np.int64), size
 
 
+def expect_magic_version(path, header, magic, version, kind):
+    """Raises CheckpointError unless header slots 0 and 1 hold ``magic`` and ``version``."""
+    if header[0] != magic:
+        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {magic} "
+                              f"(not {kind})")
+    if header[1] != version:
+        raise CheckpointError(f"{path}: header field version is {header[1]}, expected {version}")
+
+
 def _expect_size(path, size, expected, what):
     if size != expected:
         kind = "truncated" if size < expected else "has trailing bytes"
@@ -204,12 +213,8 @@ def read_debug_state(path, config):
     """dict(x, y, logits (B, T, V), loss, grads flat) from a debug-state file
     written for a model of ``config``."""
     header, size = read_header(path, "debug-state")
-    if header[0] != MAGIC_DEBUG_STATE:
-        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
-                              f"{MAGIC_DEBUG_STATE} (not an llm.c debug-state file)")
-    if header[1] != VERSION_DEBUG_STATE:
-        raise CheckpointError(f"{path}: header field version is {header[1]}, expected "
-                              f"{VERSION_DEBUG_STATE}")
+    expect_magic_version(path, header, MAGIC_DEBUG_STATE, VERSION_DEBUG_STATE,
+                         "an llm.c debug-state file")
     B, T = int(header[2]), int(header[3])
     for name, value in (("B", B), ("T", T)):
         if value <= 0:
@@ -265,12 +270,8 @@ def read_state(path, num_params):
     """(step, m, v, extra) from a training-state file for a model of
     ``num_params`` parameters."""
     header, size = read_header(path, "training-state")
-    if header[0] != MAGIC_STATE:
-        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
-                              f"{MAGIC_STATE} (not an llmc_py training-state file)")
-    if header[1] != VERSION_STATE:
-        raise CheckpointError(f"{path}: header field version is {header[1]}, expected "
-                              f"{VERSION_STATE}")
+    expect_magic_version(path, header, MAGIC_STATE, VERSION_STATE,
+                         "an llmc_py training-state file")
     step = int(header[STATE_SLOTS["step"]])
     count = int(header[STATE_SLOTS["nparams_low"]]) + (int(header[STATE_SLOTS["nparams_high"]]) << 31)
     json_bytes = int(header[STATE_SLOTS["json_bytes"]])
