@@ -66,3 +66,119 @@ class GPT2Config:
     @property
     def maxT(self):
         return self.max_seq_len
+
+
+# the Llama family's choices; each is a string in the config and a small int
+# code in the checkpoint header (the index in these tuples)
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope", "alibi")
+MLPS = ("gelu", "swiglu")
+# SwiGLU's hidden size by the Llama rule is rounded up to a multiple of this
+FFN_MULTIPLE = 32
+
+
+def llama_ffn_hidden(channels, multiple=FFN_MULTIPLE):
+    """The Llama rule: 2/3 of 4C, rounded up to a multiple (so a SwiGLU MLP's
+    three matrices hold about as many weights as GPT-2's two of 4C)."""
+    hidden = 8 * channels // 3
+    return (hidden + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE and
+                                     # ALiBi only the length trained at, not a limit
+    vocab_size: int = 50257          # V
+    padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
+    num_layers: int = 12             # L
+    num_heads: int = 12              # NH: query heads; must divide channels
+    num_kv_heads: int = 4            # NKV: key/value heads; divides NH (1: MQA, NH: MHA)
+    channels: int = 768              # C
+    ffn_hidden: int = 0              # FF: MLP hidden size; 0 picks the default (the Llama
+                                     # rule for swiglu, 4C for gelu)
+    norm: str = "rmsnorm"            # "rmsnorm" (weight only) | "layernorm" (weight, bias)
+    position: str = "rope"           # "rope" | "alibi" | "learned" (a wpe table, as GPT-2)
+    mlp: str = "swiglu"              # "swiglu": W2(silu(x W1) * x W3) | "gelu": GPT-2's
+    bias: bool = False               # biases on the linear layers
+    tied_embeddings: bool = True     # the output head is wte; False adds lm_head [Vp, C]
+    rope_theta: float = 10000.0      # RoPE base
+    norm_eps: float = 1e-5           # epsilon inside the norms
+
+    def __post_init__(self):
+        if isinstance(self.ffn_hidden, int) and self.ffn_hidden == 0:
+            default = llama_ffn_hidden(self.channels) if self.mlp == "swiglu" \
+                else 4 * self.channels
+            object.__setattr__(self, "ffn_hidden", default)
+        self.validate()
+
+    def validate(self):
+        """Raises ShapeError naming the first field that cannot describe a model."""
+        for name in ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers",
+                     "num_heads", "num_kv_heads", "channels", "ffn_hidden"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ShapeError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ShapeError(f"LlamaConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("bias", "tied_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShapeError(f"LlamaConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (0 < value < float("inf")):
+                raise ShapeError(f"LlamaConfig.{name} must be a positive finite number, "
+                                 f"got {value!r}")
+        if self.channels % self.num_heads != 0:
+            raise ShapeError(f"LlamaConfig.channels={self.channels} is not divisible by "
+                             f"num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ShapeError(f"LlamaConfig.num_heads={self.num_heads} is not divisible by "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.position == "rope" and self.head_size % 2 != 0:
+            raise ShapeError(f"LlamaConfig: RoPE needs an even head size, got "
+                             f"channels / num_heads = {self.head_size}")
+        if self.padded_vocab_size < self.vocab_size:
+            raise ShapeError(f"LlamaConfig.padded_vocab_size={self.padded_vocab_size} is "
+                             f"smaller than vocab_size={self.vocab_size}")
+
+    @property
+    def head_size(self):
+        return self.channels // self.num_heads
+
+    @property
+    def kv_dim(self):
+        """Channels of the k (or v) heads together: NKV * hs."""
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def qkv_channels(self):
+        """Width of the fused q, k, v projection: (NH + 2 NKV) * hs."""
+        return self.channels + 2 * self.kv_dim
+
+    @property
+    def fc_channels(self):
+        """Width of the MLP's first projection: 2 FF for SwiGLU (W1 and W3
+        stacked), FF for GELU."""
+        return 2 * self.ffn_hidden if self.mlp == "swiglu" else self.ffn_hidden
+
+    @property
+    def learned_positions(self):
+        return self.position == "learned"
+
+    C = GPT2Config.C
+    L = GPT2Config.L
+    NH = GPT2Config.NH
+    V = GPT2Config.V
+    Vp = GPT2Config.Vp
+    maxT = GPT2Config.maxT
+
+    @property
+    def NKV(self):
+        return self.num_kv_heads
+
+    @property
+    def FF(self):
+        return self.ffn_hidden

@@ -59,7 +59,14 @@ ACT_SPECS = (
 # writes (att, the norm statistics and probs need none)
 _NO_GRAD = {"att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
             "probs"}
-GRAD_ACT_SPECS = tuple((name, shape) for name, shape in ACT_SPECS if name not in _NO_GRAD)
+
+
+def grad_act_specs(act_specs):
+    """The activations the backward pass reads or writes gradients of."""
+    return tuple((name, fn) for name, fn in act_specs if name not in _NO_GRAD)
+
+
+GRAD_ACT_SPECS = grad_act_specs(ACT_SPECS)
 
 # buffers start on a 64-byte boundary (one cache line, one AVX-512 vector)
 ALIGN_BYTES = 64
@@ -126,3 +133,70 @@ class TensorGroup:
 
     def zero(self):
         self.memory[...] = 0
+
+
+# ---- the Llama family ----------------------------------------------------------
+#
+# The same names as GPT-2 where a tensor plays the same part; which tensors
+# exist depends on the config's choices. With layernorm, learned positions,
+# gelu, biases, tied embeddings and NKV = NH the layout is exactly GPT-2's.
+#   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
+#   fcw  [L, 2 FF, C] (swiglu)    rows: W1 (the gate) then W3 (the up projection)
+#        [L, FF, C]   (gelu)
+#   lm_head [Vp, C]               only when the embeddings are untied
+
+def llama_param_specs(c):
+    """(name, shape function of the config) per parameter tensor, in memory
+    (and checkpoint) order, for a LlamaConfig."""
+    layernorm, bias = c.norm == "layernorm", c.bias
+    specs = [
+        ("wte", lambda c: (c.Vp, c.C), True),
+        ("wpe", lambda c: (c.maxT, c.C), c.learned_positions),
+        ("ln1w", lambda c: (c.L, c.C), True),
+        ("ln1b", lambda c: (c.L, c.C), layernorm),
+        ("qkvw", lambda c: (c.L, c.qkv_channels, c.C), True),
+        ("qkvb", lambda c: (c.L, c.qkv_channels), bias),
+        ("attprojw", lambda c: (c.L, c.C, c.C), True),
+        ("attprojb", lambda c: (c.L, c.C), bias),
+        ("ln2w", lambda c: (c.L, c.C), True),
+        ("ln2b", lambda c: (c.L, c.C), layernorm),
+        ("fcw", lambda c: (c.L, c.fc_channels, c.C), True),
+        ("fcb", lambda c: (c.L, c.fc_channels), bias),
+        ("fcprojw", lambda c: (c.L, c.C, c.FF), True),
+        ("fcprojb", lambda c: (c.L, c.C), bias),
+        ("lnfw", lambda c: (c.C,), True),
+        ("lnfb", lambda c: (c.C,), layernorm),
+        ("lm_head", lambda c: (c.Vp, c.C), not c.tied_embeddings),
+    ]
+    return tuple((name, fn) for name, fn, present in specs if present)
+
+
+def llama_act_specs(c):
+    """(name, shape function of (config, B, T)) per activation of a forward."""
+    layernorm, rope = c.norm == "layernorm", c.position == "rope"
+    specs = [
+        ("encoded", lambda c, B, T: (B, T, c.C), True),
+        ("ln1", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("ln1_mean", lambda c, B, T: (c.L, B, T), layernorm),
+        ("ln1_rstd", lambda c, B, T: (c.L, B, T), True),
+        ("qkv", lambda c, B, T: (c.L, B, T, c.qkv_channels), True),
+        ("qkvr", lambda c, B, T: (c.L, B, T, c.qkv_channels), rope),   # after RoPE
+        ("atty", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("att", lambda c, B, T: (c.L, B, c.NH, T, T), True),
+        ("attproj", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("residual2", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("ln2", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm),
+        ("ln2_rstd", lambda c, B, T: (c.L, B, T), True),
+        ("fch", lambda c, B, T: (c.L, B, T, c.fc_channels), True),
+        ("fch_act", lambda c, B, T: (c.L, B, T, c.FF), True),   # after GELU / SwiGLU
+        ("fcproj", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("lnf", lambda c, B, T: (B, T, c.C), True),
+        ("lnf_mean", lambda c, B, T: (B, T), layernorm),
+        ("lnf_rstd", lambda c, B, T: (B, T), True),
+        ("logits", lambda c, B, T: (B, T, c.Vp), True),
+        ("probs", lambda c, B, T: (B, T, c.Vp), True),
+        ("losses", lambda c, B, T: (B, T), True),
+    ]
+    return tuple((name, fn) for name, fn, present in specs if present)

@@ -1,4 +1,5 @@
-"""GPT-2 on the C kernels, sequenced as in llm.c's train_gpt2.c.
+"""GPT-2 on the C kernels, sequenced as in llm.c's train_gpt2.c, and the
+machinery every model here shares (``Transformer``).
 
 Parameters, their gradients, the AdamW moments, the activations and the
 activation gradients each live in one contiguous float32 buffer; ``params``,
@@ -17,7 +18,7 @@ from . import kernels as K
 from .checkpoint import read_model, write_model
 from .config import GPT2Config
 from .errors import RangeError, ShapeError
-from .layout import ACT_SPECS, GRAD_ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros
+from .layout import ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros, grad_act_specs
 
 LAYERNORM_EPS = 1e-5
 INIT_STD = 0.02
@@ -29,12 +30,19 @@ _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
 
 
-class GPT2:
-    def __init__(self, config=None, seed=0, *, params=None):
-        """A GPT-2 with fresh GPT-2 initialisation from ``seed``, or with the
-        given flat float32 ``params`` (in PARAM_SPECS order)."""
-        self.config = config if config is not None else GPT2Config()
-        self.params = TensorGroup(PARAM_SPECS, self.config)
+class Transformer:
+    """What GPT2 and Llama share: the flat buffers and their named views, the
+    token checks, activation planning, zero_grad and the AdamW update. A
+    subclass sets ``param_specs`` and ``act_specs`` (layout.py's tables) and
+    writes forward, backward and the initialisation."""
+
+    param_specs = act_specs = None
+    matrix_params = ()   # the tensors initialised from N(0, INIT_STD) and decayed
+
+    def __init__(self, config, seed=0, *, params=None):
+        self.config = config
+        self.grad_act_specs = grad_act_specs(self.act_specs)
+        self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
             self._init_params(seed)
@@ -53,20 +61,13 @@ class GPT2:
         self.inputs = self.targets = None
         self.mean_loss = None
 
-    @classmethod
-    def from_checkpoint(cls, path):
-        """Loads an llm.c model file (version 3 fp32, or version 5 bf16)."""
-        config, params = read_model(path)
-        return cls(config, params=params)
-
-    def save_checkpoint(self, path):
-        """Writes an llm.c version-3 model file, atomically."""
-        write_model(path, self.config, self.params.memory)
-
     def _init_params(self, seed):
+        """GPT-2's initialisation: matrices from N(0, INIT_STD), the output
+        projections into the residual stream scaled by 1/sqrt(2 L), norm
+        weights 1, everything else (biases) 0."""
         c, p = self.config, self.params
         rng = np.random.default_rng(seed)
-        for name in MATRIX_PARAMS:
+        for name in self.matrix_params:
             std = INIT_STD / math.sqrt(2 * c.L) if name in _RESIDUAL_PROJECTIONS else INIT_STD
             view = p[name]
             view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
@@ -78,7 +79,7 @@ class GPT2:
     def grads(self):
         """Parameter gradients, same layout as params; zero until a backward."""
         if self._grads is None:
-            self._grads = TensorGroup(PARAM_SPECS, self.config)
+            self._grads = TensorGroup(self.param_specs, self.config)
         return self._grads
 
     @property
@@ -103,6 +104,23 @@ class GPT2:
             raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
+    def _batch(self, inputs, targets, max_T):
+        """Checked int32 (inputs, targets or None); plans the activations for
+        their (B, T). ``max_T`` is the longest sequence the model can take,
+        or None for no limit."""
+        inputs = self._tokens(inputs, "inputs")
+        B, T = inputs.shape
+        if max_T is not None and T > max_T:
+            raise ShapeError(f"sequence length T={T} exceeds the model's max_seq_len="
+                             f"{max_T} (its learned position table has {max_T} rows)")
+        if targets is not None:
+            targets = self._tokens(targets, "targets")
+            if targets.shape != inputs.shape:
+                raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
+        self._plan(B, T)
+        self.inputs, self.targets = inputs, targets
+        return inputs, targets
+
     def reserve(self, B, T):
         """Allocates activation memory for batches up to (B, T) now, so that
         later forwards of any smaller shape reuse it (e.g. a growing context
@@ -113,49 +131,16 @@ class GPT2:
         if (B, T) == (self.B, self.T):
             return
         c = self.config
-        self.acts = TensorGroup(ACT_SPECS, c, B, T, memory=_reuse(self.acts, ACT_SPECS, c, B, T))
+        self.acts = TensorGroup(self.act_specs, c, B, T,
+                                memory=_reuse(self.acts, self.act_specs, c, B, T))
         self.grads_acts = None if self.grads_acts is None else TensorGroup(
-            GRAD_ACT_SPECS, c, B, T, memory=_reuse(self.grads_acts, GRAD_ACT_SPECS, c, B, T))
+            self.grad_act_specs, c, B, T,
+            memory=_reuse(self.grads_acts, self.grad_act_specs, c, B, T))
         self.B, self.T = B, T
 
-    def forward(self, inputs, targets=None):
-        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
-        loss as a float when ``targets`` (B, T) are given, else None; the
-        logits are in ``model.logits`` either way."""
-        c = self.config
-        inputs = self._tokens(inputs, "inputs")
-        B, T = inputs.shape
-        if T > c.max_seq_len:
-            raise ShapeError(f"sequence length T={T} exceeds the model's max_seq_len="
-                             f"{c.max_seq_len}")
-        if targets is not None:
-            targets = self._tokens(targets, "targets")
-            if targets.shape != inputs.shape:
-                raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
-        self._plan(B, T)
-        p, a = self.params, self.acts
-
-        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe)
-        residual = a.encoded
-        for l in range(c.L):
-            K.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
-                                p.ln1w[l], p.ln1b[l], LAYERNORM_EPS)
-            K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
-            K.attention_forward(a.atty[l], a.att[l], a.qkv[l], c.NH)
-            K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
-            K.residual_forward(a.residual2[l], residual, a.attproj[l])
-            K.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
-                                p.ln2w[l], p.ln2b[l], LAYERNORM_EPS)
-            K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
-            K.gelu_forward(a.fch_gelu[l], a.fch[l])
-            K.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
-            K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
-            residual = a.residual3[l]
-        K.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p.lnfw, p.lnfb,
-                            LAYERNORM_EPS)
-        K.matmul_forward(a.logits, a.lnf, p.wte, None)
-
-        self.inputs, self.targets = inputs, targets
+    def _loss(self, targets):
+        """The vocab softmax and cross-entropy after the logits; the mean loss."""
+        c, a = self.config, self.acts
         if targets is None:
             self.mean_loss = None
             return None
@@ -170,45 +155,21 @@ class GPT2:
         """Zeroes the parameter gradients (backward adds into them)."""
         self.grads.zero()
 
-    def backward(self, loss_scale=1.0):
-        """Adds the gradients of ``loss_scale`` times the last forward's mean
-        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
+    def _start_backward(self, loss_scale):
+        """Zeroed activation gradients, with d(scaled mean loss)/d(loss[b, t])
+        in place and the softmax/cross-entropy backward done."""
         if self.targets is None:
             raise RuntimeError("backward needs a forward with targets first: "
                                "call model.forward(inputs, targets)")
-        c, p, a, g = self.config, self.params, self.acts, self.grads
-        B, T = self.B, self.T
+        c, B, T = self.config, self.B, self.T
         if self.grads_acts is None:
-            self.grads_acts = TensorGroup(GRAD_ACT_SPECS, c, B, T)
+            self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
         else:
             self.grads_acts.zero()
         d = self.grads_acts
-
-        d.losses[...] = loss_scale / (B * T)   # d(scaled mean loss) / d(loss[b, t])
-        K.crossentropy_softmax_backward(d.logits, d.losses, a.probs, self.targets, c.V)
-        K.matmul_backward(d.lnf, g.wte, None, d.logits, a.lnf, p.wte)
-        residual = a.residual3[c.L - 1]
-        dresidual = d.residual3[c.L - 1]
-        K.layernorm_backward(dresidual, g.lnfw, g.lnfb, d.lnf, residual, p.lnfw,
-                             a.lnf_mean, a.lnf_rstd)
-        for l in reversed(range(c.L)):
-            residual = a.encoded if l == 0 else a.residual3[l - 1]
-            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
-            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
-            K.matmul_backward(d.fch_gelu[l], g.fcprojw[l], g.fcprojb[l], d.fcproj[l],
-                              a.fch_gelu[l], p.fcprojw[l])
-            K.gelu_backward(d.fch[l], d.fch_gelu[l], a.fch[l])
-            K.matmul_backward(d.ln2[l], g.fcw[l], g.fcb[l], d.fch[l], a.ln2[l], p.fcw[l])
-            K.layernorm_backward(d.residual2[l], g.ln2w[l], g.ln2b[l], d.ln2[l],
-                                 a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
-            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
-            K.matmul_backward(d.atty[l], g.attprojw[l], g.attprojb[l], d.attproj[l],
-                              a.atty[l], p.attprojw[l])
-            K.attention_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH)
-            K.matmul_backward(d.ln1[l], g.qkvw[l], g.qkvb[l], d.qkv[l], a.ln1[l], p.qkvw[l])
-            K.layernorm_backward(dresidual, g.ln1w[l], g.ln1b[l], d.ln1[l], residual,
-                                 p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
-        K.encoder_backward(g.wte[:c.V], g.wpe, d.encoded, self.inputs)
+        d.losses[...] = loss_scale / (B * T)
+        K.crossentropy_softmax_backward(d.logits, d.losses, self.acts.probs, self.targets, c.V)
+        return d
 
     # ---- update ------------------------------------------------------------
 
@@ -241,7 +202,7 @@ class GPT2:
         unknown = set(decay) - set(self.params.names)
         if unknown:
             raise ValueError(f"decay names unknown parameters: {sorted(unknown)}")
-        # tensors lie back to back in PARAM_SPECS order: update each run of
+        # tensors lie back to back in param_specs order: update each run of
         # them with its own decay
         offset = 0
         for name in self.params.names:
@@ -251,6 +212,89 @@ class GPT2:
                            self.grads.memory[part], learning_rate, beta1, beta2, eps,
                            weight_decay if name in decay else 0.0, t)
             offset += count
+
+
+class GPT2(Transformer):
+    """GPT-2 in llm.c's layout (layout.PARAM_SPECS / ACT_SPECS)."""
+
+    param_specs = PARAM_SPECS
+    act_specs = ACT_SPECS
+    matrix_params = MATRIX_PARAMS
+
+    def __init__(self, config=None, seed=0, *, params=None):
+        """A GPT-2 with fresh GPT-2 initialisation from ``seed``, or with the
+        given flat float32 ``params`` (in PARAM_SPECS order)."""
+        super().__init__(config if config is not None else GPT2Config(), seed, params=params)
+
+    @classmethod
+    def from_checkpoint(cls, path):
+        """Loads an llm.c model file (version 3 fp32, or version 5 bf16)."""
+        config, params = read_model(path)
+        return cls(config, params=params)
+
+    def save_checkpoint(self, path):
+        """Writes an llm.c version-3 model file, atomically."""
+        write_model(path, self.config, self.params.memory)
+
+    def forward(self, inputs, targets=None):
+        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
+        loss as a float when ``targets`` (B, T) are given, else None; the
+        logits are in ``model.logits`` either way."""
+        c = self.config
+        inputs, targets = self._batch(inputs, targets, c.max_seq_len)
+        p, a = self.params, self.acts
+
+        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe)
+        residual = a.encoded
+        for l in range(c.L):
+            K.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
+                                p.ln1w[l], p.ln1b[l], LAYERNORM_EPS)
+            K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
+            K.attention_forward(a.atty[l], a.att[l], a.qkv[l], c.NH)
+            K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
+            K.residual_forward(a.residual2[l], residual, a.attproj[l])
+            K.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
+                                p.ln2w[l], p.ln2b[l], LAYERNORM_EPS)
+            K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
+            K.gelu_forward(a.fch_gelu[l], a.fch[l])
+            K.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
+            K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+            residual = a.residual3[l]
+        K.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p.lnfw, p.lnfb,
+                            LAYERNORM_EPS)
+        K.matmul_forward(a.logits, a.lnf, p.wte, None)
+        return self._loss(targets)
+
+    # ---- backward ----------------------------------------------------------
+
+    def backward(self, loss_scale=1.0):
+        """Adds the gradients of ``loss_scale`` times the last forward's mean
+        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
+        c, p, a, g = self.config, self.params, self.acts, self.grads
+        d = self._start_backward(loss_scale)
+        K.matmul_backward(d.lnf, g.wte, None, d.logits, a.lnf, p.wte)
+        residual = a.residual3[c.L - 1]
+        dresidual = d.residual3[c.L - 1]
+        K.layernorm_backward(dresidual, g.lnfw, g.lnfb, d.lnf, residual, p.lnfw,
+                             a.lnf_mean, a.lnf_rstd)
+        for l in reversed(range(c.L)):
+            residual = a.encoded if l == 0 else a.residual3[l - 1]
+            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
+            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
+            K.matmul_backward(d.fch_gelu[l], g.fcprojw[l], g.fcprojb[l], d.fcproj[l],
+                              a.fch_gelu[l], p.fcprojw[l])
+            K.gelu_backward(d.fch[l], d.fch_gelu[l], a.fch[l])
+            K.matmul_backward(d.ln2[l], g.fcw[l], g.fcb[l], d.fch[l], a.ln2[l], p.fcw[l])
+            K.layernorm_backward(d.residual2[l], g.ln2w[l], g.ln2b[l], d.ln2[l],
+                                 a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
+            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
+            K.matmul_backward(d.atty[l], g.attprojw[l], g.attprojb[l], d.attproj[l],
+                              a.atty[l], p.attprojw[l])
+            K.attention_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH)
+            K.matmul_backward(d.ln1[l], g.qkvw[l], g.qkvb[l], d.qkv[l], a.ln1[l], p.qkvw[l])
+            K.layernorm_backward(dresidual, g.ln1w[l], g.ln1b[l], d.ln1[l], residual,
+                                 p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
+        K.encoder_backward(g.wte[:c.V], g.wpe, d.encoded, self.inputs)
 
 
 def _reuse(group, specs, config, B, T):
