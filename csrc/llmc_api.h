@@ -47,7 +47,8 @@ int llmc_has_openmp(void);
  *   out [B, T, C]  (written)
  *   inp [B, T]     int32 token ids, each in [0, V); else LLMC_ERR_RANGE
  *   wte [V, C]     (any padded rows past V are never read)
- *   wpe [T, C]     (the first T rows of the position table)
+ *   wpe [T, C]     (the first T rows of the position table) or NULL: no
+ *                  position embedding (RoPE and ALiBi models), out = wte row
  */
 int encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
                     int B, int T, int C, int V);
@@ -56,7 +57,7 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
  * encoder_backward: gradients of encoder_forward.
  *
  *   dwte [V, C]     (+=) row inp[b,t] gathers dout[b,t,:]
- *   dwpe [T, C]     (+=)
+ *   dwpe [T, C]     (+=) or NULL when the forward had no wpe
  *   dout [B, T, C]
  *   inp  [B, T]     int32 token ids in [0, V)
  */

@@ -9,24 +9,27 @@ from .errors import ShapeError
 
 
 def encoder_forward(out, inp, wte, wpe):
-    """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C]."""
+    """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C].
+
+    ``wpe=None``: no position embedding, out = wte[inp[b,t]]."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(wte, "wte", 2)
     check(lib.encoder_forward(
         fptr(out, "out", (B, T, C), out=True),
         iptr(inp, "inp", (B, T)),
         fptr(wte, "wte", (V, C)),
-        fptr(_first_rows(wpe, T, "wpe"), "wpe", (T, C)),
+        _optional(None if wpe is None else _first_rows(wpe, T, "wpe"), "wpe", (T, C)),
         B, T, C, V), "encoder_forward")
 
 
 def encoder_backward(dwte, dwpe, dout, inp):
-    """dwte[V,C] (+=), dwpe[>=T,C] (+=) <- dout[B,T,C], inp int32 [B,T]."""
+    """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(dwte, "dwte", 2)
     check(lib.encoder_backward(
         fptr(dwte, "dwte", (V, C), out=True),
-        fptr(_first_rows(dwpe, T, "dwpe"), "dwpe", (T, C), out=True),
+        _optional(None if dwpe is None else _first_rows(dwpe, T, "dwpe"), "dwpe", (T, C),
+                  out=True),
         fptr(dout, "dout", (B, T, C)),
         iptr(inp, "inp", (B, T)),
         B, T, C, V), "encoder_backward")

@@ -12,9 +12,10 @@ GELU_CUBIC = 0.044715
 
 
 def encoder(wte, wpe, inp):
-    """out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; inp a long tensor [B,T]."""
+    """out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; inp a long tensor [B,T].
+    wpe None: no position embedding."""
     T = inp.shape[1]
-    return wte[inp] + wpe[:T]
+    return wte[inp] if wpe is None else wte[inp] + wpe[:T]
 
 
 def layernorm(x, weight, bias, eps=LN_EPS):
