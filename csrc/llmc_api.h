@@ -10,7 +10,7 @@
  *   - arguments come as outputs, inputs, sizes, scalars; backward functions
  *     take the gradients they produce first, then dout, then what the forward
  *     saved;
- *   - shapes use B T C OC V Vp L NH hs; arrays are contiguous row-major fp32,
+ *   - shapes use B T C OC V Vp L NH NKV hs FF N; arrays are contiguous row-major fp32,
  *     token arrays contiguous int32;
  *   - "(written)" outputs are overwritten and never read; "(+=)" outputs are
  *     accumulated into, so the caller zeroes them once per step;
@@ -97,6 +97,32 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
                        int B, int T, int C);
+
+/*
+ * rmsnorm_forward: out = inp * rstd * weight, per row of C, with
+ * rstd = 1 / sqrt(mean(inp^2) + eps) (no mean subtracted, no bias).
+ *
+ *   out    [B, T, C]  (written)
+ *   rstd   [B, T]     (written) saved for backward
+ *   inp    [B, T, C]
+ *   weight [C]
+ */
+int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
+                    int B, int T, int C, float eps);
+
+/*
+ * rmsnorm_backward: gradients of rmsnorm_forward.
+ *
+ *   dinp    [B, T, C]  (+=)
+ *   dweight [C]        (+=)
+ *   dout    [B, T, C]
+ *   inp     [B, T, C]  forward input
+ *   weight  [C]
+ *   rstd    [B, T]     saved by rmsnorm_forward
+ */
+int rmsnorm_backward(float* dinp, float* dweight,
+                     const float* dout, const float* inp, const float* weight,
+                     const float* rstd, int B, int T, int C);
 
 /* ---- matmul.c ----------------------------------------------------------- */
 

@@ -238,3 +238,29 @@ def _dims(arr, name, ndim=None):
     if ndim is not None and arr.ndim != ndim:
         raise ShapeError(f"{name} has shape {arr.shape}, expected {ndim} dimensions")
     return arr.shape
+
+
+# ---- Llama kernels: RMSNorm (norms.c), RoPE (rope.c), SwiGLU (activations.c) ----
+
+def rmsnorm_forward(out, rstd, inp, weight, eps=1e-5):
+    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.rmsnorm_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(rstd, "rstd", (B, T), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        B, T, C, eps), "rmsnorm_forward")
+
+
+def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
+    """dinp[B,T,C] (+=), dweight[C] (+=) <- dout[B,T,C], inp, weight[C], rstd[B,T]."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.rmsnorm_backward(
+        fptr(dinp, "dinp", (B, T, C), out=True),
+        fptr(dweight, "dweight", (C,), out=True),
+        fptr(dout, "dout", (B, T, C)),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        fptr(rstd, "rstd", (B, T)),
+        B, T, C), "rmsnorm_backward")

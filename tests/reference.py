@@ -27,6 +27,13 @@ def layernorm(x, weight, bias, eps=LN_EPS):
     return (x - mean) * rstd * weight + bias, mean.squeeze(-1), rstd.squeeze(-1)
 
 
+def rmsnorm(x, weight, eps=LN_EPS):
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (no mean removed,
+    no bias). Returns out and rstd [B,T]."""
+    rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return x * rstd * weight, rstd.squeeze(-1)
+
+
 def matmul(x, weight, bias=None):
     """x [B,T,C] @ weight^T with weight stored [OC,C], plus bias [OC] if given."""
     out = x @ weight.T
