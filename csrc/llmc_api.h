@@ -187,6 +187,37 @@ int attention_forward(float* out, float* att, const float* inp,
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
                        int B, int T, int C, int NH);
 
+/* ---- rope.c ------------------------------------------------------------- */
+
+/*
+ * rope_forward: rotary position embedding on the q and k heads of packed
+ * rows, in the half-split ("rotate half") layout of Hugging Face's Llama:
+ * channel i of a head pairs with channel i + hs/2 (not with i + 1). For the
+ * token at position p = pos[b] + t and i < hs/2, with angle
+ * a = p * theta^(-2i/hs) (computed in double):
+ *   out[i]        = x[i] cos a - x[i + hs/2] sin a
+ *   out[i + hs/2] = x[i + hs/2] cos a + x[i] sin a
+ * The NKV v heads are copied unchanged.
+ *
+ *   out [B, T, (NH + 2 NKV) hs]  (written) rotated q, rotated k, v
+ *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
+ *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
+ * hs must be even.
+ */
+int rope_forward(float* out, const float* inp, const int* pos,
+                 int B, int T, int NH, int NKV, int hs, float theta);
+
+/*
+ * rope_backward: gradients of rope_forward (the inverse rotation of dout;
+ * v heads pass through).
+ *
+ *   dinp [B, T, (NH + 2 NKV) hs]  (+=)
+ *   dout [B, T, (NH + 2 NKV) hs]
+ *   pos  [B] int32 or NULL, as in the forward
+ */
+int rope_backward(float* dinp, const float* dout, const int* pos,
+                  int B, int T, int NH, int NKV, int hs, float theta);
+
 /* ---- activations.c ------------------------------------------------------ */
 
 /*

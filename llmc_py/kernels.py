@@ -264,3 +264,40 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
         fptr(weight, "weight", (C,)),
         fptr(rstd, "rstd", (B, T)),
         B, T, C), "rmsnorm_backward")
+
+
+def rope_forward(out, inp, pos, NH, NKV, theta=10000.0):
+    """out[B,T,(NH+2NKV)hs] (written): q and k heads of inp rotated (half-split pairs
+    i, i+hs/2) by (pos[b]+t) * theta^(-2i/hs), v heads copied; pos int32 [B] >= 0 or None."""
+    B, T, CH = _dims(inp, "inp", 3)
+    hs = _rope_head_size(CH, NH, NKV)
+    check(lib.rope_forward(
+        fptr(out, "out", (B, T, CH), out=True),
+        fptr(inp, "inp", (B, T, CH)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, NH, NKV, hs, theta), "rope_forward")
+
+
+def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0):
+    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through)."""
+    B, T, CH = _dims(dout, "dout", 3)
+    hs = _rope_head_size(CH, NH, NKV)
+    check(lib.rope_backward(
+        fptr(dinp, "dinp", (B, T, CH), out=True),
+        fptr(dout, "dout", (B, T, CH)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, NH, NKV, hs, theta), "rope_backward")
+
+
+def _rope_head_size(CH, NH, NKV):
+    """hs from a packed row of CH = (NH + 2 NKV) hs channels; hs must be even."""
+    for name, value in (("NH", NH), ("NKV", NKV)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value <= 0:
+            raise ShapeError(f"{name}={value} must be positive")
+    heads = NH + 2 * NKV
+    if CH % heads != 0 or (CH // heads) % 2 != 0:
+        raise ShapeError(f"inp has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
+                         f"with an even head size hs")
+    return CH // heads

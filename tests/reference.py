@@ -7,6 +7,7 @@ import math
 import torch
 
 LN_EPS = 1e-5
+ROPE_THETA = 10000.0
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
 
@@ -60,6 +61,27 @@ def attention(qkv, NH):
     att = _softmax_last(scores.masked_fill(future, float("-inf")))   # exp(-inf) == 0
     out = (att @ v).transpose(1, 2).reshape(B, T, C)
     return out, att
+
+
+def rope(x, pos, NH, NKV, theta=ROPE_THETA):
+    """Rotary embedding of packed rows x [B,T,(NH+2NKV)hs]: the NH q and NKV k
+    heads turn, the NKV v heads stay. Half-split pairs: channel i of a head
+    pairs with channel i + hs/2, turned by the angle p * theta^(-2i/hs) at
+    position p = pos[b] + t (pos a long tensor [B], or None for all 0):
+      (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)"""
+    B, T, CH = x.shape
+    hs = CH // (NH + 2 * NKV)
+    half = hs // 2
+    start = torch.zeros(B, dtype=torch.float64) if pos is None else pos.to(torch.float64)
+    p = start[:, None] + torch.arange(T, dtype=torch.float64)                 # [B, T]
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs)      # [half]
+    angle = p[:, :, None, None] * freq                                        # [B, T, 1, half]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    nrot = (NH + NKV) * hs
+    qk = x[..., :nrot].reshape(B, T, NH + NKV, hs)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)
 
 
 def gelu(x):
