@@ -238,6 +238,25 @@ int gelu_forward(float* out, const float* inp, long N);
 int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
 
 /*
+ * swiglu_forward: out = silu(gate) * up with silu(x) = x / (1 + exp(-x)),
+ * where each row of inp holds the gate (x W1) and then the up projection
+ * (x W3), as one matmul with the two weights stacked makes it.
+ *
+ *   out [N, FF]     (written)
+ *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
+ */
+int swiglu_forward(float* out, const float* inp, long N, int FF);
+
+/*
+ * swiglu_backward: gradients of swiglu_forward.
+ *
+ *   dinp [N, 2 FF]  (+=) dgate, dup
+ *   dout [N, FF]
+ *   inp  [N, 2 FF]  forward input
+ */
+int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF);
+
+/*
  * residual_forward: out = inp1 + inp2
  *
  *   out  [N]  (written) may alias inp1 or inp2

@@ -289,6 +289,25 @@ def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0):
         B, T, NH, NKV, hs, theta), "rope_backward")
 
 
+def swiglu_forward(out, inp):
+    """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows)."""
+    N, FF = _swiglu_dims(inp)
+    check(lib.swiglu_forward(
+        fptr(out, "out", inp.shape[:-1] + (FF,), out=True),
+        fptr(inp, "inp", inp.shape),
+        N, FF), "swiglu_forward")
+
+
+def swiglu_backward(dinp, dout, inp):
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
+    N, FF = _swiglu_dims(inp)
+    check(lib.swiglu_backward(
+        fptr(dinp, "dinp", inp.shape, out=True),
+        fptr(dout, "dout", inp.shape[:-1] + (FF,)),
+        fptr(inp, "inp", inp.shape),
+        N, FF), "swiglu_backward")
+
+
 def _rope_head_size(CH, NH, NKV):
     """hs from a packed row of CH = (NH + 2 NKV) hs channels; hs must be even."""
     for name, value in (("NH", NH), ("NKV", NKV)):
@@ -301,3 +320,12 @@ def _rope_head_size(CH, NH, NKV):
         raise ShapeError(f"inp has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
                          f"with an even head size hs")
     return CH // heads
+
+
+def _swiglu_dims(inp):
+    """(N, FF) for inp of shape (..., 2*FF): N is the product of the leading dims."""
+    shape = _dims(inp, "inp")
+    if len(shape) == 0 or shape[-1] % 2 != 0:
+        raise ShapeError(f"inp has shape {shape}: its last axis must be 2*FF (gate, up)")
+    N = inp.size // shape[-1] if shape[-1] else 0   # a zero size is left to C to reject
+    return N, shape[-1] // 2

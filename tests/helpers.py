@@ -40,6 +40,10 @@ TOL = {
     # tanhf is within ~2 ulp (seen 1.4e-8); the derivative's 1 - tanh^2
     # cancels near saturation, times |x| du/dx ~ 10 (seen 3.9e-7)
     "gelu": {"fwd": 2e-7, "bwd": 2e-6},
+    # SwiGLU: a vector exp (2 ulp) and one division give the sigmoid.
+    #   fwd, bwd: against the tensor's largest entry (seen 8.2e-8, 1.2e-7);
+    #   silu: silu(g) and silu'(g) each against its own size (seen 2.4e-7)
+    "swiglu": {"fwd": 7e-7, "bwd": 1.2e-6, "silu": 2e-6},
     # fwd: one add, half an ulp; bwd: two (+=) calls onto a non-zero start,
     # two roundings
     "residual": {"fwd": 2.0 ** -24, "bwd": 2e-7},

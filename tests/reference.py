@@ -89,6 +89,13 @@ def gelu(x):
     return 0.5 * x * (1.0 + torch.tanh(GELU_SCALE * (x + GELU_CUBIC * x ** 3)))
 
 
+def swiglu(x):
+    """silu(gate) * up with silu(g) = g / (1 + exp(-g)), for rows x [..., 2FF]
+    holding the gate in the first FF columns and up in the last FF."""
+    gate, up = x.chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
+
+
 def residual(a, b):
     return a + b
 
