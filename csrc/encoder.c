@@ -1,4 +1,5 @@
-/* Token + position embedding (GPT-2's wte + wpe), forward and backward. */
+/* Token + position embedding (GPT-2's wte + wpe), forward and backward. With
+   wpe NULL (RoPE and ALiBi models) only the token rows are gathered. */
 #include "llmc.h"
 #include "common.h"
 
@@ -17,7 +18,7 @@ static long first_bad_token(const int* inp, long BT, int V) {
 
 int encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
                     int B, int T, int C, int V) {
-    LLMC_REQUIRE(LLMC_NONNULL4(out, inp, wte, wpe), LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL3(out, inp, wte), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_token(inp, BT, V) < 0, LLMC_ERR_RANGE);
@@ -27,15 +28,19 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
         const int t = (int)(bt % T);
         float* out_bt = out + (size_t)bt * C;
         const float* wte_ix = wte + (size_t)inp[bt] * C;
-        const float* wpe_t = wpe + (size_t)t * C;
-        for (int i = 0; i < C; i++) { out_bt[i] = wte_ix[i] + wpe_t[i]; }
+        if (wpe != NULL) {
+            const float* wpe_t = wpe + (size_t)t * C;
+            for (int i = 0; i < C; i++) { out_bt[i] = wte_ix[i] + wpe_t[i]; }
+        } else {
+            for (int i = 0; i < C; i++) { out_bt[i] = wte_ix[i]; }
+        }
     }
     return LLMC_OK;
 }
 
 int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
                      int B, int T, int C, int V) {
-    LLMC_REQUIRE(LLMC_NONNULL4(dwte, dwpe, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL3(dwte, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_token(inp, BT, V) < 0, LLMC_ERR_RANGE);
@@ -49,10 +54,10 @@ int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp
             const int t = (int)(bt % T);
             const float* dout_bt = dout + (size_t)bt * C;
             float* dwte_ix = dwte + (size_t)inp[bt] * C;
-            float* dwpe_t = dwpe + (size_t)t * C;
-            for (int i = i0; i < i1; i++) {
-                dwte_ix[i] += dout_bt[i];
-                dwpe_t[i] += dout_bt[i];
+            for (int i = i0; i < i1; i++) { dwte_ix[i] += dout_bt[i]; }
+            if (dwpe != NULL) {
+                float* dwpe_t = dwpe + (size_t)t * C;
+                for (int i = i0; i < i1; i++) { dwpe_t[i] += dout_bt[i]; }
             }
         }
     }

@@ -10,7 +10,7 @@
  *   - arguments come as outputs, inputs, sizes, scalars; backward functions
  *     take the gradients they produce first, then dout, then what the forward
  *     saved;
- *   - shapes use B T C OC V Vp L NH hs; arrays are contiguous row-major fp32,
+ *   - shapes use B T C OC V Vp L NH NKV hs FF N; arrays are contiguous row-major fp32,
  *     token arrays contiguous int32;
  *   - "(written)" outputs are overwritten and never read; "(+=)" outputs are
  *     accumulated into, so the caller zeroes them once per step;
@@ -47,7 +47,8 @@ int llmc_has_openmp(void);
  *   out [B, T, C]  (written)
  *   inp [B, T]     int32 token ids, each in [0, V); else LLMC_ERR_RANGE
  *   wte [V, C]     (any padded rows past V are never read)
- *   wpe [T, C]     (the first T rows of the position table)
+ *   wpe [T, C]     (the first T rows of the position table) or NULL: no
+ *                  position embedding (RoPE and ALiBi models), out = wte row
  */
 int encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
                     int B, int T, int C, int V);
@@ -56,7 +57,7 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
  * encoder_backward: gradients of encoder_forward.
  *
  *   dwte [V, C]     (+=) row inp[b,t] gathers dout[b,t,:]
- *   dwpe [T, C]     (+=)
+ *   dwpe [T, C]     (+=) or NULL when the forward had no wpe
  *   dout [B, T, C]
  *   inp  [B, T]     int32 token ids in [0, V)
  */
@@ -96,6 +97,32 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
                        int B, int T, int C);
+
+/*
+ * rmsnorm_forward: out = inp * rstd * weight, per row of C, with
+ * rstd = 1 / sqrt(mean(inp^2) + eps) (no mean subtracted, no bias).
+ *
+ *   out    [B, T, C]  (written)
+ *   rstd   [B, T]     (written) saved for backward
+ *   inp    [B, T, C]
+ *   weight [C]
+ */
+int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
+                    int B, int T, int C, float eps);
+
+/*
+ * rmsnorm_backward: gradients of rmsnorm_forward.
+ *
+ *   dinp    [B, T, C]  (+=)
+ *   dweight [C]        (+=)
+ *   dout    [B, T, C]
+ *   inp     [B, T, C]  forward input
+ *   weight  [C]
+ *   rstd    [B, T]     saved by rmsnorm_forward
+ */
+int rmsnorm_backward(float* dinp, float* dweight,
+                     const float* dout, const float* inp, const float* weight,
+                     const float* rstd, int B, int T, int C);
 
 /* ---- matmul.c ----------------------------------------------------------- */
 
@@ -160,6 +187,37 @@ int attention_forward(float* out, float* att, const float* inp,
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
                        int B, int T, int C, int NH);
 
+/* ---- rope.c ------------------------------------------------------------- */
+
+/*
+ * rope_forward: rotary position embedding on the q and k heads of packed
+ * rows, in the half-split ("rotate half") layout of Hugging Face's Llama:
+ * channel i of a head pairs with channel i + hs/2 (not with i + 1). For the
+ * token at position p = pos[b] + t and i < hs/2, with angle
+ * a = p * theta^(-2i/hs) (computed in double):
+ *   out[i]        = x[i] cos a - x[i + hs/2] sin a
+ *   out[i + hs/2] = x[i + hs/2] cos a + x[i] sin a
+ * The NKV v heads are copied unchanged.
+ *
+ *   out [B, T, (NH + 2 NKV) hs]  (written) rotated q, rotated k, v
+ *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
+ *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
+ * hs must be even.
+ */
+int rope_forward(float* out, const float* inp, const int* pos,
+                 int B, int T, int NH, int NKV, int hs, float theta);
+
+/*
+ * rope_backward: gradients of rope_forward (the inverse rotation of dout;
+ * v heads pass through).
+ *
+ *   dinp [B, T, (NH + 2 NKV) hs]  (+=)
+ *   dout [B, T, (NH + 2 NKV) hs]
+ *   pos  [B] int32 or NULL, as in the forward
+ */
+int rope_backward(float* dinp, const float* dout, const int* pos,
+                  int B, int T, int NH, int NKV, int hs, float theta);
+
 /* ---- activations.c ------------------------------------------------------ */
 
 /*
@@ -178,6 +236,25 @@ int gelu_forward(float* out, const float* inp, long N);
  *   inp  [N]  forward input
  */
 int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
+
+/*
+ * swiglu_forward: out = silu(gate) * up with silu(x) = x / (1 + exp(-x)),
+ * where each row of inp holds the gate (x W1) and then the up projection
+ * (x W3), as one matmul with the two weights stacked makes it.
+ *
+ *   out [N, FF]     (written)
+ *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
+ */
+int swiglu_forward(float* out, const float* inp, long N, int FF);
+
+/*
+ * swiglu_backward: gradients of swiglu_forward.
+ *
+ *   dinp [N, 2 FF]  (+=) dgate, dup
+ *   dout [N, FF]
+ *   inp  [N, 2 FF]  forward input
+ */
+int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF);
 
 /*
  * residual_forward: out = inp1 + inp2

@@ -1,4 +1,6 @@
-/* LayerNorm (GPT-2), forward and backward. */
+/* LayerNorm (GPT-2) and RMSNorm (Llama), each forward and backward. Rows are
+   parallel; the parameter gradients, sums over rows, are parallel over blocks
+   of channels, each summed over the rows in order. */
 #include "llmc.h"
 #include "common.h"
 
@@ -80,6 +82,81 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
                 dweight[i] += dy[i] * ((x[i] - m) * s);
                 dbias[i] += dy[i];
             }
+        }
+    }
+    return LLMC_OK;
+}
+
+/* A vector dot product of three arrays: sum_i a[i] * b[i] * c[i], with the
+   same fixed order as llmc_dot (16 lanes, then the lanes in order). */
+static float dot3(const float* a, const float* b, const float* c, int n) {
+    vec16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc += llmc_load16(a + i, 16) * llmc_load16(b + i, 16) * llmc_load16(c + i, 16);
+    }
+    if (i < n) {
+        acc += llmc_load16(a + i, n - i) * llmc_load16(b + i, n - i)
+               * llmc_load16(c + i, n - i);
+    }
+    return llmc_hsum16(acc);
+}
+
+int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
+                    int B, int T, int C, float eps) {
+    LLMC_REQUIRE(LLMC_NONNULL4(out, rstd, inp, weight), LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    const long BT = (long)B * T;
+
+    // rows are independent; the sum of squares runs on 16 lanes (llmc_dot),
+    // whose partial sums also round less than one long serial sum
+    #pragma omp parallel for schedule(static)
+    for (long bt = 0; bt < BT; bt++) {
+        const float* x = inp + (size_t)bt * C;
+        float* y = out + (size_t)bt * C;
+        const float s = 1.0f / sqrtf(llmc_dot(x, x, C) / C + eps);
+        for (int i = 0; i < C; i++) { y[i] = x[i] * s * weight[i]; }
+        rstd[bt] = s;
+    }
+    return LLMC_OK;
+}
+
+int rmsnorm_backward(float* dinp, float* dweight,
+                     const float* dout, const float* inp, const float* weight,
+                     const float* rstd, int B, int T, int C) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL3(inp, weight, rstd),
+                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
+    const long BT = (long)B * T;
+
+    // pass 1, dinp. With s = rstd, n = x * s and g = dout * weight, and
+    // ds/dx_j = -s^3 x_j / C:
+    //   dx_j = s g_j - s^3 x_j mean(g x) = s (g_j - n_j mean(g n))
+    // rows are independent
+    #pragma omp parallel for schedule(static)
+    for (long bt = 0; bt < BT; bt++) {
+        const float* x = inp + (size_t)bt * C;
+        const float* dy = dout + (size_t)bt * C;
+        float* dx = dinp + (size_t)bt * C;
+        const float s = rstd[bt];
+        const float gn_mean = dot3(dy, weight, x, C) * s / C;
+        for (int i = 0; i < C; i++) {
+            dx[i] += s * (dy[i] * weight[i] - x[i] * s * gn_mean);
+        }
+    }
+
+    // pass 2, dweight = sum over rows of dout * n, as in layernorm_backward:
+    // whole channel blocks per thread, rows walked in order
+    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int i0 = blk * NORM_CHANNEL_BLOCK;
+        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
+        for (long bt = 0; bt < BT; bt++) {
+            const float* x = inp + (size_t)bt * C;
+            const float* dy = dout + (size_t)bt * C;
+            const float s = rstd[bt];
+            for (int i = i0; i < i1; i++) { dweight[i] += dy[i] * (x[i] * s); }
         }
     }
     return LLMC_OK;

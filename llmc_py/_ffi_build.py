@@ -30,6 +30,7 @@ SOURCES = [
     "norms.c",
     "matmul.c",
     "attention.c",
+    "rope.c",
     "activations.c",
     "softmax_xent.c",
     "adamw.c",

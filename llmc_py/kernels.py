@@ -9,24 +9,27 @@ from .errors import ShapeError
 
 
 def encoder_forward(out, inp, wte, wpe):
-    """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C]."""
+    """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C].
+
+    ``wpe=None``: no position embedding, out = wte[inp[b,t]]."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(wte, "wte", 2)
     check(lib.encoder_forward(
         fptr(out, "out", (B, T, C), out=True),
         iptr(inp, "inp", (B, T)),
         fptr(wte, "wte", (V, C)),
-        fptr(_first_rows(wpe, T, "wpe"), "wpe", (T, C)),
+        _optional(None if wpe is None else _first_rows(wpe, T, "wpe"), "wpe", (T, C)),
         B, T, C, V), "encoder_forward")
 
 
 def encoder_backward(dwte, dwpe, dout, inp):
-    """dwte[V,C] (+=), dwpe[>=T,C] (+=) <- dout[B,T,C], inp int32 [B,T]."""
+    """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(dwte, "dwte", 2)
     check(lib.encoder_backward(
         fptr(dwte, "dwte", (V, C), out=True),
-        fptr(_first_rows(dwpe, T, "dwpe"), "dwpe", (T, C), out=True),
+        _optional(None if dwpe is None else _first_rows(dwpe, T, "dwpe"), "dwpe", (T, C),
+                  out=True),
         fptr(dout, "dout", (B, T, C)),
         iptr(inp, "inp", (B, T)),
         B, T, C, V), "encoder_backward")
@@ -235,3 +238,94 @@ def _dims(arr, name, ndim=None):
     if ndim is not None and arr.ndim != ndim:
         raise ShapeError(f"{name} has shape {arr.shape}, expected {ndim} dimensions")
     return arr.shape
+
+
+# ---- Llama kernels: RMSNorm (norms.c), RoPE (rope.c), SwiGLU (activations.c) ----
+
+def rmsnorm_forward(out, rstd, inp, weight, eps=1e-5):
+    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.rmsnorm_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(rstd, "rstd", (B, T), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        B, T, C, eps), "rmsnorm_forward")
+
+
+def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
+    """dinp[B,T,C] (+=), dweight[C] (+=) <- dout[B,T,C], inp, weight[C], rstd[B,T]."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.rmsnorm_backward(
+        fptr(dinp, "dinp", (B, T, C), out=True),
+        fptr(dweight, "dweight", (C,), out=True),
+        fptr(dout, "dout", (B, T, C)),
+        fptr(inp, "inp", (B, T, C)),
+        fptr(weight, "weight", (C,)),
+        fptr(rstd, "rstd", (B, T)),
+        B, T, C), "rmsnorm_backward")
+
+
+def rope_forward(out, inp, pos, NH, NKV, theta=10000.0):
+    """out[B,T,(NH+2NKV)hs] (written): q and k heads of inp rotated (half-split pairs
+    i, i+hs/2) by (pos[b]+t) * theta^(-2i/hs), v heads copied; pos int32 [B] >= 0 or None."""
+    B, T, CH = _dims(inp, "inp", 3)
+    hs = _rope_head_size(CH, NH, NKV)
+    check(lib.rope_forward(
+        fptr(out, "out", (B, T, CH), out=True),
+        fptr(inp, "inp", (B, T, CH)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, NH, NKV, hs, theta), "rope_forward")
+
+
+def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0):
+    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through)."""
+    B, T, CH = _dims(dout, "dout", 3)
+    hs = _rope_head_size(CH, NH, NKV)
+    check(lib.rope_backward(
+        fptr(dinp, "dinp", (B, T, CH), out=True),
+        fptr(dout, "dout", (B, T, CH)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, NH, NKV, hs, theta), "rope_backward")
+
+
+def swiglu_forward(out, inp):
+    """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows)."""
+    N, FF = _swiglu_dims(inp)
+    check(lib.swiglu_forward(
+        fptr(out, "out", inp.shape[:-1] + (FF,), out=True),
+        fptr(inp, "inp", inp.shape),
+        N, FF), "swiglu_forward")
+
+
+def swiglu_backward(dinp, dout, inp):
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
+    N, FF = _swiglu_dims(inp)
+    check(lib.swiglu_backward(
+        fptr(dinp, "dinp", inp.shape, out=True),
+        fptr(dout, "dout", inp.shape[:-1] + (FF,)),
+        fptr(inp, "inp", inp.shape),
+        N, FF), "swiglu_backward")
+
+
+def _rope_head_size(CH, NH, NKV):
+    """hs from a packed row of CH = (NH + 2 NKV) hs channels; hs must be even."""
+    for name, value in (("NH", NH), ("NKV", NKV)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value <= 0:
+            raise ShapeError(f"{name}={value} must be positive")
+    heads = NH + 2 * NKV
+    if CH % heads != 0 or (CH // heads) % 2 != 0:
+        raise ShapeError(f"inp has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
+                         f"with an even head size hs")
+    return CH // heads
+
+
+def _swiglu_dims(inp):
+    """(N, FF) for inp of shape (..., 2*FF): N is the product of the leading dims."""
+    shape = _dims(inp, "inp")
+    if len(shape) == 0 or shape[-1] % 2 != 0:
+        raise ShapeError(f"inp has shape {shape}: its last axis must be 2*FF (gate, up)")
+    N = inp.size // shape[-1] if shape[-1] else 0   # a zero size is left to C to reject
+    return N, shape[-1] // 2

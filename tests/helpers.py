@@ -22,6 +22,10 @@ TOL = {
     # E[x^2] - mean^2 variance would give ~1e-4, so 1e-5 also guards that).
     # bwd: two C-term reductions per row, then B*T-term sums (seen 3.6e-6)
     "layernorm": {"fwd": 1e-5, "bwd": 3e-5},
+    # fwd: a C-term sum of squares on 16 lanes, a sqrtf and two products (seen
+    # 1.8e-7 at C=768). bwd: a C-term dot per row for dinp (seen 2.2e-7), then
+    # B*T-term sums for dweight (seen 6.8e-7 at B*T=256)
+    "rmsnorm": {"fwd": 2e-6, "bwd": 7e-6},
     # K-term dot products, K up to 768 (seen 1.2e-6 fwd, 1.3e-6 bwd)
     "matmul": {"fwd": 1e-5, "bwd": 1e-5},
     # fast vs naive: same k order, they differ only by FMA contraction
@@ -30,9 +34,16 @@ TOL = {
     # hs-term dots, a T-term softmax and weighted sums (seen 2.9e-7 fwd,
     # 4.7e-7 bwd)
     "attention": {"fwd": 3e-6, "bwd": 5e-6},
+    # rotations of fp32 pairs by float cos/sin of a double angle: two products
+    # and an add per element (seen 1.1e-7 fwd and bwd, also at positions 1e5)
+    "rope": {"fwd": 1e-6, "bwd": 1e-6},
     # tanhf is within ~2 ulp (seen 1.4e-8); the derivative's 1 - tanh^2
     # cancels near saturation, times |x| du/dx ~ 10 (seen 3.9e-7)
     "gelu": {"fwd": 2e-7, "bwd": 2e-6},
+    # SwiGLU: a vector exp (2 ulp) and one division give the sigmoid.
+    #   fwd, bwd: against the tensor's largest entry (seen 8.2e-8, 1.2e-7);
+    #   silu: silu(g) and silu'(g) each against its own size (seen 2.4e-7)
+    "swiglu": {"fwd": 7e-7, "bwd": 1.2e-6, "silu": 2e-6},
     # fwd: one add, half an ulp; bwd: two (+=) calls onto a non-zero start,
     # two roundings
     "residual": {"fwd": 2.0 ** -24, "bwd": 2e-7},

@@ -7,14 +7,16 @@ import math
 import torch
 
 LN_EPS = 1e-5
+ROPE_THETA = 10000.0
 GELU_SCALE = math.sqrt(2.0 / math.pi)
 GELU_CUBIC = 0.044715
 
 
 def encoder(wte, wpe, inp):
-    """out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; inp a long tensor [B,T]."""
+    """out[b,t,:] = wte[inp[b,t],:] + wpe[t,:]; inp a long tensor [B,T].
+    wpe None: no position embedding."""
     T = inp.shape[1]
-    return wte[inp] + wpe[:T]
+    return wte[inp] if wpe is None else wte[inp] + wpe[:T]
 
 
 def layernorm(x, weight, bias, eps=LN_EPS):
@@ -24,6 +26,13 @@ def layernorm(x, weight, bias, eps=LN_EPS):
     var = ((x - mean) ** 2).mean(-1, keepdim=True)
     rstd = 1.0 / torch.sqrt(var + eps)
     return (x - mean) * rstd * weight + bias, mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def rmsnorm(x, weight, eps=LN_EPS):
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis (no mean removed,
+    no bias). Returns out and rstd [B,T]."""
+    rstd = 1.0 / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return x * rstd * weight, rstd.squeeze(-1)
 
 
 def matmul(x, weight, bias=None):
@@ -54,9 +63,37 @@ def attention(qkv, NH):
     return out, att
 
 
+def rope(x, pos, NH, NKV, theta=ROPE_THETA):
+    """Rotary embedding of packed rows x [B,T,(NH+2NKV)hs]: the NH q and NKV k
+    heads turn, the NKV v heads stay. Half-split pairs: channel i of a head
+    pairs with channel i + hs/2, turned by the angle p * theta^(-2i/hs) at
+    position p = pos[b] + t (pos a long tensor [B], or None for all 0):
+      (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)"""
+    B, T, CH = x.shape
+    hs = CH // (NH + 2 * NKV)
+    half = hs // 2
+    start = torch.zeros(B, dtype=torch.float64) if pos is None else pos.to(torch.float64)
+    p = start[:, None] + torch.arange(T, dtype=torch.float64)                 # [B, T]
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs)      # [half]
+    angle = p[:, :, None, None] * freq                                        # [B, T, 1, half]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    nrot = (NH + NKV) * hs
+    qk = x[..., :nrot].reshape(B, T, NH + NKV, hs)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)
+
+
 def gelu(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh approximation."""
     return 0.5 * x * (1.0 + torch.tanh(GELU_SCALE * (x + GELU_CUBIC * x ** 3)))
+
+
+def swiglu(x):
+    """silu(gate) * up with silu(g) = g / (1 + exp(-g)), for rows x [..., 2FF]
+    holding the gate in the first FF columns and up in the last FF."""
+    gate, up = x.chunk(2, dim=-1)
+    return gate / (1.0 + torch.exp(-gate)) * up
 
 
 def residual(a, b):

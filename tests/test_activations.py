@@ -1,12 +1,14 @@
-"""csrc/activations.c: GELU (tanh approximation) and the residual add."""
+"""csrc/activations.c: GELU (tanh approximation), SwiGLU and the residual add."""
 import numpy as np
 import pytest
+import torch
 
 import llmc_py
 from llmc_py import kernels as K
-from helpers import TOL, assert_close, randn, t64
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import gelu as ref_gelu
 from reference import residual as ref_residual
+from reference import swiglu as ref_swiglu
 
 SHAPES = [
     (4, 64, 3072),   # GPT-2 124M MLP hidden layer
@@ -89,3 +91,133 @@ def test_activations_reject_wrong_dtype(rng):
         K.gelu_forward(np.empty((4, 5), np.float64), x)
     with pytest.raises(TypeError, match="dinp2"):
         K.residual_backward(np.zeros_like(x), np.zeros((4, 5), np.int32), x)
+
+
+# ---- SwiGLU -------------------------------------------------------------------
+
+SWIGLU_SHAPES = [  # inp shapes (..., 2FF)
+    (4, 64, 2 * 2048),   # Llama-ish MLP: FF = 2048
+    (1, 2),              # FF = 1
+    (37, 2 * 67),        # FF = 67: every row ends in a partial vector
+    (3, 5, 2 * 40),      # two leading dims
+    (2 * 17,),           # one row (N = 1)
+]
+# gates: both saturated tails (e^100 overflows float, but not the kernel), the
+# origin, and silu's minimum near -1.28
+SWIGLU_SPECIAL = np.array([20.0, -100.0, 100.0, -88.0, 88.0, -20.0, -1.2785, -1e-3, 0.0, 1e-3],
+                          np.float32)
+
+
+def swiglu_inputs(rng, shape):
+    x = randn(rng, *shape, scale=3.0)
+    FF = shape[-1] // 2
+    n = min(FF, SWIGLU_SPECIAL.size)
+    x.reshape(-1, 2 * FF)[0, :n] = SWIGLU_SPECIAL[:n]
+    return x, randn(rng, *shape[:-1], FF)
+
+
+def swiglu_forward(x):
+    out = np.full(x.shape[:-1] + (x.shape[-1] // 2,), np.nan, np.float32)   # (written)
+    K.swiglu_forward(out, x)
+    return out
+
+
+def swiglu_backward(dout, x, calls=1):
+    dinp = np.zeros_like(x)
+    for _ in range(calls):
+        K.swiglu_backward(dinp, dout, x)
+    return dinp
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+def test_swiglu_matches_reference(rng, shape):
+    x, dout = swiglu_inputs(rng, shape)
+    out = swiglu_forward(x)
+    dinp = swiglu_backward(dout, x)
+
+    xt = t64(x, grad=True)
+    ref = ref_swiglu(xt)
+    (ref * t64(dout)).sum().backward()
+
+    assert_close("out", out, ref, TOL["swiglu"]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL["swiglu"]["bwd"])
+
+
+def test_silu_is_accurate_element_by_element(rng):
+    # up = 1 and dout = 1 make out = silu(gate), dgate = silu'(gate), dup = silu(gate):
+    # each is held to a few ulp of its own size, not of the tensor's largest entry
+    gate = np.concatenate([randn(rng, 4000, scale=10.0), SWIGLU_SPECIAL])
+    gate = gate[np.abs(gate) <= 80.0]   # silu(-80) ~ -1e-33 still a normal float
+    FF = gate.size
+    x = np.concatenate([gate, np.ones(FF, np.float32)])
+    out = swiglu_forward(x)
+    dinp = swiglu_backward(np.ones(FF, np.float32), x)
+
+    g = t64(gate, grad=True)
+    ref = ref_swiglu(torch.cat([g, torch.ones_like(g)]))
+    ref.sum().backward()
+    ref = ref.detach().numpy()
+    nonzero = ref != 0
+    rel = np.abs(out[nonzero] - ref[nonzero]) / np.abs(ref[nonzero])
+    assert rel.max() <= TOL["swiglu"]["silu"], f"silu: worst relative error {rel.max():.2e}"
+    assert out[gate == 0].tolist() == [0.0]
+    assert np.array_equal(dinp[FF:], out), "dup is not silu(gate)"
+    # silu' crosses 0 near -1.28, so it is held against its largest value there
+    assert_close("dgate", dinp[:FF], g.grad, TOL["swiglu"]["silu"])
+
+
+def test_swiglu_extreme_gates_stay_finite():
+    # silu(g) -> g and silu'(g) -> 1 for large g; both -> 0 for very negative g
+    gate = np.array([-3e38, -1e30, -1e4, -100.0, 100.0, 1e4, 1e30, 3e38], np.float32)
+    FF = gate.size
+    x = np.concatenate([gate, np.full(FF, 0.5, np.float32)])   # up = 0.5: exact products
+    out = swiglu_forward(x)
+    dinp = swiglu_backward(np.ones(FF, np.float32), x)
+    assert np.isfinite(out).all() and np.isfinite(dinp).all()
+    positive = gate > 0
+    assert np.array_equal(out, np.where(positive, 0.5 * gate, 0.0))
+    assert np.array_equal(dinp[:FF], np.where(positive, 0.5, 0.0))     # up * silu'(gate)
+    assert np.array_equal(dinp[FF:], np.where(positive, gate, 0.0))    # silu(gate)
+
+
+def test_swiglu_propagates_nan():
+    x = np.array([np.nan, 1.0, 2.0, np.nan], np.float32)   # FF = 2: gate NaN, up NaN
+    out = swiglu_forward(x)
+    assert np.isnan(out).all()
+
+
+def test_swiglu_backward_accumulates(rng):
+    x, dout = swiglu_inputs(rng, (37, 2 * 67))
+    assert_close("dinp", swiglu_backward(dout, x, calls=2), 2.0 * swiglu_backward(dout, x),
+                 TOL["swiglu"]["bwd"])
+
+
+@pytest.mark.parametrize("shape", [(37, 2 * 67), (1, 2 * 2048)])   # one long row: split too
+def test_swiglu_thread_invariant(rng, set_threads, shape):
+    x, dout = swiglu_inputs(rng, shape)
+    assert_thread_invariant(set_threads, lambda: dict(out=swiglu_forward(x),
+                                                      dinp=swiglu_backward(dout, x)))
+
+
+def test_swiglu_rejects_wrong_shapes(rng):
+    x, dout = swiglu_inputs(rng, (4, 10))
+    with pytest.raises(llmc_py.ShapeError, match="inp"):
+        K.swiglu_forward(np.empty((4, 2), np.float32), randn(rng, 4, 5))   # odd: no [gate | up]
+    with pytest.raises(llmc_py.ShapeError, match="out"):
+        K.swiglu_forward(np.empty((4, 10), np.float32), x)    # out is [N, FF], not [N, 2FF]
+    with pytest.raises(llmc_py.ShapeError, match="out"):
+        K.swiglu_forward(np.empty((2, 2, 5), np.float32), x)  # leading dims must match
+    with pytest.raises(llmc_py.ShapeError, match="dout"):
+        K.swiglu_backward(np.zeros_like(x), np.zeros((4, 10), np.float32), x)
+    with pytest.raises(llmc_py.ShapeError, match="dinp"):
+        K.swiglu_backward(np.zeros((4, 5), np.float32), dout, x)
+    with pytest.raises(llmc_py.ShapeError):
+        K.swiglu_forward(np.empty((0, 5), np.float32), np.empty((0, 10), np.float32))
+
+
+def test_swiglu_rejects_wrong_dtype(rng):
+    x, dout = swiglu_inputs(rng, (4, 10))
+    with pytest.raises(TypeError, match="out"):
+        K.swiglu_forward(np.empty((4, 5), np.float64), x)
+    with pytest.raises(TypeError, match="inp"):
+        K.swiglu_forward(np.empty((4, 5), np.float32), x.tolist())

@@ -55,6 +55,32 @@ def test_encoder_backward_accumulates(rng, B, T, C, V):
         assert_close(name, b, 2.0 * a, TOL["encoder"]["bwd"])
 
 
+@pytest.mark.parametrize("B,T,C,V", SHAPES)
+def test_encoder_without_wpe_matches_reference(rng, B, T, C, V):
+    # wpe / dwpe None (RoPE models): out is the token row itself, bit for bit
+    inp, wte, _, dout = make_inputs(rng, B, T, C, V)
+    out = np.full((B, T, C), np.nan, np.float32)
+    K.encoder_forward(out, inp, wte, None)
+    assert np.array_equal(out, wte[inp])
+    dwte = np.zeros_like(wte)
+    K.encoder_backward(dwte, None, dout, inp)
+
+    wte_t = t64(wte, grad=True)
+    (ref_encoder(wte_t, None, t64(inp)) * t64(dout)).sum().backward()
+    assert_close("dwte", dwte, wte_t.grad, TOL["encoder"]["bwd"])
+    twice = dwte.copy()
+    K.encoder_backward(twice, None, dout, inp)   # (+=): a second call doubles
+    assert_close("dwte twice", twice, 2.0 * dwte, TOL["encoder"]["bwd"])
+
+
+def test_encoder_backward_without_dwpe_gives_the_same_dwte(rng):
+    inp, _, wpe, dout = make_inputs(rng, 4, 64, 200, 30)
+    with_wpe, _ = backward(dout, inp, 30, wpe.shape[0])
+    without = np.zeros_like(with_wpe)
+    K.encoder_backward(without, None, dout, inp)
+    assert np.array_equal(without, with_wpe)
+
+
 def test_encoder_backward_thread_invariant(rng, set_threads):
     B, T, C, V = 4, 64, 200, 30    # 4 channel blocks, many repeated tokens
     inp, _, wpe, dout = make_inputs(rng, B, T, C, V)
@@ -84,6 +110,18 @@ def test_encoder_rejects_wrong_shapes(rng):
         K.encoder_forward(np.empty((B, T, C), np.float32), inp, wte, wpe[:T - 1])
     with pytest.raises(llmc_py.ShapeError, match="wpe"):
         K.encoder_forward(np.empty((B, T, C), np.float32), inp, wte, wpe[:, :C - 1].copy())
+
+
+def test_encoder_without_wpe_thread_invariant(rng, set_threads):
+    B, T, C, V = 4, 64, 200, 30
+    inp, wte, _, dout = make_inputs(rng, B, T, C, V)
+
+    def run():
+        out, dwte = np.empty((B, T, C), np.float32), np.zeros_like(wte)
+        K.encoder_forward(out, inp, wte, None)
+        K.encoder_backward(dwte, None, dout, inp)
+        return dict(out=out, dwte=dwte)
+    assert_thread_invariant(set_threads, run)
 
 
 def test_encoder_rejects_wrong_dtypes(rng):

@@ -15,7 +15,14 @@ KERNELS = [name for name in re.findall(r"^int (\w+)\(", (CSRC / "llmc_api.h").re
            if not name.startswith("llmc_")]
 # pointers a kernel accepts as NULL: (kernel, argument index)
 OPTIONAL = {("matmul_forward", 3), ("matmul_forward_naive", 3),
-            ("matmul_backward", 2), ("matmul_backward_naive", 2)}
+            ("matmul_backward", 2), ("matmul_backward_naive", 2),
+            ("encoder_forward", 3), ("encoder_backward", 1),
+            ("rope_forward", 2), ("rope_backward", 2)}
+# arguments for which the defaults of _raw_args (sizes 1, scalars 0.0) are
+# invalid: (kernel, argument index) -> a valid value. RoPE needs an even head
+# size and theta > 0.
+VALID = {("rope_forward", 7): 2, ("rope_forward", 8): 10000.0,
+         ("rope_backward", 7): 2, ("rope_backward", 8): 10000.0}
 
 
 @pytest.mark.parametrize("status,cls,builtin", [
@@ -67,16 +74,17 @@ def test_raw_call_returns_status_and_process_survives():
 
 
 def _raw_args(name, null_at=None, zero_at=None):
-    """Arguments for kernel ``name`` with every size 1 and a small zeroed buffer
-    for every pointer; the pointer at ``null_at`` is NULL, the size at ``zero_at`` 0."""
+    """Arguments for kernel ``name`` with every size 1 (or its VALID value) and a
+    small zeroed buffer for every pointer; the pointer at ``null_at`` is NULL,
+    the size at ``zero_at`` 0."""
     args = []
     for i, arg in enumerate(ffi.typeof(getattr(lib, name)).args):
         if arg.kind == "pointer":
             args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]"))
         elif arg.cname in ("int", "long"):
-            args.append(0 if i == zero_at else 1)
+            args.append(0 if i == zero_at else VALID.get((name, i), 1))
         else:
-            args.append(0.0)   # the float scalars: eps, learning rate, ...
+            args.append(VALID.get((name, i), 0.0))   # the float scalars: eps, learning rate, ...
     return args
 
 

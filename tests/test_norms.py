@@ -1,4 +1,4 @@
-"""csrc/norms.c: LayerNorm against the float64 reference and autograd."""
+"""csrc/norms.c: LayerNorm and RMSNorm against the float64 reference and autograd."""
 import numpy as np
 import pytest
 
@@ -6,6 +6,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import layernorm as ref_layernorm
+from reference import rmsnorm as ref_rmsnorm
 
 SHAPES = [  # B, T, C
     (4, 64, 768),   # GPT-2 124M
@@ -95,3 +96,111 @@ def test_layernorm_rejects_wrong_dtype(rng):
     _, mean, rstd = forward(x, w, b)
     with pytest.raises(TypeError, match="dout"):
         backward(dout.astype(np.float64), x, w, mean, rstd)
+
+
+# ---- RMSNorm ----------------------------------------------------------------
+
+RMS_SHAPES = [  # B, T, C
+    (4, 64, 768),    # Llama-ish width
+    (1, 256, 768),
+    (1, 1, 48),
+    (2, 37, 67),     # C=67: no vector width divides it; B*T not a multiple of 8
+    (3, 5, 2),
+]
+
+
+def rms_forward(x, w, eps=1e-5):
+    B, T, C = x.shape
+    out = np.full((B, T, C), np.nan, np.float32)   # (written): must not be read
+    rstd = np.full((B, T), np.nan, np.float32)
+    K.rmsnorm_forward(out, rstd, x, w, eps)
+    return out, rstd
+
+
+def rms_backward(dout, x, w, rstd, calls=1):
+    grads = np.zeros_like(x), np.zeros_like(w)
+    for _ in range(calls):
+        K.rmsnorm_backward(*grads, dout, x, w, rstd)
+    return grads
+
+
+# scale 1e-3: mean(x^2) ~ 1e-6 is below eps = 1e-5, so a misplaced eps shows
+@pytest.mark.parametrize("scale", [1.0, 1e-3])
+@pytest.mark.parametrize("B,T,C", RMS_SHAPES)
+def test_rmsnorm_matches_reference(rng, B, T, C, scale):
+    x, w, _, dout = make_inputs(rng, B, T, C)
+    x *= np.float32(scale)
+    out, rstd = rms_forward(x, w)
+    dinp, dweight = rms_backward(dout, x, w, rstd)
+
+    xt, wt = t64(x, grad=True), t64(w, grad=True)
+    ref, ref_rstd = ref_rmsnorm(xt, wt)
+    (ref * t64(dout)).sum().backward()
+
+    tol = TOL["rmsnorm"]
+    for name, ours, theirs, kind in [("out", out, ref, "fwd"), ("rstd", rstd, ref_rstd, "fwd"),
+                                     ("dinp", dinp, xt.grad, "bwd"),
+                                     ("dweight", dweight, wt.grad, "bwd")]:
+        assert_close(name, ours, theirs, tol[kind])
+
+
+def test_rmsnorm_passes_eps_through(rng):
+    x, w, _, _ = make_inputs(rng, 2, 3, 16)
+    x *= np.float32(1e-2)                        # mean(x^2) ~ 1e-4, against eps = 1e-3
+    out, rstd = rms_forward(x, w, eps=1e-3)
+    ref, ref_rstd = ref_rmsnorm(t64(x), t64(w), eps=1e-3)
+    assert_close("out", out, ref, TOL["rmsnorm"]["fwd"])
+    assert_close("rstd", rstd, ref_rstd, TOL["rmsnorm"]["fwd"])
+
+
+def test_rmsnorm_backward_accumulates(rng):
+    x, w, _, dout = make_inputs(rng, 2, 37, 67)
+    _, rstd = rms_forward(x, w)
+    once = rms_backward(dout, x, w, rstd)
+    twice = rms_backward(dout, x, w, rstd, calls=2)
+    for name, a, b2 in zip(["dinp", "dweight"], once, twice):
+        assert_close(name, b2, 2.0 * a, TOL["rmsnorm"]["bwd"])
+
+
+def test_rmsnorm_thread_invariant(rng, set_threads):
+    x, w, _, dout = make_inputs(rng, 4, 64, 300)   # 5 channel blocks, the last partial
+
+    def run():
+        out, rstd = rms_forward(x, w)
+        dinp, dweight = rms_backward(dout, x, w, rstd)
+        return dict(out=out, rstd=rstd, dinp=dinp, dweight=dweight)
+    assert_thread_invariant(set_threads, run)
+
+
+def test_rmsnorm_rejects_negative_eps(rng):
+    x, w, _, _ = make_inputs(rng, 1, 2, 8)
+    out, rstd = rms_forward(x, w)
+    with pytest.raises(llmc_py.ShapeError):
+        K.rmsnorm_forward(out, rstd, x, w, eps=-1e-5)
+
+
+@pytest.mark.parametrize("bad", ["weight", "rstd", "out"])
+def test_rmsnorm_rejects_wrong_shape(rng, bad):
+    x, w, _, _ = make_inputs(rng, 2, 3, 8)
+    args = dict(out=np.empty_like(x), rstd=np.empty((2, 3), np.float32), inp=x, weight=w)
+    args[bad] = np.zeros(args[bad].shape[:-1] + (args[bad].shape[-1] + 1,), np.float32)
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.rmsnorm_forward(**args)
+
+
+@pytest.mark.parametrize("bad", ["dinp", "dweight", "rstd"])
+def test_rmsnorm_backward_rejects_wrong_shape(rng, bad):
+    x, w, _, dout = make_inputs(rng, 2, 3, 8)
+    _, rstd = rms_forward(x, w)
+    args = dict(dinp=np.zeros_like(x), dweight=np.zeros_like(w), dout=dout, inp=x, weight=w,
+                rstd=rstd)
+    args[bad] = np.zeros(args[bad].shape[:-1] + (args[bad].shape[-1] + 1,), np.float32)
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.rmsnorm_backward(**args)
+
+
+def test_rmsnorm_rejects_wrong_dtype(rng):
+    x, w, _, dout = make_inputs(rng, 2, 3, 8)
+    _, rstd = rms_forward(x, w)
+    with pytest.raises(TypeError, match="dout"):
+        rms_backward(dout.astype(np.float64), x, w, rstd)

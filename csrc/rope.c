@@ -1,0 +1,112 @@
+/*
+ * Rotary position embedding (Llama), forward and backward, on packed
+ * [q heads | k heads | v heads] rows in the half-split pair layout stated in
+ * llmc_api.h.
+ *
+ * Each pair (x[i], x[i + hs/2]) turns by the angle a = p * theta^(-2i/hs):
+ *   forward   R(a)  = [cos a, -sin a; sin a, cos a]
+ *   backward  R(a)^T = R(-a), since a rotation's Jacobian is itself and its
+ *             transpose is its inverse; the angle does not depend on x, so
+ *             nothing else flows back.
+ * The angle is formed in double (p * theta^(-2i/hs) with p in the thousands
+ * loses the low bits of a float angle), and its cos and sin are rounded to
+ * float once per (b, t, i), then used for all NH + NKV rotated heads.
+ *
+ * Parallel over the (b, t) rows: a row reads and writes only its own
+ * elements, so any thread count gives bitwise the same result. Within a row
+ * the pair index runs in chunks of ROPE_CHUNK, with that chunk's cos and sin
+ * on the stack, so no scratch allocation is needed whatever hs is.
+ */
+#include "llmc.h"
+#include "common.h"
+
+#define ROPE_CHUNK 64
+
+/* Checks shared by forward and backward; returns LLMC_OK or a status. */
+static int rope_check(const float* out, const float* inp, const int* pos,
+                      int B, int T, int NH, int NKV, int hs, float theta) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && hs % 2 == 0,
+                 LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(theta > 0.0f && isfinite(theta), LLMC_ERR_SHAPE);   // NaN fails too
+    if (pos != NULL) {
+        for (int b = 0; b < B; b++) { LLMC_REQUIRE(pos[b] >= 0, LLMC_ERR_RANGE); }
+    }
+    return LLMC_OK;
+}
+
+/* cos and sin of the angles of pairs [i0, i0 + n) at position p. */
+static void rope_angles(float* c, float* s, long p, int i0, int n, int hs, double theta) {
+    for (int j = 0; j < n; j++) {
+        const double freq = pow(theta, -2.0 * (double)(i0 + j) / (double)hs);
+        const double a = (double)p * freq;
+        c[j] = (float)cos(a);
+        s[j] = (float)sin(a);
+    }
+}
+
+/*
+ * The one loop behind both directions: the forward rotates by +a and writes,
+ * the backward rotates by -a and accumulates. The v heads are copied or
+ * accumulated unchanged.
+ */
+static void rope_apply(float* out, const float* inp, const int* pos,
+                       int B, int T, int NH, int NKV, int hs, float theta, int backward) {
+    const int half = hs / 2;
+    const int nrot = NH + NKV;                          // heads that turn
+    const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
+    const long BT = (long)B * T;
+
+    #pragma omp parallel for schedule(static)
+    for (long bt = 0; bt < BT; bt++) {
+        const long p = (pos != NULL ? (long)pos[bt / T] : 0L) + bt % T;
+        const float* x_bt = inp + (size_t)bt * row;
+        float* y_bt = out + (size_t)bt * row;
+        float c[ROPE_CHUNK], s[ROPE_CHUNK];
+        for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
+            const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+            rope_angles(c, s, p, i0, n, hs, (double)theta);
+            for (int h = 0; h < nrot; h++) {
+                const float* x1 = x_bt + (size_t)h * hs + i0;   // first half
+                const float* x2 = x1 + half;                    // its partners
+                float* y1 = y_bt + (size_t)h * hs + i0;
+                float* y2 = y1 + half;
+                if (backward) {
+                    for (int j = 0; j < n; j++) {
+                        y1[j] += x1[j] * c[j] + x2[j] * s[j];
+                        y2[j] += x2[j] * c[j] - x1[j] * s[j];
+                    }
+                } else {
+                    for (int j = 0; j < n; j++) {
+                        const float a1 = x1[j], a2 = x2[j];
+                        y1[j] = a1 * c[j] - a2 * s[j];
+                        y2[j] = a2 * c[j] + a1 * s[j];
+                    }
+                }
+            }
+        }
+        const size_t v0 = (size_t)nrot * hs;
+        const size_t nv = (size_t)NKV * hs;
+        if (backward) {
+            for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] += x_bt[v0 + i]; }
+        } else {
+            for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] = x_bt[v0 + i]; }
+        }
+    }
+}
+
+int rope_forward(float* out, const float* inp, const int* pos,
+                 int B, int T, int NH, int NKV, int hs, float theta) {
+    const int status = rope_check(out, inp, pos, B, T, NH, NKV, hs, theta);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    rope_apply(out, inp, pos, B, T, NH, NKV, hs, theta, 0);
+    return LLMC_OK;
+}
+
+int rope_backward(float* dinp, const float* dout, const int* pos,
+                  int B, int T, int NH, int NKV, int hs, float theta) {
+    const int status = rope_check(dinp, dout, pos, B, T, NH, NKV, hs, theta);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    rope_apply(dinp, dout, pos, B, T, NH, NKV, hs, theta, 1);
+    return LLMC_OK;
+}

@@ -1,0 +1,191 @@
+"""csrc/rope.c: rotary position embedding (half-split pairs) against the
+float64 reference and autograd."""
+import numpy as np
+import pytest
+
+import llmc_py
+from llmc_py import kernels as K
+from llmc_py._lib import ffi, lib
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from reference import rope as ref_rope
+
+SHAPES = [  # B, T, NH, NKV, hs
+    (4, 64, 12, 4, 64),    # Llama-ish: C = NH hs = 768, 3 query heads per kv head
+    (1, 256, 12, 4, 64),
+    (1, 1, 1, 1, 2),       # one position, one pair per head
+    (2, 37, 3, 3, 10),     # NKV == NH (multi-head)
+    (3, 5, 8, 1, 6),       # NKV == 1 (multi-query)
+    (2, 7, 2, 1, 130),     # hs/2 = 65 pairs: two angle chunks, the second of one pair
+]
+THETAS = [10000.0, 500000.0]   # Llama 2, Llama 3
+
+
+def make_inputs(rng, B, T, NH, NKV, hs):
+    CH = (NH + 2 * NKV) * hs
+    return randn(rng, B, T, CH), randn(rng, B, T, CH)
+
+
+def make_pos(rng, B, kind):
+    """None, or a start position per row: one at 1000 and, with B > 1, one far
+    out at 100000 (angles of 1e5 radians for the first pair)."""
+    if kind is None:
+        return None
+    pos = rng.integers(0, 2000, size=B, dtype=np.int32)
+    pos[0] = 1000
+    if B > 1:
+        pos[-1] = 100000
+    return pos
+
+
+def forward(x, pos, NH, NKV, theta=10000.0):
+    out = np.full_like(x, np.nan)   # (written): must not be read
+    K.rope_forward(out, x, pos, NH, NKV, theta)
+    return out
+
+
+def backward(dout, pos, NH, NKV, theta=10000.0, calls=1):
+    dinp = np.zeros_like(dout)
+    for _ in range(calls):
+        K.rope_backward(dinp, dout, pos, NH, NKV, theta)
+    return dinp
+
+
+@pytest.mark.parametrize("theta", THETAS)
+@pytest.mark.parametrize("pos_kind", [None, "offset"])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES)
+def test_rope_matches_reference(rng, B, T, NH, NKV, hs, pos_kind, theta):
+    x, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    pos = make_pos(rng, B, pos_kind)
+    out = forward(x, pos, NH, NKV, theta)
+    dinp = backward(dout, pos, NH, NKV, theta)
+
+    xt = t64(x, grad=True)
+    ref = ref_rope(xt, None if pos is None else t64(pos), NH, NKV, theta)
+    (ref * t64(dout)).sum().backward()
+
+    assert_close("out", out, ref, TOL["rope"]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL["rope"]["bwd"])
+    v = slice((NH + NKV) * hs, None)
+    assert np.array_equal(out[..., v], x[..., v]), "v heads changed"
+    assert np.array_equal(dinp[..., v], dout[..., v]), "v head gradients changed"
+
+
+def test_rope_rotates_the_right_pairs():
+    # hs = 4, one q head: pairs (0, 2) and (1, 3). At position 1 with theta = 1
+    # both pairs turn by 1 radian; a pairing of (0, 1), (2, 3) would differ
+    x = np.array([[[1.0, 2.0, 3.0, 4.0] + [0.0] * 8]], np.float32)   # NH=1, NKV=1, hs=4
+    out = forward(x, np.array([1], np.int32), 1, 1, theta=1.0)
+    c, s = np.cos(1.0), np.sin(1.0)
+    expected = [1 * c - 3 * s, 2 * c - 4 * s, 3 * c + 1 * s, 4 * c + 2 * s]
+    assert_close("q head", out[0, 0, :4], expected, TOL["rope"]["fwd"])
+
+
+def test_rope_backward_accumulates(rng):
+    x, dout = make_inputs(rng, 2, 37, 3, 1, 10)
+    pos = make_pos(rng, 2, "offset")
+    once = backward(dout, pos, 3, 1)
+    twice = backward(dout, pos, 3, 1, calls=2)
+    assert_close("dinp", twice, 2.0 * once, TOL["rope"]["bwd"])
+
+
+def test_rope_null_pos_is_position_zero(rng):
+    x, dout = make_inputs(rng, 3, 5, 4, 2, 8)
+    zeros = np.zeros(3, np.int32)
+    assert np.array_equal(forward(x, None, 4, 2), forward(x, zeros, 4, 2))
+    assert np.array_equal(backward(dout, None, 4, 2), backward(dout, zeros, 4, 2))
+
+
+def test_rope_offset_continues_the_sequence(rng):
+    # what a KV cache relies on: T tokens started at pos p turn exactly as the
+    # last T tokens of a sequence of p + T started at 0
+    p, T = 1000, 9
+    x_all, _ = make_inputs(rng, 1, p + T, 4, 2, 16)
+    tail = np.ascontiguousarray(x_all[:, p:])
+    full = forward(x_all, None, 4, 2, theta=500000.0)
+    part = forward(tail, np.array([p], np.int32), 4, 2, theta=500000.0)
+    assert np.array_equal(part, full[:, p:])
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
+def test_rope_thread_invariant(rng, set_threads, B, T, NH, NKV, hs):
+    x, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    pos = make_pos(rng, B, "offset")
+    assert_thread_invariant(set_threads, lambda: dict(
+        out=forward(x, pos, NH, NKV), dinp=backward(dout, pos, NH, NKV)))
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_rope_rejects_negative_pos(rng, which):
+    x, dout = make_inputs(rng, 3, 2, 2, 1, 4)
+    pos = np.array([0, 5, -1], np.int32)
+    with pytest.raises(llmc_py.RangeError):
+        if which == "forward":
+            forward(x, pos, 2, 1)
+        else:
+            backward(dout, pos, 2, 1)
+
+
+@pytest.mark.parametrize("theta", [0.0, -10000.0, np.inf, np.nan])
+def test_rope_rejects_bad_theta(rng, theta):
+    x, dout = make_inputs(rng, 1, 2, 2, 1, 4)
+    with pytest.raises(llmc_py.ShapeError):
+        forward(x, None, 2, 1, theta)
+    with pytest.raises(llmc_py.ShapeError):
+        backward(dout, None, 2, 1, theta)
+
+
+@pytest.mark.parametrize("NH,NKV,CH", [
+    (2, 1, 12),   # hs = 3: odd, no pairs
+    (2, 1, 10),   # 10 channels are not (2 + 2) heads
+    (0, 1, 8),
+    (2, 0, 8),
+    (-2, 2, 8),
+])
+def test_rope_rejects_bad_head_layout(NH, NKV, CH):
+    x = np.zeros((1, 2, CH), np.float32)
+    with pytest.raises(llmc_py.ShapeError):
+        K.rope_forward(np.empty_like(x), x, None, NH, NKV)
+    with pytest.raises(llmc_py.ShapeError):
+        K.rope_backward(np.zeros_like(x), x, None, NH, NKV)
+
+
+def test_rope_rejects_non_integer_head_counts():
+    x = np.zeros((1, 2, 16), np.float32)
+    with pytest.raises(TypeError, match="NH"):
+        K.rope_forward(np.empty_like(x), x, None, 2.0, 1)
+    with pytest.raises(TypeError, match="NKV"):
+        K.rope_backward(np.zeros_like(x), x, None, 2, None)
+
+
+def test_rope_c_rejects_odd_head_size_and_bad_values():
+    # the C checks behind the wrapper's: odd hs, theta <= 0, a negative start
+    buf = ffi.new("float[]", 64)
+    pos = ffi.new("int[]", [3, -2])
+    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_backward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_forward(buf, buf, pos, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+
+
+def test_rope_rejects_wrong_shapes(rng):
+    x, dout = make_inputs(rng, 2, 3, 2, 1, 4)
+    with pytest.raises(llmc_py.ShapeError, match="out"):
+        K.rope_forward(np.empty((2, 3, 20), np.float32), x, None, 2, 1)
+    with pytest.raises(llmc_py.ShapeError, match="pos"):
+        forward(x, np.zeros(3, np.int32), 2, 1)
+    with pytest.raises(llmc_py.ShapeError, match="dinp"):
+        K.rope_backward(np.zeros((2, 4, 16), np.float32), dout, None, 2, 1)
+    with pytest.raises(llmc_py.ShapeError, match="dout"):
+        K.rope_backward(np.zeros_like(dout), dout[:, ::-1], None, 2, 1)   # not contiguous
+
+
+def test_rope_rejects_wrong_dtypes(rng):
+    x, dout = make_inputs(rng, 2, 3, 2, 1, 4)
+    with pytest.raises(TypeError, match="pos"):
+        forward(x, np.zeros(2, np.int64), 2, 1)
+    with pytest.raises(TypeError, match="inp"):
+        K.rope_forward(np.empty_like(x), x.astype(np.float64), None, 2, 1)
+    with pytest.raises(TypeError, match="dinp"):
+        K.rope_backward(np.zeros(dout.shape, np.float64), dout, None, 2, 1)
