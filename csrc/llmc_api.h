@@ -160,6 +160,37 @@ int attention_forward(float* out, float* att, const float* inp,
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
                        int B, int T, int C, int NH);
 
+/*
+ * attention_gqa_forward: causal grouped-query attention over packed q, k, v
+ * heads, optionally with ALiBi. Query head h reads kv head h / (NH / NKV)
+ * (NKV == NH: multi-head; NKV == 1: multi-query). For t2 <= t:
+ *   score = q[b,t,h] . k[b,t2,h/(NH/NKV)] / sqrt(hs) - slopes[h] * (t - t2)
+ *   att[b,h,t,t2] = softmax_t2(score)
+ *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h/(NH/NKV)]
+ *
+ *   out    [B, T, NH hs]            (written)
+ *   att    [B, NH, T, T]            (written) probabilities, 0 where t2 > t;
+ *                                   saved for backward
+ *   inp    [B, T, (NH + 2 NKV) hs]  NH q heads, then NKV k heads, then NKV
+ *                                   v heads in each row
+ *   slopes [NH] ALiBi slope per head, or NULL (no position bias)
+ * NH % NKV must be 0.
+ */
+int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+                          int B, int T, int NH, int NKV, int hs);
+
+/*
+ * attention_gqa_backward: gradients of attention_gqa_forward (the ALiBi bias
+ * is a constant, so the slopes are not needed).
+ *
+ *   dinp [B, T, (NH + 2 NKV) hs]  (+=) dq, dk, dv heads as in inp
+ *   dout [B, T, NH hs]
+ *   inp  [B, T, (NH + 2 NKV) hs]  forward input
+ *   att  [B, NH, T, T]            saved by attention_gqa_forward
+ */
+int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
+                           int B, int T, int NH, int NKV, int hs);
+
 /* ---- activations.c ------------------------------------------------------ */
 
 /*
