@@ -15,7 +15,8 @@ KERNELS = [name for name in re.findall(r"^int (\w+)\(", (CSRC / "llmc_api.h").re
            if not name.startswith("llmc_")]
 # pointers a kernel accepts as NULL: (kernel, argument index)
 OPTIONAL = {("matmul_forward", 3), ("matmul_forward_naive", 3),
-            ("matmul_backward", 2), ("matmul_backward_naive", 2)}
+            ("matmul_backward", 2), ("matmul_backward_naive", 2),
+            ("attention_gqa_forward", 3)}
 
 
 @pytest.mark.parametrize("status,cls,builtin", [
