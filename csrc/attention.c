@@ -18,6 +18,13 @@
  * each, writing its own heads' slices of dq, dk and dv. No two threads touch
  * the same element, and every element is summed in one order whatever the
  * thread count.
+ *
+ * attention_decode is one forward row per (b, h), parallel over (b, h), run
+ * by the forward's own attend_row: a decoded position gets the same
+ * arithmetic as that position in a full forward. The scores need a row of
+ * up to maxT floats per (b, h); the caller's att buffer holds them, since a
+ * stack buffer of maxT floats could overflow a worker thread's stack for
+ * long contexts, and a malloc per call would be one per layer per token.
  */
 #include <stdlib.h>
 #include "llmc.h"
@@ -174,4 +181,33 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
                  LLMC_ERR_SHAPE);
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NKV, hs);
+}
+
+int attention_decode(float* out, float* att, const float* q, const float* k_cache,
+                     const float* v_cache, const int* len, const float* slopes,
+                     int B, int NH, int NKV, int hs, int maxT) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, att, q) && LLMC_NONNULL3(k_cache, v_cache, len),
+                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && NH > 0 && NKV > 0 && hs > 0 && maxT > 0 && NH % NKV == 0,
+                 LLMC_ERR_SHAPE);
+    for (int b = 0; b < B; b++) {
+        LLMC_REQUIRE(len[b] >= 1 && len[b] <= maxT, LLMC_ERR_RANGE);
+    }
+    const size_t C = (size_t)NH * hs;             // q and out rows
+    const size_t kv_row = (size_t)NKV * hs;       // one cached position
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            const size_t kv = (size_t)b * maxT * kv_row + (size_t)(h / kv_mul) * hs;
+            attend_row(out + (size_t)b * C + (size_t)h * hs,
+                       att + ((size_t)b * NH + h) * maxT,
+                       q + (size_t)b * C + (size_t)h * hs,
+                       k_cache + kv, v_cache + kv, kv_row,
+                       len[b], hs, scale, slopes != NULL ? slopes[h] : 0.0f);
+        }
+    }
+    return LLMC_OK;
 }

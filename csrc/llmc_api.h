@@ -191,6 +191,32 @@ int attention_gqa_forward(float* out, float* att, const float* inp, const float*
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
                            int B, int T, int NH, int NKV, int hs);
 
+/*
+ * attention_decode: one new query position per row, against a KV cache.
+ * Row b's query (at position len[b] - 1) attends to cached positions
+ * t2 < len[b] of its row, with the same scores as attention_gqa_forward
+ * (1/sqrt(hs) scale, kv head h / (NH / NKV), ALiBi -slopes[h] * (len[b] - 1 - t2)):
+ *   att[b,h,t2] = softmax_t2(score)
+ *   out[b,h]    = sum_t2 att[b,h,t2] * v_cache[b,t2,h/(NH/NKV)]
+ *
+ *   out     [B, NH hs]         (written)
+ *   att     [B, NH, maxT]      (written) the probabilities for t2 < len[b];
+ *                              entries t2 >= len[b] are not written. The
+ *                              caller's buffer for the scores, so that no
+ *                              call allocates, whatever maxT
+ *   q       [B, NH hs]         the new position's query heads (already
+ *                              rotated for RoPE)
+ *   k_cache [B, maxT, NKV hs]  keys of positions 0 .. len[b]-1 of row b
+ *                              (later positions are not read)
+ *   v_cache [B, maxT, NKV hs]
+ *   len     [B] int32, 1 <= len[b] <= maxT; else LLMC_ERR_RANGE
+ *   slopes  [NH] or NULL
+ * NH % NKV must be 0.
+ */
+int attention_decode(float* out, float* att, const float* q, const float* k_cache,
+                     const float* v_cache, const int* len, const float* slopes,
+                     int B, int NH, int NKV, int hs, int maxT);
+
 /* ---- activations.c ------------------------------------------------------ */
 
 /*

@@ -264,6 +264,29 @@ def attention_gqa_backward(dinp, dout, inp, att, NH, NKV):
         B, T, NH, NKV, hs), "attention_gqa_backward")
 
 
+def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):
+    """One new position per row against a KV cache: out[B,NH*hs] (written),
+    att[B,NH,maxT] (written for t2 < lengths[b], the rest untouched) <-
+    q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs], lengths int32 [B] with
+    1 <= lengths[b] <= maxT (else RangeError), slopes[NH] float32 or None.
+
+    Row b's query sits at position lengths[b] - 1, as in attention_gqa_forward."""
+    B, maxT, kv_width = _dims(k_cache, "k_cache", 3)
+    _check_heads(NH, NKV)
+    if kv_width % NKV != 0:
+        raise ShapeError(f"k_cache has {kv_width} channels: expected NKV*hs with NKV={NKV}")
+    hs = kv_width // NKV
+    check(lib.attention_decode(
+        fptr(out, "out", (B, NH * hs), out=True),
+        fptr(att, "att", (B, NH, maxT), out=True),
+        fptr(q, "q", (B, NH * hs)),
+        fptr(k_cache, "k_cache", (B, maxT, NKV * hs)),
+        fptr(v_cache, "v_cache", (B, maxT, NKV * hs)),
+        iptr(lengths, "lengths", (B,)),
+        _optional(slopes, "slopes", (NH,)),
+        B, NH, NKV, hs, maxT), "attention_decode")
+
+
 def alibi_slopes(n_heads):
     """The ALiBi paper's head slopes, float32 [n_heads].
 
@@ -283,13 +306,17 @@ def alibi_slopes(n_heads):
 def _gqa_dims(inp, NH, NKV):
     """B, T, hs of a packed GQA input, after checking the head counts."""
     B, T, width = _dims(inp, "inp", 3)
-    for name, n in (("NH", NH), ("NKV", NKV)):
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ShapeError(f"{name} must be a positive int, got {n!r}")
-    if NH % NKV != 0:
-        raise ShapeError(f"NH={NH} is not a multiple of NKV={NKV}")
+    _check_heads(NH, NKV)
     heads = NH + 2 * NKV
     if width % heads != 0:
         raise ShapeError(f"inp has {width} channels: expected (NH + 2*NKV)*hs "
                          f"= {heads}*hs with NH={NH}, NKV={NKV}")
     return B, T, width // heads
+
+
+def _check_heads(NH, NKV):
+    for name, n in (("NH", NH), ("NKV", NKV)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ShapeError(f"{name} must be a positive int, got {n!r}")
+    if NH % NKV != 0:
+        raise ShapeError(f"NH={NH} is not a multiple of NKV={NKV}")
