@@ -238,6 +238,104 @@ def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
         gqa_forward(qkv, K.alibi_slopes(4).astype(np.float64), 4, 2)
 
 
+# ---- decoding one position against a KV cache ---------------------------------
+
+DECODE_SHAPES = [  # lengths (B = len), maxT, NH, NKV, hs, slopes
+    ([1, 23, 7, 16], 23, 8, 1, 16, None),       # multi-query; len 1 and len maxT
+    ([1, 23, 7, 16], 23, 8, 1, 16, "alibi"),
+    ([5, 64, 33], 64, 12, 4, 64, None),         # a Llama-like layer
+    ([5, 64, 33], 64, 12, 4, 64, "alibi"),
+    ([3, 1, 13], 13, 6, 6, 15, None),           # NKV == NH; hs = 15
+    ([3, 1, 13], 13, 6, 6, 15, "alibi"),        # and NH = 6 slopes
+    ([40, 17], 40, 4, 2, 16, "steep"),          # far keys' weights underflow to 0
+    ([1], 1, 2, 1, 8, "alibi"),                 # maxT = 1
+]
+
+
+def make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes):
+    """Full sequences qkv[B,maxT,...] and the decode inputs for lengths: row b's
+    query at position lengths[b] - 1, its keys and values cached; the cache
+    past lengths[b] holds NaN, which must never be read."""
+    B = len(lengths)
+    qkv, _, slopes = make_gqa_inputs(rng, B, maxT, NH, NKV, hs, slopes)
+    lengths = np.array(lengths, np.int32)
+    q = qkv[np.arange(B), lengths - 1, :NH * hs].copy()
+    k_cache = qkv[:, :, NH * hs:(NH + NKV) * hs].copy()
+    v_cache = qkv[:, :, (NH + NKV) * hs:].copy()
+    for b, n in enumerate(lengths):
+        k_cache[b, n:] = np.nan
+        v_cache[b, n:] = np.nan
+    return qkv, slopes, (q, k_cache, v_cache, lengths)
+
+
+def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
+    B, maxT, _ = k_cache.shape
+    out = np.full(q.shape, np.nan, np.float32)   # (written): must not be read
+    att = np.full((B, NH, maxT), np.nan, np.float32)
+    K.attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV)
+    return out, att
+
+
+@pytest.mark.parametrize("lengths,maxT,NH,NKV,hs,slopes", DECODE_SHAPES)
+def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, slopes):
+    qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
+    out, att = decode(*cache, slopes, NH, NKV)
+    full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
+    ref_out, _ = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
+
+    tol = TOL["attention_decode"]
+    for b, n in enumerate(lengths):
+        assert_close(f"out[{b}]", out[b], full_out[b, n - 1], tol["fwd"])
+        assert_close(f"att[{b}]", att[b, :, :n], full_att[b, :, n - 1, :n], tol["fwd"])
+        assert np.isnan(att[b, :, n:]).all(), f"att[{b}] written past len = {n}"
+        # and on its own against the float64 reference
+        assert_close(f"out[{b}] vs reference", out[b], ref_out[b, n - 1],
+                     TOL["attention_gqa"]["fwd"])
+
+
+def test_attention_decode_thread_invariant(rng, set_threads):
+    # B * NH = 15 (b, h) pairs: uneven over 2 and over 3 threads
+    _, slopes, cache = make_decode_case(rng, [9, 2, 30], 30, 5, 1, 16, "alibi")
+
+    def run():
+        out, att = decode(*cache, slopes, 5, 1)
+        return {"out": out, "att": np.nan_to_num(att)}   # the NaN past len are not written
+    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+@pytest.mark.parametrize("bad_len", [0, -1, 8])
+def test_attention_decode_rejects_length_out_of_range(rng, bad_len):
+    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
+    lengths[1] = bad_len                                      # maxT = 7
+    with pytest.raises(llmc_py.RangeError, match="attention_decode"):
+        decode(q, k_cache, v_cache, lengths, None, 4, 2)
+
+
+def test_attention_decode_rejects_heads_not_dividing(rng):
+    _, _, cache = make_decode_case(rng, [3, 7], 7, 6, 6, 8, None)
+    with pytest.raises(llmc_py.ShapeError, match="NH=6 is not a multiple of NKV=4"):
+        K.attention_decode(np.zeros((2, 48), np.float32), np.zeros((2, 6, 7), np.float32),
+                           cache[0], cache[1][..., :32].copy(), cache[2][..., :32].copy(),
+                           cache[3], None, 6, 4)
+
+
+@pytest.mark.parametrize("bad", ["out", "att", "q", "v_cache", "lengths", "slopes"])
+def test_attention_decode_rejects_wrong_shape(rng, bad):
+    _, slopes, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8,
+                                                                 "alibi")
+    args = dict(out=np.zeros_like(q), att=np.zeros((2, 4, 7), np.float32), q=q,
+                k_cache=k_cache, v_cache=v_cache, lengths=lengths, slopes=slopes, NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_decode(**args)
+
+
+def test_attention_decode_rejects_wrong_lengths_dtype(rng):
+    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
+    with pytest.raises(TypeError, match="lengths"):
+        decode(q, k_cache, v_cache, lengths.astype(np.int64), None, 4, 2)
+
+
 # ---- ALiBi slopes ------------------------------------------------------------
 
 @pytest.mark.parametrize("n,expected", [

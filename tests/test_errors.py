@@ -16,7 +16,9 @@ KERNELS = [name for name in re.findall(r"^int (\w+)\(", (CSRC / "llmc_api.h").re
 # pointers a kernel accepts as NULL: (kernel, argument index)
 OPTIONAL = {("matmul_forward", 3), ("matmul_forward_naive", 3),
             ("matmul_backward", 2), ("matmul_backward_naive", 2),
-            ("attention_gqa_forward", 3)}
+            ("attention_gqa_forward", 3), ("attention_decode", 6)}
+# int arrays a kernel needs filled with a valid non-zero value: (kernel, argument index)
+INT_FILL = {("attention_decode", 5): 1}   # len[b] >= 1
 
 
 @pytest.mark.parametrize("status,cls,builtin", [
@@ -73,7 +75,8 @@ def _raw_args(name, null_at=None, zero_at=None):
     args = []
     for i, arg in enumerate(ffi.typeof(getattr(lib, name)).args):
         if arg.kind == "pointer":
-            args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]"))
+            fill = [INT_FILL[name, i]] * 16 if (name, i) in INT_FILL else None
+            args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]", fill))
         elif arg.cname in ("int", "long"):
             args.append(0 if i == zero_at else 1)
         else:
