@@ -187,6 +187,63 @@ int attention_forward(float* out, float* att, const float* inp,
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
                        int B, int T, int C, int NH);
 
+/*
+ * attention_gqa_forward: causal grouped-query attention over packed q, k, v
+ * heads, optionally with ALiBi. Query head h reads kv head h / (NH / NKV)
+ * (NKV == NH: multi-head; NKV == 1: multi-query). For t2 <= t:
+ *   score = q[b,t,h] . k[b,t2,h/(NH/NKV)] / sqrt(hs) - slopes[h] * (t - t2)
+ *   att[b,h,t,t2] = softmax_t2(score)
+ *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h/(NH/NKV)]
+ *
+ *   out    [B, T, NH hs]            (written)
+ *   att    [B, NH, T, T]            (written) probabilities, 0 where t2 > t;
+ *                                   saved for backward
+ *   inp    [B, T, (NH + 2 NKV) hs]  NH q heads, then NKV k heads, then NKV
+ *                                   v heads in each row
+ *   slopes [NH] ALiBi slope per head, or NULL (no position bias)
+ * NH % NKV must be 0.
+ */
+int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+                          int B, int T, int NH, int NKV, int hs);
+
+/*
+ * attention_gqa_backward: gradients of attention_gqa_forward (the ALiBi bias
+ * is a constant, so the slopes are not needed).
+ *
+ *   dinp [B, T, (NH + 2 NKV) hs]  (+=) dq, dk, dv heads as in inp
+ *   dout [B, T, NH hs]
+ *   inp  [B, T, (NH + 2 NKV) hs]  forward input
+ *   att  [B, NH, T, T]            saved by attention_gqa_forward
+ */
+int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
+                           int B, int T, int NH, int NKV, int hs);
+
+/*
+ * attention_decode: one new query position per row, against a KV cache.
+ * Row b's query (at position len[b] - 1) attends to cached positions
+ * t2 < len[b] of its row, with the same scores as attention_gqa_forward
+ * (1/sqrt(hs) scale, kv head h / (NH / NKV), ALiBi -slopes[h] * (len[b] - 1 - t2)):
+ *   att[b,h,t2] = softmax_t2(score)
+ *   out[b,h]    = sum_t2 att[b,h,t2] * v_cache[b,t2,h/(NH/NKV)]
+ *
+ *   out     [B, NH hs]         (written)
+ *   att     [B, NH, maxT]      (written) the probabilities for t2 < len[b];
+ *                              entries t2 >= len[b] are not written. The
+ *                              caller's buffer for the scores, so that no
+ *                              call allocates, whatever maxT
+ *   q       [B, NH hs]         the new position's query heads (already
+ *                              rotated for RoPE)
+ *   k_cache [B, maxT, NKV hs]  keys of positions 0 .. len[b]-1 of row b
+ *                              (later positions are not read)
+ *   v_cache [B, maxT, NKV hs]
+ *   len     [B] int32, 1 <= len[b] <= maxT; else LLMC_ERR_RANGE
+ *   slopes  [NH] or NULL
+ * NH % NKV must be 0.
+ */
+int attention_decode(float* out, float* att, const float* q, const float* k_cache,
+                     const float* v_cache, const int* len, const float* slopes,
+                     int B, int NH, int NKV, int hs, int maxT);
+
 /* ---- rope.c ------------------------------------------------------------- */
 
 /*

@@ -329,3 +329,87 @@ def _swiglu_dims(inp):
         raise ShapeError(f"inp has shape {shape}: its last axis must be 2*FF (gate, up)")
     N = inp.size // shape[-1] if shape[-1] else 0   # a zero size is left to C to reject
     return N, shape[-1] // 2
+
+# ---- grouped-query attention (attention.c) ----------------------------------
+
+def attention_gqa_forward(out, att, inp, slopes, NH, NKV):
+    """out[B,T,NH*hs] (written), att[B,NH,T,T] (written) <- inp[B,T,(NH+2*NKV)*hs]
+    (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
+
+    Query head h reads kv head h // (NH // NKV); NH % NKV must be 0."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_gqa_forward(
+        fptr(out, "out", (B, T, NH * hs), out=True),
+        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        _optional(slopes, "slopes", (NH,)),
+        B, T, NH, NKV, hs), "attention_gqa_forward")
+
+
+def attention_gqa_backward(dinp, dout, inp, att, NH, NKV):
+    """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, att[B,NH,T,T]."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_gqa_backward(
+        fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
+        fptr(dout, "dout", (B, T, NH * hs)),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        fptr(att, "att", (B, NH, T, T)),
+        B, T, NH, NKV, hs), "attention_gqa_backward")
+
+
+def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):
+    """One new position per row against a KV cache: out[B,NH*hs] (written),
+    att[B,NH,maxT] (written for t2 < lengths[b], the rest untouched) <-
+    q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs], lengths int32 [B] with
+    1 <= lengths[b] <= maxT (else RangeError), slopes[NH] float32 or None.
+
+    Row b's query sits at position lengths[b] - 1, as in attention_gqa_forward."""
+    B, maxT, kv_width = _dims(k_cache, "k_cache", 3)
+    _check_heads(NH, NKV)
+    if kv_width % NKV != 0:
+        raise ShapeError(f"k_cache has {kv_width} channels: expected NKV*hs with NKV={NKV}")
+    hs = kv_width // NKV
+    check(lib.attention_decode(
+        fptr(out, "out", (B, NH * hs), out=True),
+        fptr(att, "att", (B, NH, maxT), out=True),
+        fptr(q, "q", (B, NH * hs)),
+        fptr(k_cache, "k_cache", (B, maxT, NKV * hs)),
+        fptr(v_cache, "v_cache", (B, maxT, NKV * hs)),
+        iptr(lengths, "lengths", (B,)),
+        _optional(slopes, "slopes", (NH,)),
+        B, NH, NKV, hs, maxT), "attention_decode")
+
+
+def alibi_slopes(n_heads):
+    """The ALiBi paper's head slopes, float32 [n_heads].
+
+    For a power of two n: 2^(-8i/n), i = 1..n. Otherwise, with m the largest
+    power of two below n: the m slopes for m heads, then the first n - m of
+    the odd-numbered slopes for 2m heads, 2^(-4i/m) for i = 1, 3, 5, ...
+    (the slopes for 2m heads that the m-head sequence does not already hold)."""
+    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    n = int(n_heads)
+    m = 1 << (n.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)]
+    slopes += [2.0 ** (-4.0 * i / m) for i in range(1, 2 * (n - m), 2)]
+    return np.array(slopes, dtype=np.float32)
+
+
+def _gqa_dims(inp, NH, NKV):
+    """B, T, hs of a packed GQA input, after checking the head counts."""
+    B, T, width = _dims(inp, "inp", 3)
+    _check_heads(NH, NKV)
+    heads = NH + 2 * NKV
+    if width % heads != 0:
+        raise ShapeError(f"inp has {width} channels: expected (NH + 2*NKV)*hs "
+                         f"= {heads}*hs with NH={NH}, NKV={NKV}")
+    return B, T, width // heads
+
+
+def _check_heads(NH, NKV):
+    for name, n in (("NH", NH), ("NKV", NKV)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ShapeError(f"{name} must be a positive int, got {n!r}")
+    if NH % NKV != 0:
+        raise ShapeError(f"NH={NH} is not a multiple of NKV={NKV}")

@@ -84,6 +84,29 @@ def rope(x, pos, NH, NKV, theta=ROPE_THETA):
     return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)
 
 
+def attention_gqa(qkv, NH, NKV, slopes=None):
+    """Causal grouped-query attention over packed rows [B,T,(NH+2*NKV)*hs]: NH q
+    heads, then NKV k heads, then NKV v heads. Each kv head serves NH // NKV
+    consecutive query heads (repeat_interleave). With slopes [NH], the ALiBi
+    bias -slopes[h] * (t - t2) is added to the scores before the softmax.
+
+    Returns out [B,T,NH*hs] and att [B,NH,T,T], exactly 0 above the diagonal."""
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    q, k, v = qkv.split([NH * hs, NKV * hs, NKV * hs], dim=-1)
+    q = q.reshape(B, T, NH, hs).transpose(1, 2)
+    k, v = (x.reshape(B, T, NKV, hs).transpose(1, 2).repeat_interleave(NH // NKV, dim=1)
+            for x in (k, v))
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hs)
+    if slopes is not None:
+        pos = torch.arange(T, dtype=torch.float64)
+        distance = pos[:, None] - pos[None, :]          # t - t2
+        scores = scores - slopes.reshape(NH, 1, 1) * distance
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    att = _softmax_last(scores.masked_fill(future, float("-inf")))
+    out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
+    return out, att
+
 def gelu(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh approximation."""
     return 0.5 * x * (1.0 + torch.tanh(GELU_SCALE * (x + GELU_CUBIC * x ** 3)))

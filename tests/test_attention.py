@@ -1,5 +1,5 @@
-"""csrc/attention.c: causal multi-head attention against the float64
-reference and autograd."""
+"""csrc/attention.c: causal multi-head attention (GPT-2) and grouped-query
+attention with optional ALiBi, against the float64 reference and autograd."""
 import numpy as np
 import pytest
 
@@ -7,6 +7,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import attention as ref_attention
+from reference import attention_gqa as ref_attention_gqa
 
 SHAPES = [  # B, T, C, NH
     (4, 64, 768, 12),   # GPT-2 124M: hs = 64
@@ -89,3 +90,271 @@ def test_attention_rejects_wrong_dtype(rng):
     qkv, _ = make_inputs(rng, 2, 3, 8)
     with pytest.raises(TypeError, match="inp"):
         forward(qkv.astype(np.float64), 2)
+
+
+# ---- grouped-query attention, optionally with ALiBi -------------------------
+
+GQA_SHAPES = [  # B, T, NH, NKV, hs, slopes
+    (2, 256, 12, 4, 64, None),      # a Llama-like layer: 3 query heads per kv head
+    (2, 256, 12, 4, 64, "alibi"),
+    (1, 1, 4, 2, 8, "alibi"),       # a single position: att == 1 whatever the bias
+    (2, 13, 6, 3, 15, None),        # hs = 15: not a multiple of any vector width
+    (3, 13, 8, 1, 16, "alibi"),     # multi-query: one kv head for all query heads
+    (2, 17, 4, 4, 32, None),        # NKV == NH: plain multi-head
+    (2, 20, 6, 2, 16, "alibi"),     # NH = 6: ALiBi slopes for a non-power of two
+    (2, 40, 4, 2, 16, "steep"),     # slopes up to 4: far keys' weights underflow to 0
+]
+
+
+def make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes=None):
+    qkv, dout = randn(rng, B, T, (NH + 2 * NKV) * hs), randn(rng, B, T, NH * hs)
+    if slopes == "alibi":
+        slopes = K.alibi_slopes(NH)
+    elif slopes == "steep":
+        slopes = rng.uniform(0.5, 4.0, NH).astype(np.float32)
+    return qkv, dout, slopes
+
+
+def gqa_forward(qkv, slopes, NH, NKV):
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    out = np.full((B, T, NH * hs), np.nan, np.float32)   # (written): must not be read
+    att = np.full((B, NH, T, T), np.nan, np.float32)
+    K.attention_gqa_forward(out, att, qkv, slopes, NH, NKV)
+    return out, att
+
+
+def gqa_backward(dout, qkv, att, NH, NKV, calls=1):
+    dinp = np.zeros_like(qkv)
+    for _ in range(calls):
+        K.attention_gqa_backward(dinp, dout, qkv, att, NH, NKV)
+    return dinp
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
+def test_attention_gqa_matches_reference(rng, B, T, NH, NKV, hs, slopes):
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = gqa_forward(qkv, slopes, NH, NKV)
+    dinp = gqa_backward(dout, qkv, att, NH, NKV)
+
+    qkv_t = t64(qkv, grad=True)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
+    (ref_out * t64(dout)).sum().backward()
+
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("att", att, ref_att, tol["fwd"])
+    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+
+def test_attention_gqa_backward_accumulates(rng):
+    qkv, dout, slopes = make_gqa_inputs(rng, 2, 13, 6, 2, 15, "alibi")
+    _, att = gqa_forward(qkv, slopes, 6, 2)
+    once = gqa_backward(dout, qkv, att, 6, 2)
+    twice = gqa_backward(dout, qkv, att, 6, 2, calls=2)
+    assert_close("dinp", twice, 2.0 * once, TOL["attention_gqa"]["bwd"])
+
+
+def test_attention_gqa_thread_invariant(rng, set_threads):
+    # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
+    qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")
+
+    def run():
+        out, att = gqa_forward(qkv, slopes, 10, 5)
+        return {"out": out, "att": att, "dinp": gqa_backward(dout, qkv, att, 10, 5)}
+    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+def test_attention_gqa_without_groups_or_slopes_is_gpt2_attention(rng):
+    # the same core runs both, so the results are bitwise equal
+    qkv, dout = make_inputs(rng, 2, 37, 60)
+    out, att = forward(qkv, 4)
+    gqa_out, gqa_att = gqa_forward(qkv, None, 4, 4)
+    assert np.array_equal(gqa_out, out) and np.array_equal(gqa_att, att)
+    assert np.array_equal(gqa_backward(dout, qkv, att, 4, 4), backward(dout, qkv, att, 4))
+
+
+def test_attention_gqa_zero_slopes_are_no_bias(rng):
+    qkv, _, _ = make_gqa_inputs(rng, 2, 19, 6, 2, 16)
+    plain = gqa_forward(qkv, None, 6, 2)
+    zero = gqa_forward(qkv, np.zeros(6, np.float32), 6, 2)
+    for name, a, b in zip(("out", "att"), plain, zero):
+        assert np.array_equal(a, b), name
+
+
+def test_attention_gqa_rejects_heads_not_dividing(rng):
+    qkv, _, _ = make_gqa_inputs(rng, 1, 3, 6, 4, 8)   # 6 query heads, 4 kv heads
+    with pytest.raises(llmc_py.ShapeError, match="NH=6 is not a multiple of NKV=4"):
+        gqa_forward(qkv, None, 6, 4)
+
+
+def test_attention_gqa_c_rejects_heads_not_dividing():
+    # the C prologue checks it too, for callers that skip the wrapper
+    from llmc_py._lib import ffi, lib
+    buf = ffi.new("float[]", 1024)
+    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
+        == lib.LLMC_ERR_SHAPE
+    assert lib.attention_gqa_backward(buf, buf, buf, buf, 1, 2, 6, 4, 2) == lib.LLMC_ERR_SHAPE
+
+
+@pytest.mark.parametrize("NH,NKV", [(0, 1), (4, 0), (4, -2)])
+def test_attention_gqa_rejects_non_positive_heads(rng, NH, NKV):
+    qkv = randn(rng, 1, 3, 24)
+    with pytest.raises(llmc_py.ShapeError, match="must be a positive int"):
+        K.attention_gqa_forward(np.zeros((1, 3, 8), np.float32),
+                                np.zeros((1, 4, 3, 3), np.float32), qkv, None, NH, NKV)
+
+
+def test_attention_gqa_rejects_inp_width_not_a_whole_number_of_heads(rng):
+    qkv = randn(rng, 1, 3, 8 * 8 + 1)   # NH=4, NKV=2: 8 heads of hs channels, plus one
+    with pytest.raises(llmc_py.ShapeError, match="inp has 65 channels"):
+        gqa_forward(qkv, None, 4, 2)
+
+
+@pytest.mark.parametrize("bad", ["out", "att", "slopes"])
+def test_attention_gqa_forward_rejects_wrong_shape(rng, bad):
+    qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
+    args = dict(out=np.zeros((2, 3, 32), np.float32), att=np.zeros((2, 4, 3, 3), np.float32),
+                inp=qkv, slopes=slopes, NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_gqa_forward(**args)
+
+
+@pytest.mark.parametrize("bad", ["dinp", "dout", "att"])
+def test_attention_gqa_backward_rejects_wrong_shape(rng, bad):
+    qkv, dout, _ = make_gqa_inputs(rng, 2, 3, 4, 2, 8)
+    _, att = gqa_forward(qkv, None, 4, 2)
+    args = dict(dinp=np.zeros_like(qkv), dout=dout, inp=qkv, att=att, NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_gqa_backward(**args)
+
+
+def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
+    qkv, _, _ = make_gqa_inputs(rng, 1, 3, 4, 2, 8)
+    with pytest.raises(TypeError, match="slopes"):
+        gqa_forward(qkv, K.alibi_slopes(4).astype(np.float64), 4, 2)
+
+
+# ---- decoding one position against a KV cache ---------------------------------
+
+DECODE_SHAPES = [  # lengths (B = len), maxT, NH, NKV, hs, slopes
+    ([1, 23, 7, 16], 23, 8, 1, 16, None),       # multi-query; len 1 and len maxT
+    ([1, 23, 7, 16], 23, 8, 1, 16, "alibi"),
+    ([5, 64, 33], 64, 12, 4, 64, None),         # a Llama-like layer
+    ([5, 64, 33], 64, 12, 4, 64, "alibi"),
+    ([3, 1, 13], 13, 6, 6, 15, None),           # NKV == NH; hs = 15
+    ([3, 1, 13], 13, 6, 6, 15, "alibi"),        # and NH = 6 slopes
+    ([40, 17], 40, 4, 2, 16, "steep"),          # far keys' weights underflow to 0
+    ([1], 1, 2, 1, 8, "alibi"),                 # maxT = 1
+]
+
+
+def make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes):
+    """Full sequences qkv[B,maxT,...] and the decode inputs for lengths: row b's
+    query at position lengths[b] - 1, its keys and values cached; the cache
+    past lengths[b] holds NaN, which must never be read."""
+    B = len(lengths)
+    qkv, _, slopes = make_gqa_inputs(rng, B, maxT, NH, NKV, hs, slopes)
+    lengths = np.array(lengths, np.int32)
+    q = qkv[np.arange(B), lengths - 1, :NH * hs].copy()
+    k_cache = qkv[:, :, NH * hs:(NH + NKV) * hs].copy()
+    v_cache = qkv[:, :, (NH + NKV) * hs:].copy()
+    for b, n in enumerate(lengths):
+        k_cache[b, n:] = np.nan
+        v_cache[b, n:] = np.nan
+    return qkv, slopes, (q, k_cache, v_cache, lengths)
+
+
+def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
+    B, maxT, _ = k_cache.shape
+    out = np.full(q.shape, np.nan, np.float32)   # (written): must not be read
+    att = np.full((B, NH, maxT), np.nan, np.float32)
+    K.attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV)
+    return out, att
+
+
+@pytest.mark.parametrize("lengths,maxT,NH,NKV,hs,slopes", DECODE_SHAPES)
+def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, slopes):
+    qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
+    out, att = decode(*cache, slopes, NH, NKV)
+    full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
+    ref_out, _ = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
+
+    tol = TOL["attention_decode"]
+    for b, n in enumerate(lengths):
+        assert_close(f"out[{b}]", out[b], full_out[b, n - 1], tol["fwd"])
+        assert_close(f"att[{b}]", att[b, :, :n], full_att[b, :, n - 1, :n], tol["fwd"])
+        assert np.isnan(att[b, :, n:]).all(), f"att[{b}] written past len = {n}"
+        # and on its own against the float64 reference
+        assert_close(f"out[{b}] vs reference", out[b], ref_out[b, n - 1],
+                     TOL["attention_gqa"]["fwd"])
+
+
+def test_attention_decode_thread_invariant(rng, set_threads):
+    # B * NH = 15 (b, h) pairs: uneven over 2 and over 3 threads
+    _, slopes, cache = make_decode_case(rng, [9, 2, 30], 30, 5, 1, 16, "alibi")
+
+    def run():
+        out, att = decode(*cache, slopes, 5, 1)
+        return {"out": out, "att": np.nan_to_num(att)}   # the NaN past len are not written
+    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+@pytest.mark.parametrize("bad_len", [0, -1, 8])
+def test_attention_decode_rejects_length_out_of_range(rng, bad_len):
+    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
+    lengths[1] = bad_len                                      # maxT = 7
+    with pytest.raises(llmc_py.RangeError, match="attention_decode"):
+        decode(q, k_cache, v_cache, lengths, None, 4, 2)
+
+
+def test_attention_decode_rejects_heads_not_dividing(rng):
+    _, _, cache = make_decode_case(rng, [3, 7], 7, 6, 6, 8, None)
+    with pytest.raises(llmc_py.ShapeError, match="NH=6 is not a multiple of NKV=4"):
+        K.attention_decode(np.zeros((2, 48), np.float32), np.zeros((2, 6, 7), np.float32),
+                           cache[0], cache[1][..., :32].copy(), cache[2][..., :32].copy(),
+                           cache[3], None, 6, 4)
+
+
+@pytest.mark.parametrize("bad", ["out", "att", "q", "v_cache", "lengths", "slopes"])
+def test_attention_decode_rejects_wrong_shape(rng, bad):
+    _, slopes, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8,
+                                                                 "alibi")
+    args = dict(out=np.zeros_like(q), att=np.zeros((2, 4, 7), np.float32), q=q,
+                k_cache=k_cache, v_cache=v_cache, lengths=lengths, slopes=slopes, NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_decode(**args)
+
+
+def test_attention_decode_rejects_wrong_lengths_dtype(rng):
+    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
+    with pytest.raises(TypeError, match="lengths"):
+        decode(q, k_cache, v_cache, lengths.astype(np.int64), None, 4, 2)
+
+
+# ---- ALiBi slopes ------------------------------------------------------------
+
+@pytest.mark.parametrize("n,expected", [
+    (1, [1 / 256]),
+    (8, [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]),
+    # 6 = 4 + 2: the 4-head slopes 2^-2i, then 2^-1 and 2^-3 from the 8-head ones
+    (6, [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]),
+    # 12 = 8 + 4: the 8-head slopes, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5
+    (12, [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256,
+          0.7071067811865476, 0.35355339059327379, 0.17677669529663689,
+          0.088388347648318447]),
+])
+def test_alibi_slopes_match_hand_computed_values(n, expected):
+    slopes = K.alibi_slopes(n)
+    assert slopes.dtype == np.float32 and slopes.shape == (n,)
+    np.testing.assert_array_equal(slopes, np.array(expected, np.float32))
+
+
+@pytest.mark.parametrize("n", [0, -3, 2.0, True])
+def test_alibi_slopes_rejects_non_positive_or_non_int(n):
+    with pytest.raises(ValueError, match="n_heads"):
+        K.alibi_slopes(n)

@@ -17,12 +17,15 @@ KERNELS = [name for name in re.findall(r"^int (\w+)\(", (CSRC / "llmc_api.h").re
 OPTIONAL = {("matmul_forward", 3), ("matmul_forward_naive", 3),
             ("matmul_backward", 2), ("matmul_backward_naive", 2),
             ("encoder_forward", 3), ("encoder_backward", 1),
-            ("rope_forward", 2), ("rope_backward", 2)}
+            ("rope_forward", 2), ("rope_backward", 2),
+            ("attention_gqa_forward", 3), ("attention_decode", 6)}
 # arguments for which the defaults of _raw_args (sizes 1, scalars 0.0) are
 # invalid: (kernel, argument index) -> a valid value. RoPE needs an even head
 # size and theta > 0.
 VALID = {("rope_forward", 7): 2, ("rope_forward", 8): 10000.0,
          ("rope_backward", 7): 2, ("rope_backward", 8): 10000.0}
+# int arrays a kernel needs filled with a valid non-zero value: (kernel, argument index)
+INT_FILL = {("attention_decode", 5): 1}   # len[b] >= 1
 
 
 @pytest.mark.parametrize("status,cls,builtin", [
@@ -80,7 +83,8 @@ def _raw_args(name, null_at=None, zero_at=None):
     args = []
     for i, arg in enumerate(ffi.typeof(getattr(lib, name)).args):
         if arg.kind == "pointer":
-            args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]"))
+            fill = [INT_FILL[name, i]] * 16 if (name, i) in INT_FILL else None
+            args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]", fill))
         elif arg.cname in ("int", "long"):
             args.append(0 if i == zero_at else VALID.get((name, i), 1))
         else:
