@@ -7,15 +7,16 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from ._lib import get_num_threads, has_openmp, set_num_threads
-from .config import GPT2Config
+from .config import GPT2Config, LlamaConfig
 from .errors import (CheckpointError, LlmcError, NullPointerError, OutOfMemoryError,
                      RangeError, ShapeError)
 from .model import GPT2
+from .llama import Llama, load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT2", "GPT2Config",
+    "GPT2", "GPT2Config", "Llama", "LlamaConfig", "load_model",
     "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
     "NullPointerError",
     "set_num_threads", "get_num_threads", "has_openmp",

@@ -8,6 +8,9 @@
 3. the training step of GPT-2 124M (random init): forward + backward + AdamW,
    ms/step and tokens/s, beside PyTorch eager on the same model when torch is
    installed (and on 1 thread with --scaling).
+4. with --generate: greedy generation with GPT-2 124M after a prompt, batch 1
+   and 4: tokens/s with the KV cache, without it (a full forward per token),
+   and PyTorch with a KV cache of its own; the cache's size beside the model's.
 Every time is the median of several repeats (min and max shown too).
 """
 import argparse
@@ -162,6 +165,92 @@ def bench_torch_step(config, B, T, repeats, rng):
     return timed(step, repeats)
 
 
+def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
+    """Tokens/s of greedy generation, B rows of ``new_tokens`` after a prompt."""
+    from .kv_cache import KVCache
+    model = GPT2(config, seed=0)
+    prompts = rng.integers(0, config.vocab_size, size=(B, prompt_len))
+    V = config.vocab_size
+    outputs = {}
+
+    def cached():
+        outputs["cached"] = model.generate(prompts.tolist(), new_tokens, temperature=0)
+
+    def recompute():
+        context = prompts
+        for _ in range(new_tokens):
+            model.forward(context)
+            new = np.argmax(model.logits[:, -1, :V], axis=1)
+            context = np.concatenate([context, new[:, None]], axis=1)
+        outputs["recompute"] = context[:, prompt_len:].tolist()
+
+    rows = {"cached": timed(cached, repeats, warmup=0),
+            "no_cache": timed(recompute, 1, warmup=0)}
+    # verified as well as timed (a near-tie in fp32 could legitimately flip a token)
+    rows["no_cache_agrees"] = outputs["cached"] == outputs["recompute"]
+    if with_torch:
+        torch_tokens = {}
+        rows["torch_kv_cache"] = _torch_generate(model, prompts, new_tokens, repeats,
+                                                 torch_tokens)
+        if rows["torch_kv_cache"] is not None and torch_tokens["out"] != outputs["cached"]:
+            # fp32 ties can break differently over long greedy runs: report it
+            rows["torch_agrees"] = False
+    cache = KVCache(config, B, prompt_len + new_tokens)
+    rows["cache_mib"] = cache.nbytes / 2**20
+    rows["model_mib"] = model.params.memory.nbytes / 2**20
+    return rows
+
+
+def _torch_generate(model, prompts, new_tokens, repeats, result):
+    """PyTorch eager greedy generation with its own KV cache, on ``model``'s
+    parameters (a simple reference implementation, float32)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(get_num_threads())
+    F = torch.nn.functional
+    c = model.config
+    p = {name: torch.from_numpy(model.params[name]) for name in model.params.names}
+    B, T0 = prompts.shape
+    C, NH = c.channels, c.num_heads
+    hs = C // NH
+
+    def run(tokens, start, k_cache, v_cache):
+        t = tokens.shape[1]
+        h = p["wte"][tokens] + p["wpe"][start:start + t]
+        for l in range(c.num_layers):
+            a = F.layer_norm(h, (C,), p["ln1w"][l], p["ln1b"][l])
+            q, k, v = (z.view(B, t, NH, hs).transpose(1, 2) for z in
+                       F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(C, dim=-1))
+            k_cache[l, :, :, start:start + t] = k
+            v_cache[l, :, :, start:start + t] = v
+            a = F.scaled_dot_product_attention(q, k_cache[l, :, :, :start + t],
+                                               v_cache[l, :, :, :start + t], is_causal=t > 1)
+            h = h + F.linear(a.transpose(1, 2).reshape(B, t, C), p["attprojw"][l],
+                             p["attprojb"][l])
+            a = F.layer_norm(h, (C,), p["ln2w"][l], p["ln2b"][l])
+            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
+        h = F.layer_norm(h[:, -1], (C,), p["lnfw"], p["lnfb"])
+        return F.linear(h, p["wte"])[:, :c.vocab_size]
+
+    @torch.no_grad()
+    def generate():
+        shape = (c.num_layers, B, NH, T0 + new_tokens, hs)
+        k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+        tokens = torch.as_tensor(prompts)
+        logits = run(tokens, 0, k_cache, v_cache)
+        out = []
+        for i in range(new_tokens):
+            new = logits.argmax(dim=-1)
+            out.append(new)
+            if i < new_tokens - 1:
+                logits = run(new[:, None], T0 + i, k_cache, v_cache)
+        result["out"] = torch.stack(out, dim=1).tolist()
+    return timed(generate, repeats, warmup=0)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -172,11 +261,17 @@ def main(argv=None):
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
+    p.add_argument("--generate", action="store_true",
+                   help="benchmark generation (KV cache) instead of training")
+    p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
+                   help="--generate: prompt tokens and new tokens")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args(argv)
     if args.threads:
         set_num_threads(args.threads)
     rng = np.random.default_rng(0)
+    if args.generate:
+        return main_generate(args, rng)
     B, T = args.batch
     results = {"threads": get_num_threads(), "matmul": [], "step": {}}
     if not args.skip_matmul:
@@ -220,6 +315,41 @@ def main(argv=None):
     if "llmc_py_1_thread" in results["step"]:
         one = results["step"]["llmc_py_1_thread"]
         print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+    return 0
+
+
+def main_generate(args, rng):
+    config = GPT2Config(num_layers=args.layers)
+    prompt_len, new_tokens = args.gen
+    results = {"threads": get_num_threads(), "prompt": prompt_len, "new_tokens": new_tokens,
+               "generate": {}}
+    for B in (1, 4):
+        results["generate"][B] = bench_generate(config, B, prompt_len, new_tokens,
+                                                args.repeats, rng, not args.skip_torch)
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return 0
+    print(f"threads: {results['threads']}; greedy generation, GPT-2 {args.layers} layers, "
+          f"{new_tokens} new tokens after {prompt_len} (median, min-max; no-cache: 1 run)")
+    for B, rows in results["generate"].items():
+        print(f"batch {B}:")
+        for name in ("cached", "no_cache", "torch_kv_cache"):
+            t = rows.get(name)
+            if t is None:
+                continue
+            print(f"  {name:<16} {t['median']:8.2f} s  ({t['min']:.2f}-{t['max']:.2f})  "
+                  f"{B * new_tokens / t['median']:8.1f} tok/s")
+        if rows.get("torch_kv_cache"):
+            print(f"  speed-up over torch with KV cache: "
+                  f"{rows['torch_kv_cache']['median'] / rows['cached']['median']:.2f}x")
+        if not rows["no_cache_agrees"]:
+            print("  (the no-cache greedy tokens diverged from the cached ones: an fp32 near-tie)")
+        if rows.get("torch_agrees") is False:
+            print("  (torch's greedy tokens diverged from ours: an fp32 near-tie)")
+        print(f"  KV cache {rows['cache_mib']:.1f} MiB for the model's {rows['model_mib']:.1f} "
+              f"MiB of parameters")
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
     return 0
 

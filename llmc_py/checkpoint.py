@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import GPT2Config
+from .config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
 from .errors import CheckpointError, ShapeError
-from .layout import PARAM_SPECS
+from .layout import PARAM_SPECS, llama_param_specs
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -43,8 +43,10 @@ INT32_MAX = 2**31 - 1
 
 
 def num_parameters(config):
-    """Total parameter count for a config, as an exact Python int."""
-    return sum(math.prod(fn(config)) for _, fn in PARAM_SPECS)
+    """Total parameter count for a config (GPT2Config or LlamaConfig), as an
+    exact Python int."""
+    specs = llama_param_specs(config) if isinstance(config, LlamaConfig) else PARAM_SPECS
+    return sum(math.prod(fn(config)) for _, fn in specs)
 
 
 def read_header(path, what, error=CheckpointError):
@@ -231,6 +233,121 @@ def read_debug_state(path, config):
     return {"x": x.astype(np.int32), "y": y.astype(np.int32),
             "logits": logits.astype(np.float32), "loss": loss,
             "grads": grads.astype(np.float32)}
+
+
+# ---- the Llama family's model file ------------------------------------------
+#
+# Our own format, in the spirit of llm.c's model file:
+#   256 int32 header slots:
+#     [0] MAGIC_LLAMA  [1] VERSION_LLAMA
+#     [2] max_seq_len  [3] vocab_size  [4] num_layers  [5] num_heads
+#     [6] channels     [7] padded_vocab_size   (the slots of llm.c's GPT-2 file)
+#     [8] num_kv_heads [9] ffn_hidden
+#     [10] norm      0 layernorm, 1 rmsnorm
+#     [11] position  0 learned, 1 rope, 2 alibi
+#     [12] mlp       0 gelu, 1 swiglu
+#     [13] bias      0 or 1
+#     [14] tied_embeddings  0 or 1
+#   256 float32 header slots: [0] rope_theta  [1] norm_eps
+#   every parameter, fp32, in layout.llama_param_specs order
+# Unused slots are 0; a reader rejects any field out of its range.
+MAGIC_LLAMA = 20261122
+VERSION_LLAMA = 1
+LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
+                   "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
+LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
+LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14}
+LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
+LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
+
+
+def llama_headers(config):
+    """The (int32, float32) headers of a Llama model file for ``config``."""
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    ints[0], ints[1] = MAGIC_LLAMA, VERSION_LLAMA
+    for name, slot in LLAMA_INT_SLOTS.items():
+        value = getattr(config, name)
+        if value > INT32_MAX:
+            raise CheckpointError(f"config field {name}={value} does not fit an int32 header")
+        ints[slot] = value
+    for name, (slot, choices) in LLAMA_CHOICE_SLOTS.items():
+        ints[slot] = choices.index(getattr(config, name))
+    for name, slot in LLAMA_FLAG_SLOTS.items():
+        ints[slot] = int(getattr(config, name))
+    floats = np.zeros(HEADER_INTS, dtype="<f4")
+    for name, slot in LLAMA_FLOAT_SLOTS.items():
+        floats[slot] = getattr(config, name)
+    return ints, floats
+
+
+def read_llama_header(path):
+    """(LlamaConfig, file size) from a Llama model file's validated headers."""
+    ints, size = read_header(path, "Llama model")
+    expect_magic_version(path, ints, MAGIC_LLAMA, VERSION_LLAMA, "an llmc_py Llama model file")
+    if size < LLAMA_HEADER_BYTES:
+        raise CheckpointError(f"{path}: file size {size} bytes is smaller than the "
+                              f"{LLAMA_HEADER_BYTES}-byte Llama header (truncated)")
+    fields = {}
+    for name, slot in LLAMA_INT_SLOTS.items():
+        value = int(ints[slot])
+        if value <= 0:
+            raise CheckpointError(f"{path}: header field {name} is {value}, must be positive")
+        fields[name] = value
+    for name, (slot, choices) in LLAMA_CHOICE_SLOTS.items():
+        code = int(ints[slot])
+        if not 0 <= code < len(choices):
+            raise CheckpointError(f"{path}: header field {name} is {code}, expected one of "
+                                  + ", ".join(f"{i} ({c})" for i, c in enumerate(choices)))
+        fields[name] = choices[code]
+    for name, slot in LLAMA_FLAG_SLOTS.items():
+        flag = int(ints[slot])
+        if flag not in (0, 1):
+            raise CheckpointError(f"{path}: header field {name} is {flag}, expected 0 or 1")
+        fields[name] = bool(flag)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
+    for name, slot in LLAMA_FLOAT_SLOTS.items():
+        fields[name] = float(floats[slot])   # the config rejects <= 0, inf and NaN
+    try:
+        config = LlamaConfig(**fields)
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    _expect_size(path, size, LLAMA_HEADER_BYTES + 4 * num_parameters(config), "Llama model file")
+    return config, size
+
+
+def read_llama(path):
+    """(LlamaConfig, params) from a Llama model file; params is flat float32."""
+    config, _ = read_llama_header(path)
+    count = num_parameters(config)
+    with open(path, "rb") as f:
+        f.seek(LLAMA_HEADER_BYTES)
+        params = np.fromfile(f, dtype="<f4", count=count)
+    if params.size != count:   # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
+    return config, params.astype(np.float32, copy=False)
+
+
+def write_llama(path, config, params):
+    """Writes a Llama model file atomically."""
+    params = np.asarray(params)
+    if params.dtype != np.float32 or params.size != num_parameters(config):
+        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
+                         f"got {params.size} {params.dtype}")
+    ints, floats = llama_headers(config)
+    atomic_write(path, [ints.tobytes(), floats.tobytes(), params.astype("<f4", copy=False)])
+
+
+def model_kind(path):
+    """"gpt2" or "llama", from a model file's magic number."""
+    header, _ = read_header(path, "model")
+    if header[0] == MAGIC_LLAMA:
+        return "llama"
+    if header[0] == MAGIC_MODEL:
+        return "gpt2"
+    raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {MAGIC_MODEL} "
+                          f"(llm.c GPT-2) or {MAGIC_LLAMA} (llmc_py Llama): not a model file")
 
 
 # ---- training state ---------------------------------------------------------

@@ -1,6 +1,8 @@
 """Model configuration. Defaults are GPT-2 124M, as llm.c's checkpoint has it."""
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import ShapeError
 
 # GPT-2's vocabulary padded up to a multiple of this many columns (50257 -> 50304),
@@ -109,6 +111,10 @@ class LlamaConfig:
             default = llama_ffn_hidden(self.channels) if self.mlp == "swiglu" \
                 else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
+        for name in ("rope_theta", "norm_eps"):   # held as the float32 the kernels and file use
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(np.float32(value)))
         self.validate()
 
     def validate(self):
@@ -182,3 +188,18 @@ class LlamaConfig:
     @property
     def FF(self):
         return self.ffn_hidden
+
+
+def as_llama_config(config):
+    """The LlamaConfig with GPT-2's choices (layernorm, learned positions,
+    GELU, biases, tied head, NKV = NH, FF = 4C) describing the same model as
+    a GPT2Config: the two share a parameter layout. A LlamaConfig is
+    returned as it is."""
+    if isinstance(config, LlamaConfig):
+        return config
+    return LlamaConfig(max_seq_len=config.max_seq_len, vocab_size=config.vocab_size,
+                       padded_vocab_size=config.padded_vocab_size,
+                       num_layers=config.num_layers, num_heads=config.num_heads,
+                       num_kv_heads=config.num_heads, channels=config.channels,
+                       ffn_hidden=4 * config.channels, norm="layernorm", position="learned",
+                       mlp="gelu", bias=True, tied_embeddings=True)

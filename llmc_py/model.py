@@ -15,8 +15,9 @@ import math
 import numpy as np
 
 from . import kernels as K
+from . import kv_cache
 from .checkpoint import read_model, write_model
-from .config import GPT2Config
+from .config import GPT2Config, as_llama_config
 from .errors import RangeError, ShapeError
 from .layout import ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros, grad_act_specs
 
@@ -41,6 +42,10 @@ class Transformer:
 
     def __init__(self, config, seed=0, *, params=None):
         self.config = config
+        # the model's choices in the Llama family's terms (GPT-2 is layernorm,
+        # learned positions, GELU, biases, a tied head, NKV = NH)
+        self.arch = as_llama_config(config)
+        self.slopes = K.alibi_slopes(config.num_heads) if self.arch.position == "alibi" else None
         self.grad_act_specs = grad_act_specs(self.act_specs)
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
@@ -149,6 +154,60 @@ class Transformer:
         self.mean_loss = float(a.losses.mean(dtype=np.float64))
         return self.mean_loss
 
+    # the block by the choices in self.arch, on activations ``a`` laid out by
+    # layout.llama_act_specs: the Llama family's forward and every model's
+    # KV-cache decoding use it; GPT2.forward keeps llm.c's own sequence
+
+    def _bias(self, group, name, l=None):
+        """Layer l's bias (or the whole tensor) when the model has biases, else None."""
+        if name not in group:
+            return None
+        return group[name] if l is None else group[name][l]
+
+    def _head(self, group):
+        return group.wte if self.arch.tied_embeddings else group.lm_head
+
+    @staticmethod
+    def _stat(a, name, l=None):
+        """A saved norm statistic (the mean exists for layernorm only)."""
+        if name not in a:
+            return None
+        return a[name] if l is None else a[name][l]
+
+    def _norm_forward(self, out, mean, rstd, inp, weight, bias):
+        if self.arch.norm == "rmsnorm":
+            K.rmsnorm_forward(out, rstd, inp, weight, self.arch.norm_eps)
+        else:
+            K.layernorm_forward(out, mean, rstd, inp, weight, bias, self.arch.norm_eps)
+
+    def _layer_forward(self, a, l, residual, attend):
+        """Layer l on the residual stream ``residual``; ``attend(l)`` turns
+        a.qkv[l] into a.atty[l]. Returns the layer's output, a.residual3[l]."""
+        c, p = self.arch, self.params
+        self._norm_forward(a.ln1[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
+                           p.ln1w[l], self._bias(p, "ln1b", l))
+        K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], self._bias(p, "qkvb", l))
+        attend(l)
+        K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], self._bias(p, "attprojb", l))
+        K.residual_forward(a.residual2[l], residual, a.attproj[l])
+        self._norm_forward(a.ln2[l], self._stat(a, "ln2_mean", l), a.ln2_rstd[l],
+                           a.residual2[l], p.ln2w[l], self._bias(p, "ln2b", l))
+        K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], self._bias(p, "fcb", l))
+        if c.mlp == "swiglu":
+            K.swiglu_forward(a.fch_act[l], a.fch[l])
+        else:
+            K.gelu_forward(a.fch_act[l], a.fch[l])
+        K.matmul_forward(a.fcproj[l], a.fch_act[l], p.fcprojw[l], self._bias(p, "fcprojb", l))
+        K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+        return a.residual3[l]
+
+    def _output_forward(self, a, residual):
+        """The final norm and the output head: a.logits."""
+        p = self.params
+        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
+                           self._bias(p, "lnfb"))
+        K.matmul_forward(a.logits, a.lnf, self._head(p), None)
+
     # ---- backward ----------------------------------------------------------
 
     def zero_grad(self):
@@ -170,6 +229,19 @@ class Transformer:
         d.losses[...] = loss_scale / (B * T)
         K.crossentropy_softmax_backward(d.logits, d.losses, self.acts.probs, self.targets, c.V)
         return d
+
+    # ---- generation --------------------------------------------------------
+
+    def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
+                 top_p=None, repetition_penalty=None, seed=None, stop_token=None):
+        """New token ids after ``prompt_tokens``, decoded with a KV cache
+        (kv_cache.generate): a list of ids gives a list, a list of lists (a
+        batch of any lengths) a list of lists. temperature 0 is greedy; the
+        same seed gives the same tokens."""
+        return kv_cache.generate(self, prompt_tokens, max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p,
+                                 repetition_penalty=repetition_penalty, seed=seed,
+                                 stop_token=stop_token)
 
     # ---- update ------------------------------------------------------------
 

@@ -3,14 +3,15 @@
     python -m llmc_py.sample -e out/model_00000500.bin --prompt "ROMEO:" -g 200 \\
         --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1337
 
-Text streams to stdout as it is produced; temperature 0 is greedy decoding.
+Text streams to stdout as it is produced, decoded with a KV cache;
+temperature 0 is greedy decoding. GPT-2 and Llama-family model files both work.
 """
 import argparse
 import sys
 
 from .errors import LlmcError
-from .model import GPT2
-from .sampling import generate
+from .llama import load_model
+from .kv_cache import stream
 
 
 def build_parser():
@@ -24,6 +25,8 @@ def build_parser():
     p.add_argument("--top-k", type=int, default=None, help="keep only the k likeliest tokens")
     p.add_argument("--top-p", type=float, default=None,
                    help="keep the likeliest tokens up to this total probability")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 1 makes tokens already in the text less likely (e.g. 1.2)")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token")
@@ -39,7 +42,7 @@ def main(argv=None, out=None):
         if args.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
         from .tokenizer import EOT, get_encoding
-        model = GPT2.from_checkpoint(args.checkpoint)
+        model = load_model(args.checkpoint)
         encoding = get_encoding()
         if model.config.vocab_size != encoding.n_vocab:
             raise ValueError(f"{args.checkpoint}: vocab_size {model.config.vocab_size} does not "
@@ -47,9 +50,11 @@ def main(argv=None, out=None):
         prompt = [EOT] + encoding.encode(args.prompt, allowed_special="all")
         out.write(args.prompt)
         pending = []   # tokens whose bytes do not yet end on a whole character
-        for token in generate(model, prompt, args.gen_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              eot=EOT if args.stop_at_eot else None):
+        for new in stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop_token=EOT if args.stop_at_eot else None):
+            token = int(new[0])
             if token == EOT:
                 break
             pending.append(token)

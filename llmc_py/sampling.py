@@ -1,5 +1,6 @@
 """Text generation from a model: next-token sampling (temperature, top-k,
-top-p) and a generation loop that recomputes the context each token.
+top-p, repetition penalty) and a plain generation loop that recomputes the
+whole context for each token (kv_cache.py has the fast one).
 
 Sampling is reproducible: a seeded numpy Generator draws one uniform number
 per token, and the token is read off the cumulative distribution.
@@ -9,20 +10,30 @@ import numpy as np
 from .errors import ShapeError
 
 
-def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=None):
+def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=None, *,
+                repetition_penalty=None, seen=()):
     """One token id from a row of logits over the real vocabulary.
 
     temperature 0 is greedy (argmax); top_k keeps the k likeliest tokens;
     top_p keeps the smallest set of likeliest tokens whose probability
-    reaches p. ``rng`` is a numpy Generator and is used once per call, also
+    reaches p; repetition_penalty > 1 makes the tokens in ``seen`` less
+    likely (CTRL's rule: a positive logit is divided by it, a negative one
+    multiplied). ``rng`` is a numpy Generator and is used once per call, also
     when greedy, so a run's random stream does not depend on the settings.
     """
     u = rng.random()
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    z = np.asarray(logits, dtype=np.float64)
+    if repetition_penalty is not None and repetition_penalty != 1.0 and len(seen):
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+        ids = np.unique(np.asarray(seen, dtype=np.int64))
+        z = z.copy()
+        z[ids] = np.where(z[ids] > 0, z[ids] / repetition_penalty, z[ids] * repetition_penalty)
     if temperature == 0:
-        return int(np.argmax(logits))
-    z = np.asarray(logits, dtype=np.float64) / temperature
+        return int(np.argmax(z))
+    z = z / temperature
     if top_k is not None and 0 < top_k < z.size:
         kth = np.partition(z, z.size - top_k)[z.size - top_k]
         z = np.where(z >= kth, z, -np.inf)

@@ -1,4 +1,5 @@
-"""Train a GPT-2: ``python -m llmc_py.train`` (``--help`` for every flag).
+"""Train a GPT-2 or a Llama-style model: ``python -m llmc_py.train`` (``--help``
+for every flag; ``--arch llama`` and its choices for the Llama family).
 
 With no arguments it prepares the Shakespeare dataset if it is missing and
 trains a small GPT-2 from scratch (DEFAULT_MODEL), printing progress,
@@ -9,7 +10,8 @@ train_gpt2 where one exists (-i -j -e -o -b -t -x -l -u -q -k -c -v -m -s -g
 Output folder:
   main.log               one line per step ``s:N trl:LOSS lr:LR norm:NORM``
                          and per evaluation ``s:N tel:LOSS`` (llm.c's format)
-  model_%08d.bin         llm.c's model file (loads in llm.c)
+  model_%08d.bin         llm.c's model file (loads in llm.c); for --arch llama,
+                         checkpoint.py's Llama model file
   state_%08d.bin         AdamW moments, data position, RNG and schedule
   DONE_%08d              empty; written last, marks a complete checkpoint
 """
@@ -23,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoint as ckpt
-from .config import GPT2Config, padded_vocab
-from .errors import CheckpointError, LlmcError
-from .model import GPT2, MATRIX_PARAMS
+from .config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
+from .errors import CheckpointError, LlmcError, ShapeError
+from .llama import Llama, load_model
+from .model import GPT2
 from .sampling import generate
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
@@ -70,7 +73,7 @@ def build_parser():
       help="learning-rate decay after warmup")
     a("-c", "--weight-decay", type=float, default=0.1,
       help="AdamW weight decay, applied to the weight matrices only (wte, wpe, qkvw, "
-           "attprojw, fcw, fcprojw), not to biases or norm weights")
+           "attprojw, fcw, fcprojw, lm_head), not to biases or norm weights")
     a("--grad-clip", type=float, default=1.0,
       help="clip the global gradient norm to this (0: no clipping)")
     a("-v", "--val-every", type=int, default=50, help="evaluate every N steps (0: never)")
@@ -90,11 +93,30 @@ def build_parser():
     a("--seed", type=int, default=1337, help="seed for initialisation, shuffling and sampling")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
     a("--data-dir", default="data", help="where the default dataset is prepared")
+    llama = p.add_argument_group(
+        "model family", "for a fresh model (-e dN); a model file carries its own choices")
+    b = llama.add_argument
+    b("--arch", choices=("gpt2", "llama"), default="gpt2",
+      help="gpt2: llm.c's GPT-2; llama: the decoder with the choices below")
+    b("--norm", choices=NORMS, default="rmsnorm", help="llama: the norm")
+    b("--position", choices=POSITIONS, default="rope",
+      help="llama: rotary (rope), ALiBi biases (alibi) or a learned table")
+    b("--mlp", choices=MLPS, default="swiglu", help="llama: the MLP")
+    b("--kv-heads", type=int, default=0,
+      help="llama: key/value heads, dividing the query heads (1: multi-query; 0: as many "
+           "as query heads)")
+    b("--ffn-hidden", type=int, default=0,
+      help="llama: MLP hidden size (0: 2/3 of 4C rounded up to 32 for swiglu, 4C for gelu)")
+    b("--bias", type=int, choices=(0, 1), default=0, help="llama: biases on the linear layers")
+    b("--untied", type=int, choices=(0, 1), default=0,
+      help="llama: 1 gives the output head its own matrix instead of sharing wte")
+    b("--rope-theta", type=float, default=10000.0, help="llama: the RoPE base")
     return p
 
 
-def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB):
-    """A GPT2Config from a descriptor like "d6"; None if it is not one."""
+def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None):
+    """A GPT2Config from a descriptor like "d6" (a LlamaConfig with the
+    family's choices when ``args.arch`` is llama); None if it is not one."""
     match = re.fullmatch(r"d(\d+)", depth)
     if not match:
         return None
@@ -102,9 +124,28 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB):
     if L <= 0:
         raise UsageError(f"-e {depth}: the depth must be positive")
     C, NH = GPT2_DEPTHS.get(L, (64 * L, L))
-    return GPT2Config(max_seq_len=max_seq_len, vocab_size=vocab_size,
-                      padded_vocab_size=padded_vocab(vocab_size), num_layers=L,
-                      num_heads=NH, channels=C)
+    sizes = dict(max_seq_len=max_seq_len, vocab_size=vocab_size,
+                 padded_vocab_size=padded_vocab(vocab_size), num_layers=L, num_heads=NH,
+                 channels=C)
+    if args is None or args.arch == "gpt2":
+        return GPT2Config(**sizes)
+    try:
+        return LlamaConfig(**sizes, num_kv_heads=args.kv_heads or NH, norm=args.norm,
+                           position=args.position, mlp=args.mlp, ffn_hidden=args.ffn_hidden,
+                           bias=bool(args.bias), tied_embeddings=not args.untied,
+                           rope_theta=args.rope_theta)
+    except ShapeError as e:
+        raise UsageError(f"-e {depth} --arch llama: {e}") from None
+
+
+def describe(config):
+    """One line naming the model's sizes and, for the Llama family, its choices."""
+    c = config
+    text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
+    if isinstance(c, LlamaConfig):
+        text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
+                 + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied"))
+    return text
 
 
 def lr_at(step, args):
@@ -249,21 +290,22 @@ def run(args, out=None):
         if not done:
             raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {out_dir}")
         resume_step = done[-1]
-        model = GPT2.from_checkpoint(checkpoint_paths(out_dir, resume_step)[0])
+        model = load_model(checkpoint_paths(out_dir, resume_step)[0])
     else:
-        config = config_from_depth(args.init)
+        config = config_from_depth(args.init, args=args)
         if config is None:
             if not Path(args.init).exists():
                 raise UsageError(f"-e {args.init}: no such model file, and not a depth "
                                  f"like d6")
-            model = GPT2.from_checkpoint(args.init)
+            model = load_model(args.init)
         else:
-            model = GPT2(config, seed=args.seed)
+            model = (Llama if isinstance(config, LlamaConfig) else GPT2)(config, seed=args.seed)
     c = model.config
     if c.vocab_size != GPT2_VOCAB:
         raise UsageError(f"the model's vocab_size is {c.vocab_size}; the GPT-2 tokenizer "
                          f"needs {GPT2_VOCAB}")
-    if args.seq_len > c.max_seq_len:
+    if args.seq_len > c.max_seq_len and not (isinstance(c, LlamaConfig)
+                                             and not c.learned_positions):
         raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
                          f"{c.max_seq_len}")
     B, T = args.batch_size, args.seq_len
@@ -294,8 +336,8 @@ def run(args, out=None):
         truncate_log(out_dir / "main.log", resume_step)
         progress.say(f"resumed from step {resume_step} in {out_dir}")
 
-    progress.say(f"model: {c.num_layers} layers, {c.channels} channels, {c.num_heads} heads, "
-                 f"{model.num_parameters / 1e6:.1f}M parameters; batch {B}x{T}, "
+    progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters; "
+                 f"batch {B}x{T}, "
                  f"{args.grad_accum} micro-batch(es) per step; {args.max_steps} steps")
     log = open(out_dir / "main.log", "a" if resume_step else "w")
 
@@ -328,7 +370,7 @@ def run(args, out=None):
                 return 1
             lr = lr_at(step, args)
             model.update(lr, ADAM_BETAS[0], ADAM_BETAS[1], ADAM_EPS, args.weight_decay, step,
-                         decay=MATRIX_PARAMS)
+                         decay=model.matrix_params)
             finished, extra_after_step = step, state_extra()
             ms = (time.perf_counter() - t0) * 1000
             losses.append(loss)

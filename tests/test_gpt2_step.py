@@ -56,11 +56,13 @@ def max_rel_error(ours, theirs):
     return float(np.abs(np.asarray(ours, dtype=np.float64) - theirs).max()) / scale
 
 
-def check_against_reference(model, x, y):
-    """Compares loss, logits and all 16 gradients; returns the errors seen."""
+def check_against_reference(model, x, y, reference=ref):
+    """Compares loss, logits and every parameter's gradient with the model
+    in the ``reference`` module; returns the errors seen and the reference's
+    parameters."""
     c = model.config
-    p = ref.torch_params(model.params.memory, c)
-    logits, loss = ref.forward(p, c, x, y)
+    p = reference.torch_params(model.params.memory, c)
+    logits, loss = reference.forward(p, c, x, y)
     loss.backward()
 
     model.zero_grad()
@@ -74,14 +76,14 @@ def check_against_reference(model, x, y):
     errors["logits"] = float(np.abs(logits_ours - logits_ref).max())
     assert errors["logits"] <= LOGITS_TOL * max(float(np.abs(logits_ref).max()), 0.1), \
         f"logits: max abs error {errors['logits']:.3g}"
-    for name, _ in PARAM_SPECS:
+    for name in model.params.names:
         err = max_rel_error(model.grads[name], p[name].grad.numpy())
         errors[name] = err
         assert err <= GRAD_TOL, f"gradient {name}: error {err:.3g} of its max magnitude"
     return errors, p
 
 
-def check_adamw_steps(model, p, x, y, steps):
+def check_adamw_steps(model, p, x, y, steps, reference=ref):
     """Runs ``steps`` AdamW steps on one batch in both; compares every loss."""
     c = model.config
     opt = ref.AdamW(p, ADAMW["learning_rate"], ADAMW["beta1"], ADAMW["beta2"],
@@ -89,7 +91,7 @@ def check_adamw_steps(model, p, x, y, steps):
     for t in range(1, steps + 1):
         for tensor in p.values():
             tensor.grad = None
-        _, loss = ref.forward(p, c, x, y)
+        _, loss = reference.forward(p, c, x, y)
         loss.backward()
         opt.step(t)
 
@@ -100,7 +102,7 @@ def check_adamw_steps(model, p, x, y, steps):
         assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item()), \
             f"step {t}: loss {ours} vs reference {loss.item()}"
     # and the losses after the last update
-    _, loss = ref.forward(p, c, x, y)
+    _, loss = reference.forward(p, c, x, y)
     ours = model.forward(x, y)
     assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item())
 

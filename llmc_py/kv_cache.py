@@ -1,0 +1,174 @@
+"""Generation with a KV cache, for GPT2 and the Llama family.
+
+A prefill runs the prompts (of any lengths, right-padded into one batch)
+through the ordinary forward and copies every layer's keys and values into
+the cache; then each new token runs the block on one position per row,
+writes its key and value into the cache slot at that row's position, and
+attends over the row's cached positions (attention_decode). Nothing is
+allocated per token: the cache and the one-position activations are made
+once per generation.
+
+The cache is one contiguous float32 buffer, ``k`` then ``v``, each
+[L, B, max_len, NKV * hs]: a grouped-query model caches only its NKV heads.
+Keys are cached after RoPE (rotated at their own position).
+"""
+import numpy as np
+
+from . import kernels as K
+from .errors import ShapeError
+from .layout import TensorGroup, aligned_zeros, llama_act_specs
+from .sampling import sample_next
+
+
+class KVCache:
+    """Keys and values of every layer for ``batch_size`` rows of up to
+    ``max_len`` positions; ``lengths[b]`` positions of row b are filled."""
+
+    def __init__(self, config, batch_size, max_len):
+        L, kv_dim = config.num_layers, config.kv_dim
+        if batch_size < 1 or max_len < 1:
+            raise ShapeError(f"a KV cache needs batch_size, max_len >= 1, got {batch_size}, "
+                             f"{max_len}")
+        shape = (L, batch_size, max_len, kv_dim)
+        count = L * batch_size * max_len * kv_dim
+        self.memory = aligned_zeros(2 * count)
+        self.k = self.memory[:count].reshape(shape)
+        self.v = self.memory[count:].reshape(shape)
+        self.lengths = np.zeros(batch_size, dtype=np.int32)
+        self.batch_size, self.max_len = batch_size, max_len
+
+    @property
+    def nbytes(self):
+        return self.memory.nbytes
+
+
+class Decoder:
+    """Incremental decoding for one model: ``prefill(prompts)`` then
+    ``step(tokens)`` per position; both return the (B, V) logits of each
+    row's newest position."""
+
+    def __init__(self, model, batch_size, max_len):
+        c = model.arch
+        if c.learned_positions and max_len > c.max_seq_len:
+            raise ShapeError(f"generating up to {max_len} positions exceeds the model's "
+                             f"max_seq_len={c.max_seq_len} (its learned position table has "
+                             f"{c.max_seq_len} rows); RoPE and ALiBi models can go further")
+        self.model, self.arch = model, c
+        self.cache = KVCache(c, batch_size, max_len)
+        # one position per row, in the Llama family's activation layout
+        self.acts = TensorGroup(llama_act_specs(c), c, batch_size, 1)
+        self.q = aligned_zeros(batch_size * c.channels).reshape(batch_size, c.channels)
+        self.att = aligned_zeros(batch_size * c.num_heads * max_len).reshape(
+            batch_size, c.num_heads, max_len)   # attention_decode's scores
+        self.rows = np.arange(batch_size)
+
+    def prefill(self, prompts):
+        """Fills the cache from ``prompts`` (B lists of token ids, lengths
+        1..max_len); returns the logits after each prompt's last token."""
+        c, cache = self.arch, self.cache
+        lengths = np.array([len(p) for p in prompts], dtype=np.int32)
+        if len(prompts) != cache.batch_size:
+            raise ShapeError(f"{len(prompts)} prompts for a decoder of batch "
+                             f"{cache.batch_size}")
+        if lengths.min() < 1 or lengths.max() > cache.max_len:
+            raise ShapeError(f"prompt lengths must be in [1, {cache.max_len}], got "
+                             f"{lengths.tolist()}")
+        tokens = np.zeros((len(prompts), lengths.max()), dtype=np.int64)
+        for b, prompt in enumerate(prompts):
+            tokens[b, :lengths[b]] = prompt   # right padding: causal rows never see it
+        model = self.model
+        model.forward(tokens)
+        a = model.acts
+        qkv = a.qkvr if "qkvr" in a else a.qkv   # keys after RoPE
+        C, kv = c.channels, c.kv_dim
+        for b, n in enumerate(lengths):
+            cache.k[:, b, :n] = qkv[:, b, :n, C:C + kv]
+            cache.v[:, b, :n] = qkv[:, b, :n, C + kv:]
+        cache.lengths[:] = lengths
+        return model.logits[self.rows, lengths - 1, :c.vocab_size]
+
+    def step(self, tokens):
+        """Runs one new token per row (int array (B,)) at each row's next
+        position; returns the (B, V) logits (a view, valid until the next step)."""
+        c, model, cache, a = self.arch, self.model, self.cache, self.acts
+        p = model.params
+        pos = cache.lengths.copy()   # the new token's position in each row
+        if pos.max() >= cache.max_len:
+            raise ShapeError(f"the KV cache holds {cache.max_len} positions and is full")
+        tokens = model._tokens(np.asarray(tokens).reshape(-1, 1), "tokens")[:, 0]
+
+        x = a.encoded[:, 0]
+        np.take(p.wte, tokens, axis=0, out=x)
+        if c.learned_positions:
+            x += p.wpe[pos]
+        lengths = pos + 1
+
+        def attend(l):
+            qkv = a.qkv[l]
+            if c.position == "rope":
+                K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta)
+                qkv = a.qkvr[l]
+            row = qkv[:, 0]
+            C, kv = c.channels, c.kv_dim
+            cache.k[l, self.rows, pos] = row[:, C:C + kv]
+            cache.v[l, self.rows, pos] = row[:, C + kv:]
+            self.q[...] = row[:, :C]
+            K.attention_decode(a.atty[l][:, 0], self.att, self.q, cache.k[l], cache.v[l],
+                               lengths, model.slopes, c.NH, c.NKV)
+
+        residual = a.encoded
+        for l in range(c.num_layers):
+            residual = model._layer_forward(a, l, residual, attend)
+        model._output_forward(a, residual)
+        cache.lengths[:] = lengths
+        return a.logits[:, 0, :c.vocab_size]
+
+
+def stream(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+           repetition_penalty=None, seed=None, rng=None, stop_token=None):
+    """Yields, per generated position, an int array (B,) of the new token of
+    each prompt's row, -1 for rows already stopped (at ``stop_token``, which
+    is yielded once). ``prompts`` are B lists of token ids of any lengths."""
+    prompts = [[int(t) for t in prompt] for prompt in prompts]
+    if not prompts or min(len(prompt) for prompt in prompts) == 0:
+        raise ShapeError("generation needs at least one prompt, each of at least one token")
+    if max_new_tokens < 1:
+        return
+    if rng is None:
+        rng = np.random.default_rng(seed)
+    B = len(prompts)
+    longest = max(len(prompt) for prompt in prompts)
+    decoder = Decoder(model, B, longest + max_new_tokens - 1)
+    logits = decoder.prefill(prompts)
+    seen = [list(prompt) for prompt in prompts]   # for the repetition penalty
+    running = np.ones(B, dtype=bool)
+    for i in range(max_new_tokens):
+        new = np.full(B, -1, dtype=np.int64)
+        for b in np.flatnonzero(running):
+            new[b] = sample_next(logits[b], rng, temperature, top_k, top_p,
+                                 repetition_penalty=repetition_penalty, seen=seen[b])
+            seen[b].append(int(new[b]))
+        yield new
+        if stop_token is not None:
+            running &= new != stop_token
+        if not running.any() or i == max_new_tokens - 1:
+            return
+        # stopped rows run on with a dummy token (their outputs are dropped)
+        logits = decoder.step(np.where(running, new, 0))
+
+
+def generate(model, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+             repetition_penalty=None, seed=None, stop_token=None):
+    """The new token ids after ``prompt_tokens``: a list of ids gives a list;
+    a list of lists (a batch, lengths may differ) gives a list of lists. Each
+    row stops after ``stop_token`` (kept) or ``max_new_tokens``."""
+    batched = len(prompt_tokens) > 0 and not np.isscalar(prompt_tokens[0])
+    prompts = prompt_tokens if batched else [prompt_tokens]
+    out = [[] for _ in prompts]
+    for new in stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+                      stop_token=stop_token):
+        for b, token in enumerate(new):
+            if token >= 0:
+                out[b].append(int(token))
+    return out if batched else out[0]

@@ -1,0 +1,157 @@
+"""KV-cache generation (kv_cache.py) against full recomputation: the same
+logits at every step, for GPT-2, RoPE, ALiBi, GQA and MQA models, batched
+prompts of unequal lengths included; greedy decoding equals the argmax chain
+of full forwards; seeds reproduce.
+
+Tolerance: the cached logits of a position against those of a full forward
+over the whole sequence, max |difference| <= 1e-5 * max |logit| (the two
+paths sum the same terms; attention's order and FMA contraction differ)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
+from llmc_py.errors import ShapeError
+from llmc_py.kv_cache import Decoder, KVCache, generate
+from llmc_py.sampling import sample_next
+
+LOGITS_TOL = 1e-5
+
+GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                        num_heads=4, channels=60)
+LLAMA = LlamaConfig(max_seq_len=24, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, channels=64)
+MODELS = {
+    "gpt2": lambda: GPT2(GPT2_SMALL, seed=1),
+    "llama-rope-gqa": lambda: Llama(LLAMA, seed=2),
+    "rope-mqa-untied": lambda: Llama(dataclasses.replace(LLAMA, num_kv_heads=1,
+                                                         tied_embeddings=False), seed=3),
+    "alibi-gqa": lambda: Llama(dataclasses.replace(LLAMA, position="alibi", norm="layernorm",
+                                                   mlp="gelu", bias=True, num_heads=6,
+                                                   num_kv_heads=2, channels=90), seed=4),
+    "learned-mha": lambda: Llama(dataclasses.replace(LLAMA, position="learned",
+                                                     num_kv_heads=4, max_seq_len=48), seed=5),
+}
+
+
+def full_logits(model, tokens):
+    """Logits (T, V) of every position of one sequence, by a full forward."""
+    model.forward(np.array([tokens]))
+    return model.logits[0, :, :model.config.vocab_size].copy()
+
+
+def assert_logits_close(ours, ref, what):
+    err = float(np.abs(ours - ref).max())
+    assert err <= LOGITS_TOL * float(np.abs(ref).max()), f"{what}: max error {err:.3g}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_cached_logits_equal_full_recompute_at_every_step(name):
+    model = MODELS[name]()
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    lengths = [7, 1, 12]                      # unequal prompts in one batch
+    sequences = [list(rng.integers(0, V, size=n + 30)) for n in lengths]   # prompt + 30
+    decoder = Decoder(model, len(lengths), max(lengths) + 30)
+    logits = decoder.prefill([seq[:n] for seq, n in zip(sequences, lengths)]).copy()
+    references = [full_logits(model, seq) for seq in sequences]
+    for b, n in enumerate(lengths):
+        assert_logits_close(logits[b], references[b][n - 1], f"{name} prefill row {b}")
+    for step in range(30):
+        tokens = [seq[n + step] for seq, n in zip(sequences, lengths)]
+        logits = decoder.step(np.array(tokens))
+        for b, n in enumerate(lengths):
+            assert_logits_close(logits[b], references[b][n + step], f"{name} step {step} row {b}")
+    assert decoder.cache.lengths.tolist() == [n + 30 for n in lengths]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-rope-gqa", "alibi-gqa"])
+def test_greedy_is_the_argmax_chain_of_full_forwards(name):
+    model = MODELS[name]()
+    prompt = [3, 1, 4, 1, 5]
+    tokens = model.generate(prompt, 20, temperature=0)
+    context = list(prompt)
+    for token in tokens:
+        assert token == int(np.argmax(full_logits(model, context)[-1]))
+        context.append(token)
+    assert len(tokens) == 20
+
+
+def test_batched_generation_matches_one_prompt_at_a_time():
+    model = MODELS["llama-rope-gqa"]()
+    prompts = [[1, 2, 3], [9], [4, 4, 4, 4, 4, 4]]
+    batch = model.generate(prompts, 10, temperature=0)
+    assert batch == [model.generate(p, 10, temperature=0) for p in prompts]
+
+
+def test_same_seed_same_tokens():
+    model = MODELS["llama-rope-gqa"]()
+    settings = dict(temperature=1.0, top_k=20, top_p=0.9)
+    a = model.generate([1, 2], 15, seed=7, **settings)
+    b = model.generate([1, 2], 15, seed=7, **settings)
+    c = model.generate([1, 2], 15, seed=8, **settings)
+    assert a == b and a != c
+
+
+def test_stop_token_ends_a_row():
+    model = MODELS["gpt2"]()
+    greedy = model.generate([5, 6], 12, temperature=0)
+    stop = greedy[3]
+    first = greedy.index(stop)
+    out = model.generate([[5, 6], [5, 6]], 12, temperature=0, stop_token=stop)
+    assert out == [greedy[:first + 1]] * 2
+
+
+def test_learned_positions_refuse_to_go_past_max_seq_len():
+    model = MODELS["gpt2"]()            # max_seq_len 48
+    assert len(model.generate([1] * 40, 9, temperature=0)) == 9   # 40 + 9 - 1 = 48 positions
+    with pytest.raises(ShapeError, match="exceeds the model's max_seq_len=48"):
+        model.generate([1] * 40, 10, temperature=0)
+
+
+@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa"])
+def test_rope_and_alibi_generate_past_max_seq_len(name):
+    model = MODELS[name]()
+    prompt = [2, 7, 1, 8]
+    max_seq_len = model.config.max_seq_len
+    tokens = model.generate(prompt, 2 * max_seq_len, temperature=0)
+    sequence = prompt + tokens
+    ref = full_logits(model, sequence[:-1])     # a full forward past max_seq_len too
+    for i, token in enumerate(tokens):
+        assert token == int(np.argmax(ref[len(prompt) - 1 + i]))
+
+
+def test_cache_is_sized_from_its_shape():
+    config = LLAMA   # 2 layers, 2 kv heads of 16
+    cache = KVCache(config, batch_size=3, max_len=50)
+    assert cache.k.shape == cache.v.shape == (2, 3, 50, 32)
+    assert cache.nbytes == 2 * 2 * 3 * 50 * 32 * 4
+    assert np.shares_memory(cache.k, cache.memory) and np.shares_memory(cache.v, cache.memory)
+
+
+def test_decoder_rejects_bad_prompts_and_a_full_cache():
+    model = MODELS["llama-rope-gqa"]()
+    decoder = Decoder(model, 2, 5)
+    with pytest.raises(ShapeError, match="1 prompts for a decoder of batch 2"):
+        Decoder(model, 2, 5).prefill([[1]])
+    with pytest.raises(ShapeError, match=r"prompt lengths must be in \[1, 5\]"):
+        decoder.prefill([[1], []])
+    decoder.prefill([[1, 2, 3, 4], [1]])
+    decoder.step(np.array([1, 1]))
+    with pytest.raises(ShapeError, match="full"):
+        decoder.step(np.array([1, 1]))
+    with pytest.raises(ShapeError, match="at least one token"):
+        generate(model, [[]], 3)
+
+
+def test_repetition_penalty_lowers_seen_tokens():
+    rng = np.random.default_rng(0)
+    positive = np.array([1.0, 0.9, 0.1])
+    assert sample_next(positive, rng, 0) == 0
+    assert sample_next(positive, rng, 0, repetition_penalty=1.2, seen=[0]) == 1   # 1/1.2 < 0.9
+    negative = np.array([-1.0, -1.1, -5.0])
+    assert sample_next(negative, rng, 0, repetition_penalty=1.2, seen=[0, 0]) == 1   # -1.2
+    assert sample_next(negative, rng, 0, repetition_penalty=1.0, seen=[0]) == 0
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        sample_next(negative, rng, 1.0, repetition_penalty=-1.0, seen=[0])

@@ -1,0 +1,181 @@
+"""The Llama family against the PyTorch reference in llama_reference.py:
+logits, loss, every parameter gradient and AdamW steps, for each choice of
+norm, position, MLP, kv heads, bias and head; length extrapolation; the
+model file. Tolerances are test_gpt2_step.py's (stated there)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import llama_reference as ref
+from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
+from llmc_py.checkpoint import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
+from llmc_py.errors import CheckpointError, ShapeError
+from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
+
+BASE = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, channels=64)   # hs 16, FF 192 (Llama rule)
+
+CONFIGS = {   # id: the choices, over BASE
+    "llama": {},                                                # rmsnorm rope swiglu GQA
+    "mqa-untied-bias": dict(num_kv_heads=1, tied_embeddings=False, bias=True),
+    "mha-theta": dict(num_kv_heads=4, rope_theta=500000.0, ffn_hidden=100),
+    # BLOOM-style: ALiBi with 6 heads (not a power of two), hs = 15
+    "alibi-layernorm-gelu": dict(position="alibi", norm="layernorm", mlp="gelu", bias=True,
+                                 num_heads=6, num_kv_heads=3, channels=90),
+    "alibi-rmsnorm-swiglu": dict(position="alibi", num_heads=4, num_kv_heads=1),
+    "learned-rmsnorm": dict(position="learned", ffn_hidden=96),
+}
+
+
+def make_model(config, seed):
+    """A GPT-2-initialised model whose norm weights and biases are also
+    randomised, so that every parameter shapes the result."""
+    model = Llama(config, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    for name in model.params.names:
+        if name in model.matrix_params:
+            continue
+        view = model.params[name]
+        noise = rng.standard_normal(view.shape).astype(np.float32)
+        view[...] += (0.1 if name.endswith("w") else 0.02) * noise
+    return model
+
+
+@pytest.mark.parametrize("B,T", [(3, 13), (1, 1), (2, 32)])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_llama_matches_torch(name, B, T):
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    model = make_model(config, seed=B * 100 + T)
+    x, y = make_batch(config, B, T, seed=T)
+    _, p = check_against_reference(model, x, y, reference=ref)
+    if (B, T) == (3, 13):
+        check_adamw_steps(model, p, x, y, steps=10, reference=ref)
+
+
+def test_llama_at_realistic_width_matches_torch():
+    """Llama-shaped heads: C=512, 8 query heads of 64 over 2 kv heads, T=64."""
+    config = LlamaConfig(max_seq_len=64, vocab_size=300, padded_vocab_size=384, num_layers=2,
+                         num_heads=8, num_kv_heads=2, channels=512)
+    model = make_model(config, seed=5)
+    x, y = make_batch(config, 2, 64, seed=5)
+    check_against_reference(model, x, y, reference=ref)
+
+
+def test_gpt2_choices_reproduce_gpt2():
+    """Layernorm, learned positions, GELU, biases, tied head and NKV = NH give
+    GPT-2's layout, and the same loss, logits and gradients."""
+    g = GPT2Config(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                   num_heads=4, channels=60)
+    config = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=4, channels=60, norm="layernorm",
+                         position="learned", mlp="gelu", bias=True, tied_embeddings=True)
+    gpt2 = GPT2(g, seed=3)
+    llama = Llama(config, params=gpt2.params.memory)
+    assert llama.params.names == gpt2.params.names
+    x, y = make_batch(g, 2, 20, seed=1)
+    for model in (gpt2, llama):
+        model.zero_grad()
+        model.forward(x, y)
+        model.backward()
+    assert abs(llama.mean_loss - gpt2.mean_loss) <= 1e-6 * abs(gpt2.mean_loss)
+    np.testing.assert_allclose(llama.logits, gpt2.logits, rtol=0, atol=1e-5)
+    scale = np.abs(gpt2.grads.memory).max()
+    np.testing.assert_allclose(llama.grads.memory, gpt2.grads.memory, rtol=0,
+                               atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("position", ["rope", "alibi"])
+def test_rope_and_alibi_extrapolate_past_max_seq_len(position):
+    config = dataclasses.replace(BASE, position=position, max_seq_len=16)
+    model = make_model(config, seed=2)
+    x, y = make_batch(config, 2, 40, seed=2)   # 2.5x the trained length
+    check_against_reference(model, x, y, reference=ref)
+
+
+def test_learned_positions_refuse_past_max_seq_len():
+    config = dataclasses.replace(BASE, position="learned", max_seq_len=16)
+    model = Llama(config)
+    x, _ = make_batch(config, 1, 17, seed=2)
+    with pytest.raises(ShapeError, match="T=17 exceeds the model's max_seq_len=16"):
+        model.forward(x)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_model_file_round_trip_is_exact(tmp_path, name):
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    model = make_model(config, seed=4)
+    first = tmp_path / "a.bin"
+    model.save_checkpoint(first)
+    loaded = load_model(first)
+    assert isinstance(loaded, Llama) and loaded.config == config
+    assert np.array_equal(loaded.params.memory, model.params.memory)
+    second = tmp_path / "b.bin"
+    loaded.save_checkpoint(second)
+    assert first.read_bytes() == second.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "b.bin"]
+
+
+def test_load_model_tells_gpt2_from_llama(tmp_path):
+    path = tmp_path / "gpt2.bin"
+    GPT2(GPT2Config(max_seq_len=8, vocab_size=10, padded_vocab_size=16, num_layers=1,
+                    num_heads=2, channels=8)).save_checkpoint(path)
+    assert type(load_model(path)) is GPT2
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x01" * 4096)
+    with pytest.raises(CheckpointError, match="not a model file"):
+        load_model(junk)
+
+
+def _corrupt(path, slot, value, floats=False):
+    data = bytearray(path.read_bytes())
+    offset = (1024 if floats else 0) + 4 * slot
+    data[offset:offset + 4] = np.array([value], dtype="<f4" if floats else "<i4").tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("field,slot,value,message", [
+    ("num_kv_heads", LLAMA_INT_SLOTS["num_kv_heads"], 3, "not divisible by num_kv_heads=3"),
+    ("num_kv_heads", LLAMA_INT_SLOTS["num_kv_heads"], 0, "num_kv_heads is 0"),
+    ("ffn_hidden", LLAMA_INT_SLOTS["ffn_hidden"], -5, "ffn_hidden is -5"),
+    ("norm", LLAMA_CHOICE_SLOTS["norm"][0], 7, "norm is 7, expected one of"),
+    ("position", LLAMA_CHOICE_SLOTS["position"][0], -1, "position is -1"),
+    ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
+    ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
+    ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
+])                                                                   # a file that disagrees
+def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
+    path = tmp_path / "m.bin"
+    Llama(BASE).save_checkpoint(path)
+    _corrupt(path, slot, value)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(path)
+
+
+@pytest.mark.parametrize("name,value", [("rope_theta", 0.0), ("rope_theta", float("nan")),
+                                        ("norm_eps", -1e-5), ("norm_eps", float("inf"))])
+def test_model_file_float_header_is_validated(tmp_path, name, value):
+    path = tmp_path / "m.bin"
+    Llama(BASE).save_checkpoint(path)
+    _corrupt(path, {"rope_theta": 0, "norm_eps": 1}[name], value, floats=True)
+    with pytest.raises(CheckpointError, match=f"{name} must be a positive finite number"):
+        load_model(path)
+
+
+def test_truncated_model_file_is_refused(tmp_path):
+    path = tmp_path / "m.bin"
+    Llama(BASE).save_checkpoint(path)
+    for size in (100, 1500, path.stat().st_size - 4):
+        path.write_bytes(path.read_bytes()[:size])
+        with pytest.raises(CheckpointError, match=str(path)):
+            load_model(path)
+
+
+def test_config_rejects_impossible_choices():
+    with pytest.raises(ShapeError, match="num_heads=4 is not divisible by num_kv_heads=3"):
+        dataclasses.replace(BASE, num_kv_heads=3)
+    with pytest.raises(ShapeError, match="even head size"):
+        dataclasses.replace(BASE, channels=60)              # hs 15 with RoPE
+    with pytest.raises(ShapeError, match="norm must be one of"):
+        dataclasses.replace(BASE, norm="batchnorm")
+    assert dataclasses.replace(BASE, channels=60, position="alibi").head_size == 15
