@@ -29,7 +29,7 @@ from .config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_voca
 from .errors import CheckpointError, LlmcError, ShapeError
 from .llama import Llama, load_model
 from .model import GPT2
-from .sampling import generate
+from .kv_cache import stream
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
 DEFAULT_DATASET = "shakespeare"
@@ -389,8 +389,8 @@ def run(args, out=None):
                 log.flush()
                 progress.say(f"step {step}: val loss {val_loss:.6f}")
             if args.sample_every and (step % args.sample_every == 0 or last):
-                ids = list(generate(model, [EOT], args.gen_tokens, temperature=1.0,
-                                    rng=sample_rng))
+                ids = [int(new[0]) for new in stream(model, [[EOT]], args.gen_tokens,
+                                                     temperature=1.0, rng=sample_rng)]
                 progress.say(f"step {step}: sample:\n---\n{encoding.decode(ids)}\n---")
                 extra_after_step = state_extra()   # the sampler's RNG moved on
             if (args.checkpoint_every and step % args.checkpoint_every == 0) or last:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from data_helpers import REAL_RANKS, require_real_ranks
-from llmc_py import GPT2, GPT2Config
+from llmc_py import GPT2, GPT2Config, Llama
 from llmc_py import train as train_mod
 from llmc_py.checkpoint import read_state
 from llmc_py.data import DataLoader, write_tokens
@@ -275,3 +275,36 @@ def test_sample_cli_streams_text(shards, tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == first
     assert sample.main(["-e", str(tmp_path / "missing.bin")]) == 1
     assert "missing.bin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("choices", [
+    [],                                                           # rmsnorm, rope, swiglu
+    ["--position", "alibi", "--norm", "layernorm", "--mlp", "gelu", "--bias", "1",
+     "--untied", "1"],
+])
+def test_llama_arch_trains_resumes_and_samples(shards, tmp_path, monkeypatch, capsys, choices):
+    llama = ["--arch", "llama", "--kv-heads", "1", "-s", "3", "-g", "4", *choices]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run(shards, straight, "-x", "6", "-n", "3", *llama) == 0
+    losses = [float(x) for _, x in train_losses(straight)]
+    assert len(losses) == 6 and all(np.isfinite(losses))
+    model = train_mod.load_model(straight / "model_00000006.bin")
+    assert isinstance(model, Llama) and model.config.num_kv_heads == 1
+    assert model.config.position == ("alibi" if choices else "rope")
+    assert not model.config.tied_embeddings if choices else model.config.tied_embeddings
+    assert "lm_head" in model.matrix_params if choices else "lm_head" not in model.params
+
+    interrupt_at_batch(monkeypatch, 5)
+    assert run(shards, resumed, "-x", "6", "-n", "3", *llama) == 130
+    monkeypatch.undo()
+    assert run(shards, resumed, "-x", "6", "-n", "3", *llama, "-y", "1") == 0
+    assert train_losses(resumed) == train_losses(straight)
+    assert (resumed / "model_00000006.bin").read_bytes() == \
+        (straight / "model_00000006.bin").read_bytes()
+    out = capsys.readouterr().out
+    assert "(1 kv)" in out
+
+
+def test_llama_choices_are_checked(shards, tmp_path, capsys):
+    assert run(shards, tmp_path / "out", "-x", "1", "--arch", "llama", "--kv-heads", "3") == 1
+    assert "not divisible by num_kv_heads=3" in capsys.readouterr().err
