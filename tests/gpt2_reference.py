@@ -12,10 +12,10 @@ from llmc_py.layout import PARAM_SPECS
 EPS = 1e-5
 
 
-def torch_params(flat, config, dtype=torch.float64):
-    """Leaf tensors (requires_grad) named like PARAM_SPECS, from a flat array."""
+def torch_params(flat, config, dtype=torch.float64, specs=PARAM_SPECS):
+    """Leaf tensors (requires_grad) named as in ``specs``, from a flat array."""
     out, offset = {}, 0
-    for name, fn in PARAM_SPECS:
+    for name, fn in specs:
         shape = fn(config)
         count = math.prod(shape)
         chunk = np.asarray(flat[offset:offset + count], dtype=np.float64).reshape(shape)

@@ -8,19 +8,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import gpt2_reference
 from llmc_py.layout import llama_param_specs
 
 
 def torch_params(flat, config, dtype=torch.float64):
     """Leaf tensors (requires_grad) named as in llama_param_specs, from a flat array."""
-    out, offset = {}, 0
-    for name, fn in llama_param_specs(config):
-        shape = fn(config)
-        count = math.prod(shape)
-        chunk = np.asarray(flat[offset:offset + count], dtype=np.float64).reshape(shape)
-        out[name] = torch.tensor(chunk, dtype=dtype, requires_grad=True)
-        offset += count
-    return out
+    return gpt2_reference.torch_params(flat, config, dtype, specs=llama_param_specs(config))
 
 
 def rmsnorm(x, weight, eps):
