@@ -33,9 +33,11 @@ _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
 
 class Transformer:
     """What GPT2 and Llama share: the flat buffers and their named views, the
-    token checks, activation planning, zero_grad and the AdamW update. A
-    subclass sets ``param_specs`` and ``act_specs`` (layout.py's tables) and
-    writes forward, backward and the initialisation."""
+    token checks, activation planning, the transformer block by the choices
+    in ``arch`` (the Llama family's forward and KV-cache decoding run it),
+    zero_grad, the AdamW update and ``generate``. A subclass sets
+    ``param_specs`` and ``act_specs`` (layout.py's tables) and writes forward
+    and backward."""
 
     param_specs = act_specs = None
     matrix_params = ()   # the tensors initialised from N(0, INIT_STD) and decayed
