@@ -8,7 +8,7 @@
 
 int gelu_forward(float* out, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nblocks = (N + 15) / 16;
     // 16 elements per iteration in vector registers; the last block may be partial
     #pragma omp parallel for schedule(static)
@@ -24,7 +24,7 @@ int gelu_forward(float* out, const float* inp, long N) {
 
 int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nblocks = (N + 15) / 16;
     // d/dx [0.5 x (1 + tanh u)] = 0.5 (1 + tanh u) + 0.5 x sech^2(u) du/dx,
     // with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2)
@@ -45,7 +45,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
 
 int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp1, inp2), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) { out[i] = inp1[i] + inp2[i]; }
     return LLMC_OK;
@@ -53,7 +53,7 @@ int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
 
 int residual_backward(float* dinp1, float* dinp2, const float* dout, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp1, dinp2, dout), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) {
         dinp1[i] += dout[i];

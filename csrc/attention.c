@@ -15,6 +15,7 @@ int attention_forward(float* out, float* att, const float* inp,
                       int B, int T, int C, int NH) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     const int hs = C / NH;
     const size_t C3 = (size_t)3 * C;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -66,6 +67,7 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
                        int B, int T, int C, int NH) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     const int hs = C / NH;
     const size_t C3 = (size_t)3 * C;
     const float scale = 1.0f / sqrtf((float)hs);
