@@ -17,7 +17,9 @@ from . import kernels as K
 from .checkpoint import read_model, write_model
 from .config import GPT2Config
 from .errors import RangeError, ShapeError
-from .layout import ACT_SPECS, GRAD_ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros
+from .layout import (ACT_SPECS, GRAD_ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros,
+                     specs_bytes)
+from .memory import require
 
 LAYERNORM_EPS = 1e-5
 INIT_STD = 0.02
@@ -103,19 +105,30 @@ class GPT2:
             raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
-    def reserve(self, B, T):
+    def reserve(self, B, T, training=False):
         """Allocates activation memory for batches up to (B, T) now, so that
         later forwards of any smaller shape reuse it (e.g. a growing context
-        while sampling)."""
-        self._plan(B, T)
+        while sampling). Raises OutOfMemoryError if the activations (and, with
+        ``training``, their gradients) cannot fit."""
+        self._plan(B, T, training=training)
 
-    def _plan(self, B, T):
+    def _plan(self, B, T, training=True):
         if (B, T) == (self.B, self.T):
             return
         c = self.config
-        self.acts = TensorGroup(ACT_SPECS, c, B, T, memory=_reuse(self.acts, ACT_SPECS, c, B, T))
+        acts_memory = _reuse(self.acts, ACT_SPECS, c, B, T)
+        grads_memory = _reuse(self.grads_acts, GRAD_ACT_SPECS, c, B, T)
+        # all that this (B, T) will allocate, checked before any of it is: the
+        # activations and, for training, their gradients (made by backward)
+        with_grads = training or self.grads_acts is not None
+        needed = 0 if acts_memory is not None else specs_bytes(ACT_SPECS, c, B, T)
+        if with_grads and grads_memory is None:
+            needed += specs_bytes(GRAD_ACT_SPECS, c, B, T)
+        what = "activations" + (" and their gradients" if with_grads else "")
+        require(needed, f"{what} for B={B}, T={T}")
+        self.acts = TensorGroup(ACT_SPECS, c, B, T, memory=acts_memory)
         self.grads_acts = None if self.grads_acts is None else TensorGroup(
-            GRAD_ACT_SPECS, c, B, T, memory=_reuse(self.grads_acts, GRAD_ACT_SPECS, c, B, T))
+            GRAD_ACT_SPECS, c, B, T, memory=grads_memory)
         self.B, self.T = B, T
 
     def forward(self, inputs, targets=None):
@@ -132,7 +145,7 @@ class GPT2:
             targets = self._tokens(targets, "targets")
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
-        self._plan(B, T)
+        self._plan(B, T, training=targets is not None)
         p, a = self.params, self.acts
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe)
