@@ -27,7 +27,8 @@ PYTHON_EXE = $(shell $(PYTHON) -c "import sys; print(sys.executable)")
 # UndefinedBehaviorSanitizer (LLMC_SANITIZE=1), and their tests run on that
 # build; any report fails it. libasan must be loaded before Python, hence the
 # preload; PYTHONMALLOC=malloc lets ASan see the interpreter's allocations too;
-# leak reports are off (the interpreter keeps memory at exit by design). A
+# leak reports are off (the interpreter keeps memory at exit by design);
+# --capture=sys leaves fd 2 alone, so a report that kills the process is seen. A
 # planted overflow (tests/sanitize_canary.py) must be caught first, so that a
 # build without working sanitizers cannot pass. The normal build is restored
 # afterwards, pass or fail.
@@ -38,8 +39,8 @@ sanitize:
 	status=0; \
 	if $(SANITIZE_ENV) $(PYTHON_EXE) tests/sanitize_canary.py 2>&1 | grep -q heap-buffer-overflow; \
 	then \
-	    $(SANITIZE_ENV) $(PYTHON_EXE) -m pytest -q -p no:cacheprovider -m "not slow" \
-	        $(KERNEL_TESTS) || status=$$?; \
+	    $(SANITIZE_ENV) $(PYTHON_EXE) -m pytest -q --capture=sys -p no:cacheprovider \
+	        -m "not slow" $(KERNEL_TESTS) || status=$$?; \
 	else \
 	    echo "make sanitize: AddressSanitizer missed the planted overflow"; status=1; \
 	fi; \
