@@ -25,7 +25,8 @@ from llmc_py.checkpoint import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, num_par
                                 read_debug_state, read_model, read_state, write_debug_state,
                                 write_model, write_state)
 from llmc_py.data import DataLoader, read_tokens, write_tokens
-from llmc_py.tokenizer import read_tokenizer_file, write_token_table
+from llmc_py.tokenizer import load_ranks_file, read_tokenizer_file, write_token_table
+from data_helpers import ranks_file_bytes, tiny_ranks
 
 EXAMPLES = int(os.environ.get("LLMC_FUZZ_EXAMPLES", "300"))
 FRESH = os.environ.get("LLMC_FUZZ_FRESH", "0") not in ("", "0")   # new randomness each run
@@ -294,6 +295,34 @@ def test_fuzz_training_state(folder, data):
     run_reader("training state", folder / "case.bin", case, check_state)
 
 
+def check_ranks(path):
+    ranks = load_ranks_file(path)
+    assert sorted(ranks.values()) == list(range(len(ranks)))
+    assert all(isinstance(t, bytes) for t in ranks)
+
+
+RANKS_FILE = ranks_file_bytes(tiny_ranks())
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_bpe_ranks_file(folder, data):
+    """The .tiktoken ranks text (read when no checksum vouches for it): lines
+    cut, bytes overwritten, and lines of random text."""
+    lines = st.lists(st.one_of(st.binary(max_size=40), st.text(max_size=40).map(str.encode),
+                               st.integers().map(lambda n: b"YQ== " + str(n).encode())),
+                     max_size=8).map(b"\n".join)
+    case = data.draw(st.one_of(
+        st.tuples(st.integers(0, len(RANKS_FILE)), lines).map(
+            lambda t: RANKS_FILE[:t[0]] + t[1] + RANKS_FILE[t[0]:]),
+        st.tuples(st.integers(0, len(RANKS_FILE) - 1), st.binary(min_size=1, max_size=8)).map(
+            lambda t: RANKS_FILE[:t[0]] + t[1] + RANKS_FILE[t[0] + len(t[1]):]),
+        st.integers(0, len(RANKS_FILE) - 1).map(lambda n: RANKS_FILE[:n]),
+        st.integers(1, 10_000).map(lambda n: b"YQ== " + b"9" * n),   # ranks of many digits
+    ))
+    run_reader("BPE ranks", folder / "case.tiktoken", case, check_ranks)
+
+
 def test_the_valid_files_are_accepted(folder, model_v3, model_v5, shard, tokenizer_file,
                                       debug_state):
     """The unmutated files pass their readers' checks: the properties start
@@ -301,7 +330,8 @@ def test_the_valid_files_are_accepted(folder, model_v3, model_v5, shard, tokeniz
     for data, check in [(model_v3, check_model), (model_v5, check_model), (shard, check_tokens),
                         (tokenizer_file, check_tokenizer), (debug_state, check_debug_state),
                         (state_bytes(folder), check_state),
-                        (state_bytes(folder, b'{"a": [1, 2]}'), check_state)]:
+                        (state_bytes(folder, b'{"a": [1, 2]}'), check_state),
+                        (RANKS_FILE, check_ranks)]:
         path = folder / "valid.bin"
         path.write_bytes(data)
         check(path)
