@@ -96,17 +96,16 @@ class TensorGroup:
     ``group.qkvw[l]`` is layer l. Views share memory with ``memory``: writing
     one writes the other. ``memory`` may be given (at least ``size`` floats,
     from a larger earlier layout); otherwise a zeroed aligned buffer is made,
-    after checking that it fits in the memory available (``what`` names it in
-    the OutOfMemoryError otherwise).
+    after checking that it fits in the memory available.
     """
 
-    def __init__(self, specs, *shape_args, memory=None, what=None):
+    def __init__(self, specs, *shape_args, memory=None):
         self.shapes = {name: tuple(fn(*shape_args)) for name, fn in specs}
         self.names = tuple(self.shapes)
         self.size = sum(math.prod(shape) for shape in self.shapes.values())
         if memory is None:
             names = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
-            memory = aligned_zeros(self.size, what=what or f"the tensors {names}")
+            memory = aligned_zeros(self.size, what=f"the tensors {names}")
         elif memory.dtype != np.float32 or memory.ndim != 1 or memory.size < self.size:
             raise ValueError(f"memory must be a 1-D float32 array of at least {self.size} "
                              f"elements, got {memory.dtype} {memory.shape}")
