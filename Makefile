@@ -49,7 +49,7 @@ sanitize:
 
 # fuzz: the file-reader properties of tests/test_fuzz.py with many more cases
 # and fresh randomness each run (the suite runs a small fixed set)
-FUZZ_EXAMPLES ?= 20000
+FUZZ_EXAMPLES ?= 10000
 fuzz:
 	LLMC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) LLMC_FUZZ_FRESH=1 \
 	    $(PYTHON) -m pytest -q -s -p no:cacheprovider tests/test_fuzz.py
