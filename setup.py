@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.9",
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy>=1.22", "tiktoken>=0.5"],
-    extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib"],
+    extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6"],
                     "plot": ["matplotlib"]},
     cffi_modules=["llmc_py/_ffi_build.py:ffibuilder"],
     zip_safe=False,

@@ -9,7 +9,7 @@
 
 int gelu_forward(float* out, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nblocks = (N + 15) / 16;
     // 16 elements per iteration in vector registers; the last block may be partial
     #pragma omp parallel for schedule(static)
@@ -25,7 +25,7 @@ int gelu_forward(float* out, const float* inp, long N) {
 
 int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nblocks = (N + 15) / 16;
     // d/dx [0.5 x (1 + tanh u)] = 0.5 (1 + tanh u) + 0.5 x sech^2(u) du/dx,
     // with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2)
@@ -66,7 +66,7 @@ static inline void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
 
 int swiglu_forward(float* out, const float* inp, long N, int FF) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && FF > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
     // 16 columns of one row per iteration, the last block of each row
     // possibly partial; rows and blocks flattened, so that one long row
     // (N == 1, as in decoding) still spreads over the threads
@@ -88,7 +88,7 @@ int swiglu_forward(float* out, const float* inp, long N, int FF) {
 
 int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && FF > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
     // with s = sigmoid(g): silu(g) = g s, and since s' = s (1 - s),
     //   silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
     //   dgate += dout * up * silu'(g),  dup += dout * silu(g)
@@ -114,7 +114,7 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, in
 
 int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp1, inp2), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) { out[i] = inp1[i] + inp2[i]; }
     return LLMC_OK;
@@ -122,7 +122,7 @@ int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
 
 int residual_backward(float* dinp1, float* dinp2, const float* dout, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp1, dinp2, dout), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) {
         dinp1[i] += dout[i];

@@ -7,7 +7,7 @@ int adamw_update(float* params, float* m, float* v, const float* grads, long N,
                  float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t) {
     LLMC_REQUIRE(LLMC_NONNULL4(params, m, v, grads), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && t >= 1, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT && t >= 1, LLMC_ERR_SHAPE);
     const float c1 = 1.0f - powf(beta1, (float)t);
     const float c2 = 1.0f - powf(beta2, (float)t);
 
@@ -27,7 +27,7 @@ int adamw_update(float* params, float* m, float* v, const float* grads, long N,
 
 int global_norm_squared(double* out, const float* x, long N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, x), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nchunks = (N + LLMC_REDUCE_CHUNK - 1) / LLMC_REDUCE_CHUNK;
     double* partial = malloc((size_t)nchunks * sizeof(double));
     LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
@@ -50,7 +50,7 @@ int global_norm_squared(double* out, const float* x, long N) {
 
 int scale_inplace(float* x, long N, float scale) {
     LLMC_REQUIRE(x != NULL, LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     #pragma omp parallel for schedule(static)
     for (long i = 0; i < N; i++) { x[i] *= scale; }
     return LLMC_OK;

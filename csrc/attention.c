@@ -155,6 +155,7 @@ int attention_forward(float* out, float* att, const float* inp,
                       int B, int T, int C, int NH) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     gqa_forward(out, att, inp, NULL, B, T, NH, NH, C / NH);
     return LLMC_OK;
 }
@@ -163,6 +164,7 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
                        int B, int T, int C, int NH) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NH, C / NH);
 }
 
@@ -171,6 +173,8 @@ int attention_gqa_forward(float* out, float* att, const float* inp, const float*
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
                  LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
+                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
     return LLMC_OK;
 }
@@ -180,6 +184,8 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
                  LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
+                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NKV, hs);
 }
 
@@ -190,6 +196,8 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && NH > 0 && NKV > 0 && hs > 0 && maxT > 0 && NH % NKV == 0,
                  LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, maxT, NKV, hs) && llmc_count_fits(B, NH, maxT, 1)
+                 && llmc_count_fits(B, NH, hs, 1), LLMC_ERR_SHAPE);
     for (int b = 0; b < B; b++) {
         LLMC_REQUIRE(len[b] >= 1 && len[b] <= maxT, LLMC_ERR_RANGE);
     }

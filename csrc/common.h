@@ -25,6 +25,19 @@ static inline void omp_set_num_threads(int n) { (void)n; }
 #define LLMC_NONNULL3(a, b, c) (LLMC_NONNULL2(a, b) && (c) != NULL)
 #define LLMC_NONNULL4(a, b, c, d) (LLMC_NONNULL2(a, b) && LLMC_NONNULL2(c, d))
 
+/* The most floats one array can hold: its size in bytes must fit a ptrdiff_t. */
+#define LLMC_MAX_COUNT ((size_t)PTRDIFF_MAX / sizeof(float))
+
+/* True if an array of a*b*c*d floats can exist: the product neither wraps in
+   size_t nor exceeds LLMC_MAX_COUNT. Takes sizes already checked positive;
+   pass 1 for unused factors. Sizes that fail this cannot describe real
+   arrays, so the kernels return LLMC_ERR_SHAPE before touching memory. */
+static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
+    size_t ab, abc, abcd;
+    return !__builtin_mul_overflow(a, b, &ab) && !__builtin_mul_overflow(ab, c, &abc)
+           && !__builtin_mul_overflow(abc, d, &abcd) && abcd <= LLMC_MAX_COUNT;
+}
+
 /* Elements per chunk of a chunked reduction. Fixed, so a sum is split the
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384

@@ -20,6 +20,7 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
                     int B, int T, int C, int V) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, wte), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1) && llmc_count_fits(V, C, 1, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_token(inp, BT, V) < 0, LLMC_ERR_RANGE);
 
@@ -42,6 +43,7 @@ int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp
                      int B, int T, int C, int V) {
     LLMC_REQUIRE(LLMC_NONNULL3(dwte, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1) && llmc_count_fits(V, C, 1, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_token(inp, BT, V) < 0, LLMC_ERR_RANGE);
     const int nblocks = (C + ENCODER_CHANNEL_BLOCK - 1) / ENCODER_CHANNEL_BLOCK;

@@ -21,7 +21,8 @@
 
 typedef enum {
     LLMC_OK = 0,
-    LLMC_ERR_SHAPE = 1,    /* a size is <= 0, or sizes disagree (e.g. C % NH)   */
+    LLMC_ERR_SHAPE = 1,    /* a size is <= 0, sizes disagree (e.g. C % NH), or
+                              an array of these sizes could not exist         */
     LLMC_ERR_RANGE = 2,    /* an index such as a token id is out of range       */
     LLMC_ERR_NOMEM = 3,    /* an internal scratch allocation failed             */
     LLMC_ERR_NULL = 4      /* a required pointer is NULL                        */

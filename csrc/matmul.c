@@ -202,6 +202,12 @@ static int gemm_accumulate(float* c, size_t ldc,
     return LLMC_OK;
 }
 
+/* The three arrays of a linear layer, [B,T,C], [B,T,OC] and [OC,C], can exist. */
+static int matmul_sizes_fit(int B, int T, int C, int OC) {
+    return llmc_count_fits(B, T, C, 1) && llmc_count_fits(B, T, OC, 1)
+           && llmc_count_fits(OC, C, 1, 1);
+}
+
 /* Columns per block when summing dout over rows for dbias. */
 #define BIAS_BLOCK 64
 
@@ -226,6 +232,7 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
                    int B, int T, int C, int OC) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
 
@@ -246,6 +253,7 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL2(inp, weight),
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
 
@@ -263,6 +271,7 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
                          int B, int T, int C, int OC) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     #pragma omp parallel for schedule(static)
     for (long bt = 0; bt < BT; bt++) {
@@ -283,6 +292,7 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL2(inp, weight),
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)

@@ -13,6 +13,7 @@ int layernorm_forward(float* out, float* mean, float* rstd,
     LLMC_REQUIRE(LLMC_NONNULL3(out, mean, rstd) && LLMC_NONNULL3(inp, weight, bias),
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
 
     // rows are independent; the variance is taken about the mean (two passes),
@@ -41,6 +42,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dbias) && LLMC_NONNULL3(dout, inp, weight)
                  && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
 
     // pass 1, dinp. With n = (x - mean) * rstd and g = dout * weight:
@@ -106,6 +108,7 @@ int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weig
                     int B, int T, int C, float eps) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, rstd, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
 
     // rows are independent; the sum of squares runs on 16 lanes (llmc_dot),
@@ -127,6 +130,7 @@ int rmsnorm_backward(float* dinp, float* dweight,
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL3(inp, weight, rstd),
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
 
     // pass 1, dinp. With s = rstd, n = x * s and g = dout * weight, and

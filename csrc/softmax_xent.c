@@ -17,6 +17,7 @@ static long first_bad_target(const int* targets, long BT, int V) {
 int softmax_forward(float* probs, const float* logits, int B, int T, int V, int Vp) {
     LLMC_REQUIRE(LLMC_NONNULL2(probs, logits), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
 
     #pragma omp parallel for schedule(static)
@@ -45,6 +46,7 @@ int crossentropy_forward(float* losses, const float* probs, const int* targets,
                          int B, int T, int V, int Vp) {
     LLMC_REQUIRE(LLMC_NONNULL3(losses, probs, targets), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_target(targets, BT, V) < 0, LLMC_ERR_RANGE);
 
@@ -60,6 +62,7 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
                                   int B, int T, int V, int Vp) {
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, dlosses, probs, targets), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(first_bad_target(targets, BT, V) < 0, LLMC_ERR_RANGE);
 

@@ -5,7 +5,8 @@
 const char* llmc_status_string(int status) {
     switch (status) {
         case LLMC_OK: return "ok";
-        case LLMC_ERR_SHAPE: return "a size is not positive, or sizes disagree";
+        case LLMC_ERR_SHAPE:
+            return "a size is not positive, sizes disagree, or no array could be that large";
         case LLMC_ERR_RANGE: return "an index (such as a token id) is out of range";
         case LLMC_ERR_NOMEM: return "out of memory for kernel scratch space";
         case LLMC_ERR_NULL: return "a required pointer is NULL";

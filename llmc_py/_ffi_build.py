@@ -9,6 +9,9 @@ compiler flag and environment switch lives here:
 - ``LLMC_NATIVE=0`` leaves out ``-march=native``, for a build that runs on
   any CPU of the architecture (a wheel to share); the default tunes the
   build for the CPU it is built on.
+- ``LLMC_SANITIZE=1`` builds with AddressSanitizer and UndefinedBehaviorSanitizer
+  (``make sanitize``): a debugging build, never one to ship. Python must then
+  run with libasan preloaded (the Makefile shows how).
 """
 import os
 import shutil
@@ -40,6 +43,12 @@ SOURCES = [
 # -fno-math-errno: sqrtf and friends may then be vectorised. No -ffast-math.
 # -Wno-psabi: a portable build warns that 64-byte vectors pass differently.
 BASE_FLAGS = ["-O3", "-std=c11", "-ffp-contract=fast", "-fno-math-errno", "-Wno-psabi"]
+
+# LLMC_SANITIZE=1: every ASan/UBSan report is fatal (no recovery), frames
+# stay walkable for the report, and -O1 keeps the line numbers honest
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                  "-fno-sanitize-recover=undefined", "-g"]
+SANITIZE_OPT = "-O1"
 
 _PROBE_SOURCE = """
 #include <omp.h>
@@ -102,6 +111,10 @@ def openmp_flags(probe=try_compile):
 def build_flags(environ=None, probe=try_compile):
     """All compile and link flags, from the environment switches and probes."""
     compile_args, link_args = list(BASE_FLAGS), []
+    if env_flag("LLMC_SANITIZE", False, environ):
+        compile_args = [SANITIZE_OPT if f == "-O3" else f for f in compile_args]
+        compile_args += SANITIZE_FLAGS
+        link_args += SANITIZE_FLAGS
     if env_flag("LLMC_NATIVE", True, environ):
         if probe(["-march=native"], [], "int main(void) { return 0; }\n"):
             compile_args.append("-march=native")

@@ -408,6 +408,8 @@ def read_state(path, num_params):
         extra = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise CheckpointError(f"{path}: the JSON block is not valid: {e}") from None
+    except RecursionError:   # nesting deeper than the interpreter's stack
+        raise CheckpointError(f"{path}: the JSON block is nested too deeply") from None
     if not isinstance(extra, dict):
         raise CheckpointError(f"{path}: the JSON block is not an object")
     return step, m, v, extra

@@ -5,7 +5,7 @@ exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
 from ._lib import check, dptr, ffi, fptr, iptr, lib
-from .errors import ShapeError
+from .errors import RangeError, ShapeError
 
 
 def encoder_forward(out, inp, wte, wpe):
@@ -14,25 +14,25 @@ def encoder_forward(out, inp, wte, wpe):
     ``wpe=None``: no position embedding, out = wte[inp[b,t]]."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(wte, "wte", 2)
-    check(lib.encoder_forward(
+    _check_tokens(lib.encoder_forward(
         fptr(out, "out", (B, T, C), out=True),
         iptr(inp, "inp", (B, T)),
         fptr(wte, "wte", (V, C)),
         _optional(None if wpe is None else _first_rows(wpe, T, "wpe"), "wpe", (T, C)),
-        B, T, C, V), "encoder_forward")
+        B, T, C, V), "encoder_forward", inp, "inp", V)
 
 
 def encoder_backward(dwte, dwpe, dout, inp):
     """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
     B, T = _dims(inp, "inp", 2)
     V, C = _dims(dwte, "dwte", 2)
-    check(lib.encoder_backward(
+    _check_tokens(lib.encoder_backward(
         fptr(dwte, "dwte", (V, C), out=True),
         _optional(None if dwpe is None else _first_rows(dwpe, T, "dwpe"), "dwpe", (T, C),
                   out=True),
         fptr(dout, "dout", (B, T, C)),
         iptr(inp, "inp", (B, T)),
-        B, T, C, V), "encoder_backward")
+        B, T, C, V), "encoder_backward", inp, "inp", V)
 
 
 def layernorm_forward(out, mean, rstd, inp, weight, bias, eps=1e-5):
@@ -159,20 +159,22 @@ def softmax_forward(probs, logits, V):
 def crossentropy_forward(losses, probs, targets, V):
     """losses[B,T] (written) = -log probs[b,t,targets[b,t]]; targets int32 in [0, V)."""
     B, T, Vp = _dims(probs, "probs", 3)
-    check(lib.crossentropy_forward(fptr(losses, "losses", (B, T), out=True),
-                                   fptr(probs, "probs", (B, T, Vp)),
-                                   iptr(targets, "targets", (B, T)),
-                                   B, T, V, Vp), "crossentropy_forward")
+    _check_tokens(lib.crossentropy_forward(
+        fptr(losses, "losses", (B, T), out=True),
+        fptr(probs, "probs", (B, T, Vp)),
+        iptr(targets, "targets", (B, T)),
+        B, T, V, Vp), "crossentropy_forward", targets, "targets", V)
 
 
 def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
     """dlogits[B,T,Vp] (+=) (probs - onehot(targets)) * dlosses over the first V columns."""
     B, T, Vp = _dims(probs, "probs", 3)
-    check(lib.crossentropy_softmax_backward(fptr(dlogits, "dlogits", (B, T, Vp), out=True),
-                                            fptr(dlosses, "dlosses", (B, T)),
-                                            fptr(probs, "probs", (B, T, Vp)),
-                                            iptr(targets, "targets", (B, T)),
-                                            B, T, V, Vp), "crossentropy_softmax_backward")
+    _check_tokens(lib.crossentropy_softmax_backward(
+        fptr(dlogits, "dlogits", (B, T, Vp), out=True),
+        fptr(dlosses, "dlosses", (B, T)),
+        fptr(probs, "probs", (B, T, Vp)),
+        iptr(targets, "targets", (B, T)),
+        B, T, V, Vp), "crossentropy_softmax_backward", targets, "targets", V)
 
 
 def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t):
@@ -206,6 +208,20 @@ MATMUL_FORWARD = {"": lib.matmul_forward, "naive": lib.matmul_forward_naive}
 MATMUL_BACKWARD = {"": lib.matmul_backward, "naive": lib.matmul_backward_naive}
 
 
+def _check_tokens(status, where, tokens, name, V):
+    """check(), except that a token id outside [0, V) is reported with its
+    position and value (C only says that one is)."""
+    if status == lib.LLMC_ERR_RANGE:
+        bad = np.flatnonzero((tokens < 0) | (tokens >= V))
+        if bad.size:
+            pos = np.unravel_index(bad[0], tokens.shape)
+            err = RangeError(f"{where}: {name}[{', '.join(str(int(i)) for i in pos)}] = "
+                             f"{int(tokens[pos])} is not a token id in [0, {V})")
+            err.status = status
+            raise err
+    check(status, where)
+
+
 def _variant(table, variant):
     try:
         return table[variant]
@@ -228,7 +244,6 @@ def _qkv_channels(C3, NH):
     if C3 % 3 != 0 or (C3 // 3) % NH != 0:
         raise ShapeError(f"inp has {C3} channels: expected 3*C with C divisible by NH={NH}")
     return C3 // 3
-
 
 
 def _dims(arr, name, ndim=None):

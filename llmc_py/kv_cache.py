@@ -31,7 +31,8 @@ class KVCache:
                              f"{max_len}")
         shape = (L, batch_size, max_len, kv_dim)
         count = L * batch_size * max_len * kv_dim
-        self.memory = aligned_zeros(2 * count)
+        self.memory = aligned_zeros(2 * count, what=f"a KV cache for batch {batch_size} of "
+                                                    f"{max_len} positions")
         self.k = self.memory[:count].reshape(shape)
         self.v = self.memory[count:].reshape(shape)
         self.lengths = np.zeros(batch_size, dtype=np.int32)

@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from .memory import require
+
 # params and grads, llm.c's order: shapes from a GPT2Config
 PARAM_SPECS = (
     ("wte", lambda c: (c.Vp, c.C)),
@@ -72,16 +74,24 @@ GRAD_ACT_SPECS = grad_act_specs(ACT_SPECS)
 ALIGN_BYTES = 64
 
 
-def aligned_empty(count, dtype=np.float32):
-    """A 1-D array of ``count`` elements whose data starts on ALIGN_BYTES."""
+def specs_bytes(specs, *shape_args):
+    """Bytes of the float32 tensors of ``specs`` for the given shape arguments."""
+    return 4 * sum(math.prod(fn(*shape_args)) for _, fn in specs)
+
+
+def aligned_empty(count, dtype=np.float32, what=None):
+    """A 1-D array of ``count`` elements whose data starts on ALIGN_BYTES.
+    Raises OutOfMemoryError, naming ``what`` the buffer is for, if it cannot
+    fit in the memory available."""
     itemsize = np.dtype(dtype).itemsize
+    require(count * itemsize + ALIGN_BYTES, what or f"a buffer of {count} {np.dtype(dtype).name}")
     raw = np.empty(count * itemsize + ALIGN_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN_BYTES
     return raw[start:start + count * itemsize].view(dtype)
 
 
-def aligned_zeros(count, dtype=np.float32):
-    out = aligned_empty(count, dtype)
+def aligned_zeros(count, dtype=np.float32, what=None):
+    out = aligned_empty(count, dtype, what)
     out[...] = 0
     return out
 
@@ -92,7 +102,8 @@ class TensorGroup:
     ``group["qkvw"]`` (or ``group.qkvw``) is a view of shape (L, 3C, C) and
     ``group.qkvw[l]`` is layer l. Views share memory with ``memory``: writing
     one writes the other. ``memory`` may be given (at least ``size`` floats,
-    from a larger earlier layout); otherwise a zeroed aligned buffer is made.
+    from a larger earlier layout); otherwise a zeroed aligned buffer is made,
+    after checking that it fits in the memory available.
     """
 
     def __init__(self, specs, *shape_args, memory=None):
@@ -100,7 +111,8 @@ class TensorGroup:
         self.names = tuple(self.shapes)
         self.size = sum(math.prod(shape) for shape in self.shapes.values())
         if memory is None:
-            memory = aligned_zeros(self.size)
+            names = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
+            memory = aligned_zeros(self.size, what=f"the tensors {names}")
         elif memory.dtype != np.float32 or memory.ndim != 1 or memory.size < self.size:
             raise ValueError(f"memory must be a 1-D float32 array of at least {self.size} "
                              f"elements, got {memory.dtype} {memory.shape}")

@@ -19,7 +19,9 @@ from . import kv_cache
 from .checkpoint import read_model, write_model
 from .config import GPT2Config, as_llama_config
 from .errors import RangeError, ShapeError
-from .layout import ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros, grad_act_specs
+from .layout import (ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros, grad_act_specs,
+                     specs_bytes)
+from .memory import require
 
 LAYERNORM_EPS = 1e-5
 INIT_STD = 0.02
@@ -124,25 +126,34 @@ class Transformer:
             targets = self._tokens(targets, "targets")
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
-        self._plan(B, T)
+        self._plan(B, T, training=targets is not None)
         self.inputs, self.targets = inputs, targets
         return inputs, targets
 
-    def reserve(self, B, T):
+    def reserve(self, B, T, training=False):
         """Allocates activation memory for batches up to (B, T) now, so that
         later forwards of any smaller shape reuse it (e.g. a growing context
-        while sampling)."""
-        self._plan(B, T)
+        while sampling). Raises OutOfMemoryError if the activations (and, with
+        ``training``, their gradients) cannot fit."""
+        self._plan(B, T, training=training)
 
-    def _plan(self, B, T):
+    def _plan(self, B, T, training=True):
         if (B, T) == (self.B, self.T):
             return
         c = self.config
-        self.acts = TensorGroup(self.act_specs, c, B, T,
-                                memory=_reuse(self.acts, self.act_specs, c, B, T))
+        acts_memory = _reuse(self.acts, self.act_specs, c, B, T)
+        grads_memory = _reuse(self.grads_acts, self.grad_act_specs, c, B, T)
+        # all that this (B, T) will allocate, checked before any of it is: the
+        # activations and, for training, their gradients (made by backward)
+        with_grads = training or self.grads_acts is not None
+        needed = 0 if acts_memory is not None else specs_bytes(self.act_specs, c, B, T)
+        if with_grads and grads_memory is None:
+            needed += specs_bytes(self.grad_act_specs, c, B, T)
+        what = "activations" + (" and their gradients" if with_grads else "")
+        require(needed, f"{what} for B={B}, T={T}")
+        self.acts = TensorGroup(self.act_specs, c, B, T, memory=acts_memory)
         self.grads_acts = None if self.grads_acts is None else TensorGroup(
-            self.grad_act_specs, c, B, T,
-            memory=_reuse(self.grads_acts, self.grad_act_specs, c, B, T))
+            self.grad_act_specs, c, B, T, memory=grads_memory)
         self.B, self.T = B, T
 
     def _loss(self, targets):

@@ -309,6 +309,7 @@ def run(args, out=None):
         raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
                          f"{c.max_seq_len}")
     B, T = args.batch_size, args.seq_len
+    model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
     train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle),
                               seed=args.seed, vocab_size=c.vocab_size)
     val_loader = None

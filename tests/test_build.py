@@ -91,6 +91,22 @@ def test_build_flags_openmp_probe_failure_warns(build, capsys):
     assert "no OpenMP" in capsys.readouterr().err
 
 
+def test_build_flags_sanitize_adds_asan_and_ubsan(build):
+    compile_args, link_args = build.build_flags({"LLMC_SANITIZE": "1"}, FakeProbe())
+    for flag in build.SANITIZE_FLAGS:
+        assert flag in compile_args and flag in link_args
+    assert "-fsanitize=address,undefined" in compile_args
+    assert "-O3" not in compile_args and build.SANITIZE_OPT in compile_args
+    assert "-fopenmp" in compile_args and "-fopenmp" in link_args   # the other switches still apply
+
+
+def test_build_flags_default_is_not_sanitized(build):
+    for environ in ({}, {"LLMC_SANITIZE": "0"}):
+        compile_args, link_args = build.build_flags(environ, FakeProbe())
+        assert not any("sanitize" in f for f in compile_args + link_args)
+        assert "-O3" in compile_args
+
+
 def test_build_flags_leaves_base_flags_alone(build):
     base = list(build.BASE_FLAGS)
     build.build_flags({}, FakeProbe())

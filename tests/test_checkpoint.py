@@ -1,10 +1,15 @@
 """llm.c's model file: reading both versions, writing atomically, and a
 clear CheckpointError (a ValueError) for every malformed file."""
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import llmc_py
 from llmc_py import GPT2, GPT2Config, CheckpointError
 from llmc_py.checkpoint import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32,
                                 num_parameters, read_debug_state, read_model, write_model)
@@ -145,3 +150,64 @@ def test_state_file_round_trip_and_bad_files(tmp_path):
         path.write_bytes(data)
         with pytest.raises(CheckpointError, match=message):
             read_state(path, 100)
+
+
+# A child process that writes a new model over model.bin and stops (sleeps)
+# at a point inside the write, after printing "stopped"; the test then kills
+# it with SIGKILL, as a power cut or an OOM kill would.
+_KILLED_WRITER = r"""
+import os, sys, time
+import numpy as np
+from llmc_py import checkpoint as ckpt
+from llmc_py.config import GPT2Config
+
+path, where = sys.argv[1], sys.argv[2]
+config = GPT2Config(**eval(sys.argv[3]))
+params = np.full(ckpt.num_parameters(config), 7.0, np.float32)
+
+def stop():
+    print("stopped", flush=True)
+    time.sleep(60)
+
+if where == "mid-data":   # half of the parameters written
+    def chunks():
+        yield ckpt.model_header(config).tobytes()
+        yield params[:params.size // 2]
+        stop()
+        yield params[params.size // 2:]
+    ckpt.atomic_write(path, chunks())
+else:                     # all written, killed before the rename
+    os.fsync = lambda fd: stop()
+    ckpt.write_model(path, config, params)
+"""
+
+
+@pytest.mark.parametrize("where", ["mid-data", "before-rename"])
+def test_killed_write_leaves_the_previous_file_intact(tmp_path, params, where):
+    path = tmp_path / "model.bin"
+    write_model(path, CONFIG, params)
+    before = path.read_bytes()
+    fields = {name: getattr(CONFIG, name) for name in
+              ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers", "num_heads",
+               "channels")}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path), where,
+                              repr(fields)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(llmc_py.__file__).resolve().parent.parent)
+    try:
+        assert child.stdout.readline() == "stopped\n"
+        temps = [p for p in tmp_path.iterdir() if p.name != "model.bin"]
+        assert len(temps) == 1 and temps[0].stat().st_size > HEADER_BYTES, \
+            "the child is not in the middle of writing"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert path.read_bytes() == before
+    assert np.array_equal(GPT2.from_checkpoint(path).params.memory, params)
+    # the half-written temporary file stays (nothing ran to remove it), but
+    # hidden and named so that no checkpoint pattern matches it
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "model.bin"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".model.bin.") \
+        and leftovers[0].endswith(".tmp")
+    assert [p.name for p in tmp_path.glob("*.bin")] == ["model.bin"]
+    assert [p.name for p in tmp_path.glob("model*")] == ["model.bin"]

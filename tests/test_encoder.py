@@ -94,7 +94,7 @@ def test_encoder_rejects_token_out_of_range(rng, which, bad):
     B, T, C, V = 2, 3, 8, 5
     inp, wte, wpe, dout = make_inputs(rng, B, T, C, V)
     inp[1, 2] = bad
-    with pytest.raises(llmc_py.RangeError):
+    with pytest.raises(llmc_py.RangeError, match=rf"inp\[1, 2\] = {bad} is not a token id"):
         if which == "forward":
             K.encoder_forward(np.empty((B, T, C), np.float32), inp, wte, wpe)
         else:

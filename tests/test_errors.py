@@ -1,6 +1,7 @@
 """The house rules for errors: C returns a status and never exits or prints;
 Python maps the status to an exception class."""
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -11,22 +12,84 @@ from llmc_py import kernels as K
 from llmc_py._lib import check, ffi, lib
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-KERNELS = [name for name in re.findall(r"^int (\w+)\(", (CSRC / "llmc_api.h").read_text(), re.M)
-           if not name.startswith("llmc_")]
-# pointers a kernel accepts as NULL: (kernel, argument index)
-OPTIONAL = {("matmul_forward", 3), ("matmul_forward_naive", 3),
-            ("matmul_backward", 2), ("matmul_backward_naive", 2),
-            ("encoder_forward", 3), ("encoder_backward", 1),
-            ("rope_forward", 2), ("rope_backward", 2),
-            ("attention_gqa_forward", 3), ("attention_decode", 6)}
-# arguments for which the defaults of _raw_args (sizes 1, scalars 0.0) are
-# invalid: (kernel, argument index) -> a valid value. RoPE needs an even head
-# size and theta > 0.
-VALID = {("rope_forward", 7): 2, ("rope_forward", 8): 10000.0,
-         ("rope_backward", 7): 2, ("rope_backward", 8): 10000.0}
-# int arrays a kernel needs filled with a valid non-zero value: (kernel, argument index)
-INT_FILL = {("attention_decode", 5): 1}   # len[b] >= 1
+# every kernel in the header, with its parameter names: {name: (param, ...)}
+PROTOTYPES = {name: tuple(re.findall(r"(\w+)\s*(?:,|$)", params.strip()))
+              for name, params in re.findall(r"^int (\w+)\(([^)]*)\);",
+                                             (CSRC / "llmc_api.h").read_text(), re.M)
+              if not name.startswith("llmc_")}
+KERNELS = sorted(PROTOTYPES)
+# the int32 arrays of token ids (other int arrays hold positions or lengths)
+TOKEN_PARAMS = {"inp", "targets"}
+# kernels that take token ids with their vocabulary V
+TOKEN_KERNELS = [name for name in KERNELS
+                 if any(arg.kind == "pointer" and arg.item.cname == "int" and param in TOKEN_PARAMS
+                        for param, arg in zip(PROTOTYPES[name],
+                                              ffi.typeof(getattr(lib, name)).args))]
+INT_MAX, LONG_MAX = 2**31 - 1, 2**63 - 1
 
+
+@dataclass
+class Row:
+    """How to call one kernel with small valid arguments, where that differs
+    from the default: every pointer a zeroed 16-element buffer, every int or
+    long argument a size set to 1, every float 0.0.
+
+    optional:  pointers that may be NULL
+    not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
+    valid:     {argument: value} where 1 is not valid
+    fill:      {int array: value} where zeroes are not valid (lengths >= 1)
+    bad:       extra ({argument: value, ...}, expected status name) cases
+    """
+    optional: frozenset = frozenset()
+    not_sizes: frozenset = frozenset()
+    valid: dict = field(default_factory=dict)
+    fill: dict = field(default_factory=dict)
+    bad: tuple = ()
+
+
+_C_NOT_DIVISIBLE = (({"C": 3, "NH": 2}, "LLMC_ERR_SHAPE"),)
+_V_ABOVE_VP = (({"V": 2}, "LLMC_ERR_SHAPE"),)
+_NH_NOT_DIVISIBLE = (({"NH": 3, "NKV": 2}, "LLMC_ERR_SHAPE"),)
+_NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_SHAPE"),)
+# RoPE: an even head size and theta > 0
+_ROPE = dict(optional=frozenset({"pos"}), valid={"hs": 2, "theta": 10000.0},
+             bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_SHAPE"),
+                  ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))
+
+# One row per kernel in csrc/llmc_api.h; a kernel without a row fails
+# test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
+ROWS = {
+    "encoder_forward": Row(optional=frozenset({"wpe"})),
+    "encoder_backward": Row(optional=frozenset({"dwpe"})),
+    "layernorm_forward": Row(bad=_NEGATIVE_EPS),
+    "layernorm_backward": Row(),
+    "rmsnorm_forward": Row(bad=_NEGATIVE_EPS),
+    "rmsnorm_backward": Row(),
+    "matmul_forward": Row(optional=frozenset({"bias"})),
+    "matmul_backward": Row(optional=frozenset({"dbias"})),
+    "matmul_forward_naive": Row(optional=frozenset({"bias"})),
+    "matmul_backward_naive": Row(optional=frozenset({"dbias"})),
+    "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
+    "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
+    "attention_gqa_forward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
+    "attention_gqa_backward": Row(bad=_NH_NOT_DIVISIBLE),
+    "attention_decode": Row(optional=frozenset({"slopes"}), fill={"len": 1},
+                            bad=_NH_NOT_DIVISIBLE),
+    "rope_forward": Row(**_ROPE),
+    "rope_backward": Row(**_ROPE),
+    "swiglu_forward": Row(),
+    "swiglu_backward": Row(),
+    "gelu_forward": Row(),
+    "gelu_backward": Row(),
+    "residual_forward": Row(),
+    "residual_backward": Row(),
+    "softmax_forward": Row(bad=_V_ABOVE_VP),
+    "crossentropy_forward": Row(bad=_V_ABOVE_VP),
+    "crossentropy_softmax_backward": Row(bad=_V_ABOVE_VP),
+    "adamw_update": Row(),   # t, the step number, must be >= 1 like a size
+    "global_norm_squared": Row(),
+    "scale_inplace": Row(),
+}
 
 @pytest.mark.parametrize("status,cls,builtin", [
     (lib.LLMC_ERR_SHAPE, llmc_py.ShapeError, ValueError),
@@ -76,34 +139,111 @@ def test_raw_call_returns_status_and_process_survives():
     assert np.allclose(mean, [[2.5, 6.5]])
 
 
-def _raw_args(name, null_at=None, zero_at=None):
-    """Arguments for kernel ``name`` with every size 1 (or its VALID value) and a
-    small zeroed buffer for every pointer; the pointer at ``null_at`` is NULL,
-    the size at ``zero_at`` 0."""
-    args = []
-    for i, arg in enumerate(ffi.typeof(getattr(lib, name)).args):
-        if arg.kind == "pointer":
-            fill = [INT_FILL[name, i]] * 16 if (name, i) in INT_FILL else None
-            args.append(ffi.NULL if i == null_at else ffi.new(f"{arg.item.cname}[16]", fill))
-        elif arg.cname in ("int", "long"):
-            args.append(0 if i == zero_at else VALID.get((name, i), 1))
-        else:
-            args.append(VALID.get((name, i), 0.0))   # the float scalars: eps, learning rate, ...
-    return args
+def test_header_parse_finds_the_kernels_and_their_parameters():
+    assert {"encoder_forward", "matmul_backward_naive", "adamw_update"} <= set(KERNELS)
+    assert PROTOTYPES["encoder_forward"] == ("out", "inp", "wte", "wpe", "B", "T", "C", "V")
+    assert {"encoder_forward", "crossentropy_forward"} <= set(TOKEN_KERNELS)
+    assert all("V" in PROTOTYPES[name] for name in TOKEN_KERNELS)
+    for name in KERNELS:
+        assert len(PROTOTYPES[name]) == len(ffi.typeof(getattr(lib, name)).args), name
+
+
+def test_every_kernel_has_a_row():
+    missing = sorted(set(KERNELS) - set(ROWS))
+    assert not missing, f"add a row to ROWS in tests/test_errors.py for: {', '.join(missing)}"
+    assert not set(ROWS) - set(KERNELS), f"rows for kernels not in the header: " \
+                                         f"{sorted(set(ROWS) - set(KERNELS))}"
+
+
+class Call:
+    """One raw call of a kernel: ``args`` by parameter name, from its row's
+    valid defaults; ``buffers`` keeps each pointer's memory alive."""
+
+    def __init__(self, name):
+        self.name, self.row = name, ROWS[name]
+        self.params = PROTOTYPES[name]
+        self.types = dict(zip(self.params, ffi.typeof(getattr(lib, name)).args))
+        self.args, self.buffers = {}, {}
+        for param, ctype in self.types.items():
+            if ctype.kind == "pointer":
+                fill = [self.row.fill[param]] * 16 if param in self.row.fill else None
+                self.buffers[param] = ffi.new(f"{ctype.item.cname}[16]", fill)
+                self.args[param] = self.buffers[param]
+            elif ctype.cname in ("int", "long"):
+                self.args[param] = self.row.valid.get(param, 1)
+            else:
+                self.args[param] = self.row.valid.get(param, 0.0)
+
+    def pointers(self):
+        return [p for p, t in self.types.items() if t.kind == "pointer"]
+
+    def sizes(self):
+        return [p for p, t in self.types.items()
+                if t.cname in ("int", "long") and p not in self.row.not_sizes]
+
+    def tokens(self):
+        return [p for p, t in self.types.items()
+                if t.kind == "pointer" and t.item.cname == "int" and p in TOKEN_PARAMS]
+
+    def __call__(self, **changes):
+        args = dict(self.args, **changes)
+        return getattr(lib, self.name)(*(args[p] for p in self.params))
+
+
+def _expect(call, status, changes, what):
+    got = call(**changes)
+    assert got == status, f"{call.name}({what}): status {got}, expected {status}"
 
 
 @pytest.mark.parametrize("name", KERNELS)
-def test_every_kernel_checks_pointers_and_sizes(name):
-    arg_types = ffi.typeof(getattr(lib, name)).args
-    assert getattr(lib, name)(*_raw_args(name)) == lib.LLMC_OK
-    for i, arg in enumerate(arg_types):
-        if arg.kind == "pointer":
-            want = lib.LLMC_OK if (name, i) in OPTIONAL else lib.LLMC_ERR_NULL
-            got = getattr(lib, name)(*_raw_args(name, null_at=i))
-            assert got == want, f"{name} with NULL argument {i}: status {got}, expected {want}"
-        elif arg.cname in ("int", "long"):
-            got = getattr(lib, name)(*_raw_args(name, zero_at=i))
-            assert got == lib.LLMC_ERR_SHAPE, f"{name} with size argument {i} = 0: status {got}"
+def test_kernel_accepts_its_small_valid_arguments(name):
+    _expect(Call(name), lib.LLMC_OK, {}, "valid arguments")
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_rejects_null_pointers(name):
+    call = Call(name)
+    for param in call.pointers():
+        want = lib.LLMC_OK if param in call.row.optional else lib.LLMC_ERR_NULL
+        _expect(call, want, {param: ffi.NULL}, f"{param}=NULL")
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_rejects_zero_and_negative_sizes(name):
+    call = Call(name)
+    assert call.sizes(), f"{name} has no size argument"
+    for param in call.sizes():
+        for value in (0, -1, -INT_MAX - 1):
+            _expect(call, lib.LLMC_ERR_SHAPE, {param: value}, f"{param}={value}")
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_rejects_sizes_no_array_could_have(name):
+    """All sizes at their type's maximum: the element counts overflow, and the
+    kernel must say so before it reads or writes its 16-element buffers."""
+    call = Call(name)
+    huge = {p: LONG_MAX if call.types[p].cname == "long" else INT_MAX for p in call.sizes()}
+    _expect(call, lib.LLMC_ERR_SHAPE, huge, "every size at its maximum")
+
+
+@pytest.mark.parametrize("name", TOKEN_KERNELS)
+def test_kernel_rejects_token_ids_out_of_range(name):
+    call = Call(name)
+    V = call.args["V"]
+    for param in call.tokens():
+        for value in (-1, V, INT_MAX):
+            call.buffers[param][0] = value
+            _expect(call, lib.LLMC_ERR_RANGE, {}, f"{param}[0]={value}")
+        call.buffers[param][0] = 0
+    _expect(call, lib.LLMC_OK, {}, "tokens back in range")
+
+
+@pytest.mark.parametrize("name", [n for n in KERNELS if ROWS.get(n, Row()).bad])
+def test_kernel_rejects_its_own_bad_cases(name):
+    call = Call(name)
+    for changes, status in call.row.bad:
+        _expect(call, getattr(lib, status), changes,
+                ", ".join(f"{k}={v}" for k, v in changes.items()))
 
 
 FORBIDDEN = re.compile(r"\b(exit|_exit|_Exit|quick_exit|abort|assert|printf|fprintf|puts|"

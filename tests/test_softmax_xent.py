@@ -84,7 +84,7 @@ def test_crossentropy_rejects_target_out_of_range(rng, which, bad):
     logits, targets, dlosses = make_inputs(rng, 2, 3, V, Vp)
     probs, losses = forward(logits, targets, V)
     targets[1, 1] = bad
-    with pytest.raises(llmc_py.RangeError):
+    with pytest.raises(llmc_py.RangeError, match=rf"targets\[1, 1\] = {bad} is not a token id"):
         if which == "forward":
             K.crossentropy_forward(losses, probs, targets, V)
         else:

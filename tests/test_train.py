@@ -2,12 +2,17 @@
 checkpoints follow llm.c's naming, bad input is one line and a non-zero
 exit, a non-finite loss stops the run and keeps the last good checkpoint."""
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from data_helpers import REAL_RANKS, require_real_ranks
 from llmc_py import GPT2, GPT2Config, Llama
+from llmc_py import checkpoint as ckpt
 from llmc_py import train as train_mod
 from llmc_py.checkpoint import read_state
 from llmc_py.data import DataLoader, write_tokens
@@ -166,6 +171,116 @@ def test_resume_after_a_crash_past_the_checkpoint(shards, tmp_path, monkeypatch)
     assert train_losses(crashed) == train_losses(straight)
     assert (crashed / "model_00000010.bin").read_bytes() == \
         (straight / "model_00000010.bin").read_bytes()
+
+
+def bad_gradient_at_step(monkeypatch, n, value):
+    """Makes one parameter gradient ``value`` after the n-th backward (the loss
+    stays finite)."""
+    real = GPT2.backward
+    calls = {"n": 0}
+
+    def backward(self, loss_scale=1.0):
+        real(self, loss_scale)
+        calls["n"] += 1
+        if calls["n"] == n:
+            self.grads.memory[123] = value
+    monkeypatch.setattr(GPT2, "backward", backward)
+
+
+def straight_run(shards, out_dir):
+    """An uninterrupted run of 10 steps, checkpoints every 5: (losses, last model bytes)."""
+    assert run(shards, out_dir, "-x", "10", "-n", "5", "-v", "0") == 0
+    return train_losses(out_dir), (out_dir / "model_00000010.bin").read_bytes()
+
+
+def resume_matches(shards, out_dir, straight):
+    assert run(shards, out_dir, "-x", "10", "-n", "5", "-v", "0", "-y", "1") == 0
+    assert train_losses(out_dir) == straight[0]
+    assert (out_dir / "model_00000010.bin").read_bytes() == straight[1]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_gradient_norm_stops_and_resume_is_bitwise(shards, tmp_path, monkeypatch,
+                                                            capsys, value):
+    straight = straight_run(shards, tmp_path / "straight")
+    out = tmp_path / "out"
+    bad_gradient_at_step(monkeypatch, 8, value)
+    assert run(shards, out, "-x", "10", "-n", "5", "-v", "0") == 1
+    text = capsys.readouterr().out
+    assert f"gradient norm ({value})" in text and "not finite" in text
+    assert "last good checkpoint is step 5" in text
+    assert train_mod.completed_steps(out) == [5] and not (out / "model_00000008.bin").exists()
+    monkeypatch.undo()
+    resume_matches(shards, out, straight)
+
+
+def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of writing step 5's state file: the half-written
+    file is dropped, the checkpoint is written whole once more, and the run
+    stops cleanly; resuming continues as if nothing happened."""
+    straight = straight_run(shards, tmp_path / "straight")
+    out = tmp_path / "out"
+    real = ckpt.atomic_write
+    fired = []
+
+    def atomic_write(path, chunks):
+        if Path(path).name == "state_00000005.bin" and not fired:
+            fired.append(path)
+
+            def interrupted():
+                chunks_list = list(chunks)
+                yield chunks_list[0]
+                raise KeyboardInterrupt
+            return real(path, interrupted())
+        return real(path, chunks)
+    monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
+    assert run(shards, out, "-x", "10", "-n", "5", "-v", "0") == 130
+    assert fired and "checkpoint of step 5" in capsys.readouterr().out
+    assert train_mod.completed_steps(out) == [5]
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    resume_matches(shards, out, straight)
+
+
+# A training run in a child process that stops inside the writing of step
+# 10's state file (after the model file), to be killed there.
+_KILLED_TRAINER = r"""
+import sys, time
+from llmc_py import checkpoint as ckpt, train
+
+real = ckpt.write_state
+def write_state(path, step, *args, **kwargs):
+    if step == 10:
+        print("stopped", flush=True)
+        time.sleep(60)
+    return real(path, step, *args, **kwargs)
+ckpt.write_state = write_state
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_trainer_killed_while_saving_resumes_from_the_last_complete_checkpoint(shards,
+                                                                              tmp_path):
+    straight = straight_run(shards, tmp_path / "straight")
+    out = tmp_path / "out"
+    train_glob, val_glob = shards
+    argv = ["-i", train_glob, "-j", val_glob, "-o", str(out), *SMALL, "-x", "10", "-n", "5",
+            "-v", "0"]
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, *argv],
+                             stdout=subprocess.PIPE, text=True,
+                             cwd=Path(train_mod.__file__).resolve().parent.parent)
+    try:
+        lines = iter(child.stdout.readline, "")
+        assert "stopped\n" in lines, "the child never reached step 10's state file"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    # step 10's model file is there, but without its state and DONE marker the
+    # checkpoint is incomplete: resuming starts from step 5
+    assert (out / "model_00000010.bin").exists()
+    assert train_mod.completed_steps(out) == [5]
+    resume_matches(shards, out, straight)
 
 
 @pytest.mark.parametrize("extra,message", [

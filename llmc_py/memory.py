@@ -1,0 +1,79 @@
+"""How much memory can still be had, and a check to run before a large
+allocation, so that a request that cannot fit fails at once with a message
+saying what it needed, instead of the process being killed later when the
+pages are first touched (Linux grants large allocations lazily)."""
+import os
+
+from .errors import OutOfMemoryError
+
+GIB = 1 << 30
+
+
+def _meminfo(path="/proc/meminfo"):
+    """{field: bytes} from /proc/meminfo, or {} where there is none."""
+    fields = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    scale = 1024 if parts[1:] == ["kB"] else 1
+                    fields[name] = int(parts[0]) * scale
+    except OSError:
+        return {}
+    return fields
+
+
+def _cgroup_headroom(folder="/sys/fs/cgroup"):
+    """memory.max - memory.current of this process's cgroup (v2), or None
+    if it has no limit or none can be read."""
+    try:
+        with open(os.path.join(folder, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, "memory.current")) as f:
+            current = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if not limit.isdigit():   # "max": no limit
+        return None
+    return max(int(limit) - current, 0)
+
+
+def available_bytes(meminfo="/proc/meminfo", cgroup="/sys/fs/cgroup"):
+    """Bytes this process can still allocate and touch: MemAvailable plus free
+    swap (Linux), else the free physical pages, capped by a cgroup limit;
+    None when the system does not say."""
+    info = _meminfo(meminfo)
+    if "MemAvailable" in info:
+        avail = info["MemAvailable"] + info.get("SwapFree", 0)
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    headroom = _cgroup_headroom(cgroup)
+    if headroom is not None:
+        avail = headroom if avail is None else min(avail, headroom)
+    return avail
+
+
+def format_bytes(nbytes):
+    """e.g. '9.31 TiB (9534.6 GiB)' or '1.50 GiB' or '12.0 MiB'."""
+    if nbytes >= 1024 * GIB:
+        return f"{nbytes / (1024 * GIB):.2f} TiB ({nbytes / GIB:.1f} GiB)"
+    if nbytes >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def require(nbytes, what, available=None):
+    """Raises OutOfMemoryError if ``nbytes`` for ``what`` (e.g. "activations
+    for B=8, T=1024") exceed what is available (``available_bytes()`` unless
+    given). Does nothing when the system does not say how much there is."""
+    if available is None:
+        available = available_bytes()
+    if available is not None and nbytes > available:
+        raise OutOfMemoryError(f"{what} need {format_bytes(nbytes)} of memory, but only "
+                               f"{format_bytes(available)} is available; use a smaller "
+                               f"batch (B), sequence length (T) or model")
