@@ -126,7 +126,8 @@ def make_builder():
         '#include "llmc.h"',
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
-        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h")],
+        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h",
+                                                 "matmul_micro.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )
