@@ -4,7 +4,10 @@
  *
  * variants:
  *   matmul_forward / matmul_backward   one cache-blocked, register-tiled GEMM
- *                                      serves all three products
+ *                                      serves all three products; its
+ *                                      micro-kernel comes in AVX-512, AVX2+FMA
+ *                                      and portable builds, picked at run time
+ *                                      (llmc_set_isa can force one)
  *   matmul_forward_naive / _backward_naive
  *                                      plain loops: the reference the tests
  *                                      and the benchmark check against
@@ -262,8 +265,8 @@ static int gemm_accumulate(float* c, size_t ldc,
                             micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR,
                                          bp, c_mj, ldc);
                         } else {
-                            edge_kernel(micro_kernel, kc, mr, nr, ap + (size_t)(mp - full_rows) * kc, bp,
-                                        c_mj, ldc);
+                            edge_kernel(micro_kernel, kc, mr, nr,
+                                        ap + (size_t)(mp - full_rows) * kc, bp, c_mj, ldc);
                         }
                     }
                 }
