@@ -181,8 +181,11 @@ def test_results_do_not_depend_on_thread_count():
 
 def test_every_isa_gives_the_same_step(use_isa):
     """Forward and backward of the whole model on each instruction set this
-    CPU runs: the matmul kernels differ at most by FMA rounding, so loss,
-    logits and every gradient agree far inside the reference tolerances."""
+    CPU runs: the matmul kernels differ at most by FMA rounding (none at all
+    when the build's flags give the portable kernel FMA too), so loss, logits
+    and every gradient agree far inside the reference tolerances (a baseline
+    x86-64 build, portable without FMA vs AVX2: seen 5.6e-9 loss, 2.8e-7
+    logits, 4.6e-7 gradients)."""
     model = make_model(SMALL, seed=19)
     x, y = make_batch(SMALL, 3, 17, seed=19)
     results = {}
