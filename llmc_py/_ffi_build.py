@@ -8,7 +8,9 @@ compiler flag and environment switch lives here:
   kernels run on one thread).
 - ``LLMC_NATIVE=0`` leaves out ``-march=native``, for a build that runs on
   any CPU of the architecture (a wheel to share); the default tunes the
-  build for the CPU it is built on.
+  build for the CPU it is built on. Either way the matmul micro-kernel is
+  also built for AVX2 and AVX-512 (per-function target attributes in
+  csrc/matmul.c) and chosen at run time.
 """
 import os
 import shutil
