@@ -4,7 +4,10 @@
  *
  * variants:
  *   matmul_forward / matmul_backward   one cache-blocked, register-tiled GEMM
- *                                      serves all three products
+ *                                      serves all three products; its
+ *                                      micro-kernel comes in AVX-512, AVX2+FMA
+ *                                      and portable builds, picked at run time
+ *                                      (llmc_set_isa can force one)
  *   matmul_forward_naive / _backward_naive
  *                                      plain loops: the reference the tests
  *                                      and the benchmark check against
@@ -33,39 +36,110 @@
 #define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
 
 /*
- * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
- * a is either A itself (row-major: ars = lda, aks = 1) or a packed
- * micro-panel (ars = 1, aks = MR); bp is a packed B panel (NR floats per
- * k); c has row stride ldc.
+ * The micro-kernel, built once per instruction set from csrc/matmul_micro.h
+ * (per-function target attributes: setuptools compiles every file with the
+ * same flags, so even a baseline x86-64 build carries the AVX2 and AVX-512
+ * kernels), and chosen at run time from the CPU's features:
+ *   avx512   AVX-512F: Intel Skylake-SP/X (2017) and later Xeons, Ice Lake,
+ *            Tiger Lake, Sapphire Rapids; AMD Zen 4 (2022) and later
+ *   avx2     AVX2 + FMA: Intel Haswell (2013) and later, AMD Zen (2017) and
+ *            later (and Excavator)
+ *   portable no attribute: whatever the build's flags allow (SSE2 on a
+ *            baseline x86-64 build; any CPU on other architectures)
  */
-static inline void micro_kernel(int kc, const float* a, size_t ars, size_t aks,
-                                const float* bp, float* c, size_t ldc) {
-    vec16f acc[MR][2];
-    for (int r = 0; r < MR; r++) {
-        acc[r][0] = llmc_load16(c + r * ldc, 16);
-        acc[r][1] = llmc_load16(c + r * ldc + 16, 16);
-    }
-    for (int k = 0; k < kc; k++) {
-        const vec16f b0 = llmc_load16(bp + (size_t)k * NR, 16);
-        const vec16f b1 = llmc_load16(bp + (size_t)k * NR + 16, 16);
-        const float* a_k = a + k * aks;
-        for (int r = 0; r < MR; r++) {
-            const float a_rk = a_k[r * ars];
-            acc[r][0] += a_rk * b0;
-            acc[r][1] += a_rk * b1;
-        }
-    }
-    for (int r = 0; r < MR; r++) {
-        llmc_store16(c + r * ldc, acc[r][0], 16);
-        llmc_store16(c + r * ldc + 16, acc[r][1], 16);
+typedef void (*micro_kernel_fn)(int kc, const float* a, size_t ars, size_t aks,
+                                const float* bp, float* c, size_t ldc);
+
+typedef float vec4f __attribute__((vector_size(16)));
+#define MICRO_NAME micro_kernel_portable
+#define MICRO_TARGET
+#define MICRO_VEC vec4f
+#define MICRO_W 4
+#include "matmul_micro.h"
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define LLMC_X86_DISPATCH 1
+typedef float vec8f __attribute__((vector_size(32)));
+
+#define MICRO_NAME micro_kernel_avx2
+#define MICRO_TARGET __attribute__((target("avx2,fma")))
+#define MICRO_VEC vec8f
+#define MICRO_W 8
+#include "matmul_micro.h"
+
+#define MICRO_NAME micro_kernel_avx512
+#define MICRO_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define MICRO_VEC vec16f
+#define MICRO_W 16
+#include "matmul_micro.h"
+#endif
+
+/* 1 if this build has the kernel for isa and the CPU (and OS) can run it. */
+static int isa_supported(int isa) {
+    switch (isa) {
+        case LLMC_ISA_PORTABLE: return 1;
+#ifdef LLMC_X86_DISPATCH
+        // libgcc's check also asks the OS (XGETBV) whether it saves the
+        // ymm / zmm registers
+        case LLMC_ISA_AVX2:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        case LLMC_ISA_AVX512:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx512f") && isa_supported(LLMC_ISA_AVX2);
+#endif
+        default: return 0;
     }
 }
 
-/* The same for a partial tile (mr <= MR rows, nr <= NR columns) with a
-   packed, zero-padded A micro-panel: runs on a local copy of the tile and
+static int best_isa(void) {
+    if (isa_supported(LLMC_ISA_AVX512)) { return LLMC_ISA_AVX512; }
+    if (isa_supported(LLMC_ISA_AVX2)) { return LLMC_ISA_AVX2; }
+    return LLMC_ISA_PORTABLE;
+}
+
+/* The chosen instruction set; LLMC_ISA_AUTO until the first use picks the
+   best. Atomic loads and stores, so that a Python thread calling
+   llmc_set_isa while another runs a matmul is no data race: each GEMM reads
+   it once, before its parallel region. */
+static int active_isa = LLMC_ISA_AUTO;
+
+int llmc_isa_supported(int isa) {
+    return isa_supported(isa);
+}
+
+int llmc_set_isa(int isa) {
+    LLMC_REQUIRE(isa >= LLMC_ISA_AUTO && isa <= LLMC_ISA_AVX512, LLMC_ERR_RANGE);
+    if (isa == LLMC_ISA_AUTO) { isa = best_isa(); }
+    LLMC_REQUIRE(isa_supported(isa), LLMC_ERR_UNSUPPORTED);
+    __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
+    return LLMC_OK;
+}
+
+int llmc_get_isa(void) {
+    int isa = __atomic_load_n(&active_isa, __ATOMIC_RELAXED);
+    if (isa == LLMC_ISA_AUTO) {
+        isa = best_isa();
+        __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
+    }
+    return isa;
+}
+
+static micro_kernel_fn active_micro_kernel(void) {
+    switch (llmc_get_isa()) {
+#ifdef LLMC_X86_DISPATCH
+        case LLMC_ISA_AVX512: return micro_kernel_avx512;
+        case LLMC_ISA_AVX2: return micro_kernel_avx2;
+#endif
+        default: return micro_kernel_portable;
+    }
+}
+
+/* The micro-kernel for a partial tile (mr <= MR rows, nr <= NR columns) with
+   a packed, zero-padded A micro-panel: runs on a local copy of the tile and
    writes back only its valid part. */
-static void edge_kernel(int kc, int mr, int nr, const float* ap, const float* bp,
-                        float* c, size_t ldc) {
+static void edge_kernel(micro_kernel_fn micro_kernel, int kc, int mr, int nr,
+                        const float* ap, const float* bp, float* c, size_t ldc) {
     float tile[MR * NR];
     memset(tile, 0, sizeof tile);
     for (int r = 0; r < mr; r++) { memcpy(tile + r * NR, c + r * ldc, nr * sizeof(float)); }
@@ -136,6 +210,7 @@ static int gemm_accumulate(float* c, size_t ldc,
                            const float* a, size_t ars, size_t aks,
                            const float* b, size_t brs, size_t bcs,
                            int M, int N, int K) {
+    const micro_kernel_fn micro_kernel = active_micro_kernel();
     const int nthreads = omp_get_max_threads();
     const long target_tiles = 4L * nthreads;
     const int pack_a = aks != 1;
@@ -185,13 +260,13 @@ static int gemm_accumulate(float* c, size_t ldc,
                             // in place but a partial column panel: copy A rows
                             float panel[KC * MR];
                             pack_a_block(panel, a, ars, aks, m0 + mp, MR, k0, kc);
-                            edge_kernel(kc, MR, nr, panel, bp, c_mj, ldc);
+                            edge_kernel(micro_kernel, kc, MR, nr, panel, bp, c_mj, ldc);
                         } else if (mr == MR && nr == NR) {
                             micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR,
                                          bp, c_mj, ldc);
                         } else {
-                            edge_kernel(kc, mr, nr, ap + (size_t)(mp - full_rows) * kc, bp,
-                                        c_mj, ldc);
+                            edge_kernel(micro_kernel, kc, mr, nr,
+                                        ap + (size_t)(mp - full_rows) * kc, bp, c_mj, ldc);
                         }
                     }
                 }

@@ -10,6 +10,7 @@ const char* llmc_status_string(int status) {
         case LLMC_ERR_RANGE: return "an index (such as a token id) is out of range";
         case LLMC_ERR_NOMEM: return "out of memory for kernel scratch space";
         case LLMC_ERR_NULL: return "a required pointer is NULL";
+        case LLMC_ERR_UNSUPPORTED: return "not supported by this CPU or build";
         default: return "unknown status";
     }
 }

@@ -1,4 +1,7 @@
-"""The only module that sees cffi: status checks and array-to-pointer adapters."""
+"""The only module that sees cffi: status checks, array-to-pointer adapters,
+threads and the instruction set of the matmul kernel."""
+import os
+
 import numpy as np
 
 try:
@@ -7,13 +10,15 @@ except ImportError as e:   # a source checkout that was never built
     raise ImportError(
         "llmc_py's compiled kernels (llmc_py._llmc) are not built: run "
         "`pip install .` (or `pip install -e .` to work on the sources)") from e
-from .errors import LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError
+from .errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
+                     UnsupportedError)
 
 _ERROR_FOR_STATUS = {
     lib.LLMC_ERR_SHAPE: ShapeError,
     lib.LLMC_ERR_RANGE: RangeError,
     lib.LLMC_ERR_NOMEM: OutOfMemoryError,
     lib.LLMC_ERR_NULL: NullPointerError,
+    lib.LLMC_ERR_UNSUPPORTED: UnsupportedError,
 }
 
 
@@ -66,3 +71,34 @@ def get_num_threads():
 
 def has_openmp():
     return bool(lib.llmc_has_openmp())
+
+
+# instruction sets of the matmul kernel, by name, slowest first
+ISAS = {"portable": lib.LLMC_ISA_PORTABLE, "avx2": lib.LLMC_ISA_AVX2,
+        "avx512": lib.LLMC_ISA_AVX512}
+
+
+def set_isa(name):
+    """Chooses the matmul kernel's instruction set: "avx512", "avx2", "portable",
+    or "auto" (the best the CPU supports, the default). The environment
+    variable LLMC_ISA makes the same choice when llmc_py is imported. Raises
+    UnsupportedError if this CPU or build cannot run it."""
+    if name != "auto" and name not in ISAS:
+        raise ValueError(f"unknown instruction set {name!r}; known: auto, {', '.join(ISAS)}")
+    check(lib.llmc_set_isa(lib.LLMC_ISA_AUTO if name == "auto" else ISAS[name]),
+          f"set_isa({name!r})")
+
+
+def get_isa():
+    """The instruction set the matmul kernel runs on (never "auto")."""
+    isa = lib.llmc_get_isa()
+    return next(name for name, value in ISAS.items() if value == isa)
+
+
+def supported_isas():
+    """The instruction sets this CPU and build can run, slowest first."""
+    return [name for name, value in ISAS.items() if lib.llmc_isa_supported(value)]
+
+
+if os.environ.get("LLMC_ISA", "").strip():
+    set_isa(os.environ["LLMC_ISA"].strip().lower())

@@ -1,8 +1,8 @@
 """Benchmarks: ``python -m llmc_py.bench`` (``--help`` for options).
 
-1. matmul: each product of a linear layer at GPT-2 124M's shapes, verified
-   against the naive kernel, then timed beside numpy's sgemm for the same
-   product; GFLOP/s.
+1. matmul: each product of a linear layer at GPT-2 124M's shapes, on each
+   instruction set of the kernel (--isa), verified against the naive kernel,
+   then timed beside numpy's sgemm for the same product; GFLOP/s.
 2. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
    of the same bytes.
 3. the training step of GPT-2 124M (random init): forward + backward + AdamW,
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from . import kernels as K
-from ._lib import get_num_threads, set_num_threads
+from ._lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
 from .config import GPT2Config
 from .model import GPT2
 
@@ -41,18 +41,14 @@ def timed(fn, repeats, warmup=1):
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def bench_matmul(BT, C, OC, repeats, rng):
-    """GFLOP/s of forward, dinp and dweight for one (BT, C, OC), ours and numpy's."""
+def bench_matmul(BT, C, OC, repeats, rng, isas):
+    """GFLOP/s of forward, dinp and dweight for one (BT, C, OC): ours on each
+    instruction set in ``isas``, and numpy's."""
     x = rng.standard_normal((1, BT, C), dtype=np.float32)
     w = rng.standard_normal((OC, C), dtype=np.float32) * 0.02
     dout = rng.standard_normal((1, BT, OC), dtype=np.float32)
     out, ref = np.empty((1, BT, OC), np.float32), np.empty((1, BT, OC), np.float32)
-    # verify before timing
-    K.matmul_forward(out, x, w)
     K.matmul_forward(ref, x, w, variant="naive")
-    err = float(np.abs(out - ref).max() / np.abs(ref).max())
-    if err > 1e-5:
-        raise AssertionError(f"matmul_forward disagrees with naive at {BT}x{C}x{OC}: {err:.2e}")
     flop = 2.0 * BT * C * OC
     dinp, dw = np.zeros_like(x), np.zeros_like(w)
     rows = []
@@ -61,14 +57,27 @@ def bench_matmul(BT, C, OC, repeats, rng):
         ("bwd (dinp+dW)", lambda: K.matmul_backward(dinp, dw, None, dout, x, w),
          lambda: (np.matmul(dout[0], w, out=dinp[0]), np.matmul(dout[0].T, x[0], out=dw))),
     ]
-    for name, ours, theirs in cases:
-        scale = 2 if name.startswith("bwd") else 1
-        # a few untimed calls first: page faults, thread wake-up and clock ramp
-        t_ours, t_np = timed(ours, repeats, warmup=3), timed(theirs, repeats, warmup=3)
-        rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
-                     "gflops": scale * flop / t_ours["median"] / 1e9,
-                     "numpy_gflops": scale * flop / t_np["median"] / 1e9,
-                     "ms": t_ours["median"] * 1e3})
+    before = get_isa()
+    try:
+        for name, ours, theirs in cases:
+            scale = 2 if name.startswith("bwd") else 1
+            # a few untimed calls first: page faults, thread wake-up and clock ramp
+            t_np = timed(theirs, repeats, warmup=3)
+            for isa in isas:
+                set_isa(isa)
+                if name == "fwd":   # verify before timing
+                    K.matmul_forward(out, x, w)
+                    err = float(np.abs(out - ref).max() / np.abs(ref).max())
+                    if err > 1e-5:
+                        raise AssertionError(f"matmul_forward ({isa}) disagrees with naive "
+                                             f"at {BT}x{C}x{OC}: {err:.2e}")
+                t_ours = timed(ours, repeats, warmup=3)
+                rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
+                             "isa": isa, "gflops": scale * flop / t_ours["median"] / 1e9,
+                             "numpy_gflops": scale * flop / t_np["median"] / 1e9,
+                             "ms": t_ours["median"] * 1e3})
+    finally:
+        set_isa(before)
     return rows
 
 
@@ -258,6 +267,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true")
+    p.add_argument("--isa", nargs="+", default=None, metavar="ISA",
+                   help="the matmul kernel's instruction sets to time (avx512, avx2, "
+                        "portable); default: every one this CPU runs. The training step "
+                        "runs on the first one.")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
@@ -269,14 +282,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.threads:
         set_num_threads(args.threads)
+    isas = args.isa or supported_isas()[::-1]   # fastest first
+    for isa in isas:
+        if isa not in supported_isas():
+            p.error(f"--isa {isa}: this CPU or build runs only {', '.join(supported_isas())}")
+    set_isa(isas[0])
     rng = np.random.default_rng(0)
     if args.generate:
         return main_generate(args, rng)
     B, T = args.batch
-    results = {"threads": get_num_threads(), "matmul": [], "step": {}}
+    results = {"threads": get_num_threads(), "isa": get_isa(), "matmul": [], "step": {}}
     if not args.skip_matmul:
         for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
-            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng)
+            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng, isas)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     config = GPT2Config(num_layers=args.layers)
     results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
@@ -291,12 +309,14 @@ def main(argv=None):
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"threads: {results['threads']}")
+    print(f"threads: {results['threads']}; matmul kernel for the step: {results['isa']}")
     if results["matmul"]:
-        print(f"{'kernel':<20}{'B*T x C x OC':>18}{'ms':>9}{'GFLOP/s':>10}{'numpy':>9}{'ratio':>7}")
+        print(f"{'kernel':<20}{'B*T x C x OC':>18}{'isa':>9}{'ms':>9}{'GFLOP/s':>10}"
+              f"{'numpy':>9}{'ratio':>7}")
         for r in results["matmul"]:
-            print(f"{r['kernel']:<20}{r['shape']:>18}{r['ms']:9.2f}{r['gflops']:10.1f}"
-                  f"{r['numpy_gflops']:9.1f}{r['gflops'] / r['numpy_gflops']:7.2f}")
+            print(f"{r['kernel']:<20}{r['shape']:>18}{r['isa']:>9}{r['ms']:9.2f}"
+                  f"{r['gflops']:10.1f}{r['numpy_gflops']:9.1f}"
+                  f"{r['gflops'] / r['numpy_gflops']:7.2f}")
     if results.get("memory_bound"):
         print(f"\n{'kernel':<20}{'elements':>12}{'ms':>9}{'GB/s':>8}{'copy':>8}{'ratio':>7}")
         for r in results["memory_bound"]:

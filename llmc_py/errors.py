@@ -26,3 +26,7 @@ class OutOfMemoryError(LlmcError, MemoryError):
 
 class NullPointerError(LlmcError, ValueError):
     """A required array was missing (a NULL pointer reached C)."""
+
+
+class UnsupportedError(LlmcError, ValueError):
+    """The CPU or this build lacks what was asked for (such as an instruction set)."""

@@ -21,3 +21,13 @@ def set_threads():
         yield llmc_py.set_num_threads
     finally:
         llmc_py.set_num_threads(before)
+
+
+@pytest.fixture
+def use_isa():
+    """llmc_py.set_isa, with the instruction set restored afterwards."""
+    before = llmc_py.get_isa()
+    try:
+        yield llmc_py.set_isa
+    finally:
+        llmc_py.set_isa(before)

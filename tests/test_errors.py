@@ -96,6 +96,7 @@ ROWS = {
     (lib.LLMC_ERR_RANGE, llmc_py.RangeError, IndexError),
     (lib.LLMC_ERR_NOMEM, llmc_py.OutOfMemoryError, MemoryError),
     (lib.LLMC_ERR_NULL, llmc_py.NullPointerError, ValueError),
+    (lib.LLMC_ERR_UNSUPPORTED, llmc_py.UnsupportedError, ValueError),
 ])
 def test_check_maps_status_to_class(status, cls, builtin):
     with pytest.raises(cls) as info:
@@ -115,7 +116,7 @@ def test_check_passes_ok_and_raises_base_class_for_unknown_status():
 
 def test_status_strings_are_distinct():
     codes = [lib.LLMC_OK, lib.LLMC_ERR_SHAPE, lib.LLMC_ERR_RANGE, lib.LLMC_ERR_NOMEM,
-             lib.LLMC_ERR_NULL, 99, -1]
+             lib.LLMC_ERR_NULL, lib.LLMC_ERR_UNSUPPORTED, 99, -1]
     texts = [ffi.string(lib.llmc_status_string(c)).decode() for c in codes]
     assert all(texts) and len(set(texts)) == len(codes) - 1 and texts[-1] == texts[-2]
 

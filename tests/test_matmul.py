@@ -1,5 +1,11 @@
 """csrc/matmul.c: both variants against the float64 reference and autograd,
-and the blocked GEMM against the naive loops where its tiles are partial."""
+the blocked GEMM against the naive loops where its tiles are partial, on
+every instruction set this CPU can run."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,6 +15,9 @@ from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import matmul as ref_matmul
 
 VARIANTS = ["", "naive"]
+# generated from what this CPU runs, so an AVX-512 machine also tests the
+# AVX2 and portable kernels (and a machine without AVX-512 has no such test)
+ISAS = llmc_py.supported_isas()
 SHAPES = [  # B, T, C, OC
     (4, 64, 768, 768),    # GPT-2 124M attention projection
     (4, 64, 3072, 768),   # GPT-2 124M MLP projection: K=3072 spans 12 KC panels
@@ -74,6 +83,100 @@ def test_matmul_fast_matches_naive(rng, B, T, C, OC):
     fast, naive = backward(dout, x, w, ""), backward(dout, x, w, "naive")
     for name in fast:
         assert_close(name, fast[name], naive[name], tol["bwd"])
+
+
+# odd shapes for the ISA tests: M not a multiple of MR=6, N not of NR=32 (nor
+# of AVX2's 16-column half tiles), K not of KC=256, and a single row
+ISA_SHAPES = EDGE_SHAPES + [(1, 1, 67, 67), (1, 43, 515, 81)]
+
+
+@pytest.mark.parametrize("B,T,C,OC", ISA_SHAPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_isa_matches_naive_and_reference(rng, use_isa, isa, B, T, C, OC):
+    x, w, bias, dout = make_inputs(rng, B, T, C, OC)
+    naive_out, naive = forward(x, w, bias, "naive"), backward(dout, x, w, "naive")
+    use_isa(isa)
+    assert llmc_py.get_isa() == isa
+    out, grads = forward(x, w, bias, ""), backward(dout, x, w, "")
+
+    xt, wt, bt = t64(x, grad=True), t64(w, grad=True), t64(bias, grad=True)
+    ref = ref_matmul(xt, wt, bt)
+    (ref * t64(dout)).sum().backward()
+    tol, tol_naive = TOL["matmul"], TOL["matmul_variant"]
+    assert_close("out", out, naive_out, tol_naive["fwd"])
+    assert_close("out", out, ref, tol["fwd"])
+    for name, ref_grad in (("dinp", xt.grad), ("dweight", wt.grad), ("dbias", bt.grad)):
+        assert_close(name, grads[name], naive[name], tol_naive["bwd"])
+        assert_close(name, grads[name], ref_grad, tol["bwd"])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_isa_thread_invariant(rng, set_threads, use_isa, isa):
+    use_isa(isa)
+    x, w, bias, dout = make_inputs(rng, 3, 101, 300, 100)   # partial tiles, K > KC
+    assert_thread_invariant(set_threads, lambda: {
+        "out": forward(x, w, bias, ""), **backward(dout, x, w, "")}, counts=(1, 2, 3))
+
+
+def _cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                     if line.startswith("flags")), []))
+
+
+def test_supported_isas_follow_the_cpu():
+    flags = _cpu_flags()
+    expected = ["portable"]
+    if {"avx2", "fma"} <= flags:
+        expected.append("avx2")
+        if "avx512f" in flags:
+            expected.append("avx512")
+    assert llmc_py.supported_isas() == expected
+
+
+def test_set_isa_auto_picks_the_best_and_rejects_the_rest(use_isa):
+    use_isa("auto")
+    assert llmc_py.get_isa() == ISAS[-1]
+    for name in ("avx2", "avx512"):
+        if name in ISAS:
+            continue
+        with pytest.raises(llmc_py.UnsupportedError, match="not supported"):
+            llmc_py.set_isa(name)
+        assert llmc_py.get_isa() == ISAS[-1]
+    with pytest.raises(ValueError, match="avx2"):
+        llmc_py.set_isa("avx9000")
+    assert llmc_py.get_isa() == ISAS[-1]
+
+
+def test_raw_set_isa_checks_its_argument():
+    from llmc_py._lib import lib
+    before = lib.llmc_get_isa()
+    for bad in (-1, 4, 99):
+        assert lib.llmc_set_isa(bad) == lib.LLMC_ERR_RANGE
+        assert lib.llmc_isa_supported(bad) == 0
+    assert lib.llmc_isa_supported(lib.LLMC_ISA_AUTO) == 0   # a choice, not a kernel
+    assert lib.llmc_get_isa() == before
+
+
+def _import_with_isa(value):
+    """Runs `import llmc_py` with LLMC_ISA=value in a fresh interpreter that
+    imports this checkout's package; returns the completed process."""
+    root = Path(llmc_py.__file__).resolve().parent.parent
+    env = dict(os.environ, LLMC_ISA=value, PYTHONPATH=str(root))
+    return subprocess.run([sys.executable, "-c", "import llmc_py; print(llmc_py.get_isa())"],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_environment_variable_chooses_the_isa():
+    result = _import_with_isa(ISAS[0])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ISAS[0]
+    result = _import_with_isa("avx9000")
+    assert result.returncode != 0 and "unknown instruction set 'avx9000'" in result.stderr
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
