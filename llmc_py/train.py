@@ -27,9 +27,9 @@ import numpy as np
 from . import checkpoint as ckpt
 from .config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
 from .errors import CheckpointError, LlmcError, ShapeError
+from .kv_cache import stream
 from .llama import Llama, load_model
 from .model import GPT2
-from .kv_cache import stream
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
 DEFAULT_DATASET = "shakespeare"
@@ -49,7 +49,8 @@ class UsageError(Exception):
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m llmc_py.train",
-        description="Train a GPT-2 on token files (llm.c's format) with the C kernels.",
+        description="Train a GPT-2 or a Llama-style model on token files (llm.c's format) "
+                    "with the C kernels.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("-i", "--train-data", default=None,
