@@ -181,6 +181,8 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
     prompts = rng.integers(0, config.vocab_size, size=(B, prompt_len))
     V = config.vocab_size
     outputs = {}
+    rows = {"cache_mib": KVCache(config, B, prompt_len + new_tokens).nbytes / 2**20,
+            "model_mib": model.params.memory.nbytes / 2**20}
 
     def cached():
         outputs["cached"] = model.generate(prompts.tolist(), new_tokens, temperature=0)
@@ -193,8 +195,8 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
             context = np.concatenate([context, new[:, None]], axis=1)
         outputs["recompute"] = context[:, prompt_len:].tolist()
 
-    rows = {"cached": timed(cached, repeats, warmup=0),
-            "no_cache": timed(recompute, 1, warmup=0)}
+    rows["cached"] = timed(cached, repeats, warmup=0)
+    rows["no_cache"] = timed(recompute, 1, warmup=0)
     # verified as well as timed (a near-tie in fp32 could legitimately flip a token)
     rows["no_cache_agrees"] = outputs["cached"] == outputs["recompute"]
     if with_torch:
@@ -204,9 +206,6 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
         if rows["torch_kv_cache"] is not None and torch_tokens["out"] != outputs["cached"]:
             # fp32 ties can break differently over long greedy runs: report it
             rows["torch_agrees"] = False
-    cache = KVCache(config, B, prompt_len + new_tokens)
-    rows["cache_mib"] = cache.nbytes / 2**20
-    rows["model_mib"] = model.params.memory.nbytes / 2**20
     return rows
 
 

@@ -15,6 +15,7 @@ Keys are cached after RoPE (rotated at their own position).
 import numpy as np
 
 from . import kernels as K
+from .config import as_llama_config
 from .errors import ShapeError
 from .layout import TensorGroup, aligned_zeros, llama_act_specs
 from .sampling import sample_next
@@ -25,6 +26,7 @@ class KVCache:
     ``max_len`` positions; ``lengths[b]`` positions of row b are filled."""
 
     def __init__(self, config, batch_size, max_len):
+        config = as_llama_config(config)   # a GPT2Config too
         L, kv_dim = config.num_layers, config.kv_dim
         if batch_size < 1 or max_len < 1:
             raise ShapeError(f"a KV cache needs batch_size, max_len >= 1, got {batch_size}, "

@@ -128,6 +128,7 @@ def test_cache_is_sized_from_its_shape():
     assert cache.k.shape == cache.v.shape == (2, 3, 50, 32)
     assert cache.nbytes == 2 * 2 * 3 * 50 * 32 * 4
     assert np.shares_memory(cache.k, cache.memory) and np.shares_memory(cache.v, cache.memory)
+    assert KVCache(GPT2_SMALL, 2, 10).k.shape == (2, 2, 10, 60)   # GPT-2: every head cached
 
 
 def test_decoder_rejects_bad_prompts_and_a_full_cache():
