@@ -7,6 +7,34 @@
 /* Channels per block in the parameter-gradient pass (see layernorm_backward). */
 #define NORM_CHANNEL_BLOCK 64
 
+/*
+ * Pass 2 of both norms' backward, the parameter gradients, sums over rows:
+ *   dweight[i] += sum_bt dout[bt,i] * n[bt,i],  n = (x - mean) * rstd
+ *   dbias[i]   += sum_bt dout[bt,i]
+ * mean NULL means 0 (RMSNorm); dbias NULL means no bias. Each thread owns
+ * whole blocks of channels and walks the rows in order: no two threads write
+ * the same element, and every sum runs in the same order.
+ */
+static void norm_param_grads(float* dweight, float* dbias, const float* dout,
+                             const float* inp, const float* mean, const float* rstd,
+                             long BT, int C) {
+    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
+    #pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int i0 = blk * NORM_CHANNEL_BLOCK;
+        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
+        for (long bt = 0; bt < BT; bt++) {
+            const float* x = inp + (size_t)bt * C;
+            const float* dy = dout + (size_t)bt * C;
+            const float m = mean != NULL ? mean[bt] : 0.0f, s = rstd[bt];
+            for (int i = i0; i < i1; i++) { dweight[i] += dy[i] * ((x[i] - m) * s); }
+            if (dbias != NULL) {
+                for (int i = i0; i < i1; i++) { dbias[i] += dy[i]; }
+            }
+        }
+    }
+}
+
 int layernorm_forward(float* out, float* mean, float* rstd,
                       const float* inp, const float* weight, const float* bias,
                       int B, int T, int C, float eps) {
@@ -68,24 +96,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
         }
     }
 
-    // pass 2, dweight and dbias: sums over rows. Each thread owns whole blocks
-    // of channels and walks the rows in order: no two threads write the same
-    // element, and every sum runs in the same order
-    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
-    #pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int i0 = blk * NORM_CHANNEL_BLOCK;
-        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
-        for (long bt = 0; bt < BT; bt++) {
-            const float* x = inp + (size_t)bt * C;
-            const float* dy = dout + (size_t)bt * C;
-            const float m = mean[bt], s = rstd[bt];
-            for (int i = i0; i < i1; i++) {
-                dweight[i] += dy[i] * ((x[i] - m) * s);
-                dbias[i] += dy[i];
-            }
-        }
-    }
+    norm_param_grads(dweight, dbias, dout, inp, mean, rstd, BT, C);
     return LLMC_OK;
 }
 
@@ -149,19 +160,6 @@ int rmsnorm_backward(float* dinp, float* dweight,
         }
     }
 
-    // pass 2, dweight = sum over rows of dout * n, as in layernorm_backward:
-    // whole channel blocks per thread, rows walked in order
-    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
-    #pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int i0 = blk * NORM_CHANNEL_BLOCK;
-        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
-        for (long bt = 0; bt < BT; bt++) {
-            const float* x = inp + (size_t)bt * C;
-            const float* dy = dout + (size_t)bt * C;
-            const float s = rstd[bt];
-            for (int i = i0; i < i1; i++) { dweight[i] += dy[i] * (x[i] * s); }
-        }
-    }
+    norm_param_grads(dweight, NULL, dout, inp, NULL, rstd, BT, C);
     return LLMC_OK;
 }
