@@ -142,12 +142,13 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
 /*
  * matmul_backward: gradients of matmul_forward.
  *
- *   dinp    [B, T, C]  (+=) dout . weight
- *   dweight [OC, C]    (+=) dout^T . inp
+ *   dinp    [B, T, C]  (+=) dout . weight; or NULL (not wanted)
+ *   dweight [OC, C]    (+=) dout^T . inp; or NULL (frozen weight)
  *   dbias   [OC]       (+=) sum of dout over B, T; or NULL (no bias)
  *   dout    [B, T, OC]
- *   inp     [B, T, C]
- *   weight  [OC, C]
+ *   inp     [B, T, C]  (may be NULL when dweight is)
+ *   weight  [OC, C]    (may be NULL when dinp is)
+ * Each product is computed only when its output is given.
  */
 int matmul_backward(float* dinp, float* dweight, float* dbias,
                     const float* dout, const float* inp, const float* weight,

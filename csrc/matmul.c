@@ -277,6 +277,13 @@ static int gemm_accumulate(float* c, size_t ldc,
     return LLMC_OK;
 }
 
+/* matmul_backward's pointers: dout always; weight for dinp, inp for dweight
+   (dinp, dweight and dbias may each be NULL, skipping that product). */
+static int backward_pointers_ok(const float* dinp, const float* dweight, const float* dout,
+                                const float* inp, const float* weight) {
+    return dout != NULL && (dinp == NULL || weight != NULL) && (dweight == NULL || inp != NULL);
+}
+
 /* The three arrays of a linear layer, [B,T,C], [B,T,OC] and [OC,C], can exist. */
 static int matmul_sizes_fit(int B, int T, int C, int OC) {
     return llmc_count_fits(B, T, C, 1) && llmc_count_fits(B, T, OC, 1)
@@ -325,19 +332,22 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
 int matmul_backward(float* dinp, float* dweight, float* dbias,
                     const float* dout, const float* inp, const float* weight,
                     int B, int T, int C, int OC) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL2(inp, weight),
-                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
 
-    int status = gemm_accumulate(dinp, (size_t)C, dout, (size_t)OC, 1, weight, (size_t)C, 1,
-                                 (int)BT, C, OC);
-    if (status != LLMC_OK) { return status; }
-    status = gemm_accumulate(dweight, (size_t)C, dout, 1, (size_t)OC, inp, (size_t)C, 1,
-                             OC, C, (int)BT);
-    if (status != LLMC_OK) { return status; }
+    if (dinp != NULL) {
+        const int status = gemm_accumulate(dinp, (size_t)C, dout, (size_t)OC, 1,
+                                           weight, (size_t)C, 1, (int)BT, C, OC);
+        if (status != LLMC_OK) { return status; }
+    }
+    if (dweight != NULL) {
+        const int status = gemm_accumulate(dweight, (size_t)C, dout, 1, (size_t)OC,
+                                           inp, (size_t)C, 1, OC, C, (int)BT);
+        if (status != LLMC_OK) { return status; }
+    }
     if (dbias != NULL) { bias_backward(dbias, dout, BT, OC); }
     return LLMC_OK;
 }
@@ -364,14 +374,13 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
                           int B, int T, int C, int OC) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL2(inp, weight),
-                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const long BT = (long)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (long bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {
         const float* dy = dout + (size_t)bt * OC;
         float* dx = dinp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
@@ -382,12 +391,14 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     // dweight and dbias: one output channel per iteration, rows in order
     #pragma omp parallel for schedule(static)
     for (int o = 0; o < OC; o++) {
-        float* dw = dweight + (size_t)o * C;
         float db = 0.0f;
         for (long bt = 0; bt < BT; bt++) {
             const float d = dout[(size_t)bt * OC + o];
-            const float* x = inp + (size_t)bt * C;
-            for (int i = 0; i < C; i++) { dw[i] += d * x[i]; }
+            if (dweight != NULL) {
+                float* dw = dweight + (size_t)o * C;
+                const float* x = inp + (size_t)bt * C;
+                for (int i = 0; i < C; i++) { dw[i] += d * x[i]; }
+            }
             db += d;
         }
         if (dbias != NULL) { dbias[o] += db; }

@@ -41,54 +41,91 @@ def timed(fn, repeats, warmup=1):
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def bench_matmul(BT, C, OC, repeats, rng, isas):
-    """GFLOP/s of forward, dinp and dweight for one (BT, C, OC): ours on each
-    instruction set in ``isas``, and numpy's."""
+def _torch():
+    """torch, on this process's thread count, or None when not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.set_num_threads(get_num_threads())
+    return torch
+
+
+def bench_matmul(BT, C, OC, repeats, rng, isas, with_torch=True):
+    """GFLOP/s of each product of a linear layer at one (BT, C, OC): the
+    forward (out = inp . weight^T), dinp (+= dout . weight) and dW (+= dout^T
+    . inp), ours on each instruction set in ``isas`` (each verified against
+    the naive kernel first), beside numpy's sgemm and torch's (when
+    installed) for the same product."""
     x = rng.standard_normal((1, BT, C), dtype=np.float32)
     w = rng.standard_normal((OC, C), dtype=np.float32) * 0.02
     dout = rng.standard_normal((1, BT, OC), dtype=np.float32)
-    out, ref = np.empty((1, BT, OC), np.float32), np.empty((1, BT, OC), np.float32)
-    K.matmul_forward(ref, x, w, variant="naive")
-    flop = 2.0 * BT * C * OC
-    dinp, dw = np.zeros_like(x), np.zeros_like(w)
-    rows = []
-    cases = [
-        ("fwd", lambda: K.matmul_forward(out, x, w), lambda: np.matmul(x[0], w.T, out=out[0])),
-        ("bwd (dinp+dW)", lambda: K.matmul_backward(dinp, dw, None, dout, x, w),
-         lambda: (np.matmul(dout[0], w, out=dinp[0]), np.matmul(dout[0].T, x[0], out=dw))),
+    out, dinp, dw = np.empty((1, BT, OC), np.float32), np.zeros_like(x), np.zeros_like(w)
+    ref = {"fwd": np.empty_like(out), "dinp": np.zeros_like(x), "dW": np.zeros_like(w)}
+    K.matmul_forward(ref["fwd"], x, w, variant="naive")
+    K.matmul_backward(ref["dinp"], ref["dW"], None, dout, x, w, variant="naive")
+    torch = _torch() if with_torch else None
+    if torch is not None:
+        tx, tw, tdout = (torch.from_numpy(a) for a in (x[0], w, dout[0]))
+        tout, tdinp, tdw = (torch.from_numpy(a) for a in (out[0], dinp[0], dw))
+    cases = [  # name, ours, numpy's, torch's, our result
+        ("fwd", lambda: K.matmul_forward(out, x, w),
+         lambda: np.matmul(x[0], w.T, out=out[0]),
+         lambda: torch.matmul(tx, tw.T, out=tout), out),
+        ("dinp", lambda: K.matmul_backward(dinp, None, None, dout, x, w),
+         lambda: np.matmul(dout[0], w, out=dinp[0]),
+         lambda: torch.matmul(tdout, tw, out=tdinp), dinp),
+        ("dW", lambda: K.matmul_backward(None, dw, None, dout, x, w),
+         lambda: np.matmul(dout[0].T, x[0], out=dw),
+         lambda: torch.matmul(tdout.T, tx, out=tdw), dw),
     ]
+    flop = 2.0 * BT * C * OC
     before = get_isa()
+    rows = []
     try:
-        for name, ours, theirs in cases:
-            scale = 2 if name.startswith("bwd") else 1
+        for name, ours, numpys, torchs, result in cases:
             # a few untimed calls first: page faults, thread wake-up and clock ramp
-            t_np = timed(theirs, repeats, warmup=3)
+            t_np = timed(numpys, repeats, warmup=3)
+            t_torch = timed(torchs, repeats, warmup=3) if torch is not None else None
             for isa in isas:
                 set_isa(isa)
-                if name == "fwd":   # verify before timing
-                    K.matmul_forward(out, x, w)
-                    err = float(np.abs(out - ref).max() / np.abs(ref).max())
-                    if err > 1e-5:
-                        raise AssertionError(f"matmul_forward ({isa}) disagrees with naive "
-                                             f"at {BT}x{C}x{OC}: {err:.2e}")
+                result[...] = 0.0   # verify before timing
+                ours()
+                err = float(np.abs(result - ref[name]).max() / np.abs(ref[name]).max())
+                if err > 1e-5:
+                    raise AssertionError(f"matmul {name} ({isa}) disagrees with naive "
+                                         f"at {BT}x{C}x{OC}: {err:.2e}")
                 t_ours = timed(ours, repeats, warmup=3)
                 rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
-                             "isa": isa, "gflops": scale * flop / t_ours["median"] / 1e9,
-                             "numpy_gflops": scale * flop / t_np["median"] / 1e9,
-                             "ms": t_ours["median"] * 1e3})
+                             "isa": isa, "ms": t_ours["median"] * 1e3,
+                             "gflops": flop / t_ours["median"] / 1e9,
+                             "numpy_gflops": flop / t_np["median"] / 1e9,
+                             "torch_gflops": (flop / t_torch["median"] / 1e9
+                                              if t_torch is not None else None)})
     finally:
         set_isa(before)
     return rows
 
 
-def bench_memory_bound(N, repeats, rng):
-    """GB/s of the element-wise kernels and AdamW beside a numpy copy of the
-    same number of bytes (read + written)."""
+def bench_memory_bound(N, repeats, rng, C=768):
+    """GB/s of the element-wise kernels, layernorm, dbias and AdamW beside a
+    numpy copy of the same number of bytes (read + written); N elements,
+    seen as rows of C for layernorm and of 4C for dbias."""
     x = rng.standard_normal(N, dtype=np.float32)
     y = rng.standard_normal(N, dtype=np.float32)
     out = np.empty_like(x)
     m, v = np.zeros_like(x), np.zeros_like(x)
     step = {"t": 0}
+    rows_ = N // C
+    x3, y3, out3 = (a[:rows_ * C].reshape(1, rows_, C) for a in (x, y, out))
+    weight, bias = np.ones(C, np.float32), np.zeros(C, np.float32)
+    dweight, dbias = np.zeros(C, np.float32), np.zeros(C, np.float32)
+    mean, rstd = np.empty((1, rows_), np.float32), np.empty((1, rows_), np.float32)
+    K.layernorm_forward(out3, mean, rstd, x3, weight, bias)
+    wide = x[:N // (4 * C) * 4 * C].reshape(1, -1, 4 * C)
+    # dbias alone: matmul_backward reads neither inp nor weight (shapes only)
+    inp_1, weight_1 = np.empty(wide.shape[:2] + (1,), np.float32), np.empty((4 * C, 1), np.float32)
+    db_wide = np.zeros(4 * C, np.float32)
 
     def adamw():
         step["t"] += 1
@@ -97,6 +134,12 @@ def bench_memory_bound(N, repeats, rng):
         ("gelu_forward", lambda: K.gelu_forward(out, x), 8 * N),
         ("gelu_backward", lambda: K.gelu_backward(out, y, x), 16 * N),
         ("residual_forward", lambda: K.residual_forward(out, x, y), 12 * N),
+        ("layernorm_forward", lambda: K.layernorm_forward(out3, mean, rstd, x3, weight, bias),
+         8 * x3.size),
+        ("layernorm_backward", lambda: K.layernorm_backward(
+            out3, dweight, dbias, y3, x3, weight, mean, rstd), 16 * x3.size),
+        ("matmul dbias", lambda: K.matmul_backward(
+            None, None, db_wide, wide, inp_1, weight_1), 4 * wide.size),
         ("adamw_update", adamw, 28 * N),
     ]
     rows = []
@@ -126,12 +169,12 @@ def bench_step(config, B, T, repeats, rng):
     return timed(step, repeats)
 
 
-def bench_torch_step(config, B, T, repeats, rng):
-    try:
-        import torch
-    except ImportError:
+def bench_torch_step(config, B, T, repeats, rng, compile=False):
+    """PyTorch on the same model and batch: eager, or torch.compile'd (the
+    forward and its backward; the first, untimed, step compiles)."""
+    torch = _torch()
+    if torch is None:
         return None
-    torch.set_num_threads(get_num_threads())
     c = config
     # one leaf tensor per layer, as an nn.Module would hold them (slicing a
     # stacked (L, ...) leaf would make autograd build full-size gradients)
@@ -167,9 +210,11 @@ def bench_torch_step(config, B, T, repeats, rng):
         logits = F.linear(h, p["wte"])[..., :c.vocab_size]
         return F.cross_entropy(logits.reshape(-1, c.vocab_size), y.reshape(-1))
 
+    loss_fn = torch.compile(forward) if compile else forward
+
     def step():
         opt.zero_grad(set_to_none=False)
-        forward().backward()
+        loss_fn().backward()
         opt.step()
     return timed(step, repeats)
 
@@ -212,11 +257,9 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
 def _torch_generate(model, prompts, new_tokens, repeats, result):
     """PyTorch eager greedy generation with its own KV cache, on ``model``'s
     parameters (a simple reference implementation, float32)."""
-    try:
-        import torch
-    except ImportError:
+    torch = _torch()
+    if torch is None:
         return None
-    torch.set_num_threads(get_num_threads())
     F = torch.nn.functional
     c = model.config
     p = {name: torch.from_numpy(model.params[name]) for name in model.params.names}
@@ -271,6 +314,9 @@ def main(argv=None):
                         "portable); default: every one this CPU runs. The training step "
                         "runs on the first one.")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the step under torch.compile (its first step compiles, "
+                        "which takes minutes; untimed)")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--generate", action="store_true",
@@ -293,12 +339,16 @@ def main(argv=None):
     results = {"threads": get_num_threads(), "isa": get_isa(), "matmul": [], "step": {}}
     if not args.skip_matmul:
         for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
-            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng, isas)
+            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng, isas,
+                                              with_torch=not args.skip_torch)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     config = GPT2Config(num_layers=args.layers)
     results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
     if not args.skip_torch:
         results["step"]["torch_eager"] = bench_torch_step(config, B, T, args.repeats, rng)
+        if args.compile:
+            results["step"]["torch_compile"] = bench_torch_step(config, B, T, args.repeats,
+                                                                rng, compile=True)
     if args.scaling:
         threads = get_num_threads()
         set_num_threads(1)
@@ -310,11 +360,13 @@ def main(argv=None):
         return 0
     print(f"threads: {results['threads']}; matmul kernel for the step: {results['isa']}")
     if results["matmul"]:
-        print(f"{'kernel':<20}{'B*T x C x OC':>18}{'isa':>9}{'ms':>9}{'GFLOP/s':>10}"
-              f"{'numpy':>9}{'ratio':>7}")
+        print("GFLOP/s; ratio = ours / numpy's sgemm, measured in this run")
+        print(f"{'kernel':<14}{'B*T x C x OC':>16}{'isa':>9}{'ms':>9}{'GFLOP/s':>9}"
+              f"{'numpy':>8}{'torch':>8}{'ratio':>7}")
         for r in results["matmul"]:
-            print(f"{r['kernel']:<20}{r['shape']:>18}{r['isa']:>9}{r['ms']:9.2f}"
-                  f"{r['gflops']:10.1f}{r['numpy_gflops']:9.1f}"
+            torch_col = f"{r['torch_gflops']:8.1f}" if r["torch_gflops"] else f"{'-':>8}"
+            print(f"{r['kernel']:<14}{r['shape']:>16}{r['isa']:>9}{r['ms']:9.2f}"
+                  f"{r['gflops']:9.1f}{r['numpy_gflops']:8.1f}{torch_col}"
                   f"{r['gflops'] / r['numpy_gflops']:7.2f}")
     if results.get("memory_bound"):
         print(f"\n{'kernel':<20}{'elements':>12}{'ms':>9}{'GB/s':>8}{'copy':>8}{'ratio':>7}")
@@ -324,13 +376,15 @@ def main(argv=None):
     print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max):")
     for name, t in results["step"].items():
         if t is None:
-            print(f"  {name:<12} not installed")
+            print(f"  {name:<18} not installed")
             continue
         print(f"  {name:<18} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
               f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s")
-    ours, torch_t = results["step"]["llmc_py"], results["step"].get("torch_eager")
-    if torch_t:
-        print(f"  speed-up over torch eager: {torch_t['median'] / ours['median']:.2f}x")
+    ours = results["step"]["llmc_py"]
+    for name in ("torch_eager", "torch_compile"):
+        if results["step"].get(name):
+            print(f"  speed-up over {name.replace('_', ' ')}: "
+                  f"{results['step'][name]['median'] / ours['median']:.2f}x")
     if "llmc_py_1_thread" in results["step"]:
         one = results["step"]["llmc_py_1_thread"]
         print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")

@@ -79,13 +79,14 @@ def matmul_forward(out, inp, weight, bias=None, variant=""):
 
 
 def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
-    """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=; dbias may be None) <- dout[B,T,OC], inp, weight."""
+    """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight.
+    Any of dinp, dweight and dbias may be None: that product is skipped."""
     B, T, C = _dims(inp, "inp", 3)
     OC = _dims(weight, "weight", 2)[0]
     fn = _variant(MATMUL_BACKWARD, variant)
     check(fn(
-        fptr(dinp, "dinp", (B, T, C), out=True),
-        fptr(dweight, "dweight", (OC, C), out=True),
+        _optional(dinp, "dinp", (B, T, C), out=True),
+        _optional(dweight, "dweight", (OC, C), out=True),
         _optional(dbias, "dbias", (OC,), out=True),
         fptr(dout, "dout", (B, T, OC)),
         fptr(inp, "inp", (B, T, C)),

@@ -11,6 +11,7 @@ import pytest
 
 import llmc_py
 from llmc_py import kernels as K
+from llmc_py._lib import ffi, lib
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import matmul as ref_matmul
 
@@ -186,6 +187,31 @@ def test_matmul_backward_accumulates(rng, variant):
     twice = backward(dout, x, w, variant, calls=2)
     for name in once:
         assert_close(name, twice[name], 2.0 * once[name], TOL["matmul"]["bwd"])
+
+
+@pytest.mark.parametrize("skip", ["dinp", "dweight", "dbias"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matmul_backward_skips_a_product_given_none(rng, variant, skip):
+    """A None output skips its product and leaves the others bitwise as with
+    all three; the skipped product's input may then be None in C too."""
+    x, w, _, dout = make_inputs(rng, 2, 37, 67, 45)
+    full = backward(dout, x, w, variant)
+    grads = {name: np.zeros_like(value) for name, value in full.items()}
+    grads[skip] = None
+    K.matmul_backward(grads["dinp"], grads["dweight"], grads["dbias"], dout, x, w,
+                      variant=variant)
+    for name, value in grads.items():
+        if name != skip:
+            np.testing.assert_array_equal(value, full[name], err_msg=name)
+    # the C contract: weight is needed only for dinp, inp only for dweight
+    fn = lib.matmul_backward_naive if variant == "naive" else lib.matmul_backward
+    B, T, C = x.shape
+    OC = w.shape[0]
+    dbias = np.zeros(OC, np.float32)
+    status = fn(ffi.NULL, ffi.NULL, ffi.cast("float*", dbias.ctypes.data),
+                ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, B, T, C, OC)
+    assert status == lib.LLMC_OK
+    np.testing.assert_array_equal(dbias, full["dbias"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
