@@ -35,6 +35,13 @@ static void norm_param_grads(float* dweight, float* dbias, const float* dout,
     }
 }
 
+/* sum_i a[i] over n floats: 16 lanes at a time, then the lanes in order. */
+static float sum16(const float* a, int n) {
+    vec16f acc = {0};
+    for (int i = 0; i < n; i += 16) { acc += llmc_load16(a + i, n - i < 16 ? n - i : 16); }
+    return llmc_hsum16(acc);
+}
+
 int layernorm_forward(float* out, float* mean, float* rstd,
                       const float* inp, const float* weight, const float* bias,
                       int B, int T, int C, float eps) {
@@ -45,17 +52,20 @@ int layernorm_forward(float* out, float* mean, float* rstd,
     const long BT = (long)B * T;
 
     // rows are independent; the variance is taken about the mean (two passes),
-    // which stays accurate when |mean| is large against the spread
+    // which stays accurate when |mean| is large against the spread; both sums
+    // run on 16 lanes
     #pragma omp parallel for schedule(static)
     for (long bt = 0; bt < BT; bt++) {
         const float* x = inp + (size_t)bt * C;
         float* y = out + (size_t)bt * C;
-        float sum = 0.0f;
-        for (int i = 0; i < C; i++) { sum += x[i]; }
-        const float m = sum / C;
-        float sumsq = 0.0f;
-        for (int i = 0; i < C; i++) { const float d = x[i] - m; sumsq += d * d; }
-        const float s = 1.0f / sqrtf(sumsq / C + eps);
+        const float m = sum16(x, C) / C;
+        vec16f sumsq = {0};
+        for (int i = 0; i < C; i += 16) {
+            const int n = C - i < 16 ? C - i : 16;
+            const vec16f d = llmc_load16(x + i, n) - m;
+            sumsq += llmc_select16(llmc_lanes_below(n), d * d, (vec16f){0});
+        }
+        const float s = 1.0f / sqrtf(llmc_hsum16(sumsq) / C + eps);
         for (int i = 0; i < C; i++) { y[i] = (x[i] - m) * s * weight[i] + bias[i]; }
         mean[bt] = m;
         rstd[bt] = s;
@@ -82,14 +92,15 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
         const float* dy = dout + (size_t)bt * C;
         float* dx = dinp + (size_t)bt * C;
         const float m = mean[bt], s = rstd[bt];
-        float g_mean = 0.0f, gn_mean = 0.0f;
-        for (int i = 0; i < C; i++) {
-            const float g = dy[i] * weight[i];
-            g_mean += g;
-            gn_mean += g * ((x[i] - m) * s);
+        // 16 lanes each; the zero-filled lanes past C give g = 0
+        vec16f g_sum = {0}, gn_sum = {0};
+        for (int i = 0; i < C; i += 16) {
+            const int n = C - i < 16 ? C - i : 16;
+            const vec16f g = llmc_load16(dy + i, n) * llmc_load16(weight + i, n);
+            g_sum += g;
+            gn_sum += g * ((llmc_load16(x + i, n) - m) * s);
         }
-        g_mean /= C;
-        gn_mean /= C;
+        const float g_mean = llmc_hsum16(g_sum) / C, gn_mean = llmc_hsum16(gn_sum) / C;
         for (int i = 0; i < C; i++) {
             const float n = (x[i] - m) * s;
             dx[i] += s * (dy[i] * weight[i] - g_mean - n * gn_mean);

@@ -6,6 +6,9 @@
 #include "llmc.h"
 #include "common.h"
 
+typedef float vec8f __attribute__((vector_size(32)));
+typedef double vec8d __attribute__((vector_size(64)));
+
 /* Index of the first target outside [0, V), or -1 if all are in range. */
 static long first_bad_target(const int* targets, long BT, int V) {
     for (long bt = 0; bt < BT; bt++) {
@@ -24,17 +27,34 @@ int softmax_forward(float* probs, const float* logits, int B, int T, int V, int 
     for (long bt = 0; bt < BT; bt++) {
         const float* x = logits + (size_t)bt * Vp;
         float* p = probs + (size_t)bt * Vp;
-        float maxval = -INFINITY;
-        for (int i = 0; i < V; i++) { if (x[i] > maxval) { maxval = x[i]; } }
-        // exponentials 16 lanes at a time; the normaliser sums up to ~50k
-        // terms, so each block's lanes are added into a double, in order
-        double sum = 0.0;
+        // the max on 16 lanes (a NaN logit is skipped here, as by a scalar
+        // max, and poisons the sum below)
+        vec16f max16 = {0};
+        max16 += -INFINITY;
         for (int i = 0; i < V; i += 16) {
             const int n = V - i < 16 ? V - i : 16;
-            const vec16f e = llmc_exp16(llmc_load16(x + i, n) - maxval);
-            llmc_store16(p + i, e, n);
-            sum += llmc_hsum16(llmc_select16(llmc_lanes_below(n), e, (vec16f){0}));
+            const vec16f v = llmc_select16(llmc_lanes_below(n), llmc_load16(x + i, n), max16);
+            max16 = llmc_select16(v > max16, v, max16);
         }
+        float maxval = -INFINITY;
+        for (int l = 0; l < 16; l++) { if (max16[l] > maxval) { maxval = max16[l]; } }
+        // exponentials 16 lanes at a time; the normaliser sums up to ~50k
+        // terms, so it is kept in 16 double lanes, added in order at the end
+        vec8d sum_lo = {0}, sum_hi = {0};
+        for (int i = 0; i < V; i += 16) {
+            const int n = V - i < 16 ? V - i : 16;
+            const vec16f e = llmc_load16(x + i, n) - maxval;
+            const vec16f ex = llmc_select16(llmc_lanes_below(n), llmc_exp16(e), (vec16f){0});
+            llmc_store16(p + i, ex, n);
+            vec8f lo, hi;
+            memcpy(&lo, &ex, sizeof lo);
+            memcpy(&hi, (const float*)&ex + 8, sizeof hi);
+            sum_lo += __builtin_convertvector(lo, vec8d);
+            sum_hi += __builtin_convertvector(hi, vec8d);
+        }
+        double sum = 0.0;
+        for (int l = 0; l < 8; l++) { sum += sum_lo[l]; }
+        for (int l = 0; l < 8; l++) { sum += sum_hi[l]; }
         const float inv = (float)(1.0 / sum);
         for (int i = 0; i < V; i++) { p[i] *= inv; }
         for (int i = V; i < Vp; i++) { p[i] = 0.0f; }
