@@ -15,6 +15,7 @@ Every time is the median of several repeats (min and max shown too).
 """
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -26,6 +27,10 @@ from . import kernels as K
 from ._lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
 from .config import GPT2Config
 from .model import GPT2
+
+
+# the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def timed(fn, repeats, warmup=1):
@@ -305,7 +310,11 @@ def _torch_generate(model, prompts, new_tokens, repeats, result):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="0: OpenMP's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="0: OpenMP's default. numpy's BLAS and torch get the same count "
+                        "(from the command line the benchmark restarts itself with "
+                        "OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set, which numpy reads "
+                        "only at import)")
     p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true")
@@ -326,6 +335,11 @@ def main(argv=None):
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args(argv)
     if args.threads:
+        wanted = str(args.threads)
+        if argv is None and any(os.environ.get(name) != wanted for name in BLAS_THREAD_VARS):
+            env = dict(os.environ, **{name: wanted for name in BLAS_THREAD_VARS})
+            os.execve(sys.executable, [sys.executable, "-m", "llmc_py.bench", *sys.argv[1:]],
+                      env)
         set_num_threads(args.threads)
     isas = args.isa or supported_isas()[::-1]   # fastest first
     for isa in isas:
