@@ -214,6 +214,20 @@ def save_checkpoint(out_dir, step, model, extra, keep):
                 path.unlink(missing_ok=True)
 
 
+# the temporary files of ckpt.atomic_write for this folder's files, which stay
+# behind only when the writing process was killed before its rename
+_TEMPORARY = re.compile(r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log)\..+\.tmp")
+
+
+def remove_stale_temporaries(out_dir):
+    """Deletes the temporary files a killed save left in ``out_dir``; returns
+    how many. (Two trainers never share an output folder.)"""
+    stale = [path for path in Path(out_dir).iterdir() if _TEMPORARY.fullmatch(path.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
 def truncate_log(path, step):
     """Drops the lines of steps after ``step`` from a main.log (left by a run
     that went on past its last checkpoint), so a resumed run continues it."""
@@ -276,6 +290,9 @@ def run(args, out=None):
         set_num_threads(args.threads)
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_temporaries(out_dir)
+    if stale:
+        progress.say(f"removed {stale} temporary file(s) of an interrupted save in {out_dir}")
 
     # data
     if args.train_data is None:

@@ -280,7 +280,12 @@ def test_trainer_killed_while_saving_resumes_from_the_last_complete_checkpoint(s
     # checkpoint is incomplete: resuming starts from step 5
     assert (out / "model_00000010.bin").exists()
     assert train_mod.completed_steps(out) == [5]
+    # what a kill inside atomic_write leaves; the next run removes it, and only it
+    stale = out / ".state_00000010.bin.k3x_9q.tmp"
+    stale.write_bytes(b"partial")
+    (out / "notes.tmp").write_text("not ours")
     resume_matches(shards, out, straight)
+    assert not stale.exists() and (out / "notes.tmp").exists()
 
 
 @pytest.mark.parametrize("extra,message", [
