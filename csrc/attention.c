@@ -67,11 +67,16 @@
 #include "llmc.h"
 #include "common.h"
 
-#define TILE_ROWS 4     /* query rows of a score_tile / rows_tile */
+#define SCORE_ROWS 8    /* query rows of a score_tile, and of the forward's and
+                           backward's row tiles: a multiple of TILE_ROWS */
+#define TILE_ROWS 4     /* query rows of a rows_tile */
 #define TILE_KEYS 4     /* key rows of a cols_tile */
 #define TILE_CH 64      /* channels of a rows_tile / cols_tile: 4 vectors */
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+/* Fully unrolls a loop over a tile's rows or vectors, so that the tile's
+   accumulators can live in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
 
 /* Loads / stores the first m lanes (all 16 when m >= 16; the rest load as
    0): a masked load or store on AVX-512, else a copy through memory. */
@@ -92,6 +97,15 @@ static ALWAYS_INLINE vec16f load_part(const float* p, int m) {
 static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
     if (m >= 16) { llmc_store16(p, v, 16); } else { llmc_store16(p, v, m); }
 }
+#endif
+
+/* A vector loaded once and used by a whole row of a tile: kept in a
+   register. Left alone, GCC folds the load into every FMA that uses it, and
+   the repeated loads, not the FMAs, then bound the loop. */
+#if defined(__GNUC__) && defined(__AVX512F__)
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define KEEP_IN_REGISTER(x) ((void)0)
 #endif
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
@@ -171,7 +185,7 @@ static ALWAYS_INLINE vec16f score_init(int n, int t2, float slope) {
 }
 
 /*
- * score_tile: R query rows (R <= TILE_ROWS) against the keys of a panel.
+ * score_tile: R query rows (R <= SCORE_ROWS) against the keys of a panel.
  * Row r has n0 + r keys; for t2 < n0 + r,
  *   s[r][t2] = score_init(n0 + r, t2) + sum_i a[r][i] * panel(i, t2)
  * one FMA per i, i ascending. a's rows lie lda floats apart, s's lds apart.
@@ -183,16 +197,18 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
     for (int k0 = 0; k0 < nmax; k0 += 32) {
         const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
         const float* p1 = p0 + (size_t)16 * hs;       // keys k0+16 .. k0+31
-        vec16f acc[TILE_ROWS][2];
-        for (int r = 0; r < R; r++) {
+        vec16f acc[SCORE_ROWS][2];
+        UNROLL for (int r = 0; r < R; r++) {
             acc[r][0] = score_init(n0 + r, k0, slope);
             acc[r][1] = score_init(n0 + r, k0 + 16, slope);
         }
         if (nmax - k0 > 16) {
             for (int i = 0; i < hs; i++) {
-                const vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
-                const vec16f k_b = llmc_load16(p1 + (size_t)i * 16, 16);
-                for (int r = 0; r < R; r++) {
+                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
+                vec16f k_b = llmc_load16(p1 + (size_t)i * 16, 16);
+                KEEP_IN_REGISTER(k_a);
+                KEEP_IN_REGISTER(k_b);
+                UNROLL for (int r = 0; r < R; r++) {
                     const float a_ri = a[(size_t)r * lda + i];
                     acc[r][0] += a_ri * k_a;
                     acc[r][1] += a_ri * k_b;
@@ -200,12 +216,13 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
             }
         } else {   // the last 16 keys (p1 may lie past the panel)
             for (int i = 0; i < hs; i++) {
-                const vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
-                for (int r = 0; r < R; r++) { acc[r][0] += a[(size_t)r * lda + i] * k_a; }
+                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
+                KEEP_IN_REGISTER(k_a);
+                UNROLL for (int r = 0; r < R; r++) { acc[r][0] += a[(size_t)r * lda + i] * k_a; }
             }
         }
-        for (int r = 0; r < R; r++) {
-            for (int half = 0; half < 2; half++) {
+        UNROLL for (int r = 0; r < R; r++) {
+            UNROLL for (int half = 0; half < 2; half++) {
                 const int m = n0 + r - (k0 + 16 * half);
                 if (m > 0) { store_part(s + (size_t)r * lds + k0 + 16 * half, acc[r][half], m); }
             }
@@ -282,31 +299,34 @@ static ALWAYS_INLINE void rows_chunk(float* o, size_t ldo, int accumulate,
                                      const float* a, size_t lda, const float* x, size_t ldx,
                                      int R, int n0, int NV, int mlast) {
     vec16f acc[TILE_ROWS][TILE_CH / 16];
-    for (int r = 0; r < R; r++) {
-        for (int v = 0; v < NV; v++) {
+    UNROLL for (int r = 0; r < R; r++) {
+        UNROLL for (int v = 0; v < NV; v++) {
             acc[r][v] = accumulate ? load_part(o + (size_t)r * ldo + 16 * v, LANES(v))
                                    : (vec16f){0};
         }
     }
     for (int t2 = 0; t2 < n0; t2++) {   // the terms all R rows have
         vec16f xv[TILE_CH / 16];
-        for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v)); }
-        for (int r = 0; r < R; r++) {
+        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v));
+                                           KEEP_IN_REGISTER(xv[v]); }
+        UNROLL for (int r = 0; r < R; r++) {
             const float a_r = a[(size_t)r * lda + t2];
-            for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
         }
     }
-    for (int d = 1; d < R; d++) {       // then those only rows d .. R-1 have
+    UNROLL for (int d = 1; d < R; d++) {       // then those only rows d .. R-1 have
         const int t2 = n0 - 1 + d;
         vec16f xv[TILE_CH / 16];
-        for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v)); }
-        for (int r = d; r < R; r++) {
+        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v));
+                                           KEEP_IN_REGISTER(xv[v]); }
+        UNROLL for (int r = 0; r < R; r++) {
+            if (r < d) { continue; }
             const float a_r = a[(size_t)r * lda + t2];
-            for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
         }
     }
-    for (int r = 0; r < R; r++) {
-        for (int v = 0; v < NV; v++) { store_part(o + (size_t)r * ldo + 16 * v, acc[r][v], LANES(v)); }
+    UNROLL for (int r = 0; r < R; r++) {
+        UNROLL for (int v = 0; v < NV; v++) { store_part(o + (size_t)r * ldo + 16 * v, acc[r][v], LANES(v)); }
     }
 }
 
@@ -344,28 +364,31 @@ static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_
                                      const float* x, size_t ldx, int KT, int t2a, int T,
                                      int NV, int mlast) {
     vec16f acc[TILE_KEYS][TILE_CH / 16];
-    for (int j = 0; j < KT; j++) {
-        for (int v = 0; v < NV; v++) { acc[j][v] = load_part(o + (size_t)j * ldo + 16 * v, LANES(v)); }
+    UNROLL for (int j = 0; j < KT; j++) {
+        UNROLL for (int v = 0; v < NV; v++) { acc[j][v] = load_part(o + (size_t)j * ldo + 16 * v, LANES(v)); }
     }
-    for (int d = 0; d < KT - 1; d++) {  // the terms only keys 0 .. d have
+    UNROLL for (int d = 0; d < KT - 1; d++) {  // the terms only keys 0 .. d have
         const int t = t2a + d;
         vec16f xv[TILE_CH / 16];
-        for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v)); }
-        for (int j = 0; j <= d; j++) {
+        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v));
+                                           KEEP_IN_REGISTER(xv[v]); }
+        UNROLL for (int j = 0; j < KT; j++) {
+            if (j > d) { continue; }
             const float a_j = a[(size_t)t * lda + t2a + j];
-            for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
+            UNROLL for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
         }
     }
     for (int t = t2a + KT - 1; t < T; t++) {   // then those all KT keys have
         vec16f xv[TILE_CH / 16];
-        for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v)); }
-        for (int j = 0; j < KT; j++) {
+        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v));
+                                           KEEP_IN_REGISTER(xv[v]); }
+        UNROLL for (int j = 0; j < KT; j++) {
             const float a_j = a[(size_t)t * lda + t2a + j];
-            for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
+            UNROLL for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
         }
     }
-    for (int j = 0; j < KT; j++) {
-        for (int v = 0; v < NV; v++) { store_part(o + (size_t)j * ldo + 16 * v, acc[j][v], LANES(v)); }
+    UNROLL for (int j = 0; j < KT; j++) {
+        UNROLL for (int v = 0; v < NV; v++) { store_part(o + (size_t)j * ldo + 16 * v, acc[j][v], LANES(v)); }
     }
 }
 #undef LANES
@@ -413,7 +436,11 @@ static ALWAYS_INLINE void forward_rows(float* out_bh, size_t C, float* att_bh,
         softmax_row(att_row, t0 + r + 1);
         for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
     }
-    rows_tile(out_bh + (size_t)t0 * C, C, 0, att_t, (size_t)T, v, row, R, t0 + 1, hs);
+    const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
+    for (int r = 0; r < R; r += R_pv) {
+        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, att_t + (size_t)r * T, (size_t)T, v, row,
+                  R_pv, t0 + r + 1, hs);
+    }
 }
 
 /* The forward core; sizes already checked. slopes may be NULL. */
@@ -442,8 +469,8 @@ static int gqa_forward(float* out, float* att, const float* inp, const float* sl
             const float* v = inp_b + v_start + kv;
             build_panel(panel, inp_b + C + kv, row, T, hs, scale);
             int t0 = 0;
-            for (; t0 + TILE_ROWS <= T; t0 += TILE_ROWS) {
-                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, TILE_ROWS);
+            for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, SCORE_ROWS);
             }
             for (; t0 < T; t0++) {
                 forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, 1);
@@ -464,7 +491,11 @@ static ALWAYS_INLINE void backward_rows(float* dq, float* ds, const float* att_b
     for (int r = 0; r < R; r++) {
         dscore_row(ds_t + (size_t)r * T, att_bh + (size_t)(t0 + r) * T, t0 + r + 1, scale);
     }
-    rows_tile(dq + (size_t)t0 * row, row, 1, ds_t, (size_t)T, k, row, R, t0 + 1, hs);
+    const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
+    for (int r = 0; r < R; r += R_dq) {
+        rows_tile(dq + (size_t)(t0 + r) * row, row, 1, ds_t + (size_t)r * T, (size_t)T, k, row,
+                  R_dq, t0 + r + 1, hs);
+    }
 }
 
 /* The backward core; sizes already checked. */
@@ -495,9 +526,9 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
                 const float* dout_h = dout + (size_t)b * T * C + (size_t)h * hs;
                 float* dq = dinp_b + (size_t)h * hs;
                 int t0 = 0;
-                for (; t0 + TILE_ROWS <= T; t0 += TILE_ROWS) {
+                for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
                     backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
-                                  scale, t0, TILE_ROWS);
+                                  scale, t0, SCORE_ROWS);
                 }
                 for (; t0 < T; t0++) {
                     backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
