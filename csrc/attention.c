@@ -15,7 +15,7 @@
  * tile it falls in, the tile size, or the thread that runs it.
  *
  *   score_tile  S[t, t2] = bias + sum_i  A[t, i] * Kt[i, t2]    (i ascending)
- *               keys in the lanes, 4 query rows x 32 keys a tile; Kt is a
+ *               keys in the lanes, 8 query rows x 32 keys a tile; Kt is a
  *               "key panel": the key rows transposed into blocks of 16
  *               keys, [hs][16] each, zero past the last key
  *   rows_tile   O[t, c] (+)= sum_t2 A[t, t2] * X[t2, c]    (t2 ascending,
@@ -29,8 +29,8 @@
  *
  * Forward, parallel over (b, h): the key panel of the head's kv head is
  * built with the 1/sqrt(hs) scale folded in (a product of its own, before
- * the sums), then per tile of query rows
- *   scores  = score_tile(q, panel) with bias -slope * (t - t2)
+ * the sums), then per tile of 8 query rows
+ *   scores  = score_tile(q, panel), starting from the bias -slope * (t - t2)
  *   att     = softmax_row of each row, the masked future set to exactly 0
  *   out     = rows_tile(att, v)
  * Only the probabilities (att) are kept: the backward needs nothing else
@@ -50,15 +50,16 @@
  * whatever the thread count. The scratch (a panel, and dS for one head,
  * T x T) is one malloc per call, a slice per thread.
  *
- * attention_decode is one forward row per (b, h), parallel over (b, h). It
- * transposes 16 x 16 blocks of cached keys on the fly instead of building a
- * panel (no allocation per call, one pass over the cache); the panel holds
- * the same values, so its scores are the forward's, lane by lane. It then
- * calls the forward's softmax_row and rows_tile (one row), so a decoded
- * position equals that position of a full forward bitwise. The scores need
- * a row of up to maxT floats per (b, h): the caller's att buffer holds
- * them, since a stack buffer of maxT floats could overflow a worker
- * thread's stack for long contexts.
+ * attention_decode is one forward row per (b, h), parallel over (b, kv
+ * head, chunk of up to DECODE_HEADS of its query heads). It transposes
+ * 16 x 16 blocks of cached keys on the fly, once for the chunk's heads,
+ * instead of building a panel (no allocation per call, one pass over the
+ * cache); the panel holds the same values, so its scores are the forward's,
+ * lane by lane. It then calls the forward's softmax_row and rows_tile (one
+ * row), so a decoded position equals that position of a full forward
+ * bitwise. The scores need a row of up to maxT floats per (b, h): the
+ * caller's att buffer holds them, since a stack buffer of maxT floats could
+ * overflow a worker thread's stack for long contexts.
  */
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -72,6 +73,7 @@
 #define TILE_ROWS 4     /* query rows of a rows_tile */
 #define TILE_KEYS 4     /* key rows of a cols_tile */
 #define TILE_CH 64      /* channels of a rows_tile / cols_tile: 4 vectors */
+#define DECODE_HEADS 4  /* query heads of a kv head the decode scores at once */
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 /* Fully unrolls a loop over a tile's rows or vectors, so that the tile's
@@ -230,21 +232,29 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
     }
 }
 
-/* The decode's scores: one query row q with n keys (stride floats apart),
-   as score_tile computes them against a panel of k times scale, with the 16 x
-   16 key blocks transposed on the fly. */
-static void decode_scores(float* s, const float* q, const float* k, size_t stride,
-                          int n, int hs, float scale, float slope) {
+/* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
+   apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,
+   each a query row with n keys (stride floats apart), as score_tile computes
+   them against a panel of k times scale. The 16 x 16 key blocks are
+   transposed on the fly, once for all R heads. Writes row r at s + r lds. */
+static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, size_t ldq,
+                                        const float* slopes, const float* k, size_t stride,
+                                        int n, int hs, float scale, int R) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
-        vec16f acc = score_init(n, k0, slope);
+        vec16f acc[DECODE_HEADS];
+        UNROLL for (int r = 0; r < R; r++) {
+            acc[r] = score_init(n, k0, slopes != NULL ? slopes[r] : 0.0f);
+        }
         for (int i0 = 0; i0 < hs; i0 += 16) {
             const int ci = hs - i0 < 16 ? hs - i0 : 16;
             vec16f kt[16];
             key_block(kt, k, stride, k0, m, i0, ci, scale);
-            for (int ii = 0; ii < ci; ii++) { acc += q[i0 + ii] * kt[ii]; }
+            for (int ii = 0; ii < ci; ii++) {
+                UNROLL for (int r = 0; r < R; r++) { acc[r] += q[(size_t)r * ldq + i0 + ii] * kt[ii]; }
+            }
         }
-        store_part(s + k0, acc, m);
+        UNROLL for (int r = 0; r < R; r++) { store_part(s + (size_t)r * lds + k0, acc[r], m); }
     }
 }
 
@@ -607,18 +617,40 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
     const size_t kv_row = (size_t)NKV * hs;       // one cached position (q, out: NH hs)
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
+    // units of up to DECODE_HEADS query heads of one kv head
+    const int chunks = (kv_mul + DECODE_HEADS - 1) / DECODE_HEADS;
 
-    #pragma omp parallel for collapse(2) schedule(static)
+    #pragma omp parallel for collapse(3) schedule(static)
     for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            const size_t kv = (size_t)b * maxT * kv_row + (size_t)(h / kv_mul) * hs;
-            const size_t bh = (size_t)b * NH + h;
-            float* att_bh = att + bh * maxT;
-            // the forward's row len[b] - 1: its scores, softmax_row and rows_tile
-            decode_scores(att_bh, q + bh * hs, k_cache + kv, kv_row, len[b], hs, scale,
-                          slopes != NULL ? slopes[h] : 0.0f);
-            softmax_row(att_bh, len[b]);
-            rows_tile(out + bh * hs, hs, 0, att_bh, maxT, v_cache + kv, kv_row, 1, len[b], hs);
+        for (int g = 0; g < NKV; g++) {
+            for (int c = 0; c < chunks; c++) {
+                const int h0 = g * kv_mul + c * DECODE_HEADS;
+                const int R = (g + 1) * kv_mul - h0 < DECODE_HEADS ? (g + 1) * kv_mul - h0
+                                                                   : DECODE_HEADS;
+                const size_t kv = (size_t)b * maxT * kv_row + (size_t)g * hs;
+                const size_t bh0 = (size_t)b * NH + h0;
+                float* att_bh0 = att + bh0 * maxT;
+                const float* q_bh0 = q + bh0 * hs;
+                const float* slopes_h0 = slopes != NULL ? slopes + h0 : NULL;
+                // the forward's row len[b] - 1 of each head: its scores, softmax_row
+                // and rows_tile
+                switch (R) {
+                case 4: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 4); break;
+                case 3: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 3); break;
+                case 2: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 2); break;
+                default: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                       len[b], hs, scale, 1); break;
+                }
+                for (int r = 0; r < R; r++) {
+                    float* att_bh = att_bh0 + (size_t)r * maxT;
+                    softmax_row(att_bh, len[b]);
+                    rows_tile(out + (bh0 + r) * hs, hs, 0, att_bh, maxT, v_cache + kv, kv_row, 1,
+                              len[b], hs);
+                }
+            }
         }
     }
     return LLMC_OK;
