@@ -174,7 +174,9 @@ static void build_panel(float* panel, const float* k, size_t stride, int n, int 
             const int ci = hs - i0 < 16 ? hs - i0 : 16;
             vec16f r[16];
             key_block(r, k, stride, k0, n - k0 < 16 ? n - k0 : 16, i0, ci, scale);
-            for (int ii = 0; ii < ci; ii++) { llmc_store16(block + (size_t)(i0 + ii) * 16, r[ii], 16); }
+            for (int ii = 0; ii < ci; ii++) {
+                llmc_store16(block + (size_t)(i0 + ii) * 16, r[ii], 16);
+            }
         }
     }
 }
@@ -251,7 +253,9 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
             vec16f kt[16];
             key_block(kt, k, stride, k0, m, i0, ci, scale);
             for (int ii = 0; ii < ci; ii++) {
-                UNROLL for (int r = 0; r < R; r++) { acc[r] += q[(size_t)r * ldq + i0 + ii] * kt[ii]; }
+                UNROLL for (int r = 0; r < R; r++) {
+                    acc[r] += q[(size_t)r * ldq + i0 + ii] * kt[ii];
+                }
             }
         }
         UNROLL for (int r = 0; r < R; r++) { store_part(s + (size_t)r * lds + k0, acc[r], m); }
@@ -301,44 +305,69 @@ static void dscore_row(float* ds, const float* p, int n, float scale) {
     }
 }
 
-/* The lanes of vector v of a channel chunk of NV vectors, the last with mlast. */
-#define LANES(v) ((v) == NV - 1 ? mlast : 16)
+/* A chunk of channels is NV vectors (NV <= TILE_CH / 16), the last with mlast
+   lanes (16 when whole). These load / store one row of such a chunk. */
+static ALWAYS_INLINE void load_chunk(vec16f* xv, const float* p, int NV, int mlast) {
+    UNROLL for (int v = 0; v < NV; v++) {
+        xv[v] = load_part(p + 16 * v, v == NV - 1 ? mlast : 16);
+    }
+}
+static ALWAYS_INLINE void store_chunk(float* p, const vec16f* xv, int NV, int mlast) {
+    UNROLL for (int v = 0; v < NV; v++) { store_part(p + 16 * v, xv[v], v == NV - 1 ? mlast : 16); }
+}
+/* acc[v] += a * xv[v] over a chunk */
+static ALWAYS_INLINE void fma_chunk(vec16f* acc, float a, const vec16f* xv, int NV) {
+    UNROLL for (int v = 0; v < NV; v++) { acc[v] += a * xv[v]; }
+}
+/* A row of x used by every row of a tile: loaded once, kept in registers. */
+static ALWAYS_INLINE void load_shared_chunk(vec16f* xv, const float* p, int NV, int mlast) {
+    load_chunk(xv, p, NV, mlast);
+    UNROLL for (int v = 0; v < NV; v++) { KEEP_IN_REGISTER(xv[v]); }
+}
 
-/* rows_tile on one chunk of NV vectors (NV * 16 - 16 < channels <= NV * 16). */
+/* rows_tile on one chunk of channels. */
 static ALWAYS_INLINE void rows_chunk(float* o, size_t ldo, int accumulate,
                                      const float* a, size_t lda, const float* x, size_t ldx,
                                      int R, int n0, int NV, int mlast) {
-    vec16f acc[TILE_ROWS][TILE_CH / 16];
+    vec16f acc[TILE_ROWS][TILE_CH / 16], xv[TILE_CH / 16];
     UNROLL for (int r = 0; r < R; r++) {
-        UNROLL for (int v = 0; v < NV; v++) {
-            acc[r][v] = accumulate ? load_part(o + (size_t)r * ldo + 16 * v, LANES(v))
-                                   : (vec16f){0};
+        if (accumulate) {
+            load_chunk(acc[r], o + (size_t)r * ldo, NV, mlast);
+        } else {
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] = (vec16f){0}; }
         }
     }
-    for (int t2 = 0; t2 < n0; t2++) {   // the terms all R rows have
-        vec16f xv[TILE_CH / 16];
-        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v));
-                                           KEEP_IN_REGISTER(xv[v]); }
-        UNROLL for (int r = 0; r < R; r++) {
-            const float a_r = a[(size_t)r * lda + t2];
-            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
-        }
+    for (int t2 = 0; t2 < n0; t2++) {           // the terms all R rows have
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
+        UNROLL for (int r = 0; r < R; r++) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
     }
-    UNROLL for (int d = 1; d < R; d++) {       // then those only rows d .. R-1 have
+    UNROLL for (int d = 1; d < R; d++) {        // then those only rows d .. R-1 have
         const int t2 = n0 - 1 + d;
-        vec16f xv[TILE_CH / 16];
-        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t2 * ldx + 16 * v, LANES(v));
-                                           KEEP_IN_REGISTER(xv[v]); }
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
         UNROLL for (int r = 0; r < R; r++) {
-            if (r < d) { continue; }
-            const float a_r = a[(size_t)r * lda + t2];
-            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] += a_r * xv[v]; }
+            if (r >= d) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
         }
     }
-    UNROLL for (int r = 0; r < R; r++) {
-        UNROLL for (int v = 0; v < NV; v++) { store_part(o + (size_t)r * ldo + 16 * v, acc[r][v], LANES(v)); }
-    }
+    UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
 }
+
+/* Runs CHUNK(NV, mlast) for the chunk of nc channels (1 <= nc <= TILE_CH) with
+   NV and, when the chunk is whole vectors, mlast as constants: no lane masks
+   in the loops of the common head sizes. */
+#define DISPATCH_CHUNK(nc, CHUNK)                                                   \
+    do {                                                                            \
+        const int mlast_ = (nc) - 16 * (((nc) - 1) / 16);                           \
+        switch ((mlast_ == 16 ? 0 : 4) + ((nc) + 15) / 16) {                        \
+        case 4: CHUNK(4, 16); break;                                                \
+        case 3: CHUNK(3, 16); break;                                                \
+        case 2: CHUNK(2, 16); break;                                                \
+        case 1: CHUNK(1, 16); break;                                                \
+        case 8: CHUNK(4, mlast_); break;                                            \
+        case 7: CHUNK(3, mlast_); break;                                            \
+        case 6: CHUNK(2, mlast_); break;                                            \
+        default: CHUNK(1, mlast_); break;                                           \
+        }                                                                           \
+    } while (0)
 
 /*
  * rows_tile: R rows (R <= TILE_ROWS), row r with n0 + r terms; for c < hs,
@@ -350,58 +379,33 @@ static ALWAYS_INLINE void rows_tile(float* o, size_t ldo, int accumulate,
                                     int R, int n0, int hs) {
     for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
         const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
-        const int mlast = nc - 16 * ((nc - 1) / 16);
-        if (mlast == 16) {   // whole vectors: no masks in the loop
-            switch (nc / 16) {
-            case 4: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 4, 16); break;
-            case 3: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 3, 16); break;
-            case 2: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 2, 16); break;
-            default: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 1, 16); break;
-            }
-        } else {
-            switch ((nc + 15) / 16) {
-            case 4: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 4, mlast); break;
-            case 3: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 3, mlast); break;
-            case 2: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 2, mlast); break;
-            default: rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, 1, mlast); break;
-            }
-        }
+#define ROWS_CHUNK(NV, mlast) \
+        rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, NV, mlast)
+        DISPATCH_CHUNK(nc, ROWS_CHUNK);
+#undef ROWS_CHUNK
     }
 }
 
-/* cols_tile on one chunk of NV vectors. */
+/* cols_tile on one chunk of channels. */
 static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_t lda,
                                      const float* x, size_t ldx, int KT, int t2a, int T,
                                      int NV, int mlast) {
-    vec16f acc[TILE_KEYS][TILE_CH / 16];
-    UNROLL for (int j = 0; j < KT; j++) {
-        UNROLL for (int v = 0; v < NV; v++) { acc[j][v] = load_part(o + (size_t)j * ldo + 16 * v, LANES(v)); }
-    }
-    UNROLL for (int d = 0; d < KT - 1; d++) {  // the terms only keys 0 .. d have
+    vec16f acc[TILE_KEYS][TILE_CH / 16], xv[TILE_CH / 16];
+    UNROLL for (int j = 0; j < KT; j++) { load_chunk(acc[j], o + (size_t)j * ldo, NV, mlast); }
+    UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
         const int t = t2a + d;
-        vec16f xv[TILE_CH / 16];
-        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v));
-                                           KEEP_IN_REGISTER(xv[v]); }
+        load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
         UNROLL for (int j = 0; j < KT; j++) {
-            if (j > d) { continue; }
-            const float a_j = a[(size_t)t * lda + t2a + j];
-            UNROLL for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
+            if (j <= d) { fma_chunk(acc[j], a[(size_t)t * lda + t2a + j], xv, NV); }
         }
     }
-    for (int t = t2a + KT - 1; t < T; t++) {   // then those all KT keys have
-        vec16f xv[TILE_CH / 16];
-        UNROLL for (int v = 0; v < NV; v++) { xv[v] = load_part(x + (size_t)t * ldx + 16 * v, LANES(v));
-                                           KEEP_IN_REGISTER(xv[v]); }
-        UNROLL for (int j = 0; j < KT; j++) {
-            const float a_j = a[(size_t)t * lda + t2a + j];
-            UNROLL for (int v = 0; v < NV; v++) { acc[j][v] += a_j * xv[v]; }
-        }
+    for (int t = t2a + KT - 1; t < T; t++) {    // then those all KT keys have
+        load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
+        const float* a_t = a + (size_t)t * lda + t2a;
+        UNROLL for (int j = 0; j < KT; j++) { fma_chunk(acc[j], a_t[j], xv, NV); }
     }
-    UNROLL for (int j = 0; j < KT; j++) {
-        UNROLL for (int v = 0; v < NV; v++) { store_part(o + (size_t)j * ldo + 16 * v, acc[j][v], LANES(v)); }
-    }
+    UNROLL for (int j = 0; j < KT; j++) { store_chunk(o + (size_t)j * ldo, acc[j], NV, mlast); }
 }
-#undef LANES
 
 /*
  * cols_tile: KT keys (KT <= TILE_KEYS), key j at t2a + j; for c < hs,
@@ -413,24 +417,12 @@ static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t
                                     int hs) {
     for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
         const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
-        const int mlast = nc - 16 * ((nc - 1) / 16);
-        if (mlast == 16) {   // whole vectors: no masks in the loop
-            switch (nc / 16) {
-            case 4: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 4, 16); break;
-            case 3: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 3, 16); break;
-            case 2: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 2, 16); break;
-            default: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 1, 16); break;
-            }
-        } else {
-            switch ((nc + 15) / 16) {
-            case 4: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 4, mlast); break;
-            case 3: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 3, mlast); break;
-            case 2: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 2, mlast); break;
-            default: cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, 1, mlast); break;
-            }
-        }
+#define COLS_CHUNK(NV, mlast) cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, NV, mlast)
+        DISPATCH_CHUNK(nc, COLS_CHUNK);
+#undef COLS_CHUNK
     }
 }
+#undef DISPATCH_CHUNK
 
 /* The scratch floats of a key panel of T keys. */
 static size_t panel_count(int T, int hs) { return (size_t)((T + 15) / 16) * 16 * (size_t)hs; }
