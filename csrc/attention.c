@@ -3,93 +3,500 @@
  * grouped-query attention (GQA) with optional ALiBi.
  *
  * One core serves both. GPT-2's packed row (q, k, v, each C = NH hs wide) is
- * the grouped layout with NKV == NH, and "no slopes" is a slope of 0, whose
- * bias slope * (t - t2) is exactly 0 and leaves every score unchanged; so
+ * the grouped layout with NKV == NH, and "no slopes" is a slope of 0, so
  * attention_forward/backward are the GQA kernels with those arguments, with
  * the same offsets and the same order of every sum.
  *
- * The forward keeps only the softmax probabilities (att): the backward needs
- * nothing else (the ALiBi bias is a constant). It is parallel over (b, t, h)
- * rows; each row is computed by attend_row below.
+ * Design: each (b, h) is a handful of small matrix products, computed by
+ * three register-tiled kernels on 16-lane vectors (vec16f). In each, one
+ * lane owns one output element and sums its terms one fused multiply-add at
+ * a time, in ascending order of the summed index, starting from a fixed
+ * value. So an element's arithmetic depends on the shapes alone: not on the
+ * tile it falls in, the tile size, or the thread that runs it.
  *
- * The backward is parallel over (b, kv head). A kv head's dk and dv gather
- * from all NH / NKV query heads of its group, so one thread owns the group:
- * it walks the group's query heads in order, and t and t2 in order within
- * each, writing its own heads' slices of dq, dk and dv. No two threads touch
- * the same element, and every element is summed in one order whatever the
- * thread count.
+ *   score_tile  S[t, t2] = bias + sum_i  A[t, i] * Kt[i, t2]    (i ascending)
+ *               keys in the lanes, 8 query rows x 32 keys a tile; Kt is a
+ *               "key panel": the key rows transposed into blocks of 16
+ *               keys, [hs][16] each, zero past the last key
+ *   rows_tile   O[t, c] (+)= sum_t2 A[t, t2] * X[t2, c]    (t2 ascending,
+ *               t2 <= t); channels in the lanes, 4 rows x 64 channels a tile
+ *   cols_tile   O[t2, c] += sum_t A[t, t2] * X[t, c]       (t ascending,
+ *               t >= t2); channels in the lanes, 4 keys x 64 channels a tile
  *
- * attention_decode is one forward row per (b, h), parallel over (b, h), run
- * by the forward's own attend_row: a decoded position gets the same
- * arithmetic as that position in a full forward. The scores need a row of
- * up to maxT floats per (b, h); the caller's att buffer holds them, since a
- * stack buffer of maxT floats could overflow a worker thread's stack for
- * long contexts, and a malloc per call would be one per layer per token.
+ * The causal triangle is kept exact: a tile runs the terms all its rows
+ * share, then the few that only its later rows (or earlier keys) have, so no
+ * masked entry is ever read or added.
+ *
+ * Forward, parallel over (b, h): the key panel of the head's kv head is
+ * built with the 1/sqrt(hs) scale folded in (a product of its own, before
+ * the sums), then per tile of 8 query rows
+ *   scores  = score_tile(q, panel), starting from the bias -slope * (t - t2)
+ *   att     = softmax_row of each row, the masked future set to exactly 0
+ *   out     = rows_tile(att, v)
+ * Only the probabilities (att) are kept: the backward needs nothing else
+ * (the ALiBi bias is a constant).
+ *
+ * Backward, parallel over (b, kv head). A kv head's dk and dv gather from
+ * all NH / NKV query heads of its group, so one thread owns the group and
+ * walks its query heads in order. With P = att, dO = dout of head h:
+ *   dP = dO V^T                  score_tile against a panel of v, no scale
+ *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)      dscore_row, row by row
+ *   dq += dS K                   rows_tile
+ *   dk += dS^T Q                 cols_tile
+ *   dv += P^T dO                 cols_tile
+ * dq, dk and dv are summed onto dinp's values in place; dk and dv of a
+ * group sum over its heads in order, then over t ascending. No two threads
+ * touch the same element, and every element is summed in one order
+ * whatever the thread count. The scratch (a panel, and dS for one head,
+ * T x T) is one malloc per call, a slice per thread.
+ *
+ * attention_decode is one forward row per (b, h), parallel over (b, kv
+ * head, chunk of up to DECODE_HEADS of its query heads). It transposes
+ * 16 x 16 blocks of cached keys on the fly, once for the chunk's heads,
+ * instead of building a panel (no allocation per call, one pass over the
+ * cache); the panel holds the same values, so its scores are the forward's,
+ * lane by lane. It then calls the forward's softmax_row and rows_tile (one
+ * row), so a decoded position equals that position of a full forward
+ * bitwise. The scores need a row of up to maxT floats per (b, h): the
+ * caller's att buffer holds them, since a stack buffer of maxT floats could
+ * overflow a worker thread's stack for long contexts.
  */
 #include <stdlib.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include "llmc.h"
 #include "common.h"
 
-/*
- * One query row: the query q at position n - 1 against the keys and values at
- * positions 0 .. n-1, whose rows lie kv_stride floats apart from k and v.
- * Writes the n probabilities to att_row and the weighted sum of the values to
- * out_row. The score of the key d = n - 1 - t2 positions back loses
- * slope * d (ALiBi). Softmax: the max is subtracted, exponentials are taken
- * 16 lanes at a time and summed lane by lane, then the lanes in order.
- */
-static inline void attend_row(float* out_row, float* att_row, const float* q,
-                              const float* k, const float* v, size_t kv_stride,
-                              int n, int hs, float scale, float slope) {
-    float maxval = -INFINITY;
-    for (int t2 = 0; t2 < n; t2++) {
-        const float score = llmc_dot(q, k + (size_t)t2 * kv_stride, hs) * scale
-                            - slope * (float)(n - 1 - t2);
-        att_row[t2] = score;
-        if (score > maxval) { maxval = score; }
+#define SCORE_ROWS 8    /* query rows of a score_tile, and of the forward's and
+                           backward's row tiles: a multiple of TILE_ROWS */
+#define TILE_ROWS 4     /* query rows of a rows_tile */
+#define TILE_KEYS 4     /* key rows of a cols_tile */
+#define TILE_CH 64      /* channels of a rows_tile / cols_tile: 4 vectors */
+#define DECODE_HEADS 4  /* query heads of a kv head the decode scores at once */
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+/* Fully unrolls a loop over a tile's rows or vectors, so that the tile's
+   accumulators can live in registers. */
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* Loads / stores the first m lanes (all 16 when m >= 16; the rest load as
+   0): a masked load or store on AVX-512, else a copy through memory. */
+#ifdef __AVX512F__
+static ALWAYS_INLINE __mmask16 first_lanes(int m) {
+    return m >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u);
+}
+static ALWAYS_INLINE vec16f load_part(const float* p, int m) {
+    return (vec16f)_mm512_maskz_loadu_ps(first_lanes(m), p);
+}
+static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
+    _mm512_mask_storeu_ps(p, first_lanes(m), (__m512)v);
+}
+#else
+static ALWAYS_INLINE vec16f load_part(const float* p, int m) {
+    return m >= 16 ? llmc_load16(p, 16) : llmc_load16(p, m);
+}
+static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
+    if (m >= 16) { llmc_store16(p, v, 16); } else { llmc_store16(p, v, m); }
+}
+#endif
+
+/* A vector loaded once and used by a whole row of a tile: kept in a
+   register. Left alone, GCC folds the load into every FMA that uses it, and
+   the repeated loads, not the FMAs, then bound the loop. */
+#if defined(__GNUC__) && defined(__AVX512F__)
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define KEEP_IN_REGISTER(x) ((void)0)
+#endif
+
+/* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
+   Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
+   128-bit quarters twice. */
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static ALWAYS_INLINE void transpose16(vec16f r[16]) {
+    vec16f t[16], u[16];
+    for (int k = 0; k < 8; k++) {   // pairs of rows, 32 bits at a time
+        t[2 * k] = SHUF(r[2 * k], r[2 * k + 1],
+                        0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+        t[2 * k + 1] = SHUF(r[2 * k], r[2 * k + 1],
+                            2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
     }
+    for (int k = 0; k < 4; k++) {   // quads of rows, 64 bits at a time
+        for (int h = 0; h < 2; h++) {
+            u[4 * k + 2 * h] = SHUF(t[4 * k + h], t[4 * k + h + 2],
+                                    0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            u[4 * k + 2 * h + 1] = SHUF(t[4 * k + h], t[4 * k + h + 2],
+                                        2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                                        30, 31);
+        }
+    }
+    // u[4k + m], quarter l, element e, is the old r[4k + e][4l + m]: transpose
+    // the 4 x 4 quarters of u[m], u[4 + m], u[8 + m], u[12 + m]
+    for (int m = 0; m < 4; m++) {
+        const vec16f x0 = SHUF(u[m], u[4 + m], 0, 1, 2, 3, 8, 9, 10, 11,
+                               16, 17, 18, 19, 24, 25, 26, 27);
+        const vec16f x1 = SHUF(u[m], u[4 + m], 4, 5, 6, 7, 12, 13, 14, 15,
+                               20, 21, 22, 23, 28, 29, 30, 31);
+        const vec16f y0 = SHUF(u[8 + m], u[12 + m], 0, 1, 2, 3, 8, 9, 10, 11,
+                               16, 17, 18, 19, 24, 25, 26, 27);
+        const vec16f y1 = SHUF(u[8 + m], u[12 + m], 4, 5, 6, 7, 12, 13, 14, 15,
+                               20, 21, 22, 23, 28, 29, 30, 31);
+        r[m] = SHUF(x0, y0, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        r[4 + m] = SHUF(x1, y1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        r[8 + m] = SHUF(x0, y0, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        r[12 + m] = SHUF(x1, y1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+}
+#undef SHUF
+
+/* The 16 x 16 block of keys k0 .. k0+15 (m of them real, the rest 0) and
+   channels i0 .. i0+15 (ci real), transposed: r[ii] lane j = k[k0 + j][i0 + ii],
+   times scale. The key panel and the decode's on-the-fly keys both come from
+   here, so they hold the same values. */
+static ALWAYS_INLINE void key_block(vec16f r[16], const float* k, size_t stride,
+                                    int k0, int m, int i0, int ci, float scale) {
+    for (int j = 0; j < 16; j++) {
+        r[j] = j < m ? load_part(k + (size_t)(k0 + j) * stride + i0, ci) : (vec16f){0};
+    }
+    transpose16(r);
+    for (int ii = 0; ii < 16; ii++) { r[ii] *= scale; }
+}
+
+/* The key panel of n key rows (stride floats apart) of hs channels: block kb
+   holds keys 16 kb .. 16 kb + 15 as [hs][16] at panel + kb * 16 hs, each
+   times scale, keys past n as 0. */
+static void build_panel(float* panel, const float* k, size_t stride, int n, int hs,
+                        float scale) {
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        float* block = panel + (size_t)k0 * hs;
+        for (int i0 = 0; i0 < hs; i0 += 16) {
+            const int ci = hs - i0 < 16 ? hs - i0 : 16;
+            vec16f r[16];
+            key_block(r, k, stride, k0, n - k0 < 16 ? n - k0 : 16, i0, ci, scale);
+            for (int ii = 0; ii < ci; ii++) {
+                llmc_store16(block + (size_t)(i0 + ii) * 16, r[ii], 16);
+            }
+        }
+    }
+}
+
+/* The starting value of the scores of keys t2 .. t2+15 for a query row with
+   n keys: the ALiBi bias -slope * (n - 1 - t2 - lane), one product. */
+static ALWAYS_INLINE vec16f score_init(int n, int t2, float slope) {
+    const vec16f lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return ((float)(n - 1 - t2) - lane) * -slope;
+}
+
+/*
+ * score_tile: R query rows (R <= SCORE_ROWS) against the keys of a panel.
+ * Row r has n0 + r keys; for t2 < n0 + r,
+ *   s[r][t2] = score_init(n0 + r, t2) + sum_i a[r][i] * panel(i, t2)
+ * one FMA per i, i ascending. a's rows lie lda floats apart, s's lds apart.
+ * Keys past a row's last are computed in their lanes but never stored.
+ */
+static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_t lda,
+                                     const float* panel, int hs, int R, int n0, float slope) {
+    const int nmax = n0 + R - 1;
+    for (int k0 = 0; k0 < nmax; k0 += 32) {
+        const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
+        const float* p1 = p0 + (size_t)16 * hs;       // keys k0+16 .. k0+31
+        vec16f acc[SCORE_ROWS][2];
+        UNROLL for (int r = 0; r < R; r++) {
+            acc[r][0] = score_init(n0 + r, k0, slope);
+            acc[r][1] = score_init(n0 + r, k0 + 16, slope);
+        }
+        if (nmax - k0 > 16) {
+            for (int i = 0; i < hs; i++) {
+                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
+                vec16f k_b = llmc_load16(p1 + (size_t)i * 16, 16);
+                KEEP_IN_REGISTER(k_a);
+                KEEP_IN_REGISTER(k_b);
+                UNROLL for (int r = 0; r < R; r++) {
+                    const float a_ri = a[(size_t)r * lda + i];
+                    acc[r][0] += a_ri * k_a;
+                    acc[r][1] += a_ri * k_b;
+                }
+            }
+        } else {   // the last 16 keys (p1 may lie past the panel)
+            for (int i = 0; i < hs; i++) {
+                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
+                KEEP_IN_REGISTER(k_a);
+                UNROLL for (int r = 0; r < R; r++) { acc[r][0] += a[(size_t)r * lda + i] * k_a; }
+            }
+        }
+        UNROLL for (int r = 0; r < R; r++) {
+            UNROLL for (int half = 0; half < 2; half++) {
+                const int m = n0 + r - (k0 + 16 * half);
+                if (m > 0) { store_part(s + (size_t)r * lds + k0 + 16 * half, acc[r][half], m); }
+            }
+        }
+    }
+}
+
+/* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
+   apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,
+   each a query row with n keys (stride floats apart), as score_tile computes
+   them against a panel of k times scale. The 16 x 16 key blocks are
+   transposed on the fly, once for all R heads. Writes row r at s + r lds. */
+static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, size_t ldq,
+                                        const float* slopes, const float* k, size_t stride,
+                                        int n, int hs, float scale, int R) {
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        vec16f acc[DECODE_HEADS];
+        UNROLL for (int r = 0; r < R; r++) {
+            acc[r] = score_init(n, k0, slopes != NULL ? slopes[r] : 0.0f);
+        }
+        for (int i0 = 0; i0 < hs; i0 += 16) {
+            const int ci = hs - i0 < 16 ? hs - i0 : 16;
+            vec16f kt[16];
+            key_block(kt, k, stride, k0, m, i0, ci, scale);
+            for (int ii = 0; ii < ci; ii++) {
+                UNROLL for (int r = 0; r < R; r++) {
+                    acc[r] += q[(size_t)r * ldq + i0 + ii] * kt[ii];
+                }
+            }
+        }
+        UNROLL for (int r = 0; r < R; r++) { store_part(s + (size_t)r * lds + k0, acc[r], m); }
+    }
+}
+
+/* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
+   taken 16 lanes at a time and summed lane by lane, then the lanes in order.
+   Not inlined: the forward and the decode run this very code. */
+static __attribute__((noinline)) void softmax_row(float* p, int n) {
+    const vec16f neg_inf = (vec16f){0} - INFINITY;
+    vec16f max16 = neg_inf;
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        const vec16f x = llmc_select16(llmc_lanes_below(m), load_part(p + k0, m), neg_inf);
+        max16 = llmc_select16(x > max16, x, max16);
+    }
+    float maxval = -INFINITY;
+    for (int j = 0; j < 16; j++) { maxval = max16[j] > maxval ? max16[j] : maxval; }
     vec16f expsum16 = {0};
-    for (int t2 = 0; t2 < n; t2 += 16) {
-        const int m = n - t2 < 16 ? n - t2 : 16;
-        const vec16f e = llmc_exp16(llmc_load16(att_row + t2, m) - maxval);
-        llmc_store16(att_row + t2, e, m);
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        const vec16f e = llmc_exp16(load_part(p + k0, m) - maxval);
+        store_part(p + k0, e, m);
         expsum16 += llmc_select16(llmc_lanes_below(m), e, (vec16f){0});
     }
     const float inv = 1.0f / llmc_hsum16(expsum16);
-    for (int t2 = 0; t2 < n; t2++) { att_row[t2] *= inv; }
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        store_part(p + k0, load_part(p + k0, m) * inv, m);
+    }
+}
 
-    for (int i = 0; i < hs; i++) { out_row[i] = 0.0f; }
-    for (int t2 = 0; t2 < n; t2++) {
-        const float* v_row = v + (size_t)t2 * kv_stride;
-        const float a = att_row[t2];
-        for (int i = 0; i < hs; i++) { out_row[i] += a * v_row[i]; }
+/* The backward through the softmax and the scale, one row of n keys: ds
+   holds dP = dO . v on entry, and on return
+   dS = p * (dP - sum(p * dP)) * scale. */
+static void dscore_row(float* ds, const float* p, int n, float scale) {
+    vec16f acc = {0};
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
+    }
+    const float p_dp = llmc_hsum16(acc);
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
+    }
+}
+
+/* A chunk of channels is NV vectors (NV <= TILE_CH / 16), the last with mlast
+   lanes (16 when whole). These load / store one row of such a chunk. */
+static ALWAYS_INLINE void load_chunk(vec16f* xv, const float* p, int NV, int mlast) {
+    UNROLL for (int v = 0; v < NV; v++) {
+        xv[v] = load_part(p + 16 * v, v == NV - 1 ? mlast : 16);
+    }
+}
+static ALWAYS_INLINE void store_chunk(float* p, const vec16f* xv, int NV, int mlast) {
+    UNROLL for (int v = 0; v < NV; v++) { store_part(p + 16 * v, xv[v], v == NV - 1 ? mlast : 16); }
+}
+/* acc[v] += a * xv[v] over a chunk */
+static ALWAYS_INLINE void fma_chunk(vec16f* acc, float a, const vec16f* xv, int NV) {
+    UNROLL for (int v = 0; v < NV; v++) { acc[v] += a * xv[v]; }
+}
+/* A row of x used by every row of a tile: loaded once, kept in registers. */
+static ALWAYS_INLINE void load_shared_chunk(vec16f* xv, const float* p, int NV, int mlast) {
+    load_chunk(xv, p, NV, mlast);
+    UNROLL for (int v = 0; v < NV; v++) { KEEP_IN_REGISTER(xv[v]); }
+}
+
+/* rows_tile on one chunk of channels. */
+static ALWAYS_INLINE void rows_chunk(float* o, size_t ldo, int accumulate,
+                                     const float* a, size_t lda, const float* x, size_t ldx,
+                                     int R, int n0, int NV, int mlast) {
+    vec16f acc[TILE_ROWS][TILE_CH / 16], xv[TILE_CH / 16];
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_chunk(acc[r], o + (size_t)r * ldo, NV, mlast);
+        } else {
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] = (vec16f){0}; }
+        }
+    }
+    for (int t2 = 0; t2 < n0; t2++) {           // the terms all R rows have
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
+        UNROLL for (int r = 0; r < R; r++) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
+    }
+    UNROLL for (int d = 1; d < R; d++) {        // then those only rows d .. R-1 have
+        const int t2 = n0 - 1 + d;
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
+        UNROLL for (int r = 0; r < R; r++) {
+            if (r >= d) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
+}
+
+/* Runs CHUNK(NV, mlast) for the chunk of nc channels (1 <= nc <= TILE_CH) with
+   NV and, when the chunk is whole vectors, mlast as constants: no lane masks
+   in the loops of the common head sizes. */
+#define DISPATCH_CHUNK(nc, CHUNK)                                                   \
+    do {                                                                            \
+        const int mlast_ = (nc) - 16 * (((nc) - 1) / 16);                           \
+        switch ((mlast_ == 16 ? 0 : 4) + ((nc) + 15) / 16) {                        \
+        case 4: CHUNK(4, 16); break;                                                \
+        case 3: CHUNK(3, 16); break;                                                \
+        case 2: CHUNK(2, 16); break;                                                \
+        case 1: CHUNK(1, 16); break;                                                \
+        case 8: CHUNK(4, mlast_); break;                                            \
+        case 7: CHUNK(3, mlast_); break;                                            \
+        case 6: CHUNK(2, mlast_); break;                                            \
+        default: CHUNK(1, mlast_); break;                                           \
+        }                                                                           \
+    } while (0)
+
+/*
+ * rows_tile: R rows (R <= TILE_ROWS), row r with n0 + r terms; for c < hs,
+ *   o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n0 + r} a[r][t2] * x[t2][c]
+ * one FMA per t2, t2 ascending. Rows of a, x and o lie lda, ldx, ldo apart.
+ */
+static ALWAYS_INLINE void rows_tile(float* o, size_t ldo, int accumulate,
+                                    const float* a, size_t lda, const float* x, size_t ldx,
+                                    int R, int n0, int hs) {
+    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
+        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+#define ROWS_CHUNK(NV, mlast) \
+        rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, NV, mlast)
+        DISPATCH_CHUNK(nc, ROWS_CHUNK);
+#undef ROWS_CHUNK
+    }
+}
+
+/* cols_tile on one chunk of channels. */
+static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_t lda,
+                                     const float* x, size_t ldx, int KT, int t2a, int T,
+                                     int NV, int mlast) {
+    vec16f acc[TILE_KEYS][TILE_CH / 16], xv[TILE_CH / 16];
+    UNROLL for (int j = 0; j < KT; j++) { load_chunk(acc[j], o + (size_t)j * ldo, NV, mlast); }
+    UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
+        const int t = t2a + d;
+        load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
+        UNROLL for (int j = 0; j < KT; j++) {
+            if (j <= d) { fma_chunk(acc[j], a[(size_t)t * lda + t2a + j], xv, NV); }
+        }
+    }
+    for (int t = t2a + KT - 1; t < T; t++) {    // then those all KT keys have
+        load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
+        const float* a_t = a + (size_t)t * lda + t2a;
+        UNROLL for (int j = 0; j < KT; j++) { fma_chunk(acc[j], a_t[j], xv, NV); }
+    }
+    UNROLL for (int j = 0; j < KT; j++) { store_chunk(o + (size_t)j * ldo, acc[j], NV, mlast); }
+}
+
+/*
+ * cols_tile: KT keys (KT <= TILE_KEYS), key j at t2a + j; for c < hs,
+ *   o[j][c] += sum_{t = t2a + j}^{T - 1} a[t][t2a + j] * x[t][c]
+ * one FMA per t, t ascending. Rows of a, x and o lie lda, ldx, ldo apart.
+ */
+static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t lda,
+                                    const float* x, size_t ldx, int KT, int t2a, int T,
+                                    int hs) {
+    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
+        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+#define COLS_CHUNK(NV, mlast) cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, NV, mlast)
+        DISPATCH_CHUNK(nc, COLS_CHUNK);
+#undef COLS_CHUNK
+    }
+}
+#undef DISPATCH_CHUNK
+
+/* The scratch floats of a key panel of T keys. */
+static size_t panel_count(int T, int hs) { return (size_t)((T + 15) / 16) * 16 * (size_t)hs; }
+
+/* One tile of R query rows t0 .. t0+R-1 of the forward of a (b, h). */
+static ALWAYS_INLINE void forward_rows(float* out_bh, size_t C, float* att_bh,
+                                       const float* q, const float* panel, const float* v,
+                                       size_t row, int T, int hs, float slope, int t0, int R) {
+    float* att_t = att_bh + (size_t)t0 * T;
+    score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope);
+    for (int r = 0; r < R; r++) {
+        float* att_row = att_t + (size_t)r * T;
+        softmax_row(att_row, t0 + r + 1);
+        for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
+    }
+    const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
+    for (int r = 0; r < R; r += R_pv) {
+        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, att_t + (size_t)r * T, (size_t)T, v, row,
+                  R_pv, t0 + r + 1, hs);
     }
 }
 
 /* The forward core; sizes already checked. slopes may be NULL. */
-static void gqa_forward(float* out, float* att, const float* inp, const float* slopes,
-                        int B, int T, int NH, int NKV, int hs) {
+static int gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+                       int B, int T, int NH, int NKV, int hs) {
     const size_t C = (size_t)NH * hs;                          // q heads, and out's row
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;    // packed q, k, v row
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
+    // one key panel per thread
+    const size_t per_thread = panel_count(T, hs);
+    float* scratch = malloc((size_t)omp_get_max_threads() * per_thread * sizeof(float));
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
-    #pragma omp parallel for collapse(3) schedule(static)
+    #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
-        for (int t = 0; t < T; t++) {
-            for (int h = 0; h < NH; h++) {
-                const float* inp_b = inp + (size_t)b * T * row;
-                const size_t kv = (size_t)(h / kv_mul) * hs;
-                float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
-                attend_row(out + ((size_t)b * T + t) * C + (size_t)h * hs, att_bth,
-                           inp_b + (size_t)t * row + (size_t)h * hs,
-                           inp_b + C + kv, inp_b + v_start + kv, row,
-                           t + 1, hs, scale, slopes != NULL ? slopes[h] : 0.0f);
-                // the masked future is exactly 0
-                for (int t2 = t + 1; t2 < T; t2++) { att_bth[t2] = 0.0f; }
+        for (int h = 0; h < NH; h++) {
+            float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
+            const float* inp_b = inp + (size_t)b * T * row;
+            const size_t kv = (size_t)(h / kv_mul) * hs;
+            const float slope = slopes != NULL ? slopes[h] : 0.0f;
+            float* out_bh = out + (size_t)b * T * C + (size_t)h * hs;
+            float* att_bh = att + ((size_t)b * NH + h) * T * T;
+            const float* q = inp_b + (size_t)h * hs;
+            const float* v = inp_b + v_start + kv;
+            build_panel(panel, inp_b + C + kv, row, T, hs, scale);
+            int t0 = 0;
+            for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, SCORE_ROWS);
+            }
+            for (; t0 < T; t0++) {
+                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, 1);
             }
         }
+    }
+    free(scratch);
+    return LLMC_OK;
+}
+
+/* One tile of R query rows of head h's backward: dP, dS and dq. */
+static ALWAYS_INLINE void backward_rows(float* dq, float* ds, const float* att_bh,
+                                        const float* dout_h, size_t C, const float* panel,
+                                        const float* k, size_t row, int T, int hs, float scale,
+                                        int t0, int R) {
+    float* ds_t = ds + (size_t)t0 * T;
+    score_tile(ds_t, (size_t)T, dout_h + (size_t)t0 * C, C, panel, hs, R, t0 + 1, 0.0f);
+    for (int r = 0; r < R; r++) {
+        dscore_row(ds_t + (size_t)r * T, att_bh + (size_t)(t0 + r) * T, t0 + r + 1, scale);
+    }
+    const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
+    for (int r = 0; r < R; r += R_dq) {
+        rows_tile(dq + (size_t)(t0 + r) * row, row, 1, ds_t + (size_t)r * T, (size_t)T, k, row,
+                  R_dq, t0 + r + 1, hs);
     }
 }
 
@@ -101,48 +508,48 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
-    // one row of d(att) per thread
-    const int nthreads = omp_get_max_threads();
-    float* scratch = malloc((size_t)nthreads * T * sizeof(float));
+    // per thread: a panel of v, then dS of one head [T, T]
+    const size_t panel_len = panel_count(T, hs);
+    const size_t per_thread = panel_len + (size_t)T * T;
+    float* scratch = malloc((size_t)omp_get_max_threads() * per_thread * sizeof(float));
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
     #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int g = 0; g < NKV; g++) {
-            float* datt = scratch + (size_t)omp_get_thread_num() * T;
+            float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
+            float* ds = panel + panel_len;
             const float* inp_b = inp + (size_t)b * T * row;
             float* dinp_b = dinp + (size_t)b * T * row;
             const size_t k_head = C + (size_t)g * hs, v_head = v_start + (size_t)g * hs;
+            build_panel(panel, inp_b + v_head, row, T, hs, 1.0f);
             for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
-                for (int t = 0; t < T; t++) {
-                    const float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
-                    const float* dout_bth = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
-                    const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
-                    float* dq = dinp_b + (size_t)t * row + (size_t)h * hs;
-
-                    // through the weighted sum: d(att) and dv
-                    float att_datt = 0.0f;
-                    for (int t2 = 0; t2 <= t; t2++) {
-                        const size_t v_off = (size_t)t2 * row + v_head;
-                        const float* v = inp_b + v_off;
-                        float* dv = dinp_b + v_off;
-                        const float a = att_bth[t2];
-                        for (int i = 0; i < hs; i++) { dv[i] += a * dout_bth[i]; }
-                        const float d = llmc_dot(dout_bth, v, hs);
-                        datt[t2] = d;
-                        att_datt += a * d;
-                    }
-                    // through the softmax and the scaled dot products: dq and dk
-                    for (int t2 = 0; t2 <= t; t2++) {
-                        const size_t k_off = (size_t)t2 * row + k_head;
-                        const float* k = inp_b + k_off;
-                        float* dk = dinp_b + k_off;
-                        const float dscore = att_bth[t2] * (datt[t2] - att_datt) * scale;
-                        for (int i = 0; i < hs; i++) {
-                            dq[i] += dscore * k[i];
-                            dk[i] += dscore * q[i];
-                        }
-                    }
+                const float* att_bh = att + ((size_t)b * NH + h) * T * T;
+                const float* dout_h = dout + (size_t)b * T * C + (size_t)h * hs;
+                float* dq = dinp_b + (size_t)h * hs;
+                int t0 = 0;
+                for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+                    backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
+                                  scale, t0, SCORE_ROWS);
+                }
+                for (; t0 < T; t0++) {
+                    backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
+                                  scale, t0, 1);
+                }
+                // dk += dS^T q and dv += P^T dO, TILE_KEYS keys at a time
+                const float* q = inp_b + (size_t)h * hs;
+                int t2 = 0;
+                for (; t2 + TILE_KEYS <= T; t2 += TILE_KEYS) {
+                    cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                              TILE_KEYS, t2, T, hs);
+                    cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
+                              dout_h, C, TILE_KEYS, t2, T, hs);
+                }
+                for (; t2 < T; t2++) {
+                    cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                              1, t2, T, hs);
+                    cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
+                              dout_h, C, 1, t2, T, hs);
                 }
             }
         }
@@ -156,8 +563,7 @@ int attention_forward(float* out, float* att, const float* inp,
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
-    gqa_forward(out, att, inp, NULL, B, T, NH, NH, C / NH);
-    return LLMC_OK;
+    return gqa_forward(out, att, inp, NULL, B, T, NH, NH, C / NH);
 }
 
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
@@ -175,8 +581,7 @@ int attention_gqa_forward(float* out, float* att, const float* inp, const float*
                  LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
                  && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
-    gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
-    return LLMC_OK;
+    return gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
 }
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
@@ -201,20 +606,43 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
     for (int b = 0; b < B; b++) {
         LLMC_REQUIRE(len[b] >= 1 && len[b] <= maxT, LLMC_ERR_RANGE);
     }
-    const size_t C = (size_t)NH * hs;             // q and out rows
-    const size_t kv_row = (size_t)NKV * hs;       // one cached position
+    const size_t kv_row = (size_t)NKV * hs;       // one cached position (q, out: NH hs)
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
+    // units of up to DECODE_HEADS query heads of one kv head
+    const int chunks = (kv_mul + DECODE_HEADS - 1) / DECODE_HEADS;
 
-    #pragma omp parallel for collapse(2) schedule(static)
+    #pragma omp parallel for collapse(3) schedule(static)
     for (int b = 0; b < B; b++) {
-        for (int h = 0; h < NH; h++) {
-            const size_t kv = (size_t)b * maxT * kv_row + (size_t)(h / kv_mul) * hs;
-            attend_row(out + (size_t)b * C + (size_t)h * hs,
-                       att + ((size_t)b * NH + h) * maxT,
-                       q + (size_t)b * C + (size_t)h * hs,
-                       k_cache + kv, v_cache + kv, kv_row,
-                       len[b], hs, scale, slopes != NULL ? slopes[h] : 0.0f);
+        for (int g = 0; g < NKV; g++) {
+            for (int c = 0; c < chunks; c++) {
+                const int h0 = g * kv_mul + c * DECODE_HEADS;
+                const int R = (g + 1) * kv_mul - h0 < DECODE_HEADS ? (g + 1) * kv_mul - h0
+                                                                   : DECODE_HEADS;
+                const size_t kv = (size_t)b * maxT * kv_row + (size_t)g * hs;
+                const size_t bh0 = (size_t)b * NH + h0;
+                float* att_bh0 = att + bh0 * maxT;
+                const float* q_bh0 = q + bh0 * hs;
+                const float* slopes_h0 = slopes != NULL ? slopes + h0 : NULL;
+                // the forward's row len[b] - 1 of each head: its scores, softmax_row
+                // and rows_tile
+                switch (R) {
+                case 4: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 4); break;
+                case 3: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 3); break;
+                case 2: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                      len[b], hs, scale, 2); break;
+                default: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
+                                       len[b], hs, scale, 1); break;
+                }
+                for (int r = 0; r < R; r++) {
+                    float* att_bh = att_bh0 + (size_t)r * maxT;
+                    softmax_row(att_bh, len[b]);
+                    rows_tile(out + (bh0 + r) * hs, hs, 0, att_bh, maxT, v_cache + kv, kv_row, 1,
+                              len[b], hs);
+                }
+            }
         }
     }
     return LLMC_OK;

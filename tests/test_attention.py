@@ -358,3 +358,65 @@ def test_alibi_slopes_match_hand_computed_values(n, expected):
 def test_alibi_slopes_rejects_non_positive_or_non_int(n):
     with pytest.raises(ValueError, match="n_heads"):
         K.alibi_slopes(n)
+
+
+# ---- the tiled kernels' edges --------------------------------------------------
+
+TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 keys,
+                 # 32 keys of scores and 64 channels; these shapes hit each remainder
+    (1, 1, 6, 2, 24, "alibi"),      # T = 1: one row, one key
+    (1, 35, 6, 1, 24, "alibi"),     # T = 4 tiles of 8 rows + 3; multi-query
+    (2, 33, 6, 2, 15, None),        # hs = 15: one partial vector
+    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16
+    (1, 47, 3, 3, 100, None),       # hs = 100: 64, then 36 (a partial vector)
+    (3, 9, 2, 2, 1, "alibi"),       # hs = 1
+]
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", TILE_SHAPES)
+def test_attention_gqa_tile_edges_match_reference(rng, B, T, NH, NKV, hs, slopes):
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = gqa_forward(qkv, slopes, NH, NKV)
+    dinp = gqa_backward(dout, qkv, att, NH, NKV)
+
+    qkv_t = t64(qkv, grad=True)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
+    (ref_out * t64(dout)).sum().backward()
+
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("att", att, ref_att, tol["fwd"])
+    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+
+def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
+    # T = 43: 5 tiles of 8 rows and 3 single rows; hs = 24: a partial vector;
+    # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
+    qkv, dout, slopes = make_gqa_inputs(rng, 5, 43, 6, 1, 24, "alibi")
+
+    def run():
+        out, att = gqa_forward(qkv, slopes, 6, 1)
+        return {"out": out, "att": att, "dinp": gqa_backward(dout, qkv, att, 6, 1)}
+    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+@pytest.mark.parametrize("T,NH,NKV,hs,slopes", [
+    (37, 6, 2, 24, "alibi"),   # T not a multiple of any tile; hs = 24
+    (21, 4, 1, 15, "alibi"),   # multi-query; hs = 15
+    (19, 12, 4, 64, None),     # a Llama-like head
+    (40, 4, 2, 16, "steep"),   # far keys' weights underflow to 0
+    (1, 2, 1, 8, "alibi"),     # T = 1
+])
+def test_attention_decode_equals_forward_row_bitwise(rng, T, NH, NKV, hs, slopes):
+    # the first, second, middle and last two positions, each a row of the batch
+    positions = sorted({0, 1, T // 2, T - 2, T - 1} & set(range(T)))
+    lengths = [t + 1 for t in positions]
+    qkv, slopes, cache = make_decode_case(rng, lengths, T, NH, NKV, hs, slopes)
+    out, att = decode(*cache, slopes, NH, NKV)
+    full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
+    bits = lambda x: np.ascontiguousarray(x).view(np.uint32)   # -0.0 != 0.0 too
+    for b, n in enumerate(lengths):
+        assert np.array_equal(bits(out[b]), bits(full_out[b, n - 1])), f"out at t = {n - 1}"
+        assert np.array_equal(bits(att[b, :, :n]), bits(full_att[b, :, n - 1, :n])), \
+            f"att at t = {n - 1}"
