@@ -132,4 +132,45 @@ static inline float llmc_dot(const float* a, const float* b, int n) {
     return llmc_hsum16(acc);
 }
 
+/* Two-source shuffle: lane i of the result is lane idx[i] of a then b (0..31). */
+#define LLMC_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
+   Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
+   128-bit quarters twice. */
+static inline __attribute__((always_inline)) void llmc_transpose16(vec16f r[16]) {
+    vec16f t[16], u[16];
+    for (int k = 0; k < 8; k++) {   // pairs of rows, 32 bits at a time
+        t[2 * k] = LLMC_SHUF(r[2 * k], r[2 * k + 1],
+                        0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29);
+        t[2 * k + 1] = LLMC_SHUF(r[2 * k], r[2 * k + 1],
+                            2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+    }
+    for (int k = 0; k < 4; k++) {   // quads of rows, 64 bits at a time
+        for (int h = 0; h < 2; h++) {
+            u[4 * k + 2 * h] = LLMC_SHUF(t[4 * k + h], t[4 * k + h + 2],
+                                    0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+            u[4 * k + 2 * h + 1] = LLMC_SHUF(t[4 * k + h], t[4 * k + h + 2],
+                                        2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                                        30, 31);
+        }
+    }
+    // u[4k + m], quarter l, element e, is the old r[4k + e][4l + m]: transpose
+    // the 4 x 4 quarters of u[m], u[4 + m], u[8 + m], u[12 + m]
+    for (int m = 0; m < 4; m++) {
+        const vec16f x0 = LLMC_SHUF(u[m], u[4 + m], 0, 1, 2, 3, 8, 9, 10, 11,
+                               16, 17, 18, 19, 24, 25, 26, 27);
+        const vec16f x1 = LLMC_SHUF(u[m], u[4 + m], 4, 5, 6, 7, 12, 13, 14, 15,
+                               20, 21, 22, 23, 28, 29, 30, 31);
+        const vec16f y0 = LLMC_SHUF(u[8 + m], u[12 + m], 0, 1, 2, 3, 8, 9, 10, 11,
+                               16, 17, 18, 19, 24, 25, 26, 27);
+        const vec16f y1 = LLMC_SHUF(u[8 + m], u[12 + m], 4, 5, 6, 7, 12, 13, 14, 15,
+                               20, 21, 22, 23, 28, 29, 30, 31);
+        r[m] = LLMC_SHUF(x0, y0, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        r[4 + m] = LLMC_SHUF(x1, y1, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+        r[8 + m] = LLMC_SHUF(x0, y0, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+        r[12 + m] = LLMC_SHUF(x1, y1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    }
+}
+
 #endif

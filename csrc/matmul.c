@@ -171,34 +171,6 @@ static void pack_a_block(float* ap, const float* a, size_t ars, size_t aks,
     }
 }
 
-/*
- * Transposes a 16 x 16 block held as 16 row vectors, in registers: four
- * rounds, each exchanging one bit of the row index with the same bit of the
- * column index (rows i and i + d swap their off-diagonal d-wide blocks).
- * __builtin_shuffle(a, b, mask) picks lane mask[c] of the 32 lanes of a then b.
- */
-static inline void transpose16x16(vec16f rows[16]) {
-    static const vec16i lo[4] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},          // d = 8
-        {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},        // d = 4
-        {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},        // d = 2
-        {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};      // d = 1
-    static const vec16i hi[4] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-        {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-        {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-    for (int round = 0; round < 4; round++) {
-        const int d = 8 >> round;
-        for (int i = 0; i < 16; i++) {
-            if (i & d) { continue; }
-            const vec16f a = rows[i], b = rows[i + d];
-            rows[i] = __builtin_shuffle(a, b, lo[round]);
-            rows[i + d] = __builtin_shuffle(a, b, hi[round]);
-        }
-    }
-}
-
 /* Packs B[k0 .. k0+kc, j0 .. j0+nr) as kc rows of NR floats
    (B(k,n) = b[k*brs + n*bcs]); columns past nr are zero. */
 static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
@@ -222,7 +194,7 @@ static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
                     memcpy(&rows[i], b + (size_t)(j0 + j + i) * bcs + (size_t)(k0 + k_done),
                            sizeof(vec16f));
                 }
-                transpose16x16(rows);
+                llmc_transpose16(rows);
                 for (int i = 0; i < 16; i++) {
                     memcpy(bp + (size_t)(k_done + i) * NR + j, &rows[i], sizeof(vec16f));
                 }
