@@ -132,8 +132,17 @@ static inline float llmc_dot(const float* a, const float* b, int n) {
     return llmc_hsum16(acc);
 }
 
-/* Two-source shuffle: lane i of the result is lane idx[i] of a then b (0..31). */
+/* Two-source shuffle of vec16f: lane i of the result is lane idx[i] of a
+   then b (0..31). GCC 12+ and clang have __builtin_shufflevector; older GCC
+   only __builtin_shuffle, with the indices as a vector. */
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
 #define LLMC_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#endif
+#endif
+#ifndef LLMC_SHUF
+#define LLMC_SHUF(a, b, ...) __builtin_shuffle(a, b, (vec16i){__VA_ARGS__})
+#endif
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
    Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
