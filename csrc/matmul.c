@@ -211,6 +211,31 @@ static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple 
 static long ceil_div(long x, long y) { return (x + y - 1) / y; }
 
 /*
+ * The tile shape (MC rows x NC columns) of an M x N product on nthreads
+ * threads: blocks of (nearly) equal size, at least 4 tiles a thread, and
+ * with few tiles a count the threads share evenly, since static scheduling
+ * hands out whole tiles (15 tiles on 2 threads leave one idle for a
+ * fifteenth of the time). The dimension cut finer is N when A is read in
+ * place (MC covers a small M, so B is packed once), M when A is packed.
+ */
+static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
+    long m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+    long* cut = pack_a ? &m_blocks : &n_blocks;
+    const long cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
+    if (m_blocks * n_blocks < 4L * nthreads) {
+        *cut = ceil_div(4L * nthreads, pack_a ? n_blocks : m_blocks);
+    }
+    for (;;) {
+        *cut = *cut < cut_max ? *cut : cut_max;
+        *MC = round_up((int)ceil_div(M, m_blocks), MR);
+        *NC = round_up((int)ceil_div(N, n_blocks), NR);
+        const long tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
+        if (tiles % nthreads == 0 || tiles >= 32L * nthreads || *cut >= cut_max) { return; }
+        (*cut)++;
+    }
+}
+
+/*
  * c[m*ldc + n] += sum_k A(m,k) * B(k,n), with A(m,k) = a[m*ars + k*aks] and
  * B(k,n) = b[k*brs + n*bcs], for m < M, n < N, k < K.
  *
@@ -229,19 +254,10 @@ static int gemm_accumulate(float* c, size_t ldc,
                            int M, int N, int K) {
     const micro_kernel_fn micro_kernel = active_micro_kernel();
     const int nthreads = omp_get_max_threads();
-    const long target_tiles = 4L * nthreads;
     const int pack_a = aks != 1;
-    // blocks of (nearly) equal size, so that static scheduling balances
-    long m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
-    if (pack_a) {
-        if (m_blocks * n_blocks < target_tiles) { m_blocks = ceil_div(target_tiles, n_blocks); }
-    } else {
-        if (m_blocks * n_blocks < target_tiles) { n_blocks = ceil_div(target_tiles, m_blocks); }
-    }
-    const int MC = round_up((int)ceil_div(M, m_blocks), MR);
-    const int NC = round_up((int)ceil_div(N, n_blocks), NR);
-    m_blocks = ceil_div(M, MC);
-    n_blocks = ceil_div(N, NC);
+    int MC, NC;
+    choose_tiles(M, N, pack_a, nthreads, &MC, &NC);
+    const long m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
     const long tiles = m_blocks * n_blocks;
     const size_t ap_floats = (size_t)MC * KC, bp_floats = (size_t)KC * NR;
     float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
