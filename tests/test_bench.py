@@ -1,6 +1,7 @@
 """llmc_py/bench.py: the matmul table covers every instruction set asked for,
 verifies each before timing it, and leaves the chosen one in place."""
 import numpy as np
+import pytest
 
 import llmc_py
 from llmc_py import bench
@@ -26,6 +27,7 @@ def test_bench_memory_bound_reports_each_kernel_beside_a_copy():
     assert all(r["gbps"] > 0 and r["copy_gbps"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_bench_torch_step_eager_and_compiled():
     """Both PyTorch columns of the step table run (torch.compile included:
     its first, untimed step compiles a one-layer model, ~20 s)."""
