@@ -7,7 +7,9 @@
  *   SKINNY_NAME   the function's name
  *   MICRO_IVEC    a GCC vector type of MICRO_W int32s (shuffle indices)
  *   MICRO_LANES(F, h)  F(0, h), F(1, h), ..., F(MICRO_W - 1, h)
- * and undefines them again after both files.
+ *   SKINNY_ROWS   rows of inp per pass over a weight block, 1 .. 8 (the
+ *                 same for every instruction set)
+ * and undefines them again after both files (SKINNY_ROWS stays).
  *
  * out[m, o] = bias[o] + sum_{k < K} inp[m, k] * weight[o, k]
  *   for m < M and o0 <= o < o1, where o0 is a multiple of MICRO_W
@@ -42,8 +44,7 @@
  * Only operators, memcpy and MICRO_FMA appear here (see matmul_micro.h for
  * why).
  */
-#ifndef SKINNY_ROWS
-#define SKINNY_ROWS 4   /* rows of inp per pass over a weight block */
+#ifndef SKINNY_CAT
 #define SKINNY_CAT_(a, b) a##b
 #define SKINNY_CAT(a, b) SKINNY_CAT_(a, b)
 /* shuffle indices of transpose round h: lane l of the new row i (the low
@@ -135,8 +136,24 @@ static void SKINNY_NAME(float* out, size_t ldo, const float* inp, const float* w
             const float* x_m = inp + (size_t)m * K;
             switch (M - m) {
                 case 1: SKINNY_TILE(1, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#if SKINNY_ROWS > 2
                 case 2: SKINNY_TILE(2, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
+#if SKINNY_ROWS > 3
                 case 3: SKINNY_TILE(3, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
+#if SKINNY_ROWS > 4
+                case 4: SKINNY_TILE(4, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
+#if SKINNY_ROWS > 5
+                case 5: SKINNY_TILE(5, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
+#if SKINNY_ROWS > 6
+                case 6: SKINNY_TILE(6, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
+#if SKINNY_ROWS > 7
+                case 7: SKINNY_TILE(7, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
+#endif
                 default: SKINNY_TILE(SKINNY_ROWS, no, out_mo, ldo, x_m, w_o, bias_o, K); break;
             }
         }
