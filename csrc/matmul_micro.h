@@ -7,7 +7,10 @@
  *                 for the portable build
  *   MICRO_VEC     a GCC vector type of MICRO_W floats
  *   MICRO_W       floats per MICRO_VEC; 2 * MICRO_W must divide NR
- * and this file undefines them again.
+ *   MICRO_FMA(acc, a, b)  acc = a * b + acc for a float a and vectors acc, b:
+ *                 fused (one rounding) wherever the build can, the same
+ *                 operation as in the skinny kernel (see matmul.c)
+ * and undefines them again after this file and matmul_skinny.h.
  *
  * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
  * a is either A itself (row-major: ars = lda, aks = 1) or a packed
@@ -21,7 +24,8 @@
  * vectors. Each pass walks k = 0 .. kc-1 in order, so every instruction set
  * sums an output element in the same order.
  *
- * Only operators and memcpy appear here, never a helper from common.h: GCC
+ * Only operators, memcpy and MICRO_FMA (an intrinsic of the target, or an
+ * operator) appear here, never a helper from common.h: GCC
  * will not inline a function built for more (or other) CPU features than its
  * caller, so the same body could not call them under every target.
  */
@@ -41,8 +45,8 @@ static void MICRO_NAME(int kc, const float* a, size_t ars, size_t aks,
             const float* a_k = a + k * aks;
             for (int r = 0; r < MR; r++) {
                 const float a_rk = a_k[r * ars];
-                acc[r][0] += a_rk * b0;
-                acc[r][1] += a_rk * b1;
+                MICRO_FMA(acc[r][0], a_rk, b0);
+                MICRO_FMA(acc[r][1], a_rk, b1);
             }
         }
         for (int r = 0; r < MR; r++) {
@@ -51,8 +55,3 @@ static void MICRO_NAME(int kc, const float* a, size_t ars, size_t aks,
         }
     }
 }
-
-#undef MICRO_NAME
-#undef MICRO_TARGET
-#undef MICRO_VEC
-#undef MICRO_W

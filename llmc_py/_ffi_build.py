@@ -142,7 +142,7 @@ def make_builder():
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
         depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h",
-                                                 "matmul_micro.h")],
+                                                 "matmul_micro.h", "matmul_skinny.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

@@ -119,6 +119,47 @@ def test_matmul_isa_thread_invariant(rng, set_threads, use_isa, isa):
         "out": forward(x, w, bias, ""), **backward(dout, x, w, "")}, counts=(1, 2, 3))
 
 
+# The skinny kernel (B*T <= 16 rows: decoding; 8 rows per pass) must give each
+# row bitwise what the GEMM gives the same row inside a larger batch; M = 17
+# is the GEMM again. C = 35 and 67 leave a
+# partial k block of every vector width; OC = 45 and 1007 a partial column
+# group (1007 also spreads groups over the threads); C = 16, OC = 16 is one
+# whole AVX-512 block; 1 x 1 is a single multiply-add.
+SKINNY_SHAPES = [(35, 45), (67, 1007), (16, 16), (1, 1), (300, 100)]
+BATCH = 64   # rows of the batch whose product goes through the GEMM
+
+
+def skinny_vs_gemm(rng, C, OC, with_bias):
+    """(rows, gemm): the rows 5 .. 5+M of a batch of BATCH rows, each M = 1..17
+    computed alone, and the same rows computed in the batch by the GEMM."""
+    x, w, bias, _ = make_inputs(rng, 1, BATCH, C, OC)
+    bias = bias if with_bias else None
+    gemm = forward(x, w, bias, "")
+    rows = {M: forward(np.ascontiguousarray(x[:, 5:5 + M]), w, bias, "") for M in range(1, 18)}
+    return rows, {M: gemm[:, 5:5 + M] for M in rows}
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("C,OC", SKINNY_SHAPES)
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_skinny_rows_equal_gemm_rows_bitwise(rng, use_isa, isa, C, OC, with_bias):
+    use_isa(isa)
+    rows, gemm = skinny_vs_gemm(rng, C, OC, with_bias)
+    for M in rows:
+        assert np.array_equal(rows[M], gemm[M]), (
+            f"M={M}: differs by up to {np.max(np.abs(rows[M] - gemm[M])):.3e}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_skinny_isa_matches_reference_and_threads(rng, set_threads, use_isa, isa):
+    use_isa(isa)
+    x, w, bias, _ = make_inputs(rng, 1, 13, 67, 1007)   # a pass of 8 rows, then 5
+    ref = ref_matmul(t64(x), t64(w), t64(bias))
+    assert_close("out", forward(x, w, bias, ""), ref, TOL["matmul"]["fwd"])
+    assert_thread_invariant(set_threads, lambda: {"out": forward(x, w, bias, "")},
+                            counts=(1, 2, 3))
+
+
 def _cpu_flags():
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
