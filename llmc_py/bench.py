@@ -34,8 +34,9 @@ BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def timed(fn, repeats, warmup=1):
-    # let other libraries' spinning worker threads (numpy's BLAS) go idle first
-    time.sleep(0.05)
+    # let other libraries' spinning worker threads (numpy's BLAS, torch's
+    # OpenMP) go idle first
+    time.sleep(0.2)
     for _ in range(warmup):
         fn()
     times = []
@@ -150,8 +151,10 @@ def bench_memory_bound(N, repeats, rng, C=768):
     rows = []
     for name, fn, nbytes in cases:
         t = timed(fn, repeats, warmup=2)
-        copy_src = np.empty(nbytes // 8, np.float32)
-        copy_dst = np.empty_like(copy_src)
+        # written first: pages never written all map the kernel's one zero
+        # page, which would make the copy's reads free
+        copy_src = np.ones(nbytes // 8, np.float32)
+        copy_dst = np.zeros_like(copy_src)
         t_copy = timed(lambda: np.copyto(copy_dst, copy_src), repeats, warmup=2)
         rows.append({"kernel": name, "elements": N, "ms": t["median"] * 1e3,
                      "gbps": nbytes / t["median"] / 1e9,

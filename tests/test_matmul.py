@@ -21,16 +21,17 @@ VARIANTS = ["", "naive"]
 ISAS = llmc_py.supported_isas()
 SHAPES = [  # B, T, C, OC
     (4, 64, 768, 768),    # GPT-2 124M attention projection
-    (4, 64, 3072, 768),   # GPT-2 124M MLP projection: K=3072 spans 12 KC panels
+    (4, 64, 3072, 768),   # GPT-2 124M MLP projection: K=3072 spans 8 KC panels
     (1, 1, 48, 48),
     (2, 37, 67, 45),      # partial MR x NR tiles in every product
 ]
-# The blocked kernel works in MR=6 x NR=32 micro-tiles, MC=96-row parallel
-# tiles and KC=256-deep panels; these shapes leave every one of them partial.
+# The blocked kernel works in MR=6 x NR=32 micro-tiles, parallel tiles of a
+# share of the rows or columns, and KC=384-deep panels; these shapes leave
+# every one of them partial.
 EDGE_SHAPES = [
     (1, 37, 67, 45),      # M=37 (not a multiple of 6), N=45 (>32, not a multiple of 32)
-    (3, 100, 300, 33),    # K=C=300 > KC in the forward; K=BT=300 > KC in dweight; M > MC
-    (1, 97, 257, 65),     # K one past a panel; M one past a parallel tile
+    (3, 130, 400, 33),    # K=C=400 > KC in the forward; K=BT=390 > KC in dweight
+    (1, 97, 385, 65),     # K one past a panel
     (2, 3, 5, 7),         # smaller than one micro-tile
     (1, 1, 1, 1),
 ]
@@ -87,7 +88,7 @@ def test_matmul_fast_matches_naive(rng, B, T, C, OC):
 
 
 # odd shapes for the ISA tests: M not a multiple of MR=6, N not of NR=32 (nor
-# of AVX2's 16-column half tiles), K not of KC=256, and a single row
+# of AVX2's 16-column half tiles), K not of KC=384, and a single row
 ISA_SHAPES = EDGE_SHAPES + [(1, 1, 67, 67), (1, 43, 515, 81)]
 
 
@@ -114,7 +115,7 @@ def test_matmul_isa_matches_naive_and_reference(rng, use_isa, isa, B, T, C, OC):
 @pytest.mark.parametrize("isa", ISAS)
 def test_matmul_isa_thread_invariant(rng, set_threads, use_isa, isa):
     use_isa(isa)
-    x, w, bias, dout = make_inputs(rng, 3, 101, 300, 100)   # partial tiles, K > KC
+    x, w, bias, dout = make_inputs(rng, 3, 131, 400, 100)   # partial tiles, K > KC
     assert_thread_invariant(set_threads, lambda: {
         "out": forward(x, w, bias, ""), **backward(dout, x, w, "")}, counts=(1, 2, 3))
 
