@@ -99,14 +99,18 @@ static inline vec16f llmc_tanh16(vec16f x) {
     return (vec16f)((vec16i)t | ((vec16i)x & sign_bit));
 }
 
-/* Loads n <= 16 floats into a vector, zero-filling the rest; stores n back. */
+/* Loads min(n, 16) floats into a vector, zero-filling the rest; stores
+   min(n, 16) back. A whole vector is a constant-size copy, which compiles to
+   one vector load or store; only a partial one (a tail) calls memcpy. */
 static inline vec16f llmc_load16(const float* p, int n) {
     vec16f v = {0};
-    memcpy(&v, p, (size_t)n * sizeof(float));
+    if (n >= 16) { memcpy(&v, p, sizeof v); }
+    else { memcpy(&v, p, (size_t)n * sizeof(float)); }
     return v;
 }
 static inline void llmc_store16(float* p, vec16f v, int n) {
-    memcpy(p, &v, (size_t)n * sizeof(float));
+    if (n >= 16) { memcpy(p, &v, sizeof v); }
+    else { memcpy(p, &v, (size_t)n * sizeof(float)); }
 }
 
 /* A mask whose first n lanes are set. */
