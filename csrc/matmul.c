@@ -115,15 +115,7 @@ typedef int32_t vec4i __attribute__((vector_size(16)));
 #define MICRO_FMA(acc, a, b) ((acc) += (a) * (b))
 #endif
 #include "matmul_micro.h"
-#include "matmul_skinny.h"
-#undef MICRO_NAME
-#undef SKINNY_NAME
-#undef MICRO_TARGET
-#undef MICRO_VEC
-#undef MICRO_IVEC
-#undef MICRO_W
-#undef MICRO_LANES
-#undef MICRO_FMA
+#include "matmul_skinny.h"   /* last: undefines the MICRO_ and SKINNY_ names */
 
 #ifdef LLMC_X86_DISPATCH
 typedef float vec8f __attribute__((vector_size(32)));
@@ -138,15 +130,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 #define MICRO_LANES LANES8
 #define MICRO_FMA(acc, a, b) ((acc) = _mm256_fmadd_ps(_mm256_set1_ps(a), (b), (acc)))
 #include "matmul_micro.h"
-#include "matmul_skinny.h"
-#undef MICRO_NAME
-#undef SKINNY_NAME
-#undef MICRO_TARGET
-#undef MICRO_VEC
-#undef MICRO_IVEC
-#undef MICRO_W
-#undef MICRO_LANES
-#undef MICRO_FMA
+#include "matmul_skinny.h"   /* last: undefines the MICRO_ and SKINNY_ names */
 
 #define MICRO_NAME micro_kernel_avx512
 #define SKINNY_NAME skinny_kernel_avx512
@@ -157,15 +141,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 #define MICRO_LANES LANES16
 #define MICRO_FMA(acc, a, b) ((acc) = _mm512_fmadd_ps(_mm512_set1_ps(a), (b), (acc)))
 #include "matmul_micro.h"
-#include "matmul_skinny.h"
-#undef MICRO_NAME
-#undef SKINNY_NAME
-#undef MICRO_TARGET
-#undef MICRO_VEC
-#undef MICRO_IVEC
-#undef MICRO_W
-#undef MICRO_LANES
-#undef MICRO_FMA
+#include "matmul_skinny.h"   /* last: undefines the MICRO_ and SKINNY_ names */
 #endif
 
 /* 1 if this build has the kernel for isa and the CPU (and OS) can run it. */

@@ -10,7 +10,7 @@
  *   MICRO_FMA(acc, a, b)  acc = a * b + acc for a float a and vectors acc, b:
  *                 fused (one rounding) wherever the build can, the same
  *                 operation as in the skinny kernel (see matmul.c)
- * and undefines them again after this file and matmul_skinny.h.
+ * and matmul_skinny.h, included after this file, undefines them again.
  *
  * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
  * a is either A itself (row-major: ars = lda, aks = 1) or a packed

@@ -9,7 +9,8 @@
  *   MICRO_LANES(F, h)  F(0, h), F(1, h), ..., F(MICRO_W - 1, h)
  *   SKINNY_ROWS   rows of inp per pass over a weight block, 1 .. 8 (the
  *                 same for every instruction set)
- * and undefines them again after both files (SKINNY_ROWS stays).
+ * and this file, included last, undefines them all again (SKINNY_ROWS
+ * stays).
  *
  * out[m, o] = bias[o] + sum_{k < K} inp[m, k] * weight[o, k]
  *   for m < M and o0 <= o < o1, where o0 is a multiple of MICRO_W
@@ -163,3 +164,12 @@ static void SKINNY_NAME(float* out, size_t ldo, const float* inp, const float* w
 #undef SKINNY_ROUND
 #undef SKINNY_TILE
 #undef SKINNY_TRANSPOSE
+/* the includer's, for matmul_micro.h and this file */
+#undef MICRO_NAME
+#undef SKINNY_NAME
+#undef MICRO_TARGET
+#undef MICRO_VEC
+#undef MICRO_IVEC
+#undef MICRO_W
+#undef MICRO_LANES
+#undef MICRO_FMA

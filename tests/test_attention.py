@@ -131,7 +131,18 @@ def gqa_backward(dout, qkv, att, NH, NKV, calls=1):
     return dinp
 
 
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
+TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 keys,
+                 # 32 keys of scores and 64 channels; these shapes hit each remainder
+    (1, 1, 6, 2, 24, "alibi"),      # T = 1: one row, one key
+    (1, 35, 6, 1, 24, "alibi"),     # T = 4 tiles of 8 rows + 3; multi-query
+    (2, 33, 6, 2, 15, None),        # hs = 15: one partial vector
+    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16
+    (1, 47, 3, 3, 100, None),       # hs = 100: 64, then 36 (a partial vector)
+    (3, 9, 2, 2, 1, "alibi"),       # hs = 1
+]
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
 def test_attention_gqa_matches_reference(rng, B, T, NH, NKV, hs, slopes):
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
     out, att = gqa_forward(qkv, slopes, NH, NKV)
@@ -361,34 +372,6 @@ def test_alibi_slopes_rejects_non_positive_or_non_int(n):
 
 
 # ---- the tiled kernels' edges --------------------------------------------------
-
-TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 keys,
-                 # 32 keys of scores and 64 channels; these shapes hit each remainder
-    (1, 1, 6, 2, 24, "alibi"),      # T = 1: one row, one key
-    (1, 35, 6, 1, 24, "alibi"),     # T = 4 tiles of 8 rows + 3; multi-query
-    (2, 33, 6, 2, 15, None),        # hs = 15: one partial vector
-    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16
-    (1, 47, 3, 3, 100, None),       # hs = 100: 64, then 36 (a partial vector)
-    (3, 9, 2, 2, 1, "alibi"),       # hs = 1
-]
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", TILE_SHAPES)
-def test_attention_gqa_tile_edges_match_reference(rng, B, T, NH, NKV, hs, slopes):
-    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, att = gqa_forward(qkv, slopes, NH, NKV)
-    dinp = gqa_backward(dout, qkv, att, NH, NKV)
-
-    qkv_t = t64(qkv, grad=True)
-    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
-    (ref_out * t64(dout)).sum().backward()
-
-    tol = TOL["attention_gqa"]
-    assert_close("out", out, ref_out, tol["fwd"])
-    assert_close("att", att, ref_att, tol["fwd"])
-    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
-    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
-
 
 def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
     # T = 43: 5 tiles of 8 rows and 3 single rows; hs = 24: a partial vector;
