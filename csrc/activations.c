@@ -1,11 +1,47 @@
 /* Element-wise layers: GELU (tanh approximation), SwiGLU and the residual add.
-   GELU and SwiGLU run on 16-lane vectors with llmc_tanh16 / llmc_exp16
-   (common.h) in place of libm's tanhf / expf. */
+   GELU and SwiGLU run on 16-lane vectors with exponentials of their own
+   (gelu_sigmoid16) or llmc_exp16 (common.h) in place of libm's expf. */
 #include "llmc.h"
 #include "common.h"
 
 #define GELU_SCALE 0.7978845608028654f   /* sqrt(2 / pi) */
 #define GELU_CUBIC 0.044715f
+#define GELU_EXP_BOUND 80.0f   /* |t| of e^t in the sigmoid; see gelu_sigmoid16 */
+
+/*
+ * GELU in its sigmoid form: 0.5 x (1 + tanh u) = x s, s = 1 / (1 + e),
+ * e = e^(-2u), u = GELU_SCALE (x + GELU_CUBIC x^3); and 1 - s = e s. The
+ * exponent t = -2u is clamped to [-80, 80] first, and s set to exactly 0
+ * where t > 80 (true s below 2e-35; at t < -80, s is 1 in float anyway):
+ * e stays a normal float, so no overflow, subnormal or infinity handling
+ * is needed, and e s stays finite in the backward. This
+ * makes it about half the work of a full-range exp and tanh. NaN stays
+ * NaN (the clamps compare false). Exp: e^t = 2^n e^r, n = round(t / ln2)
+ * by adding 1.5 * 2^23 (one rounding, to the nearest integer), r = t - n ln2
+ * in two parts, e^r by llmc_exp16's polynomial, 2^n from n's bits.
+ */
+static inline void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
+    const vec16f zero = {0};
+    const vec16f shifter = zero + 12582912.0f;   // 1.5 * 2^23
+    vec16f t = -2.0f * GELU_SCALE * (x + GELU_CUBIC * x * x * x);
+    const vec16i vanishes = t > GELU_EXP_BOUND;
+    t = llmc_select16(t < -GELU_EXP_BOUND, zero - GELU_EXP_BOUND, t);
+    t = llmc_select16(vanishes, zero + GELU_EXP_BOUND, t);
+    const vec16f shifted = t * 1.44269504088896341f + shifter;
+    const vec16i n = (vec16i)shifted - (vec16i)shifter;
+    const vec16f nf = shifted - shifter;
+    vec16f r = t - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vec16f p = zero + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    *e = p * (vec16f)((n + 127) << 23);
+    *s = llmc_select16(vanishes, zero, 1.0f / (1.0f + *e));
+}
 
 int gelu_forward(float* out, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
@@ -17,8 +53,9 @@ int gelu_forward(float* out, const float* inp, long N) {
         const long i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
-        const vec16f u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
-        llmc_store16(out + i, 0.5f * x * (1.0f + llmc_tanh16(u)), n);
+        vec16f s, e;
+        gelu_sigmoid16(x, &s, &e);
+        llmc_store16(out + i, x * s, n);
     }
     return LLMC_OK;
 }
@@ -27,18 +64,17 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     const long nblocks = (N + 15) / 16;
-    // d/dx [0.5 x (1 + tanh u)] = 0.5 (1 + tanh u) + 0.5 x sech^2(u) du/dx,
+    // d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx = s (1 + 2 x (e s) du/dx),
     // with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2)
     #pragma omp parallel for schedule(static)
     for (long blk = 0; blk < nblocks; blk++) {
         const long i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
-        const vec16f u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
-        const vec16f th = llmc_tanh16(u);
-        const vec16f sech2 = 1.0f - th * th;
+        vec16f s, e;
+        gelu_sigmoid16(x, &s, &e);
         const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
-        const vec16f grad = 0.5f * (1.0f + th) + 0.5f * x * sech2 * du;
+        const vec16f grad = s * (1.0f + 2.0f * x * (e * s) * du);
         llmc_store16(dinp + i, llmc_load16(dinp + i, n) + grad * llmc_load16(dout + i, n), n);
     }
     return LLMC_OK;

@@ -88,17 +88,6 @@ static inline vec16f llmc_exp16(vec16f x) {
     return llmc_select16(nan, x, result);
 }
 
-/* tanh(x) on 16 lanes: (1 - e^-2|x|) / (1 + e^-2|x|) with the sign of x.
-   Absolute error within ~1e-7 (the relative error grows as |x| -> 0, where
-   the value itself vanishes). */
-static inline vec16f llmc_tanh16(vec16f x) {
-    const vec16i sign_bit = (vec16i){0} + (int32_t)0x80000000;
-    const vec16f ax = (vec16f)((vec16i)x & ~sign_bit);
-    const vec16f e = llmc_exp16(ax * -2.0f);
-    const vec16f t = (1.0f - e) / (1.0f + e);
-    return (vec16f)((vec16i)t | ((vec16i)x & sign_bit));
-}
-
 /* Loads min(n, 16) floats into a vector, zero-filling the rest; stores
    min(n, 16) back. A whole vector is a constant-size copy, which compiles to
    one vector load or store; only a partial one (a tail) calls memcpy. */
