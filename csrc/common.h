@@ -3,6 +3,7 @@
 #define LLMC_COMMON_H
 
 #include <math.h>
+#include <stdlib.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -41,6 +42,33 @@ static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
 /* Elements per chunk of a chunked reduction. Fixed, so a sum is split the
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384
+
+/*
+ * Column sums over many rows (dbias, a norm's dweight and dbias) in chunks of
+ * rows fixed by the row count alone: a kernel sums each chunk's rows in
+ * order into its own partial row, in parallel over chunks and reading whole
+ * rows, then llmc_add_chunk_sums adds the partial rows to the result in
+ * chunk order. Every sum's order depends on the shapes only, never on the
+ * thread count. Chunks are at least 64 rows, and at most 256 of them.
+ */
+static inline long llmc_row_chunk(long rows) {
+    const long chunk = (rows + 255) / 256;
+    return chunk < 64 ? 64 : chunk;
+}
+
+/* dst[i] += partial[0][i] + partial[1][i] + ... (nchunks rows of n, in
+   order), parallel over blocks of columns. */
+static inline void llmc_add_chunk_sums(float* dst, const float* partial, long nchunks, int n) {
+    const int nblocks = (n + 63) / 64;
+    #pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < nblocks; blk++) {
+        const int i0 = blk * 64, i1 = i0 + 64 < n ? i0 + 64 : n;
+        for (long ch = 0; ch < nchunks; ch++) {
+            const float* p = partial + (size_t)ch * n;
+            for (int i = i0; i < i1; i++) { dst[i] += p[i]; }
+        }
+    }
+}
 
 /* 16 floats / 16 int32s: one zmm register with -march=native on AVX-512;
    GCC and clang lower them to narrower vectors elsewhere. */

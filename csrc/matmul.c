@@ -404,24 +404,24 @@ static int matmul_sizes_fit(int B, int T, int C, int OC) {
            && llmc_count_fits(OC, C, 1, 1);
 }
 
-/* Columns per block when summing dout over rows for dbias. */
-#define BIAS_BLOCK 64
-
-/* dbias[o] += sum_bt dout[bt, o]: each thread owns whole column blocks and
-   walks the rows in order. */
-static void bias_backward(float* dbias, const float* dout, long BT, int OC) {
-    const int nblocks = (OC + BIAS_BLOCK - 1) / BIAS_BLOCK;
+/* dbias[o] += sum_bt dout[bt, o], in fixed chunks of rows (common.h). */
+static int bias_backward(float* dbias, const float* dout, long BT, int OC) {
+    const long chunk = llmc_row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
+    float* partial = malloc((size_t)nchunks * OC * sizeof(float));
+    LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
     #pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int o0 = blk * BIAS_BLOCK;
-        const int o1 = o0 + BIAS_BLOCK < OC ? o0 + BIAS_BLOCK : OC;
-        float acc[BIAS_BLOCK] = {0};
-        for (long bt = 0; bt < BT; bt++) {
+    for (long ch = 0; ch < nchunks; ch++) {
+        float* p = partial + (size_t)ch * OC;
+        memset(p, 0, (size_t)OC * sizeof(float));
+        const long bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
+        for (long bt = ch * chunk; bt < bt1; bt++) {
             const float* dout_bt = dout + (size_t)bt * OC;
-            for (int o = o0; o < o1; o++) { acc[o - o0] += dout_bt[o]; }
+            for (int o = 0; o < OC; o++) { p[o] += dout_bt[o]; }
         }
-        for (int o = o0; o < o1; o++) { dbias[o] += acc[o - o0]; }
     }
+    llmc_add_chunk_sums(dbias, partial, nchunks, OC);
+    free(partial);
+    return LLMC_OK;
 }
 
 int matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
@@ -476,8 +476,7 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
                                            inp, (size_t)C, 1, OC, C, (int)BT);
         if (status != LLMC_OK) { return status; }
     }
-    if (dbias != NULL) { bias_backward(dbias, dout, BT, OC); }
-    return LLMC_OK;
+    return dbias != NULL ? bias_backward(dbias, dout, BT, OC) : LLMC_OK;
 }
 
 int matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,

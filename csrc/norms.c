@@ -1,38 +1,45 @@
 /* LayerNorm (GPT-2) and RMSNorm (Llama), each forward and backward. Rows are
-   parallel; the parameter gradients, sums over rows, are parallel over blocks
-   of channels, each summed over the rows in order. */
+   parallel; the parameter gradients, sums over rows, are summed in fixed
+   chunks of rows, then the chunks in order (common.h). */
+#include <stdlib.h>
 #include "llmc.h"
 #include "common.h"
-
-/* Channels per block in the parameter-gradient pass (see layernorm_backward). */
-#define NORM_CHANNEL_BLOCK 64
 
 /*
  * Pass 2 of both norms' backward, the parameter gradients, sums over rows:
  *   dweight[i] += sum_bt dout[bt,i] * n[bt,i],  n = (x - mean) * rstd
  *   dbias[i]   += sum_bt dout[bt,i]
- * mean NULL means 0 (RMSNorm); dbias NULL means no bias. Each thread owns
- * whole blocks of channels and walks the rows in order: no two threads write
- * the same element, and every sum runs in the same order.
+ * mean NULL means 0 (RMSNorm); dbias NULL means no bias. In fixed chunks of
+ * rows (common.h): each chunk's partial rows, then the chunks in order.
  */
-static void norm_param_grads(float* dweight, float* dbias, const float* dout,
-                             const float* inp, const float* mean, const float* rstd,
-                             long BT, int C) {
-    const int nblocks = (C + NORM_CHANNEL_BLOCK - 1) / NORM_CHANNEL_BLOCK;
+static int norm_param_grads(float* dweight, float* dbias, const float* dout,
+                            const float* inp, const float* mean, const float* rstd,
+                            long BT, int C) {
+    const long chunk = llmc_row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
+    float* partial = malloc((size_t)nchunks * 2 * C * sizeof(float));   // dweight's, dbias's
+    LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
+    float* partial_db = partial + (size_t)nchunks * C;
     #pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int i0 = blk * NORM_CHANNEL_BLOCK;
-        const int i1 = i0 + NORM_CHANNEL_BLOCK < C ? i0 + NORM_CHANNEL_BLOCK : C;
-        for (long bt = 0; bt < BT; bt++) {
+    for (long ch = 0; ch < nchunks; ch++) {
+        float* pw = partial + (size_t)ch * C;
+        float* pb = partial_db + (size_t)ch * C;
+        memset(pw, 0, (size_t)C * sizeof(float));
+        memset(pb, 0, (size_t)C * sizeof(float));
+        const long bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
+        for (long bt = ch * chunk; bt < bt1; bt++) {
             const float* x = inp + (size_t)bt * C;
             const float* dy = dout + (size_t)bt * C;
             const float m = mean != NULL ? mean[bt] : 0.0f, s = rstd[bt];
-            for (int i = i0; i < i1; i++) { dweight[i] += dy[i] * ((x[i] - m) * s); }
+            for (int i = 0; i < C; i++) { pw[i] += dy[i] * ((x[i] - m) * s); }
             if (dbias != NULL) {
-                for (int i = i0; i < i1; i++) { dbias[i] += dy[i]; }
+                for (int i = 0; i < C; i++) { pb[i] += dy[i]; }
             }
         }
     }
+    llmc_add_chunk_sums(dweight, partial, nchunks, C);
+    if (dbias != NULL) { llmc_add_chunk_sums(dbias, partial_db, nchunks, C); }
+    free(partial);
+    return LLMC_OK;
 }
 
 /* sum_i a[i] over n floats: 16 lanes at a time, then the lanes in order. */
@@ -107,8 +114,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
         }
     }
 
-    norm_param_grads(dweight, dbias, dout, inp, mean, rstd, BT, C);
-    return LLMC_OK;
+    return norm_param_grads(dweight, dbias, dout, inp, mean, rstd, BT, C);
 }
 
 /* A vector dot product of three arrays: sum_i a[i] * b[i] * c[i], with the
@@ -171,6 +177,5 @@ int rmsnorm_backward(float* dinp, float* dweight,
         }
     }
 
-    norm_param_grads(dweight, NULL, dout, inp, NULL, rstd, BT, C);
-    return LLMC_OK;
+    return norm_param_grads(dweight, NULL, dout, inp, NULL, rstd, BT, C);
 }
