@@ -18,7 +18,7 @@
  * makes it about half the work of a full-range exp and tanh. NaN stays
  * NaN (the clamps compare false). Exp: e^t = 2^n e^r, n = round(t / ln2)
  * by adding 1.5 * 2^23 (one rounding, to the nearest integer), r = t - n ln2
- * in two parts, e^r by llmc_exp16's polynomial, 2^n from n's bits.
+ * in two parts and e^r by llmc_exp_reduced16 (common.h), 2^n from n's bits.
  */
 static inline void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     const vec16f zero = {0};
@@ -30,16 +30,7 @@ static inline void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     const vec16f shifted = t * 1.44269504088896341f + shifter;
     const vec16i n = (vec16i)shifted - (vec16i)shifter;
     const vec16f nf = shifted - shifter;
-    vec16f r = t - nf * 0.693359375f;
-    r = r + nf * 2.12194440e-4f;
-    vec16f p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    *e = p * (vec16f)((n + 127) << 23);
+    *e = llmc_exp_reduced16(t, nf) * (vec16f)((n + 127) << 23);
     *s = llmc_select16(vanishes, zero, 1.0f / (1.0f + *e));
 }
 

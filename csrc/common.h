@@ -80,6 +80,21 @@ static inline vec16f llmc_select16(vec16i mask, vec16f a, vec16f b) {
     return (vec16f)(((vec16i)a & mask) | ((vec16i)b & ~mask));
 }
 
+/* e^(x - n ln2) for x within ln2/2 of n ln2 (n a whole number, as a float):
+   the reduction in two parts (0.693359375 is exact in few bits), then
+   Cephes' degree-6 polynomial for e^r, |r| <= ln2/2. */
+static inline vec16f llmc_exp_reduced16(vec16f x, vec16f nf) {
+    vec16f r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    vec16f p = (vec16f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    return p * r * r + r + 1.0f;
+}
+
 /*
  * exp(x) on 16 lanes in plain vector arithmetic (libm's expf does not
  * vectorise without -ffast-math). Cody-Waite range reduction x = n ln2 + r,
@@ -98,15 +113,7 @@ static inline vec16f llmc_exp16(vec16f x) {
     vec16i n = __builtin_convertvector(t, vec16i);
     n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
     const vec16f nf = __builtin_convertvector(n, vec16f);
-    vec16f r = xc - nf * 0.693359375f;
-    r = r + nf * 2.12194440e-4f;
-    vec16f p = zero + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const vec16f p = llmc_exp_reduced16(xc, nf);
     // times 2^n, in two halves so that n = 128 (x near hi) still fits
     const vec16i half1 = ((n >> 1) + 127) << 23;
     const vec16i half2 = ((n - (n >> 1)) + 127) << 23;
