@@ -57,5 +57,5 @@ fuzz:
 # clean: build products and caches
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
-	rm -f llmc_py/_llmc*.so llmc_py/_llmc.c llmc_py/_llmc.o
+	rm -f llmc_py/_native/_llmc*.so llmc_py/_native/_llmc.c llmc_py/_native/_llmc.o
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,4 +1,11 @@
-"""llmc_py: llm.c's CPU GPT-2 trainer, with C/OpenMP kernels under Python."""
+"""llmc_py: llm.c's CPU GPT-2 trainer, with C/OpenMP kernels under Python.
+
+The layout shows the architecture: _native (the C kernels and their
+bindings), model (one transformer; GPT-2 and Llama are presets), generate
+(sampling, KV cache), io (file formats), data (loader, dataset preparation),
+train (optimizer, schedule, run folder, the loop, the CLI); bench, plot,
+sample and tokenizer are command-line tools.
+"""
 import pkgutil
 
 # Run from a source checkout after `pip install .`, Python imports this folder,
@@ -6,19 +13,22 @@ import pkgutil
 # copy (in site-packages) for it.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from ._lib import (get_isa, get_num_threads, has_openmp, set_isa, set_num_threads,
-                   supported_isas)
-from .config import GPT2Config, LlamaConfig
-from .errors import (CheckpointError, LlmcError, NullPointerError, OutOfMemoryError,
-                     RangeError, ShapeError, UnsupportedError)
-from .model import GPT2
-from .llama import Llama, load_model
+from ._native import kernels
+from ._native.lib import (get_isa, get_num_threads, has_openmp, set_isa, set_num_threads,
+                          supported_isas)
+from .config import GPT2Config, LlamaConfig, TransformerConfig
+from .errors import (CheckpointError, DataError, LlmcError, NullPointerError, OutOfMemoryError,
+                     RangeError, ShapeError, TokenizerUnavailableError, UnsupportedError,
+                     UsageError)
+from .model import GPT2, Llama, Transformer, load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT2", "GPT2Config", "Llama", "LlamaConfig", "load_model",
+    "Transformer", "GPT2", "Llama", "TransformerConfig", "GPT2Config", "LlamaConfig",
+    "load_model", "kernels",
     "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
-    "NullPointerError", "UnsupportedError",
+    "NullPointerError", "UnsupportedError", "DataError", "TokenizerUnavailableError",
+    "UsageError",
     "set_num_threads", "get_num_threads", "has_openmp", "set_isa", "get_isa", "supported_isas",
 ]

@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from . import kernels as K
-from ._lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
+from ._native import kernels as K
+from ._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
 from .config import GPT2Config
 from .model import GPT2
 
@@ -229,7 +229,7 @@ def bench_torch_step(config, B, T, repeats, rng, compile=False):
 
 def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
     """Tokens/s of greedy generation, B rows of ``new_tokens`` after a prompt."""
-    from .kv_cache import KVCache
+    from .generate.kv_cache import KVCache
     model = GPT2(config, seed=0)
     prompts = rng.integers(0, config.vocab_size, size=(B, prompt_len))
     V = config.vocab_size

@@ -14,62 +14,6 @@ def padded_vocab(vocab_size, multiple=VOCAB_PAD_MULTIPLE):
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
-@dataclass(frozen=True)
-class GPT2Config:
-    max_seq_len: int = 1024          # maxT: rows of the position table wpe
-    vocab_size: int = 50257          # V: real tokens (GPT-2 BPE)
-    padded_vocab_size: int = 50304   # Vp >= V: rows of wte; padded logits get probability 0
-    num_layers: int = 12             # L
-    num_heads: int = 12              # NH: must divide channels
-    channels: int = 768              # C
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self):
-        """Raises ShapeError naming the first field that cannot describe a model."""
-        for name in ("max_seq_len", "vocab_size", "padded_vocab_size",
-                     "num_layers", "num_heads", "channels"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ShapeError(f"GPT2Config.{name} must be a positive int, got {value!r}")
-        if self.channels % self.num_heads != 0:
-            raise ShapeError(f"GPT2Config.channels={self.channels} is not divisible by "
-                             f"num_heads={self.num_heads}")
-        if self.padded_vocab_size < self.vocab_size:
-            raise ShapeError(f"GPT2Config.padded_vocab_size={self.padded_vocab_size} is "
-                             f"smaller than vocab_size={self.vocab_size}")
-
-    @property
-    def head_size(self):
-        return self.channels // self.num_heads
-
-    # llm.c's short names, so the model code reads like train_gpt2.c
-    @property
-    def C(self):
-        return self.channels
-
-    @property
-    def L(self):
-        return self.num_layers
-
-    @property
-    def NH(self):
-        return self.num_heads
-
-    @property
-    def V(self):
-        return self.vocab_size
-
-    @property
-    def Vp(self):
-        return self.padded_vocab_size
-
-    @property
-    def maxT(self):
-        return self.max_seq_len
-
-
 # the Llama family's choices; each is a string in the config and a small int
 # code in the checkpoint header (the index in these tuples)
 NORMS = ("layernorm", "rmsnorm")
@@ -87,14 +31,17 @@ def llama_ffn_hidden(channels, multiple=FFN_MULTIPLE):
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class TransformerConfig:
+    """One decoder-only transformer, by its sizes and choices. The presets
+    below (LlamaConfig, GPT2Config) are this with other defaults."""
     max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE and
                                      # ALiBi only the length trained at, not a limit
     vocab_size: int = 50257          # V
     padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
     num_layers: int = 12             # L
     num_heads: int = 12              # NH: query heads; must divide channels
-    num_kv_heads: int = 4            # NKV: key/value heads; divides NH (1: MQA, NH: MHA)
+    num_kv_heads: int = 4            # NKV: key/value heads; divides NH (1: MQA, NH: MHA;
+                                     # 0 picks NH)
     channels: int = 768              # C
     ffn_hidden: int = 0              # FF: MLP hidden size; 0 picks the default (the Llama
                                      # rule for swiglu, 4C for gelu)
@@ -107,6 +54,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5           # epsilon inside the norms
 
     def __post_init__(self):
+        if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
         if isinstance(self.ffn_hidden, int) and self.ffn_hidden == 0:
             default = llama_ffn_hidden(self.channels) if self.mlp == "swiglu" \
                 else 4 * self.channels
@@ -119,35 +68,36 @@ class LlamaConfig:
 
     def validate(self):
         """Raises ShapeError naming the first field that cannot describe a model."""
+        kind = type(self).__name__
         for name in ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers",
                      "num_heads", "num_kv_heads", "channels", "ffn_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ShapeError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+                raise ShapeError(f"{kind}.{name} must be a positive int, got {value!r}")
         for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
             if getattr(self, name) not in allowed:
-                raise ShapeError(f"LlamaConfig.{name} must be one of {allowed}, "
+                raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
         for name in ("bias", "tied_embeddings"):
             if not isinstance(getattr(self, name), bool):
-                raise ShapeError(f"LlamaConfig.{name} must be a bool, got "
+                raise ShapeError(f"{kind}.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
         for name in ("rope_theta", "norm_eps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (0 < value < float("inf")):
-                raise ShapeError(f"LlamaConfig.{name} must be a positive finite number, "
+                raise ShapeError(f"{kind}.{name} must be a positive finite number, "
                                  f"got {value!r}")
         if self.channels % self.num_heads != 0:
-            raise ShapeError(f"LlamaConfig.channels={self.channels} is not divisible by "
+            raise ShapeError(f"{kind}.channels={self.channels} is not divisible by "
                              f"num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ShapeError(f"LlamaConfig.num_heads={self.num_heads} is not divisible by "
+            raise ShapeError(f"{kind}.num_heads={self.num_heads} is not divisible by "
                              f"num_kv_heads={self.num_kv_heads}")
         if self.position == "rope" and self.head_size % 2 != 0:
-            raise ShapeError(f"LlamaConfig: RoPE needs an even head size, got "
+            raise ShapeError(f"{kind}: RoPE needs an even head size, got "
                              f"channels / num_heads = {self.head_size}")
         if self.padded_vocab_size < self.vocab_size:
-            raise ShapeError(f"LlamaConfig.padded_vocab_size={self.padded_vocab_size} is "
+            raise ShapeError(f"{kind}.padded_vocab_size={self.padded_vocab_size} is "
                              f"smaller than vocab_size={self.vocab_size}")
 
     @property
@@ -174,12 +124,36 @@ class LlamaConfig:
     def learned_positions(self):
         return self.position == "learned"
 
-    C = GPT2Config.C
-    L = GPT2Config.L
-    NH = GPT2Config.NH
-    V = GPT2Config.V
-    Vp = GPT2Config.Vp
-    maxT = GPT2Config.maxT
+    @property
+    def is_gpt2(self):
+        """True if the choices are GPT-2's (llm.c's model file can hold it)."""
+        return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
+            and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels
+
+    # llm.c's short names, so the model code reads like train_gpt2.c
+    @property
+    def C(self):
+        return self.channels
+
+    @property
+    def L(self):
+        return self.num_layers
+
+    @property
+    def NH(self):
+        return self.num_heads
+
+    @property
+    def V(self):
+        return self.vocab_size
+
+    @property
+    def Vp(self):
+        return self.padded_vocab_size
+
+    @property
+    def maxT(self):
+        return self.max_seq_len
 
     @property
     def NKV(self):
@@ -190,16 +164,31 @@ class LlamaConfig:
         return self.ffn_hidden
 
 
-def as_llama_config(config):
-    """The LlamaConfig with GPT-2's choices (layernorm, learned positions,
-    GELU, biases, tied head, NKV = NH, FF = 4C) describing the same model as
-    a GPT2Config: the two share a parameter layout. A LlamaConfig is
-    returned as it is."""
-    if isinstance(config, LlamaConfig):
-        return config
-    return LlamaConfig(max_seq_len=config.max_seq_len, vocab_size=config.vocab_size,
-                       padded_vocab_size=config.padded_vocab_size,
-                       num_layers=config.num_layers, num_heads=config.num_heads,
-                       num_kv_heads=config.num_heads, channels=config.channels,
-                       ffn_hidden=4 * config.channels, norm="layernorm", position="learned",
-                       mlp="gelu", bias=True, tied_embeddings=True)
+# GPT-2's choices: layernorm, learned positions, GELU, biases, a tied head
+# (and NKV = NH, FF = 4C)
+GPT2_CHOICES = dict(norm="layernorm", position="learned", mlp="gelu", bias=True,
+                    tied_embeddings=True, norm_eps=float(np.float32(1e-5)))
+
+
+@dataclass(frozen=True)
+class LlamaConfig(TransformerConfig):
+    """Llama 2's choices by default: RMSNorm, RoPE, SwiGLU, grouped-query
+    attention, no biases; any field may be changed."""
+
+
+@dataclass(frozen=True)
+class GPT2Config(TransformerConfig):
+    """GPT-2 (124M by default) as llm.c's checkpoint has it: only the sizes
+    are free; the choices are GPT-2's, which llm.c's model file implies."""
+    num_kv_heads: int = 0            # NKV = NH
+    norm: str = GPT2_CHOICES["norm"]
+    position: str = GPT2_CHOICES["position"]
+    mlp: str = GPT2_CHOICES["mlp"]
+    bias: bool = GPT2_CHOICES["bias"]
+
+    def validate(self):
+        super().validate()
+        if not self.is_gpt2:
+            raise ShapeError("GPT2Config holds GPT-2's choices (layernorm, learned, gelu, "
+                             "bias, tied, num_kv_heads = num_heads, ffn_hidden = 4 channels, "
+                             "norm_eps 1e-5); use LlamaConfig or TransformerConfig for others")

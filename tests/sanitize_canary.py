@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from llmc_py._lib import ffi, lib
+from llmc_py._native.lib import ffi, lib
 
 x = np.ones(16, np.float32)
 out = np.zeros(1, np.float64)

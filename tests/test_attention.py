@@ -202,7 +202,7 @@ def test_attention_gqa_rejects_heads_not_dividing(rng):
 
 def test_attention_gqa_c_rejects_heads_not_dividing():
     # the C prologue checks it too, for callers that skip the wrapper
-    from llmc_py._lib import ffi, lib
+    from llmc_py._native.lib import ffi, lib
     buf = ffi.new("float[]", 1024)
     assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
         == lib.LLMC_ERR_SHAPE

@@ -1,4 +1,4 @@
-"""llmc_py/_ffi_build.py: the switches and probes that choose compiler flags,
+"""llmc_py/_native/build.py: the switches and probes that choose compiler flags,
 tested with fake probes (no compiler needed except where stated)."""
 import importlib.util
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 import llmc_py
 
-BUILD_PY = Path(__file__).resolve().parent.parent / "llmc_py" / "_ffi_build.py"
+BUILD_PY = Path(__file__).resolve().parent.parent / "llmc_py" / "_native" / "build.py"
 
 
 @pytest.fixture(scope="module")

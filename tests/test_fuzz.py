@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmc_py import GPT2Config, LlmcError
-from llmc_py.checkpoint import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, num_parameters,
+from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, num_parameters,
                                 read_debug_state, read_model, read_state, write_debug_state,
                                 write_model, write_state)
 from llmc_py.data import DataLoader, read_tokens, write_tokens

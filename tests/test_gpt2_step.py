@@ -16,8 +16,8 @@ import torch
 import gpt2_reference as ref
 import llmc_py
 from llmc_py import GPT2, GPT2Config
-from llmc_py.checkpoint import read_debug_state, write_debug_state
-from llmc_py.layout import PARAM_SPECS
+from llmc_py.io import read_debug_state, write_debug_state
+from llmc_py.model.layout import PARAM_SPECS
 
 LOSS_RTOL = 1e-5
 LOGITS_TOL = 1e-4

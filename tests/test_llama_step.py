@@ -9,7 +9,7 @@ import pytest
 
 import llama_reference as ref
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
-from llmc_py.checkpoint import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
+from llmc_py.io import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
 from llmc_py.errors import CheckpointError, ShapeError
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
 

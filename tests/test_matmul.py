@@ -11,7 +11,7 @@ import pytest
 
 import llmc_py
 from llmc_py import kernels as K
-from llmc_py._lib import ffi, lib
+from llmc_py._native.lib import ffi, lib
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import matmul as ref_matmul
 
@@ -196,7 +196,7 @@ def test_set_isa_auto_picks_the_best_and_rejects_the_rest(use_isa):
 
 
 def test_raw_set_isa_checks_its_argument():
-    from llmc_py._lib import lib
+    from llmc_py._native.lib import lib
     before = lib.llmc_get_isa()
     for bad in (-1, 4, 99):
         assert lib.llmc_set_isa(bad) == lib.LLMC_ERR_RANGE

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from llmc_py import GPT2, GPT2Config, OutOfMemoryError
-from llmc_py import memory
+from llmc_py.model import memory
 from llmc_py import train as train_mod
 from llmc_py.data import write_tokens
-from llmc_py.layout import ACT_SPECS, GRAD_ACT_SPECS, aligned_empty, specs_bytes
+from llmc_py.model.layout import ACT_SPECS, GRAD_ACT_SPECS, aligned_empty, specs_bytes
 
 GIB = 1 << 30
 # a long context and 8 heads: the attention maps (B, NH, T, T) of one layer are

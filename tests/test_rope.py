@@ -5,7 +5,7 @@ import pytest
 
 import llmc_py
 from llmc_py import kernels as K
-from llmc_py._lib import ffi, lib
+from llmc_py._native.lib import ffi, lib
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import rope as ref_rope
 

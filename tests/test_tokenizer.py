@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import llmc_py.tokenizer as tok
+from llmc_py.io import fetch
 from llmc_py import CheckpointError, RangeError
-from llmc_py.checkpoint import HEADER_BYTES
+from llmc_py.io import HEADER_BYTES
 from data_helpers import REAL_RANKS, no_network, require_real_ranks, ranks_file_bytes, tiny_encoding, tiny_ranks  # noqa: F401
 
 # the user's real cache, looked up before the no_network fixture redirects it
@@ -52,7 +53,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert tok.cached_ranks_path() == tmp_path / "mine" / "gpt2.tiktoken"
     monkeypatch.delenv(tok.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert tok.cache_dir() == tmp_path / "xdg" / "llmc_py"
+    assert fetch.cache_dir() == tmp_path / "xdg" / "llmc_py"
 
 
 def fake_sdist(path, data, member="whisper/assets/gpt2.tiktoken"):
@@ -87,7 +88,7 @@ def test_fallback_fetches_checks_and_caches(monkeypatch, tmp_path, capsys, tiny_
 
     monkeypatch.delenv(tok.OFFLINE_ENV)
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    monkeypatch.setattr(tok, "pip_download", fake_pip)
+    monkeypatch.setattr(fetch, "pip_download", fake_pip)
     enc = tok.get_encoding()
     assert calls == [tok.WHISPER_SDIST]
     assert tok.cached_ranks_path().read_bytes() == tiny_is_gpt2
@@ -126,7 +127,7 @@ def test_unavailable_when_every_source_fails(monkeypatch):
 
     monkeypatch.delenv(tok.OFFLINE_ENV)
     monkeypatch.setattr(tiktoken, "get_encoding", fail)
-    monkeypatch.setattr(tok, "pip_download", fail)
+    monkeypatch.setattr(fetch, "pip_download", fail)
     with pytest.raises(tok.TokenizerUnavailableError, match="Connect to the network once"):
         tok.get_encoding()
 

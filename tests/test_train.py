@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from data_helpers import REAL_RANKS, require_real_ranks
-from llmc_py import GPT2, GPT2Config, Llama
-from llmc_py import checkpoint as ckpt
+from llmc_py import GPT2, GPT2Config, Llama, load_model
+from llmc_py.io import state as io_state
 from llmc_py import train as train_mod
-from llmc_py.checkpoint import read_state
+from llmc_py.train import RunFolder
+from llmc_py.io import read_state
 from llmc_py.data import DataLoader, write_tokens
-from llmc_py.sampling import generate, sample_next
+from llmc_py.generate.sampling import generate, sample_next
 
 SMALL = ["-e", "d1", "-b", "2", "-t", "16", "-v", "4", "-m", "2", "-s", "0", "-l", "3e-3",
          "-u", "3"]
@@ -38,6 +39,10 @@ def shards(tmp_path):
 def run(shards, out_dir, *extra):
     train_glob, val_glob = shards
     return train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out_dir), *SMALL, *extra])
+
+
+def completed_steps(out_dir):
+    return RunFolder(out_dir).completed_steps()
 
 
 def train_losses(out_dir):
@@ -81,7 +86,7 @@ def test_resume_after_ctrl_c_is_bitwise_exact(shards, tmp_path, monkeypatch, cap
     interrupt_at_batch(monkeypatch, 11)            # during step 11: step 10 is the last whole one
     assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle) == 130
     assert "checkpoint of step 10" in capsys.readouterr().out
-    assert train_mod.completed_steps(resumed) == [5, 10]
+    assert completed_steps(resumed) == [5, 10]
     monkeypatch.undo()
     assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle, "-y", "1") == 0
 
@@ -127,7 +132,7 @@ def test_gradient_accumulation_matches_a_bigger_batch(shards, tmp_path):
 def test_checkpoint_files_and_keep_last(shards, tmp_path):
     out = tmp_path / "out"
     assert run(shards, out, "-x", "6", "-n", "2", "-nk", "2") == 0
-    assert train_mod.completed_steps(out) == [4, 6]
+    assert completed_steps(out) == [4, 6]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["DONE_00000004", "DONE_00000006", "main.log", "model_00000004.bin",
                      "model_00000006.bin", "state_00000004.bin", "state_00000006.bin"]
@@ -154,7 +159,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, 
     assert run(shards, out, "-x", "6", "-n", "2", "-v", "0") == 1
     text = capsys.readouterr().out
     assert "not finite" in text and "last good checkpoint is step 2" in text
-    assert train_mod.completed_steps(out) == [2]
+    assert completed_steps(out) == [2]
     assert not (out / "model_00000003.bin").exists()
 
 
@@ -209,7 +214,7 @@ def test_non_finite_gradient_norm_stops_and_resume_is_bitwise(shards, tmp_path, 
     text = capsys.readouterr().out
     assert f"gradient norm ({value})" in text and "not finite" in text
     assert "last good checkpoint is step 5" in text
-    assert train_mod.completed_steps(out) == [5] and not (out / "model_00000008.bin").exists()
+    assert completed_steps(out) == [5] and not (out / "model_00000008.bin").exists()
     monkeypatch.undo()
     resume_matches(shards, out, straight)
 
@@ -220,7 +225,7 @@ def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys)
     stops cleanly; resuming continues as if nothing happened."""
     straight = straight_run(shards, tmp_path / "straight")
     out = tmp_path / "out"
-    real = ckpt.atomic_write
+    real = io_state.atomic_write
     fired = []
 
     def atomic_write(path, chunks):
@@ -233,10 +238,10 @@ def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys)
                 raise KeyboardInterrupt
             return real(path, interrupted())
         return real(path, chunks)
-    monkeypatch.setattr(ckpt, "atomic_write", atomic_write)
+    monkeypatch.setattr(io_state, "atomic_write", atomic_write)
     assert run(shards, out, "-x", "10", "-n", "5", "-v", "0") == 130
     assert fired and "checkpoint of step 5" in capsys.readouterr().out
-    assert train_mod.completed_steps(out) == [5]
+    assert completed_steps(out) == [5]
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     monkeypatch.undo()
     resume_matches(shards, out, straight)
@@ -246,15 +251,16 @@ def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys)
 # 10's state file (after the model file), to be killed there.
 _KILLED_TRAINER = r"""
 import sys, time
-from llmc_py import checkpoint as ckpt, train
+from llmc_py import train
+from llmc_py.train import run_folder
 
-real = ckpt.write_state
+real = run_folder.write_state
 def write_state(path, step, *args, **kwargs):
     if step == 10:
         print("stopped", flush=True)
         time.sleep(60)
     return real(path, step, *args, **kwargs)
-ckpt.write_state = write_state
+run_folder.write_state = write_state
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -268,7 +274,7 @@ def test_trainer_killed_while_saving_resumes_from_the_last_complete_checkpoint(s
             "-v", "0"]
     child = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, *argv],
                              stdout=subprocess.PIPE, text=True,
-                             cwd=Path(train_mod.__file__).resolve().parent.parent)
+                             cwd=Path(train_mod.__file__).resolve().parents[2])
     try:
         lines = iter(child.stdout.readline, "")
         assert "stopped\n" in lines, "the child never reached step 10's state file"
@@ -279,7 +285,7 @@ def test_trainer_killed_while_saving_resumes_from_the_last_complete_checkpoint(s
     # step 10's model file is there, but without its state and DONE marker the
     # checkpoint is incomplete: resuming starts from step 5
     assert (out / "model_00000010.bin").exists()
-    assert train_mod.completed_steps(out) == [5]
+    assert completed_steps(out) == [5]
     # what a kill inside atomic_write leaves; the next run removes it, and only it
     stale = out / ".state_00000010.bin.k3x_9q.tmp"
     stale.write_bytes(b"partial")
@@ -408,7 +414,7 @@ def test_llama_arch_trains_resumes_and_samples(shards, tmp_path, monkeypatch, ca
     assert run(shards, straight, "-x", "6", "-n", "3", *llama) == 0
     losses = [float(x) for _, x in train_losses(straight)]
     assert len(losses) == 6 and all(np.isfinite(losses))
-    model = train_mod.load_model(straight / "model_00000006.bin")
+    model = load_model(straight / "model_00000006.bin")
     assert isinstance(model, Llama) and model.config.num_kv_heads == 1
     assert model.config.position == ("alibi" if choices else "rope")
     assert not model.config.tied_embeddings if choices else model.config.tied_embeddings

@@ -4,7 +4,7 @@ saying what it needed, instead of the process being killed later when the
 pages are first touched (Linux grants large allocations lazily)."""
 import os
 
-from .errors import OutOfMemoryError
+from ..errors import OutOfMemoryError
 
 GIB = 1 << 30
 

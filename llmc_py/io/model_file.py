@@ -1,0 +1,216 @@
+"""Model files: llm.c's GPT-2 checkpoint and our Llama-family file.
+
+llm.c's model file (``gpt2_124M.bin``): 256 little-endian int32 header slots,
+then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
+(version 5). Every header field is checked, and the file size must match the
+header exactly, before anything is allocated; a failure raises
+CheckpointError naming the file, the field and the value.
+"""
+import numpy as np
+
+from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
+from ..errors import CheckpointError, ShapeError
+from ..model.layout import num_parameters
+from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
+                    expect_size, read_header)
+
+MAGIC_MODEL = 20240326
+VERSION_FP32 = 3
+VERSION_BF16 = 5
+BYTES_PER_PARAM = {VERSION_FP32: 4, VERSION_BF16: 2}
+
+# model header slots 2..7
+MODEL_FIELDS = ("max_seq_len", "vocab_size", "num_layers", "num_heads", "channels",
+                "padded_vocab_size")
+SLOT = {name: 2 + i for i, name in enumerate(MODEL_FIELDS)}
+
+
+
+def read_model_header(path):
+    """(GPT2Config, version, file size) from a model file's validated header."""
+    header, size = read_header(path, "model")
+    if header[0] != MAGIC_MODEL:
+        raise CheckpointError(f"{path}: header field magic is {header[0]}, expected "
+                              f"{MAGIC_MODEL} (not an llm.c model file)")
+    version = int(header[1])
+    if version not in BYTES_PER_PARAM:
+        raise CheckpointError(f"{path}: header field version is {version}, expected "
+                              f"{VERSION_FP32} (fp32) or {VERSION_BF16} (bf16); "
+                              f"re-export the model with llm.c's train_gpt2.py")
+    fields = {}
+    for name in MODEL_FIELDS:
+        value = int(header[SLOT[name]])
+        if value <= 0:
+            raise CheckpointError(f"{path}: header field {name} is {value}, must be positive")
+        fields[name] = value
+    try:
+        config = GPT2Config(**fields)
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    expected = HEADER_BYTES + num_parameters(config) * BYTES_PER_PARAM[version]
+    expect_size(path, size, expected, "model file")
+    return config, version, size
+
+
+def read_model(path):
+    """(GPT2Config, params) from an llm.c model file; params is flat float32."""
+    config, version, _ = read_model_header(path)
+    count = num_parameters(config)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        if version == VERSION_FP32:
+            params = np.fromfile(f, dtype="<f4", count=count)
+        else:
+            # bf16 is the top half of an fp32: widen by shifting into place
+            params = (np.fromfile(f, dtype="<u2", count=count).astype(np.uint32) << 16)
+            params = params.view(np.float32)
+    if params.size != count:   # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
+    return config, params.astype(np.float32, copy=False)
+
+
+def model_header(config):
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0] = MAGIC_MODEL
+    header[1] = VERSION_FP32
+    for name in MODEL_FIELDS:
+        value = getattr(config, name)
+        if value > INT32_MAX:
+            raise CheckpointError(f"config field {name}={value} does not fit an int32 header")
+        header[SLOT[name]] = value
+    return header
+
+
+def write_model(path, config, params):
+    """Writes an llm.c version-3 (fp32) model file atomically."""
+    params = np.asarray(params)
+    if params.dtype != np.float32 or params.size != num_parameters(config):
+        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
+                         f"got {params.size} {params.dtype}")
+    atomic_write(path, [model_header(config).tobytes(), params.astype("<f4", copy=False)])
+
+
+# ---- the Llama family's model file ------------------------------------------
+#
+# Our own format, in the spirit of llm.c's model file:
+#   256 int32 header slots:
+#     [0] MAGIC_LLAMA  [1] VERSION_LLAMA
+#     [2] max_seq_len  [3] vocab_size  [4] num_layers  [5] num_heads
+#     [6] channels     [7] padded_vocab_size   (the slots of llm.c's GPT-2 file)
+#     [8] num_kv_heads [9] ffn_hidden
+#     [10] norm      0 layernorm, 1 rmsnorm
+#     [11] position  0 learned, 1 rope, 2 alibi
+#     [12] mlp       0 gelu, 1 swiglu
+#     [13] bias      0 or 1
+#     [14] tied_embeddings  0 or 1
+#   256 float32 header slots: [0] rope_theta  [1] norm_eps
+#   every parameter, fp32, in layout.param_specs order
+# Unused slots are 0; a reader rejects any field out of its range.
+MAGIC_LLAMA = 20261122
+VERSION_LLAMA = 1
+LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
+                   "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
+LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
+LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14}
+LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
+LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
+
+
+def llama_headers(config):
+    """The (int32, float32) headers of a Llama model file for ``config``."""
+    ints = np.zeros(HEADER_INTS, dtype="<i4")
+    ints[0], ints[1] = MAGIC_LLAMA, VERSION_LLAMA
+    for name, slot in LLAMA_INT_SLOTS.items():
+        value = getattr(config, name)
+        if value > INT32_MAX:
+            raise CheckpointError(f"config field {name}={value} does not fit an int32 header")
+        ints[slot] = value
+    for name, (slot, choices) in LLAMA_CHOICE_SLOTS.items():
+        ints[slot] = choices.index(getattr(config, name))
+    for name, slot in LLAMA_FLAG_SLOTS.items():
+        ints[slot] = int(getattr(config, name))
+    floats = np.zeros(HEADER_INTS, dtype="<f4")
+    for name, slot in LLAMA_FLOAT_SLOTS.items():
+        floats[slot] = getattr(config, name)
+    return ints, floats
+
+
+def read_llama_header(path):
+    """(LlamaConfig, file size) from a Llama model file's validated headers."""
+    ints, size = read_header(path, "Llama model")
+    expect_magic_version(path, ints, MAGIC_LLAMA, VERSION_LLAMA, "an llmc_py Llama model file")
+    if size < LLAMA_HEADER_BYTES:
+        raise CheckpointError(f"{path}: file size {size} bytes is smaller than the "
+                              f"{LLAMA_HEADER_BYTES}-byte Llama header (truncated)")
+    fields = {}
+    for name, slot in LLAMA_INT_SLOTS.items():
+        value = int(ints[slot])
+        if value <= 0:
+            raise CheckpointError(f"{path}: header field {name} is {value}, must be positive")
+        fields[name] = value
+    for name, (slot, choices) in LLAMA_CHOICE_SLOTS.items():
+        code = int(ints[slot])
+        if not 0 <= code < len(choices):
+            raise CheckpointError(f"{path}: header field {name} is {code}, expected one of "
+                                  + ", ".join(f"{i} ({c})" for i, c in enumerate(choices)))
+        fields[name] = choices[code]
+    for name, slot in LLAMA_FLAG_SLOTS.items():
+        flag = int(ints[slot])
+        if flag not in (0, 1):
+            raise CheckpointError(f"{path}: header field {name} is {flag}, expected 0 or 1")
+        fields[name] = bool(flag)
+    with open(path, "rb") as f:
+        f.seek(HEADER_BYTES)
+        floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
+    for name, slot in LLAMA_FLOAT_SLOTS.items():
+        fields[name] = float(floats[slot])   # the config rejects <= 0, inf and NaN
+    try:
+        config = LlamaConfig(**fields)
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    expect_size(path, size, LLAMA_HEADER_BYTES + 4 * num_parameters(config), "Llama model file")
+    return config, size
+
+
+def read_llama(path):
+    """(LlamaConfig, params) from a Llama model file; params is flat float32."""
+    config, _ = read_llama_header(path)
+    count = num_parameters(config)
+    with open(path, "rb") as f:
+        f.seek(LLAMA_HEADER_BYTES)
+        params = np.fromfile(f, dtype="<f4", count=count)
+    if params.size != count:   # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
+    return config, params.astype(np.float32, copy=False)
+
+
+def write_llama(path, config, params):
+    """Writes a Llama model file atomically."""
+    params = np.asarray(params)
+    if params.dtype != np.float32 or params.size != num_parameters(config):
+        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
+                         f"got {params.size} {params.dtype}")
+    ints, floats = llama_headers(config)
+    atomic_write(path, [ints.tobytes(), floats.tobytes(), params.astype("<f4", copy=False)])
+
+
+def model_kind(path):
+    """"gpt2" or "llama", from a model file's magic number."""
+    header, _ = read_header(path, "model")
+    if header[0] == MAGIC_LLAMA:
+        return "llama"
+    if header[0] == MAGIC_MODEL:
+        return "gpt2"
+    raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {MAGIC_MODEL} "
+                          f"(llm.c GPT-2) or {MAGIC_LLAMA} (llmc_py Llama): not a model file")
+
+
+def read_model_file(path):
+    """(config, params) from either model file: a GPT2Config from llm.c's,
+    a LlamaConfig from ours."""
+    return (read_llama if model_kind(path) == "llama" else read_model)(path)
+
+
+def write_model_file(path, config, params):
+    """Writes llm.c's file for a GPT2Config, ours for any other config."""
+    (write_model if isinstance(config, GPT2Config) else write_llama)(path, config, params)

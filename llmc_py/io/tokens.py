@@ -1,0 +1,67 @@
+"""llm.c's token files (``train.bin``, ``val.bin``, fineweb shards).
+
+256 little-endian int32 header slots [0] MAGIC_TOKENS, [1] VERSION_TOKENS,
+[2] number of tokens; then that many uint16 token ids. The file size must be
+exactly HEADER_BYTES + 2 * ntok. A malformed file raises DataError naming the
+file, the field and the value.
+"""
+import numpy as np
+
+from ..errors import DataError
+from .files import HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, read_header
+
+MAGIC_TOKENS = 20240520
+VERSION_TOKENS = 1           # uint16 tokens (llm.c's version 2 holds LLaMA 3's uint32)
+TOKEN_DTYPE = np.dtype("<u2")
+MAX_TOKEN_ID = 65535
+NTOK_SLOT = 2
+
+
+def write_tokens(path, tokens):
+    """Writes llm.c's token file for the 1-D integer ``tokens``, atomically."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise DataError(f"{path}: tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and tokens.dtype.kind not in "iu":
+        raise DataError(f"{path}: tokens must be integers, got dtype {tokens.dtype}")
+    if tokens.size > INT32_MAX:
+        raise DataError(f"{path}: {tokens.size} tokens do not fit the int32 header")
+    if tokens.size:
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            bad = int(np.argmax((tokens < 0) | (tokens > MAX_TOKEN_ID)))
+            raise DataError(f"{path}: token {bad} is {int(tokens[bad])}, outside "
+                            f"[0, {MAX_TOKEN_ID}] (uint16 token file)")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC_TOKENS, VERSION_TOKENS, tokens.size)
+    atomic_write(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE)])
+
+
+def read_tokens_header(path):
+    """The token count of a token file, after checking its header and size."""
+    header, size = read_header(path, "token", DataError)
+    if header[0] != MAGIC_TOKENS:
+        raise DataError(f"{path}: header field magic is {header[0]}, expected "
+                        f"{MAGIC_TOKENS} (not an llm.c token file)")
+    if header[1] != VERSION_TOKENS:
+        hint = " (uint32 LLaMA 3 tokens are not supported)" if header[1] == 2 else ""
+        raise DataError(f"{path}: header field version is {header[1]}, expected "
+                        f"{VERSION_TOKENS}{hint}")
+    ntok = int(header[NTOK_SLOT])
+    if ntok < 0:
+        raise DataError(f"{path}: header field ntok is {ntok}, must be >= 0")
+    expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * ntok
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise DataError(f"{path}: file size is {size} bytes but header field ntok={ntok} "
+                        f"describes {expected} bytes (token file {kind})")
+    return ntok
+
+
+def read_tokens(path):
+    """The tokens of a validated token file as a read-only uint16 np.memmap
+    (an empty array for a file of 0 tokens, which cannot be mapped)."""
+    ntok = read_tokens_header(path)
+    if ntok == 0:
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))

@@ -1,0 +1,54 @@
+"""The presets of the one transformer (transformer.Transformer).
+
+GPT2: llm.c's GPT-2 (GPT2Config: layernorm, learned positions, GELU, biases,
+a tied head, NKV = NH), whose model file is llm.c's. Llama: Llama 2's
+choices by default (LlamaConfig: RMSNorm, RoPE, SwiGLU, grouped-query
+attention, no biases), any of them changeable (ALiBi, a GELU MLP, an untied
+head, ...), whose model file is ours (io.model_file).
+"""
+from ..config import GPT2Config, LlamaConfig
+from ..errors import ShapeError
+from ..io.model_file import read_llama, read_model, read_model_file
+from .transformer import Transformer
+
+
+class GPT2(Transformer):
+    """GPT-2 in llm.c's layout (layout.PARAM_SPECS)."""
+
+    def __init__(self, config=None, seed=0, *, params=None):
+        """A GPT-2 of ``config`` (default: GPT2Config(), 124M) with fresh GPT-2
+        initialisation from ``seed``, or with the given flat float32 ``params``
+        (in llm.c's order)."""
+        config = GPT2Config() if config is None else config
+        if not isinstance(config, GPT2Config):
+            raise ShapeError(f"GPT2 takes a GPT2Config, got {type(config).__name__}; "
+                             f"use Transformer or Llama for other choices")
+        super().__init__(config, seed, params=params)
+
+    @classmethod
+    def from_checkpoint(cls, path):
+        """Loads an llm.c model file (version 3 fp32, or version 5 bf16)."""
+        config, params = read_model(path)
+        return cls(config, params=params)
+
+
+class Llama(Transformer):
+    """The Llama family: the transformer with LlamaConfig's choices."""
+
+    def __init__(self, config=None, seed=0, *, params=None):
+        """A model of ``config`` (default: LlamaConfig()) with GPT-2's
+        initialisation from ``seed``, or with the given flat float32
+        ``params`` (in layout.param_specs order)."""
+        super().__init__(LlamaConfig() if config is None else config, seed, params=params)
+
+    @classmethod
+    def from_checkpoint(cls, path):
+        """Loads a model file written by ``save_checkpoint``."""
+        config, params = read_llama(path)
+        return cls(config, params=params)
+
+
+def load_model(path):
+    """A GPT2 or a Llama, whichever the model file at ``path`` holds."""
+    config, params = read_model_file(path)
+    return (GPT2 if isinstance(config, GPT2Config) else Llama)(config, params=params)

@@ -1,0 +1,68 @@
+"""One optimizer step, with seams: ``Trainer.train_step`` runs the micro-batches'
+forward and backward, then the hooks after backward (where gradients would be
+reduced across processes), clipping, the schedule's learning rate and the
+optimizer, then the hooks after the step (metrics, monitors)."""
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float      # mean over the step's micro-batches
+    norm: float      # the global gradient norm before clipping
+    lr: float        # 0.0 when the step was not applied
+    ms: float
+    finite: bool     # False: the loss or norm was inf or NaN and no update was made
+
+
+class Trainer:
+    """Trains ``model`` with ``optimizer`` (train.optimizer.AdamW) by
+    ``schedule`` (step -> learning rate) on ``next_batch()`` -> (inputs,
+    targets); ``grad_accum`` micro-batches per step, gradients clipped to a
+    global norm of ``grad_clip`` (0: never).
+
+    ``after_backward``: callables f(trainer, step), run once the step's
+    gradients are complete, before the norm is taken. ``after_step``:
+    callables f(trainer, result), run after each step that was applied."""
+
+    def __init__(self, model, optimizer, schedule, next_batch, *, grad_accum=1, grad_clip=1.0):
+        self.model, self.optimizer, self.schedule = model, optimizer, schedule
+        self.next_batch = next_batch
+        self.grad_accum, self.grad_clip = grad_accum, grad_clip
+        self.after_backward = []
+        self.after_step = []
+
+    def train_step(self, step):
+        """Optimizer step ``step`` (1-based); returns its StepResult. A step
+        whose loss or gradient norm is not finite leaves the parameters as
+        they were (finite=False)."""
+        model, n = self.model, self.grad_accum
+        t0 = time.perf_counter()
+        model.zero_grad()
+        loss = 0.0
+        for _ in range(n):
+            x, y = self.next_batch()
+            loss += model.forward(x, y) / n
+            model.backward(loss_scale=1.0 / n)
+        for hook in self.after_backward:
+            hook(self, step)
+        norm = model.clip_grad_norm(self.grad_clip) if self.grad_clip > 0 else model.grad_norm()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return StepResult(step, loss, norm, 0.0, (time.perf_counter() - t0) * 1000, False)
+        lr = self.schedule(step)
+        self.optimizer.step(lr, step)
+        result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True)
+        for hook in self.after_step:
+            hook(self, result)
+        return result
+
+
+def evaluate(model, loader, batches):
+    """The mean loss over the first ``batches`` batches of ``loader``."""
+    loader.reset()
+    losses = [model.forward(*loader.next_batch()) for _ in range(batches)]
+    return float(np.mean(losses))

@@ -1,0 +1,79 @@
+"""The run folder: where a training run keeps its log and checkpoints.
+
+  main.log          one line per step ``s:N trl:LOSS lr:LR norm:NORM`` and
+                    per evaluation ``s:N tel:LOSS`` (llm.c's format)
+  model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
+  state_%08d.bin    the training state (io.state)
+  DONE_%08d         empty; written last, marks a complete checkpoint
+"""
+import re
+from pathlib import Path
+
+from ..io.files import atomic_write
+from ..io.state import read_state, write_state
+
+# the temporary files of io.files.atomic_write for this folder's files, which
+# stay behind only when the writing process was killed before its rename
+_TEMPORARY = re.compile(r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log)\..+\.tmp")
+_DONE = re.compile(r"DONE_(\d{8})")
+_STEP_LINE = re.compile(r"s:(\d+) ")
+
+
+class RunFolder:
+    def __init__(self, path):
+        self.path = Path(path)
+        self.log_path = self.path / "main.log"
+
+    def create(self):
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint_paths(self, step):
+        """(model, state, DONE marker) paths of the checkpoint of ``step``."""
+        return (self.path / f"model_{step:08d}.bin", self.path / f"state_{step:08d}.bin",
+                self.path / f"DONE_{step:08d}")
+
+    def completed_steps(self):
+        """Steps with a DONE marker, ascending."""
+        steps = []
+        for marker in self.path.glob("DONE_*"):
+            match = _DONE.fullmatch(marker.name)
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def save(self, step, model, optimizer, extra, keep=0):
+        """model, then state, then the DONE marker: a checkpoint without its
+        marker is incomplete and never resumed from. ``keep`` > 0 then
+        removes all but the newest ``keep`` checkpoints."""
+        model_path, state_path, done_path = self.checkpoint_paths(step)
+        model.save_checkpoint(model_path)
+        write_state(state_path, step, optimizer.m, optimizer.v, extra)
+        atomic_write(done_path, [b""])
+        if keep > 0:
+            for old in self.completed_steps()[:-keep]:
+                for path in reversed(self.checkpoint_paths(old)):   # the marker first
+                    path.unlink(missing_ok=True)
+
+    def read_state(self, step, num_params):
+        """(m, v, extra) of the checkpoint of ``step``."""
+        _, m, v, extra = read_state(self.checkpoint_paths(step)[1], num_params)
+        return m, v, extra
+
+    def remove_stale_temporaries(self):
+        """Deletes the temporary files a killed save left; returns how many."""
+        stale = [path for path in self.path.iterdir() if _TEMPORARY.fullmatch(path.name)]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        return len(stale)
+
+    def truncate_log(self, step):
+        """Drops the lines of steps after ``step`` from main.log (left by a run
+        that went on past its last checkpoint), so a resumed run continues it."""
+        if not self.log_path.exists():
+            return
+        kept = [line for line in self.log_path.read_text().splitlines(keepends=True)
+                if not ((match := _STEP_LINE.match(line)) and int(match.group(1)) > step)]
+        atomic_write(self.log_path, ["".join(kept).encode()])
+
+    def open_log(self, append):
+        return open(self.log_path, "a" if append else "w")
