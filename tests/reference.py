@@ -47,22 +47,6 @@ def _softmax_last(scores):
     return e / e.sum(-1, keepdim=True)
 
 
-def attention(qkv, NH):
-    """Causal multi-head self-attention over packed qkv [B,T,3C].
-
-    Returns out [B,T,C] and the probabilities att [B,NH,T,T], exactly 0 where
-    the key comes after the query."""
-    B, T, C3 = qkv.shape
-    C = C3 // 3
-    hs = C // NH
-    q, k, v = (part.reshape(B, T, NH, hs).transpose(1, 2) for part in qkv.split(C, dim=-1))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(hs)
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    att = _softmax_last(scores.masked_fill(future, float("-inf")))   # exp(-inf) == 0
-    out = (att @ v).transpose(1, 2).reshape(B, T, C)
-    return out, att
-
-
 def rope(x, pos, NH, NKV, theta=ROPE_THETA):
     """Rotary embedding of packed rows x [B,T,(NH+2NKV)hs]: the NH q and NKV k
     heads turn, the NKV v heads stay. Half-split pairs: channel i of a head
@@ -106,6 +90,7 @@ def attention_gqa(qkv, NH, NKV, slopes=None):
     att = _softmax_last(scores.masked_fill(future, float("-inf")))
     out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
     return out, att
+
 
 def gelu(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), the tanh approximation."""

@@ -6,7 +6,6 @@ import pytest
 import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
-from reference import attention as ref_attention
 from reference import attention_gqa as ref_attention_gqa
 
 SHAPES = [  # B, T, C, NH
@@ -44,7 +43,7 @@ def test_attention_matches_reference(rng, B, T, C, NH):
     dinp = backward(dout, qkv, att, NH)
 
     qkv_t = t64(qkv, grad=True)
-    ref_out, ref_att = ref_attention(qkv_t, NH)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NH)   # NKV = NH: multi-head
     (ref_out * t64(dout)).sum().backward()
 
     tol = TOL["attention"]

@@ -1,4 +1,4 @@
-"""The whole GPT-2 against the PyTorch reference in gpt2_reference.py:
+"""The whole GPT-2 against the PyTorch reference in model_reference.py:
 logits, loss, every parameter gradient, then AdamW steps, at a small odd
 config and at GPT-2 124M width. The pytest form of llm.c's test_gpt2.c, with
 tolerances that fail the run when they are missed.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import gpt2_reference as ref
+import model_reference as ref
 import llmc_py
 from llmc_py import GPT2, GPT2Config
 from llmc_py.io import read_debug_state, write_debug_state
@@ -56,13 +56,12 @@ def max_rel_error(ours, theirs):
     return float(np.abs(np.asarray(ours, dtype=np.float64) - theirs).max()) / scale
 
 
-def check_against_reference(model, x, y, reference=ref):
-    """Compares loss, logits and every parameter's gradient with the model
-    in the ``reference`` module; returns the errors seen and the reference's
-    parameters."""
+def check_against_reference(model, x, y):
+    """Compares loss, logits and every parameter's gradient with the
+    reference model; returns the errors seen and the reference's parameters."""
     c = model.config
-    p = reference.torch_params(model.params.memory, c)
-    logits, loss = reference.forward(p, c, x, y)
+    p = ref.torch_params(model.params.memory, c)
+    logits, loss = ref.forward(p, c, x, y)
     loss.backward()
 
     model.zero_grad()
@@ -83,7 +82,7 @@ def check_against_reference(model, x, y, reference=ref):
     return errors, p
 
 
-def check_adamw_steps(model, p, x, y, steps, reference=ref):
+def check_adamw_steps(model, p, x, y, steps):
     """Runs ``steps`` AdamW steps on one batch in both; compares every loss."""
     c = model.config
     opt = ref.AdamW(p, ADAMW["learning_rate"], ADAMW["beta1"], ADAMW["beta2"],
@@ -91,7 +90,7 @@ def check_adamw_steps(model, p, x, y, steps, reference=ref):
     for t in range(1, steps + 1):
         for tensor in p.values():
             tensor.grad = None
-        _, loss = reference.forward(p, c, x, y)
+        _, loss = ref.forward(p, c, x, y)
         loss.backward()
         opt.step(t)
 
@@ -102,7 +101,7 @@ def check_adamw_steps(model, p, x, y, steps, reference=ref):
         assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item()), \
             f"step {t}: loss {ours} vs reference {loss.item()}"
     # and the losses after the last update
-    _, loss = reference.forward(p, c, x, y)
+    _, loss = ref.forward(p, c, x, y)
     ours = model.forward(x, y)
     assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item())
 

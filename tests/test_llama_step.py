@@ -1,4 +1,4 @@
-"""The Llama family against the PyTorch reference in llama_reference.py:
+"""The Llama family against the PyTorch reference in model_reference.py:
 logits, loss, every parameter gradient and AdamW steps, for each choice of
 norm, position, MLP, kv heads, bias and head; length extrapolation; the
 model file. Tolerances are test_gpt2_step.py's (stated there)."""
@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-import llama_reference as ref
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
 from llmc_py.io import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
 from llmc_py.errors import CheckpointError, ShapeError
@@ -48,9 +47,9 @@ def test_llama_matches_torch(name, B, T):
     config = dataclasses.replace(BASE, **CONFIGS[name])
     model = make_model(config, seed=B * 100 + T)
     x, y = make_batch(config, B, T, seed=T)
-    _, p = check_against_reference(model, x, y, reference=ref)
+    _, p = check_against_reference(model, x, y)
     if (B, T) == (3, 13):
-        check_adamw_steps(model, p, x, y, steps=10, reference=ref)
+        check_adamw_steps(model, p, x, y, steps=10)
 
 
 def test_llama_at_realistic_width_matches_torch():
@@ -59,7 +58,7 @@ def test_llama_at_realistic_width_matches_torch():
                          num_heads=8, num_kv_heads=2, channels=512)
     model = make_model(config, seed=5)
     x, y = make_batch(config, 2, 64, seed=5)
-    check_against_reference(model, x, y, reference=ref)
+    check_against_reference(model, x, y)
 
 
 def test_gpt2_choices_reproduce_gpt2():
@@ -90,7 +89,7 @@ def test_rope_and_alibi_extrapolate_past_max_seq_len(position):
     config = dataclasses.replace(BASE, position=position, max_seq_len=16)
     model = make_model(config, seed=2)
     x, y = make_batch(config, 2, 40, seed=2)   # 2.5x the trained length
-    check_against_reference(model, x, y, reference=ref)
+    check_against_reference(model, x, y)
 
 
 def test_learned_positions_refuse_past_max_seq_len():

@@ -1,0 +1,97 @@
+"""A PyTorch reference for the whole model family (float64), assembled from
+the per-kernel references in reference.py: the model the C model is checked
+against. GPT-2 is the config with GPT-2's choices. Parameters are a dict of
+tensors named and shaped as in llmc_py.model.layout.param_specs."""
+import math
+
+import numpy as np
+import torch
+
+import reference as R
+from llmc_py.model.layout import param_specs
+
+
+def torch_params(flat, config, dtype=torch.float64):
+    """Leaf tensors (requires_grad) named as in param_specs, from a flat array."""
+    out, offset = {}, 0
+    for name, fn in param_specs(config):
+        shape = fn(config)
+        count = math.prod(shape)
+        chunk = np.asarray(flat[offset:offset + count], dtype=np.float64).reshape(shape)
+        out[name] = torch.tensor(chunk, dtype=dtype, requires_grad=True)
+        offset += count
+    return out
+
+
+def flat_grads(params):
+    """Every gradient, flattened in param_specs order (float64 numpy); the
+    dict keeps that order."""
+    return np.concatenate([p.grad.detach().numpy().reshape(-1) for p in params.values()])
+
+
+def alibi_slopes(n_heads):
+    """The ALiBi paper's head slopes: a geometric sequence from 2^(-8/n) for
+    n a power of two; otherwise that of the nearest lower power of two m,
+    then every other slope of the sequence for 2m."""
+    def geometric(n):
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    m = 2 ** int(math.floor(math.log2(n_heads)))
+    return torch.tensor(geometric(m) + geometric(2 * m)[0::2][:n_heads - m],
+                        dtype=torch.float64)
+
+
+def norm(x, weight, bias, config):
+    if config.norm == "rmsnorm":
+        return R.rmsnorm(x, weight, config.norm_eps)[0]
+    return R.layernorm(x, weight, bias, config.norm_eps)[0]
+
+
+def forward(p, config, inputs, targets=None):
+    """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T)."""
+    c = config
+    inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
+    slopes = alibi_slopes(c.num_heads) if c.position == "alibi" else None
+
+    def param(name, l=None):
+        if name not in p:
+            return None
+        return p[name] if l is None else p[name][l]
+
+    x = R.encoder(p["wte"], param("wpe"), inputs)
+    for l in range(c.num_layers):
+        h = norm(x, param("ln1w", l), param("ln1b", l), c)
+        qkv = R.matmul(h, param("qkvw", l), param("qkvb", l))
+        if c.position == "rope":
+            qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta)
+        h = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)[0]
+        x = R.residual(x, R.matmul(h, param("attprojw", l), param("attprojb", l)))
+        h = norm(x, param("ln2w", l), param("ln2b", l), c)
+        h = R.matmul(h, param("fcw", l), param("fcb", l))
+        h = R.swiglu(h) if c.mlp == "swiglu" else R.gelu(h)
+        x = R.residual(x, R.matmul(h, param("fcprojw", l), param("fcprojb", l)))
+    x = norm(x, p["lnfw"], param("lnfb"), c)
+    logits = R.matmul(x, p["wte"] if c.tied_embeddings else p["lm_head"])
+    if targets is None:
+        return logits, None
+    targets = torch.as_tensor(np.asarray(targets, dtype=np.int64))
+    losses = R.crossentropy(R.softmax(logits, c.vocab_size), targets)
+    return logits, losses.mean()
+
+
+class AdamW:
+    """reference.adamw_step over a dict of tensors, decay on every parameter
+    (llm.c's gpt2_update)."""
+
+    def __init__(self, params, lr, beta1, beta2, eps, weight_decay):
+        self.params = params
+        self.settings = (lr, beta1, beta2, eps, weight_decay)
+        self.m = {k: torch.zeros_like(v) for k, v in params.items()}
+        self.v = {k: torch.zeros_like(v) for k, v in params.items()}
+
+    @torch.no_grad()
+    def step(self, t):
+        for name, p in self.params.items():
+            new, self.m[name], self.v[name] = R.adamw_step(p, p.grad, self.m[name],
+                                                           self.v[name], *self.settings, t)
+            p.copy_(new)
+            p.grad = None
