@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import CheckpointError, LlmcError, RangeError, TokenizerUnavailableError
 from .io import fetch
-from .io.fetch import CACHE_ENV, OFFLINE_ENV   # noqa: F401 (the tests' and users' switches)
+from .io.fetch import OFFLINE_ENV
 from .io.files import HEADER_BYTES, HEADER_INTS, atomic_write
 
 EOT = 50256                  # GPT-2's <|endoftext|> id

@@ -50,8 +50,8 @@ def no_network(monkeypatch, tmp_path):
     def refuse(*args, **kwargs):
         raise AssertionError("a test tried to reach the network")
 
-    monkeypatch.setenv(tok.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setenv(tok.OFFLINE_ENV, "1")
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(fetch.OFFLINE_ENV, "1")
     monkeypatch.setattr(urllib.request, "urlopen", refuse)
     monkeypatch.setattr(fetch, "pip_download", refuse)
     get_encoding = tok.get_encoding     # a test may monkeypatch it away

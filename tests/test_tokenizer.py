@@ -49,9 +49,9 @@ def test_malformed_ranks_file(tmp_path, body, match):
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(tok.CACHE_ENV, str(tmp_path / "mine"))
+    monkeypatch.setenv(fetch.CACHE_ENV, str(tmp_path / "mine"))
     assert tok.cached_ranks_path() == tmp_path / "mine" / "gpt2.tiktoken"
-    monkeypatch.delenv(tok.CACHE_ENV)
+    monkeypatch.delenv(fetch.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert fetch.cache_dir() == tmp_path / "xdg" / "llmc_py"
 
@@ -86,7 +86,7 @@ def test_fallback_fetches_checks_and_caches(monkeypatch, tmp_path, capsys, tiny_
         calls.append(spec)
         return sdist
 
-    monkeypatch.delenv(tok.OFFLINE_ENV)
+    monkeypatch.delenv(fetch.OFFLINE_ENV)
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     monkeypatch.setattr(fetch, "pip_download", fake_pip)
     enc = tok.get_encoding()
@@ -98,7 +98,7 @@ def test_fallback_fetches_checks_and_caches(monkeypatch, tmp_path, capsys, tiny_
     assert tok.get_encoding() is enc                       # cached per process
 
     tok.get_encoding.cache_clear()                         # a new process: the cache serves
-    monkeypatch.setenv(tok.OFFLINE_ENV, "1")
+    monkeypatch.setenv(fetch.OFFLINE_ENV, "1")
     assert tok.get_encoding().encode_ordinary("hello") == enc.encode_ordinary("hello")
 
 
@@ -125,7 +125,7 @@ def test_unavailable_when_every_source_fails(monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("unreachable")
 
-    monkeypatch.delenv(tok.OFFLINE_ENV)
+    monkeypatch.delenv(fetch.OFFLINE_ENV)
     monkeypatch.setattr(tiktoken, "get_encoding", fail)
     monkeypatch.setattr(fetch, "pip_download", fail)
     with pytest.raises(tok.TokenizerUnavailableError, match="Connect to the network once"):

@@ -5,6 +5,7 @@ exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
 from .lib import check, dptr, ffi, fptr, iptr, lib
+from ..io.tokens import first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
 
@@ -213,9 +214,8 @@ def _check_tokens(status, where, tokens, name, V):
     """check(), except that a token id outside [0, V) is reported with its
     position and value (C only says that one is)."""
     if status == lib.LLMC_ERR_RANGE:
-        bad = np.flatnonzero((tokens < 0) | (tokens >= V))
-        if bad.size:
-            pos = np.unravel_index(bad[0], tokens.shape)
+        pos = first_out_of_vocab(tokens, V)
+        if pos is not None:
             err = RangeError(f"{where}: {name}[{', '.join(str(int(i)) for i in pos)}] = "
                              f"{int(tokens[pos])} is not a token id in [0, {V})")
             err.status = status

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from ..errors import DataError, ShapeError
-from ..io.tokens import read_tokens, read_tokens_header
+from ..io.tokens import first_out_of_vocab, read_tokens, read_tokens_header
 
 
 class DataLoader:
@@ -116,8 +116,9 @@ class DataLoader:
         return self._open_tokens
 
     def _check_vocab(self, path, tokens):
-        if int(tokens.max()) >= self.vocab_size:
-            pos = int(np.argmax(tokens >= self.vocab_size))
+        bad = first_out_of_vocab(tokens, self.vocab_size)
+        if bad is not None:
+            pos = int(bad[0])
             raise DataError(f"{path}: token {pos} is {int(tokens[pos])}, not below the "
                             f"model's vocab_size {self.vocab_size}")
 

@@ -10,3 +10,10 @@ from .model_file import (LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS, 
 from .state import read_state, write_state
 from .tokens import read_tokens, read_tokens_header, write_tokens
 from ..model.layout import num_parameters
+
+__all__ = ["read_debug_state", "write_debug_state", "HEADER_BYTES", "HEADER_INTS", "atomic_write",
+           "read_header", "LLAMA_CHOICE_SLOTS", "LLAMA_FLAG_SLOTS", "LLAMA_INT_SLOTS",
+           "MAGIC_LLAMA", "MAGIC_MODEL", "VERSION_BF16", "VERSION_FP32", "model_header",
+           "model_kind", "read_llama", "read_model", "read_model_file", "write_llama",
+           "write_model", "write_model_file", "read_state", "write_state", "read_tokens",
+           "read_tokens_header", "write_tokens", "num_parameters"]

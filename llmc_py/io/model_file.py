@@ -10,7 +10,7 @@ import numpy as np
 
 from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
-from ..model.layout import num_parameters
+from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
                     expect_size, read_header)
 
@@ -83,10 +83,7 @@ def model_header(config):
 
 def write_model(path, config, params):
     """Writes an llm.c version-3 (fp32) model file atomically."""
-    params = np.asarray(params)
-    if params.dtype != np.float32 or params.size != num_parameters(config):
-        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
-                         f"got {params.size} {params.dtype}")
+    params = checked_params(config, params)
     atomic_write(path, [model_header(config).tobytes(), params.astype("<f4", copy=False)])
 
 
@@ -186,10 +183,7 @@ def read_llama(path):
 
 def write_llama(path, config, params):
     """Writes a Llama model file atomically."""
-    params = np.asarray(params)
-    if params.dtype != np.float32 or params.size != num_parameters(config):
-        raise ShapeError(f"params must be {num_parameters(config)} float32 values, "
-                         f"got {params.size} {params.dtype}")
+    params = checked_params(config, params)
     ints, floats = llama_headers(config)
     atomic_write(path, [ints.tobytes(), floats.tobytes(), params.astype("<f4", copy=False)])
 

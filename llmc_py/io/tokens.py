@@ -65,3 +65,11 @@ def read_tokens(path):
     if ntok == 0:
         return np.zeros(0, dtype=TOKEN_DTYPE)
     return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def first_out_of_vocab(tokens, vocab_size):
+    """The index (a tuple) of the first id in ``tokens`` outside [0, vocab_size),
+    or None if every id is a token."""
+    tokens = np.asarray(tokens)
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    return np.unravel_index(bad[0], tokens.shape) if bad.size else None

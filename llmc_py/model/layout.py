@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..config import GPT2Config
+from ..errors import ShapeError
 from .memory import require
 
 # gradients of the activations: only the tensors the backward pass reads or
@@ -172,6 +173,17 @@ def act_specs(c):
 def num_parameters(config):
     """Total parameter count of a model of ``config``, as an exact Python int."""
     return sum(math.prod(fn(config)) for _, fn in param_specs(config))
+
+
+def checked_params(config, params):
+    """``params`` as a flat float32 array, after checking that it holds one
+    value per parameter of a model of ``config``."""
+    params = np.asarray(params)
+    count = num_parameters(config)
+    if params.dtype != np.float32 or params.size != count:
+        raise ShapeError(f"params must be {count} float32 values, got {params.size} "
+                         f"{params.dtype}")
+    return params.reshape(-1)
 
 
 # GPT-2's layouts (llm.c's train_gpt2.c): for any GPT2Config

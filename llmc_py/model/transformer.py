@@ -29,7 +29,9 @@ from .._native import kernels as K
 from ..errors import RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
-from .layout import TensorGroup, act_specs, aligned_zeros, grad_act_specs, param_specs, specs_bytes
+from ..io.tokens import first_out_of_vocab
+from .layout import (TensorGroup, act_specs, aligned_zeros, checked_params, grad_act_specs,
+                     param_specs, specs_bytes)
 from .memory import require
 
 INIT_STD = 0.02
@@ -66,11 +68,7 @@ class Transformer:
         if params is None:
             self._init_params(seed)
         else:
-            params = np.asarray(params)
-            if params.dtype != np.float32 or params.size != self.num_parameters:
-                raise ShapeError(f"params must be {self.num_parameters} float32 values, "
-                                 f"got {params.size} {params.dtype}")
-            self.params.memory[...] = params.reshape(-1)
+            self.params.memory[...] = checked_params(config, params)
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
@@ -131,9 +129,9 @@ class Transformer:
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name} must hold integer token ids, got {arr.dtype}")
         V = self.config.vocab_size
-        bad = np.flatnonzero((arr < 0) | (arr >= V))
-        if bad.size:
-            b, t = np.unravel_index(bad[0], arr.shape)
+        bad = first_out_of_vocab(arr, V)
+        if bad is not None:
+            b, t = bad
             raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
