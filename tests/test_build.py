@@ -133,7 +133,7 @@ def test_sources_are_exactly_the_c_files(build):
 
 
 def test_extension_imports():
-    import llmc_py._llmc as ext
+    import llmc_py._native._llmc as ext
     assert hasattr(ext.lib, "matmul_forward") and hasattr(ext, "ffi")
     assert isinstance(llmc_py.has_openmp(), bool)
     assert llmc_py.get_num_threads() >= 1

@@ -1,4 +1,4 @@
-"""The cffi builder for llmc_py._llmc (out-of-line API mode).
+"""The cffi builder for llmc_py._native._llmc (out-of-line API mode).
 
 setuptools runs this through ``cffi_modules`` from the project root. Every
 compiler flag and environment switch lives here:

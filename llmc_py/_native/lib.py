@@ -8,7 +8,7 @@ try:
     from ._llmc import ffi, lib
 except ImportError as e:   # a source checkout that was never built
     raise ImportError(
-        "llmc_py's compiled kernels (llmc_py._llmc) are not built: run "
+        "llmc_py's compiled kernels (llmc_py._native._llmc) are not built: run "
         "`pip install .` (or `pip install -e .` to work on the sources)") from e
 from ..errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
                      UnsupportedError)
