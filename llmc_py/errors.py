@@ -43,3 +43,14 @@ class TokenizerUnavailableError(LlmcError, RuntimeError):
 
 class UsageError(LlmcError, ValueError):
     """Bad input from a command line or its files: one line, exit code 1."""
+
+
+class WriteError(LlmcError, OSError):
+    """A file could not be written; the message names it and says why."""
+
+    def __str__(self):
+        return self.strerror or super().__str__()
+
+
+class ConcurrentUseError(LlmcError, RuntimeError):
+    """A model was entered from a second thread while another was using it."""

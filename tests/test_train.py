@@ -134,7 +134,7 @@ def test_checkpoint_files_and_keep_last(shards, tmp_path):
     assert run(shards, out, "-x", "6", "-n", "2", "-nk", "2") == 0
     assert completed_steps(out) == [4, 6]
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["DONE_00000004", "DONE_00000006", "main.log", "model_00000004.bin",
+    assert names == [".lock", "DONE_00000004", "DONE_00000006", "main.log", "model_00000004.bin",
                      "model_00000006.bin", "state_00000004.bin", "state_00000006.bin"]
     log = (out / "main.log").read_text().splitlines()
     assert re.fullmatch(r"s:1 trl:\d+\.\d+ lr:\S+ norm:\d+\.\d+", log[0])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, WriteError
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -53,11 +53,13 @@ def expect_size(path, size, expected, what):
 def atomic_write(path, chunks):
     """Writes ``chunks`` (bytes or arrays) to a temporary file in the same
     folder, fsyncs it, then renames it over ``path``: a reader sees the old
-    file or the new one, never a partial one."""
+    file or the new one, never a partial one. A failure removes the
+    temporary file and raises WriteError naming ``path`` and the reason."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
         os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
@@ -68,11 +70,14 @@ def atomic_write(path, chunks):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(e.errno, f"{path}: cannot write ({e.strerror or e})") from e
         raise
     try:   # make the rename itself durable
         dir_fd = os.open(folder, os.O_RDONLY)

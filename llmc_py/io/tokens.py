@@ -5,6 +5,9 @@
 exactly HEADER_BYTES + 2 * ntok. A malformed file raises DataError naming the
 file, the field and the value.
 """
+import hashlib
+import os
+
 import numpy as np
 
 from ..errors import DataError
@@ -73,3 +76,22 @@ def first_out_of_vocab(tokens, vocab_size):
     tokens = np.asarray(tokens)
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
     return np.unravel_index(bad[0], tokens.shape) if bad.size else None
+
+
+FINGERPRINT_SPAN = 1 << 20   # bytes hashed at each end of a file
+
+
+def fingerprint(paths):
+    """A short hash of the files' contents, in the given order: each file's
+    size and its first and last FINGERPRINT_SPAN bytes (the whole file when
+    it is smaller), so that it costs the same for shards of any size."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            digest.update(size.to_bytes(8, "little"))
+            digest.update(f.read(FINGERPRINT_SPAN))
+            if size > 2 * FINGERPRINT_SPAN:
+                f.seek(size - FINGERPRINT_SPAN)
+            digest.update(f.read(FINGERPRINT_SPAN))
+    return digest.hexdigest()[:16]

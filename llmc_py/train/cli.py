@@ -10,6 +10,7 @@ command line and sequences the run; the step itself is train.loop.Trainer.
 """
 import argparse
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,12 +19,15 @@ import numpy as np
 
 from .._native.lib import set_num_threads
 from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
-from ..errors import CheckpointError, LlmcError, ShapeError, UsageError
+from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
+from ..io.tokens import fingerprint
+from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
 from ..model import GPT2, Llama, load_model
 from .loop import Trainer, evaluate
 from .optimizer import DECAY_ON, AdamW
 from .run_folder import RunFolder
+from .signals import StopSignals, Stopped
 from .schedule import SCHEDULES, LRSchedule
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
@@ -82,6 +86,9 @@ def build_parser():
       help="keep only the last N checkpoints (0: keep all)")
     a("-y", "--resume", type=int, choices=(0, 1), default=0,
       help="1: resume from the newest complete checkpoint in the output folder")
+    a("--overwrite", action="store_true",
+      help="start a new run in an output folder that holds another run's checkpoints, "
+           "removing them (without it such a folder is refused)")
     a("-a", "--overfit-single-batch", type=int, choices=(0, 1), default=0,
       help="1: train on one batch over and over (a sanity check)")
     a("--shuffle", type=int, choices=(0, 1), default=0,
@@ -155,23 +162,23 @@ def lr_at(step, args):
     return schedule_from_args(args)(step)
 
 
+# every numeric flag's allowed values
+FLAG_RANGES = {
+    "batch_size": POSITIVE, "seq_len": POSITIVE, "total_batch_tokens": NON_NEGATIVE,
+    "max_steps": POSITIVE, "learning_rate": POSITIVE, "warmup_steps": NON_NEGATIVE,
+    "final_lr_fraction": FRACTION, "weight_decay": NON_NEGATIVE,
+    "beta1": Range(lo=0, hi=1, hi_open=True, text="in [0, 1)"),
+    "beta2": Range(lo=0, hi=1, hi_open=True, text="in [0, 1)"), "adam_eps": POSITIVE,
+    "grad_clip": NON_NEGATIVE, "val_every": NON_NEGATIVE, "val_batches": POSITIVE,
+    "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
+    "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
+    "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
+}
+
+
 def check_args(args):
-    for name in ("batch_size", "seq_len", "max_steps"):
-        if getattr(args, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got "
-                             f"{getattr(args, name)}")
-    for name in ("warmup_steps", "val_every", "val_batches", "sample_every", "gen_tokens",
-                 "checkpoint_every", "keep_checkpoints", "total_batch_tokens", "threads"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got "
-                             f"{getattr(args, name)}")
-    if not args.learning_rate > 0 or not 0 <= args.final_lr_fraction <= 1:
-        raise UsageError("--learning-rate must be > 0 and --final-lr-fraction in [0, 1]")
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be in [0, 1), got {getattr(args, name)}")
-    if not args.adam_eps > 0:
-        raise UsageError(f"--adam-eps must be positive, got {args.adam_eps}")
+    """Raises UsageError naming the first flag outside its range."""
+    check_flags(args, FLAG_RANGES)
 
 
 def grad_accum_of(args):
@@ -218,11 +225,8 @@ def format_seconds(seconds):
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def build_model(args, folder, resume_step):
-    """The model to train: the resumed checkpoint's, the -e model file's, or
-    a fresh one of the -e depth."""
-    if resume_step:
-        return load_model(folder.checkpoint_paths(resume_step)[0])
+def build_model(args):
+    """A fresh model of the -e depth, or the -e model file's."""
     config = config_from_depth(args.init, args=args)
     if config is not None:
         return (Llama if isinstance(config, LlamaConfig) else GPT2)(config, seed=args.seed)
@@ -232,31 +236,123 @@ def build_model(args, folder, resume_step):
 
 
 def check_model_fits(args, config):
+    """Everything the flags ask of the model, checked before step 1."""
     if config.vocab_size != GPT2_VOCAB:
         raise UsageError(f"the model's vocab_size is {config.vocab_size}; the GPT-2 tokenizer "
                          f"needs {GPT2_VOCAB}")
-    if args.seq_len > config.max_seq_len and config.learned_positions:
-        raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
-                         f"{config.max_seq_len}")
+    if config.learned_positions:
+        if args.seq_len > config.max_seq_len:
+            raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
+                             f"{config.max_seq_len}")
+        if args.sample_every and args.gen_tokens > config.max_seq_len:
+            raise UsageError(f"-g {args.gen_tokens}: a sample of that many tokens does not fit "
+                             f"the model's max_seq_len {config.max_seq_len}")
 
 
-def run(args, out=None):
+# on resume: flags whose change would make a different run (refused), and
+# flags a resumed run may change (each change said in one line)
+FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
+                   "overfit_single_batch", "train_fingerprint")
+FIXED_MODEL_FLAGS = ("init", "arch", "norm", "position", "mlp", "kv_heads", "ffn_hidden",
+                     "bias", "untied", "rope_theta")
+CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
+                        "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
+                        "grad_clip", "val_fingerprint", "val_every", "val_batches",
+                        "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints")
+
+
+def resume_changes(saved, settings, explicit):
+    """The changeable settings that differ from the checkpoint's, as text;
+    raises UsageError for one that must not change. ``explicit`` names the
+    flags given on this command line (a model flag left at its default is
+    not a change: the model comes from the checkpoint)."""
+    for key in FIXED_ON_RESUME + tuple(k for k in FIXED_MODEL_FLAGS if k in explicit):
+        if key in saved and saved[key] != settings[key]:
+            what = ("the training data differ from the checkpoint's"
+                    if key == "train_fingerprint" else
+                    f"the checkpoint was made with {key}={saved[key]}, this run has "
+                    f"{settings[key]}")
+            raise UsageError(f"-y 1: {what}; a resumed run must keep it (start a new run "
+                             f"in another -o to change it)")
+    return [f"{key} {saved[key]} -> {settings[key]}" for key in CHANGEABLE_ON_RESUME
+            if key in saved and saved[key] != settings[key]]
+
+
+def explicit_flags(argv):
+    """The dests of the flags given on the command line ``argv``."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def usable_checkpoint(folder, progress):
+    """(step, model, m, v, extra) of the newest checkpoint that loads; a
+    newer one that does not is passed over with a line saying why."""
+    done = folder.completed_steps()
+    if not done:
+        raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
+    for step in reversed(done):
+        try:
+            model = load_model(folder.checkpoint_paths(step)[0])
+            m, v, extra = folder.read_state(step, model.num_parameters)
+            return step, model, m, v, extra
+        except (CheckpointError, OSError) as e:
+            progress.say(f"checkpoint of step {step} is unusable ({e}); trying an older one")
+    raise UsageError(f"-y 1: no checkpoint in {folder.path} loads")
+
+
+def run(args, out=None, argv=None):
     """The run the command line asks for; returns the exit code. ``args`` (the
-    parser's namespace) is read, never changed."""
+    parser's namespace) is read, never changed; ``argv`` says which flags
+    were given."""
+    progress = Progress(out)
+    with StopSignals() as signals:
+        try:
+            return _run(args, progress, signals, explicit_flags(argv or []))
+        except Stopped as stop:
+            if stop.handled:
+                return stop.exit_code
+            progress.say(f"stopped by {signal_name(stop.signum)} before training started; "
+                         f"nothing saved")
+            return stop.exit_code
+
+
+def signal_name(signum):
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+def _run(args, progress, signals, explicit):
     from ..data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
     from ..tokenizer import EOT, get_encoding
 
     check_args(args)
     grad_accum = grad_accum_of(args)
-    progress = Progress(out)
     if args.threads:
         set_num_threads(args.threads)
     folder = RunFolder(args.output_dir)
     folder.create()
-    stale = folder.remove_stale_temporaries()
-    if stale:
-        progress.say(f"removed {stale} temporary file(s) of an interrupted save in {folder.path}")
+    folder.lock()
+    try:
+        stale = folder.remove_stale_temporaries()
+        if stale:
+            progress.say(f"removed {stale} temporary file(s) of an interrupted save in "
+                         f"{folder.path}")
+        if not args.resume and folder.run_files():
+            if not args.overwrite:
+                raise UsageError(f"{folder.path} holds another run's checkpoints or log: "
+                                 f"resume it with -y 1, remove it with --overwrite, or give "
+                                 f"another -o")
+            folder.clear()
+            progress.say(f"removed the earlier run in {folder.path} (--overwrite)")
+        return _train(args, progress, signals, explicit, folder, grad_accum, DataLoader,
+                      prepare_dataset, EOT, get_encoding)
+    finally:
+        folder.unlock()
 
+
+def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, prepare_dataset,
+           EOT, get_encoding):
     # data
     train_data, val_data = args.train_data, args.val_data
     if train_data is None:
@@ -268,11 +364,12 @@ def run(args, out=None):
     # model, optimizer, schedule
     resume_step = 0
     if args.resume:
-        done = folder.completed_steps()
-        if not done:
-            raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
-        resume_step = done[-1]
-    model = build_model(args, folder, resume_step)
+        resume_step, model, m, v, extra = usable_checkpoint(folder, progress)
+        if args.max_steps < resume_step:
+            raise UsageError(f"-x {args.max_steps} is below the checkpoint's step "
+                             f"{resume_step} in {folder.path}")
+    else:
+        model = build_model(args)
     c = model.config
     check_model_fits(args, c)
     B, T = args.batch_size, args.seq_len
@@ -291,16 +388,13 @@ def run(args, out=None):
     # what a resumed run must share with this one, saved in every state file
     settings = dict(vars(args), train_data=train_data, val_data=val_data,
                     total_batch_tokens=grad_accum * B * T, grad_accum=grad_accum,
-                    val_batches=val_batches)
+                    val_batches=val_batches, train_fingerprint=fingerprint(train_loader.files),
+                    val_fingerprint=fingerprint(val_loader.files) if val_loader else None)
 
     if resume_step:
-        m, v, extra = folder.read_state(resume_step, model.num_parameters)
         state_path = folder.checkpoint_paths(resume_step)[1]
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
-        for key in ("batch_size", "seq_len", "grad_accum", "shuffle"):
-            if saved.get(key) != settings[key]:
-                raise UsageError(f"-y 1: the checkpoint was made with {key}="
-                                 f"{saved.get(key)}, this run has {settings[key]}")
+        changes = resume_changes(saved, settings, explicit)
         try:
             train_loader.load_state_dict(extra["train_loader"])
             sample_rng.bit_generator.state = extra["sample_rng"]
@@ -310,6 +404,8 @@ def run(args, out=None):
         optimizer.load_moments(m, v)
         folder.truncate_log(resume_step)
         progress.say(f"resumed from step {resume_step} in {folder.path}")
+        if changes:
+            progress.say("changed on resume: " + ", ".join(changes))
 
     progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters; "
                  f"batch {B}x{T}, "
@@ -321,8 +417,26 @@ def run(args, out=None):
                 "train_loader": train_loader.state_dict(),
                 "sample_rng": sample_rng.bit_generator.state}
 
-    def save(step, extra):
-        folder.save(step, model, optimizer, extra, args.keep_checkpoints)
+    # the last step whose update finished, and the state that goes with it
+    finished = {"step": resume_step, "extra": state_extra()}
+    last_good = resume_step
+
+    def step_finished(trainer, result):
+        finished["step"], finished["extra"] = result.step, state_extra()
+
+    def save(step):
+        try:
+            with signals.deferred():
+                folder.save(step, model, optimizer, finished["extra"], args.keep_checkpoints)
+        except WriteError as e:
+            intact = (f"the checkpoint of step {last_good} is intact" if last_good
+                      else "no checkpoint was written before")
+            raise UsageError(f"saving the checkpoint of step {step} failed: {e}; {intact} in "
+                             f"{folder.path}; free space and resume with -y 1") from None
+
+    def warn(what, step, e):
+        progress.say(f"step {step}: warning: {what} failed ({type(e).__name__}: {e}); "
+                     f"training goes on")
 
     if args.overfit_single_batch:
         fixed_batch = train_loader.next_batch()
@@ -330,9 +444,9 @@ def run(args, out=None):
     else:
         next_batch = train_loader.next_batch
     trainer = Trainer(model, optimizer, schedule_from_args(args), next_batch,
-                      grad_accum=grad_accum, grad_clip=args.grad_clip)
-    last_good = resume_step
-    finished, extra_after_step = resume_step, state_extra()
+                      grad_accum=grad_accum, grad_clip=args.grad_clip,
+                      update_guard=signals.deferred)
+    trainer.after_step.append(step_finished)
     started = time.perf_counter()
     losses = []
     val_loss = None
@@ -344,7 +458,6 @@ def run(args, out=None):
                              f"not finite; stopping. The last good checkpoint is step {last_good}"
                              + ("" if last_good else " (none written)") + f" in {folder.path}")
                 return 1
-            finished, extra_after_step = step, state_extra()
             losses.append(r.loss)
             log.write(f"s:{step} trl:{r.loss:.6f} lr:{r.lr:.6e} norm:{r.norm:.6f}\n")
             log.flush()
@@ -355,29 +468,38 @@ def run(args, out=None):
 
             last = step == args.max_steps
             if val_loader is not None and (step % args.val_every == 0 or last):
-                val_loss = evaluate(model, val_loader, val_batches)
-                log.write(f"s:{step} tel:{val_loss:.6f}\n")
-                log.flush()
-                progress.say(f"step {step}: val loss {val_loss:.6f}")
+                try:
+                    val_loss = evaluate(model, val_loader, val_batches)
+                    log.write(f"s:{step} tel:{val_loss:.6f}\n")
+                    log.flush()
+                    progress.say(f"step {step}: val loss {val_loss:.6f}")
+                except (LlmcError, ValueError) as e:
+                    warn("evaluation", step, e)
             if args.sample_every and (step % args.sample_every == 0 or last):
-                ids = [int(new[0]) for new in stream(model, [[EOT]], args.gen_tokens,
-                                                     temperature=1.0, rng=sample_rng)]
-                progress.say(f"step {step}: sample:\n---\n{encoding.decode(ids)}\n---")
-                extra_after_step = state_extra()   # the sampler's RNG moved on
+                try:
+                    ids = [int(new[0]) for new in stream(model, [[EOT]], args.gen_tokens,
+                                                         temperature=1.0, rng=sample_rng)]
+                    progress.say(f"step {step}: sample:\n---\n{encoding.decode(ids)}\n---")
+                except (LlmcError, ValueError) as e:
+                    warn("sampling", step, e)
+                finished["extra"] = state_extra()   # the sampler's RNG moved on
             if (args.checkpoint_every and step % args.checkpoint_every == 0) or last:
-                save(step, extra_after_step)
+                save(step)
                 last_good = step
-    except KeyboardInterrupt:
-        # parameters, moments and extra_after_step all describe the last
-        # step whose update finished
-        if finished > last_good:
-            save(finished, extra_after_step)
-        if finished:
-            progress.say(f"interrupted: checkpoint of step {finished} in {folder.path}; "
-                         f"resume with -y 1")
+    except KeyboardInterrupt as stop:
+        # parameters, moments and finished["extra"] all describe the last
+        # step whose update finished; further signals only wait for the save
+        signals.hold()
+        signum = getattr(stop, "signum", signal.SIGINT)
+        if finished["step"] > last_good:
+            save(finished["step"])
+        if finished["step"]:
+            progress.say(f"stopped by {signal_name(signum)}: checkpoint of step "
+                         f"{finished['step']} in {folder.path}; resume with -y 1")
         else:
-            progress.say("interrupted before the first step finished; nothing saved")
-        return 130
+            progress.say(f"stopped by {signal_name(signum)} before the first step finished; "
+                         f"nothing saved")
+        raise Stopped(signum, handled=True) from None
     finally:
         log.close()
 
@@ -393,9 +515,10 @@ def run(args, out=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        return run(args, argv=argv)
     except (UsageError, LlmcError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -2,6 +2,7 @@
 forward and backward, then the hooks after backward (where gradients would be
 reduced across processes), clipping, the schedule's learning rate and the
 optimizer, then the hooks after the step (metrics, monitors)."""
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -27,12 +28,17 @@ class Trainer:
 
     ``after_backward``: callables f(trainer, step), run once the step's
     gradients are complete, before the norm is taken. ``after_step``:
-    callables f(trainer, result), run after each step that was applied."""
+    callables f(trainer, result), run after each step that was applied.
+    ``update_guard``: a context manager factory around the update and the
+    after_step hooks, so that they run whole or not at all (the CLI holds
+    stop signals there)."""
 
-    def __init__(self, model, optimizer, schedule, next_batch, *, grad_accum=1, grad_clip=1.0):
+    def __init__(self, model, optimizer, schedule, next_batch, *, grad_accum=1, grad_clip=1.0,
+                 update_guard=contextlib.nullcontext):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.next_batch = next_batch
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
+        self.update_guard = update_guard
         self.after_backward = []
         self.after_step = []
 
@@ -54,10 +60,11 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return StepResult(step, loss, norm, 0.0, (time.perf_counter() - t0) * 1000, False)
         lr = self.schedule(step)
-        self.optimizer.step(lr, step)
-        result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True)
-        for hook in self.after_step:
-            hook(self, result)
+        with self.update_guard():
+            self.optimizer.step(lr, step)
+            result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True)
+            for hook in self.after_step:
+                hook(self, result)
         return result
 
 

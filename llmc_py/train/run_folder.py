@@ -5,12 +5,24 @@
   model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
   state_%08d.bin    the training state (io.state)
   DONE_%08d         empty; written last, marks a complete checkpoint
+  .lock             holds the PID of the trainer using the folder
+
+One trainer at a time: ``lock()`` takes an exclusive advisory lock on .lock,
+which the kernel drops when the process ends however it ends, so a crash
+never leaves a stale lock.
 """
+import os
 import re
 from pathlib import Path
 
+from ..errors import UsageError, WriteError
 from ..io.files import atomic_write
 from ..io.state import read_state, write_state
+
+try:
+    import fcntl
+except ImportError:   # Windows: no advisory locks here; the folder is not guarded
+    fcntl = None
 
 # the temporary files of io.files.atomic_write for this folder's files, which
 # stay behind only when the writing process was killed before its rename
@@ -23,9 +35,46 @@ class RunFolder:
     def __init__(self, path):
         self.path = Path(path)
         self.log_path = self.path / "main.log"
+        self._lock_fd = None
 
     def create(self):
+        if self.path.exists() and not self.path.is_dir():
+            raise UsageError(f"-o {self.path}: exists and is not a folder")
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def lock(self):
+        """Takes the folder for this process, or raises UsageError naming the
+        PID of the trainer that has it. Released by ``unlock`` or at exit."""
+        if fcntl is None:
+            return
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(f"{self.path} is in use by another trainer (PID {holder}); "
+                             f"wait for it to end, or give another -o") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def unlock(self):
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)   # closing drops the lock
+            self._lock_fd = None
+
+    def run_files(self):
+        """The files of a run in this folder: checkpoints and main.log."""
+        names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log")
+        return sorted(p for p in self.path.iterdir() if names.fullmatch(p.name))
+
+    def clear(self):
+        """Removes the run in this folder: the DONE markers first, so that an
+        interrupted clear leaves no checkpoint that looks complete."""
+        files = self.run_files()
+        for path in sorted(files, key=lambda p: not p.name.startswith("DONE_")):
+            path.unlink(missing_ok=True)
 
     def checkpoint_paths(self, step):
         """(model, state, DONE marker) paths of the checkpoint of ``step``."""
@@ -43,12 +92,20 @@ class RunFolder:
 
     def save(self, step, model, optimizer, extra, keep=0):
         """model, then state, then the DONE marker: a checkpoint without its
-        marker is incomplete and never resumed from. ``keep`` > 0 then
+        marker is incomplete and never resumed from. A save that fails
+        removes what it wrote and raises WriteError. ``keep`` > 0 then
         removes all but the newest ``keep`` checkpoints."""
         model_path, state_path, done_path = self.checkpoint_paths(step)
-        model.save_checkpoint(model_path)
-        write_state(state_path, step, optimizer.m, optimizer.v, extra)
-        atomic_write(done_path, [b""])
+        try:
+            model.save_checkpoint(model_path)
+            write_state(state_path, step, optimizer.m, optimizer.v, extra)
+            atomic_write(done_path, [b""])
+        except OSError as e:
+            for path in (done_path, state_path, model_path):
+                path.unlink(missing_ok=True)
+            if isinstance(e, WriteError):
+                raise
+            raise WriteError(e.errno, f"{e.filename or model_path}: {e.strerror or e}") from e
         if keep > 0:
             for old in self.completed_steps()[:-keep]:
                 for path in reversed(self.checkpoint_paths(old)):   # the marker first
