@@ -26,6 +26,8 @@ import numpy as np
 from ._native import kernels as K
 from ._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
 from .config import GPT2Config
+from .errors import UsageError
+from .flags import NON_NEGATIVE, POSITIVE, check_flags
 from .model import GPT2
 
 
@@ -337,6 +339,12 @@ def main(argv=None):
                    help="--generate: prompt tokens and new tokens")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args(argv)
+    try:
+        check_flags(args, {"repeats": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
+                           "layers": POSITIVE, "gen": POSITIVE})
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.threads:
         wanted = str(args.threads)
         if argv is None and any(os.environ.get(name) != wanted for name in BLAS_THREAD_VARS):

@@ -10,8 +10,14 @@ import argparse
 import sys
 
 from .errors import LlmcError
+from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from .model import load_model
 from .generate.kv_cache import stream
+
+
+FLAG_RANGES = {"gen_tokens": POSITIVE, "temperature": NON_NEGATIVE, "top_k": POSITIVE,
+               "top_p": Range(lo=0, hi=1, lo_open=True, text="in (0, 1]"),
+               "repetition_penalty": POSITIVE, "seed": SEED}
 
 
 def build_parser():
@@ -37,10 +43,7 @@ def main(argv=None, out=None):
     out = sys.stdout if out is None else out
     args = build_parser().parse_args(argv)
     try:
-        if args.gen_tokens <= 0:
-            raise ValueError(f"-g must be positive, got {args.gen_tokens}")
-        if args.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+        check_flags(args, FLAG_RANGES)
         from .tokenizer import EOT, get_encoding
         model = load_model(args.checkpoint)
         encoding = get_encoding()
@@ -73,6 +76,9 @@ def main(argv=None, out=None):
     except (LlmcError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

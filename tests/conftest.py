@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import llmc_py
+from llmc_py.data import write_tokens
 
 
 @pytest.fixture
@@ -31,3 +32,16 @@ def use_isa():
         yield llmc_py.set_isa
     finally:
         llmc_py.set_isa(before)
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """Two training shards and one validation shard of random GPT-2 ids."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, n in (("train_000.bin", 300), ("train_001.bin", 250), ("val.bin", 200)):
+        tokens = rng.integers(0, 50257, size=n)
+        tokens[::37] = 50256
+        write_tokens(data / name, tokens)
+    return str(data / "train_*.bin"), str(data / "val.bin")

@@ -23,19 +23,6 @@ SMALL = ["-e", "d1", "-b", "2", "-t", "16", "-v", "4", "-m", "2", "-s", "0", "-l
          "-u", "3"]
 
 
-@pytest.fixture
-def shards(tmp_path):
-    """Two training shards and one validation shard of random GPT-2 ids."""
-    rng = np.random.default_rng(0)
-    data = tmp_path / "data"
-    data.mkdir()
-    for name, n in (("train_000.bin", 300), ("train_001.bin", 250), ("val.bin", 200)):
-        tokens = rng.integers(0, 50257, size=n)
-        tokens[::37] = 50256
-        write_tokens(data / name, tokens)
-    return str(data / "train_*.bin"), str(data / "val.bin")
-
-
 def run(shards, out_dir, *extra):
     train_glob, val_glob = shards
     return train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out_dir), *SMALL, *extra])

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from ..errors import DataError, ShapeError
-from ..io.tokens import first_out_of_vocab, read_tokens, read_tokens_header
+from ..io.tokens import check_manifest, first_out_of_vocab, read_tokens, read_tokens_header
 
 
 class DataLoader:
@@ -24,8 +24,9 @@ class DataLoader:
     the whole state: ``state_dict()`` is a small dict of ints that
     ``load_state_dict`` restores exactly.
 
-    Every shard's header and size are checked here; with ``vocab_size`` the
-    token ids of a shard are checked when it is first opened.
+    Every shard's header and size, and its folder's manifest if it has one
+    (io.tokens), are checked here; with ``vocab_size`` the token ids of a
+    shard are checked when it is first opened.
     """
 
     def __init__(self, pattern, B, T, *, shuffle=False, seed=0, vocab_size=None):
@@ -45,6 +46,7 @@ class DataLoader:
         window = self.B * self.T + 1
         self.shard_tokens = []
         for path in self.files:
+            check_manifest(path)
             ntok = read_tokens_header(path)
             if ntok < window:
                 raise DataError(f"{path}: has {ntok} tokens, fewer than one batch needs "

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, LlmcError
-from ..io.tokens import MAX_TOKEN_ID, TOKEN_DTYPE, read_tokens_header, write_tokens
+from ..io.tokens import (MANIFEST, MAX_TOKEN_ID, TOKEN_DTYPE, check_manifest, read_tokens_header,
+                         write_manifest, write_tokens)
 from .shakespeare import SOURCES, shakespeare_text
 
 
@@ -74,19 +75,27 @@ def dataset_paths(name, out_dir="data"):
 
 def _dataset_ready(name, out_dir):
     try:
-        return all(read_tokens_header(p) > 0 for p in dataset_paths(name, out_dir))
+        for path in dataset_paths(name, out_dir):
+            check_manifest(path)
+            if read_tokens_header(path) <= 0:
+                return False
+        return (Path(out_dir) / name / MANIFEST).is_file()
     except DataError:
         return False
 
 
 def write_dataset(tokens, name, out_dir="data", *, val_tokens=None):
-    """Splits ``tokens`` (val first) and writes OUT/NAME/{train,val}.bin;
+    """Splits ``tokens`` (val first) and writes OUT/NAME/{train,val}.bin as a
+    whole: the folder's manifest says incomplete until both are written;
     returns (train_path, val_path, train count, val count)."""
     train, val = split_train_val(tokens, val_tokens)
     train_path, val_path = dataset_paths(name, out_dir)
-    train_path.parent.mkdir(parents=True, exist_ok=True)
+    folder = train_path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    write_manifest(folder)
     write_tokens(val_path, val)
     write_tokens(train_path, train)
+    write_manifest(folder, [val_path.name, train_path.name])
     return train_path, val_path, len(train), len(val)
 
 
@@ -181,5 +190,9 @@ def main(argv=None):
     except (LlmcError, OSError) as e:
         print(f"llmc_py.data: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("llmc_py.data: interrupted; a dataset being written is marked incomplete "
+              "(its manifest.json) and is refused until prepared again", file=sys.stderr)
+        return 130
     return 0
 

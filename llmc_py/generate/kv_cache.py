@@ -93,6 +93,10 @@ class Decoder:
     def step(self, tokens):
         """Runs one new token per row (int array (B,)) at each row's next
         position; returns the (B, V) logits (a view, valid until the next step)."""
+        with self.model.exclusive("generate"):
+            return self._step(tokens)
+
+    def _step(self, tokens):
         model, cache, a = self.model, self.cache, self.acts
         c = model.config
         p = model.params

@@ -63,10 +63,9 @@ def atomic_write(path, chunks):
         os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
         with os.fdopen(fd, "wb") as f:
             for chunk in chunks:
-                if isinstance(chunk, np.ndarray):
-                    chunk.tofile(f)
-                else:
-                    f.write(chunk)
+                if isinstance(chunk, np.ndarray):   # its bytes, uncopied (a full disk
+                    chunk = np.ascontiguousarray(chunk).data   # then raises ENOSPC)
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

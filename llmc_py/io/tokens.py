@@ -1,12 +1,21 @@
-"""llm.c's token files (``train.bin``, ``val.bin``, fineweb shards).
+"""llm.c's token files (``train.bin``, ``val.bin``, fineweb shards), and the
+manifest that makes a prepared set of them one whole.
 
 256 little-endian int32 header slots [0] MAGIC_TOKENS, [1] VERSION_TOKENS,
 [2] number of tokens; then that many uint16 token ids. The file size must be
 exactly HEADER_BYTES + 2 * ntok. A malformed file raises DataError naming the
 file, the field and the value.
+
+``manifest.json`` beside a prepared set: ``{"complete": false}`` while it is
+being written, then ``{"complete": true, "files": {name: {"tokens": n,
+"fingerprint": f}}}`` once every file is in place. A loader refuses a file
+of a folder whose manifest is incomplete or lists it with another
+fingerprint: a preparation that was cut short never passes for a whole set.
 """
 import hashlib
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -95,3 +104,39 @@ def fingerprint(paths):
                 f.seek(size - FINGERPRINT_SPAN)
             digest.update(f.read(FINGERPRINT_SPAN))
     return digest.hexdigest()[:16]
+
+
+MANIFEST = "manifest.json"
+
+
+def write_manifest(folder, names=None):
+    """Marks the set in ``folder`` incomplete (``names`` None), or complete
+    with the token counts and fingerprints of the files ``names``."""
+    folder = Path(folder)
+    record = {"complete": names is not None}
+    if names is not None:
+        record["files"] = {name: {"tokens": read_tokens_header(folder / name),
+                                  "fingerprint": fingerprint([folder / name])}
+                           for name in names}
+    atomic_write(folder / MANIFEST, [json.dumps(record, indent=1, sort_keys=True).encode()])
+
+
+def check_manifest(path):
+    """Raises DataError if the token file ``path`` belongs to a set whose
+    manifest says it is incomplete or lists the file with another content.
+    A folder without a manifest is not a prepared set: nothing to check."""
+    path = Path(path)
+    manifest = path.parent / MANIFEST
+    try:
+        record = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:
+        raise DataError(f"{manifest}: unreadable ({e}); prepare the dataset again") from None
+    if not isinstance(record, dict) or record.get("complete") is not True:
+        raise DataError(f"{path.parent}: the dataset's preparation did not finish "
+                        f"({MANIFEST} says incomplete); prepare it again")
+    entry = record.get("files", {}).get(path.name)
+    if entry is not None and entry.get("fingerprint") != fingerprint([path]):
+        raise DataError(f"{path}: is not the file {MANIFEST} lists (another preparation "
+                        f"wrote it); prepare the dataset again")

@@ -21,12 +21,15 @@ Activation buffers are planned for the (B, T) of the first forward. A later
 forward with another (B, T) re-plans them: it reuses the same memory when the
 new shapes fit in it and allocates a larger buffer otherwise.
 """
+import contextlib
+import functools
 import math
+import threading
 
 import numpy as np
 
 from .._native import kernels as K
-from ..errors import RangeError, ShapeError
+from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
 from ..io.tokens import first_out_of_vocab
@@ -44,13 +47,27 @@ _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
 
 
+def _held(method):
+    """Runs ``method`` holding the model (Transformer.exclusive)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.exclusive(method.__name__):
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class Transformer:
     """The model of a TransformerConfig: forward, backward, zero_grad, the
     AdamW update, ``generate`` and the model file.
 
     What KV-cache decoding (generate.kv_cache) needs from a model is public:
     ``config``, ``params``, ``slopes``, ``token_ids``, ``block_forward`` and
-    ``head_forward``."""
+    ``head_forward``.
+
+    One model serves one thread at a time (its activations are shared state):
+    forward, backward, zero_grad, update, reserve and generate called while
+    another thread is inside one of them raise ConcurrentUseError at once,
+    rather than compute a wrong result. Two models in two threads are fine."""
 
     def __init__(self, config, seed=0, *, params=None):
         """A model of ``config`` with GPT-2's initialisation from ``seed``, or
@@ -63,6 +80,7 @@ class Transformer:
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
+        self._user = threading.RLock()   # held by the thread inside an entry point
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
@@ -91,6 +109,19 @@ class Transformer:
         p.wte[c.V:] = 0.0   # the padding rows are never used
         for name in _NORM_WEIGHTS:
             p[name][...] = 1.0
+
+    @contextlib.contextmanager
+    def exclusive(self, what="use"):
+        """Holds the model for this thread (re-entrant), or raises
+        ConcurrentUseError if another thread holds it."""
+        if not self._user.acquire(blocking=False):
+            raise ConcurrentUseError(f"model.{what}: the model is in use by another thread; "
+                                     f"a model serves one thread at a time (give each thread "
+                                     f"its own model)")
+        try:
+            yield
+        finally:
+            self._user.release()
 
     @classmethod
     def from_checkpoint(cls, path):
@@ -152,6 +183,7 @@ class Transformer:
         self.inputs, self.targets = inputs, targets
         return inputs, targets
 
+    @_held
     def reserve(self, B, T, training=False):
         """Allocates activation memory for batches up to (B, T) now, so that
         later forwards of any smaller shape reuse it (e.g. a growing context
@@ -189,6 +221,7 @@ class Transformer:
         self.mean_loss = float(a.losses.mean(dtype=np.float64))
         return self.mean_loss
 
+    @_held
     def forward(self, inputs, targets=None):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
         loss as a float when ``targets`` (B, T) are given, else None; the
@@ -273,6 +306,7 @@ class Transformer:
 
     # ---- backward ----------------------------------------------------------
 
+    @_held
     def zero_grad(self):
         """Zeroes the parameter gradients (backward adds into them)."""
         self.grads.zero()
@@ -293,6 +327,7 @@ class Transformer:
         K.crossentropy_softmax_backward(d.logits, d.losses, self.acts.probs, self.targets, c.V)
         return d
 
+    @_held
     def backward(self, loss_scale=1.0):
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
@@ -335,6 +370,7 @@ class Transformer:
 
     # ---- generation --------------------------------------------------------
 
+    @_held
     def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
                  top_p=None, repetition_penalty=None, seed=None, stop_token=None):
         """New token ids after ``prompt_tokens``, decoded with a KV cache
@@ -360,6 +396,7 @@ class Transformer:
             K.scale_inplace(self.grads.memory, max_norm / norm)
         return norm
 
+    @_held
     def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1,
                decay=None):
         """One AdamW step (llm.c's gpt2_update); t >= 1 is the step number.

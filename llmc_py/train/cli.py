@@ -310,12 +310,12 @@ def run(args, out=None, argv=None):
     with StopSignals() as signals:
         try:
             return _run(args, progress, signals, explicit_flags(argv or []))
-        except Stopped as stop:
-            if stop.handled:
-                return stop.exit_code
-            progress.say(f"stopped by {signal_name(stop.signum)} before training started; "
-                         f"nothing saved")
-            return stop.exit_code
+        except KeyboardInterrupt as stop:   # Stopped, or Ctrl-C before the handlers were in
+            signum = getattr(stop, "signum", signal.SIGINT)
+            if not getattr(stop, "handled", False):
+                progress.say(f"stopped by {signal_name(signum)} before training started; "
+                             f"nothing saved")
+            return 128 + signum
 
 
 def signal_name(signum):

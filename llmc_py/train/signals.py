@@ -19,11 +19,6 @@ class Stopped(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.handled = signum, handled
 
-    @property
-    def exit_code(self):
-        """The shell's convention for a process ended by signal n: 128 + n."""
-        return 128 + self.signum
-
 
 class StopSignals:
     """While entered (in the main thread), a stop signal raises Stopped where
