@@ -52,6 +52,7 @@
 #include <string.h>
 #include "llmc.h"
 #include "common.h"
+#include "isa.h"
 
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
@@ -95,8 +96,7 @@ typedef void (*skinny_kernel_fn)(float* out, size_t ldo, const float* inp,
 #define LANES16(F, h) LANES8(F, h), F(8, h), F(9, h), F(10, h), F(11, h), \
                       F(12, h), F(13, h), F(14, h), F(15, h)
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define LLMC_X86_DISPATCH 1
+#ifdef LLMC_X86_DISPATCH
 #include <immintrin.h>
 #endif
 
@@ -123,7 +123,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 
 #define MICRO_NAME micro_kernel_avx2
 #define SKINNY_NAME skinny_kernel_avx2
-#define MICRO_TARGET __attribute__((target("avx2,fma")))
+#define MICRO_TARGET LLMC_TARGET_AVX2
 #define MICRO_VEC vec8f
 #define MICRO_IVEC vec8i
 #define MICRO_W 8
@@ -134,7 +134,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 
 #define MICRO_NAME micro_kernel_avx512
 #define SKINNY_NAME skinny_kernel_avx512
-#define MICRO_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define MICRO_TARGET LLMC_TARGET_AVX512
 #define MICRO_VEC vec16f
 #define MICRO_IVEC vec16i
 #define MICRO_W 16
@@ -143,57 +143,6 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 #include "matmul_micro.h"
 #include "matmul_skinny.h"   /* last: undefines the MICRO_ and SKINNY_ names */
 #endif
-
-/* 1 if this build has the kernel for isa and the CPU (and OS) can run it. */
-static int isa_supported(int isa) {
-    switch (isa) {
-        case LLMC_ISA_PORTABLE: return 1;
-#ifdef LLMC_X86_DISPATCH
-        // libgcc's check also asks the OS (XGETBV) whether it saves the
-        // ymm / zmm registers
-        case LLMC_ISA_AVX2:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case LLMC_ISA_AVX512:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512f") && isa_supported(LLMC_ISA_AVX2);
-#endif
-        default: return 0;
-    }
-}
-
-static int best_isa(void) {
-    if (isa_supported(LLMC_ISA_AVX512)) { return LLMC_ISA_AVX512; }
-    if (isa_supported(LLMC_ISA_AVX2)) { return LLMC_ISA_AVX2; }
-    return LLMC_ISA_PORTABLE;
-}
-
-/* The chosen instruction set; LLMC_ISA_AUTO until the first use picks the
-   best. Atomic loads and stores, so that a Python thread calling
-   llmc_set_isa while another runs a matmul is no data race: each GEMM reads
-   it once, before its parallel region. */
-static int active_isa = LLMC_ISA_AUTO;
-
-int llmc_isa_supported(int isa) {
-    return isa_supported(isa);
-}
-
-int llmc_set_isa(int isa) {
-    LLMC_REQUIRE(isa >= LLMC_ISA_AUTO && isa <= LLMC_ISA_AVX512, LLMC_ERR_RANGE);
-    if (isa == LLMC_ISA_AUTO) { isa = best_isa(); }
-    LLMC_REQUIRE(isa_supported(isa), LLMC_ERR_UNSUPPORTED);
-    __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
-    return LLMC_OK;
-}
-
-int llmc_get_isa(void) {
-    int isa = __atomic_load_n(&active_isa, __ATOMIC_RELAXED);
-    if (isa == LLMC_ISA_AUTO) {
-        isa = best_isa();
-        __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
-    }
-    return isa;
-}
 
 /* The skinny kernel for the active instruction set and its vector width. */
 static skinny_kernel_fn active_skinny_kernel(int* width) {

@@ -31,6 +31,7 @@ CSRC = ROOT / "csrc"
 # explicit, never globbed, so scratch files are never compiled in
 SOURCES = [
     "status.c",
+    "isa.c",
     "encoder.c",
     "norms.c",
     "matmul.c",
@@ -141,7 +142,7 @@ def make_builder():
         '#include "llmc.h"',
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
-        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h",
+        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h", "isa.h",
                                                  "matmul_micro.h", "matmul_skinny.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
