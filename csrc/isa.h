@@ -32,14 +32,13 @@
 #define LLMC_ISA_H
 
 #include "llmc.h"
+#include "common.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define LLMC_X86_DISPATCH 1
 #define LLMC_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define LLMC_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #endif
-
-#define LLMC_ALWAYS_INLINE inline __attribute__((always_inline))
 
 /*
  * LLMC_ISA_VARIANTS(name, (params), args...): name_portable, name_avx2 and

@@ -353,26 +353,6 @@ static int matmul_sizes_fit(int B, int T, int C, int OC) {
            && llmc_count_fits(OC, C, 1, 1);
 }
 
-/* dbias[o] += sum_bt dout[bt, o], in fixed chunks of rows (common.h). */
-static int bias_backward(float* dbias, const float* dout, long BT, int OC) {
-    const long chunk = llmc_row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
-    float* partial = malloc((size_t)nchunks * OC * sizeof(float));
-    LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
-    #pragma omp parallel for schedule(static)
-    for (long ch = 0; ch < nchunks; ch++) {
-        float* p = partial + (size_t)ch * OC;
-        memset(p, 0, (size_t)OC * sizeof(float));
-        const long bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
-        for (long bt = ch * chunk; bt < bt1; bt++) {
-            const float* dout_bt = dout + (size_t)bt * OC;
-            for (int o = 0; o < OC; o++) { p[o] += dout_bt[o]; }
-        }
-    }
-    llmc_add_chunk_sums(dbias, partial, nchunks, OC);
-    free(partial);
-    return LLMC_OK;
-}
-
 int matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                    int B, int T, int C, int OC) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
@@ -425,7 +405,9 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
                                            inp, (size_t)C, 1, OC, C, (int)BT);
         if (status != LLMC_OK) { return status; }
     }
-    return dbias != NULL ? bias_backward(dbias, dout, BT, OC) : LLMC_OK;
+    // dbias[o] += sum_bt dout[bt, o]
+    return dbias != NULL ? llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC)
+                         : LLMC_OK;
 }
 
 int matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,

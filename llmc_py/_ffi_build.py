@@ -32,6 +32,7 @@ CSRC = ROOT / "csrc"
 SOURCES = [
     "status.c",
     "isa.c",
+    "colsum.c",
     "encoder.c",
     "norms.c",
     "matmul.c",
