@@ -54,6 +54,15 @@ static inline void llmc_thread_share(long n, long* lo, long* hi) {
     *hi = *lo + q + (id < r ? 1 : 0);
 }
 
+/* Index of the first id outside [0, V) of ids[0 .. n), or -1 if all are in
+   range (token ids and targets). */
+static inline long llmc_first_bad_index(const int* ids, long n, int V) {
+    for (long i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= V) { return i; }
+    }
+    return -1;
+}
+
 /* Elements per chunk of a chunked reduction. Fixed, so a sum is split the
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384
