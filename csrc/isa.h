@@ -44,21 +44,36 @@
  * LLMC_ISA_VARIANTS(name, (params), args...): name_portable, name_avx2 and
  * name_avx512 (the latter two on x86 only), static void functions taking
  * params, each of which calls name_body(args...) built for its instruction
- * set. name_body must be static LLMC_ALWAYS_INLINE void.
- * LLMC_ISA_SELECT(isa, name): the variant of name for isa (a status-free
- * pointer; isa is llmc_get_isa()'s, so always one this CPU supports).
+ * set. name_body must be static LLMC_ALWAYS_INLINE void. The variants are
+ * never inlined, so that every caller of one runs the very same code.
+ * LLMC_ISA_VARIANTS_ISA: the same, but name_body gets the variant's
+ * instruction set as a constant first argument, to call the variants of
+ * other functions through LLMC_ISA_SELECT (a direct call once inlined).
+ * LLMC_ISA_SELECT(isa, name): the variant of name for isa (isa is
+ * llmc_get_isa()'s, so always one this CPU supports).
  */
+#define LLMC_ISA_VARIANT_(attr, name, params, call) \
+    attr __attribute__((noinline)) static void name params { call; }
 #ifdef LLMC_X86_DISPATCH
-#define LLMC_ISA_VARIANTS(name, params, ...)                                     \
-    static void name##_portable params { name##_body(__VA_ARGS__); }             \
-    LLMC_TARGET_AVX2 static void name##_avx2 params { name##_body(__VA_ARGS__); } \
-    LLMC_TARGET_AVX512 static void name##_avx512 params { name##_body(__VA_ARGS__); }
-#define LLMC_ISA_SELECT(isa, name)                                               \
-    ((isa) == LLMC_ISA_AVX512 ? name##_avx512                                    \
+#define LLMC_ISA_VARIANTS(name, params, ...)                                              \
+    LLMC_ISA_VARIANT_(, name##_portable, params, name##_body(__VA_ARGS__))               \
+    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX2, name##_avx2, params, name##_body(__VA_ARGS__))   \
+    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512, name##_avx512, params, name##_body(__VA_ARGS__))
+#define LLMC_ISA_VARIANTS_ISA(name, params, ...)                                          \
+    LLMC_ISA_VARIANT_(, name##_portable, params,                                         \
+                      name##_body(LLMC_ISA_PORTABLE, __VA_ARGS__))                       \
+    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX2, name##_avx2, params,                             \
+                      name##_body(LLMC_ISA_AVX2, __VA_ARGS__))                           \
+    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512, name##_avx512, params,                         \
+                      name##_body(LLMC_ISA_AVX512, __VA_ARGS__))
+#define LLMC_ISA_SELECT(isa, name)                                                        \
+    ((isa) == LLMC_ISA_AVX512 ? name##_avx512                                             \
      : (isa) == LLMC_ISA_AVX2 ? name##_avx2 : name##_portable)
 #else
-#define LLMC_ISA_VARIANTS(name, params, ...)                                     \
-    static void name##_portable params { name##_body(__VA_ARGS__); }
+#define LLMC_ISA_VARIANTS(name, params, ...) \
+    LLMC_ISA_VARIANT_(, name##_portable, params, name##_body(__VA_ARGS__))
+#define LLMC_ISA_VARIANTS_ISA(name, params, ...) \
+    LLMC_ISA_VARIANT_(, name##_portable, params, name##_body(LLMC_ISA_PORTABLE, __VA_ARGS__))
 #define LLMC_ISA_SELECT(isa, name) ((void)(isa), name##_portable)
 #endif
 
