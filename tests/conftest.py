@@ -31,3 +31,13 @@ def use_isa():
         yield llmc_py.set_isa
     finally:
         llmc_py.set_isa(before)
+
+
+@pytest.fixture(params=llmc_py.supported_isas())
+def isa(request, use_isa):
+    """Runs the test once on each instruction set this CPU and build support,
+    slowest first (llmc_py.set_isa switches every kernel family), restoring
+    the instruction set afterwards."""
+    use_isa(request.param)
+    assert llmc_py.get_isa() == request.param
+    return request.param

@@ -102,9 +102,9 @@ def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def assert_thread_invariant(set_threads, run, counts=(1, 2)):
+def assert_thread_invariant(set_threads, run, counts=(1, 2, 3)):
     """Runs ``run()`` (returning {name: array}) on each thread count in
-    ``counts`` (1 and 2 unless given) and requires bitwise-equal results. (A
+    ``counts`` (1, 2 and 3 unless given) and requires bitwise-equal results. (A
     build without OpenMP always runs on one thread; the check then still
     compares the runs.)"""
     results = []

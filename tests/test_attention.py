@@ -38,7 +38,7 @@ def backward(dout, qkv, att, NH, calls=1):
 
 
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
-def test_attention_matches_reference(rng, B, T, C, NH):
+def test_attention_matches_reference(rng, isa, B, T, C, NH):
     qkv, dout = make_inputs(rng, B, T, C)
     out, att = forward(qkv, NH)
     dinp = backward(dout, qkv, att, NH)
@@ -61,7 +61,7 @@ def test_attention_backward_accumulates(rng):
     assert_close("dinp", twice, 2.0 * once, TOL["attention"]["bwd"])
 
 
-def test_attention_thread_invariant(rng, set_threads):
+def test_attention_thread_invariant(rng, isa, set_threads):
     qkv, dout = make_inputs(rng, 3, 20, 60)   # B*NH = 9 (b, h) pairs, uneven over 2 threads
 
     def run():
@@ -143,7 +143,7 @@ TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 k
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
-def test_attention_gqa_matches_reference(rng, B, T, NH, NKV, hs, slopes):
+def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
     out, att = gqa_forward(qkv, slopes, NH, NKV)
     dinp = gqa_backward(dout, qkv, att, NH, NKV)
@@ -167,7 +167,7 @@ def test_attention_gqa_backward_accumulates(rng):
     assert_close("dinp", twice, 2.0 * once, TOL["attention_gqa"]["bwd"])
 
 
-def test_attention_gqa_thread_invariant(rng, set_threads):
+def test_attention_gqa_thread_invariant(rng, isa, set_threads):
     # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
     qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")
 
@@ -288,7 +288,7 @@ def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
 
 
 @pytest.mark.parametrize("lengths,maxT,NH,NKV,hs,slopes", DECODE_SHAPES)
-def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, slopes):
+def test_attention_decode_matches_forward_row(rng, isa, lengths, maxT, NH, NKV, hs, slopes):
     qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
     out, att = decode(*cache, slopes, NH, NKV)
     full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
@@ -304,7 +304,7 @@ def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, s
                      TOL["attention_gqa"]["fwd"])
 
 
-def test_attention_decode_thread_invariant(rng, set_threads):
+def test_attention_decode_thread_invariant(rng, isa, set_threads):
     # B * NH = 15 (b, h) pairs: uneven over 2 and over 3 threads
     _, slopes, cache = make_decode_case(rng, [9, 2, 30], 30, 5, 1, 16, "alibi")
 
@@ -373,7 +373,7 @@ def test_alibi_slopes_rejects_non_positive_or_non_int(n):
 
 # ---- the tiled kernels' edges --------------------------------------------------
 
-def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
+def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     # T = 43: 5 tiles of 8 rows and 3 single rows; hs = 24: a partial vector;
     # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
     qkv, dout, slopes = make_gqa_inputs(rng, 5, 43, 6, 1, 24, "alibi")
@@ -391,7 +391,7 @@ def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
     (40, 4, 2, 16, "steep"),   # far keys' weights underflow to 0
     (1, 2, 1, 8, "alibi"),     # T = 1
 ])
-def test_attention_decode_equals_forward_row_bitwise(rng, T, NH, NKV, hs, slopes):
+def test_attention_decode_equals_forward_row_bitwise(rng, isa, T, NH, NKV, hs, slopes):
     # the first, second, middle and last two positions, each a row of the batch
     positions = sorted({0, 1, T // 2, T - 2, T - 1} & set(range(T)))
     lengths = [t + 1 for t in positions]

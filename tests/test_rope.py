@@ -53,7 +53,7 @@ def backward(dout, pos, NH, NKV, theta=10000.0, calls=1):
 @pytest.mark.parametrize("theta", THETAS)
 @pytest.mark.parametrize("pos_kind", [None, "offset"])
 @pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES)
-def test_rope_matches_reference(rng, B, T, NH, NKV, hs, pos_kind, theta):
+def test_rope_matches_reference(rng, isa, B, T, NH, NKV, hs, pos_kind, theta):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
     pos = make_pos(rng, B, pos_kind)
     out = forward(x, pos, NH, NKV, theta)
@@ -107,7 +107,7 @@ def test_rope_offset_continues_the_sequence(rng):
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
-def test_rope_thread_invariant(rng, set_threads, B, T, NH, NKV, hs):
+def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
     pos = make_pos(rng, B, "offset")
     assert_thread_invariant(set_threads, lambda: dict(
