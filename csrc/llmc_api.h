@@ -41,6 +41,32 @@ int llmc_get_num_threads(void);
 /* Returns 1 if the library was built with OpenMP, else 0 (not a status). */
 int llmc_has_openmp(void);
 
+/* ---- isa.c -------------------------------------------------------------- */
+
+/*
+ * The instruction set every kernel family's vector loops run on (each is
+ * built for all of them; the naive twins never change). Every choice runs a
+ * kernel's operations in the same order; they differ only in how products
+ * round into sums (fused multiply-add or not), within a few ulp of one
+ * another. The choice is global, like the thread count, and made once at
+ * first use: the best the CPU supports, unless llmc_set_isa chose before.
+ */
+typedef enum {
+    LLMC_ISA_AUTO = 0,       /* llmc_set_isa only: the best the CPU supports   */
+    LLMC_ISA_PORTABLE = 1,   /* plain C vectors, built with the build's flags  */
+    LLMC_ISA_AVX2 = 2,       /* x86 AVX2 + FMA                                 */
+    LLMC_ISA_AVX512 = 3      /* x86 AVX-512F                                   */
+} llmc_isa;
+
+/* Chooses the instruction set of every kernel; an isa outside the enum is
+   LLMC_ERR_RANGE, one this CPU or build cannot run LLMC_ERR_UNSUPPORTED
+   (nothing changes). */
+int llmc_set_isa(int isa);
+/* Returns the instruction set in use, never LLMC_ISA_AUTO (not a status). */
+int llmc_get_isa(void);
+/* Returns 1 if llmc_set_isa(isa) would succeed, else 0 (not a status). */
+int llmc_isa_supported(int isa);
+
 /* ---- encoder.c ---------------------------------------------------------- */
 
 /*
@@ -161,29 +187,6 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
                           int B, int T, int C, int OC);
-
-/*
- * The instruction set of matmul_forward / matmul_backward's inner kernel
- * (the naive twins never change). Every choice sums each output element in
- * the same order; they differ only in how products round into the sums
- * (fused multiply-add or not), within a few ulp of one another. The choice
- * is global, like the thread count, and made once at first use: the best
- * the CPU supports, unless llmc_set_isa chose before.
- */
-typedef enum {
-    LLMC_ISA_AUTO = 0,       /* llmc_set_isa only: the best the CPU supports   */
-    LLMC_ISA_PORTABLE = 1,   /* plain C vectors, built with the build's flags  */
-    LLMC_ISA_AVX2 = 2,       /* x86 AVX2 + FMA                                 */
-    LLMC_ISA_AVX512 = 3      /* x86 AVX-512F                                   */
-} llmc_isa;
-
-/* Chooses the instruction set; an isa outside the enum is LLMC_ERR_RANGE,
-   one this CPU or build cannot run LLMC_ERR_UNSUPPORTED (nothing changes). */
-int llmc_set_isa(int isa);
-/* Returns the instruction set in use, never LLMC_ISA_AUTO (not a status). */
-int llmc_get_isa(void);
-/* Returns 1 if llmc_set_isa(isa) would succeed, else 0 (not a status). */
-int llmc_isa_supported(int isa);
 
 /* ---- attention.c -------------------------------------------------------- */
 
