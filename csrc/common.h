@@ -173,15 +173,18 @@ static LLMC_ALWAYS_INLINE float llmc_dot(const float* a, const float* b, int n) 
 
 /* Two-source shuffle of vec16f: lane i of the result is lane idx[i] of a
    then b (0..31). GCC 12+ and clang have __builtin_shufflevector; older GCC
-   only __builtin_shuffle, with the indices as a vector. */
+   only __builtin_shuffle, with the indices as a vector. LLMC_SHUF_T is the
+   same for any vector type, with itype the int vector type of its width
+   (what older GCC needs for the indices). */
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
-#define LLMC_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define LLMC_SHUF_T(itype, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #endif
 #endif
-#ifndef LLMC_SHUF
-#define LLMC_SHUF(a, b, ...) __builtin_shuffle(a, b, (vec16i){__VA_ARGS__})
+#ifndef LLMC_SHUF_T
+#define LLMC_SHUF_T(itype, a, b, ...) __builtin_shuffle(a, b, (itype){__VA_ARGS__})
 #endif
+#define LLMC_SHUF(a, b, ...) LLMC_SHUF_T(vec16i, a, b, __VA_ARGS__)
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
    Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
