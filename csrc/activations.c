@@ -38,10 +38,10 @@ static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
 }
 
 /* Blocks [blk0, blk1) of 16 elements of the forward; the last block of N may be partial. */
-static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float* inp, long N,
-                                                 long blk0, long blk1) {
-    for (long blk = blk0; blk < blk1; blk++) {
-        const long i = blk * 16;
+static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float* inp, int64_t N,
+                                                        int64_t blk0, int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
         vec16f s, e;
@@ -49,17 +49,18 @@ static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float*
         llmc_store16(out + i, x * s, n);
     }
 }
-LLMC_ISA_VARIANTS(gelu_forward_blocks, (float* out, const float* inp, long N, long blk0, long blk1),
+LLMC_ISA_VARIANTS(gelu_forward_blocks,
+                  (float* out, const float* inp, int64_t N, int64_t blk0, int64_t blk1),
                   out, inp, N, blk0, blk1)
 
-int gelu_forward(float* out, const float* inp, long N) {
+int gelu_forward(float* out, const float* inp, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, long, long, long) =
+    void (*const blocks)(float*, const float*, int64_t, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks);
     #pragma omp parallel
     {
-        long blk0, blk1;
+        int64_t blk0, blk1;
         llmc_thread_share((N + 15) / 16, &blk0, &blk1);
         if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
     }
@@ -69,10 +70,10 @@ int gelu_forward(float* out, const float* inp, long N) {
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
    = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
 static LLMC_ALWAYS_INLINE void gelu_backward_blocks_body(float* dinp, const float* dout,
-                                                  const float* inp, long N,
-                                                  long blk0, long blk1) {
-    for (long blk = blk0; blk < blk1; blk++) {
-        const long i = blk * 16;
+                                                         const float* inp, int64_t N, int64_t blk0,
+                                                         int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
         vec16f s, e;
@@ -82,18 +83,19 @@ static LLMC_ALWAYS_INLINE void gelu_backward_blocks_body(float* dinp, const floa
         llmc_store16(dinp + i, llmc_load16(dinp + i, n) + grad * llmc_load16(dout + i, n), n);
     }
 }
-LLMC_ISA_VARIANTS(gelu_backward_blocks, (float* dinp, const float* dout, const float* inp, long N,
-                                         long blk0, long blk1),
+LLMC_ISA_VARIANTS(gelu_backward_blocks,
+                  (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
+                   int64_t blk1),
                   dinp, dout, inp, N, blk0, blk1)
 
-int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, const float*, long, long, long) =
+    void (*const blocks)(float*, const float*, const float*, int64_t, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), gelu_backward_blocks);
     #pragma omp parallel
     {
-        long blk0, blk1;
+        int64_t blk0, blk1;
         llmc_thread_share((N + 15) / 16, &blk0, &blk1);
         if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
     }
@@ -122,13 +124,13 @@ static LLMC_ALWAYS_INLINE void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
 
 /* SwiGLU works on blocks of 16 columns of one row, the last block of each
    row possibly partial; rows and blocks are flattened (block k is block
-   k % row_blocks of row k / row_blocks), so that one long row (N == 1, as in
+   k % row_blocks of row k / row_blocks), so that one int64_t row (N == 1, as in
    decoding) still spreads over the threads. These run blocks [k0, k1). */
 static LLMC_ALWAYS_INLINE void swiglu_forward_blocks_body(float* out, const float* inp, int FF,
-                                                   long k0, long k1) {
-    const long row_blocks = (FF + 15) / 16;
-    for (long k = k0; k < k1; k++) {
-        const long r = k / row_blocks;
+                                                          int64_t k0, int64_t k1) {
+    const int64_t row_blocks = (FF + 15) / 16;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r = k / row_blocks;
         const int i = (int)(k % row_blocks) * 16;
         const int n = FF - i < 16 ? FF - i : 16;
         const float* gate = inp + (size_t)r * 2 * FF + i;
@@ -138,17 +140,18 @@ static LLMC_ALWAYS_INLINE void swiglu_forward_blocks_body(float* out, const floa
         llmc_store16(out + (size_t)r * FF + i, g * sig * u, n);
     }
 }
-LLMC_ISA_VARIANTS(swiglu_forward_blocks, (float* out, const float* inp, int FF, long k0, long k1),
+LLMC_ISA_VARIANTS(swiglu_forward_blocks,
+                  (float* out, const float* inp, int FF, int64_t k0, int64_t k1),
                   out, inp, FF, k0, k1)
 
-int swiglu_forward(float* out, const float* inp, long N, int FF) {
+int swiglu_forward(float* out, const float* inp, int64_t N, int FF) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, int, long, long) =
+    void (*const blocks)(float*, const float*, int, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks);
     #pragma omp parallel
     {
-        long k0, k1;
+        int64_t k0, k1;
         llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
         if (k0 < k1) { blocks(out, inp, FF, k0, k1); }
     }
@@ -159,10 +162,11 @@ int swiglu_forward(float* out, const float* inp, long N, int FF) {
      silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
      dgate += dout * up * silu'(g),  dup += dout * silu(g) */
 static LLMC_ALWAYS_INLINE void swiglu_backward_blocks_body(float* dinp, const float* dout,
-                                                    const float* inp, int FF, long k0, long k1) {
-    const long row_blocks = (FF + 15) / 16;
-    for (long k = k0; k < k1; k++) {
-        const long r = k / row_blocks;
+                                                           const float* inp, int FF, int64_t k0,
+                                                           int64_t k1) {
+    const int64_t row_blocks = (FF + 15) / 16;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r = k / row_blocks;
         const int i = (int)(k % row_blocks) * 16;
         const int n = FF - i < 16 ? FF - i : 16;
         const float* gate = inp + (size_t)r * 2 * FF + i;
@@ -177,17 +181,17 @@ static LLMC_ALWAYS_INLINE void swiglu_backward_blocks_body(float* dinp, const fl
     }
 }
 LLMC_ISA_VARIANTS(swiglu_backward_blocks, (float* dinp, const float* dout, const float* inp,
-                                           int FF, long k0, long k1),
+                                           int FF, int64_t k0, int64_t k1),
                   dinp, dout, inp, FF, k0, k1)
 
-int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF) {
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, const float*, int, long, long) =
+    void (*const blocks)(float*, const float*, const float*, int, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), swiglu_backward_blocks);
     #pragma omp parallel
     {
-        long k0, k1;
+        int64_t k0, k1;
         llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
         if (k0 < k1) { blocks(dinp, dout, inp, FF, k0, k1); }
     }
@@ -196,21 +200,22 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, in
 
 /* The residual add, elements [i0, i1). */
 static LLMC_ALWAYS_INLINE void residual_forward_range_body(float* out, const float* inp1,
-                                                     const float* inp2, long i0, long i1) {
-    for (long i = i0; i < i1; i++) { out[i] = inp1[i] + inp2[i]; }
+                                                           const float* inp2, int64_t i0,
+                                                           int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) { out[i] = inp1[i] + inp2[i]; }
 }
 LLMC_ISA_VARIANTS(residual_forward_range, (float* out, const float* inp1, const float* inp2,
-                                           long i0, long i1),
+                                           int64_t i0, int64_t i1),
                   out, inp1, inp2, i0, i1)
 
-int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
+int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp1, inp2), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const range)(float*, const float*, const float*, long, long) =
+    void (*const range)(float*, const float*, const float*, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), residual_forward_range);
     #pragma omp parallel
     {
-        long i0, i1;
+        int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         if (i0 < i1) { range(out, inp1, inp2, i0, i1); }
     }
@@ -218,24 +223,25 @@ int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
 }
 
 static LLMC_ALWAYS_INLINE void residual_backward_range_body(float* dinp1, float* dinp2,
-                                                      const float* dout, long i0, long i1) {
-    for (long i = i0; i < i1; i++) {
+                                                            const float* dout, int64_t i0,
+                                                            int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
         dinp1[i] += dout[i];
         dinp2[i] += dout[i];
     }
 }
 LLMC_ISA_VARIANTS(residual_backward_range, (float* dinp1, float* dinp2, const float* dout,
-                                            long i0, long i1),
+                                            int64_t i0, int64_t i1),
                   dinp1, dinp2, dout, i0, i1)
 
-int residual_backward(float* dinp1, float* dinp2, const float* dout, long N) {
+int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp1, dinp2, dout), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const range)(float*, float*, const float*, long, long) =
+    void (*const range)(float*, float*, const float*, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), residual_backward_range);
     #pragma omp parallel
     {
-        long i0, i1;
+        int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         if (i0 < i1) { range(dinp1, dinp2, dout, i0, i1); }
     }

@@ -6,8 +6,8 @@
 #include "isa.h"
 
 /* Rows per chunk: chunks of at least 64 rows, and at most 256 of them. */
-static long row_chunk(long rows) {
-    const long chunk = (rows + 255) / 256;
+static int64_t row_chunk(int64_t rows) {
+    const int64_t chunk = (rows + 255) / 256;
     return chunk < 64 ? 64 : chunk;
 }
 
@@ -16,10 +16,10 @@ static long row_chunk(long rows) {
    in order, reading whole rows. */
 static LLMC_ALWAYS_INLINE void chunk_sums_body(float* pw, float* pb, const float* dout,
                                                const float* inp, const float* mean,
-                                               const float* rstd, long bt0, long bt1, int C) {
+                                               const float* rstd, int64_t bt0, int64_t bt1, int C) {
     if (pw != NULL) { memset(pw, 0, (size_t)C * sizeof(float)); }
     if (pb != NULL) { memset(pb, 0, (size_t)C * sizeof(float)); }
-    for (long bt = bt0; bt < bt1; bt++) {
+    for (int64_t bt = bt0; bt < bt1; bt++) {
         const float* dy = dout + (size_t)bt * C;
         if (pw != NULL) {
             const float* x = inp + (size_t)bt * C;
@@ -31,18 +31,19 @@ static LLMC_ALWAYS_INLINE void chunk_sums_body(float* pw, float* pb, const float
         }
     }
 }
-LLMC_ISA_VARIANTS(chunk_sums, (float* pw, float* pb, const float* dout, const float* inp,
-                               const float* mean, const float* rstd, long bt0, long bt1, int C),
+LLMC_ISA_VARIANTS(chunk_sums,
+                  (float* pw, float* pb, const float* dout, const float* inp, const float* mean,
+                   const float* rstd, int64_t bt0, int64_t bt1, int C),
                   pw, pb, dout, inp, mean, rstd, bt0, bt1, C)
 
 /* dst[i] += partial[0][i] + partial[1][i] + ... (nchunks rows of n, in
    order), parallel over blocks of columns. */
-static void add_chunk_sums(float* dst, const float* partial, long nchunks, int n) {
+static void add_chunk_sums(float* dst, const float* partial, int64_t nchunks, int n) {
     const int nblocks = (n + 63) / 64;
     #pragma omp parallel for schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {
         const int i0 = blk * 64, i1 = i0 + 64 < n ? i0 + 64 : n;
-        for (long ch = 0; ch < nchunks; ch++) {
+        for (int64_t ch = 0; ch < nchunks; ch++) {
             const float* p = partial + (size_t)ch * n;
             for (int i = i0; i < i1; i++) { dst[i] += p[i]; }
         }
@@ -50,19 +51,19 @@ static void add_chunk_sums(float* dst, const float* partial, long nchunks, int n
 }
 
 int llmc_column_sums(float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* mean, const float* rstd, long BT, int C) {
-    const long chunk = row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
+                     const float* mean, const float* rstd, int64_t BT, int C) {
+    const int64_t chunk = row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
     const size_t rows = (size_t)nchunks * C;   // floats of one set of partial rows
     float* partial = malloc(((dweight != NULL) + (dbias != NULL)) * rows * sizeof(float));
     LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
     float* partial_w = dweight != NULL ? partial : NULL;
     float* partial_b = dbias != NULL ? partial + (dweight != NULL ? rows : 0) : NULL;
     void (*const sums)(float*, float*, const float*, const float*, const float*, const float*,
-                       long, long, int) = LLMC_ISA_SELECT(llmc_get_isa(), chunk_sums);
+                       int64_t, int64_t, int) = LLMC_ISA_SELECT(llmc_get_isa(), chunk_sums);
 
     #pragma omp parallel for schedule(static)
-    for (long ch = 0; ch < nchunks; ch++) {
-        const long bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
+    for (int64_t ch = 0; ch < nchunks; ch++) {
+        const int64_t bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
         sums(partial_w != NULL ? partial_w + (size_t)ch * C : NULL,
              partial_b != NULL ? partial_b + (size_t)ch * C : NULL,
              dout, inp, mean, rstd, ch * chunk, bt1, C);

@@ -47,17 +47,17 @@ static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
 /* Inside a parallel region: the calling thread's contiguous share
    [*lo, *hi) of n items, as schedule(static) would hand them out. For
    element-wise kernels, which call their per-ISA function once per thread. */
-static inline void llmc_thread_share(long n, long* lo, long* hi) {
-    const long nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const long q = n / nt, r = n % nt;
+static inline void llmc_thread_share(int64_t n, int64_t* lo, int64_t* hi) {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t q = n / nt, r = n % nt;
     *lo = id * q + (id < r ? id : r);
     *hi = *lo + q + (id < r ? 1 : 0);
 }
 
 /* Index of the first id outside [0, V) of ids[0 .. n), or -1 if all are in
    range (token ids and targets). */
-static inline long llmc_first_bad_index(const int* ids, long n, int V) {
-    for (long i = 0; i < n; i++) {
+static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {
+    for (int64_t i = 0; i < n; i++) {
         if (ids[i] < 0 || ids[i] >= V) { return i; }
     }
     return -1;
@@ -79,7 +79,7 @@ static inline long llmc_first_bad_index(const int* ids, long n, int V) {
  * thread count. Returns LLMC_OK or LLMC_ERR_NOMEM.
  */
 int llmc_column_sums(float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* mean, const float* rstd, long BT, int C);
+                     const float* mean, const float* rstd, int64_t BT, int C);
 
 /* 16 floats / 16 int32s: one zmm register with -march=native on AVX-512;
    GCC and clang lower them to narrower vectors elsewhere. */

@@ -26,13 +26,13 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, wte), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1) && llmc_count_fits(V, C, 1, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(llmc_first_bad_index(inp, BT, V) < 0, LLMC_ERR_RANGE);
 
     void (*const row)(float*, const float*, const float*, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), encoder_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(out + (size_t)bt * C, wte + (size_t)inp[bt] * C,
             wpe != NULL ? wpe + (size_t)(bt % T) * C : NULL, C);
     }
@@ -42,9 +42,9 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
 /* Channels [i0, i1) of the backward, every (b, t) in order. */
 static LLMC_ALWAYS_INLINE void encoder_backward_block_body(float* dwte, float* dwpe,
                                                            const float* dout, const int* inp,
-                                                           long BT, int T, int C, int i0,
+                                                           int64_t BT, int T, int C, int i0,
                                                            int i1) {
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         const int t = (int)(bt % T);
         const float* dout_bt = dout + (size_t)bt * C;
         float* dwte_ix = dwte + (size_t)inp[bt] * C;
@@ -55,8 +55,9 @@ static LLMC_ALWAYS_INLINE void encoder_backward_block_body(float* dwte, float* d
         }
     }
 }
-LLMC_ISA_VARIANTS(encoder_backward_block, (float* dwte, float* dwpe, const float* dout,
-                                           const int* inp, long BT, int T, int C, int i0, int i1),
+LLMC_ISA_VARIANTS(encoder_backward_block,
+                  (float* dwte, float* dwpe, const float* dout, const int* inp, int64_t BT, int T,
+                   int C, int i0, int i1),
                   dwte, dwpe, dout, inp, BT, T, C, i0, i1)
 
 int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
@@ -64,11 +65,11 @@ int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp
     LLMC_REQUIRE(LLMC_NONNULL3(dwte, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && V > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1) && llmc_count_fits(V, C, 1, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(llmc_first_bad_index(inp, BT, V) < 0, LLMC_ERR_RANGE);
     const int nblocks = (C + ENCODER_CHANNEL_BLOCK - 1) / ENCODER_CHANNEL_BLOCK;
 
-    void (*const block)(float*, float*, const float*, const int*, long, int, int, int, int) =
+    void (*const block)(float*, float*, const float*, const int*, int64_t, int, int, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), encoder_backward_block);
     #pragma omp parallel for schedule(static)
     for (int blk = 0; blk < nblocks; blk++) {

@@ -312,7 +312,7 @@ int rope_backward(float* dinp, const float* dout, const int* pos,
  *   out [N]  (written)
  *   inp [N]
  */
-int gelu_forward(float* out, const float* inp, long N);
+int gelu_forward(float* out, const float* inp, int64_t N);
 
 /*
  * gelu_backward: dinp += gelu'(inp) * dout
@@ -321,7 +321,7 @@ int gelu_forward(float* out, const float* inp, long N);
  *   dout [N]
  *   inp  [N]  forward input
  */
-int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 
 /*
  * swiglu_forward: out = silu(gate) * up with silu(x) = x / (1 + exp(-x)),
@@ -331,7 +331,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
  *   out [N, FF]     (written)
  *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
  */
-int swiglu_forward(float* out, const float* inp, long N, int FF);
+int swiglu_forward(float* out, const float* inp, int64_t N, int FF);
 
 /*
  * swiglu_backward: gradients of swiglu_forward.
@@ -340,7 +340,7 @@ int swiglu_forward(float* out, const float* inp, long N, int FF);
  *   dout [N, FF]
  *   inp  [N, 2 FF]  forward input
  */
-int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF);
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
 
 /*
  * residual_forward: out = inp1 + inp2
@@ -349,7 +349,7 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, in
  *   inp1 [N]
  *   inp2 [N]
  */
-int residual_forward(float* out, const float* inp1, const float* inp2, long N);
+int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N);
 
 /*
  * residual_backward: dinp1 += dout; dinp2 += dout
@@ -358,7 +358,7 @@ int residual_forward(float* out, const float* inp1, const float* inp2, long N);
  *   dinp2 [N]  (+=)
  *   dout  [N]
  */
-int residual_backward(float* dinp1, float* dinp2, const float* dout, long N);
+int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N);
 
 /* ---- softmax_xent.c ----------------------------------------------------- */
 
@@ -410,7 +410,7 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
  *   grads  [N]
  * t >= 1 is the step number.
  */
-int adamw_update(float* params, float* m, float* v, const float* grads, long N,
+int adamw_update(float* params, float* m, float* v, const float* grads, int64_t N,
                  float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t);
 
@@ -421,11 +421,11 @@ int adamw_update(float* params, float* m, float* v, const float* grads, long N,
  *   out [1]  (written)
  *   x   [N]
  */
-int global_norm_squared(double* out, const float* x, long N);
+int global_norm_squared(double* out, const float* x, int64_t N);
 
 /*
  * scale_inplace: x *= scale (e.g. gradient clipping)
  *
  *   x [N]  (updated in place)
  */
-int scale_inplace(float* x, long N, float scale);
+int scale_inplace(float* x, int64_t N, float scale);

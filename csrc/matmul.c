@@ -238,7 +238,7 @@ static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
 }
 
 static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
-static long ceil_div(long x, long y) { return (x + y - 1) / y; }
+static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 /*
  * The tile shape (MC rows x NC columns) of an M x N product on nthreads
@@ -249,18 +249,18 @@ static long ceil_div(long x, long y) { return (x + y - 1) / y; }
  * place (MC covers a small M, so B is packed once), M when A is packed.
  */
 static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
-    long m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
-    long* cut = pack_a ? &m_blocks : &n_blocks;
-    const long cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
-    if (m_blocks * n_blocks < 4L * nthreads) {
+    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+    int64_t* cut = pack_a ? &m_blocks : &n_blocks;
+    const int64_t cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
+    if (m_blocks * n_blocks < (int64_t)4 * nthreads) {
         *cut = ceil_div(4L * nthreads, pack_a ? n_blocks : m_blocks);
     }
     for (;;) {
         *cut = *cut < cut_max ? *cut : cut_max;
         *MC = round_up((int)ceil_div(M, m_blocks), MR);
         *NC = round_up((int)ceil_div(N, n_blocks), NR);
-        const long tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
-        if (tiles % nthreads == 0 || tiles >= 32L * nthreads || *cut >= cut_max) { return; }
+        const int64_t tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
+        if (tiles % nthreads == 0 || tiles >= (int64_t)32 * nthreads || *cut >= cut_max) { return; }
         (*cut)++;
     }
 }
@@ -287,8 +287,8 @@ static int gemm_accumulate(float* c, size_t ldc,
     const int pack_a = aks != 1;
     int MC, NC;
     choose_tiles(M, N, pack_a, nthreads, &MC, &NC);
-    const long m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
-    const long tiles = m_blocks * n_blocks;
+    const int64_t m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
+    const int64_t tiles = m_blocks * n_blocks;
     const size_t ap_floats = (size_t)MC * KC, bp_floats = (size_t)KC * NR;
     float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
@@ -298,7 +298,7 @@ static int gemm_accumulate(float* c, size_t ldc,
         float* ap = scratch + (size_t)omp_get_thread_num() * (ap_floats + bp_floats);
         float* bp = ap + ap_floats;
         #pragma omp for schedule(static)
-        for (long tile = 0; tile < tiles; tile++) {
+        for (int64_t tile = 0; tile < tiles; tile++) {
             const int m0 = (int)(tile / n_blocks) * MC;
             const int n0 = (int)(tile % n_blocks) * NC;
             const int mc = M - m0 < MC ? M - m0 : MC;
@@ -358,16 +358,16 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
-    LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
+    const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
 
     if (BT <= SKINNY_MAX_ROWS) {
         // few rows (decoding): stream the weight once, columns over threads
         int width;
         const skinny_kernel_fn skinny = active_skinny_kernel(&width);
-        const long groups = ceil_div(OC, width);
+        const int64_t groups = ceil_div(OC, width);
         #pragma omp parallel for schedule(static)
-        for (long g = 0; g < groups; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             const int o0 = (int)g * width;
             const int o1 = OC - o0 < width ? OC : o0 + width;
             skinny(out, (size_t)OC, inp, weight, bias, (int)BT, C, o0, o1);
@@ -377,7 +377,7 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
 
     // start every row from the bias, then accumulate the product onto it
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         float* out_bt = out + (size_t)bt * OC;
         if (bias != NULL) { memcpy(out_bt, bias, (size_t)OC * sizeof(float)); }
         else { memset(out_bt, 0, (size_t)OC * sizeof(float)); }
@@ -392,8 +392,8 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
-    LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
+    const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
 
     if (dinp != NULL) {
         const int status = gemm_accumulate(dinp, (size_t)C, dout, (size_t)OC, 1,
@@ -415,9 +415,9 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         const float* x = inp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
             const float* w = weight + (size_t)o * C;
@@ -435,10 +435,10 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {
+    for (int64_t bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {
         const float* dy = dout + (size_t)bt * OC;
         float* dx = dinp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
@@ -450,7 +450,7 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     #pragma omp parallel for schedule(static)
     for (int o = 0; o < OC; o++) {
         float db = 0.0f;
-        for (long bt = 0; bt < BT; bt++) {
+        for (int64_t bt = 0; bt < BT; bt++) {
             const float d = dout[(size_t)bt * OC + o];
             if (dweight != NULL) {
                 float* dw = dweight + (size_t)o * C;

@@ -42,14 +42,14 @@ int layernorm_forward(float* out, float* mean, float* rstd,
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
 
     // rows are independent
     const int isa = llmc_get_isa();
     void (*const row)(float*, float*, float*, const float*, const float*, const float*, int,
                       float) = LLMC_ISA_SELECT(isa, layernorm_forward_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(out + (size_t)bt * C, mean + bt, rstd + bt, inp + (size_t)bt * C, weight, bias, C,
             eps);
     }
@@ -87,13 +87,13 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
                  && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
     void (*const row)(float*, const float*, const float*, const float*, float, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), layernorm_backward_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
             mean[bt], rstd[bt], C);
     }
@@ -118,7 +118,7 @@ static LLMC_ALWAYS_INLINE float dot3(const float* a, const float* b, const float
 }
 
 /* One row of the forward. The sum of squares runs on 16 lanes (llmc_dot),
-   whose partial sums also round less than one long serial sum. */
+   whose partial sums also round less than one int64_t serial sum. */
 static LLMC_ALWAYS_INLINE void rmsnorm_forward_row_body(float* y, float* rstd, const float* x,
                                                         const float* weight, int C, float eps) {
     const float s = 1.0f / sqrtf(llmc_dot(x, x, C) / C + eps);
@@ -134,13 +134,13 @@ int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weig
     LLMC_REQUIRE(LLMC_NONNULL4(out, rstd, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
 
     // rows are independent
     void (*const row)(float*, float*, const float*, const float*, int, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(out + (size_t)bt * C, rstd + bt, inp + (size_t)bt * C, weight, C, eps);
     }
     return LLMC_OK;
@@ -168,13 +168,13 @@ int rmsnorm_backward(float* dinp, float* dweight,
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
     void (*const row)(float*, const float*, const float*, const float*, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_backward_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
             rstd[bt], C);
     }

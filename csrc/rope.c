@@ -39,7 +39,8 @@ static int rope_check(const float* out, const float* inp, const int* pos,
 }
 
 /* cos and sin of the angles of pairs [i0, i0 + n) at position p. */
-static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, long p, int i0, int n, int hs, double theta) {
+static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0, int n, int hs,
+                                           double theta) {
     for (int j = 0; j < n; j++) {
         const double freq = pow(theta, -2.0 * (double)(i0 + j) / (double)hs);
         const double a = (double)p * freq;
@@ -53,7 +54,7 @@ static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, long p, int i0, i
  * forward rotates by +a and writes, the backward rotates by -a and
  * accumulates. The v heads are copied or accumulated unchanged.
  */
-static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, long p, int NH,
+static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int64_t p, int NH,
                                              int NKV, int hs, float theta, int backward) {
     const int half = hs / 2;
     const int nrot = NH + NKV;                          // heads that turn
@@ -88,7 +89,7 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, lon
         for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] = x_bt[v0 + i]; }
     }
 }
-LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, long p, int NH, int NKV, int hs,
+LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, int64_t p, int NH, int NKV, int hs,
                              float theta, int backward),
                   y_bt, x_bt, p, NH, NKV, hs, theta, backward)
 
@@ -96,13 +97,13 @@ LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, long p, int NH, int
 static void rope_apply(float* out, const float* inp, const int* pos,
                        int B, int T, int NH, int NKV, int hs, float theta, int backward) {
     const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
-    const long BT = (long)B * T;
-    void (*const row_fn)(float*, const float*, long, int, int, int, float, int) =
+    const int64_t BT = (int64_t)B * T;
+    void (*const row_fn)(float*, const float*, int64_t, int, int, int, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
 
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
-        const long p = (pos != NULL ? (long)pos[bt / T] : 0L) + bt % T;
+    for (int64_t bt = 0; bt < BT; bt++) {
+        const int64_t p = (pos != NULL ? (int64_t)pos[bt / T] : 0) + bt % T;
         row_fn(out + (size_t)bt * row, inp + (size_t)bt * row, p, NH, NKV, hs, theta, backward);
     }
 }

@@ -52,12 +52,12 @@ int softmax_forward(float* probs, const float* logits, int B, int T, int V, int 
     LLMC_REQUIRE(LLMC_NONNULL2(probs, logits), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
 
     void (*const row)(float*, const float*, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), softmax_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(probs + (size_t)bt * Vp, logits + (size_t)bt * Vp, V, Vp);
     }
     return LLMC_OK;
@@ -68,11 +68,11 @@ int crossentropy_forward(float* losses, const float* probs, const int* targets,
     LLMC_REQUIRE(LLMC_NONNULL3(losses, probs, targets), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(llmc_first_bad_index(targets, BT, V) < 0, LLMC_ERR_RANGE);
 
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         losses[bt] = -logf(probs[(size_t)bt * Vp + targets[bt]]);
     }
     return LLMC_OK;
@@ -93,13 +93,13 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, dlosses, probs, targets), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(llmc_first_bad_index(targets, BT, V) < 0, LLMC_ERR_RANGE);
 
     void (*const row)(float*, const float*, int, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), xent_backward_row);
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         row(dlogits + (size_t)bt * Vp, probs + (size_t)bt * Vp, targets[bt], dlosses[bt], V);
     }
     return LLMC_OK;

@@ -25,14 +25,14 @@ TOKEN_KERNELS = [name for name in KERNELS
                  if any(arg.kind == "pointer" and arg.item.cname == "int" and param in TOKEN_PARAMS
                         for param, arg in zip(PROTOTYPES[name],
                                               ffi.typeof(getattr(lib, name)).args))]
-INT_MAX, LONG_MAX = 2**31 - 1, 2**63 - 1
+INT_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 
 
 @dataclass
 class Row:
     """How to call one kernel with small valid arguments, where that differs
     from the default: every pointer a zeroed 16-element buffer, every int or
-    long argument a size set to 1, every float 0.0.
+    int64_t argument a size set to 1, every float 0.0.
 
     optional:  pointers that may be NULL
     not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
@@ -170,7 +170,7 @@ class Call:
                 fill = [self.row.fill[param]] * 16 if param in self.row.fill else None
                 self.buffers[param] = ffi.new(f"{ctype.item.cname}[16]", fill)
                 self.args[param] = self.buffers[param]
-            elif ctype.cname in ("int", "long"):
+            elif ctype.cname in ("int", "int64_t"):
                 self.args[param] = self.row.valid.get(param, 1)
             else:
                 self.args[param] = self.row.valid.get(param, 0.0)
@@ -180,7 +180,7 @@ class Call:
 
     def sizes(self):
         return [p for p, t in self.types.items()
-                if t.cname in ("int", "long") and p not in self.row.not_sizes]
+                if t.cname in ("int", "int64_t") and p not in self.row.not_sizes]
 
     def tokens(self):
         return [p for p, t in self.types.items()
@@ -223,7 +223,7 @@ def test_kernel_rejects_sizes_no_array_could_have(name):
     """All sizes at their type's maximum: the element counts overflow, and the
     kernel must say so before it reads or writes its 16-element buffers."""
     call = Call(name)
-    huge = {p: LONG_MAX if call.types[p].cname == "long" else INT_MAX for p in call.sizes()}
+    huge = {p: INT64_MAX if call.types[p].cname == "int64_t" else INT_MAX for p in call.sizes()}
     _expect(call, lib.LLMC_ERR_SHAPE, huge, "every size at its maximum")
 
 
