@@ -46,7 +46,8 @@ int adamw_update(float* params, float* m, float* v, const float* grads, int64_t 
                  float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t) {
     LLMC_REQUIRE(LLMC_NONNULL4(params, m, v, grads), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT && t >= 1, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(t >= 1, LLMC_ERR_VALUE);
     const float c1 = 1.0f - powf(beta1, (float)t);
     const float c2 = 1.0f - powf(beta2, (float)t);
 

@@ -26,7 +26,10 @@ typedef enum {
     LLMC_ERR_RANGE = 2,    /* an index such as a token id is out of range       */
     LLMC_ERR_NOMEM = 3,    /* an internal scratch allocation failed             */
     LLMC_ERR_NULL = 4,     /* a required pointer is NULL                        */
-    LLMC_ERR_UNSUPPORTED = 5   /* this CPU or build lacks what was asked for    */
+    LLMC_ERR_UNSUPPORTED = 5,  /* this CPU or build lacks what was asked for    */
+    LLMC_ERR_VALUE = 6     /* a scalar argument is outside its domain (a
+                              negative eps, a RoPE theta that is not positive
+                              and finite, an AdamW step below 1)            */
 } llmc_status;
 
 /* ---- status.c ----------------------------------------------------------- */
@@ -104,6 +107,7 @@ int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp
  *   inp    [B, T, C]
  *   weight [C]
  *   bias   [C]
+ * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
 int layernorm_forward(float* out, float* mean, float* rstd,
                       const float* inp, const float* weight, const float* bias,
@@ -134,6 +138,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
  *   rstd   [B, T]     (written) saved for backward
  *   inp    [B, T, C]
  *   weight [C]
+ * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
 int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
                     int B, int T, int C, float eps);
@@ -288,7 +293,7 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  *   out [B, T, (NH + 2 NKV) hs]  (written) rotated q, rotated k, v
  *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
  *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
- * hs must be even.
+ * hs must be even; theta must be positive and finite, else LLMC_ERR_VALUE.
  */
 int rope_forward(float* out, const float* inp, const int* pos,
                  int B, int T, int NH, int NKV, int hs, float theta);
@@ -408,7 +413,7 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
  *   m      [N]  (updated in place) first moment, zero before step 1
  *   v      [N]  (updated in place) second moment, zero before step 1
  *   grads  [N]
- * t >= 1 is the step number.
+ * t is the step number, >= 1; else LLMC_ERR_VALUE.
  */
 int adamw_update(float* params, float* m, float* v, const float* grads, int64_t N,
                  float learning_rate, float beta1, float beta2, float eps,

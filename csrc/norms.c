@@ -40,8 +40,9 @@ int layernorm_forward(float* out, float* mean, float* rstd,
                       int B, int T, int C, float eps) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, mean, rstd) && LLMC_NONNULL3(inp, weight, bias),
                  LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(eps >= 0.0f, LLMC_ERR_VALUE);   // NaN fails too
     const int64_t BT = (int64_t)B * T;
 
     // rows are independent
@@ -132,8 +133,9 @@ LLMC_ISA_VARIANTS(rmsnorm_forward_row, (float* y, float* rstd, const float* x,
 int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
                     int B, int T, int C, float eps) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, rstd, inp, weight), LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && eps >= 0.0f, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(eps >= 0.0f, LLMC_ERR_VALUE);   // NaN fails too
     const int64_t BT = (int64_t)B * T;
 
     // rows are independent

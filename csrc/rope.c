@@ -31,7 +31,7 @@ static int rope_check(const float* out, const float* inp, const int* pos,
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && hs % 2 == 0,
                  LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs), LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(theta > 0.0f && isfinite(theta), LLMC_ERR_SHAPE);   // NaN fails too
+    LLMC_REQUIRE(theta > 0.0f && isfinite(theta), LLMC_ERR_VALUE);   // NaN fails too
     if (pos != NULL) {
         for (int b = 0; b < B; b++) { LLMC_REQUIRE(pos[b] >= 0, LLMC_ERR_RANGE); }
     }

@@ -10,8 +10,8 @@ except ImportError as e:   # a source checkout that was never built
     raise ImportError(
         "llmc_py's compiled kernels (llmc_py._llmc) are not built: run "
         "`pip install .` (or `pip install -e .` to work on the sources)") from e
-from .errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
-                     UnsupportedError)
+from .errors import (InvalidValueError, LlmcError, NullPointerError, OutOfMemoryError,
+                     RangeError, ShapeError, UnsupportedError)
 
 _ERROR_FOR_STATUS = {
     lib.LLMC_ERR_SHAPE: ShapeError,
@@ -19,6 +19,7 @@ _ERROR_FOR_STATUS = {
     lib.LLMC_ERR_NOMEM: OutOfMemoryError,
     lib.LLMC_ERR_NULL: NullPointerError,
     lib.LLMC_ERR_UNSUPPORTED: UnsupportedError,
+    lib.LLMC_ERR_VALUE: InvalidValueError,
 }
 
 

@@ -50,7 +50,7 @@ def test_adamw_thread_invariant(rng, isa, set_threads):
 def test_adamw_rejects_step_zero_and_mismatched_state(rng):
     params, grads = randn(rng, 8), randn(rng, 8)
     m, v = np.zeros(8, np.float32), np.zeros(8, np.float32)
-    with pytest.raises(llmc_py.ShapeError):
+    with pytest.raises(llmc_py.InvalidValueError):
         K.adamw_update(params, m, v, grads, t=0, **HYPER)
     with pytest.raises(llmc_py.ShapeError, match="grads"):
         K.adamw_update(params, m, v, grads[:7].copy(), t=1, **HYPER)

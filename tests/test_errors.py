@@ -50,10 +50,12 @@ class Row:
 _C_NOT_DIVISIBLE = (({"C": 3, "NH": 2}, "LLMC_ERR_SHAPE"),)
 _V_ABOVE_VP = (({"V": 2}, "LLMC_ERR_SHAPE"),)
 _NH_NOT_DIVISIBLE = (({"NH": 3, "NKV": 2}, "LLMC_ERR_SHAPE"),)
-_NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_SHAPE"),)
-# RoPE: an even head size and theta > 0
+_NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_VALUE"), ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
+                 ({"eps": -1.0, "C": 0}, "LLMC_ERR_SHAPE"))   # a bad size is reported first
+# RoPE: an even head size and a positive, finite theta
 _ROPE = dict(optional=frozenset({"pos"}), valid={"hs": 2, "theta": 10000.0},
-             bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_SHAPE"),
+             bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_VALUE"),
+                  ({"theta": float("inf")}, "LLMC_ERR_VALUE"),
                   ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))
 
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
@@ -86,7 +88,8 @@ ROWS = {
     "softmax_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_softmax_backward": Row(bad=_V_ABOVE_VP),
-    "adamw_update": Row(),   # t, the step number, must be >= 1 like a size
+    "adamw_update": Row(not_sizes=frozenset({"t"}),   # the step number: a value, >= 1
+                        bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
     "global_norm_squared": Row(),
     "scale_inplace": Row(),
 }
@@ -97,6 +100,7 @@ ROWS = {
     (lib.LLMC_ERR_NOMEM, llmc_py.OutOfMemoryError, MemoryError),
     (lib.LLMC_ERR_NULL, llmc_py.NullPointerError, ValueError),
     (lib.LLMC_ERR_UNSUPPORTED, llmc_py.UnsupportedError, ValueError),
+    (lib.LLMC_ERR_VALUE, llmc_py.InvalidValueError, ValueError),
 ])
 def test_check_maps_status_to_class(status, cls, builtin):
     with pytest.raises(cls) as info:
@@ -116,7 +120,7 @@ def test_check_passes_ok_and_raises_base_class_for_unknown_status():
 
 def test_status_strings_are_distinct():
     codes = [lib.LLMC_OK, lib.LLMC_ERR_SHAPE, lib.LLMC_ERR_RANGE, lib.LLMC_ERR_NOMEM,
-             lib.LLMC_ERR_NULL, lib.LLMC_ERR_UNSUPPORTED, 99, -1]
+             lib.LLMC_ERR_NULL, lib.LLMC_ERR_UNSUPPORTED, lib.LLMC_ERR_VALUE, 99, -1]
     texts = [ffi.string(lib.llmc_status_string(c)).decode() for c in codes]
     assert all(texts) and len(set(texts)) == len(codes) - 1 and texts[-1] == texts[-2]
 

@@ -78,8 +78,9 @@ def test_layernorm_backward_thread_invariant(rng, isa, set_threads):
 def test_layernorm_rejects_negative_eps(rng):
     x, w, b, _ = make_inputs(rng, 1, 2, 8)
     out, mean, rstd = forward(x, w, b)
-    with pytest.raises(llmc_py.ShapeError):
-        K.layernorm_forward(out, mean, rstd, x, w, b, eps=-1e-5)
+    for eps in (-1e-5, np.nan):
+        with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
+            K.layernorm_forward(out, mean, rstd, x, w, b, eps=eps)
 
 
 @pytest.mark.parametrize("bad", ["weight", "bias", "mean", "out"])
@@ -177,8 +178,9 @@ def test_rmsnorm_thread_invariant(rng, isa, set_threads):
 def test_rmsnorm_rejects_negative_eps(rng):
     x, w, _, _ = make_inputs(rng, 1, 2, 8)
     out, rstd = rms_forward(x, w)
-    with pytest.raises(llmc_py.ShapeError):
-        K.rmsnorm_forward(out, rstd, x, w, eps=-1e-5)
+    for eps in (-1e-5, np.nan):
+        with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
+            K.rmsnorm_forward(out, rstd, x, w, eps=eps)
 
 
 @pytest.mark.parametrize("bad", ["weight", "rstd", "out"])
