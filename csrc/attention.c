@@ -60,6 +60,16 @@
  * bitwise. The scores need a row of up to maxT floats per (b, h): the
  * caller's att buffer holds them, since a stack buffer of maxT floats could
  * overflow a worker thread's stack for long contexts.
+ *
+ * variants:
+ *   attention_forward / _backward, attention_gqa_forward / _backward,
+ *   attention_decode   the tiled kernels above, built per instruction set
+ *                      (isa.h) and chosen at run time
+ *   attention_forward_naive / _backward_naive
+ *                      plain loops as in llm.c (one dot product per score,
+ *                      scalar softmax with libm's expf): the reference the
+ *                      tests and the benchmark check the tiled kernels
+ *                      against; the same everywhere (no per-ISA build)
  */
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -577,24 +587,129 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NH, C / NH);
 }
 
+/* The sizes of a GQA call are positive, NH % NKV == 0, and its arrays can exist. */
+static int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs) {
+    return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0
+           && llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
+           && llmc_count_fits(B, NH, T, T);
+}
+
 int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
                           int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
-                 LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
-                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     return gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
 }
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
                            int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
-                 LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
-                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NKV, hs);
+}
+
+int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
+                            int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+
+    #pragma omp parallel for collapse(3) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+            for (int h = 0; h < NH; h++) {
+                const float* inp_b = inp + (size_t)b * T * row;
+                const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
+                const size_t k_off = C + (size_t)(h / kv_mul) * hs;   // v: NKV heads later
+                const float slope = slopes != NULL ? slopes[h] : 0.0f;
+                float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
+                // pass 1: the scores and their max
+                float maxval = -INFINITY;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* k = inp_b + (size_t)t2 * row + k_off;
+                    float val = 0.0f;
+                    for (int i = 0; i < hs; i++) { val += q[i] * k[i]; }
+                    val = val * scale - slope * (float)(t - t2);
+                    att_bth[t2] = val;
+                    if (val > maxval) { maxval = val; }
+                }
+                // pass 2: the exponentials and their sum
+                float expsum = 0.0f;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float e = expf(att_bth[t2] - maxval);
+                    expsum += e;
+                    att_bth[t2] = e;
+                }
+                // pass 3: normalise; the masked future is exactly 0
+                const float expsum_inv = 1.0f / expsum;
+                for (int t2 = 0; t2 < T; t2++) {
+                    att_bth[t2] = t2 <= t ? att_bth[t2] * expsum_inv : 0.0f;
+                }
+                // pass 4: the weighted sum of the values
+                float* out_bth = out + ((size_t)b * T + t) * C + (size_t)h * hs;
+                for (int i = 0; i < hs; i++) { out_bth[i] = 0.0f; }
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* v = inp_b + (size_t)t2 * row + k_off + (size_t)NKV * hs;
+                    for (int i = 0; i < hs; i++) { out_bth[i] += att_bth[t2] * v[i]; }
+                }
+            }
+        }
+    }
+    return LLMC_OK;
+}
+
+int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
+                             int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+
+    // dk and dv of a kv head gather from its whole group of query heads, so
+    // parallelise over (b, kv head), and walk the group's heads in order
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int g = 0; g < NKV; g++) {
+            const float* inp_b = inp + (size_t)b * T * row;
+            float* dinp_b = dinp + (size_t)b * T * row;
+            const size_t k_off = C + (size_t)g * hs, v_off = k_off + (size_t)NKV * hs;
+            for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
+                for (int t = 0; t < T; t++) {
+                    const float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
+                    const float* dout_bth = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
+                    const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
+                    float* dq = dinp_b + (size_t)t * row + (size_t)h * hs;
+                    // datt[t2] = dout . v[t2]; through the softmax,
+                    // dpreatt[t2] = att[t2] * (datt[t2] - sum_t3 att[t3] datt[t3])
+                    float att_datt = 0.0f;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float* v = inp_b + (size_t)t2 * row + v_off;
+                        float datt = 0.0f;
+                        for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
+                        att_datt += att_bth[t2] * datt;
+                    }
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float* k = inp_b + (size_t)t2 * row + k_off;
+                        const float* v = inp_b + (size_t)t2 * row + v_off;
+                        float* dk = dinp_b + (size_t)t2 * row + k_off;
+                        float* dv = dinp_b + (size_t)t2 * row + v_off;
+                        float datt = 0.0f;
+                        for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
+                        const float dpreatt = att_bth[t2] * (datt - att_datt) * scale;
+                        for (int i = 0; i < hs; i++) {
+                            dv[i] += att_bth[t2] * dout_bth[i];
+                            dq[i] += dpreatt * k[i];
+                            dk[i] += dpreatt * q[i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return LLMC_OK;
 }
 
 /* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,

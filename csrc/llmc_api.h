@@ -253,6 +253,17 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
                            int B, int T, int NH, int NKV, int hs);
 
 /*
+ * The plain loops, llm.c's attention_forward / attention_backward with GQA
+ * and ALiBi: the reference the tiled kernels are checked against (same
+ * contracts as attention_gqa_forward / attention_gqa_backward, same
+ * checks; they differ only in rounding).
+ */
+int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
+                            int B, int T, int NH, int NKV, int hs);
+int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
+                             int B, int T, int NH, int NKV, int hs);
+
+/*
  * attention_decode: one new query position per row, against a KV cache.
  * Row b's query (at position len[b] - 1) attends to cached positions
  * t2 < len[b] of its row, with the same scores as attention_gqa_forward

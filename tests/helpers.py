@@ -41,6 +41,9 @@ TOL = {
     # dk, dv sum over the NH/NKV query heads of a group as well as over T
     # (seen 1.3e-6 bwd at T=256 with 3 heads a group)
     "attention_gqa": {"fwd": 3e-6, "bwd": 1e-5},
+    # tiled vs naive, both fp32 (different summation orders and exponentials;
+    # seen 5.4e-7 fwd, 1.8e-7 bwd on every instruction set)
+    "attention_variant": {"fwd": 3e-6, "bwd": 2e-6},
     # decode vs the forward's row at the same position: both run one row
     # function, so seen 0 (bitwise); 1e-6 still fails a wrong key, length or
     # slope distance by orders of magnitude

@@ -159,6 +159,66 @@ def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
 
 
+def naive_forward(qkv, slopes, NH, NKV):
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    out = np.full((B, T, NH * hs), np.nan, np.float32)
+    att = np.full((B, NH, T, T), np.nan, np.float32)
+    K.attention_forward_naive(out, att, qkv, slopes, NH, NKV)
+    return out, att
+
+
+def naive_backward(dout, qkv, att, NH, NKV, calls=1):
+    dinp = np.zeros_like(qkv)
+    for _ in range(calls):
+        K.attention_backward_naive(dinp, dout, qkv, att, NH, NKV)
+    return dinp
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
+def test_attention_naive_matches_reference(rng, B, T, NH, NKV, hs, slopes):
+    # the plain twin itself, against float64
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = naive_forward(qkv, slopes, NH, NKV)
+    dinp = naive_backward(dout, qkv, att, NH, NKV)
+
+    qkv_t = t64(qkv, grad=True)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
+    (ref_out * t64(dout)).sum().backward()
+
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("att", att, ref_att, tol["fwd"])
+    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
+def test_attention_tiled_matches_naive(rng, isa, B, T, NH, NKV, hs, slopes):
+    # the tiled kernels against their plain twin, on every instruction set;
+    # the backward of each gets the same att (the naive forward's)
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = gqa_forward(qkv, slopes, NH, NKV)
+    naive_out, naive_att = naive_forward(qkv, slopes, NH, NKV)
+    tol = TOL["attention_variant"]
+    assert_close("out", out, naive_out, tol["fwd"])
+    assert_close("att", att, naive_att, tol["fwd"])
+    assert_close("dinp", gqa_backward(dout, qkv, naive_att, NH, NKV),
+                 naive_backward(dout, qkv, naive_att, NH, NKV), tol["bwd"])
+
+
+def test_attention_naive_backward_accumulates_and_is_thread_invariant(rng, set_threads):
+    qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")   # 5 kv heads
+    _, att = naive_forward(qkv, slopes, 10, 5)
+    assert_close("dinp", naive_backward(dout, qkv, att, 10, 5, calls=2),
+                 2.0 * naive_backward(dout, qkv, att, 10, 5), TOL["attention_gqa"]["bwd"])
+
+    def run():
+        out, att = naive_forward(qkv, slopes, 10, 5)
+        return {"out": out, "att": att, "dinp": naive_backward(dout, qkv, att, 10, 5)}
+    assert_thread_invariant(set_threads, run)
+
+
 def test_attention_gqa_backward_accumulates(rng):
     qkv, dout, slopes = make_gqa_inputs(rng, 2, 13, 6, 2, 15, "alibi")
     _, att = gqa_forward(qkv, slopes, 6, 2)

@@ -75,6 +75,8 @@ ROWS = {
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
     "attention_gqa_backward": Row(bad=_NH_NOT_DIVISIBLE),
+    "attention_forward_naive": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
+    "attention_backward_naive": Row(bad=_NH_NOT_DIVISIBLE),
     "attention_decode": Row(optional=frozenset({"slopes"}), fill={"len": 1},
                             bad=_NH_NOT_DIVISIBLE),
     "rope_forward": Row(**_ROPE),
