@@ -92,7 +92,10 @@
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* Loads / stores the first m lanes (all 16 when m >= 16; the rest load as
-   0): a masked load or store on AVX-512, else a copy through memory. */
+   0): a masked load or store when the build's flags have AVX-512 (then
+   every per-ISA variant has it), else a copy through memory. A body built
+   per instruction set cannot call an AVX-512 intrinsic only in its AVX-512
+   variant, so a portable build's AVX-512 variant copies too. */
 #ifdef __AVX512F__
 static ALWAYS_INLINE __mmask16 first_lanes(int m) {
     return m >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u);
@@ -114,7 +117,9 @@ static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
 
 /* A vector loaded once and used by a whole row of a tile: kept in a
    register. Left alone, GCC folds the load into every FMA that uses it, and
-   the repeated loads, not the FMAs, then bound the loop. */
+   the repeated loads, not the FMAs, then bound the loop. (Only with AVX-512
+   in the build's flags, as above: a 16-float vector is one register only
+   there.) */
 #if defined(__GNUC__) && defined(__AVX512F__)
 #define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
 #else

@@ -72,11 +72,16 @@ static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {
  * norms' dweight and dbias:
  *   dweight[i] += sum_bt dout[bt,i] * ((inp[bt,i] - mean[bt]) * rstd[bt])
  *   dbias[i]   += sum_bt dout[bt,i]
- * for i < C, bt < BT. dweight NULL: not wanted (then inp, mean and rstd are
- * not read); mean NULL means 0 (RMSNorm); dbias NULL: not wanted. Summed in
- * chunks of rows fixed by BT alone, each chunk's rows in order into a
- * partial row, then the chunks in order: the result never depends on the
- * thread count. Returns LLMC_OK or LLMC_ERR_NOMEM.
+ *
+ *   dweight [C]      (+=) or NULL: not wanted (then inp, mean, rstd are not read)
+ *   dbias   [C]      (+=) or NULL: not wanted
+ *   dout    [BT, C]
+ *   inp     [BT, C]
+ *   mean    [BT] or NULL: 0 (RMSNorm)
+ *   rstd    [BT]
+ * Summed in chunks of rows fixed by BT alone, each chunk's rows in order
+ * into a partial row, then the chunks in order: the result never depends on
+ * the thread count. Returns LLMC_OK or LLMC_ERR_NOMEM.
  */
 int llmc_column_sums(float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* mean, const float* rstd, int64_t BT, int C);

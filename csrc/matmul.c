@@ -72,16 +72,12 @@
 #define SKINNY_ROWS 8
 
 /*
- * The micro-kernel, built once per instruction set from csrc/matmul_micro.h
- * (per-function target attributes: setuptools compiles every file with the
- * same flags, so even a baseline x86-64 build carries the AVX2 and AVX-512
- * kernels), and chosen at run time from the CPU's features:
- *   avx512   AVX-512F: Intel Skylake-SP/X (2017) and later Xeons, Ice Lake,
- *            Tiger Lake, Sapphire Rapids; AMD Zen 4 (2022) and later
- *   avx2     AVX2 + FMA: Intel Haswell (2013) and later, AMD Zen (2017) and
- *            later (and Excavator)
- *   portable no attribute: whatever the build's flags allow (SSE2 on a
- *            baseline x86-64 build; any CPU on other architectures)
+ * The micro-kernel and the skinny kernel, built once per instruction set
+ * from csrc/matmul_micro.h and csrc/matmul_skinny.h with isa.h's target
+ * attributes, and chosen at run time like every family's (isa.h lists the
+ * CPUs). Unlike the other families they are not one body on 16-lane vectors:
+ * each build uses its own register width (4, 8 or 16 floats) and explicit
+ * fused multiply-adds, so they are included once per instruction set.
  */
 typedef void (*micro_kernel_fn)(int kc, const float* a, size_t ars, size_t aks,
                                 const float* bp, float* c, size_t ldc);
