@@ -1,8 +1,11 @@
 /* Element-wise layers: GELU (tanh approximation), SwiGLU and the residual add.
    GELU and SwiGLU run on 16-lane vectors with exponentials of their own
-   (gelu_sigmoid16) or llmc_exp16 (common.h) in place of libm's expf. */
+   (gelu_sigmoid16) or llmc_exp16 (common.h) in place of libm's expf. Each
+   kernel's loop is built per instruction set (isa.h); a thread runs its
+   contiguous share of the blocks through one call. */
 #include "llmc.h"
 #include "common.h"
+#include "isa.h"
 
 #define GELU_SCALE 0.7978845608028654f   /* sqrt(2 / pi) */
 #define GELU_CUBIC 0.044715f
@@ -20,7 +23,7 @@
  * by adding 1.5 * 2^23 (one rounding, to the nearest integer), r = t - n ln2
  * in two parts and e^r by llmc_exp_reduced16 (common.h), 2^n from n's bits.
  */
-static inline void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
+static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     const vec16f zero = {0};
     const vec16f shifter = zero + 12582912.0f;   // 1.5 * 2^23
     vec16f t = -2.0f * GELU_SCALE * (x + GELU_CUBIC * x * x * x);
@@ -34,32 +37,43 @@ static inline void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     *s = llmc_select16(vanishes, zero, 1.0f / (1.0f + *e));
 }
 
-int gelu_forward(float* out, const float* inp, long N) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    const long nblocks = (N + 15) / 16;
-    // 16 elements per iteration in vector registers; the last block may be partial
-    #pragma omp parallel for schedule(static)
-    for (long blk = 0; blk < nblocks; blk++) {
-        const long i = blk * 16;
+/* Blocks [blk0, blk1) of 16 elements of the forward; the last block of N may be partial. */
+static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float* inp, int64_t N,
+                                                        int64_t blk0, int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
         vec16f s, e;
         gelu_sigmoid16(x, &s, &e);
         llmc_store16(out + i, x * s, n);
     }
+}
+LLMC_ISA_VARIANTS(gelu_forward_blocks,
+                  (float* out, const float* inp, int64_t N, int64_t blk0, int64_t blk1),
+                  out, inp, N, blk0, blk1)
+
+int gelu_forward(float* out, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, int64_t, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
+    }
     return LLMC_OK;
 }
 
-int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    const long nblocks = (N + 15) / 16;
-    // d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx = s (1 + 2 x (e s) du/dx),
-    // with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2)
-    #pragma omp parallel for schedule(static)
-    for (long blk = 0; blk < nblocks; blk++) {
-        const long i = blk * 16;
+/* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
+   = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
+static LLMC_ALWAYS_INLINE void gelu_backward_blocks_body(float* dinp, const float* dout,
+                                                         const float* inp, int64_t N, int64_t blk0,
+                                                         int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         const vec16f x = llmc_load16(inp + i, n);
         vec16f s, e;
@@ -67,6 +81,23 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
         const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
         const vec16f grad = s * (1.0f + 2.0f * x * (e * s) * du);
         llmc_store16(dinp + i, llmc_load16(dinp + i, n) + grad * llmc_load16(dout + i, n), n);
+    }
+}
+LLMC_ISA_VARIANTS(gelu_backward_blocks,
+                  (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
+                   int64_t blk1),
+                  dinp, dout, inp, N, blk0, blk1)
+
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, const float*, int64_t, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), gelu_backward_blocks);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
     }
     return LLMC_OK;
 }
@@ -81,7 +112,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N) {
  * gives no subnormals), so sig and silu are 0 where their true values are
  * below 1e-36. NaN stays NaN.
  */
-static inline void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
+static LLMC_ALWAYS_INLINE void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
     const vec16i sign_bit = (vec16i){0} + (int32_t)0x80000000;
     const vec16f e = llmc_exp16((vec16f)((vec16i)x | sign_bit));   // exp(-|x|)
     const vec16f r = 1.0f / (1.0f + e);
@@ -91,17 +122,15 @@ static inline void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
     *sig_c = llmc_select16(positive, er, r);
 }
 
-int swiglu_forward(float* out, const float* inp, long N, int FF) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    // 16 columns of one row per iteration, the last block of each row
-    // possibly partial; rows and blocks flattened, so that one long row
-    // (N == 1, as in decoding) still spreads over the threads
-    const long row_blocks = (FF + 15) / 16;
-    const long nblocks = N * row_blocks;
-    #pragma omp parallel for schedule(static)
-    for (long k = 0; k < nblocks; k++) {
-        const long r = k / row_blocks;
+/* SwiGLU works on blocks of 16 columns of one row, the last block of each
+   row possibly partial; rows and blocks are flattened (block k is block
+   k % row_blocks of row k / row_blocks), so that one int64_t row (N == 1, as in
+   decoding) still spreads over the threads. These run blocks [k0, k1). */
+static LLMC_ALWAYS_INLINE void swiglu_forward_blocks_body(float* out, const float* inp, int FF,
+                                                          int64_t k0, int64_t k1) {
+    const int64_t row_blocks = (FF + 15) / 16;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r = k / row_blocks;
         const int i = (int)(k % row_blocks) * 16;
         const int n = FF - i < 16 ? FF - i : 16;
         const float* gate = inp + (size_t)r * 2 * FF + i;
@@ -110,20 +139,34 @@ int swiglu_forward(float* out, const float* inp, long N, int FF) {
         sigmoid16(g, &sig, &sig_c);
         llmc_store16(out + (size_t)r * FF + i, g * sig * u, n);
     }
+}
+LLMC_ISA_VARIANTS(swiglu_forward_blocks,
+                  (float* out, const float* inp, int FF, int64_t k0, int64_t k1),
+                  out, inp, FF, k0, k1)
+
+int swiglu_forward(float* out, const float* inp, int64_t N, int FF) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, int, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks);
+    #pragma omp parallel
+    {
+        int64_t k0, k1;
+        llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
+        if (k0 < k1) { blocks(out, inp, FF, k0, k1); }
+    }
     return LLMC_OK;
 }
 
-int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    // with s = sigmoid(g): silu(g) = g s, and since s' = s (1 - s),
-    //   silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
-    //   dgate += dout * up * silu'(g),  dup += dout * silu(g)
-    const long row_blocks = (FF + 15) / 16;
-    const long nblocks = N * row_blocks;
-    #pragma omp parallel for schedule(static)
-    for (long k = 0; k < nblocks; k++) {
-        const long r = k / row_blocks;
+/* with s = sigmoid(g): silu(g) = g s, and since s' = s (1 - s),
+     silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
+     dgate += dout * up * silu'(g),  dup += dout * silu(g) */
+static LLMC_ALWAYS_INLINE void swiglu_backward_blocks_body(float* dinp, const float* dout,
+                                                           const float* inp, int FF, int64_t k0,
+                                                           int64_t k1) {
+    const int64_t row_blocks = (FF + 15) / 16;
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t r = k / row_blocks;
         const int i = (int)(k % row_blocks) * 16;
         const int n = FF - i < 16 ? FF - i : 16;
         const float* gate = inp + (size_t)r * 2 * FF + i;
@@ -136,24 +179,71 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, in
         llmc_store16(dgate, llmc_load16(dgate, n) + dy * u * dsilu, n);
         llmc_store16(dgate + FF, llmc_load16(dgate + FF, n) + dy * (g * sig), n);
     }
+}
+LLMC_ISA_VARIANTS(swiglu_backward_blocks, (float* dinp, const float* dout, const float* inp,
+                                           int FF, int64_t k0, int64_t k1),
+                  dinp, dout, inp, FF, k0, k1)
+
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, const float*, int, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), swiglu_backward_blocks);
+    #pragma omp parallel
+    {
+        int64_t k0, k1;
+        llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
+        if (k0 < k1) { blocks(dinp, dout, inp, FF, k0, k1); }
+    }
     return LLMC_OK;
 }
 
-int residual_forward(float* out, const float* inp1, const float* inp2, long N) {
+/* The residual add, elements [i0, i1). */
+static LLMC_ALWAYS_INLINE void residual_forward_range_body(float* out, const float* inp1,
+                                                           const float* inp2, int64_t i0,
+                                                           int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) { out[i] = inp1[i] + inp2[i]; }
+}
+LLMC_ISA_VARIANTS(residual_forward_range, (float* out, const float* inp1, const float* inp2,
+                                           int64_t i0, int64_t i1),
+                  out, inp1, inp2, i0, i1)
+
+int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp1, inp2), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    #pragma omp parallel for schedule(static)
-    for (long i = 0; i < N; i++) { out[i] = inp1[i] + inp2[i]; }
+    void (*const range)(float*, const float*, const float*, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), residual_forward_range);
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(N, &i0, &i1);
+        if (i0 < i1) { range(out, inp1, inp2, i0, i1); }
+    }
     return LLMC_OK;
 }
 
-int residual_backward(float* dinp1, float* dinp2, const float* dout, long N) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp1, dinp2, dout), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    #pragma omp parallel for schedule(static)
-    for (long i = 0; i < N; i++) {
+static LLMC_ALWAYS_INLINE void residual_backward_range_body(float* dinp1, float* dinp2,
+                                                            const float* dout, int64_t i0,
+                                                            int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
         dinp1[i] += dout[i];
         dinp2[i] += dout[i];
+    }
+}
+LLMC_ISA_VARIANTS(residual_backward_range, (float* dinp1, float* dinp2, const float* dout,
+                                            int64_t i0, int64_t i1),
+                  dinp1, dinp2, dout, i0, i1)
+
+int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp1, dinp2, dout), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*const range)(float*, float*, const float*, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), residual_backward_range);
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(N, &i0, &i1);
+        if (i0 < i1) { range(dinp1, dinp2, dout, i0, i1); }
     }
     return LLMC_OK;
 }

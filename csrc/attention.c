@@ -60,6 +60,16 @@
  * bitwise. The scores need a row of up to maxT floats per (b, h): the
  * caller's att buffer holds them, since a stack buffer of maxT floats could
  * overflow a worker thread's stack for long contexts.
+ *
+ * variants:
+ *   attention_forward / _backward, attention_gqa_forward / _backward,
+ *   attention_decode   the tiled kernels above, built per instruction set
+ *                      (isa.h) and chosen at run time
+ *   attention_forward_naive / _backward_naive
+ *                      plain loops as in llm.c (one dot product per score,
+ *                      scalar softmax with libm's expf): the reference the
+ *                      tests and the benchmark check the tiled kernels
+ *                      against; the same everywhere (no per-ISA build)
  */
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -67,6 +77,7 @@
 #endif
 #include "llmc.h"
 #include "common.h"
+#include "isa.h"
 
 #define SCORE_ROWS 8    /* query rows of a score_tile, and of the forward's and
                            backward's row tiles: a multiple of TILE_ROWS */
@@ -75,13 +86,16 @@
 #define TILE_CH 64      /* channels of a rows_tile / cols_tile: 4 vectors */
 #define DECODE_HEADS 4  /* query heads of a kv head the decode scores at once */
 
-#define ALWAYS_INLINE inline __attribute__((always_inline))
+#define ALWAYS_INLINE LLMC_ALWAYS_INLINE
 /* Fully unrolls a loop over a tile's rows or vectors, so that the tile's
    accumulators can live in registers. */
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* Loads / stores the first m lanes (all 16 when m >= 16; the rest load as
-   0): a masked load or store on AVX-512, else a copy through memory. */
+   0): a masked load or store when the build's flags have AVX-512 (then
+   every per-ISA variant has it), else a copy through memory. A body built
+   per instruction set cannot call an AVX-512 intrinsic only in its AVX-512
+   variant, so a portable build's AVX-512 variant copies too. */
 #ifdef __AVX512F__
 static ALWAYS_INLINE __mmask16 first_lanes(int m) {
     return m >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << m) - 1u);
@@ -103,7 +117,9 @@ static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
 
 /* A vector loaded once and used by a whole row of a tile: kept in a
    register. Left alone, GCC folds the load into every FMA that uses it, and
-   the repeated loads, not the FMAs, then bound the loop. */
+   the repeated loads, not the FMAs, then bound the loop. (Only with AVX-512
+   in the build's flags, as above: a 16-float vector is one register only
+   there.) */
 #if defined(__GNUC__) && defined(__AVX512F__)
 #define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
@@ -126,8 +142,8 @@ static ALWAYS_INLINE void key_block(vec16f r[16], const float* k, size_t stride,
 /* The key panel of n key rows (stride floats apart) of hs channels: block kb
    holds keys 16 kb .. 16 kb + 15 as [hs][16] at panel + kb * 16 hs, each
    times scale, keys past n as 0. */
-static void build_panel(float* panel, const float* k, size_t stride, int n, int hs,
-                        float scale) {
+static ALWAYS_INLINE void build_panel_body(float* panel, const float* k, size_t stride, int n,
+                                           int hs, float scale) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         float* block = panel + (size_t)k0 * hs;
         for (int i0 = 0; i0 < hs; i0 += 16) {
@@ -140,6 +156,10 @@ static void build_panel(float* panel, const float* k, size_t stride, int n, int 
         }
     }
 }
+
+LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int n, int hs,
+                                float scale),
+                  panel, k, stride, n, hs, scale)
 
 /* The starting value of the scores of keys t2 .. t2+15 for a query row with
    n keys: the ALiBi bias -slope * (n - 1 - t2 - lane), one product. */
@@ -224,8 +244,9 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
 
 /* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
    taken 16 lanes at a time and summed lane by lane, then the lanes in order.
-   Not inlined: the forward and the decode run this very code. */
-static __attribute__((noinline)) void softmax_row(float* p, int n) {
+   Built per instruction set and never inlined: the forward and the decode
+   run this very code. */
+static ALWAYS_INLINE void softmax_row_body(float* p, int n) {
     const vec16f neg_inf = (vec16f){0} - INFINITY;
     vec16f max16 = neg_inf;
     for (int k0 = 0; k0 < n; k0 += 16) {
@@ -249,10 +270,12 @@ static __attribute__((noinline)) void softmax_row(float* p, int n) {
     }
 }
 
+LLMC_ISA_VARIANTS(softmax_row, (float* p, int n), p, n)
+
 /* The backward through the softmax and the scale, one row of n keys: ds
    holds dP = dO . v on entry, and on return
    dS = p * (dP - sum(p * dP)) * scale. */
-static void dscore_row(float* ds, const float* p, int n, float scale) {
+static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
     vec16f acc = {0};
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
@@ -264,6 +287,8 @@ static void dscore_row(float* ds, const float* p, int n, float scale) {
         store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
     }
 }
+
+LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
 /* A chunk of channels is NV vectors (NV <= TILE_CH / 16), the last with mlast
    lanes (16 when whole). These load / store one row of such a chunk. */
@@ -388,14 +413,14 @@ static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t
 static size_t panel_count(int T, int hs) { return (size_t)((T + 15) / 16) * 16 * (size_t)hs; }
 
 /* One tile of R query rows t0 .. t0+R-1 of the forward of a (b, h). */
-static ALWAYS_INLINE void forward_rows(float* out_bh, size_t C, float* att_bh,
+static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* att_bh,
                                        const float* q, const float* panel, const float* v,
                                        size_t row, int T, int hs, float slope, int t0, int R) {
     float* att_t = att_bh + (size_t)t0 * T;
     score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope);
     for (int r = 0; r < R; r++) {
         float* att_row = att_t + (size_t)r * T;
-        softmax_row(att_row, t0 + r + 1);
+        LLMC_ISA_SELECT(isa, softmax_row)(att_row, t0 + r + 1);
         for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
@@ -405,6 +430,26 @@ static ALWAYS_INLINE void forward_rows(float* out_bh, size_t C, float* att_bh,
     }
 }
 
+/* The forward of one (b, h): its kv head's key panel, then the query rows
+   in tiles. Rows of q, k and v lie row floats apart, of out C apart. */
+static ALWAYS_INLINE void forward_head_body(int isa, float* out_bh, float* att_bh,
+                                            const float* q, const float* k, const float* v,
+                                            float* panel, size_t row, size_t C, int T, int hs,
+                                            float slope, float scale) {
+    LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
+    int t0 = 0;
+    for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+        forward_rows(isa, out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, SCORE_ROWS);
+    }
+    for (; t0 < T; t0++) {
+        forward_rows(isa, out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, 1);
+    }
+}
+LLMC_ISA_VARIANTS_ISA(forward_head, (float* out_bh, float* att_bh, const float* q, const float* k,
+                                     const float* v, float* panel, size_t row, size_t C, int T,
+                                     int hs, float slope, float scale),
+                      out_bh, att_bh, q, k, v, panel, row, C, T, hs, slope, scale)
+
 /* The forward core; sizes already checked. slopes may be NULL. */
 static int gqa_forward(float* out, float* att, const float* inp, const float* slopes,
                        int B, int T, int NH, int NKV, int hs) {
@@ -413,6 +458,9 @@ static int gqa_forward(float* out, float* att, const float* inp, const float* sl
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
+    void (*const head)(float*, float*, const float*, const float*, const float*, float*, size_t,
+                       size_t, int, int, float, float) =
+        LLMC_ISA_SELECT(llmc_get_isa(), forward_head);
     // one key panel per thread
     const size_t per_thread = panel_count(T, hs);
     float* scratch = malloc((size_t)omp_get_max_threads() * per_thread * sizeof(float));
@@ -424,19 +472,9 @@ static int gqa_forward(float* out, float* att, const float* inp, const float* sl
             float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
             const float* inp_b = inp + (size_t)b * T * row;
             const size_t kv = (size_t)(h / kv_mul) * hs;
-            const float slope = slopes != NULL ? slopes[h] : 0.0f;
-            float* out_bh = out + (size_t)b * T * C + (size_t)h * hs;
-            float* att_bh = att + ((size_t)b * NH + h) * T * T;
-            const float* q = inp_b + (size_t)h * hs;
-            const float* v = inp_b + v_start + kv;
-            build_panel(panel, inp_b + C + kv, row, T, hs, scale);
-            int t0 = 0;
-            for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, SCORE_ROWS);
-            }
-            for (; t0 < T; t0++) {
-                forward_rows(out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, 1);
-            }
+            head(out + (size_t)b * T * C + (size_t)h * hs, att + ((size_t)b * NH + h) * T * T,
+                 inp_b + (size_t)h * hs, inp_b + C + kv, inp_b + v_start + kv, panel, row, C, T,
+                 hs, slopes != NULL ? slopes[h] : 0.0f, scale);
         }
     }
     free(scratch);
@@ -444,14 +482,15 @@ static int gqa_forward(float* out, float* att, const float* inp, const float* sl
 }
 
 /* One tile of R query rows of head h's backward: dP, dS and dq. */
-static ALWAYS_INLINE void backward_rows(float* dq, float* ds, const float* att_bh,
+static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* ds, const float* att_bh,
                                         const float* dout_h, size_t C, const float* panel,
                                         const float* k, size_t row, int T, int hs, float scale,
                                         int t0, int R) {
     float* ds_t = ds + (size_t)t0 * T;
     score_tile(ds_t, (size_t)T, dout_h + (size_t)t0 * C, C, panel, hs, R, t0 + 1, 0.0f);
     for (int r = 0; r < R; r++) {
-        dscore_row(ds_t + (size_t)r * T, att_bh + (size_t)(t0 + r) * T, t0 + r + 1, scale);
+        LLMC_ISA_SELECT(isa, dscore_row)(ds_t + (size_t)r * T, att_bh + (size_t)(t0 + r) * T,
+                                         t0 + r + 1, scale);
     }
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
@@ -459,6 +498,52 @@ static ALWAYS_INLINE void backward_rows(float* dq, float* ds, const float* att_b
                   R_dq, t0 + r + 1, hs);
     }
 }
+
+/* The backward of one (b, kv head g): its query heads h in order. Rows of
+   inp_b and dinp_b lie row floats apart, of dout_b C apart; att_b is
+   att[b]; k_head and v_head are the offsets of g's k and v in a row. */
+static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const float* dout_b,
+                                              const float* inp_b, const float* att_b,
+                                              float* panel, float* ds, int h0, int h1,
+                                              size_t k_head, size_t v_head, size_t row, size_t C,
+                                              int T, int hs, float scale) {
+    LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + v_head, row, T, hs, 1.0f);
+    for (int h = h0; h < h1; h++) {
+        const float* att_bh = att_b + (size_t)h * T * T;
+        const float* dout_h = dout_b + (size_t)h * hs;
+        float* dq = dinp_b + (size_t)h * hs;
+        int t0 = 0;
+        for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+            backward_rows(isa, dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
+                          scale, t0, SCORE_ROWS);
+        }
+        for (; t0 < T; t0++) {
+            backward_rows(isa, dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
+                          scale, t0, 1);
+        }
+        // dk += dS^T q and dv += P^T dO, TILE_KEYS keys at a time
+        const float* q = inp_b + (size_t)h * hs;
+        int t2 = 0;
+        for (; t2 + TILE_KEYS <= T; t2 += TILE_KEYS) {
+            cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                      TILE_KEYS, t2, T, hs);
+            cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
+                      dout_h, C, TILE_KEYS, t2, T, hs);
+        }
+        for (; t2 < T; t2++) {
+            cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                      1, t2, T, hs);
+            cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
+                      dout_h, C, 1, t2, T, hs);
+        }
+    }
+}
+LLMC_ISA_VARIANTS_ISA(backward_group, (float* dinp_b, const float* dout_b, const float* inp_b,
+                                       const float* att_b, float* panel, float* ds, int h0,
+                                       int h1, size_t k_head, size_t v_head, size_t row,
+                                       size_t C, int T, int hs, float scale),
+                      dinp_b, dout_b, inp_b, att_b, panel, ds, h0, h1, k_head, v_head, row, C,
+                      T, hs, scale)
 
 /* The backward core; sizes already checked. */
 static int gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
@@ -468,6 +553,9 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
+    void (*const group)(float*, const float*, const float*, const float*, float*, float*, int,
+                        int, size_t, size_t, size_t, size_t, int, int, float) =
+        LLMC_ISA_SELECT(llmc_get_isa(), backward_group);
     // per thread: a panel of v, then dS of one head [T, T]
     const size_t panel_len = panel_count(T, hs);
     const size_t per_thread = panel_len + (size_t)T * T;
@@ -478,40 +566,10 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
     for (int b = 0; b < B; b++) {
         for (int g = 0; g < NKV; g++) {
             float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
-            float* ds = panel + panel_len;
-            const float* inp_b = inp + (size_t)b * T * row;
-            float* dinp_b = dinp + (size_t)b * T * row;
-            const size_t k_head = C + (size_t)g * hs, v_head = v_start + (size_t)g * hs;
-            build_panel(panel, inp_b + v_head, row, T, hs, 1.0f);
-            for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
-                const float* att_bh = att + ((size_t)b * NH + h) * T * T;
-                const float* dout_h = dout + (size_t)b * T * C + (size_t)h * hs;
-                float* dq = dinp_b + (size_t)h * hs;
-                int t0 = 0;
-                for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-                    backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
-                                  scale, t0, SCORE_ROWS);
-                }
-                for (; t0 < T; t0++) {
-                    backward_rows(dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
-                                  scale, t0, 1);
-                }
-                // dk += dS^T q and dv += P^T dO, TILE_KEYS keys at a time
-                const float* q = inp_b + (size_t)h * hs;
-                int t2 = 0;
-                for (; t2 + TILE_KEYS <= T; t2 += TILE_KEYS) {
-                    cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
-                              TILE_KEYS, t2, T, hs);
-                    cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
-                              dout_h, C, TILE_KEYS, t2, T, hs);
-                }
-                for (; t2 < T; t2++) {
-                    cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
-                              1, t2, T, hs);
-                    cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
-                              dout_h, C, 1, t2, T, hs);
-                }
-            }
+            group(dinp + (size_t)b * T * row, dout + (size_t)b * T * C, inp + (size_t)b * T * row,
+                  att + (size_t)b * NH * T * T, panel, panel + panel_len, g * kv_mul,
+                  (g + 1) * kv_mul, C + (size_t)g * hs, v_start + (size_t)g * hs, row, C, T, hs,
+                  scale);
         }
     }
     free(scratch);
@@ -534,25 +592,154 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NH, C / NH);
 }
 
+/* The sizes of a GQA call are positive, NH % NKV == 0, and its arrays can exist. */
+static int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs) {
+    return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0
+           && llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
+           && llmc_count_fits(B, NH, T, T);
+}
+
 int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
                           int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
-                 LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
-                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     return gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
 }
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
                            int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0,
-                 LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
-                 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     return gqa_backward(dinp, dout, inp, att, B, T, NH, NKV, hs);
 }
+
+int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
+                            int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+
+    #pragma omp parallel for collapse(3) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+            for (int h = 0; h < NH; h++) {
+                const float* inp_b = inp + (size_t)b * T * row;
+                const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
+                const size_t k_off = C + (size_t)(h / kv_mul) * hs;   // v: NKV heads later
+                const float slope = slopes != NULL ? slopes[h] : 0.0f;
+                float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
+                // pass 1: the scores and their max
+                float maxval = -INFINITY;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* k = inp_b + (size_t)t2 * row + k_off;
+                    float val = 0.0f;
+                    for (int i = 0; i < hs; i++) { val += q[i] * k[i]; }
+                    val = val * scale - slope * (float)(t - t2);
+                    att_bth[t2] = val;
+                    if (val > maxval) { maxval = val; }
+                }
+                // pass 2: the exponentials and their sum
+                float expsum = 0.0f;
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float e = expf(att_bth[t2] - maxval);
+                    expsum += e;
+                    att_bth[t2] = e;
+                }
+                // pass 3: normalise; the masked future is exactly 0
+                const float expsum_inv = 1.0f / expsum;
+                for (int t2 = 0; t2 < T; t2++) {
+                    att_bth[t2] = t2 <= t ? att_bth[t2] * expsum_inv : 0.0f;
+                }
+                // pass 4: the weighted sum of the values
+                float* out_bth = out + ((size_t)b * T + t) * C + (size_t)h * hs;
+                for (int i = 0; i < hs; i++) { out_bth[i] = 0.0f; }
+                for (int t2 = 0; t2 <= t; t2++) {
+                    const float* v = inp_b + (size_t)t2 * row + k_off + (size_t)NKV * hs;
+                    for (int i = 0; i < hs; i++) { out_bth[i] += att_bth[t2] * v[i]; }
+                }
+            }
+        }
+    }
+    return LLMC_OK;
+}
+
+int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
+                             int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+
+    // dk and dv of a kv head gather from its whole group of query heads, so
+    // parallelise over (b, kv head), and walk the group's heads in order
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int g = 0; g < NKV; g++) {
+            const float* inp_b = inp + (size_t)b * T * row;
+            float* dinp_b = dinp + (size_t)b * T * row;
+            const size_t k_off = C + (size_t)g * hs, v_off = k_off + (size_t)NKV * hs;
+            for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
+                for (int t = 0; t < T; t++) {
+                    const float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
+                    const float* dout_bth = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
+                    const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
+                    float* dq = dinp_b + (size_t)t * row + (size_t)h * hs;
+                    // datt[t2] = dout . v[t2]; through the softmax,
+                    // dpreatt[t2] = att[t2] * (datt[t2] - sum_t3 att[t3] datt[t3])
+                    float att_datt = 0.0f;
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float* v = inp_b + (size_t)t2 * row + v_off;
+                        float datt = 0.0f;
+                        for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
+                        att_datt += att_bth[t2] * datt;
+                    }
+                    for (int t2 = 0; t2 <= t; t2++) {
+                        const float* k = inp_b + (size_t)t2 * row + k_off;
+                        const float* v = inp_b + (size_t)t2 * row + v_off;
+                        float* dk = dinp_b + (size_t)t2 * row + k_off;
+                        float* dv = dinp_b + (size_t)t2 * row + v_off;
+                        float datt = 0.0f;
+                        for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
+                        const float dpreatt = att_bth[t2] * (datt - att_datt) * scale;
+                        for (int i = 0; i < hs; i++) {
+                            dv[i] += att_bth[t2] * dout_bth[i];
+                            dq[i] += dpreatt * k[i];
+                            dk[i] += dpreatt * q[i];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return LLMC_OK;
+}
+
+/* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,
+   each the forward's row n - 1: its scores, softmax_row and rows_tile.
+   out_h0, att_h0, q_h0 and slopes_h0 start at the first of the R heads. */
+static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0,
+                                           const float* q_h0, const float* k, const float* v,
+                                           const float* slopes_h0, int n, size_t kv_row, int hs,
+                                           int maxT, float scale, int R) {
+    switch (R) {
+    case 4: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 4); break;
+    case 3: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 3); break;
+    case 2: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 2); break;
+    default: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 1); break;
+    }
+    for (int r = 0; r < R; r++) {
+        float* att_h = att_h0 + (size_t)r * maxT;
+        LLMC_ISA_SELECT(isa, softmax_row)(att_h, n);
+        rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v, kv_row, 1, n, hs);
+    }
+}
+LLMC_ISA_VARIANTS_ISA(decode_unit, (float* out_h0, float* att_h0, const float* q_h0,
+                                    const float* k, const float* v, const float* slopes_h0, int n,
+                                    size_t kv_row, int hs, int maxT, float scale, int R),
+                      out_h0, att_h0, q_h0, k, v, slopes_h0, n, kv_row, hs, maxT, scale, R)
 
 int attention_decode(float* out, float* att, const float* q, const float* k_cache,
                      const float* v_cache, const int* len, const float* slopes,
@@ -571,6 +758,9 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
     const float scale = 1.0f / sqrtf((float)hs);
     // units of up to DECODE_HEADS query heads of one kv head
     const int chunks = (kv_mul + DECODE_HEADS - 1) / DECODE_HEADS;
+    void (*const unit)(float*, float*, const float*, const float*, const float*, const float*,
+                       int, size_t, int, int, float, int) =
+        LLMC_ISA_SELECT(llmc_get_isa(), decode_unit);
 
     #pragma omp parallel for collapse(3) schedule(static)
     for (int b = 0; b < B; b++) {
@@ -581,27 +771,8 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
                                                                    : DECODE_HEADS;
                 const size_t kv = (size_t)b * maxT * kv_row + (size_t)g * hs;
                 const size_t bh0 = (size_t)b * NH + h0;
-                float* att_bh0 = att + bh0 * maxT;
-                const float* q_bh0 = q + bh0 * hs;
-                const float* slopes_h0 = slopes != NULL ? slopes + h0 : NULL;
-                // the forward's row len[b] - 1 of each head: its scores, softmax_row
-                // and rows_tile
-                switch (R) {
-                case 4: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
-                                      len[b], hs, scale, 4); break;
-                case 3: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
-                                      len[b], hs, scale, 3); break;
-                case 2: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
-                                      len[b], hs, scale, 2); break;
-                default: decode_scores(att_bh0, maxT, q_bh0, hs, slopes_h0, k_cache + kv, kv_row,
-                                       len[b], hs, scale, 1); break;
-                }
-                for (int r = 0; r < R; r++) {
-                    float* att_bh = att_bh0 + (size_t)r * maxT;
-                    softmax_row(att_bh, len[b]);
-                    rows_tile(out + (bh0 + r) * hs, hs, 0, att_bh, maxT, v_cache + kv, kv_row, 1,
-                              len[b], hs);
-                }
+                unit(out + bh0 * hs, att + bh0 * maxT, q + bh0 * hs, k_cache + kv, v_cache + kv,
+                     slopes != NULL ? slopes + h0 : NULL, len[b], kv_row, hs, maxT, scale, R);
             }
         }
     }

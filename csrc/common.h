@@ -14,7 +14,12 @@
 static inline int omp_get_max_threads(void) { return 1; }
 static inline int omp_get_thread_num(void) { return 0; }
 static inline void omp_set_num_threads(int n) { (void)n; }
+static inline int omp_get_num_threads(void) { return 1; }
 #endif
+
+/* Inlined wherever called, also into a function built for another
+   instruction set (isa.h): the vector helpers below are all of this kind. */
+#define LLMC_ALWAYS_INLINE inline __attribute__((always_inline))
 
 /* Early return with a status; use before any OpenMP region (a parallel
    region cannot be left with return). */
@@ -39,36 +44,47 @@ static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
            && !__builtin_mul_overflow(abc, d, &abcd) && abcd <= LLMC_MAX_COUNT;
 }
 
+/* Inside a parallel region: the calling thread's contiguous share
+   [*lo, *hi) of n items, as schedule(static) would hand them out. For
+   element-wise kernels, which call their per-ISA function once per thread. */
+static inline void llmc_thread_share(int64_t n, int64_t* lo, int64_t* hi) {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t q = n / nt, r = n % nt;
+    *lo = id * q + (id < r ? id : r);
+    *hi = *lo + q + (id < r ? 1 : 0);
+}
+
+/* Index of the first id outside [0, V) of ids[0 .. n), or -1 if all are in
+   range (token ids and targets). */
+static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {
+    for (int64_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= V) { return i; }
+    }
+    return -1;
+}
+
 /* Elements per chunk of a chunked reduction. Fixed, so a sum is split the
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384
 
 /*
- * Column sums over many rows (dbias, a norm's dweight and dbias) in chunks of
- * rows fixed by the row count alone: a kernel sums each chunk's rows in
- * order into its own partial row, in parallel over chunks and reading whole
- * rows, then llmc_add_chunk_sums adds the partial rows to the result in
- * chunk order. Every sum's order depends on the shapes only, never on the
- * thread count. Chunks are at least 64 rows, and at most 256 of them.
+ * Column sums over many rows (colsum.c), for matmul_backward's dbias and the
+ * norms' dweight and dbias:
+ *   dweight[i] += sum_bt dout[bt,i] * ((inp[bt,i] - mean[bt]) * rstd[bt])
+ *   dbias[i]   += sum_bt dout[bt,i]
+ *
+ *   dweight [C]      (+=) or NULL: not wanted (then inp, mean, rstd are not read)
+ *   dbias   [C]      (+=) or NULL: not wanted
+ *   dout    [BT, C]
+ *   inp     [BT, C]
+ *   mean    [BT] or NULL: 0 (RMSNorm)
+ *   rstd    [BT]
+ * Summed in chunks of rows fixed by BT alone, each chunk's rows in order
+ * into a partial row, then the chunks in order: the result never depends on
+ * the thread count. Returns LLMC_OK or LLMC_ERR_NOMEM.
  */
-static inline long llmc_row_chunk(long rows) {
-    const long chunk = (rows + 255) / 256;
-    return chunk < 64 ? 64 : chunk;
-}
-
-/* dst[i] += partial[0][i] + partial[1][i] + ... (nchunks rows of n, in
-   order), parallel over blocks of columns. */
-static inline void llmc_add_chunk_sums(float* dst, const float* partial, long nchunks, int n) {
-    const int nblocks = (n + 63) / 64;
-    #pragma omp parallel for schedule(static)
-    for (int blk = 0; blk < nblocks; blk++) {
-        const int i0 = blk * 64, i1 = i0 + 64 < n ? i0 + 64 : n;
-        for (long ch = 0; ch < nchunks; ch++) {
-            const float* p = partial + (size_t)ch * n;
-            for (int i = i0; i < i1; i++) { dst[i] += p[i]; }
-        }
-    }
-}
+int llmc_column_sums(float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* mean, const float* rstd, int64_t BT, int C);
 
 /* 16 floats / 16 int32s: one zmm register with -march=native on AVX-512;
    GCC and clang lower them to narrower vectors elsewhere. */
@@ -76,14 +92,14 @@ typedef float vec16f __attribute__((vector_size(64)));
 typedef int32_t vec16i __attribute__((vector_size(64)));
 
 /* mask ? a : b, lane by lane (mask lanes are -1 or 0, as comparisons give). */
-static inline vec16f llmc_select16(vec16i mask, vec16f a, vec16f b) {
+static LLMC_ALWAYS_INLINE vec16f llmc_select16(vec16i mask, vec16f a, vec16f b) {
     return (vec16f)(((vec16i)a & mask) | ((vec16i)b & ~mask));
 }
 
 /* e^(x - n ln2) for x within ln2/2 of n ln2 (n a whole number, as a float):
    the reduction in two parts (0.693359375 is exact in few bits), then
    Cephes' degree-6 polynomial for e^r, |r| <= ln2/2. */
-static inline vec16f llmc_exp_reduced16(vec16f x, vec16f nf) {
+static LLMC_ALWAYS_INLINE vec16f llmc_exp_reduced16(vec16f x, vec16f nf) {
     vec16f r = x - nf * 0.693359375f;
     r = r + nf * 2.12194440e-4f;
     vec16f p = (vec16f){0} + 1.9875691500e-4f;
@@ -101,7 +117,7 @@ static inline vec16f llmc_exp_reduced16(vec16f x, vec16f nf) {
  * |r| <= ln2/2, then Cephes' degree-6 polynomial for e^r. Within 2 ulp of
  * exp on [-87.3, 88.7]; below that 0, above +inf; NaN stays NaN.
  */
-static inline vec16f llmc_exp16(vec16f x) {
+static LLMC_ALWAYS_INLINE vec16f llmc_exp16(vec16f x) {
     const vec16f zero = {0};
     const float hi = 88.72283f, lo = -87.3365478515625f;
     const vec16i too_big = x > zero + hi, too_small = x < zero + lo, nan = x != x;
@@ -126,25 +142,25 @@ static inline vec16f llmc_exp16(vec16f x) {
 /* Loads min(n, 16) floats into a vector, zero-filling the rest; stores
    min(n, 16) back. A whole vector is a constant-size copy, which compiles to
    one vector load or store; only a partial one (a tail) calls memcpy. */
-static inline vec16f llmc_load16(const float* p, int n) {
+static LLMC_ALWAYS_INLINE vec16f llmc_load16(const float* p, int n) {
     vec16f v = {0};
     if (n >= 16) { memcpy(&v, p, sizeof v); }
     else { memcpy(&v, p, (size_t)n * sizeof(float)); }
     return v;
 }
-static inline void llmc_store16(float* p, vec16f v, int n) {
+static LLMC_ALWAYS_INLINE void llmc_store16(float* p, vec16f v, int n) {
     if (n >= 16) { memcpy(p, &v, sizeof v); }
     else { memcpy(p, &v, (size_t)n * sizeof(float)); }
 }
 
 /* A mask whose first n lanes are set. */
-static inline vec16i llmc_lanes_below(int n) {
+static LLMC_ALWAYS_INLINE vec16i llmc_lanes_below(int n) {
     const vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     return lane < n;
 }
 
 /* The sum of a vector's 16 lanes, added in a fixed order. */
-static inline float llmc_hsum16(vec16f v) {
+static LLMC_ALWAYS_INLINE float llmc_hsum16(vec16f v) {
     float sum = 0.0f;
     for (int i = 0; i < 16; i++) { sum += v[i]; }
     return sum;
@@ -152,7 +168,7 @@ static inline float llmc_hsum16(vec16f v) {
 
 /* sum_i a[i] * b[i] over n floats: 16 lanes at a time, then the lanes in
    order. The order is fixed by n alone, so the result is reproducible. */
-static inline float llmc_dot(const float* a, const float* b, int n) {
+static LLMC_ALWAYS_INLINE float llmc_dot(const float* a, const float* b, int n) {
     vec16f acc = {0};
     int i = 0;
     for (; i + 16 <= n; i += 16) { acc += llmc_load16(a + i, 16) * llmc_load16(b + i, 16); }
@@ -162,20 +178,23 @@ static inline float llmc_dot(const float* a, const float* b, int n) {
 
 /* Two-source shuffle of vec16f: lane i of the result is lane idx[i] of a
    then b (0..31). GCC 12+ and clang have __builtin_shufflevector; older GCC
-   only __builtin_shuffle, with the indices as a vector. */
+   only __builtin_shuffle, with the indices as a vector. LLMC_SHUF_T is the
+   same for any vector type, with itype the int vector type of its width
+   (what older GCC needs for the indices). */
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
-#define LLMC_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define LLMC_SHUF_T(itype, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #endif
 #endif
-#ifndef LLMC_SHUF
-#define LLMC_SHUF(a, b, ...) __builtin_shuffle(a, b, (vec16i){__VA_ARGS__})
+#ifndef LLMC_SHUF_T
+#define LLMC_SHUF_T(itype, a, b, ...) __builtin_shuffle(a, b, (itype){__VA_ARGS__})
 #endif
+#define LLMC_SHUF(a, b, ...) LLMC_SHUF_T(vec16i, a, b, __VA_ARGS__)
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
    Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
    128-bit quarters twice. */
-static inline __attribute__((always_inline)) void llmc_transpose16(vec16f r[16]) {
+static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
     vec16f t[16], u[16];
     for (int k = 0; k < 8; k++) {   // pairs of rows, 32 bits at a time
         t[2 * k] = LLMC_SHUF(r[2 * k], r[2 * k + 1],

@@ -3,6 +3,7 @@
 #define LLMC_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "llmc_api.h"
 
 #endif

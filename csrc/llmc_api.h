@@ -26,7 +26,10 @@ typedef enum {
     LLMC_ERR_RANGE = 2,    /* an index such as a token id is out of range       */
     LLMC_ERR_NOMEM = 3,    /* an internal scratch allocation failed             */
     LLMC_ERR_NULL = 4,     /* a required pointer is NULL                        */
-    LLMC_ERR_UNSUPPORTED = 5   /* this CPU or build lacks what was asked for    */
+    LLMC_ERR_UNSUPPORTED = 5,  /* this CPU or build lacks what was asked for    */
+    LLMC_ERR_VALUE = 6     /* a scalar argument is outside its domain (a
+                              negative eps, a RoPE theta that is not positive
+                              and finite, an AdamW step below 1)            */
 } llmc_status;
 
 /* ---- status.c ----------------------------------------------------------- */
@@ -40,6 +43,32 @@ int llmc_set_num_threads(int n);
 int llmc_get_num_threads(void);
 /* Returns 1 if the library was built with OpenMP, else 0 (not a status). */
 int llmc_has_openmp(void);
+
+/* ---- isa.c -------------------------------------------------------------- */
+
+/*
+ * The instruction set every kernel family's vector loops run on (each is
+ * built for all of them; the naive twins never change). Every choice runs a
+ * kernel's operations in the same order; they differ only in how products
+ * round into sums (fused multiply-add or not), within a few ulp of one
+ * another. The choice is global, like the thread count, and made once at
+ * first use: the best the CPU supports, unless llmc_set_isa chose before.
+ */
+typedef enum {
+    LLMC_ISA_AUTO = 0,       /* llmc_set_isa only: the best the CPU supports   */
+    LLMC_ISA_PORTABLE = 1,   /* plain C vectors, built with the build's flags  */
+    LLMC_ISA_AVX2 = 2,       /* x86 AVX2 + FMA                                 */
+    LLMC_ISA_AVX512 = 3      /* x86 AVX-512F                                   */
+} llmc_isa;
+
+/* Chooses the instruction set of every kernel; an isa outside the enum is
+   LLMC_ERR_RANGE, one this CPU or build cannot run LLMC_ERR_UNSUPPORTED
+   (nothing changes). */
+int llmc_set_isa(int isa);
+/* Returns the instruction set in use, never LLMC_ISA_AUTO (not a status). */
+int llmc_get_isa(void);
+/* Returns 1 if llmc_set_isa(isa) would succeed, else 0 (not a status). */
+int llmc_isa_supported(int isa);
 
 /* ---- encoder.c ---------------------------------------------------------- */
 
@@ -78,6 +107,7 @@ int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp
  *   inp    [B, T, C]
  *   weight [C]
  *   bias   [C]
+ * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
 int layernorm_forward(float* out, float* mean, float* rstd,
                       const float* inp, const float* weight, const float* bias,
@@ -108,6 +138,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
  *   rstd   [B, T]     (written) saved for backward
  *   inp    [B, T, C]
  *   weight [C]
+ * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
 int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
                     int B, int T, int C, float eps);
@@ -161,29 +192,6 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
                           int B, int T, int C, int OC);
-
-/*
- * The instruction set of matmul_forward / matmul_backward's inner kernel
- * (the naive twins never change). Every choice sums each output element in
- * the same order; they differ only in how products round into the sums
- * (fused multiply-add or not), within a few ulp of one another. The choice
- * is global, like the thread count, and made once at first use: the best
- * the CPU supports, unless llmc_set_isa chose before.
- */
-typedef enum {
-    LLMC_ISA_AUTO = 0,       /* llmc_set_isa only: the best the CPU supports   */
-    LLMC_ISA_PORTABLE = 1,   /* plain C vectors, built with the build's flags  */
-    LLMC_ISA_AVX2 = 2,       /* x86 AVX2 + FMA                                 */
-    LLMC_ISA_AVX512 = 3      /* x86 AVX-512F                                   */
-} llmc_isa;
-
-/* Chooses the instruction set; an isa outside the enum is LLMC_ERR_RANGE,
-   one this CPU or build cannot run LLMC_ERR_UNSUPPORTED (nothing changes). */
-int llmc_set_isa(int isa);
-/* Returns the instruction set in use, never LLMC_ISA_AUTO (not a status). */
-int llmc_get_isa(void);
-/* Returns 1 if llmc_set_isa(isa) would succeed, else 0 (not a status). */
-int llmc_isa_supported(int isa);
 
 /* ---- attention.c -------------------------------------------------------- */
 
@@ -245,6 +253,17 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
                            int B, int T, int NH, int NKV, int hs);
 
 /*
+ * The plain loops, llm.c's attention_forward / attention_backward with GQA
+ * and ALiBi: the reference the tiled kernels are checked against (same
+ * contracts as attention_gqa_forward / attention_gqa_backward, same
+ * checks; they differ only in rounding).
+ */
+int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
+                            int B, int T, int NH, int NKV, int hs);
+int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
+                             int B, int T, int NH, int NKV, int hs);
+
+/*
  * attention_decode: one new query position per row, against a KV cache.
  * Row b's query (at position len[b] - 1) attends to cached positions
  * t2 < len[b] of its row, with the same scores as attention_gqa_forward
@@ -285,7 +304,7 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  *   out [B, T, (NH + 2 NKV) hs]  (written) rotated q, rotated k, v
  *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
  *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
- * hs must be even.
+ * hs must be even; theta must be positive and finite, else LLMC_ERR_VALUE.
  */
 int rope_forward(float* out, const float* inp, const int* pos,
                  int B, int T, int NH, int NKV, int hs, float theta);
@@ -309,7 +328,7 @@ int rope_backward(float* dinp, const float* dout, const int* pos,
  *   out [N]  (written)
  *   inp [N]
  */
-int gelu_forward(float* out, const float* inp, long N);
+int gelu_forward(float* out, const float* inp, int64_t N);
 
 /*
  * gelu_backward: dinp += gelu'(inp) * dout
@@ -318,7 +337,7 @@ int gelu_forward(float* out, const float* inp, long N);
  *   dout [N]
  *   inp  [N]  forward input
  */
-int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 
 /*
  * swiglu_forward: out = silu(gate) * up with silu(x) = x / (1 + exp(-x)),
@@ -328,7 +347,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, long N);
  *   out [N, FF]     (written)
  *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
  */
-int swiglu_forward(float* out, const float* inp, long N, int FF);
+int swiglu_forward(float* out, const float* inp, int64_t N, int FF);
 
 /*
  * swiglu_backward: gradients of swiglu_forward.
@@ -337,7 +356,7 @@ int swiglu_forward(float* out, const float* inp, long N, int FF);
  *   dout [N, FF]
  *   inp  [N, 2 FF]  forward input
  */
-int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, int FF);
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
 
 /*
  * residual_forward: out = inp1 + inp2
@@ -346,7 +365,7 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, long N, in
  *   inp1 [N]
  *   inp2 [N]
  */
-int residual_forward(float* out, const float* inp1, const float* inp2, long N);
+int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N);
 
 /*
  * residual_backward: dinp1 += dout; dinp2 += dout
@@ -355,7 +374,7 @@ int residual_forward(float* out, const float* inp1, const float* inp2, long N);
  *   dinp2 [N]  (+=)
  *   dout  [N]
  */
-int residual_backward(float* dinp1, float* dinp2, const float* dout, long N);
+int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N);
 
 /* ---- softmax_xent.c ----------------------------------------------------- */
 
@@ -405,9 +424,9 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
  *   m      [N]  (updated in place) first moment, zero before step 1
  *   v      [N]  (updated in place) second moment, zero before step 1
  *   grads  [N]
- * t >= 1 is the step number.
+ * t is the step number, >= 1; else LLMC_ERR_VALUE.
  */
-int adamw_update(float* params, float* m, float* v, const float* grads, long N,
+int adamw_update(float* params, float* m, float* v, const float* grads, int64_t N,
                  float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t);
 
@@ -418,11 +437,11 @@ int adamw_update(float* params, float* m, float* v, const float* grads, long N,
  *   out [1]  (written)
  *   x   [N]
  */
-int global_norm_squared(double* out, const float* x, long N);
+int global_norm_squared(double* out, const float* x, int64_t N);
 
 /*
  * scale_inplace: x *= scale (e.g. gradient clipping)
  *
  *   x [N]  (updated in place)
  */
-int scale_inplace(float* x, long N, float scale);
+int scale_inplace(float* x, int64_t N, float scale);

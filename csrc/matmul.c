@@ -52,6 +52,7 @@
 #include <string.h>
 #include "llmc.h"
 #include "common.h"
+#include "isa.h"
 
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
@@ -71,16 +72,12 @@
 #define SKINNY_ROWS 8
 
 /*
- * The micro-kernel, built once per instruction set from csrc/matmul_micro.h
- * (per-function target attributes: setuptools compiles every file with the
- * same flags, so even a baseline x86-64 build carries the AVX2 and AVX-512
- * kernels), and chosen at run time from the CPU's features:
- *   avx512   AVX-512F: Intel Skylake-SP/X (2017) and later Xeons, Ice Lake,
- *            Tiger Lake, Sapphire Rapids; AMD Zen 4 (2022) and later
- *   avx2     AVX2 + FMA: Intel Haswell (2013) and later, AMD Zen (2017) and
- *            later (and Excavator)
- *   portable no attribute: whatever the build's flags allow (SSE2 on a
- *            baseline x86-64 build; any CPU on other architectures)
+ * The micro-kernel and the skinny kernel, built once per instruction set
+ * from csrc/matmul_micro.h and csrc/matmul_skinny.h with isa.h's target
+ * attributes, and chosen at run time like every family's (isa.h lists the
+ * CPUs). Unlike the other families they are not one body on 16-lane vectors:
+ * each build uses its own register width (4, 8 or 16 floats) and explicit
+ * fused multiply-adds, so they are included once per instruction set.
  */
 typedef void (*micro_kernel_fn)(int kc, const float* a, size_t ars, size_t aks,
                                 const float* bp, float* c, size_t ldc);
@@ -95,8 +92,7 @@ typedef void (*skinny_kernel_fn)(float* out, size_t ldo, const float* inp,
 #define LANES16(F, h) LANES8(F, h), F(8, h), F(9, h), F(10, h), F(11, h), \
                       F(12, h), F(13, h), F(14, h), F(15, h)
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define LLMC_X86_DISPATCH 1
+#ifdef LLMC_X86_DISPATCH
 #include <immintrin.h>
 #endif
 
@@ -123,7 +119,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 
 #define MICRO_NAME micro_kernel_avx2
 #define SKINNY_NAME skinny_kernel_avx2
-#define MICRO_TARGET __attribute__((target("avx2,fma")))
+#define MICRO_TARGET LLMC_TARGET_AVX2
 #define MICRO_VEC vec8f
 #define MICRO_IVEC vec8i
 #define MICRO_W 8
@@ -134,7 +130,7 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 
 #define MICRO_NAME micro_kernel_avx512
 #define SKINNY_NAME skinny_kernel_avx512
-#define MICRO_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define MICRO_TARGET LLMC_TARGET_AVX512
 #define MICRO_VEC vec16f
 #define MICRO_IVEC vec16i
 #define MICRO_W 16
@@ -143,57 +139,6 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 #include "matmul_micro.h"
 #include "matmul_skinny.h"   /* last: undefines the MICRO_ and SKINNY_ names */
 #endif
-
-/* 1 if this build has the kernel for isa and the CPU (and OS) can run it. */
-static int isa_supported(int isa) {
-    switch (isa) {
-        case LLMC_ISA_PORTABLE: return 1;
-#ifdef LLMC_X86_DISPATCH
-        // libgcc's check also asks the OS (XGETBV) whether it saves the
-        // ymm / zmm registers
-        case LLMC_ISA_AVX2:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-        case LLMC_ISA_AVX512:
-            __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512f") && isa_supported(LLMC_ISA_AVX2);
-#endif
-        default: return 0;
-    }
-}
-
-static int best_isa(void) {
-    if (isa_supported(LLMC_ISA_AVX512)) { return LLMC_ISA_AVX512; }
-    if (isa_supported(LLMC_ISA_AVX2)) { return LLMC_ISA_AVX2; }
-    return LLMC_ISA_PORTABLE;
-}
-
-/* The chosen instruction set; LLMC_ISA_AUTO until the first use picks the
-   best. Atomic loads and stores, so that a Python thread calling
-   llmc_set_isa while another runs a matmul is no data race: each GEMM reads
-   it once, before its parallel region. */
-static int active_isa = LLMC_ISA_AUTO;
-
-int llmc_isa_supported(int isa) {
-    return isa_supported(isa);
-}
-
-int llmc_set_isa(int isa) {
-    LLMC_REQUIRE(isa >= LLMC_ISA_AUTO && isa <= LLMC_ISA_AVX512, LLMC_ERR_RANGE);
-    if (isa == LLMC_ISA_AUTO) { isa = best_isa(); }
-    LLMC_REQUIRE(isa_supported(isa), LLMC_ERR_UNSUPPORTED);
-    __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
-    return LLMC_OK;
-}
-
-int llmc_get_isa(void) {
-    int isa = __atomic_load_n(&active_isa, __ATOMIC_RELAXED);
-    if (isa == LLMC_ISA_AUTO) {
-        isa = best_isa();
-        __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);
-    }
-    return isa;
-}
 
 /* The skinny kernel for the active instruction set and its vector width. */
 static skinny_kernel_fn active_skinny_kernel(int* width) {
@@ -289,7 +234,7 @@ static void pack_b_panel(float* bp, const float* b, size_t brs, size_t bcs,
 }
 
 static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple * multiple; }
-static long ceil_div(long x, long y) { return (x + y - 1) / y; }
+static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 /*
  * The tile shape (MC rows x NC columns) of an M x N product on nthreads
@@ -300,18 +245,18 @@ static long ceil_div(long x, long y) { return (x + y - 1) / y; }
  * place (MC covers a small M, so B is packed once), M when A is packed.
  */
 static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
-    long m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
-    long* cut = pack_a ? &m_blocks : &n_blocks;
-    const long cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
-    if (m_blocks * n_blocks < 4L * nthreads) {
+    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+    int64_t* cut = pack_a ? &m_blocks : &n_blocks;
+    const int64_t cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
+    if (m_blocks * n_blocks < (int64_t)4 * nthreads) {
         *cut = ceil_div(4L * nthreads, pack_a ? n_blocks : m_blocks);
     }
     for (;;) {
         *cut = *cut < cut_max ? *cut : cut_max;
         *MC = round_up((int)ceil_div(M, m_blocks), MR);
         *NC = round_up((int)ceil_div(N, n_blocks), NR);
-        const long tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
-        if (tiles % nthreads == 0 || tiles >= 32L * nthreads || *cut >= cut_max) { return; }
+        const int64_t tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
+        if (tiles % nthreads == 0 || tiles >= (int64_t)32 * nthreads || *cut >= cut_max) { return; }
         (*cut)++;
     }
 }
@@ -338,8 +283,8 @@ static int gemm_accumulate(float* c, size_t ldc,
     const int pack_a = aks != 1;
     int MC, NC;
     choose_tiles(M, N, pack_a, nthreads, &MC, &NC);
-    const long m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
-    const long tiles = m_blocks * n_blocks;
+    const int64_t m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
+    const int64_t tiles = m_blocks * n_blocks;
     const size_t ap_floats = (size_t)MC * KC, bp_floats = (size_t)KC * NR;
     float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
@@ -349,7 +294,7 @@ static int gemm_accumulate(float* c, size_t ldc,
         float* ap = scratch + (size_t)omp_get_thread_num() * (ap_floats + bp_floats);
         float* bp = ap + ap_floats;
         #pragma omp for schedule(static)
-        for (long tile = 0; tile < tiles; tile++) {
+        for (int64_t tile = 0; tile < tiles; tile++) {
             const int m0 = (int)(tile / n_blocks) * MC;
             const int n0 = (int)(tile % n_blocks) * NC;
             const int mc = M - m0 < MC ? M - m0 : MC;
@@ -404,41 +349,21 @@ static int matmul_sizes_fit(int B, int T, int C, int OC) {
            && llmc_count_fits(OC, C, 1, 1);
 }
 
-/* dbias[o] += sum_bt dout[bt, o], in fixed chunks of rows (common.h). */
-static int bias_backward(float* dbias, const float* dout, long BT, int OC) {
-    const long chunk = llmc_row_chunk(BT), nchunks = (BT + chunk - 1) / chunk;
-    float* partial = malloc((size_t)nchunks * OC * sizeof(float));
-    LLMC_REQUIRE(partial != NULL, LLMC_ERR_NOMEM);
-    #pragma omp parallel for schedule(static)
-    for (long ch = 0; ch < nchunks; ch++) {
-        float* p = partial + (size_t)ch * OC;
-        memset(p, 0, (size_t)OC * sizeof(float));
-        const long bt1 = (ch + 1) * chunk < BT ? (ch + 1) * chunk : BT;
-        for (long bt = ch * chunk; bt < bt1; bt++) {
-            const float* dout_bt = dout + (size_t)bt * OC;
-            for (int o = 0; o < OC; o++) { p[o] += dout_bt[o]; }
-        }
-    }
-    llmc_add_chunk_sums(dbias, partial, nchunks, OC);
-    free(partial);
-    return LLMC_OK;
-}
-
 int matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                    int B, int T, int C, int OC) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
-    LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
+    const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
 
     if (BT <= SKINNY_MAX_ROWS) {
         // few rows (decoding): stream the weight once, columns over threads
         int width;
         const skinny_kernel_fn skinny = active_skinny_kernel(&width);
-        const long groups = ceil_div(OC, width);
+        const int64_t groups = ceil_div(OC, width);
         #pragma omp parallel for schedule(static)
-        for (long g = 0; g < groups; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             const int o0 = (int)g * width;
             const int o1 = OC - o0 < width ? OC : o0 + width;
             skinny(out, (size_t)OC, inp, weight, bias, (int)BT, C, o0, o1);
@@ -448,7 +373,7 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
 
     // start every row from the bias, then accumulate the product onto it
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         float* out_bt = out + (size_t)bt * OC;
         if (bias != NULL) { memcpy(out_bt, bias, (size_t)OC * sizeof(float)); }
         else { memset(out_bt, 0, (size_t)OC * sizeof(float)); }
@@ -463,8 +388,8 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
-    LLMC_REQUIRE(BT <= 0x7fffffffL, LLMC_ERR_SHAPE);
+    const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
 
     if (dinp != NULL) {
         const int status = gemm_accumulate(dinp, (size_t)C, dout, (size_t)OC, 1,
@@ -476,7 +401,9 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
                                            inp, (size_t)C, 1, OC, C, (int)BT);
         if (status != LLMC_OK) { return status; }
     }
-    return dbias != NULL ? bias_backward(dbias, dout, BT, OC) : LLMC_OK;
+    // dbias[o] += sum_bt dout[bt, o]
+    return dbias != NULL ? llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC)
+                         : LLMC_OK;
 }
 
 int matmul_forward_naive(float* out, const float* inp, const float* weight, const float* bias,
@@ -484,9 +411,9 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
+    for (int64_t bt = 0; bt < BT; bt++) {
         const float* x = inp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
             const float* w = weight + (size_t)o * C;
@@ -504,10 +431,10 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
-    const long BT = (long)B * T;
+    const int64_t BT = (int64_t)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {
+    for (int64_t bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {
         const float* dy = dout + (size_t)bt * OC;
         float* dx = dinp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
@@ -519,7 +446,7 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     #pragma omp parallel for schedule(static)
     for (int o = 0; o < OC; o++) {
         float db = 0.0f;
-        for (long bt = 0; bt < BT; bt++) {
+        for (int64_t bt = 0; bt < BT; bt++) {
             const float d = dout[(size_t)bt * OC + o];
             if (dweight != NULL) {
                 float* dw = dweight + (size_t)o * C;

@@ -5,7 +5,8 @@
  * defines, besides matmul_micro.h's MICRO_TARGET, MICRO_VEC, MICRO_W (4, 8
  * or 16) and MICRO_FMA:
  *   SKINNY_NAME   the function's name
- *   MICRO_IVEC    a GCC vector type of MICRO_W int32s (shuffle indices)
+ *   MICRO_IVEC    a GCC vector type of MICRO_W int32s (shuffle indices for
+ *                 GCC before 12; see LLMC_SHUF_T in common.h)
  *   MICRO_LANES(F, h)  F(0, h), F(1, h), ..., F(MICRO_W - 1, h)
  *   SKINNY_ROWS   rows of inp per pass over a weight block, 1 .. 8 (the
  *                 same for every instruction set)
@@ -60,13 +61,11 @@
 
 #define SKINNY_ROUND(v, h)                                                  \
     do {                                                                    \
-        const MICRO_IVEC lo = {MICRO_LANES(SKINNY_LO, h)};                  \
-        const MICRO_IVEC hi = {MICRO_LANES(SKINNY_HI, h)};                  \
         for (int i = 0; i < MICRO_W; i++) {                                 \
             if (i & (h)) { continue; }                                      \
             const MICRO_VEC a = (v)[i], b = (v)[i + (h)];                   \
-            (v)[i] = __builtin_shuffle(a, b, lo);                           \
-            (v)[i + (h)] = __builtin_shuffle(a, b, hi);                     \
+            (v)[i] = LLMC_SHUF_T(MICRO_IVEC, a, b, MICRO_LANES(SKINNY_LO, h)); \
+            (v)[i + (h)] = LLMC_SHUF_T(MICRO_IVEC, a, b, MICRO_LANES(SKINNY_HI, h)); \
         }                                                                   \
     } while (0)
 

@@ -15,10 +15,12 @@
  * Parallel over the (b, t) rows: a row reads and writes only its own
  * elements, so any thread count gives bitwise the same result. Within a row
  * the pair index runs in chunks of ROPE_CHUNK, with that chunk's cos and sin
- * on the stack, so no scratch allocation is needed whatever hs is.
+ * on the stack, so no scratch allocation is needed whatever hs is. A row is
+ * one call of its per-ISA function (isa.h).
  */
 #include "llmc.h"
 #include "common.h"
+#include "isa.h"
 
 #define ROPE_CHUNK 64
 
@@ -29,7 +31,7 @@ static int rope_check(const float* out, const float* inp, const int* pos,
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && hs % 2 == 0,
                  LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs), LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(theta > 0.0f && isfinite(theta), LLMC_ERR_SHAPE);   // NaN fails too
+    LLMC_REQUIRE(theta > 0.0f && isfinite(theta), LLMC_ERR_VALUE);   // NaN fails too
     if (pos != NULL) {
         for (int b = 0; b < B; b++) { LLMC_REQUIRE(pos[b] >= 0, LLMC_ERR_RANGE); }
     }
@@ -37,7 +39,8 @@ static int rope_check(const float* out, const float* inp, const int* pos,
 }
 
 /* cos and sin of the angles of pairs [i0, i0 + n) at position p. */
-static void rope_angles(float* c, float* s, long p, int i0, int n, int hs, double theta) {
+static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0, int n, int hs,
+                                           double theta) {
     for (int j = 0; j < n; j++) {
         const double freq = pow(theta, -2.0 * (double)(i0 + j) / (double)hs);
         const double a = (double)p * freq;
@@ -47,52 +50,61 @@ static void rope_angles(float* c, float* s, long p, int i0, int n, int hs, doubl
 }
 
 /*
- * The one loop behind both directions: the forward rotates by +a and writes,
- * the backward rotates by -a and accumulates. The v heads are copied or
- * accumulated unchanged.
+ * One (b, t) row at position p, the one loop behind both directions: the
+ * forward rotates by +a and writes, the backward rotates by -a and
+ * accumulates. The v heads are copied or accumulated unchanged.
  */
-static void rope_apply(float* out, const float* inp, const int* pos,
-                       int B, int T, int NH, int NKV, int hs, float theta, int backward) {
+static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int64_t p, int NH,
+                                             int NKV, int hs, float theta, int backward) {
     const int half = hs / 2;
     const int nrot = NH + NKV;                          // heads that turn
-    const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
-    const long BT = (long)B * T;
-
-    #pragma omp parallel for schedule(static)
-    for (long bt = 0; bt < BT; bt++) {
-        const long p = (pos != NULL ? (long)pos[bt / T] : 0L) + bt % T;
-        const float* x_bt = inp + (size_t)bt * row;
-        float* y_bt = out + (size_t)bt * row;
-        float c[ROPE_CHUNK], s[ROPE_CHUNK];
-        for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
-            const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
-            rope_angles(c, s, p, i0, n, hs, (double)theta);
-            for (int h = 0; h < nrot; h++) {
-                const float* x1 = x_bt + (size_t)h * hs + i0;   // first half
-                const float* x2 = x1 + half;                    // its partners
-                float* y1 = y_bt + (size_t)h * hs + i0;
-                float* y2 = y1 + half;
-                if (backward) {
-                    for (int j = 0; j < n; j++) {
-                        y1[j] += x1[j] * c[j] + x2[j] * s[j];
-                        y2[j] += x2[j] * c[j] - x1[j] * s[j];
-                    }
-                } else {
-                    for (int j = 0; j < n; j++) {
-                        const float a1 = x1[j], a2 = x2[j];
-                        y1[j] = a1 * c[j] - a2 * s[j];
-                        y2[j] = a2 * c[j] + a1 * s[j];
-                    }
+    float c[ROPE_CHUNK], s[ROPE_CHUNK];
+    for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
+        const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+        rope_angles(c, s, p, i0, n, hs, (double)theta);
+        for (int h = 0; h < nrot; h++) {
+            const float* x1 = x_bt + (size_t)h * hs + i0;   // first half
+            const float* x2 = x1 + half;                    // its partners
+            float* y1 = y_bt + (size_t)h * hs + i0;
+            float* y2 = y1 + half;
+            if (backward) {
+                for (int j = 0; j < n; j++) {
+                    y1[j] += x1[j] * c[j] + x2[j] * s[j];
+                    y2[j] += x2[j] * c[j] - x1[j] * s[j];
+                }
+            } else {
+                for (int j = 0; j < n; j++) {
+                    const float a1 = x1[j], a2 = x2[j];
+                    y1[j] = a1 * c[j] - a2 * s[j];
+                    y2[j] = a2 * c[j] + a1 * s[j];
                 }
             }
         }
-        const size_t v0 = (size_t)nrot * hs;
-        const size_t nv = (size_t)NKV * hs;
-        if (backward) {
-            for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] += x_bt[v0 + i]; }
-        } else {
-            for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] = x_bt[v0 + i]; }
-        }
+    }
+    const size_t v0 = (size_t)nrot * hs;
+    const size_t nv = (size_t)NKV * hs;
+    if (backward) {
+        for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] += x_bt[v0 + i]; }
+    } else {
+        for (size_t i = 0; i < nv; i++) { y_bt[v0 + i] = x_bt[v0 + i]; }
+    }
+}
+LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, int64_t p, int NH, int NKV, int hs,
+                             float theta, int backward),
+                  y_bt, x_bt, p, NH, NKV, hs, theta, backward)
+
+/* Both directions over all rows, in parallel. */
+static void rope_apply(float* out, const float* inp, const int* pos,
+                       int B, int T, int NH, int NKV, int hs, float theta, int backward) {
+    const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
+    const int64_t BT = (int64_t)B * T;
+    void (*const row_fn)(float*, const float*, int64_t, int, int, int, float, int) =
+        LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
+
+    #pragma omp parallel for schedule(static)
+    for (int64_t bt = 0; bt < BT; bt++) {
+        const int64_t p = (pos != NULL ? (int64_t)pos[bt / T] : 0) + bt % T;
+        row_fn(out + (size_t)bt * row, inp + (size_t)bt * row, p, NH, NKV, hs, theta, backward);
     }
 }
 

@@ -11,6 +11,9 @@ const char* llmc_status_string(int status) {
         case LLMC_ERR_NOMEM: return "out of memory for kernel scratch space";
         case LLMC_ERR_NULL: return "a required pointer is NULL";
         case LLMC_ERR_UNSUPPORTED: return "not supported by this CPU or build";
+        case LLMC_ERR_VALUE:
+            return "a scalar argument is outside its domain (such as a negative eps, "
+                   "or a RoPE theta that is not positive and finite)";
         default: return "unknown status";
     }
 }

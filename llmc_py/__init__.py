@@ -17,9 +17,9 @@ from ._native import kernels
 from ._native.lib import (get_isa, get_num_threads, has_openmp, set_isa, set_num_threads,
                           supported_isas)
 from .config import GPT2Config, LlamaConfig, TransformerConfig
-from .errors import (CheckpointError, ConcurrentUseError, DataError, LlmcError, NullPointerError,
-                     OutOfMemoryError, RangeError, ShapeError, TokenizerUnavailableError,
-                     UnsupportedError, UsageError, WriteError)
+from .errors import (CheckpointError, ConcurrentUseError, DataError, InvalidValueError, LlmcError,
+                     NullPointerError, OutOfMemoryError, RangeError, ShapeError,
+                     TokenizerUnavailableError, UnsupportedError, UsageError, WriteError)
 from .model import GPT2, Llama, Transformer, load_model
 
 __version__ = "0.1.0"
@@ -29,6 +29,6 @@ __all__ = [
     "load_model", "kernels",
     "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
     "NullPointerError", "UnsupportedError", "DataError", "TokenizerUnavailableError",
-    "UsageError", "WriteError", "ConcurrentUseError",
+    "UsageError", "WriteError", "ConcurrentUseError", "InvalidValueError",
     "set_num_threads", "get_num_threads", "has_openmp", "set_isa", "get_isa", "supported_isas",
 ]

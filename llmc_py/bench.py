@@ -3,12 +3,15 @@
 1. matmul: each product of a linear layer at GPT-2 124M's shapes, on each
    instruction set of the kernel (--isa), verified against the naive kernel,
    then timed beside numpy's sgemm for the same product; GFLOP/s.
-2. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
+2. attention (forward, backward) at GPT-2 124M's heads, on each instruction
+   set, verified against the plain twin (attention_*_naive), then timed
+   beside that twin.
+3. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
    of the same bytes.
-3. the training step of GPT-2 124M (random init): forward + backward + AdamW,
+4. the training step of GPT-2 124M (random init): forward + backward + AdamW,
    ms/step and tokens/s, beside PyTorch eager on the same model when torch is
    installed (and on 1 thread with --scaling).
-4. with --generate: greedy generation with GPT-2 124M after a prompt, batch 1
+5. with --generate: greedy generation with GPT-2 124M after a prompt, batch 1
    and 4: tokens/s with the KV cache, without it (a full forward per token),
    and PyTorch with a KV cache of its own; the cache's size beside the model's.
 Every time is the median of several repeats (min and max shown too).
@@ -110,6 +113,51 @@ def bench_matmul(BT, C, OC, repeats, rng, isas, with_torch=True):
                              "numpy_gflops": flop / t_np["median"] / 1e9,
                              "torch_gflops": (flop / t_torch["median"] / 1e9
                                               if t_torch is not None else None)})
+    finally:
+        set_isa(before)
+    return rows
+
+
+def bench_attention(B, T, NH, hs, repeats, rng, isas):
+    """ms of attention's forward and backward (GPT-2's layout, NKV = NH) on
+    each instruction set in ``isas``, each verified against the plain twin
+    first, beside that twin's ms."""
+    qkv = rng.standard_normal((B, T, 3 * NH * hs), dtype=np.float32)
+    dout = rng.standard_normal((B, T, NH * hs), dtype=np.float32)
+    out, att = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T, T), np.float32)
+    dinp = np.zeros_like(qkv)
+    ref_out, ref_att, ref_dinp = np.empty_like(out), np.empty_like(att), np.zeros_like(qkv)
+    K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH)
+    K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH)
+    cases = [  # name, ours, the naive twin, {our result: the naive result}
+        ("fwd", lambda: K.attention_gqa_forward(out, att, qkv, None, NH, NH),
+         lambda: K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH),
+         {"out": (out, ref_out), "att": (att, ref_att)}),
+        ("bwd", lambda: K.attention_gqa_backward(dinp, dout, qkv, ref_att, NH, NH),
+         lambda: K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH),
+         {"dinp": (dinp, ref_dinp)}),
+    ]
+    before = get_isa()
+    rows = []
+    try:
+        for name, ours, naive, results in cases:
+            t_naive = timed(naive, repeats)
+            for isa in isas:
+                set_isa(isa)
+                dinp[...] = 0.0   # verify before timing
+                ref_dinp[...] = 0.0
+                naive()
+                ours()
+                for what, (result, ref) in results.items():
+                    err = float(np.abs(result - ref).max() / np.abs(ref).max())
+                    if err > 1e-5:
+                        raise AssertionError(f"attention {name} ({isa}): {what} disagrees "
+                                             f"with naive at B={B} T={T} NH={NH} hs={hs}: "
+                                             f"{err:.2e}")
+                t_ours = timed(ours, repeats)
+                rows.append({"kernel": f"attention {name}", "shape": f"{B}x{T}x{NH}x{hs}",
+                             "isa": isa, "ms": t_ours["median"] * 1e3,
+                             "naive_ms": t_naive["median"] * 1e3})
     finally:
         set_isa(before)
     return rows
@@ -366,6 +414,7 @@ def main(argv=None):
         for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
             results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng, isas,
                                               with_torch=not args.skip_torch)
+        results["attention"] = bench_attention(B, T, 12, 64, args.repeats, rng, isas)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     config = GPT2Config(num_layers=args.layers)
     results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
@@ -393,6 +442,12 @@ def main(argv=None):
             print(f"{r['kernel']:<14}{r['shape']:>16}{r['isa']:>9}{r['ms']:9.2f}"
                   f"{r['gflops']:9.1f}{r['numpy_gflops']:8.1f}{torch_col}"
                   f"{r['gflops'] / r['numpy_gflops']:7.2f}")
+    if results.get("attention"):
+        print(f"\n{'kernel':<16}{'B x T x NH x hs':>16}{'isa':>9}{'ms':>9}{'naive ms':>10}"
+              f"{'ratio':>7}")
+        for r in results["attention"]:
+            print(f"{r['kernel']:<16}{r['shape']:>16}{r['isa']:>9}{r['ms']:9.2f}"
+                  f"{r['naive_ms']:10.2f}{r['naive_ms'] / r['ms']:7.2f}")
     if results.get("memory_bound"):
         print(f"\n{'kernel':<20}{'elements':>12}{'ms':>9}{'GB/s':>8}{'copy':>8}{'ratio':>7}")
         for r in results["memory_bound"]:

@@ -28,6 +28,12 @@ class NullPointerError(LlmcError, ValueError):
     """A required array was missing (a NULL pointer reached C)."""
 
 
+class InvalidValueError(LlmcError, ValueError):
+    """A scalar argument is outside its domain (a negative eps, a RoPE theta
+    that is not positive and finite, an AdamW step below 1); a size that is
+    wrong is a ShapeError instead."""
+
+
 class UnsupportedError(LlmcError, ValueError):
     """The CPU or this build lacks what was asked for (such as an instruction set)."""
 

@@ -45,3 +45,13 @@ def shards(tmp_path):
         tokens[::37] = 50256
         write_tokens(data / name, tokens)
     return str(data / "train_*.bin"), str(data / "val.bin")
+
+
+@pytest.fixture(params=llmc_py.supported_isas())
+def isa(request, use_isa):
+    """Runs the test once on each instruction set this CPU and build support,
+    slowest first (llmc_py.set_isa switches every kernel family), restoring
+    the instruction set afterwards."""
+    use_isa(request.param)
+    assert llmc_py.get_isa() == request.param
+    return request.param

@@ -41,6 +41,9 @@ TOL = {
     # dk, dv sum over the NH/NKV query heads of a group as well as over T
     # (seen 1.3e-6 bwd at T=256 with 3 heads a group)
     "attention_gqa": {"fwd": 3e-6, "bwd": 1e-5},
+    # tiled vs naive, both fp32 (different summation orders and exponentials;
+    # seen 5.4e-7 fwd, 1.8e-7 bwd on every instruction set)
+    "attention_variant": {"fwd": 3e-6, "bwd": 2e-6},
     # decode vs the forward's row at the same position: both run one row
     # function, so seen 0 (bitwise); 1e-6 still fails a wrong key, length or
     # slope distance by orders of magnitude
@@ -102,9 +105,9 @@ def randn(rng, *shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-def assert_thread_invariant(set_threads, run, counts=(1, 2)):
+def assert_thread_invariant(set_threads, run, counts=(1, 2, 3)):
     """Runs ``run()`` (returning {name: array}) on each thread count in
-    ``counts`` (1 and 2 unless given) and requires bitwise-equal results. (A
+    ``counts`` (1, 2 and 3 unless given) and requires bitwise-equal results. (A
     build without OpenMP always runs on one thread; the check then still
     compares the runs.)"""
     results = []

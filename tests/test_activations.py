@@ -34,7 +34,7 @@ def gelu_backward(dout, x, calls=1):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gelu_matches_reference(rng, shape):
+def test_gelu_matches_reference(rng, isa, shape):
     x, dout = gelu_inputs(rng, shape)
     out = np.full_like(x, np.nan)   # (written): must not be read
     K.gelu_forward(out, x)
@@ -54,8 +54,23 @@ def test_gelu_backward_accumulates(rng):
                  TOL["gelu"]["bwd"])
 
 
+def test_gelu_and_residual_thread_invariant(rng, isa, set_threads):
+    x, dout = gelu_inputs(rng, (3, 37, 67))   # 7437 elements: uneven shares, a partial block
+    other = randn(rng, *x.shape)
+
+    def run():
+        out, res = np.empty_like(x), np.empty_like(x)
+        K.gelu_forward(out, x)
+        K.residual_forward(res, x, other)
+        d1, d2 = np.zeros_like(x), np.zeros_like(x)
+        K.residual_backward(d1, d2, dout)
+        return {"gelu": out, "dgelu": gelu_backward(dout, x), "residual": res, "dinp1": d1,
+                "dinp2": d2}
+    assert_thread_invariant(set_threads, run)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-def test_residual_matches_reference(rng, shape):
+def test_residual_matches_reference(rng, isa, shape):
     a, b, dout = randn(rng, *shape), randn(rng, *shape), randn(rng, *shape)
     out = np.full_like(a, np.nan)
     K.residual_forward(out, a, b)
@@ -130,7 +145,7 @@ def swiglu_backward(dout, x, calls=1):
 
 
 @pytest.mark.parametrize("shape", SWIGLU_SHAPES)
-def test_swiglu_matches_reference(rng, shape):
+def test_swiglu_matches_reference(rng, isa, shape):
     x, dout = swiglu_inputs(rng, shape)
     out = swiglu_forward(x)
     dinp = swiglu_backward(dout, x)
@@ -193,7 +208,7 @@ def test_swiglu_backward_accumulates(rng):
 
 
 @pytest.mark.parametrize("shape", [(37, 2 * 67), (1, 2 * 2048)])   # one long row: split too
-def test_swiglu_thread_invariant(rng, set_threads, shape):
+def test_swiglu_thread_invariant(rng, isa, set_threads, shape):
     x, dout = swiglu_inputs(rng, shape)
     assert_thread_invariant(set_threads, lambda: dict(out=swiglu_forward(x),
                                                       dinp=swiglu_backward(dout, x)))

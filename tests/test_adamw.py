@@ -14,7 +14,7 @@ HYPER32 = {k: float(np.float32(v)) for k, v in HYPER.items()}
 
 
 @pytest.mark.parametrize("N", [1, 1000, 100_003])
-def test_adamw_matches_reference_over_steps(rng, N):
+def test_adamw_matches_reference_over_steps(rng, isa, N):
     params = randn(rng, N, scale=0.02)   # GPT-2's init scale
     m, v = np.zeros(N, np.float32), np.zeros(N, np.float32)
     p_ref, m_ref, v_ref = t64(params), t64(m), t64(v)
@@ -34,10 +34,23 @@ def test_adamw_matches_reference_over_steps(rng, N):
         assert_close(f"v at t={t}", v, v_ref, tol["state"])
 
 
+def test_adamw_thread_invariant(rng, isa, set_threads):
+    N = 100_003
+    params0, grads = randn(rng, N, scale=0.02), randn(rng, N)
+
+    def run():
+        params, m, v = params0.copy(), np.zeros(N, np.float32), np.zeros(N, np.float32)
+        for t in (1, 2):
+            K.adamw_update(params, m, v, grads, t=t, **HYPER)
+        K.scale_inplace(params, 0.5)
+        return {"params": params, "m": m, "v": v}
+    assert_thread_invariant(set_threads, run)
+
+
 def test_adamw_rejects_step_zero_and_mismatched_state(rng):
     params, grads = randn(rng, 8), randn(rng, 8)
     m, v = np.zeros(8, np.float32), np.zeros(8, np.float32)
-    with pytest.raises(llmc_py.ShapeError):
+    with pytest.raises(llmc_py.InvalidValueError):
         K.adamw_update(params, m, v, grads, t=0, **HYPER)
     with pytest.raises(llmc_py.ShapeError, match="grads"):
         K.adamw_update(params, m, v, grads[:7].copy(), t=1, **HYPER)
@@ -46,7 +59,7 @@ def test_adamw_rejects_step_zero_and_mismatched_state(rng):
 
 
 @pytest.mark.parametrize("N", [1, 16384, 16385, 1_000_003])   # around and across chunks
-def test_global_norm_squared_matches_float64(rng, N):
+def test_global_norm_squared_matches_float64(rng, isa, N):
     x = randn(rng, N, scale=3.0)
     got = K.global_norm_squared(x)
     assert isinstance(got, float)
@@ -54,14 +67,14 @@ def test_global_norm_squared_matches_float64(rng, N):
     assert abs(got - expected) <= TOL["global_norm"]["fwd"] * expected, (got, expected)
 
 
-def test_global_norm_squared_thread_invariant(rng, set_threads):
+def test_global_norm_squared_thread_invariant(rng, isa, set_threads):
     x = randn(rng, 1_000_003)   # 62 chunks
     assert_thread_invariant(set_threads, lambda: {
         "norm2": np.array([K.global_norm_squared(x)])})
 
 
 @pytest.mark.parametrize("scale", [0.5, 0.3, -2.0, 0.0])
-def test_scale_inplace(rng, scale):
+def test_scale_inplace(rng, isa, scale):
     x = randn(rng, 2479)
     expected = x * np.float32(scale)   # one fp32 rounding, so exact
     K.scale_inplace(x, scale)

@@ -37,7 +37,7 @@ def backward(dout, qkv, att, NH, calls=1):
 
 
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
-def test_attention_matches_reference(rng, B, T, C, NH):
+def test_attention_matches_reference(rng, isa, B, T, C, NH):
     qkv, dout = make_inputs(rng, B, T, C)
     out, att = forward(qkv, NH)
     dinp = backward(dout, qkv, att, NH)
@@ -60,7 +60,7 @@ def test_attention_backward_accumulates(rng):
     assert_close("dinp", twice, 2.0 * once, TOL["attention"]["bwd"])
 
 
-def test_attention_thread_invariant(rng, set_threads):
+def test_attention_thread_invariant(rng, isa, set_threads):
     qkv, dout = make_inputs(rng, 3, 20, 60)   # B*NH = 9 (b, h) pairs, uneven over 2 threads
 
     def run():
@@ -142,7 +142,7 @@ TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 k
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
-def test_attention_gqa_matches_reference(rng, B, T, NH, NKV, hs, slopes):
+def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
     out, att = gqa_forward(qkv, slopes, NH, NKV)
     dinp = gqa_backward(dout, qkv, att, NH, NKV)
@@ -158,6 +158,66 @@ def test_attention_gqa_matches_reference(rng, B, T, NH, NKV, hs, slopes):
     assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
 
 
+def naive_forward(qkv, slopes, NH, NKV):
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    out = np.full((B, T, NH * hs), np.nan, np.float32)
+    att = np.full((B, NH, T, T), np.nan, np.float32)
+    K.attention_forward_naive(out, att, qkv, slopes, NH, NKV)
+    return out, att
+
+
+def naive_backward(dout, qkv, att, NH, NKV, calls=1):
+    dinp = np.zeros_like(qkv)
+    for _ in range(calls):
+        K.attention_backward_naive(dinp, dout, qkv, att, NH, NKV)
+    return dinp
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
+def test_attention_naive_matches_reference(rng, B, T, NH, NKV, hs, slopes):
+    # the plain twin itself, against float64
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = naive_forward(qkv, slopes, NH, NKV)
+    dinp = naive_backward(dout, qkv, att, NH, NKV)
+
+    qkv_t = t64(qkv, grad=True)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
+    (ref_out * t64(dout)).sum().backward()
+
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("att", att, ref_att, tol["fwd"])
+    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
+def test_attention_tiled_matches_naive(rng, isa, B, T, NH, NKV, hs, slopes):
+    # the tiled kernels against their plain twin, on every instruction set;
+    # the backward of each gets the same att (the naive forward's)
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, att = gqa_forward(qkv, slopes, NH, NKV)
+    naive_out, naive_att = naive_forward(qkv, slopes, NH, NKV)
+    tol = TOL["attention_variant"]
+    assert_close("out", out, naive_out, tol["fwd"])
+    assert_close("att", att, naive_att, tol["fwd"])
+    assert_close("dinp", gqa_backward(dout, qkv, naive_att, NH, NKV),
+                 naive_backward(dout, qkv, naive_att, NH, NKV), tol["bwd"])
+
+
+def test_attention_naive_backward_accumulates_and_is_thread_invariant(rng, set_threads):
+    qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")   # 5 kv heads
+    _, att = naive_forward(qkv, slopes, 10, 5)
+    assert_close("dinp", naive_backward(dout, qkv, att, 10, 5, calls=2),
+                 2.0 * naive_backward(dout, qkv, att, 10, 5), TOL["attention_gqa"]["bwd"])
+
+    def run():
+        out, att = naive_forward(qkv, slopes, 10, 5)
+        return {"out": out, "att": att, "dinp": naive_backward(dout, qkv, att, 10, 5)}
+    assert_thread_invariant(set_threads, run)
+
+
 def test_attention_gqa_backward_accumulates(rng):
     qkv, dout, slopes = make_gqa_inputs(rng, 2, 13, 6, 2, 15, "alibi")
     _, att = gqa_forward(qkv, slopes, 6, 2)
@@ -166,7 +226,7 @@ def test_attention_gqa_backward_accumulates(rng):
     assert_close("dinp", twice, 2.0 * once, TOL["attention_gqa"]["bwd"])
 
 
-def test_attention_gqa_thread_invariant(rng, set_threads):
+def test_attention_gqa_thread_invariant(rng, isa, set_threads):
     # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
     qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")
 
@@ -287,7 +347,7 @@ def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
 
 
 @pytest.mark.parametrize("lengths,maxT,NH,NKV,hs,slopes", DECODE_SHAPES)
-def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, slopes):
+def test_attention_decode_matches_forward_row(rng, isa, lengths, maxT, NH, NKV, hs, slopes):
     qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
     out, att = decode(*cache, slopes, NH, NKV)
     full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
@@ -303,7 +363,7 @@ def test_attention_decode_matches_forward_row(rng, lengths, maxT, NH, NKV, hs, s
                      TOL["attention_gqa"]["fwd"])
 
 
-def test_attention_decode_thread_invariant(rng, set_threads):
+def test_attention_decode_thread_invariant(rng, isa, set_threads):
     # B * NH = 15 (b, h) pairs: uneven over 2 and over 3 threads
     _, slopes, cache = make_decode_case(rng, [9, 2, 30], 30, 5, 1, 16, "alibi")
 
@@ -372,7 +432,7 @@ def test_alibi_slopes_rejects_non_positive_or_non_int(n):
 
 # ---- the tiled kernels' edges --------------------------------------------------
 
-def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
+def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     # T = 43: 5 tiles of 8 rows and 3 single rows; hs = 24: a partial vector;
     # 5 (b, kv head) pairs in the backward: uneven over 2 and over 3 threads
     qkv, dout, slopes = make_gqa_inputs(rng, 5, 43, 6, 1, 24, "alibi")
@@ -390,7 +450,7 @@ def test_attention_gqa_tiles_thread_invariant(rng, set_threads):
     (40, 4, 2, 16, "steep"),   # far keys' weights underflow to 0
     (1, 2, 1, 8, "alibi"),     # T = 1
 ])
-def test_attention_decode_equals_forward_row_bitwise(rng, T, NH, NKV, hs, slopes):
+def test_attention_decode_equals_forward_row_bitwise(rng, isa, T, NH, NKV, hs, slopes):
     # the first, second, middle and last two positions, each a row of the batch
     positions = sorted({0, 1, T // 2, T - 2, T - 1} & set(range(T)))
     lengths = [t + 1 for t in positions]

@@ -1,5 +1,5 @@
-"""llmc_py/bench.py: the matmul table covers every instruction set asked for,
-verifies each before timing it, and leaves the chosen one in place."""
+"""llmc_py/bench.py: the matmul and attention tables cover every instruction
+set asked for, verify each before timing it, and leave the chosen one in place."""
 import numpy as np
 import pytest
 
@@ -16,6 +16,16 @@ def test_bench_matmul_times_each_isa(use_isa):
         (f"matmul {product}", isa) for product in ("fwd", "dinp", "dW") for isa in isas]
     assert all(r["gflops"] > 0 and r["numpy_gflops"] > 0 and r["torch_gflops"] > 0
                for r in rows)
+    assert llmc_py.get_isa() == isas[0]
+
+
+def test_bench_attention_verifies_and_times_each_isa(use_isa):
+    isas = llmc_py.supported_isas()
+    use_isa(isas[0])
+    rows = bench.bench_attention(2, 19, 3, 16, 1, np.random.default_rng(0), isas)
+    assert [(r["kernel"], r["isa"]) for r in rows] == [
+        (f"attention {name}", isa) for name in ("fwd", "bwd") for isa in isas]
+    assert all(r["ms"] > 0 and r["naive_ms"] > 0 for r in rows)
     assert llmc_py.get_isa() == isas[0]
 
 

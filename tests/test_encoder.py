@@ -30,7 +30,7 @@ def backward(dout, inp, V, maxT, calls=1):
 
 
 @pytest.mark.parametrize("B,T,C,V", SHAPES)
-def test_encoder_matches_reference(rng, B, T, C, V):
+def test_encoder_matches_reference(rng, isa, B, T, C, V):
     inp, wte, wpe, dout = make_inputs(rng, B, T, C, V)
     out = np.full((B, T, C), np.nan, np.float32)   # (written): must not be read
     K.encoder_forward(out, inp, wte, wpe)
@@ -56,7 +56,7 @@ def test_encoder_backward_accumulates(rng, B, T, C, V):
 
 
 @pytest.mark.parametrize("B,T,C,V", SHAPES)
-def test_encoder_without_wpe_matches_reference(rng, B, T, C, V):
+def test_encoder_without_wpe_matches_reference(rng, isa, B, T, C, V):
     # wpe / dwpe None (RoPE models): out is the token row itself, bit for bit
     inp, wte, _, dout = make_inputs(rng, B, T, C, V)
     out = np.full((B, T, C), np.nan, np.float32)
@@ -81,7 +81,7 @@ def test_encoder_backward_without_dwpe_gives_the_same_dwte(rng):
     assert np.array_equal(without, with_wpe)
 
 
-def test_encoder_backward_thread_invariant(rng, set_threads):
+def test_encoder_backward_thread_invariant(rng, isa, set_threads):
     B, T, C, V = 4, 64, 200, 30    # 4 channel blocks, many repeated tokens
     inp, _, wpe, dout = make_inputs(rng, B, T, C, V)
     assert_thread_invariant(set_threads, lambda: dict(
@@ -112,7 +112,7 @@ def test_encoder_rejects_wrong_shapes(rng):
         K.encoder_forward(np.empty((B, T, C), np.float32), inp, wte, wpe[:, :C - 1].copy())
 
 
-def test_encoder_without_wpe_thread_invariant(rng, set_threads):
+def test_encoder_without_wpe_thread_invariant(rng, isa, set_threads):
     B, T, C, V = 4, 64, 200, 30
     inp, wte, _, dout = make_inputs(rng, B, T, C, V)
 

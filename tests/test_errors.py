@@ -25,14 +25,14 @@ TOKEN_KERNELS = [name for name in KERNELS
                  if any(arg.kind == "pointer" and arg.item.cname == "int" and param in TOKEN_PARAMS
                         for param, arg in zip(PROTOTYPES[name],
                                               ffi.typeof(getattr(lib, name)).args))]
-INT_MAX, LONG_MAX = 2**31 - 1, 2**63 - 1
+INT_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 
 
 @dataclass
 class Row:
     """How to call one kernel with small valid arguments, where that differs
     from the default: every pointer a zeroed 16-element buffer, every int or
-    long argument a size set to 1, every float 0.0.
+    int64_t argument a size set to 1, every float 0.0.
 
     optional:  pointers that may be NULL
     not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
@@ -50,10 +50,12 @@ class Row:
 _C_NOT_DIVISIBLE = (({"C": 3, "NH": 2}, "LLMC_ERR_SHAPE"),)
 _V_ABOVE_VP = (({"V": 2}, "LLMC_ERR_SHAPE"),)
 _NH_NOT_DIVISIBLE = (({"NH": 3, "NKV": 2}, "LLMC_ERR_SHAPE"),)
-_NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_SHAPE"),)
-# RoPE: an even head size and theta > 0
+_NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_VALUE"), ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
+                 ({"eps": -1.0, "C": 0}, "LLMC_ERR_SHAPE"))   # a bad size is reported first
+# RoPE: an even head size and a positive, finite theta
 _ROPE = dict(optional=frozenset({"pos"}), valid={"hs": 2, "theta": 10000.0},
-             bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_SHAPE"),
+             bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_VALUE"),
+                  ({"theta": float("inf")}, "LLMC_ERR_VALUE"),
                   ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))
 
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
@@ -73,6 +75,8 @@ ROWS = {
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
     "attention_gqa_backward": Row(bad=_NH_NOT_DIVISIBLE),
+    "attention_forward_naive": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
+    "attention_backward_naive": Row(bad=_NH_NOT_DIVISIBLE),
     "attention_decode": Row(optional=frozenset({"slopes"}), fill={"len": 1},
                             bad=_NH_NOT_DIVISIBLE),
     "rope_forward": Row(**_ROPE),
@@ -86,7 +90,8 @@ ROWS = {
     "softmax_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_softmax_backward": Row(bad=_V_ABOVE_VP),
-    "adamw_update": Row(),   # t, the step number, must be >= 1 like a size
+    "adamw_update": Row(not_sizes=frozenset({"t"}),   # the step number: a value, >= 1
+                        bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
     "global_norm_squared": Row(),
     "scale_inplace": Row(),
 }
@@ -97,6 +102,7 @@ ROWS = {
     (lib.LLMC_ERR_NOMEM, llmc_py.OutOfMemoryError, MemoryError),
     (lib.LLMC_ERR_NULL, llmc_py.NullPointerError, ValueError),
     (lib.LLMC_ERR_UNSUPPORTED, llmc_py.UnsupportedError, ValueError),
+    (lib.LLMC_ERR_VALUE, llmc_py.InvalidValueError, ValueError),
 ])
 def test_check_maps_status_to_class(status, cls, builtin):
     with pytest.raises(cls) as info:
@@ -116,7 +122,7 @@ def test_check_passes_ok_and_raises_base_class_for_unknown_status():
 
 def test_status_strings_are_distinct():
     codes = [lib.LLMC_OK, lib.LLMC_ERR_SHAPE, lib.LLMC_ERR_RANGE, lib.LLMC_ERR_NOMEM,
-             lib.LLMC_ERR_NULL, lib.LLMC_ERR_UNSUPPORTED, 99, -1]
+             lib.LLMC_ERR_NULL, lib.LLMC_ERR_UNSUPPORTED, lib.LLMC_ERR_VALUE, 99, -1]
     texts = [ffi.string(lib.llmc_status_string(c)).decode() for c in codes]
     assert all(texts) and len(set(texts)) == len(codes) - 1 and texts[-1] == texts[-2]
 
@@ -170,7 +176,7 @@ class Call:
                 fill = [self.row.fill[param]] * 16 if param in self.row.fill else None
                 self.buffers[param] = ffi.new(f"{ctype.item.cname}[16]", fill)
                 self.args[param] = self.buffers[param]
-            elif ctype.cname in ("int", "long"):
+            elif ctype.cname in ("int", "int64_t"):
                 self.args[param] = self.row.valid.get(param, 1)
             else:
                 self.args[param] = self.row.valid.get(param, 0.0)
@@ -180,7 +186,7 @@ class Call:
 
     def sizes(self):
         return [p for p, t in self.types.items()
-                if t.cname in ("int", "long") and p not in self.row.not_sizes]
+                if t.cname in ("int", "int64_t") and p not in self.row.not_sizes]
 
     def tokens(self):
         return [p for p, t in self.types.items()
@@ -223,7 +229,7 @@ def test_kernel_rejects_sizes_no_array_could_have(name):
     """All sizes at their type's maximum: the element counts overflow, and the
     kernel must say so before it reads or writes its 16-element buffers."""
     call = Call(name)
-    huge = {p: LONG_MAX if call.types[p].cname == "long" else INT_MAX for p in call.sizes()}
+    huge = {p: INT64_MAX if call.types[p].cname == "int64_t" else INT_MAX for p in call.sizes()}
     _expect(call, lib.LLMC_ERR_SHAPE, huge, "every size at its maximum")
 
 

@@ -40,7 +40,7 @@ def backward(dout, x, w, mean, rstd, calls=1):
 
 @pytest.mark.parametrize("offset", [0.0, 10.0])   # a mean far from 0 relative to the spread
 @pytest.mark.parametrize("B,T,C", SHAPES)
-def test_layernorm_matches_reference(rng, B, T, C, offset):
+def test_layernorm_matches_reference(rng, isa, B, T, C, offset):
     x, w, b, dout = make_inputs(rng, B, T, C, offset)
     out, mean, rstd = forward(x, w, b)
     dinp, dweight, dbias = backward(dout, x, w, mean, rstd)
@@ -67,7 +67,7 @@ def test_layernorm_backward_accumulates(rng):
         assert_close(name, b2, 2.0 * a, TOL["layernorm"]["bwd"])
 
 
-def test_layernorm_backward_thread_invariant(rng, set_threads):
+def test_layernorm_backward_thread_invariant(rng, isa, set_threads):
     # 268 rows: 5 chunks of the parameter-gradient sums, the last partial
     x, w, b, dout = make_inputs(rng, 4, 67, 300)
     _, mean, rstd = forward(x, w, b)
@@ -78,8 +78,9 @@ def test_layernorm_backward_thread_invariant(rng, set_threads):
 def test_layernorm_rejects_negative_eps(rng):
     x, w, b, _ = make_inputs(rng, 1, 2, 8)
     out, mean, rstd = forward(x, w, b)
-    with pytest.raises(llmc_py.ShapeError):
-        K.layernorm_forward(out, mean, rstd, x, w, b, eps=-1e-5)
+    for eps in (-1e-5, np.nan):
+        with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
+            K.layernorm_forward(out, mean, rstd, x, w, b, eps=eps)
 
 
 @pytest.mark.parametrize("bad", ["weight", "bias", "mean", "out"])
@@ -128,7 +129,7 @@ def rms_backward(dout, x, w, rstd, calls=1):
 # scale 1e-3: mean(x^2) ~ 1e-6 is below eps = 1e-5, so a misplaced eps shows
 @pytest.mark.parametrize("scale", [1.0, 1e-3])
 @pytest.mark.parametrize("B,T,C", RMS_SHAPES)
-def test_rmsnorm_matches_reference(rng, B, T, C, scale):
+def test_rmsnorm_matches_reference(rng, isa, B, T, C, scale):
     x, w, _, dout = make_inputs(rng, B, T, C)
     x *= np.float32(scale)
     out, rstd = rms_forward(x, w)
@@ -163,7 +164,7 @@ def test_rmsnorm_backward_accumulates(rng):
         assert_close(name, b2, 2.0 * a, TOL["rmsnorm"]["bwd"])
 
 
-def test_rmsnorm_thread_invariant(rng, set_threads):
+def test_rmsnorm_thread_invariant(rng, isa, set_threads):
     # 268 rows: 5 chunks of the parameter-gradient sums, the last partial
     x, w, _, dout = make_inputs(rng, 4, 67, 300)
 
@@ -177,8 +178,9 @@ def test_rmsnorm_thread_invariant(rng, set_threads):
 def test_rmsnorm_rejects_negative_eps(rng):
     x, w, _, _ = make_inputs(rng, 1, 2, 8)
     out, rstd = rms_forward(x, w)
-    with pytest.raises(llmc_py.ShapeError):
-        K.rmsnorm_forward(out, rstd, x, w, eps=-1e-5)
+    for eps in (-1e-5, np.nan):
+        with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
+            K.rmsnorm_forward(out, rstd, x, w, eps=eps)
 
 
 @pytest.mark.parametrize("bad", ["weight", "rstd", "out"])

@@ -53,7 +53,7 @@ def backward(dout, pos, NH, NKV, theta=10000.0, calls=1):
 @pytest.mark.parametrize("theta", THETAS)
 @pytest.mark.parametrize("pos_kind", [None, "offset"])
 @pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES)
-def test_rope_matches_reference(rng, B, T, NH, NKV, hs, pos_kind, theta):
+def test_rope_matches_reference(rng, isa, B, T, NH, NKV, hs, pos_kind, theta):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
     pos = make_pos(rng, B, pos_kind)
     out = forward(x, pos, NH, NKV, theta)
@@ -107,7 +107,7 @@ def test_rope_offset_continues_the_sequence(rng):
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
-def test_rope_thread_invariant(rng, set_threads, B, T, NH, NKV, hs):
+def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
     pos = make_pos(rng, B, "offset")
     assert_thread_invariant(set_threads, lambda: dict(
@@ -128,9 +128,9 @@ def test_rope_rejects_negative_pos(rng, which):
 @pytest.mark.parametrize("theta", [0.0, -10000.0, np.inf, np.nan])
 def test_rope_rejects_bad_theta(rng, theta):
     x, dout = make_inputs(rng, 1, 2, 2, 1, 4)
-    with pytest.raises(llmc_py.ShapeError):
+    with pytest.raises(llmc_py.InvalidValueError, match="theta"):
         forward(x, None, 2, 1, theta)
-    with pytest.raises(llmc_py.ShapeError):
+    with pytest.raises(llmc_py.InvalidValueError, match="theta"):
         backward(dout, None, 2, 1, theta)
 
 
@@ -163,7 +163,8 @@ def test_rope_c_rejects_odd_head_size_and_bad_values():
     pos = ffi.new("int[]", [3, -2])
     assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
     assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
     assert lib.rope_forward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
     assert lib.rope_backward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
     assert lib.rope_forward(buf, buf, pos, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only

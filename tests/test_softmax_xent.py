@@ -5,7 +5,7 @@ import pytest
 
 import llmc_py
 from llmc_py import kernels as K
-from helpers import TOL, assert_close, randn, t64
+from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import crossentropy as ref_crossentropy
 from reference import softmax as ref_softmax
 
@@ -50,7 +50,7 @@ def backward(dlosses, probs, targets, V, calls=1):
 
 
 @pytest.mark.parametrize("B,T,V,Vp", SHAPES)
-def test_softmax_crossentropy_match_reference(rng, B, T, V, Vp):
+def test_softmax_crossentropy_match_reference(rng, isa, B, T, V, Vp):
     logits, targets, dlosses = make_inputs(rng, B, T, V, Vp)
     probs, losses = forward(logits, targets, V)
     assert not probs[..., V:].any(), "probs padding columns are not exactly 0"
@@ -66,6 +66,16 @@ def test_softmax_crossentropy_match_reference(rng, B, T, V, Vp):
     assert_close("dlogits[:V]", dlogits[..., :V], logits_t.grad[..., :V],
                  TOL["crossentropy"]["bwd"])
     assert not dlogits[..., V:].any(), "dlogits padding columns got a gradient"
+
+
+def test_softmax_xent_thread_invariant(rng, isa, set_threads):
+    logits, targets, dlosses = make_inputs(rng, 3, 37, 1000, 1024)   # 111 rows
+
+    def run():
+        probs, losses = forward(logits, targets, 1000)
+        return {"probs": probs, "losses": losses,
+                "dlogits": backward(dlosses, probs, targets, 1000)}
+    assert_thread_invariant(set_threads, run)
 
 
 def test_crossentropy_backward_accumulates(rng):

@@ -8,9 +8,9 @@ compiler flag and environment switch lives here:
   kernels run on one thread).
 - ``LLMC_NATIVE=0`` leaves out ``-march=native``, for a build that runs on
   any CPU of the architecture (a wheel to share); the default tunes the
-  build for the CPU it is built on. Either way the matmul micro-kernel is
-  also built for AVX2 and AVX-512 (per-function target attributes in
-  csrc/matmul.c) and chosen at run time.
+  build for the CPU it is built on. Either way every kernel family's vector
+  loops are also built for AVX2 and AVX-512 (per-function target attributes,
+  csrc/isa.h) and chosen at run time.
 - ``LLMC_SANITIZE=1`` builds with AddressSanitizer and UndefinedBehaviorSanitizer
   (``make sanitize``): a debugging build, never one to ship. Python must then
   run with libasan preloaded (the Makefile shows how).
@@ -31,6 +31,8 @@ CSRC = ROOT / "csrc"
 # explicit, never globbed, so scratch files are never compiled in
 SOURCES = [
     "status.c",
+    "isa.c",
+    "colsum.c",
     "encoder.c",
     "norms.c",
     "matmul.c",
@@ -141,7 +143,7 @@ def make_builder():
         '#include "llmc.h"',
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
-        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h",
+        depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h", "isa.h",
                                                  "matmul_micro.h", "matmul_skinny.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,

@@ -373,6 +373,28 @@ def attention_gqa_backward(dinp, dout, inp, att, NH, NKV):
         B, T, NH, NKV, hs), "attention_gqa_backward")
 
 
+def attention_forward_naive(out, att, inp, slopes, NH, NKV):
+    """attention_gqa_forward's contract, by plain loops (llm.c's): the reference."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_forward_naive(
+        fptr(out, "out", (B, T, NH * hs), out=True),
+        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        _optional(slopes, "slopes", (NH,)),
+        B, T, NH, NKV, hs), "attention_forward_naive")
+
+
+def attention_backward_naive(dinp, dout, inp, att, NH, NKV):
+    """attention_gqa_backward's contract, by plain loops (llm.c's): the reference."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_backward_naive(
+        fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
+        fptr(dout, "dout", (B, T, NH * hs)),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        fptr(att, "att", (B, NH, T, T)),
+        B, T, NH, NKV, hs), "attention_backward_naive")
+
+
 def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):
     """One new position per row against a KV cache: out[B,NH*hs] (written),
     att[B,NH,maxT] (written for t2 < lengths[b], the rest untouched) <-

@@ -1,5 +1,5 @@
 """The only module that sees cffi: status checks, array-to-pointer adapters,
-threads and the instruction set of the matmul kernel."""
+threads and the instruction set of the kernels."""
 import os
 
 import numpy as np
@@ -10,8 +10,8 @@ except ImportError as e:   # a source checkout that was never built
     raise ImportError(
         "llmc_py's compiled kernels (llmc_py._native._llmc) are not built: run "
         "`pip install .` (or `pip install -e .` to work on the sources)") from e
-from ..errors import (LlmcError, NullPointerError, OutOfMemoryError, RangeError, ShapeError,
-                     UnsupportedError)
+from ..errors import (InvalidValueError, LlmcError, NullPointerError, OutOfMemoryError,
+                      RangeError, ShapeError, UnsupportedError)
 
 _ERROR_FOR_STATUS = {
     lib.LLMC_ERR_SHAPE: ShapeError,
@@ -19,6 +19,7 @@ _ERROR_FOR_STATUS = {
     lib.LLMC_ERR_NOMEM: OutOfMemoryError,
     lib.LLMC_ERR_NULL: NullPointerError,
     lib.LLMC_ERR_UNSUPPORTED: UnsupportedError,
+    lib.LLMC_ERR_VALUE: InvalidValueError,
 }
 
 
@@ -73,13 +74,13 @@ def has_openmp():
     return bool(lib.llmc_has_openmp())
 
 
-# instruction sets of the matmul kernel, by name, slowest first
+# instruction sets of the kernels, by name, slowest first
 ISAS = {"portable": lib.LLMC_ISA_PORTABLE, "avx2": lib.LLMC_ISA_AVX2,
         "avx512": lib.LLMC_ISA_AVX512}
 
 
 def set_isa(name):
-    """Chooses the matmul kernel's instruction set: "avx512", "avx2", "portable",
+    """Chooses the instruction set of every kernel: "avx512", "avx2", "portable",
     or "auto" (the best the CPU supports, the default). The environment
     variable LLMC_ISA makes the same choice when llmc_py is imported. Raises
     UnsupportedError if this CPU or build cannot run it."""
@@ -90,7 +91,7 @@ def set_isa(name):
 
 
 def get_isa():
-    """The instruction set the matmul kernel runs on (never "auto")."""
+    """The instruction set the kernels run on (never "auto")."""
     isa = lib.llmc_get_isa()
     return next(name for name, value in ISAS.items() if value == isa)
 
