@@ -141,11 +141,10 @@ TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 k
 ]
 
 
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
-def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
+def check_gqa_against_reference(rng, forward, backward, B, T, NH, NKV, hs, slopes):
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, att = gqa_forward(qkv, slopes, NH, NKV)
-    dinp = gqa_backward(dout, qkv, att, NH, NKV)
+    out, att = forward(qkv, slopes, NH, NKV)
+    dinp = backward(dout, qkv, att, NH, NKV)
 
     qkv_t = t64(qkv, grad=True)
     ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
@@ -156,6 +155,11 @@ def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     assert_close("att", att, ref_att, tol["fwd"])
     assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
     assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
+def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
+    check_gqa_against_reference(rng, gqa_forward, gqa_backward, B, T, NH, NKV, hs, slopes)
 
 
 def naive_forward(qkv, slopes, NH, NKV):
@@ -177,19 +181,7 @@ def naive_backward(dout, qkv, att, NH, NKV, calls=1):
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
 def test_attention_naive_matches_reference(rng, B, T, NH, NKV, hs, slopes):
     # the plain twin itself, against float64
-    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, att = naive_forward(qkv, slopes, NH, NKV)
-    dinp = naive_backward(dout, qkv, att, NH, NKV)
-
-    qkv_t = t64(qkv, grad=True)
-    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
-    (ref_out * t64(dout)).sum().backward()
-
-    tol = TOL["attention_gqa"]
-    assert_close("out", out, ref_out, tol["fwd"])
-    assert_close("att", att, ref_att, tol["fwd"])
-    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
-    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+    check_gqa_against_reference(rng, naive_forward, naive_backward, B, T, NH, NKV, hs, slopes)
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
