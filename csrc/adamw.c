@@ -6,7 +6,8 @@
 #include "isa.h"
 
 /* The update of elements [i0, i1); c1, c2 are the bias corrections. */
-static LLMC_ALWAYS_INLINE void adamw_range_body(float* params, float* m, float* v,
+static LLMC_ALWAYS_INLINE void adamw_range_body(float* params, uint16_t* params_bf16,
+                                                float* m, float* v,
                                                 const float* grads, int64_t i0, int64_t i1,
                                                 float learning_rate, float beta1, float beta2,
                                                 float eps, float weight_decay, float c1,
@@ -19,14 +20,18 @@ static LLMC_ALWAYS_INLINE void adamw_range_body(float* params, float* m, float* 
         v[i] = v_i;
         const float m_hat = m_i / c1;
         const float v_hat = v_i / c2;
-        params[i] -= learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * params[i]);
+        const float p = params[i]
+                        - learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * params[i]);
+        params[i] = p;
+        if (params_bf16 != NULL) { params_bf16[i] = llmc_bf16_round(p); }
     }
 }
-LLMC_ISA_VARIANTS(adamw_range, (float* params, float* m, float* v, const float* grads, int64_t i0,
-                                int64_t i1, float learning_rate, float beta1, float beta2,
-                                float eps, float weight_decay, float c1, float c2),
-                  params, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps, weight_decay,
-                  c1, c2)
+LLMC_ISA_VARIANTS(adamw_range, (float* params, uint16_t* params_bf16, float* m, float* v,
+                                const float* grads, int64_t i0, int64_t i1, float learning_rate,
+                                float beta1, float beta2, float eps, float weight_decay, float c1,
+                                float c2),
+                  params, params_bf16, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps,
+                  weight_decay, c1, c2)
 
 /* *out = the sum of squares of x[i0 .. i1), in double, in order. */
 static LLMC_ALWAYS_INLINE void chunk_norm_body(double* out, const float* x, int64_t i0,
@@ -42,8 +47,8 @@ static LLMC_ALWAYS_INLINE void scale_range_body(float* x, int64_t i0, int64_t i1
 }
 LLMC_ISA_VARIANTS(scale_range, (float* x, int64_t i0, int64_t i1, float scale), x, i0, i1, scale)
 
-int adamw_update(float* params, float* m, float* v, const float* grads, int64_t N,
-                 float learning_rate, float beta1, float beta2, float eps,
+int adamw_update(float* params, uint16_t* params_bf16, float* m, float* v, const float* grads,
+                 int64_t N, float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t) {
     LLMC_REQUIRE(LLMC_NONNULL4(params, m, v, grads), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
@@ -51,15 +56,15 @@ int adamw_update(float* params, float* m, float* v, const float* grads, int64_t 
     const float c1 = 1.0f - powf(beta1, (float)t);
     const float c2 = 1.0f - powf(beta2, (float)t);
 
-    void (*const range)(float*, float*, float*, const float*, int64_t, int64_t, float, float, float,
-                        float, float, float, float) =
+    void (*const range)(float*, uint16_t*, float*, float*, const float*, int64_t, int64_t, float,
+                        float, float, float, float, float, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), adamw_range);
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         if (i0 < i1) {
-            range(params, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps, weight_decay,
+            range(params, params_bf16, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps, weight_decay,
                   c1, c2);
         }
     }

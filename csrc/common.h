@@ -54,6 +54,24 @@ static inline void llmc_thread_share(int64_t n, int64_t* lo, int64_t* hi) {
     *hi = *lo + q + (id < r ? 1 : 0);
 }
 
+/* x rounded to the nearest bf16 (the upper half of a float32), ties to
+   even; a NaN stays a quiet NaN. Branch-free, so loops over it vectorise. */
+static LLMC_ALWAYS_INLINE uint16_t llmc_bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* The float32 of a bf16 number (exact). */
+static LLMC_ALWAYS_INLINE float llmc_bf16_widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* Index of the first id outside [0, V) of ids[0 .. n), or -1 if all are in
    range (token ids and targets). */
 static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {

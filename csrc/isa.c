@@ -17,12 +17,16 @@ static int isa_supported(int isa) {
         case LLMC_ISA_AVX512:
             __builtin_cpu_init();
             return __builtin_cpu_supports("avx512f") && isa_supported(LLMC_ISA_AVX2);
+        case LLMC_ISA_AVX512BF16:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx512bf16") && isa_supported(LLMC_ISA_AVX512);
 #endif
         default: return 0;
     }
 }
 
 static int best_isa(void) {
+    if (isa_supported(LLMC_ISA_AVX512BF16)) { return LLMC_ISA_AVX512BF16; }
     if (isa_supported(LLMC_ISA_AVX512)) { return LLMC_ISA_AVX512; }
     if (isa_supported(LLMC_ISA_AVX2)) { return LLMC_ISA_AVX2; }
     return LLMC_ISA_PORTABLE;
@@ -39,7 +43,7 @@ int llmc_isa_supported(int isa) {
 }
 
 int llmc_set_isa(int isa) {
-    LLMC_REQUIRE(isa >= LLMC_ISA_AUTO && isa <= LLMC_ISA_AVX512, LLMC_ERR_RANGE);
+    LLMC_REQUIRE(isa >= LLMC_ISA_AUTO && isa <= LLMC_ISA_AVX512BF16, LLMC_ERR_RANGE);
     if (isa == LLMC_ISA_AUTO) { isa = best_isa(); }
     LLMC_REQUIRE(isa_supported(isa), LLMC_ERR_UNSUPPORTED);
     __atomic_store_n(&active_isa, isa, __ATOMIC_RELAXED);

@@ -10,6 +10,9 @@
  * into one function per instruction set:
  *   avx512   AVX-512F: Intel Skylake-SP/X (2017) and later Xeons, Ice Lake,
  *            Tiger Lake, Sapphire Rapids; AMD Zen 4 (2022) and later
+ *   avx512bf16  AVX-512F + AVX512_BF16: AMD Zen 4 and later, Intel Cooper
+ *            Lake and Sapphire Rapids; only the bf16 matmul has kernels of
+ *            its own (vdpbf16ps), every other family runs its avx512 build
  *   avx2     AVX2 + FMA: Intel Haswell (2013) and later, AMD Zen (2017) and
  *            later (and Excavator)
  *   portable no attribute: whatever the build's flags allow (SSE2 on a
@@ -38,6 +41,7 @@
 #define LLMC_X86_DISPATCH 1
 #define LLMC_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define LLMC_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
+#define LLMC_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma")))
 #endif
 
 /*
@@ -67,7 +71,7 @@
     LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512, name##_avx512, params,                         \
                       name##_body(LLMC_ISA_AVX512, __VA_ARGS__))
 #define LLMC_ISA_SELECT(isa, name)                                                        \
-    ((isa) == LLMC_ISA_AVX512 ? name##_avx512                                             \
+    ((isa) >= LLMC_ISA_AVX512 ? name##_avx512                                             \
      : (isa) == LLMC_ISA_AVX2 ? name##_avx2 : name##_portable)
 #else
 #define LLMC_ISA_VARIANTS(name, params, ...) \

@@ -58,7 +58,9 @@ typedef enum {
     LLMC_ISA_AUTO = 0,       /* llmc_set_isa only: the best the CPU supports   */
     LLMC_ISA_PORTABLE = 1,   /* plain C vectors, built with the build's flags  */
     LLMC_ISA_AVX2 = 2,       /* x86 AVX2 + FMA                                 */
-    LLMC_ISA_AVX512 = 3      /* x86 AVX-512F                                   */
+    LLMC_ISA_AVX512 = 3,     /* x86 AVX-512F                                   */
+    LLMC_ISA_AVX512BF16 = 4  /* x86 AVX-512F + AVX512_BF16: the bf16 matmul's
+                                vdpbf16ps; every fp32 kernel as in AVX512   */
 } llmc_isa;
 
 /* Chooses the instruction set of every kernel; an isa outside the enum is
@@ -192,6 +194,59 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
                           int B, int T, int C, int OC);
+
+/* ---- bf16.c ------------------------------------------------------------- */
+
+/*
+ * bf16 numbers travel as uint16_t: the upper 16 bits of a float32 (sign, 8
+ * exponent bits, 7 mantissa bits).
+ *
+ * float_to_bf16: out[i] = inp[i] rounded to the nearest bf16, ties to even
+ * (what torch's .to(torch.bfloat16) does); a NaN stays a (quiet) NaN, an
+ * infinity stays infinite, a finite value past the largest bf16 rounds to an
+ * infinity.
+ * bf16_to_float: out[i] = inp[i] exactly.
+ *
+ *   out [N]  (written)
+ *   inp [N]
+ */
+int float_to_bf16(uint16_t* out, const float* inp, int64_t N);
+int bf16_to_float(float* out, const uint16_t* inp, int64_t N);
+
+/* ---- matmul_bf16.c ------------------------------------------------------ */
+
+/*
+ * The bf16 linear layer of mixed-precision training: matmul_forward and
+ * matmul_backward's contracts, except that the weight is bf16 and every
+ * product multiplies bf16 numbers: each float32 operand (inp, dout) is first
+ * rounded to bf16 (float_to_bf16), each product of two bf16 numbers is exact
+ * in float32, and the products are summed in float32 onto the output's
+ * float32 start value (bias, 0, or what a (+=) output holds). The order of
+ * that sum depends on the instruction set (pairs of k in vdpbf16ps), never
+ * on the thread count.
+ *
+ *   out     [B, T, OC]  (written)
+ *   inp     [B, T, C]
+ *   weight  [OC, C]     bf16
+ *   bias    [OC] or NULL, float32
+ *
+ *   dinp    [B, T, C]   (+=) bf16(dout) . weight; or NULL
+ *   dweight [OC, C]     (+=) float32: bf16(dout)^T . bf16(inp); or NULL
+ *   dbias   [OC]        (+=) sum of dout over B, T in float32; or NULL
+ */
+int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
+                        const float* bias, int B, int T, int C, int OC);
+int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
+                         const float* dout, const float* inp, const uint16_t* weight,
+                         int B, int T, int C, int OC);
+
+/* The plain loops (k = 0, 1, ..., K-1 in float32), kept as the reference the
+   fast paths are checked against; same contracts. */
+int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weight,
+                              const float* bias, int B, int T, int C, int OC);
+int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
+                               const float* dout, const float* inp, const uint16_t* weight,
+                               int B, int T, int C, int OC);
 
 /* ---- attention.c -------------------------------------------------------- */
 
@@ -420,14 +475,17 @@ int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
  *   v = beta2 v + (1 - beta2) g^2
  *   param -= lr * ((m / c1) / (sqrt(v / c2) + eps) + weight_decay * param)
  *
- *   params [N]  (updated in place)
+ *   params      [N]  (updated in place)
+ *   params_bf16 [N]  (written) bf16 copy of the updated params, rounded to
+ *                    nearest even (float_to_bf16), for the bf16 matmuls; or
+ *                    NULL (fp32 training)
  *   m      [N]  (updated in place) first moment, zero before step 1
  *   v      [N]  (updated in place) second moment, zero before step 1
  *   grads  [N]
  * t is the step number, >= 1; else LLMC_ERR_VALUE.
  */
-int adamw_update(float* params, float* m, float* v, const float* grads, int64_t N,
-                 float learning_rate, float beta1, float beta2, float eps,
+int adamw_update(float* params, uint16_t* params_bf16, float* m, float* v, const float* grads,
+                 int64_t N, float learning_rate, float beta1, float beta2, float eps,
                  float weight_decay, int t);
 
 /*

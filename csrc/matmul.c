@@ -22,7 +22,7 @@
  *   forward  out   += inp  . weight^T   M = BT, N = OC, K = C
  *   backward dinp  += dout . weight     M = BT, N = C,  K = OC
  *   backward dW    += dout^T . inp      M = OC, N = C,  K = BT
- * gemm_accumulate() reads A and B through (row, column) strides, copies a
+ * llmc_gemm_f32() reads A and B through (row, column) strides, copies a
  * KC x NR panel of B into a contiguous buffer, and runs a MR x NR
  * micro-kernel that keeps its tile of C in vector registers while it walks
  * k. OpenMP splits the output into (MC rows x NR columns) tiles and never the
@@ -53,6 +53,7 @@
 #include "llmc.h"
 #include "common.h"
 #include "isa.h"
+#include "gemm.h"
 
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
@@ -144,7 +145,8 @@ typedef int32_t vec8i __attribute__((vector_size(32)));
 static skinny_kernel_fn active_skinny_kernel(int* width) {
     switch (llmc_get_isa()) {
 #ifdef LLMC_X86_DISPATCH
-        case LLMC_ISA_AVX512: *width = 16; return skinny_kernel_avx512;
+        case LLMC_ISA_AVX512:
+        case LLMC_ISA_AVX512BF16: *width = 16; return skinny_kernel_avx512;
         case LLMC_ISA_AVX2: *width = 8; return skinny_kernel_avx2;
 #endif
         default: *width = 4; return skinny_kernel_portable;
@@ -154,7 +156,8 @@ static skinny_kernel_fn active_skinny_kernel(int* width) {
 static micro_kernel_fn active_micro_kernel(void) {
     switch (llmc_get_isa()) {
 #ifdef LLMC_X86_DISPATCH
-        case LLMC_ISA_AVX512: return micro_kernel_avx512;
+        case LLMC_ISA_AVX512:
+        case LLMC_ISA_AVX512BF16: return micro_kernel_avx512;
         case LLMC_ISA_AVX2: return micro_kernel_avx2;
 #endif
         default: return micro_kernel_portable;
@@ -274,10 +277,8 @@ static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* N
  * once per call, and NC is cut for parallelism; with A packed, NC is wide so
  * that the packing pays off, and MC is cut instead.
  */
-static int gemm_accumulate(float* c, size_t ldc,
-                           const float* a, size_t ars, size_t aks,
-                           const float* b, size_t brs, size_t bcs,
-                           int M, int N, int K) {
+int llmc_gemm_f32(float* c, size_t ldc, const float* a, size_t ars, size_t aks,
+                  const float* b, size_t brs, size_t bcs, int M, int N, int K) {
     const micro_kernel_fn micro_kernel = active_micro_kernel();
     const int nthreads = omp_get_max_threads();
     const int pack_a = aks != 1;
@@ -378,7 +379,7 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
         if (bias != NULL) { memcpy(out_bt, bias, (size_t)OC * sizeof(float)); }
         else { memset(out_bt, 0, (size_t)OC * sizeof(float)); }
     }
-    return gemm_accumulate(out, (size_t)OC, inp, (size_t)C, 1, weight, 1, (size_t)C,
+    return llmc_gemm_f32(out, (size_t)OC, inp, (size_t)C, 1, weight, 1, (size_t)C,
                            (int)BT, OC, C);
 }
 
@@ -392,12 +393,12 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
 
     if (dinp != NULL) {
-        const int status = gemm_accumulate(dinp, (size_t)C, dout, (size_t)OC, 1,
+        const int status = llmc_gemm_f32(dinp, (size_t)C, dout, (size_t)OC, 1,
                                            weight, (size_t)C, 1, (int)BT, C, OC);
         if (status != LLMC_OK) { return status; }
     }
     if (dweight != NULL) {
-        const int status = gemm_accumulate(dweight, (size_t)C, dout, 1, (size_t)OC,
+        const int status = llmc_gemm_f32(dweight, (size_t)C, dout, 1, (size_t)OC,
                                            inp, (size_t)C, 1, OC, C, (int)BT);
         if (status != LLMC_OK) { return status; }
     }

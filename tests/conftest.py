@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import llmc_py
+from helpers import FP32_ISAS
 from llmc_py.data import write_tokens
 
 
@@ -47,10 +48,10 @@ def shards(tmp_path):
     return str(data / "train_*.bin"), str(data / "val.bin")
 
 
-@pytest.fixture(params=llmc_py.supported_isas())
+@pytest.fixture(params=FP32_ISAS)
 def isa(request, use_isa):
-    """Runs the test once on each instruction set this CPU and build support,
-    slowest first (llmc_py.set_isa switches every kernel family), restoring
+    """Runs the test once on each instruction set of the float32 kernels this
+    CPU and build support (helpers.FP32_ISAS), slowest first (llmc_py.set_isa switches every kernel family), restoring
     the instruction set afterwards."""
     use_isa(request.param)
     assert llmc_py.get_isa() == request.param

@@ -4,6 +4,11 @@ import torch
 
 import llmc_py
 
+# The instruction sets the float32 kernels are tested on: all this CPU runs
+# but avx512bf16, whose float32 kernels are the avx512 build itself (only the
+# bf16 matmul has kernels of its own; test_bf16.py checks that).
+FP32_ISAS = [isa for isa in llmc_py.supported_isas() if isa != "avx512bf16"]
+
 # Tolerances for fp32 kernels against the float64 reference, as an error
 # relative to the tensor's largest entry: max|ours - ref| <= tol * max|ref|.
 # Scaling by the maximum (not per element) keeps the check meaningful for sums

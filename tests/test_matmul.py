@@ -12,13 +12,13 @@ import pytest
 import llmc_py
 from llmc_py import kernels as K
 from llmc_py._native.lib import ffi, lib
-from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from helpers import FP32_ISAS, TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import matmul as ref_matmul
 
 VARIANTS = ["", "naive"]
 # generated from what this CPU runs, so an AVX-512 machine also tests the
 # AVX2 and portable kernels (and a machine without AVX-512 has no such test)
-ISAS = llmc_py.supported_isas()
+ISAS = FP32_ISAS
 SHAPES = [  # B, T, C, OC
     (4, 64, 768, 768),    # GPT-2 124M attention projection
     (4, 64, 3072, 768),   # GPT-2 124M MLP projection: K=3072 spans 8 KC panels
@@ -178,27 +178,29 @@ def test_supported_isas_follow_the_cpu():
         expected.append("avx2")
         if "avx512f" in flags:
             expected.append("avx512")
+            if "avx512_bf16" in flags:
+                expected.append("avx512bf16")
     assert llmc_py.supported_isas() == expected
 
 
 def test_set_isa_auto_picks_the_best_and_rejects_the_rest(use_isa):
     use_isa("auto")
-    assert llmc_py.get_isa() == ISAS[-1]
-    for name in ("avx2", "avx512"):
-        if name in ISAS:
+    assert llmc_py.get_isa() == llmc_py.supported_isas()[-1]
+    for name in ("avx2", "avx512", "avx512bf16"):
+        if name in llmc_py.supported_isas():
             continue
         with pytest.raises(llmc_py.UnsupportedError, match="not supported"):
             llmc_py.set_isa(name)
-        assert llmc_py.get_isa() == ISAS[-1]
+        assert llmc_py.get_isa() == llmc_py.supported_isas()[-1]
     with pytest.raises(ValueError, match="avx2"):
         llmc_py.set_isa("avx9000")
-    assert llmc_py.get_isa() == ISAS[-1]
+    assert llmc_py.get_isa() == llmc_py.supported_isas()[-1]
 
 
 def test_raw_set_isa_checks_its_argument():
     from llmc_py._native.lib import lib
     before = lib.llmc_get_isa()
-    for bad in (-1, 4, 99):
+    for bad in (-1, 5, 99):
         assert lib.llmc_set_isa(bad) == lib.LLMC_ERR_RANGE
         assert lib.llmc_isa_supported(bad) == 0
     assert lib.llmc_isa_supported(lib.LLMC_ISA_AUTO) == 0   # a choice, not a kernel

@@ -36,6 +36,8 @@ SOURCES = [
     "encoder.c",
     "norms.c",
     "matmul.c",
+    "bf16.c",
+    "matmul_bf16.c",
     "attention.c",
     "rope.c",
     "activations.c",
@@ -144,7 +146,7 @@ def make_builder():
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
         depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h", "isa.h",
-                                                 "matmul_micro.h", "matmul_skinny.h")],
+                                                 "gemm.h", "matmul_micro.h", "matmul_skinny.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

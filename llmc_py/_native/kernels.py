@@ -4,7 +4,7 @@ dtype, layout and shape before C sees a pointer, and raises the mapped
 exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
-from .lib import check, dptr, ffi, fptr, iptr, lib
+from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
 from ..io.tokens import first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
@@ -95,6 +95,53 @@ def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
         B, T, C, OC), "matmul_backward" + (f"_{variant}" if variant else ""))
 
 
+def float_to_bf16(out, inp):
+    """out uint16 [N] (written) = inp float32 [N] rounded to bf16 (ties to even)."""
+    _dims(inp, "inp")
+    check(lib.float_to_bf16(hptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
+                            inp.size), "float_to_bf16")
+
+
+def bf16_to_float(out, inp):
+    """out float32 [N] (written) = inp bf16 (uint16) [N], exactly."""
+    _dims(inp, "inp")
+    check(lib.bf16_to_float(fptr(out, "out", inp.shape, out=True), hptr(inp, "inp", inp.shape),
+                            inp.size), "bf16_to_float")
+
+
+def matmul_forward_bf16(out, inp, weight, bias=None, variant=""):
+    """out[B,T,OC] (written) = bf16(inp[B,T,C]) . weight[OC,C]^T + bias[OC], with
+    weight bf16 (uint16) and the products summed in float32 (bias may be None).
+
+    ``variant="naive"`` runs the plain reference loops."""
+    B, T, C = _dims(inp, "inp", 3)
+    OC = _dims(weight, "weight", 2)[0]
+    fn = _variant(MATMUL_FORWARD_BF16, variant)
+    check(fn(
+        fptr(out, "out", (B, T, OC), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        hptr(weight, "weight", (OC, C)),
+        _optional(bias, "bias", (OC,)),
+        B, T, C, OC), "matmul_forward_bf16" + (f"_{variant}" if variant else ""))
+
+
+def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, variant=""):
+    """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight (bf16):
+    matmul_backward with dout and inp rounded to bf16 in the products. Any of
+    dinp, dweight and dbias may be None: that product is skipped."""
+    B, T, C = _dims(inp, "inp", 3)
+    OC = _dims(weight, "weight", 2)[0]
+    fn = _variant(MATMUL_BACKWARD_BF16, variant)
+    check(fn(
+        _optional(dinp, "dinp", (B, T, C), out=True),
+        _optional(dweight, "dweight", (OC, C), out=True),
+        _optional(dbias, "dbias", (OC,), out=True),
+        fptr(dout, "dout", (B, T, OC)),
+        fptr(inp, "inp", (B, T, C)),
+        hptr(weight, "weight", (OC, C)),
+        B, T, C, OC), "matmul_backward_bf16" + (f"_{variant}" if variant else ""))
+
+
 def attention_forward(out, att, inp, NH):
     """out[B,T,C] (written), att[B,NH,T,T] (written) <- inp[B,T,3C] (q, k, v)."""
     B, T, C3 = _dims(inp, "inp", 3)
@@ -179,11 +226,15 @@ def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
         B, T, V, Vp), "crossentropy_softmax_backward", targets, "targets", V)
 
 
-def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t):
-    """params, m, v [N] (updated in place) by one AdamW step with grads [N]; t >= 1."""
+def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t,
+                 params_bf16=None):
+    """params, m, v [N] (updated in place) by one AdamW step with grads [N]; t >= 1.
+    ``params_bf16`` uint16 [N] (written), if given: the new params in bf16."""
     _dims(params, "params")
     N = params.size
     check(lib.adamw_update(fptr(params, "params", (N,), out=True),
+                           ffi.NULL if params_bf16 is None else hptr(
+                               params_bf16, "params_bf16", (N,), out=True),
                            fptr(m, "m", (N,), out=True),
                            fptr(v, "v", (N,), out=True),
                            fptr(grads, "grads", (N,)),
@@ -208,6 +259,8 @@ def scale_inplace(x, scale):
 
 MATMUL_FORWARD = {"": lib.matmul_forward, "naive": lib.matmul_forward_naive}
 MATMUL_BACKWARD = {"": lib.matmul_backward, "naive": lib.matmul_backward_naive}
+MATMUL_FORWARD_BF16 = {"": lib.matmul_forward_bf16, "naive": lib.matmul_forward_bf16_naive}
+MATMUL_BACKWARD_BF16 = {"": lib.matmul_backward_bf16, "naive": lib.matmul_backward_bf16_naive}
 
 
 def _check_tokens(status, where, tokens, name, V):

@@ -56,6 +56,12 @@ def iptr(arr, name, shape):
     return _pointer(arr, name, shape, np.int32, "int[]", False)
 
 
+def hptr(arr, name, shape, *, out=False):
+    """A uint16_t* into a uint16 C-contiguous array of exactly ``shape``: bf16
+    numbers, each the upper half of a float32 (no copy)."""
+    return _pointer(arr, name, shape, np.uint16, "uint16_t[]", out)
+
+
 def dptr(arr, name, shape, *, out=False):
     """A double* into a float64 C-contiguous array of exactly ``shape`` (no copy)."""
     return _pointer(arr, name, shape, np.float64, "double[]", out)
@@ -76,12 +82,14 @@ def has_openmp():
 
 # instruction sets of the kernels, by name, slowest first
 ISAS = {"portable": lib.LLMC_ISA_PORTABLE, "avx2": lib.LLMC_ISA_AVX2,
-        "avx512": lib.LLMC_ISA_AVX512}
+        "avx512": lib.LLMC_ISA_AVX512, "avx512bf16": lib.LLMC_ISA_AVX512BF16}
 
 
 def set_isa(name):
-    """Chooses the instruction set of every kernel: "avx512", "avx2", "portable",
-    or "auto" (the best the CPU supports, the default). The environment
+    """Chooses the instruction set of every kernel: "avx512bf16" (AVX-512 with
+    the bf16 dot product; only the bf16 matmul differs from "avx512"),
+    "avx512", "avx2", "portable", or "auto" (the best the CPU supports, the
+    default). The environment
     variable LLMC_ISA makes the same choice when llmc_py is imported. Raises
     UnsupportedError if this CPU or build cannot run it."""
     if name != "auto" and name not in ISAS:
