@@ -11,7 +11,7 @@ import sys
 
 from .errors import LlmcError
 from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
-from .model import load_model
+from .model import PRECISIONS, load_model
 from .generate.kv_cache import stream
 
 
@@ -34,6 +34,9 @@ def build_parser():
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 1 makes tokens already in the text less likely (e.g. 1.2)")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: decode with a bf16 copy of the weights (half the bytes per "
+                        "token)")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token")
     return p
@@ -45,7 +48,7 @@ def main(argv=None, out=None):
     try:
         check_flags(args, FLAG_RANGES)
         from .tokenizer import EOT, get_encoding
-        model = load_model(args.checkpoint)
+        model = load_model(args.checkpoint, precision=args.precision)
         encoding = get_encoding()
         if model.config.vocab_size != encoding.n_vocab:
             raise ValueError(f"{args.checkpoint}: vocab_size {model.config.vocab_size} does not "

@@ -1,7 +1,12 @@
 """A PyTorch reference for the whole model family (float64), assembled from
 the per-kernel references in reference.py: the model the C model is checked
 against. GPT-2 is the config with GPT-2's choices. Parameters are a dict of
-tensors named and shaped as in llmc_py.model.layout.param_specs."""
+tensors named and shaped as in llmc_py.model.layout.param_specs.
+
+precision="bf16" is the mixed precision of llmc_py's bf16 models: every
+linear layer multiplies bf16-rounded operands (its input and weight forward,
+its output gradient and weight or input backward) and sums exactly (float64
+here); everything else stays float64."""
 import math
 
 import numpy as np
@@ -40,15 +45,47 @@ def alibi_slopes(n_heads):
                         dtype=torch.float64)
 
 
+def round_bf16(x):
+    """x (float64) rounded to the nearest bf16 via float32, ties to even: the
+    rounding our float32 values get, up to the float32 step itself."""
+    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
+
+
+class Bf16Linear(torch.autograd.Function):
+    """x [B,T,C] . weight^T (+ bias) with x and weight rounded to bf16; the
+    backward rounds dout to bf16 for dx and dweight (not for dbias)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        xr, wr = round_bf16(x), round_bf16(weight)
+        ctx.save_for_backward(xr, wr)
+        ctx.has_bias = bias is not None
+        return R.matmul(xr, wr, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        xr, wr = ctx.saved_tensors
+        dr = round_bf16(dout)
+        dx = dr @ wr
+        dweight = dr.reshape(-1, dr.shape[-1]).T @ xr.reshape(-1, xr.shape[-1])
+        dbias = dout.reshape(-1, dout.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dweight, dbias
+
+
+def bf16_matmul(x, weight, bias=None):
+    return Bf16Linear.apply(x, weight, bias)
+
+
 def norm(x, weight, bias, config):
     if config.norm == "rmsnorm":
         return R.rmsnorm(x, weight, config.norm_eps)[0]
     return R.layernorm(x, weight, bias, config.norm_eps)[0]
 
 
-def forward(p, config, inputs, targets=None):
+def forward(p, config, inputs, targets=None, precision="fp32"):
     """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T)."""
     c = config
+    matmul = bf16_matmul if precision == "bf16" else R.matmul
     inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
     slopes = alibi_slopes(c.num_heads) if c.position == "alibi" else None
 
@@ -60,17 +97,17 @@ def forward(p, config, inputs, targets=None):
     x = R.encoder(p["wte"], param("wpe"), inputs)
     for l in range(c.num_layers):
         h = norm(x, param("ln1w", l), param("ln1b", l), c)
-        qkv = R.matmul(h, param("qkvw", l), param("qkvb", l))
+        qkv = matmul(h, param("qkvw", l), param("qkvb", l))
         if c.position == "rope":
             qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta)
         h = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)[0]
-        x = R.residual(x, R.matmul(h, param("attprojw", l), param("attprojb", l)))
+        x = R.residual(x, matmul(h, param("attprojw", l), param("attprojb", l)))
         h = norm(x, param("ln2w", l), param("ln2b", l), c)
-        h = R.matmul(h, param("fcw", l), param("fcb", l))
+        h = matmul(h, param("fcw", l), param("fcb", l))
         h = R.swiglu(h) if c.mlp == "swiglu" else R.gelu(h)
-        x = R.residual(x, R.matmul(h, param("fcprojw", l), param("fcprojb", l)))
+        x = R.residual(x, matmul(h, param("fcprojw", l), param("fcprojb", l)))
     x = norm(x, p["lnfw"], param("lnfb"), c)
-    logits = R.matmul(x, p["wte"] if c.tied_embeddings else p["lm_head"])
+    logits = matmul(x, p["wte"] if c.tied_embeddings else p["lm_head"])
     if targets is None:
         return logits, None
     targets = torch.as_tensor(np.asarray(targets, dtype=np.int64))

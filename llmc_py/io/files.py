@@ -35,12 +35,15 @@ def read_header(path, what, error=CheckpointError):
 
 
 def expect_magic_version(path, header, magic, version, kind):
-    """Raises CheckpointError unless header slots 0 and 1 hold ``magic`` and ``version``."""
+    """Raises CheckpointError unless header slots 0 and 1 hold ``magic`` and
+    ``version`` (one int, or a tuple of the versions accepted)."""
     if header[0] != magic:
         raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {magic} "
                               f"(not {kind})")
-    if header[1] != version:
-        raise CheckpointError(f"{path}: header field version is {header[1]}, expected {version}")
+    versions = version if isinstance(version, tuple) else (version,)
+    if header[1] not in versions:
+        expected = " or ".join(str(v) for v in versions)
+        raise CheckpointError(f"{path}: header field version is {header[1]}, expected {expected}")
 
 
 def expect_size(path, size, expected, what):

@@ -61,18 +61,44 @@ def read_model(path):
         if version == VERSION_FP32:
             params = np.fromfile(f, dtype="<f4", count=count)
         else:
-            # bf16 is the top half of an fp32: widen by shifting into place
-            params = (np.fromfile(f, dtype="<u2", count=count).astype(np.uint32) << 16)
-            params = params.view(np.float32)
+            params = _widen_bf16(np.fromfile(f, dtype="<u2", count=count))
     if params.size != count:   # the file shrank while we read it
         raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
     return config, params.astype(np.float32, copy=False)
 
 
-def model_header(config):
+DTYPES = ("fp32", "bf16")   # a model file's parameters
+
+
+def round_to_bf16(params):
+    """float32 ``params`` rounded to the nearest bf16, ties to even, as uint16
+    (the top half of a float32); a NaN stays a quiet NaN. The same rounding
+    as the kernels' float_to_bf16."""
+    bits = np.ascontiguousarray(params, dtype=np.float32).view(np.uint32)
+    # no wrap-around in uint32: only NaNs lie within 0x8000 of 2^32
+    out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(params)
+    out[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+def _param_bytes(config, params, dtype):
+    """The parameters as a model file stores them: little-endian fp32 or bf16."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype is {dtype!r}, expected one of {DTYPES}")
+    params = checked_params(config, params)
+    return params.astype("<f4", copy=False) if dtype == "fp32" else round_to_bf16(params)
+
+
+def _widen_bf16(bits):
+    """float32 from bf16 numbers (uint16): exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def model_header(config, version=VERSION_FP32):
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0] = MAGIC_MODEL
-    header[1] = VERSION_FP32
+    header[1] = version
     for name in MODEL_FIELDS:
         value = getattr(config, name)
         if value > INT32_MAX:
@@ -81,10 +107,12 @@ def model_header(config):
     return header
 
 
-def write_model(path, config, params):
-    """Writes an llm.c version-3 (fp32) model file atomically."""
-    params = checked_params(config, params)
-    atomic_write(path, [model_header(config).tobytes(), params.astype("<f4", copy=False)])
+def write_model(path, config, params, dtype="fp32"):
+    """Writes an llm.c model file atomically: version 3 (fp32), or with
+    ``dtype="bf16"`` version 5 (each parameter rounded to the nearest bf16)."""
+    data = _param_bytes(config, params, dtype)
+    version = VERSION_FP32 if dtype == "fp32" else VERSION_BF16
+    atomic_write(path, [model_header(config, version).tobytes(), data])
 
 
 # ---- the Llama family's model file ------------------------------------------
@@ -101,10 +129,13 @@ def write_model(path, config, params):
 #     [13] bias      0 or 1
 #     [14] tied_embeddings  0 or 1
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps
-#   every parameter, fp32, in layout.param_specs order
+#   every parameter in layout.param_specs order: fp32 (version 1) or bf16
+#   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range.
 MAGIC_LLAMA = 20261122
 VERSION_LLAMA = 1
+VERSION_LLAMA_BF16 = 2
+LLAMA_BYTES_PER_PARAM = {VERSION_LLAMA: 4, VERSION_LLAMA_BF16: 2}
 LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
                    "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
 LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
@@ -113,10 +144,10 @@ LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
 
 
-def llama_headers(config):
+def llama_headers(config, version=VERSION_LLAMA):
     """The (int32, float32) headers of a Llama model file for ``config``."""
     ints = np.zeros(HEADER_INTS, dtype="<i4")
-    ints[0], ints[1] = MAGIC_LLAMA, VERSION_LLAMA
+    ints[0], ints[1] = MAGIC_LLAMA, version
     for name, slot in LLAMA_INT_SLOTS.items():
         value = getattr(config, name)
         if value > INT32_MAX:
@@ -133,9 +164,11 @@ def llama_headers(config):
 
 
 def read_llama_header(path):
-    """(LlamaConfig, file size) from a Llama model file's validated headers."""
+    """(LlamaConfig, version, file size) from a Llama model file's validated headers."""
     ints, size = read_header(path, "Llama model")
-    expect_magic_version(path, ints, MAGIC_LLAMA, VERSION_LLAMA, "an llmc_py Llama model file")
+    expect_magic_version(path, ints, MAGIC_LLAMA, tuple(LLAMA_BYTES_PER_PARAM),
+                         "an llmc_py Llama model file")
+    version = int(ints[1])
     if size < LLAMA_HEADER_BYTES:
         raise CheckpointError(f"{path}: file size {size} bytes is smaller than the "
                               f"{LLAMA_HEADER_BYTES}-byte Llama header (truncated)")
@@ -165,27 +198,32 @@ def read_llama_header(path):
         config = LlamaConfig(**fields)
     except ShapeError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    expect_size(path, size, LLAMA_HEADER_BYTES + 4 * num_parameters(config), "Llama model file")
-    return config, size
+    expect_size(path, size, LLAMA_HEADER_BYTES + LLAMA_BYTES_PER_PARAM[version]
+                * num_parameters(config), "Llama model file")
+    return config, version, size
 
 
 def read_llama(path):
     """(LlamaConfig, params) from a Llama model file; params is flat float32."""
-    config, _ = read_llama_header(path)
+    config, version, _ = read_llama_header(path)
     count = num_parameters(config)
     with open(path, "rb") as f:
         f.seek(LLAMA_HEADER_BYTES)
-        params = np.fromfile(f, dtype="<f4", count=count)
+        if version == VERSION_LLAMA:
+            params = np.fromfile(f, dtype="<f4", count=count)
+        else:
+            params = _widen_bf16(np.fromfile(f, dtype="<u2", count=count))
     if params.size != count:   # the file shrank while we read it
         raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
     return config, params.astype(np.float32, copy=False)
 
 
-def write_llama(path, config, params):
-    """Writes a Llama model file atomically."""
-    params = checked_params(config, params)
-    ints, floats = llama_headers(config)
-    atomic_write(path, [ints.tobytes(), floats.tobytes(), params.astype("<f4", copy=False)])
+def write_llama(path, config, params, dtype="fp32"):
+    """Writes a Llama model file atomically: version 1 (fp32), or with
+    ``dtype="bf16"`` version 2 (each parameter rounded to the nearest bf16)."""
+    data = _param_bytes(config, params, dtype)
+    ints, floats = llama_headers(config, VERSION_LLAMA if dtype == "fp32" else VERSION_LLAMA_BF16)
+    atomic_write(path, [ints.tobytes(), floats.tobytes(), data])
 
 
 def model_kind(path):
@@ -205,6 +243,8 @@ def read_model_file(path):
     return (read_llama if model_kind(path) == "llama" else read_model)(path)
 
 
-def write_model_file(path, config, params):
-    """Writes llm.c's file for a GPT2Config, ours for any other config."""
-    (write_model if isinstance(config, GPT2Config) else write_llama)(path, config, params)
+def write_model_file(path, config, params, dtype="fp32"):
+    """Writes llm.c's file for a GPT2Config, ours for any other config, with
+    fp32 or bf16 parameters (``dtype``)."""
+    write = write_model if isinstance(config, GPT2Config) else write_llama
+    write(path, config, params, dtype)

@@ -2,6 +2,6 @@
 flat buffers (layout.py), its presets GPT-2 and Llama (presets.py), and the
 memory check every allocation passes (memory.py)."""
 from .presets import GPT2, Llama, load_model
-from .transformer import MATRIX_PARAMS, Transformer
+from .transformer import MATRIX_PARAMS, PRECISIONS, Transformer
 
-__all__ = ["Transformer", "GPT2", "Llama", "load_model", "MATRIX_PARAMS"]
+__all__ = ["Transformer", "GPT2", "Llama", "load_model", "MATRIX_PARAMS", "PRECISIONS"]

@@ -12,6 +12,15 @@ ALiBi biases in the attention; act: GELU | SwiGLU; attention: grouped-query
 or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
 (model.presets): their forward and backward are these.
 
+Precision: "fp32" runs every kernel in float32. "bf16" is mixed precision as
+in llm.c's CUDA trainer: the parameters (the master copy), their gradients
+and AdamW's moments stay float32, and ``params_bf16`` holds a bf16 copy of
+the parameters (rounded to nearest even) that the linear layers read; each
+linear layer multiplies bf16 numbers (its float32 input and, backward, its
+float32 output gradient rounded to bf16) and sums in float32. Norm
+statistics, attention, softmax, the loss and the gradient norm stay float32.
+update() rewrites the bf16 copy as it updates the parameters.
+
 Parameters, their gradients, the activations and the activation gradients
 each live in one contiguous float32 buffer; ``params``, ``grads``, ``acts``
 and ``grads_acts`` are TensorGroups of named views into them
@@ -37,6 +46,7 @@ from .layout import (TensorGroup, act_specs, aligned_zeros, checked_params, grad
                      param_specs, specs_bytes)
 from .memory import require
 
+PRECISIONS = ("fp32", "bf16")
 INIT_STD = 0.02
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
@@ -69,10 +79,14 @@ class Transformer:
     another thread is inside one of them raise ConcurrentUseError at once,
     rather than compute a wrong result. Two models in two threads are fine."""
 
-    def __init__(self, config, seed=0, *, params=None):
+    def __init__(self, config, seed=0, *, params=None, precision="fp32"):
         """A model of ``config`` with GPT-2's initialisation from ``seed``, or
-        with the given flat float32 ``params`` (in layout.param_specs order)."""
+        with the given flat float32 ``params`` (in layout.param_specs order);
+        ``precision`` "fp32" or "bf16" (mixed precision, see the module)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
         self.config = config
+        self.precision = precision
         self.param_specs = param_specs(config)
         self.act_specs = act_specs(config)
         self.grad_act_specs = grad_act_specs(self.act_specs)
@@ -87,6 +101,16 @@ class Transformer:
             self._init_params(seed)
         else:
             self.params.memory[...] = checked_params(config, params)
+        # what the linear layers read: the float32 parameters, or their bf16 copy
+        if precision == "bf16":
+            self.params_bf16 = TensorGroup(self.param_specs, self.config, dtype=np.uint16)
+            self.refresh_bf16()
+            self._matmul_forward, self._matmul_backward = (K.matmul_forward_bf16,
+                                                           K.matmul_backward_bf16)
+        else:
+            self.params_bf16 = None
+            self._matmul_forward, self._matmul_backward = K.matmul_forward, K.matmul_backward
+        self._weights = self.params_bf16 if precision == "bf16" else self.params
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
@@ -110,6 +134,15 @@ class Transformer:
         for name in _NORM_WEIGHTS:
             p[name][...] = 1.0
 
+    @_held
+    def refresh_bf16(self):
+        """Rewrites ``params_bf16`` from ``params`` (bf16 models): update()
+        does this itself; call it after writing to ``params`` by hand."""
+        if self.params_bf16 is None:
+            raise RuntimeError("refresh_bf16: this model's precision is fp32; it has no "
+                               "bf16 copy of its parameters")
+        K.float_to_bf16(self.params_bf16.memory, self.params.memory)
+
     @contextlib.contextmanager
     def exclusive(self, what="use"):
         """Holds the model for this thread (re-entrant), or raises
@@ -124,16 +157,19 @@ class Transformer:
             self._user.release()
 
     @classmethod
-    def from_checkpoint(cls, path):
-        """The model in a model file (io.model_file: llm.c's GPT-2 file or ours)."""
+    def from_checkpoint(cls, path, precision="fp32"):
+        """The model in a model file (io.model_file: llm.c's GPT-2 file or
+        ours, with fp32 or bf16 parameters), in ``precision``."""
         from ..io.model_file import read_model_file
         config, params = read_model_file(path)
-        return cls(config, params=params)
+        return cls(config, params=params, precision=precision)
 
-    def save_checkpoint(self, path):
-        """Writes the model file, atomically: llm.c's version-3 file for a
-        GPT2Config, our Llama-family file otherwise."""
-        write_model_file(path, self.config, self.params.memory)
+    def save_checkpoint(self, path, dtype="fp32"):
+        """Writes the model file, atomically: llm.c's file for a GPT2Config
+        (version 3, fp32 parameters; ``dtype="bf16"``: version 5, each
+        parameter rounded to the nearest bf16, as llm.c's train_gpt2.py
+        writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
+        write_model_file(path, self.config, self.params.memory, dtype=dtype)
 
     @property
     def grads(self):
@@ -282,18 +318,19 @@ class Transformer:
         c, p = self.config, self.params
         self._norm_forward(a.ln1[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
                            p.ln1w[l], self._bias(p, "ln1b", l))
-        K.matmul_forward(a.qkv[l], a.ln1[l], p.qkvw[l], self._bias(p, "qkvb", l))
+        w, matmul = self._weights, self._matmul_forward
+        matmul(a.qkv[l], a.ln1[l], w.qkvw[l], self._bias(p, "qkvb", l))
         attend(l)
-        K.matmul_forward(a.attproj[l], a.atty[l], p.attprojw[l], self._bias(p, "attprojb", l))
+        matmul(a.attproj[l], a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
         K.residual_forward(a.residual2[l], residual, a.attproj[l])
         self._norm_forward(a.ln2[l], self._stat(a, "ln2_mean", l), a.ln2_rstd[l],
                            a.residual2[l], p.ln2w[l], self._bias(p, "ln2b", l))
-        K.matmul_forward(a.fch[l], a.ln2[l], p.fcw[l], self._bias(p, "fcb", l))
+        matmul(a.fch[l], a.ln2[l], w.fcw[l], self._bias(p, "fcb", l))
         if c.mlp == "swiglu":
             K.swiglu_forward(a.fch_act[l], a.fch[l])
         else:
             K.gelu_forward(a.fch_act[l], a.fch[l])
-        K.matmul_forward(a.fcproj[l], a.fch_act[l], p.fcprojw[l], self._bias(p, "fcprojb", l))
+        matmul(a.fcproj[l], a.fch_act[l], w.fcprojw[l], self._bias(p, "fcprojb", l))
         K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
         return a.residual3[l]
 
@@ -302,7 +339,7 @@ class Transformer:
         p = self.params
         self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
                            self._bias(p, "lnfb"))
-        K.matmul_forward(a.logits, a.lnf, self._head(p), None)
+        self._matmul_forward(a.logits, a.lnf, self._head(self._weights), None)
 
     # ---- backward ----------------------------------------------------------
 
@@ -332,37 +369,38 @@ class Transformer:
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
+        w, matmul_backward = self._weights, self._matmul_backward
         d = self._start_backward(loss_scale)
         rope = c.position == "rope"
 
-        K.matmul_backward(d.lnf, self._head(g), None, d.logits, a.lnf, self._head(p))
+        matmul_backward(d.lnf, self._head(g), None, d.logits, a.lnf, self._head(w))
         self._norm_backward(d.residual3[c.L - 1], g.lnfw, self._bias(g, "lnfb"), d.lnf,
                             a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
             dresidual = d.encoded if l == 0 else d.residual3[l - 1]
             K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
-            K.matmul_backward(d.fch_act[l], g.fcprojw[l], self._bias(g, "fcprojb", l),
-                              d.fcproj[l], a.fch_act[l], p.fcprojw[l])
+            matmul_backward(d.fch_act[l], g.fcprojw[l], self._bias(g, "fcprojb", l),
+                            d.fcproj[l], a.fch_act[l], w.fcprojw[l])
             if c.mlp == "swiglu":
                 K.swiglu_backward(d.fch[l], d.fch_act[l], a.fch[l])
             else:
                 K.gelu_backward(d.fch[l], d.fch_act[l], a.fch[l])
-            K.matmul_backward(d.ln2[l], g.fcw[l], self._bias(g, "fcb", l), d.fch[l], a.ln2[l],
-                              p.fcw[l])
+            matmul_backward(d.ln2[l], g.fcw[l], self._bias(g, "fcb", l), d.fch[l], a.ln2[l],
+                            w.fcw[l])
             self._norm_backward(d.residual2[l], g.ln2w[l], self._bias(g, "ln2b", l), d.ln2[l],
                                 a.residual2[l], p.ln2w[l], self._stat(a, "ln2_mean", l),
                                 a.ln2_rstd[l])
             K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
-            K.matmul_backward(d.atty[l], g.attprojw[l], self._bias(g, "attprojb", l),
-                              d.attproj[l], a.atty[l], p.attprojw[l])
+            matmul_backward(d.atty[l], g.attprojw[l], self._bias(g, "attprojb", l),
+                            d.attproj[l], a.atty[l], w.attprojw[l])
             if rope:
                 K.attention_gqa_backward(d.qkvr[l], d.atty[l], a.qkvr[l], a.att[l], c.NH, c.NKV)
                 K.rope_backward(d.qkv[l], d.qkvr[l], None, c.NH, c.NKV, c.rope_theta)
             else:
                 K.attention_gqa_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH, c.NKV)
-            K.matmul_backward(d.ln1[l], g.qkvw[l], self._bias(g, "qkvb", l), d.qkv[l], a.ln1[l],
-                              p.qkvw[l])
+            matmul_backward(d.ln1[l], g.qkvw[l], self._bias(g, "qkvb", l), d.qkv[l], a.ln1[l],
+                            w.qkvw[l])
             self._norm_backward(dresidual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln1[l],
                                 residual, p.ln1w[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.encoded,
@@ -409,7 +447,7 @@ class Transformer:
             self.m_memory = aligned_zeros(self.num_parameters)
             self.v_memory = aligned_zeros(self.num_parameters)
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
-                   beta2, eps, weight_decay, t, decay)
+                   beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
 
 
 def _reuse(group, specs, config, B, T):

@@ -23,7 +23,7 @@ from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteEr
 from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
-from ..model import GPT2, Llama, load_model
+from ..model import GPT2, PRECISIONS, Llama, load_model
 from .loop import Trainer, evaluate
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
@@ -95,6 +95,9 @@ def build_parser():
     a("--shuffle", type=int, choices=(0, 1), default=0,
       help="1: visit training windows in a seeded random order")
     a("--seed", type=int, default=1337, help="seed for initialisation, shuffling and sampling")
+    a("--precision", choices=PRECISIONS, default="fp32",
+      help="bf16: mixed precision (bf16 matmuls on a bf16 copy of the weights; float32 "
+           "master weights, gradients, optimizer state and statistics)")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
     a("--data-dir", default="data", help="where the default dataset is prepared")
     llama = p.add_argument_group(
@@ -230,10 +233,11 @@ def build_model(args):
     """A fresh model of the -e depth, or the -e model file's."""
     config = config_from_depth(args.init, args=args)
     if config is not None:
-        return (Llama if isinstance(config, LlamaConfig) else GPT2)(config, seed=args.seed)
+        model = Llama if isinstance(config, LlamaConfig) else GPT2
+        return model(config, seed=args.seed, precision=args.precision)
     if not Path(args.init).exists():
         raise UsageError(f"-e {args.init}: no such model file, and not a depth like d6")
-    return load_model(args.init)
+    return load_model(args.init, precision=args.precision)
 
 
 def check_model_fits(args, config):
@@ -320,7 +324,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     # model, optimizer, schedule
     resume_step = 0
     if args.resume:
-        resume_step, model, m, v, extra = usable_checkpoint(folder, progress)
+        resume_step, model, m, v, extra = usable_checkpoint(folder, progress, args.precision)
         if args.max_steps < resume_step:
             raise UsageError(f"-x {args.max_steps} is below the checkpoint's step "
                              f"{resume_step} in {folder.path}")
@@ -363,8 +367,8 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         if changes:
             progress.say("changed on resume: " + ", ".join(changes))
 
-    progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters; "
-                 f"batch {B}x{T}, "
+    progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters, "
+                 f"{model.precision}; batch {B}x{T}, "
                  f"{grad_accum} micro-batch(es) per step; {args.max_steps} steps")
     log = folder.open_log(append=bool(resume_step))
 

@@ -7,13 +7,15 @@ DECAY_ON = ("matrices", "all")   # which parameters weight decay applies to
 
 
 def adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_decay, t,
-               decay=None):
+               decay=None, params_bf16=None):
     """One AdamW step over TensorGroups ``params`` and ``grads`` with flat
     moments ``m`` and ``v``; t >= 1 is the step number. Weight decay applies
-    to every tensor unless ``decay`` names the ones to decay."""
+    to every tensor unless ``decay`` names the ones to decay. The TensorGroup
+    ``params_bf16``, if given, receives the new parameters rounded to bf16."""
+    copy = None if params_bf16 is None else params_bf16.memory
     if decay is None:
         K.adamw_update(params.memory, m, v, grads.memory, learning_rate, beta1, beta2, eps,
-                       weight_decay, t)
+                       weight_decay, t, params_bf16=copy)
         return
     unknown = set(decay) - set(params.names)
     if unknown:
@@ -25,7 +27,8 @@ def adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_dec
         count = params[name].size
         part = slice(offset, offset + count)
         K.adamw_update(params.memory[part], m[part], v[part], grads.memory[part], learning_rate,
-                       beta1, beta2, eps, weight_decay if name in decay else 0.0, t)
+                       beta1, beta2, eps, weight_decay if name in decay else 0.0, t,
+                       params_bf16=None if copy is None else copy[part])
         offset += count
 
 
@@ -51,7 +54,8 @@ class AdamW:
         """Updates the model's parameters from its gradients; t >= 1."""
         model = self.model
         adamw_step(model.params, model.grads, self.m, self.v, learning_rate, self.beta1,
-                   self.beta2, self.eps, self.weight_decay, t, self.decay)
+                   self.beta2, self.eps, self.weight_decay, t, self.decay,
+                   params_bf16=model.params_bf16)
 
     def load_moments(self, m, v):
         """Restores m and v (flat float32, one value per parameter)."""

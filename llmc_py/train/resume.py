@@ -13,7 +13,8 @@ FIXED_MODEL_FLAGS = ("init", "arch", "norm", "position", "mlp", "kv_heads", "ffn
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
-                        "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints")
+                        "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints",
+                        "precision")
 
 
 def resume_changes(saved, settings, explicit):
@@ -33,15 +34,16 @@ def resume_changes(saved, settings, explicit):
             if key in saved and saved[key] != settings[key]]
 
 
-def usable_checkpoint(folder, progress):
-    """(step, model, m, v, extra) of the newest checkpoint that loads; a
-    newer one that does not is passed over with a line saying why."""
+def usable_checkpoint(folder, progress, precision="fp32"):
+    """(step, model, m, v, extra) of the newest checkpoint that loads, the
+    model in ``precision``; a newer one that does not is passed over with a
+    line saying why."""
     done = folder.completed_steps()
     if not done:
         raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
     for step in reversed(done):
         try:
-            model = load_model(folder.checkpoint_paths(step)[0])
+            model = load_model(folder.checkpoint_paths(step)[0], precision=precision)
             m, v, extra = folder.read_state(step, model.num_parameters)
             return step, model, m, v, extra
         except (CheckpointError, OSError) as e:
