@@ -2,25 +2,33 @@
 
 1. matmul: each product of a linear layer at GPT-2 124M's shapes, on each
    instruction set of the kernel (--isa), verified against the naive kernel,
-   then timed beside numpy's sgemm for the same product; GFLOP/s.
+   then timed beside numpy's sgemm and torch's matmul for the same product;
+   GFLOP/s. With --precision bf16, the bf16 products beside torch's bf16
+   matmul as well.
 2. attention (forward, backward) at GPT-2 124M's heads, on each instruction
    set, verified against the plain twin (attention_*_naive), then timed
    beside that twin.
 3. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
    of the same bytes.
 4. the training step of GPT-2 124M (random init): forward + backward + AdamW,
-   ms/step and tokens/s, beside PyTorch eager on the same model when torch is
-   installed (and on 1 thread with --scaling).
+   ms/step and tokens/s, in --precision (fp32, or bf16 mixed precision),
+   beside PyTorch eager on the same model when torch is installed (in bf16:
+   also under torch.autocast; with --compile: torch.compile'd too), and on 1
+   thread with --scaling.
 5. with --generate: greedy generation with GPT-2 124M after a prompt, batch 1
    and 4: tokens/s with the KV cache, without it (a full forward per token),
    and PyTorch with a KV cache of its own; the cache's size beside the model's.
-Every time is the median of several repeats (min and max shown too).
+   With --precision bf16: our bf16 decoding beside our fp32 and torch's bf16.
+Every time is the median of several repeats (min and max shown too). Every
+PyTorch measurement runs in a process of its own (bench_torch.py).
 """
 import argparse
+import functools
 import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,7 +39,7 @@ from ._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, sup
 from .config import GPT2Config
 from .errors import UsageError
 from .flags import NON_NEGATIVE, POSITIVE, check_flags
-from .model import GPT2
+from .model import GPT2, PRECISIONS
 
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
@@ -52,67 +60,71 @@ def timed(fn, repeats, warmup=1):
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def _torch():
-    """torch, on this process's thread count, or None when not installed."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    torch.set_num_threads(get_num_threads())
-    return torch
+def torch_job(kind, **job):
+    """The result of one PyTorch measurement (bench_torch.py) run in a fresh
+    interpreter on this process's thread count; None when torch is not
+    installed. A failing job raises RuntimeError with its last error line."""
+    job = dict(job, kind=kind, threads=get_num_threads())
+    done = subprocess.run([sys.executable, "-m", "llmc_py.bench_torch", json.dumps(job)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        raise RuntimeError(f"PyTorch {kind} job failed: {lines[-1]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return None if result.get("missing") else result
 
 
-def bench_matmul(BT, C, OC, repeats, rng, isas, with_torch=True):
+def bench_matmul(BT, C, OC, repeats, rng, isas, torch_gflops=None, precision="fp32"):
     """GFLOP/s of each product of a linear layer at one (BT, C, OC): the
     forward (out = inp . weight^T), dinp (+= dout . weight) and dW (+= dout^T
     . inp), ours on each instruction set in ``isas`` (each verified against
-    the naive kernel first), beside numpy's sgemm and torch's (when
-    installed) for the same product."""
+    the naive kernel first), beside numpy's sgemm for the same product and
+    ``torch_gflops`` ({product: GFLOP/s}, measured by torch_job). With
+    ``precision="bf16"`` the weight is bf16 and ours are the bf16 kernels."""
     x = rng.standard_normal((1, BT, C), dtype=np.float32)
     w = rng.standard_normal((OC, C), dtype=np.float32) * 0.02
     dout = rng.standard_normal((1, BT, OC), dtype=np.float32)
     out, dinp, dw = np.empty((1, BT, OC), np.float32), np.zeros_like(x), np.zeros_like(w)
     ref = {"fwd": np.empty_like(out), "dinp": np.zeros_like(x), "dW": np.zeros_like(w)}
-    K.matmul_forward(ref["fwd"], x, w, variant="naive")
-    K.matmul_backward(ref["dinp"], ref["dW"], None, dout, x, w, variant="naive")
-    torch = _torch() if with_torch else None
-    if torch is not None:
-        tx, tw, tdout = (torch.from_numpy(a) for a in (x[0], w, dout[0]))
-        tout, tdinp, tdw = (torch.from_numpy(a) for a in (out[0], dinp[0], dw))
-    cases = [  # name, ours, numpy's, torch's, our result
-        ("fwd", lambda: K.matmul_forward(out, x, w),
-         lambda: np.matmul(x[0], w.T, out=out[0]),
-         lambda: torch.matmul(tx, tw.T, out=tout), out),
-        ("dinp", lambda: K.matmul_backward(dinp, None, None, dout, x, w),
-         lambda: np.matmul(dout[0], w, out=dinp[0]),
-         lambda: torch.matmul(tdout, tw, out=tdinp), dinp),
-        ("dW", lambda: K.matmul_backward(None, dw, None, dout, x, w),
-         lambda: np.matmul(dout[0].T, x[0], out=dw),
-         lambda: torch.matmul(tdout.T, tx, out=tdw), dw),
+    if precision == "bf16":
+        weight = np.empty(w.shape, np.uint16)
+        K.float_to_bf16(weight, w)
+        forward, backward = K.matmul_forward_bf16, K.matmul_backward_bf16
+        tol = 1e-4   # the dot-product path sums pairs of k, the naive loop one k at a time
+    else:
+        weight, forward, backward, tol = w, K.matmul_forward, K.matmul_backward, 1e-5
+    forward(ref["fwd"], x, weight, variant="naive")
+    backward(ref["dinp"], ref["dW"], None, dout, x, weight, variant="naive")
+    cases = [  # name, ours, numpy's, our result
+        ("fwd", lambda: forward(out, x, weight), lambda: np.matmul(x[0], w.T, out=out[0]), out),
+        ("dinp", lambda: backward(dinp, None, None, dout, x, weight),
+         lambda: np.matmul(dout[0], w, out=dinp[0]), dinp),
+        ("dW", lambda: backward(None, dw, None, dout, x, weight),
+         lambda: np.matmul(dout[0].T, x[0], out=dw), dw),
     ]
     flop = 2.0 * BT * C * OC
     before = get_isa()
     rows = []
     try:
-        for name, ours, numpys, torchs, result in cases:
+        for name, ours, numpys, result in cases:
             # a few untimed calls first: page faults, thread wake-up and clock ramp
             t_np = timed(numpys, repeats, warmup=3)
-            t_torch = timed(torchs, repeats, warmup=3) if torch is not None else None
             for isa in isas:
                 set_isa(isa)
                 result[...] = 0.0   # verify before timing
                 ours()
                 err = float(np.abs(result - ref[name]).max() / np.abs(ref[name]).max())
-                if err > 1e-5:
-                    raise AssertionError(f"matmul {name} ({isa}) disagrees with naive "
-                                         f"at {BT}x{C}x{OC}: {err:.2e}")
+                if err > tol:
+                    raise AssertionError(f"matmul {name} ({isa}, {precision}) disagrees with "
+                                         f"naive at {BT}x{C}x{OC}: {err:.2e}")
                 t_ours = timed(ours, repeats, warmup=3)
-                rows.append({"kernel": f"matmul {name}", "shape": f"{BT}x{C}x{OC}",
-                             "isa": isa, "ms": t_ours["median"] * 1e3,
+                rows.append({"kernel": f"matmul {name}" + (" bf16" if precision == "bf16"
+                                                           else ""),
+                             "shape": f"{BT}x{C}x{OC}", "isa": isa,
+                             "ms": t_ours["median"] * 1e3,
                              "gflops": flop / t_ours["median"] / 1e9,
                              "numpy_gflops": flop / t_np["median"] / 1e9,
-                             "torch_gflops": (flop / t_torch["median"] / 1e9
-                                              if t_torch is not None else None)})
+                             "torch_gflops": torch_gflops[name] if torch_gflops else None})
     finally:
         set_isa(before)
     return rows
@@ -212,8 +224,8 @@ def bench_memory_bound(N, repeats, rng, C=768):
     return rows
 
 
-def bench_step(config, B, T, repeats, rng):
-    model = GPT2(config, seed=0)
+def bench_step(config, B, T, repeats, rng, precision="fp32"):
+    model = GPT2(config, seed=0, precision=precision)
     tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     state = {"t": 0}
@@ -227,60 +239,12 @@ def bench_step(config, B, T, repeats, rng):
     return timed(step, repeats)
 
 
-def bench_torch_step(config, B, T, repeats, rng, compile=False):
-    """PyTorch on the same model and batch: eager, or torch.compile'd (the
-    forward and its backward; the first, untimed, step compiles)."""
-    torch = _torch()
-    if torch is None:
-        return None
-    c = config
-    # one leaf tensor per layer, as an nn.Module would hold them (slicing a
-    # stacked (L, ...) leaf would make autograd build full-size gradients)
-    model = GPT2(c, seed=0)
-    params = {}
-    for name in model.params.names:
-        value = model.params[name]
-        if value.ndim >= 2 and value.shape[0] == c.num_layers and name not in ("wte", "wpe"):
-            params[name] = [torch.tensor(v, requires_grad=True) for v in value]
-        else:
-            params[name] = torch.tensor(value, requires_grad=True)
-    del model
-    leaves = [t for v in params.values() for t in (v if isinstance(v, list) else [v])]
-    opt = torch.optim.AdamW(leaves, lr=1e-4, weight_decay=0.0, fused=True)
-    tokens = torch.as_tensor(rng.integers(0, c.vocab_size, size=(B, T + 1)))
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    F = torch.nn.functional
-
-    def forward():
-        p = params
-        h = p["wte"][x] + p["wpe"][:T]
-        for l in range(c.num_layers):
-            a = F.layer_norm(h, (c.channels,), p["ln1w"][l], p["ln1b"][l])
-            q, k, v = F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(c.channels, dim=-1)
-            q, k, v = (z.view(B, T, c.num_heads, -1).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            h = h + F.linear(a.transpose(1, 2).reshape(B, T, c.channels),
-                             p["attprojw"][l], p["attprojb"][l])
-            a = F.layer_norm(h, (c.channels,), p["ln2w"][l], p["ln2b"][l])
-            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
-            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
-        h = F.layer_norm(h, (c.channels,), p["lnfw"], p["lnfb"])
-        logits = F.linear(h, p["wte"])[..., :c.vocab_size]
-        return F.cross_entropy(logits.reshape(-1, c.vocab_size), y.reshape(-1))
-
-    loss_fn = torch.compile(forward) if compile else forward
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss_fn().backward()
-        opt.step()
-    return timed(step, repeats)
-
-
-def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
-    """Tokens/s of greedy generation, B rows of ``new_tokens`` after a prompt."""
+def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch,
+                   precision="fp32"):
+    """Tokens/s of greedy generation, B rows of ``new_tokens`` after a prompt,
+    in ``precision``; in bf16 our fp32 model too."""
     from .generate.kv_cache import KVCache
-    model = GPT2(config, seed=0)
+    model = GPT2(config, seed=0, precision=precision)
     prompts = rng.integers(0, config.vocab_size, size=(B, prompt_len))
     V = config.vocab_size
     outputs = {}
@@ -300,64 +264,20 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch):
 
     rows["cached"] = timed(cached, repeats, warmup=0)
     rows["no_cache"] = timed(recompute, 1, warmup=0)
-    # verified as well as timed (a near-tie in fp32 could legitimately flip a token)
+    # verified as well as timed (a near-tie could legitimately flip a token)
     rows["no_cache_agrees"] = outputs["cached"] == outputs["recompute"]
+    if precision == "bf16":
+        fp32 = GPT2(config, seed=0)
+        rows["cached_fp32"] = timed(lambda: fp32.generate(prompts.tolist(), new_tokens,
+                                                          temperature=0), repeats, warmup=0)
     if with_torch:
-        torch_tokens = {}
-        rows["torch_kv_cache"] = _torch_generate(model, prompts, new_tokens, repeats,
-                                                 torch_tokens)
-        if rows["torch_kv_cache"] is not None and torch_tokens["out"] != outputs["cached"]:
-            # fp32 ties can break differently over long greedy runs: report it
-            rows["torch_agrees"] = False
+        result = torch_job("generate", layers=config.num_layers, prompts=prompts.tolist(),
+                           new_tokens=new_tokens, repeats=repeats, dtype=precision)
+        if result is not None:
+            rows["torch_kv_cache"] = result
+            # ties can break differently over long greedy runs: report it
+            rows["torch_agrees"] = result["tokens"] == outputs["cached"]
     return rows
-
-
-def _torch_generate(model, prompts, new_tokens, repeats, result):
-    """PyTorch eager greedy generation with its own KV cache, on ``model``'s
-    parameters (a simple reference implementation, float32)."""
-    torch = _torch()
-    if torch is None:
-        return None
-    F = torch.nn.functional
-    c = model.config
-    p = {name: torch.from_numpy(model.params[name]) for name in model.params.names}
-    B, T0 = prompts.shape
-    C, NH = c.channels, c.num_heads
-    hs = C // NH
-
-    def run(tokens, start, k_cache, v_cache):
-        t = tokens.shape[1]
-        h = p["wte"][tokens] + p["wpe"][start:start + t]
-        for l in range(c.num_layers):
-            a = F.layer_norm(h, (C,), p["ln1w"][l], p["ln1b"][l])
-            q, k, v = (z.view(B, t, NH, hs).transpose(1, 2) for z in
-                       F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(C, dim=-1))
-            k_cache[l, :, :, start:start + t] = k
-            v_cache[l, :, :, start:start + t] = v
-            a = F.scaled_dot_product_attention(q, k_cache[l, :, :, :start + t],
-                                               v_cache[l, :, :, :start + t], is_causal=t > 1)
-            h = h + F.linear(a.transpose(1, 2).reshape(B, t, C), p["attprojw"][l],
-                             p["attprojb"][l])
-            a = F.layer_norm(h, (C,), p["ln2w"][l], p["ln2b"][l])
-            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
-            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
-        h = F.layer_norm(h[:, -1], (C,), p["lnfw"], p["lnfb"])
-        return F.linear(h, p["wte"])[:, :c.vocab_size]
-
-    @torch.no_grad()
-    def generate():
-        shape = (c.num_layers, B, NH, T0 + new_tokens, hs)
-        k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
-        tokens = torch.as_tensor(prompts)
-        logits = run(tokens, 0, k_cache, v_cache)
-        out = []
-        for i in range(new_tokens):
-            new = logits.argmax(dim=-1)
-            out.append(new)
-            if i < new_tokens - 1:
-                logits = run(new[:, None], T0 + i, k_cache, v_cache)
-        result["out"] = torch.stack(out, dim=1).tolist()
-    return timed(generate, repeats, warmup=0)
 
 
 def main(argv=None):
@@ -375,6 +295,10 @@ def main(argv=None):
                    help="the matmul kernel's instruction sets to time (avx512, avx2, "
                         "portable); default: every one this CPU runs. The training step "
                         "runs on the first one.")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: also the bf16 matmul products beside torch's bf16 matmul; the "
+                        "step in bf16 mixed precision beside torch under autocast(bf16); with "
+                        "--generate, bf16 decoding beside fp32's and torch's bf16")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--compile", action="store_true",
                    help="also time the step under torch.compile (its first step compiles, "
@@ -409,39 +333,60 @@ def main(argv=None):
     if args.generate:
         return main_generate(args, rng)
     B, T = args.batch
-    results = {"threads": get_num_threads(), "isa": get_isa(), "matmul": [], "step": {}}
+    bf16 = args.precision == "bf16"
+    results = {"threads": get_num_threads(), "isa": get_isa(), "precision": args.precision,
+               "matmul": [], "step": {}}
     if not args.skip_matmul:
-        for C, OC in ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304)):
-            results["matmul"] += bench_matmul(B * T, C, OC, args.repeats, rng, isas,
-                                              with_torch=not args.skip_torch)
+        shapes = [(B * T, C, OC) for C, OC in
+                  ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50304))]
+        for precision in ("fp32", "bf16") if bf16 else ("fp32",):
+            theirs = None if args.skip_torch else torch_job(
+                "matmul", shapes=shapes, repeats=args.repeats, dtype=precision)
+            for shape in shapes:
+                key = "x".join(map(str, shape))
+                results["matmul"] += bench_matmul(*shape, args.repeats, rng, isas,
+                                                  theirs["gflops"][key] if theirs else None,
+                                                  precision)
         results["attention"] = bench_attention(B, T, 12, 64, args.repeats, rng, isas)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     config = GPT2Config(num_layers=args.layers)
-    results["step"]["llmc_py"] = bench_step(config, B, T, args.repeats, rng)
+    step = results["step"]
+    step["llmc_py"] = bench_step(config, B, T, args.repeats, rng, args.precision)
+    if bf16:
+        step["llmc_py_fp32"] = bench_step(config, B, T, args.repeats, rng)
     if not args.skip_torch:
-        results["step"]["torch_eager"] = bench_torch_step(config, B, T, args.repeats, rng)
+        torch_step = functools.partial(torch_job, "step", layers=args.layers, B=B, T=T,
+                                       repeats=args.repeats)
+        step["torch_eager"] = torch_step()
+        if bf16:
+            step["torch_eager_autocast_bf16"] = torch_step(autocast=True)
         if args.compile:
-            results["step"]["torch_compile"] = bench_torch_step(config, B, T, args.repeats,
-                                                                rng, compile=True)
+            step["torch_compile"] = torch_step(compile=True)
+            if bf16:
+                step["torch_compile_autocast_bf16"] = torch_step(compile=True, autocast=True)
     if args.scaling:
         threads = get_num_threads()
         set_num_threads(1)
-        results["step"]["llmc_py_1_thread"] = bench_step(config, B, T, args.repeats, rng)
+        step["llmc_py_1_thread"] = bench_step(config, B, T, args.repeats, rng, args.precision)
         set_num_threads(threads)
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"threads: {results['threads']}; matmul kernel for the step: {results['isa']}")
+    print(f"threads: {results['threads']}; kernels for the step: {results['isa']}, "
+          f"{results['precision']}")
     if results["matmul"]:
-        print("GFLOP/s; ratio = ours / numpy's sgemm, measured in this run")
-        print(f"{'kernel':<14}{'B*T x C x OC':>16}{'isa':>9}{'ms':>9}{'GFLOP/s':>9}"
-              f"{'numpy':>8}{'torch':>8}{'ratio':>7}")
+        print("GFLOP/s; ratio = ours / numpy's sgemm; vs torch = ours / torch's matmul in the "
+              "same dtype (bf16 rows: torch's bf16 matmul); all measured in this run")
+        print(f"{'kernel':<16}{'B*T x C x OC':>16}{'isa':>11}{'ms':>9}{'GFLOP/s':>9}"
+              f"{'numpy':>8}{'torch':>8}{'ratio':>7}{'vs torch':>9}")
         for r in results["matmul"]:
-            torch_col = f"{r['torch_gflops']:8.1f}" if r["torch_gflops"] else f"{'-':>8}"
-            print(f"{r['kernel']:<14}{r['shape']:>16}{r['isa']:>9}{r['ms']:9.2f}"
-                  f"{r['gflops']:9.1f}{r['numpy_gflops']:8.1f}{torch_col}"
-                  f"{r['gflops'] / r['numpy_gflops']:7.2f}")
+            theirs = r["torch_gflops"]
+            torch_cols = (f"{theirs:8.1f}" if theirs else f"{'-':>8}")
+            print(f"{r['kernel']:<16}{r['shape']:>16}{r['isa']:>11}{r['ms']:9.2f}"
+                  f"{r['gflops']:9.1f}{r['numpy_gflops']:8.1f}{torch_cols}"
+                  f"{r['gflops'] / r['numpy_gflops']:7.2f}"
+                  + (f"{r['gflops'] / theirs:9.2f}" if theirs else f"{'-':>9}"))
     if results.get("attention"):
         print(f"\n{'kernel':<16}{'B x T x NH x hs':>16}{'isa':>9}{'ms':>9}{'naive ms':>10}"
               f"{'ratio':>7}")
@@ -453,18 +398,20 @@ def main(argv=None):
         for r in results["memory_bound"]:
             print(f"{r['kernel']:<20}{r['elements']:>12}{r['ms']:9.2f}{r['gbps']:8.1f}"
                   f"{r['copy_gbps']:8.1f}{r['gbps'] / r['copy_gbps']:7.2f}")
-    print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max):")
+    print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max; "
+          f"torch: peak RSS of its process):")
     for name, t in results["step"].items():
         if t is None:
-            print(f"  {name:<18} not installed")
+            print(f"  {name:<28} not installed")
             continue
-        print(f"  {name:<18} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
-              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s")
+        rss = f"  {t['peak_rss_mib']:6.0f} MiB" if "peak_rss_mib" in t else ""
+        print(f"  {name:<28} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s{rss}")
     ours = results["step"]["llmc_py"]
-    for name in ("torch_eager", "torch_compile"):
-        if results["step"].get(name):
-            print(f"  speed-up over {name.replace('_', ' ')}: "
-                  f"{results['step'][name]['median'] / ours['median']:.2f}x")
+    for name, t in results["step"].items():
+        if t and name != "llmc_py" and not name.startswith("llmc_py_1"):
+            print(f"  llmc_py ({results['precision']}) over {name}: "
+                  f"{t['median'] / ours['median']:.2f}x")
     if "llmc_py_1_thread" in results["step"]:
         one = results["step"]["llmc_py_1_thread"]
         print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")
@@ -479,28 +426,31 @@ def main_generate(args, rng):
                "generate": {}}
     for B in (1, 4):
         results["generate"][B] = bench_generate(config, B, prompt_len, new_tokens,
-                                                args.repeats, rng, not args.skip_torch)
+                                                args.repeats, rng, not args.skip_torch,
+                                                args.precision)
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
     print(f"threads: {results['threads']}; greedy generation, GPT-2 {args.layers} layers, "
-          f"{new_tokens} new tokens after {prompt_len} (median, min-max; no-cache: 1 run)")
+          f"{args.precision}, {new_tokens} new tokens after {prompt_len} (median, min-max; "
+          f"no-cache: 1 run)")
     for B, rows in results["generate"].items():
         print(f"batch {B}:")
-        for name in ("cached", "no_cache", "torch_kv_cache"):
+        for name in ("cached", "cached_fp32", "no_cache", "torch_kv_cache"):
             t = rows.get(name)
             if t is None:
                 continue
             print(f"  {name:<16} {t['median']:8.2f} s  ({t['min']:.2f}-{t['max']:.2f})  "
                   f"{B * new_tokens / t['median']:8.1f} tok/s")
-        if rows.get("torch_kv_cache"):
-            print(f"  speed-up over torch with KV cache: "
-                  f"{rows['torch_kv_cache']['median'] / rows['cached']['median']:.2f}x")
+        for name in ("cached_fp32", "torch_kv_cache"):
+            if rows.get(name):
+                print(f"  speed-up over {name}: "
+                      f"{rows[name]['median'] / rows['cached']['median']:.2f}x")
         if not rows["no_cache_agrees"]:
-            print("  (the no-cache greedy tokens diverged from the cached ones: an fp32 near-tie)")
+            print("  (the no-cache greedy tokens diverged from the cached ones: a near-tie)")
         if rows.get("torch_agrees") is False:
-            print("  (torch's greedy tokens diverged from ours: an fp32 near-tie)")
+            print("  (torch's greedy tokens diverged from ours: a near-tie, or bf16 rounding)")
         print(f"  KV cache {rows['cache_mib']:.1f} MiB for the model's {rows['model_mib']:.1f} "
               f"MiB of parameters")
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")

@@ -47,6 +47,27 @@ def test_adamw_thread_invariant(rng, isa, set_threads):
     assert_thread_invariant(set_threads, run)
 
 
+@pytest.mark.parametrize("N", [1, 17, 40_003])
+def test_adamw_writes_the_bf16_copy_of_what_it_writes(rng, isa, N):
+    """With params_bf16 the update is the same, and the copy is float_to_bf16
+    of the new params (what a bf16 model's matmuls read)."""
+    p, m, v, g = (randn(rng, N) for _ in range(4))
+    m[...] = np.abs(m) * 0.1
+    v[...] = np.abs(v) * 0.01
+    plain = [a.copy() for a in (p, m, v)]
+    K.adamw_update(*plain, g, 1e-3, 0.9, 0.999, 1e-8, 0.1, 3)
+    copy = np.zeros(N, np.uint16)
+    K.adamw_update(p, m, v, g, 1e-3, 0.9, 0.999, 1e-8, 0.1, 3, params_bf16=copy)
+    for ours, theirs in zip((p, m, v), plain):
+        assert np.array_equal(ours, theirs)
+    expected = np.empty(N, np.uint16)
+    K.float_to_bf16(expected, p)
+    assert np.array_equal(copy, expected)
+    with pytest.raises(llmc_py.ShapeError, match="params_bf16"):
+        K.adamw_update(p, m, v, g, 1e-3, 0.9, 0.999, 1e-8, 0.1, 4,
+                       params_bf16=np.zeros(N + 1, np.uint16))
+
+
 def test_adamw_rejects_step_zero_and_mismatched_state(rng):
     params, grads = randn(rng, 8), randn(rng, 8)
     m, v = np.zeros(8, np.float32), np.zeros(8, np.float32)

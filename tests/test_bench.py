@@ -5,15 +5,19 @@ import pytest
 
 import llmc_py
 from llmc_py import bench
-from llmc_py.config import GPT2Config
 
 
-def test_bench_matmul_times_each_isa(use_isa):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_matmul_times_each_isa_beside_torch(use_isa, precision):
     isas = llmc_py.supported_isas()
     use_isa(isas[0])
-    rows = bench.bench_matmul(7, 67, 45, 1, np.random.default_rng(0), isas)
+    theirs = bench.torch_job("matmul", shapes=[(7, 67, 45)], repeats=1, dtype=precision)
+    assert all(theirs["gflops"]["7x67x45"][name] > 0 for name in ("fwd", "dinp", "dW"))
+    rows = bench.bench_matmul(7, 67, 45, 1, np.random.default_rng(0), isas,
+                              theirs["gflops"]["7x67x45"], precision)
+    suffix = " bf16" if precision == "bf16" else ""
     assert [(r["kernel"], r["isa"]) for r in rows] == [
-        (f"matmul {product}", isa) for product in ("fwd", "dinp", "dW") for isa in isas]
+        (f"matmul {product}{suffix}", isa) for product in ("fwd", "dinp", "dW") for isa in isas]
     assert all(r["gflops"] > 0 and r["numpy_gflops"] > 0 and r["torch_gflops"] > 0
                for r in rows)
     assert llmc_py.get_isa() == isas[0]
@@ -37,12 +41,27 @@ def test_bench_memory_bound_reports_each_kernel_beside_a_copy():
     assert all(r["gbps"] > 0 and r["copy_gbps"] > 0 for r in rows)
 
 
+TINY = dict(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_layers=1, num_heads=2,
+            channels=32)
+
+
+def test_bench_torch_step_runs_in_its_own_process():
+    for autocast in (False, True):
+        t = bench.torch_job("step", layers=1, B=2, T=8, repeats=2, autocast=autocast,
+                            config=TINY)
+        assert 0 < t["min"] <= t["median"] <= t["max"] and t["peak_rss_mib"] > 0
+
+
+def test_bench_torch_job_failures_raise():
+    with pytest.raises(RuntimeError, match="PyTorch step job failed: .*unexpected keyword"):
+        bench.torch_job("step", layers=1, B=2, T=8, repeats=1, no_such_flag=1)
+
+
 @pytest.mark.slow
-def test_bench_torch_step_eager_and_compiled():
-    """Both PyTorch columns of the step table run (torch.compile included:
-    its first, untimed step compiles a one-layer model, ~20 s)."""
-    config = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_layers=1,
-                        num_heads=2, channels=32)
-    for compile in (False, True):
-        t = bench.bench_torch_step(config, 2, 8, 2, np.random.default_rng(0), compile=compile)
+def test_bench_torch_step_compiled():
+    """The torch.compile columns of the step table run (its first, untimed
+    step compiles a one-layer model, ~20 s each)."""
+    for autocast in (False, True):
+        t = bench.torch_job("step", layers=1, B=2, T=8, repeats=2, compile=True,
+                            autocast=autocast, config=TINY)
         assert 0 < t["min"] <= t["median"] <= t["max"]

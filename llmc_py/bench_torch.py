@@ -1,0 +1,173 @@
+"""PyTorch's side of the benchmark (bench.py), always in a process of its own:
+two OpenMP runtimes in one process (ours and torch's) each leave worker
+threads spinning that slow the other, so bench.py runs each PyTorch
+configuration as ``python -m llmc_py.bench_torch JOB`` and reads the JSON it
+prints. JOB is a JSON object: {"kind": "matmul" | "step" | "generate",
+"threads": N, ...the job's arguments}. A missing torch prints
+{"missing": true}.
+
+The models are GPT-2 on our initialisation (model.GPT2, seed 0), written as
+an nn.Module would run them: one leaf tensor per layer's weight,
+scaled_dot_product_attention, fused AdamW.
+"""
+import json
+import resource
+import sys
+
+import numpy as np
+
+from .bench import timed
+from .config import GPT2Config
+from .model import GPT2
+
+DTYPES = ("fp32", "bf16")
+
+
+def _dtype(torch, name):
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def matmul(torch, shapes, repeats, dtype):
+    """GFLOP/s of torch.matmul for each (BT, C, OC) in ``shapes`` and each
+    product of a linear layer (fwd, dinp, dW), inputs and output in ``dtype``:
+    {"gflops": {"BTxCxOC": {"fwd": ..., "dinp": ..., "dW": ...}}}."""
+    dt = _dtype(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for BT, C, OC in shapes:
+        x, w = torch.randn(BT, C, generator=gen).to(dt), torch.randn(OC, C, generator=gen).to(dt)
+        dout = torch.randn(BT, OC, generator=gen).to(dt)
+        y, dx, dw = torch.empty(BT, OC, dtype=dt), torch.empty(BT, C, dtype=dt), \
+            torch.empty(OC, C, dtype=dt)
+        cases = {"fwd": lambda: torch.matmul(x, w.T, out=y),
+                 "dinp": lambda: torch.matmul(dout, w, out=dx),
+                 "dW": lambda: torch.matmul(dout.T, x, out=dw)}
+        flop = 2.0 * BT * C * OC
+        out[f"{BT}x{C}x{OC}"] = {name: flop / timed(fn, repeats, warmup=3)["median"] / 1e9
+                                 for name, fn in cases.items()}
+    return {"gflops": out}
+
+
+def _leaves(torch, model):
+    """{name: leaf tensor, or a list of one leaf per layer}: an nn.Module's
+    parameters (slicing one stacked (L, ...) leaf would make autograd build
+    full-size gradients)."""
+    c, params = model.config, {}
+    for name in model.params.names:
+        value = model.params[name]
+        if value.ndim >= 2 and value.shape[0] == c.num_layers and name not in ("wte", "wpe"):
+            params[name] = [torch.tensor(v, requires_grad=True) for v in value]
+        else:
+            params[name] = torch.tensor(value, requires_grad=True)
+    return params
+
+
+def step(torch, layers, B, T, repeats, compile=False, autocast=False, config=None):
+    """ms of one training step (forward, backward, fused AdamW) of GPT-2 with
+    ``layers`` layers: eager or torch.compile'd (the first, untimed, step
+    compiles), in float32 or under torch.autocast("cpu", bfloat16)."""
+    c = GPT2Config(**config) if config else GPT2Config(num_layers=layers)
+    params = _leaves(torch, GPT2(c, seed=0))
+    leaves = [t for v in params.values() for t in (v if isinstance(v, list) else [v])]
+    opt = torch.optim.AdamW(leaves, lr=1e-4, weight_decay=0.0, fused=True)
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(0, c.vocab_size, (B, T + 1)))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    F = torch.nn.functional
+
+    def forward():
+        p = params
+        h = p["wte"][x] + p["wpe"][:T]
+        for l in range(c.num_layers):
+            a = F.layer_norm(h, (c.channels,), p["ln1w"][l], p["ln1b"][l])
+            q, k, v = F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(c.channels, dim=-1)
+            q, k, v = (z.view(B, T, c.num_heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + F.linear(a.transpose(1, 2).reshape(B, T, c.channels),
+                             p["attprojw"][l], p["attprojb"][l])
+            a = F.layer_norm(h, (c.channels,), p["ln2w"][l], p["ln2b"][l])
+            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
+        h = F.layer_norm(h, (c.channels,), p["lnfw"], p["lnfb"])
+        logits = F.linear(h, p["wte"])[..., :c.vocab_size]
+        return F.cross_entropy(logits.reshape(-1, c.vocab_size).float(), y.reshape(-1))
+
+    loss_fn = torch.compile(forward) if compile else forward
+
+    def train_step():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+    return timed(train_step, repeats)
+
+
+def generate(torch, layers, prompts, new_tokens, repeats, dtype="fp32"):
+    """Seconds of greedy generation with a KV cache of its own, on GPT-2's
+    parameters in ``dtype`` (weights and activations); the tokens too."""
+    c = GPT2Config(num_layers=layers)
+    model = GPT2(c, seed=0)
+    dt = _dtype(torch, dtype)
+    p = {name: torch.from_numpy(model.params[name]).to(dt) for name in model.params.names}
+    prompts = np.asarray(prompts)
+    B, T0 = prompts.shape
+    C, NH = c.channels, c.num_heads
+    hs = C // NH
+    F = torch.nn.functional
+
+    def run(tokens, start, k_cache, v_cache):
+        t = tokens.shape[1]
+        h = p["wte"][tokens] + p["wpe"][start:start + t]
+        for l in range(c.num_layers):
+            a = F.layer_norm(h, (C,), p["ln1w"][l], p["ln1b"][l])
+            q, k, v = (z.view(B, t, NH, hs).transpose(1, 2) for z in
+                       F.linear(a, p["qkvw"][l], p["qkvb"][l]).split(C, dim=-1))
+            k_cache[l, :, :, start:start + t] = k
+            v_cache[l, :, :, start:start + t] = v
+            a = F.scaled_dot_product_attention(q, k_cache[l, :, :, :start + t],
+                                               v_cache[l, :, :, :start + t], is_causal=t > 1)
+            h = h + F.linear(a.transpose(1, 2).reshape(B, t, C), p["attprojw"][l],
+                             p["attprojb"][l])
+            a = F.layer_norm(h, (C,), p["ln2w"][l], p["ln2b"][l])
+            a = F.gelu(F.linear(a, p["fcw"][l], p["fcb"][l]), approximate="tanh")
+            h = h + F.linear(a, p["fcprojw"][l], p["fcprojb"][l])
+        h = F.layer_norm(h[:, -1], (C,), p["lnfw"], p["lnfb"])
+        return F.linear(h, p["wte"])[:, :c.vocab_size]
+
+    result = {}
+
+    @torch.no_grad()
+    def greedy():
+        shape = (c.num_layers, B, NH, T0 + new_tokens, hs)
+        k_cache, v_cache = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
+        logits = run(torch.as_tensor(prompts), 0, k_cache, v_cache)
+        out = []
+        for i in range(new_tokens):
+            new = logits.argmax(dim=-1)
+            out.append(new)
+            if i < new_tokens - 1:
+                logits = run(new[:, None], T0 + i, k_cache, v_cache)
+        result["tokens"] = torch.stack(out, dim=1).tolist()
+    result.update(timed(greedy, repeats, warmup=0))
+    return result
+
+
+JOBS = {"matmul": matmul, "step": step, "generate": generate}
+
+
+def main(argv=None):
+    job = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    try:
+        import torch
+    except ImportError:
+        print(json.dumps({"missing": True}))
+        return 0
+    torch.set_num_threads(job.pop("threads"))
+    result = JOBS[job.pop("kind")](torch, **job)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""bf16 mixed precision (precision="bf16") against the PyTorch reference that
+applies the same roundings (model_reference.forward(..., precision="bf16")):
+bf16 matmul operands, float32 (here float64) sums, float32 statistics.
+
+Two kinds of check, because bf16 rounding is not continuous:
+- Layer by layer, from our own activations ("teacher-forced"): each linear
+  layer's output, input gradient and weight gradient against the reference
+  linear layer fed with the very inputs ours saw. Only summation error is
+  left: max |error| <= 2e-5 * max |value| (seen 1e-6 at K <= 192: bf16
+  operands, whose products are exact in float32, summed in float32).
+- End to end: a float32 value and the reference's float64 value that lie on
+  two sides of a bf16 rounding boundary round one bf16 step (2^-8) apart,
+  and the difference travels on through later layers. Bounds: loss relative
+  error <= 5e-5 (seen 4e-6), logits <= 4e-3 of the largest logit (seen
+  1.4e-3), gradients <= 1.5e-2 of each tensor's largest (seen 2.4e-3); the
+  fp32 model is 2e-3..8e-3 away from this reference.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import llmc_py
+import model_reference as ref
+import test_llama_step as llama_tests
+from llmc_py import GPT2, load_model
+from llmc_py._native import kernels as K
+from test_gpt2_step import ADAMW, SMALL, make_batch, make_model, max_rel_error
+
+LAYER_TOL = 2e-5
+LOSS_RTOL = 5e-5
+LOGITS_TOL = 4e-3
+GRAD_TOL = 1.5e-2
+ADAMW_LOSS_RTOL = 5e-4   # the loss after each of 10 AdamW steps (seen 4.3e-5)
+
+
+def bf16_twin(model):
+    """A bf16 model with the parameters of ``model`` (an fp32 model)."""
+    return type(model)(model.config, params=model.params.memory, precision="bf16")
+
+
+def test_precision_is_checked_and_reported():
+    assert GPT2(SMALL).precision == "fp32" and GPT2(SMALL).params_bf16 is None
+    model = GPT2(SMALL, precision="bf16")
+    assert model.precision == "bf16" and model.params_bf16.memory.dtype == np.uint16
+    with pytest.raises(ValueError, match="precision is 'fp16'"):
+        GPT2(SMALL, precision="fp16")
+    with pytest.raises(RuntimeError, match="precision is fp32"):
+        GPT2(SMALL).refresh_bf16()
+
+
+def test_bf16_copy_follows_the_parameters_through_updates(rng):
+    model = GPT2(SMALL, seed=1, precision="bf16")
+    x, y = make_batch(SMALL, 2, 9, seed=1)
+    for t in (1, 2):
+        model.zero_grad()
+        model.forward(x, y)
+        model.backward()
+        model.update(t=t, **ADAMW)
+        expected = np.empty_like(model.params_bf16.memory)
+        K.float_to_bf16(expected, model.params.memory)
+        assert np.array_equal(model.params_bf16.memory, expected)
+    model.params.memory[:5] += 1.0   # by hand: refresh_bf16 catches up
+    model.refresh_bf16()
+    K.float_to_bf16(expected, model.params.memory)
+    assert np.array_equal(model.params_bf16.memory, expected)
+
+
+# a block's linear layers: (input activation, output activation, weight, bias)
+LINEARS = [("ln1", "qkv", "qkvw", "qkvb"), ("atty", "attproj", "attprojw", "attprojb"),
+           ("ln2", "fch", "fcw", "fcb"), ("fch_act", "fcproj", "fcprojw", "fcprojb")]
+
+
+def check_layers_teacher_forced(model, x, y):
+    """Every block linear layer of every layer, forward and backward, against
+    the reference bf16 linear layer on our own saved inputs."""
+    model.zero_grad()
+    model.forward(x, y)
+    model.backward()
+    p, a, d, g = model.params, model.acts, model.grads_acts, model.grads
+    for l in range(model.config.L):
+        for inp, out, weight, bias in LINEARS:
+            x_in = torch.tensor(a[inp][l], dtype=torch.float64, requires_grad=True)
+            w = torch.tensor(p[weight][l], dtype=torch.float64, requires_grad=True)
+            b = torch.tensor(p[bias][l], dtype=torch.float64) if bias in p else None
+            y_ref = ref.bf16_matmul(x_in, w, b)
+            err = max_rel_error(a[out][l], y_ref.detach().numpy())
+            assert err <= LAYER_TOL, f"layer {l} {weight} forward: {err:.3g}"
+            y_ref.backward(torch.tensor(d[out][l], dtype=torch.float64))
+            err = max_rel_error(d[inp][l], x_in.grad.numpy())
+            assert err <= LAYER_TOL, f"layer {l} {weight} dinp: {err:.3g}"
+            err = max_rel_error(g[weight][l], w.grad.numpy())
+            assert err <= LAYER_TOL, f"layer {l} {weight} dweight: {err:.3g}"
+    head = p.wte if model.config.tied_embeddings else p.lm_head
+    logits = ref.bf16_matmul(torch.tensor(a.lnf, dtype=torch.float64),
+                             torch.tensor(head, dtype=torch.float64))
+    assert max_rel_error(a.logits, logits.numpy()) <= LAYER_TOL
+
+
+def check_against_bf16_reference(model, x, y):
+    """Loss, logits and every gradient against the bf16 reference; returns
+    the reference's parameters."""
+    c = model.config
+    p = ref.torch_params(model.params.memory, c)
+    logits, loss = ref.forward(p, c, x, y, precision="bf16")
+    loss.backward()
+    model.zero_grad()
+    ours = model.forward(x, y)
+    model.backward()
+    assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item()), f"{ours} vs {loss.item()}"
+    err = max_rel_error(model.logits[..., :c.vocab_size],
+                        logits.detach().numpy()[..., :c.vocab_size])
+    assert err <= LOGITS_TOL, f"logits: {err:.3g} of the largest"
+    for name in model.params.names:
+        err = max_rel_error(model.grads[name], p[name].grad.numpy())
+        assert err <= GRAD_TOL, f"gradient {name}: {err:.3g} of its largest"
+    return p
+
+
+def check_bf16_adamw_steps(model, p, x, y, steps):
+    opt = ref.AdamW(p, ADAMW["learning_rate"], ADAMW["beta1"], ADAMW["beta2"], ADAMW["eps"],
+                    ADAMW["weight_decay"])
+    for t in range(1, steps + 1):
+        for tensor in p.values():
+            tensor.grad = None
+        _, loss = ref.forward(p, model.config, x, y, precision="bf16")
+        loss.backward()
+        opt.step(t)
+        model.zero_grad()
+        ours = model.forward(x, y)
+        model.backward()
+        model.update(t=t, **ADAMW)
+        assert abs(ours - loss.item()) <= ADAMW_LOSS_RTOL * abs(loss.item()), \
+            f"step {t}: loss {ours} vs reference {loss.item()}"
+
+
+@pytest.mark.parametrize("B,T", [(4, 13), (1, 1), (2, 32)])
+def test_gpt2_bf16_matches_the_bf16_reference(B, T):
+    model = bf16_twin(make_model(SMALL, seed=B * 100 + T))
+    x, y = make_batch(SMALL, B, T, seed=T)
+    check_layers_teacher_forced(model, x, y)
+    p = check_against_bf16_reference(model, x, y)
+    if (B, T) == (4, 13):
+        check_bf16_adamw_steps(model, p, x, y, steps=10)
+
+
+@pytest.mark.parametrize("name", llama_tests.CONFIGS)
+def test_llama_family_bf16_matches_the_bf16_reference(name):
+    config = dataclasses.replace(llama_tests.BASE, **llama_tests.CONFIGS[name])
+    model = bf16_twin(llama_tests.make_model(config, seed=313))
+    x, y = make_batch(config, 3, 13, seed=13)
+    check_layers_teacher_forced(model, x, y)
+    p = check_against_bf16_reference(model, x, y)
+    check_bf16_adamw_steps(model, p, x, y, steps=10)
+
+
+def test_bf16_is_not_fp32():
+    """The bf16 model really rounds: its logits differ from the fp32 model's
+    by far more than fp32's own error (1e-4 of the largest at most)."""
+    fp32 = make_model(SMALL, seed=5)
+    bf16 = bf16_twin(fp32)
+    x, y = make_batch(SMALL, 2, 16, seed=5)
+    for model in (fp32, bf16):
+        model.forward(x, y)
+    assert max_rel_error(bf16.logits, fp32.logits) > 1e-4
+
+
+@pytest.mark.parametrize("isa", llmc_py.supported_isas())
+def test_bf16_results_do_not_depend_on_thread_count(use_isa, set_threads, isa):
+    use_isa(isa)
+    results = []
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        model = bf16_twin(make_model(SMALL, seed=9))
+        x, y = make_batch(SMALL, 3, 21, seed=9)
+        for t in (1, 2):
+            model.zero_grad()
+            loss = model.forward(x, y)
+            model.backward()
+            model.update(t=t, **ADAMW)
+        results.append((loss, model.logits.copy(), model.grads.memory.copy(),
+                        model.params.memory.copy()))
+    for loss, logits, grads, params in results[1:]:
+        assert loss == results[0][0]
+        assert np.array_equal(logits, results[0][1])
+        assert np.array_equal(grads, results[0][2])
+        assert np.array_equal(params, results[0][3])
+
+
+def test_instruction_sets_agree_in_bf16(use_isa):
+    """The dot-product path sums pairs of k, the widened paths one k at a
+    time: within the end-to-end bounds of one another."""
+    fp32 = make_model(SMALL, seed=11)
+    x, y = make_batch(SMALL, 3, 17, seed=11)
+    results = {}
+    for isa in llmc_py.supported_isas():
+        use_isa(isa)
+        model = bf16_twin(fp32)
+        loss = model.forward(x, y)
+        model.backward()
+        results[isa] = (loss, model.logits.copy(), model.grads.memory.copy())
+    loss0, logits0, grads0 = next(iter(results.values()))
+    for isa, (loss, logits, grads) in results.items():
+        assert abs(loss - loss0) <= LOSS_RTOL * abs(loss0), isa
+        assert max_rel_error(logits, logits0) <= LOGITS_TOL, isa
+        assert max_rel_error(grads, grads0) <= GRAD_TOL, isa
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_bf16_model_file_round_trips(tmp_path, kind):
+    if kind == "gpt2":
+        model = make_model(SMALL, seed=3)
+    else:
+        model = llama_tests.make_model(llama_tests.BASE, seed=3)
+    path = tmp_path / "model_bf16.bin"
+    model.save_checkpoint(path, dtype="bf16")
+    rounded = np.empty(model.num_parameters, np.uint16)
+    K.float_to_bf16(rounded, model.params.memory)
+    widened = (rounded.astype(np.uint32) << 16).view(np.float32)
+    header_ints = np.fromfile(path, dtype="<i4", count=2)
+    assert header_ints[1] == (5 if kind == "gpt2" else 2)
+    for precision in ("fp32", "bf16"):
+        loaded = load_model(path, precision=precision)
+        assert type(loaded) is type(model) and loaded.precision == precision
+        assert np.array_equal(loaded.params.memory, widened)
+    # bf16 -> fp32 file -> bf16 file: the same bytes
+    again = tmp_path / "again.bin"
+    load_model(path).save_checkpoint(again, dtype="bf16")
+    assert again.read_bytes() == path.read_bytes()
+    # the fp32 file is unchanged by all this and still loads into bf16
+    fp32_path = tmp_path / "model.bin"
+    model.save_checkpoint(fp32_path)
+    assert np.array_equal(load_model(fp32_path, precision="bf16").params.memory,
+                          model.params.memory)
+    with pytest.raises(ValueError, match="dtype is 'fp16'"):
+        model.save_checkpoint(tmp_path / "x.bin", dtype="fp16")
+    assert not (tmp_path / "x.bin").exists()
+
+
+def test_bf16_generation_is_close_to_the_full_forward():
+    """KV-cache decoding in bf16 (the skinny path for a few rows) against a
+    full bf16 forward over the same tokens: the sums run in another order,
+    so close, not bitwise."""
+    model = bf16_twin(llama_tests.make_model(llama_tests.BASE, seed=21))
+    prompt = list(range(1, 8))
+    tokens = model.generate(prompt, 12, temperature=0)
+    full = np.array([prompt + tokens[:-1]])
+    model.forward(full)
+    greedy = model.logits[0, len(prompt) - 1:, :model.config.vocab_size].argmax(-1)
+    assert list(greedy) == tokens
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bf16_training_resumes_bitwise_and_samples(shards, tmp_path, monkeypatch, capsys, arch):
+    from test_train import interrupt_at_batch, run, train_losses
+    flags = ["--precision", "bf16", "-x", "6", "-n", "3", "--arch", arch]
+    straight, resumed, fp32 = tmp_path / "straight", tmp_path / "resumed", tmp_path / "fp32"
+    assert run(shards, straight, *flags) == 0
+    assert "bf16; batch" in capsys.readouterr().out
+    interrupt_at_batch(monkeypatch, 5)
+    assert run(shards, resumed, *flags) == 130
+    monkeypatch.undo()
+    assert run(shards, resumed, *flags, "-y", "1") == 0
+    assert train_losses(resumed) == train_losses(straight)
+    assert (resumed / "model_00000006.bin").read_bytes() == \
+        (straight / "model_00000006.bin").read_bytes()
+    # the same run in fp32 follows nearly the same path, but not bitwise
+    assert run(shards, fp32, *flags[2:]) == 0
+    ours = np.array([float(x) for _, x in train_losses(straight)])
+    theirs = np.array([float(x) for _, x in train_losses(fp32)])
+    assert not np.array_equal(ours, theirs)
+    np.testing.assert_allclose(ours, theirs, rtol=2e-2)
+    model = load_model(straight / "model_00000006.bin", precision="bf16")
+    assert len(model.generate([50256, 464], 5, temperature=0)) == 5
