@@ -292,9 +292,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true")
     p.add_argument("--isa", nargs="+", default=None, metavar="ISA",
-                   help="the matmul kernel's instruction sets to time (avx512, avx2, "
-                        "portable); default: every one this CPU runs. The training step "
-                        "runs on the first one.")
+                   help="the matmul kernel's instruction sets to time (avx512bf16, avx512, "
+                        "avx2, portable); default: every one this CPU runs. The training "
+                        "step runs on the first one.")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: also the bf16 matmul products beside torch's bf16 matmul; the "
                         "step in bf16 mixed precision beside torch under autocast(bf16); with "
