@@ -105,12 +105,13 @@ class Transformer:
         if precision == "bf16":
             self.params_bf16 = TensorGroup(self.param_specs, self.config, dtype=np.uint16)
             self.refresh_bf16()
+            self._weights = self.params_bf16
             self._matmul_forward, self._matmul_backward = (K.matmul_forward_bf16,
                                                            K.matmul_backward_bf16)
         else:
             self.params_bf16 = None
+            self._weights = self.params
             self._matmul_forward, self._matmul_backward = K.matmul_forward, K.matmul_backward
-        self._weights = self.params_bf16 if precision == "bf16" else self.params
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
