@@ -19,6 +19,9 @@
    and 4: tokens/s with the KV cache, without it (a full forward per token),
    and PyTorch with a KV cache of its own; the cache's size beside the model's.
    With --precision bf16: our bf16 decoding beside our fp32 and torch's bf16.
+6. with --quality: the default training run (python -m llmc_py.train: d4 on
+   Shakespeare, 500 steps) in fp32 and in bf16, each in a process of its
+   own; the validation losses side by side.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement runs in a process of its own (bench_torch.py).
 """
@@ -280,6 +283,24 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch,
     return rows
 
 
+def bench_quality(steps, extra=(), out_dir="bench_quality"):
+    """The default training run for ``steps`` steps in each precision (each
+    `python -m llmc_py.train` in a process of its own, writing to
+    out_dir/<precision>); {precision: (final val loss, wall seconds)}."""
+    import re
+    results = {}
+    for precision in PRECISIONS:
+        folder = os.path.join(out_dir, precision)
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "llmc_py.train", "-o", folder, "--overwrite",
+                        "-x", str(steps), "-v", str(steps), "-s", "0", "-n", "0",
+                        "--precision", precision, *extra], check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(folder, "main.log")) as f:
+            val = re.findall(r"tel:(\S+)", f.read())
+        results[precision] = (float(val[-1]), time.perf_counter() - start)
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -309,6 +330,9 @@ def main(argv=None):
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate: prompt tokens and new tokens")
+    p.add_argument("--quality", type=int, default=0, metavar="STEPS",
+                   help="instead: the default training run for STEPS steps (500 is the "
+                        "default run) in fp32 and in bf16; their validation losses")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     args = p.parse_args(argv)
     try:
@@ -330,6 +354,13 @@ def main(argv=None):
             p.error(f"--isa {isa}: this CPU or build runs only {', '.join(supported_isas())}")
     set_isa(isas[0])
     rng = np.random.default_rng(0)
+    if args.quality:
+        results = bench_quality(args.quality)
+        fp32, bf16 = results["fp32"][0], results["bf16"][0]
+        for precision, (val, seconds) in results.items():
+            print(f"{precision}: val loss {val:.4f} after {args.quality} steps ({seconds:.0f} s)")
+        print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
+        return 0
     if args.generate:
         return main_generate(args, rng)
     B, T = args.batch

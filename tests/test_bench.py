@@ -65,3 +65,12 @@ def test_bench_torch_step_compiled():
         t = bench.torch_job("step", layers=1, B=2, T=8, repeats=2, compile=True,
                             autocast=autocast, config=TINY)
         assert 0 < t["min"] <= t["median"] <= t["max"]
+
+
+def test_bench_quality_runs_both_precisions(shards, tmp_path):
+    train_glob, val_glob = shards
+    results = bench.bench_quality(3, ["-i", train_glob, "-j", val_glob, "-e", "d1", "-b", "2",
+                                      "-t", "16"], out_dir=str(tmp_path))
+    assert set(results) == {"fp32", "bf16"}
+    fp32, bf16 = results["fp32"][0], results["bf16"][0]
+    assert fp32 != bf16 and abs(bf16 - fp32) < 0.05 * fp32
