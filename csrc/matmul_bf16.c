@@ -1,17 +1,50 @@
 /*
  * The bf16 linear layer (contract in llmc_api.h): forward and backward with
- * bf16 x bf16 products summed in float32.
+ * bf16 x bf16 products summed in float32. Its three products are all
+ * C[M,N] (+)= A[M,K] . B[K,N]:
+ *   forward  out   = bias + bf16(inp) . weight^T     M = BT, N = OC, K = C
+ *   backward dinp += bf16(dout) . weight             M = BT, N = C,  K = OC
+ *   backward dW   += bf16(dout)^T . bf16(inp)        M = OC, N = C,  K = BT
+ * and dbias sums dout itself, unrounded, as matmul.c does (llmc_column_sums).
  *
  * variants:
- *   widened   every instruction set without the bf16 dot product (portable,
- *             AVX2, AVX-512F): the float32 operands are rounded to bf16 and
- *             the bf16 weight widened, both into float32 scratch, and
- *             matmul.c's float32 kernels run on them (GEMM, or the skinny
- *             kernel for decoding). A product of two bf16 numbers is exact
- *             in float32, so each fused multiply-add rounds once, as a plain
- *             add of the product would: the result is bitwise the naive
- *             loops' (k = 0, 1, ..., K-1).
- *   naive     plain loops: the reference the tests check against.
+ *   dot product  avx512bf16 only: vdpbf16ps multiplies bf16 pairs as they
+ *                are, twice the multiply-adds of a float32 FMA per
+ *                instruction, from half the bytes. Each thread packs the
+ *                operands of its tiles of C into k-pair panels (A: 8 rows,
+ *                B: 48 columns, K in blocks of up to 768) and an 8 x 48 tile
+ *                of C stays in 24 registers over a block (the kernels are in
+ *                matmul_bf16_micro.h).
+ *   dot product, skinny
+ *                the forward with B*T <= 16 rows (decoding): the GEMM would
+ *                repack the whole weight per call for a few rows, so the
+ *                weight rows are read in place, once, and turned into the
+ *                GEMM's panel layout in registers; threads take columns.
+ *   widened      every other instruction set (portable, AVX2, AVX-512F): the
+ *                float32 operands are rounded to bf16 and the bf16 weight
+ *                widened, both into float32 scratch, and matmul.c's float32
+ *                kernels run on them (GEMM, or its skinny kernel).
+ *   naive        plain loops: the reference the tests check against.
+ *
+ * Rounding and order. A product of two bf16 numbers (8 significant bits
+ * each) is exact in float32, so every variant sums the same exact terms onto
+ * the element's start value (bias, 0, or what a (+=) output holds), one
+ * float32 rounding (to nearest even) per term, and they differ only in order:
+ *   widened, naive   k = 0, 1, ..., K-1 (a fused multiply-add of an exact
+ *                    product rounds as the add alone: bitwise the naive loops)
+ *   dot product      per pair p = 0, 1, ...: first + a[2p+1] b[2p+1], then
+ *                    + a[2p] b[2p], each rounded: Intel's definition of
+ *                    vdpbf16ps, which Zen 4 follows bit for bit (2M random
+ *                    pairs, and the tests' float32 emulation of whole
+ *                    products). It reads denormal inputs (bf16 operands, the
+ *                    float32 sum) as 0 and writes denormal results as 0. An
+ *                    odd K is padded with a zero half.
+ * Each output element is one such chain, summed by one thread, whatever the
+ * tiles, the K blocks, the thread count, or whether its row went through
+ * the skinny kernel or the GEMM: results never depend on the thread count,
+ * and a row's never on the rows beside it. The float32 operands are rounded
+ * exactly as float_to_bf16 does (vcvtne2ps2bf16 agrees except that it
+ * reads denormals as 0; the few that round up to 2^-126 are fixed first).
  */
 #include <stdlib.h>
 #include "llmc.h"
@@ -58,11 +91,222 @@ static int sizes_ok(int B, int T, int C, int OC) {
            && (int64_t)B * T <= (int64_t)INT32_MAX;
 }
 
+#ifdef LLMC_X86_DISPATCH
+#include "matmul_bf16_micro.h"
+
+#define BF_KP 384           /* k pairs per packed block (K = 768 is one block)  */
+#define BF_A_BYTES (384 << 10)   /* the packed A block of a tile, kept in L2     */
+#define BF_SKINNY_MAX_ROWS 16
+
+static int64_t bf_ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
+
+/* Pairs per K block: as even as possible, at most BF_KP. */
+static int bf_block_pairs(int K) {
+    const int Kp = (K + 1) / 2;
+    return (int)bf_ceil_div(Kp, bf_ceil_div(Kp, BF_KP));
+}
+
+/*
+ * The tile shape (MC rows x NC columns) of an M x N x K product on nthreads
+ * threads, from a small cost model in cycles: the busiest thread's
+ * vdpbf16ps (one per 16 columns, row and pair) plus its packing, about one
+ * cycle per packed pair. B is packed once per tile; A once per run of tiles
+ * with the same rows when K is one block, else once per tile too.
+ */
+static void bf_choose_tiles(int M, int N, int K, int nthreads, int* MC, int* NC) {
+    const int64_t Kp = (K + 1) / 2, kpb = bf_block_pairs(K);
+    const int multi_block = Kp > kpb;
+    const int64_t mc_max = BF_A_BYTES / ((int64_t)kpb * 4) / BF_MR * BF_MR;
+    const int64_t mb_max = bf_ceil_div(M, BF_MR), nb_max = bf_ceil_div(N, BF_NR);
+    double best = -1.0;
+    // the 64 coarsest cuts of each dimension (finer ones only add packing)
+    const int64_t mb_min = bf_ceil_div(M, mc_max);
+    for (int64_t mb = mb_min; mb <= mb_max && mb < mb_min + 64; mb++) {
+        const int64_t mc = bf_ceil_div(bf_ceil_div(M, mb), BF_MR) * BF_MR;
+        for (int64_t nb = 1; nb <= nb_max && nb <= 64; nb++) {
+            const int64_t nc = bf_ceil_div(bf_ceil_div(N, nb), BF_NR) * BF_NR;
+            const int64_t tiles = bf_ceil_div(M, mc) * bf_ceil_div(N, nc);
+            const int64_t mine = bf_ceil_div(tiles, nthreads);
+            const int64_t a_packs = multi_block ? mine : bf_ceil_div(mine, bf_ceil_div(N, nc)) + 1;
+            const double cost = (double)mine * (double)(mc * nc / 16 + nc) * (double)Kp
+                                + (double)a_packs * (double)(mc * Kp);
+            if (best < 0.0 || cost < best) { best = cost; *MC = (int)mc; *NC = (int)nc; }
+        }
+    }
+}
+
+/* One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
+   a_ready: ap already holds these rows' packed A (K is then one block). */
+LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* ap, uint32_t* bp,
+                                           int m0, int mc, int n0, int nc, int a_ready) {
+    static const float zeros[BF_NR];
+    const int Kp = (g->K + 1) / 2, kpb = bf_block_pairs(g->K);
+    for (int p0 = 0; p0 < Kp; p0 += kpb) {
+        const int kp = Kp - p0 < kpb ? Kp - p0 : kpb;
+        if (!a_ready) { bf_pack_a(ap, g, m0, mc, p0, kp); }
+        for (int j0 = n0; j0 < n0 + nc; j0 += BF_NR) {
+            const int nr = n0 + nc - j0 < BF_NR ? n0 + nc - j0 : BF_NR;
+            bf_pack_b(bp, g, j0, nr, p0, kp);
+            // the first block starts from the bias (or 0) unless C accumulates
+            const float* init = NULL;
+            if (p0 == 0 && (g->init != NULL || g->init_zero)) {
+                init = g->init != NULL ? g->init + j0 : zeros;
+            }
+            // the next panel's source (of this K block, else of the next)
+            // comes into L2 while this one is multiplied, spread over the
+            // micro-kernel calls, and each call's next tile of C
+            const int next_j = j0 + BF_NR < n0 + nc;
+            const int next_p0 = next_j ? p0 : p0 + kp;
+            const int next_j0 = next_j ? j0 + BF_NR : n0;
+            const int next_nr = n0 + nc - next_j0 < BF_NR ? n0 + nc - next_j0 : BF_NR;
+            const struct bf_lines none = {0};
+            const struct bf_lines walk = next_p0 < Kp
+                ? bf_panel_lines(g, next_j0, next_nr, next_p0,
+                                 Kp - next_p0 < kpb ? Kp - next_p0 : kpb)
+                : none;
+            const int64_t calls = (mc + BF_MR - 1) / BF_MR;
+            for (int i0 = 0; i0 < mc; i0 += BF_MR) {
+                const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
+                float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
+                if (mr == BF_MR && nr == BF_NR) {
+                    const int64_t call = i0 / BF_MR;
+                    const int64_t l0 = walk.count * call / calls;
+                    const int64_t l1 = walk.count * (call + 1) / calls;
+                    const float* next_c = i0 + BF_MR < mc ? c + BF_MR * g->ldc
+                                          : next_j ? g->c + (size_t)m0 * g->ldc + j0 + BF_NR
+                                          : NULL;
+                    bf_micro(kp, ap + (size_t)i0 * kp, bp, c, g->ldc, init,
+                             bf_lines_part(walk, l0, l1 - l0), next_c);
+                } else {
+                    bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, bp, c, g->ldc, init);
+                }
+            }
+        }
+    }
+}
+
+/* How bf_gemm_run cuts a product: tiles of MC x NC, and each thread's
+   scratch (a packed A block, then one packed B panel). */
+struct bf_plan {
+    int MC, NC;
+    int64_t m_blocks, n_blocks;
+    size_t ap_words, per_thread;   /* uint32s; per_thread in 64-byte multiples */
+};
+
+static struct bf_plan bf_plan_gemm(const struct bf16_gemm* g, int nthreads) {
+    struct bf_plan plan = {.MC = BF_MR, .NC = BF_NR};
+    bf_choose_tiles(g->M, g->N, g->K, nthreads, &plan.MC, &plan.NC);
+    plan.m_blocks = bf_ceil_div(g->M, plan.MC);
+    plan.n_blocks = bf_ceil_div(g->N, plan.NC);
+    const size_t kpb = (size_t)bf_block_pairs(g->K);
+    plan.ap_words = (size_t)plan.MC * kpb;
+    plan.per_thread = (plan.ap_words + kpb * BF_NR + 15) / 16 * 16;
+    return plan;
+}
+
+/*
+ * The GEMM of struct bf16_gemm: tiles of C over the threads (static
+ * schedule, never a split of K), each packing the operands of its tiles
+ * into its share of scratch (nthreads x plan->per_thread uint32s).
+ */
+static void bf_gemm_run(const struct bf16_gemm* g, const struct bf_plan* plan, uint32_t* scratch) {
+    const int64_t tiles = plan->m_blocks * plan->n_blocks;
+    const int one_block = (g->K + 1) / 2 <= bf_block_pairs(g->K);
+    #pragma omp parallel
+    {
+        uint32_t* ap = scratch + (size_t)omp_get_thread_num() * plan->per_thread;
+        uint32_t* bp = ap + plan->ap_words;
+        int64_t packed_rows = -1;   // the row block ap holds, when K is one block
+        #pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t mi = tile / plan->n_blocks;
+            const int m0 = (int)mi * plan->MC, n0 = (int)(tile % plan->n_blocks) * plan->NC;
+            const int mc = g->M - m0 < plan->MC ? g->M - m0 : plan->MC;
+            const int nc = g->N - n0 < plan->NC ? g->N - n0 : plan->NC;
+            bf_tile(g, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi);
+            packed_rows = mi;
+        }
+    }
+}
+
+/* nthreads shares of `words` uint32s each, 64-byte aligned, or NULL. */
+static uint32_t* bf_scratch(int nthreads, size_t words) {
+    return aligned_alloc(64, (size_t)nthreads * words * sizeof(uint32_t));
+}
+
+/* matmul_forward_bf16 on the dot-product path. */
+static int bf_forward(float* out, const float* inp, const uint16_t* weight, const float* bias,
+                      int64_t BT, int C, int OC) {
+    if (BT <= BF_SKINNY_MAX_ROWS) {
+        // few rows (decoding): the weight streamed once, in place
+        const int kp = (C + 1) / 2;
+        uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
+        LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
+        bf_round_rows(xp, inp, C, 0, BT);
+        const int64_t groups = bf_ceil_div(OC, 16);
+        #pragma omp parallel for schedule(static)
+        for (int64_t grp = 0; grp < groups; grp++) {
+            const int o0 = (int)grp * 16;
+            const int o1 = OC - o0 < 16 ? OC : o0 + 16;
+            bf_skinny(out, (size_t)OC, xp, weight, bias, (int)BT, C, o0, o1);
+        }
+        free(xp);
+        return LLMC_OK;
+    }
+    const struct bf16_gemm g = {
+        .c = out, .ldc = (size_t)OC,
+        .a = inp, .lda = (size_t)C, .a_kind = BF16_A_ROWS,
+        .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_COLS_W,
+        .init = bias, .init_zero = bias == NULL,
+        .M = (int)BT, .N = OC, .K = C};
+    const int nthreads = omp_get_max_threads();
+    const struct bf_plan plan = bf_plan_gemm(&g, nthreads);
+    uint32_t* scratch = bf_scratch(nthreads, plan.per_thread);
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
+    bf_gemm_run(&g, &plan, scratch);
+    free(scratch);
+    return LLMC_OK;
+}
+
+/* matmul_backward_bf16's dinp and dweight on the dot-product path; one
+   scratch for both, so that running out of memory changes nothing. */
+static int bf_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                       const uint16_t* weight, int64_t BT, int C, int OC) {
+    const struct bf16_gemm gi = {
+        .c = dinp, .ldc = (size_t)C,
+        .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_ROWS,
+        .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_W,
+        .M = (int)BT, .N = C, .K = OC};
+    const struct bf16_gemm gw = {
+        .c = dweight, .ldc = (size_t)C,
+        .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_COLS,
+        .b = inp, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_F32,
+        .M = OC, .N = C, .K = (int)BT};
+    const int nthreads = omp_get_max_threads();
+    const struct bf_plan pi = bf_plan_gemm(&gi, nthreads), pw = bf_plan_gemm(&gw, nthreads);
+    size_t words = dinp != NULL ? pi.per_thread : 0;
+    if (dweight != NULL && pw.per_thread > words) { words = pw.per_thread; }
+    if (words == 0) { return LLMC_OK; }
+    uint32_t* scratch = bf_scratch(nthreads, words);
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
+    if (dinp != NULL) { bf_gemm_run(&gi, &pi, scratch); }
+    if (dweight != NULL) { bf_gemm_run(&gw, &pw, scratch); }
+    free(scratch);
+    return LLMC_OK;
+}
+#endif
+
 int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
                         const float* bias, int B, int T, int C, int OC) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
+#ifdef LLMC_X86_DISPATCH
+    // the instruction set is read once, before any parallel region (isa.h)
+    if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
+        return bf_forward(out, inp, weight, bias, BT, C, OC);
+    }
+#endif
     float* inp_rounded = rounded_copy(inp, BT * C);
     float* weight_wide = widened_copy(weight, (int64_t)OC * C);
     int status = LLMC_ERR_NOMEM;
@@ -80,6 +324,13 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
+#ifdef LLMC_X86_DISPATCH
+    if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
+        const int status = bf_backward(dinp, dweight, dout, inp, weight, BT, C, OC);
+        if (status != LLMC_OK || dbias == NULL) { return status; }
+        return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
+    }
+#endif
     float* dout_rounded = dinp != NULL || dweight != NULL ? rounded_copy(dout, BT * OC) : NULL;
     float* inp_rounded = dweight != NULL ? rounded_copy(inp, BT * C) : NULL;
     float* weight_wide = dinp != NULL ? widened_copy(weight, (int64_t)OC * C) : NULL;

@@ -71,6 +71,12 @@ ROWS = {
     "matmul_backward": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "matmul_forward_naive": Row(optional=frozenset({"bias"})),
     "matmul_backward_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "float_to_bf16": Row(),
+    "bf16_to_float": Row(),
+    "matmul_forward_bf16": Row(optional=frozenset({"bias"})),
+    "matmul_backward_bf16": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "matmul_forward_bf16_naive": Row(optional=frozenset({"bias"})),
+    "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
@@ -90,7 +96,8 @@ ROWS = {
     "softmax_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_forward": Row(bad=_V_ABOVE_VP),
     "crossentropy_softmax_backward": Row(bad=_V_ABOVE_VP),
-    "adamw_update": Row(not_sizes=frozenset({"t"}),   # the step number: a value, >= 1
+    "adamw_update": Row(optional=frozenset({"params_bf16"}),   # fp32 training
+                        not_sizes=frozenset({"t"}),   # the step number: a value, >= 1
                         bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
     "global_norm_squared": Row(),
     "scale_inplace": Row(),

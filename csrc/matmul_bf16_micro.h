@@ -1,0 +1,500 @@
+/*
+ * The AVX512_BF16 kernels of the bf16 matmul, private to matmul_bf16.c
+ * (which says what they compute and why; this file is the how). Every
+ * function is built with LLMC_TARGET_AVX512BF16 and runs only when
+ * llmc_get_isa() chose that instruction set.
+ *
+ * Packed operands. vdpbf16ps multiplies the two bf16 halves of each 32-bit
+ * lane, so both operands travel as k pairs: one uint32 holds (k = 2p, low
+ * half; k = 2p + 1, high half), and an odd K is padded with a zero half.
+ *   A panel  [kp][BF_MR]  the pairs of BF_MR rows, pair by pair (a row of
+ *                         the panel is broadcast, one pair per row)
+ *   B panel  [kp][BF_NR]  the pairs of BF_NR columns, pair by pair (a row
+ *                         of the panel is three full vectors)
+ * Rows past M and columns past N are zero. Every float32 source is rounded
+ * to bf16 as llmc_bf16_round does (round_pairs below); bf16 sources are
+ * copied.
+ */
+#ifndef LLMC_MATMUL_BF16_MICRO_H
+#define LLMC_MATMUL_BF16_MICRO_H
+
+#include <immintrin.h>
+#include "common.h"
+#include "isa.h"
+
+#define BF_MR 8                  /* rows of C per micro-kernel call            */
+#define BF_NV 3                  /* vectors of 16 columns per row of the tile  */
+#define BF_NR (16 * BF_NV)       /* columns of C per micro-kernel call: 48     */
+
+/* Where a packing function reads its operand (see struct bf16_gemm). */
+enum {
+    BF16_A_ROWS,      /* A(m,k) = float a[m*lda + k]     (forward inp, dinp's dout)  */
+    BF16_A_COLS,      /* A(m,k) = float a[k*lda + m]     (dweight's dout^T)          */
+    BF16_B_COLS_W,    /* B(k,n) = bf16 b[n*ldb + k]      (forward weight^T)          */
+    BF16_B_ROWS_W,    /* B(k,n) = bf16 b[k*ldb + n]      (dinp's weight)             */
+    BF16_B_ROWS_F32   /* B(k,n) = float b[k*ldb + n]     (dweight's inp)             */
+};
+
+/* c[m*ldc + n] (+)= sum_k A(m,k) B(k,n) for m < M, n < N, k < K, with A and B
+   read as a_kind and b_kind say. init: NULL adds onto c (the (+=) products);
+   else c starts from init[n] (a bias) in every row, or from 0 if init_zero. */
+struct bf16_gemm {
+    float* c;
+    size_t ldc;
+    const void* a;
+    size_t lda;
+    int a_kind;
+    const void* b;
+    size_t ldb;
+    int b_kind;
+    const float* init;
+    int init_zero;
+    int M, N, K;
+};
+
+/* Lanes of a 16-lane mask: the first n (n clamped to 0 .. 16). */
+static inline __mmask16 bf_first16(int n) {
+    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+static inline __mmask32 bf_first32(int n) {
+    return n <= 0 ? 0 : n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1);
+}
+
+/* x ready for vcvtne2ps2bf16, which rounds to nearest even exactly as
+   llmc_bf16_round does (NaNs too) except that it reads float32 denormals as
+   zero. Of those, only the ones that llmc_bf16_round rounds up to the
+   smallest normal bf16, |x| in [0x007f8000, 0x00800000), give a bf16 that
+   is not itself flushed later by vdpbf16ps: they become +-2^-126 here. */
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE __m512 bf_fix_denormals(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i twice = _mm512_add_epi32(u, u);   // |x| << 1
+    const __mmask16 up = _mm512_cmplt_epu32_mask(
+        _mm512_sub_epi32(twice, _mm512_set1_epi32(0x00ff0000)), _mm512_set1_epi32(0x00010000));
+    // lanes in up: (u & sign) | 0x00800000 (0xea: (A & B) | C)
+    return _mm512_castsi512_ps(_mm512_mask_ternarylogic_epi32(
+        u, up, _mm512_set1_epi32((int)0x80000000u), _mm512_set1_epi32(0x00800000), 0xea));
+}
+
+/* 32 floats, lo then hi, as 16 bf16 pairs: pair i = (x[2i], x[2i+1]). */
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE __m512i bf_round_pairs(__m512 lo, __m512 hi) {
+    return (__m512i)_mm512_cvtne2ps_pbh(bf_fix_denormals(hi), bf_fix_denormals(lo));
+}
+
+/* 32 floats, 16 of row x then 16 of row y, as 16 pairs (x[i], y[i]). */
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE __m512i bf_round_zip(__m512 x, __m512 y) {
+    const __m512i halves = bf_round_pairs(x, y);   // x[0..16) then y[0..16), as bf16
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                         25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+                                         19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(zip, halves);
+}
+
+/* 8 rows of 16 pairs each (r[i] = row i, pairs 0..15) to 8 vectors of 2
+   pairs x 8 rows each (out[j] = pair 2j for rows 0..7, then pair 2j+1). */
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_transpose8x16(const __m512i r[8],
+                                                                       __m512i out[8]) {
+    // within each 128-bit lane l: t[2h] holds rows 2h, 2h+1 at pairs 4l, 4l+1 ...
+    __m512i t[8], u[8];
+    for (int h = 0; h < 4; h++) {
+        t[2 * h] = _mm512_unpacklo_epi32(r[2 * h], r[2 * h + 1]);
+        t[2 * h + 1] = _mm512_unpackhi_epi32(r[2 * h], r[2 * h + 1]);
+    }
+    // ... then u[4g + c] holds rows 4g .. 4g+3 at pair 4l + c (lane l)
+    for (int g = 0; g < 2; g++) {
+        u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    // out[j]: lanes (rows 0-3, rows 4-7) of pair 2j, then of pair 2j+1; pair
+    // 2j sits in lane j/2 of u[c] and u[4 + c] with c = 2 (j % 2)
+    for (int c = 0; c < 4; c += 2) {
+        const __m512i a01 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);       // lanes 0,1 | 0,1
+        const __m512i a23 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xee);       // lanes 2,3 | 2,3
+        const __m512i b01 = _mm512_shuffle_i32x4(u[c + 1], u[5 + c], 0x44);
+        const __m512i b23 = _mm512_shuffle_i32x4(u[c + 1], u[5 + c], 0xee);
+        const int j = c / 2;
+        out[j] = _mm512_shuffle_i32x4(a01, b01, 0x88);       // lane 0 of each
+        out[j + 2] = _mm512_shuffle_i32x4(a01, b01, 0xdd);   // lane 1
+        out[j + 4] = _mm512_shuffle_i32x4(a23, b23, 0x88);   // lane 2
+        out[j + 6] = _mm512_shuffle_i32x4(a23, b23, 0xdd);   // lane 3
+    }
+}
+
+/* A 16 x 16 block of 32-bit lanes transposed in registers (common.h's). */
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_transpose16(__m512i v[16]) {
+    vec16f r[16];
+    memcpy(r, v, sizeof r);
+    llmc_transpose16(r);
+    memcpy(v, r, sizeof r);
+}
+
+/* The pair (A(m, 2p), A(m, 2p+1)) of one element, rounded; the slow path of
+   partial blocks (a zero half past K, a zero pair past M). */
+static inline uint32_t bf_pair_a(const struct bf16_gemm* g, int m, int p) {
+    const float* a = g->a;
+    uint32_t pair = 0;
+    for (int h = 0; h < 2; h++) {
+        const int k = 2 * p + h;
+        if (m >= g->M || k >= g->K) { continue; }
+        const float x = g->a_kind == BF16_A_ROWS ? a[(size_t)m * g->lda + k]
+                                                 : a[(size_t)k * g->lda + m];
+        pair |= (uint32_t)llmc_bf16_round(x) << (16 * h);
+    }
+    return pair;
+}
+
+/*
+ * Packs rows m0 .. m0+mc of A, pairs p0 .. p0+kp, as ceil(mc / BF_MR)
+ * panels of kp x BF_MR pairs.
+ *   rows of A in memory (A_ROWS): per row, 16 pairs are 32 neighbouring
+ *     floats; 8 rows are rounded and then transposed in registers.
+ *   columns (A_COLS): the 8 rows of a panel are 8 neighbouring floats of
+ *     source rows 2p and 2p+1; two pairs (four source rows) at a time are
+ *     rounded and zipped, walking the source rows in order.
+ * Partial blocks (rows past M, the last pair of an odd K) take bf_pair_a.
+ */
+LLMC_TARGET_AVX512BF16 static void bf_pack_a(uint32_t* ap, const struct bf16_gemm* g,
+                                             int m0, int mc, int p0, int kp) {
+    const float* a = g->a;
+    const size_t lda = g->lda;
+    const int K = g->K;
+    const int full_mc = (g->M - m0 < mc ? g->M - m0 : mc) / BF_MR * BF_MR;   // whole panels
+    int p_done = 0;   // pairs packed for the whole panels
+    if (g->a_kind == BF16_A_ROWS) {
+        for (int i = 0; i < full_mc; i += BF_MR) {
+            uint32_t* panel = ap + (size_t)i * kp;
+            for (int p = 0; p < kp; p += 16) {
+                const int np = kp - p < 16 ? kp - p : 16;
+                const int k0 = 2 * (p0 + p);
+                const int nk = K - k0 < 32 ? K - k0 : 32;   // floats of this block
+                const __mmask16 lo = bf_first16(nk), hi = bf_first16(nk - 16);
+                __m512i rows[BF_MR], out[BF_MR];
+                for (int r = 0; r < BF_MR; r++) {
+                    const float* x = a + (size_t)(m0 + i + r) * lda + k0;
+                    rows[r] = bf_round_pairs(_mm512_maskz_loadu_ps(lo, x),
+                                             _mm512_maskz_loadu_ps(hi, x + 16));
+                }
+                bf_transpose8x16(rows, out);
+                uint32_t* dst = panel + (size_t)p * BF_MR;
+                for (int j = 0; 2 * j < np; j++) {
+                    _mm512_mask_storeu_epi32(dst + 16 * j, bf_first16(8 * (np - 2 * j)), out[j]);
+                }
+            }
+        }
+        p_done = kp;
+    } else {
+        for (; p_done + 2 <= kp && 2 * (p0 + p_done) + 4 <= K; p_done += 2) {
+            const float* x = a + (size_t)(2 * (p0 + p_done)) * lda + m0;
+            for (int i = 0; i < full_mc; i += BF_MR) {
+                // source rows 2p, 2p+2 (even k) and 2p+1, 2p+3 (odd k), 8 floats each
+                const __m512 even = _mm512_castpd_ps(_mm512_insertf64x4(
+                    _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(x + i))),
+                    _mm256_castps_pd(_mm256_loadu_ps(x + 2 * lda + i)), 1));
+                const __m512 odd = _mm512_castpd_ps(_mm512_insertf64x4(
+                    _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(x + lda + i))),
+                    _mm256_castps_pd(_mm256_loadu_ps(x + 3 * lda + i)), 1));
+                // pair p of the panel's 8 rows, then pair p+1
+                _mm512_storeu_si512(ap + (size_t)i * kp + (size_t)p_done * BF_MR,
+                                    bf_round_zip(even, odd));
+            }
+        }
+    }
+    for (int i = 0; i < mc; i += BF_MR) {
+        uint32_t* panel = ap + (size_t)i * kp;
+        for (int p = i < full_mc ? p_done : 0; p < kp; p++) {
+            for (int r = 0; r < BF_MR; r++) {
+                panel[(size_t)p * BF_MR + r] = bf_pair_a(g, m0 + i + r, p0 + p);
+            }
+        }
+    }
+}
+
+/* The pair (B(2p, n), B(2p+1, n)), rounded if float32; 0 past N or K. */
+static inline uint32_t bf_pair_b(const struct bf16_gemm* g, int n, int p) {
+    uint32_t pair = 0;
+    for (int h = 0; h < 2; h++) {
+        const int k = 2 * p + h;
+        if (n >= g->N || k >= g->K) { continue; }
+        uint16_t v;
+        if (g->b_kind == BF16_B_COLS_W) {
+            v = ((const uint16_t*)g->b)[(size_t)n * g->ldb + k];
+        } else if (g->b_kind == BF16_B_ROWS_W) {
+            v = ((const uint16_t*)g->b)[(size_t)k * g->ldb + n];
+        } else {
+            v = llmc_bf16_round(((const float*)g->b)[(size_t)k * g->ldb + n]);
+        }
+        pair |= (uint32_t)v << (16 * h);
+    }
+    return pair;
+}
+
+/*
+ * Packs columns n0 .. n0+nr (nr <= BF_NR) of B, pairs p0 .. p0+kp, as one
+ * panel of kp x BF_NR pairs.
+ *   the weight as weight^T (B_COLS_W): a column of B is a weight row, whose
+ *     pairs are already neighbours; 16 rows x 16 pairs are transposed in
+ *     registers.
+ *   rows (B_ROWS_W, B_ROWS_F32): pair p of column n joins source rows 2p
+ *     and 2p+1 at n, 16 columns at a time (widened and shifted for bf16,
+ *     rounded and zipped for float32).
+ * Masked loads zero the columns past N and the high half past an odd K.
+ */
+LLMC_TARGET_AVX512BF16 static void bf_pack_b(uint32_t* bp, const struct bf16_gemm* g,
+                                             int n0, int nr, int p0, int kp) {
+    const size_t ldb = g->ldb;
+    const int K = g->K;
+    if (g->b_kind == BF16_B_COLS_W) {
+        const uint16_t* w = g->b;
+        for (int v = 0; v < BF_NV; v++) {
+            const uint16_t* w_v = w + (size_t)(n0 + 16 * v) * ldb;
+            const int rows = nr - 16 * v;   // valid rows of this group of 16
+            for (int p = 0; p < kp; p += 16) {
+                const int np = kp - p < 16 ? kp - p : 16;
+                const int k0 = 2 * (p0 + p);
+                __m512i block[16];
+                if (rows >= 16 && K - k0 >= 32) {
+                    for (int i = 0; i < 16; i++) {
+                        const uint16_t* src = w_v + (size_t)i * ldb + k0;
+                        _mm_prefetch((const char*)(src + 4 * 32), _MM_HINT_T0);
+                        block[i] = _mm512_loadu_si512(src);
+                    }
+                } else {
+                    const __mmask32 valid = bf_first32(K - k0);
+                    for (int i = 0; i < 16; i++) {
+                        block[i] = i < rows ? _mm512_maskz_loadu_epi16(
+                                                  valid, w_v + (size_t)i * ldb + k0)
+                                            : _mm512_setzero_si512();
+                    }
+                }
+                bf_transpose16(block);
+                for (int j = 0; j < np; j++) {
+                    _mm512_storeu_si512(bp + (size_t)(p + j) * BF_NR + 16 * v, block[j]);
+                }
+            }
+        }
+        return;
+    }
+    for (int p = 0; p < kp; p++) {
+        const int k0 = 2 * (p0 + p);
+        const int has_odd = k0 + 1 < K;
+        uint32_t* dst = bp + (size_t)p * BF_NR;
+        for (int v = 0; v < BF_NV; v++) {
+            const __mmask16 cols = bf_first16(nr - 16 * v);
+            __m512i pairs;
+            if (g->b_kind == BF16_B_ROWS_W) {
+                const uint16_t* w = (const uint16_t*)g->b + (size_t)k0 * ldb + n0 + 16 * v;
+                const __m512i even = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(
+                    _mm512_maskz_loadu_epi16(cols, w)));
+                const __m512i odd = has_odd ? _mm512_cvtepu16_epi32(_mm512_castsi512_si256(
+                                                  _mm512_maskz_loadu_epi16(cols, w + ldb)))
+                                            : _mm512_setzero_si512();
+                pairs = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
+            } else {
+                const float* x = (const float*)g->b + (size_t)k0 * ldb + n0 + 16 * v;
+                const __m512 even = _mm512_maskz_loadu_ps(cols, x);
+                const __m512 odd = has_odd ? _mm512_maskz_loadu_ps(cols, x + ldb)
+                                           : _mm512_setzero_ps();
+                pairs = bf_round_zip(even, odd);
+            }
+            _mm512_storeu_si512(dst + 16 * v, pairs);
+        }
+    }
+}
+
+/* A walk over cache lines to prefetch: count lines, per_row of them in
+   each source row (at row + 64 line), rows stride bytes apart. */
+struct bf_lines {
+    const char* row;
+    size_t stride;
+    int per_row;
+    int line;
+    int64_t count;
+};
+
+/* The lines bf_pack_b(g, n0, nr, p0, kp) will read: whole source rows
+   segments (a weight row's pairs for weight^T; nr columns of rows 2p0 ..
+   2(p0+kp) otherwise), one spare line per row for misalignment. */
+static inline struct bf_lines bf_panel_lines(const struct bf16_gemm* g, int n0, int nr,
+                                             int p0, int kp) {
+    const int k0 = 2 * p0, k1 = g->K < 2 * (p0 + kp) ? g->K : 2 * (p0 + kp);
+    const size_t elem = g->b_kind == BF16_B_ROWS_F32 ? sizeof(float) : sizeof(uint16_t);
+    struct bf_lines w;
+    size_t len;
+    int64_t rows;
+    if (g->b_kind == BF16_B_COLS_W) {
+        w.row = (const char*)g->b + ((size_t)n0 * g->ldb + (size_t)k0) * elem;
+        len = (size_t)(k1 - k0) * elem;
+        rows = nr;
+    } else {
+        w.row = (const char*)g->b + ((size_t)k0 * g->ldb + (size_t)n0) * elem;
+        len = (size_t)nr * elem;
+        rows = k1 - k0;
+    }
+    w.stride = g->ldb * elem;
+    w.per_row = (int)((len + 63) / 64) + 1;
+    w.line = 0;
+    w.count = rows * w.per_row;
+    return w;
+}
+
+/* Lines [first, first + count) of walk w. */
+static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, int64_t count) {
+    if (count <= 0) { w.count = 0; return w; }
+    w.row += (size_t)(first / w.per_row) * w.stride;
+    w.line = (int)(first % w.per_row);
+    w.count = count;
+    return w;
+}
+
+/*
+ * The micro-kernel: c[r, 0..BF_NR) (+)= sum_{p < kp} ap[p][r] . bp[p][..]
+ * for r < BF_MR, the tile in 24 accumulators. init: NULL starts from c,
+ * else every row starts from init[0..BF_NR). Each lane's sum runs p = 0,
+ * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches the lines
+ * of pf, one per pair (into L2), and the tile of C at pf_c (for writing).
+ */
+LLMC_TARGET_AVX512BF16 __attribute__((noinline))
+static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
+                     const float* init, struct bf_lines pf, const float* pf_c) {
+    __m512 acc[BF_MR][BF_NV];
+    for (int r = 0; r < BF_MR; r++) {
+        const float* start = init != NULL ? init : c + r * ldc;
+        for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_loadu_ps(start + 16 * v); }
+    }
+    for (int p = 0; p < kp; p++) {
+        if (pf.count > 0) {   // a line of the next panel's source per pair
+            _mm_prefetch(pf.row + 64 * pf.line, _MM_HINT_T1);
+            pf.count--;
+            if (++pf.line == pf.per_row) { pf.line = 0; pf.row += pf.stride; }
+        }
+        if (p < BF_MR && pf_c != NULL) {
+            for (int v = 0; v < BF_NV; v++) { __builtin_prefetch(pf_c + p * ldc + 16 * v, 1, 3); }
+        }
+        __m512bh b[BF_NV];
+        for (int v = 0; v < BF_NV; v++) {
+            b[v] = (__m512bh)_mm512_loadu_si512(bp + (size_t)p * BF_NR + 16 * v);
+        }
+        for (int r = 0; r < BF_MR; r++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ap[(size_t)p * BF_MR + r]);
+            for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]); }
+        }
+    }
+    for (int r = 0; r < BF_MR; r++) {
+        for (int v = 0; v < BF_NV; v++) { _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]); }
+    }
+}
+
+/* The micro-kernel on a partial tile (mr rows x nr columns) through a local
+   copy; init as in bf_micro (only its first nr entries are read). */
+LLMC_TARGET_AVX512BF16 static void bf_micro_edge(int kp, int mr, int nr, const uint32_t* ap,
+                                                 const uint32_t* bp, float* c, size_t ldc,
+                                                 const float* init) {
+    float tile[BF_MR * BF_NR];
+    memset(tile, 0, sizeof tile);
+    for (int r = 0; r < mr; r++) {
+        memcpy(tile + r * BF_NR, init != NULL ? init : c + r * ldc, (size_t)nr * sizeof(float));
+    }
+    const struct bf_lines none = {0};
+    bf_micro(kp, ap, bp, tile, BF_NR, NULL, none, NULL);
+    for (int r = 0; r < mr; r++) {
+        memcpy(c + r * ldc, tile + r * BF_NR, (size_t)nr * sizeof(float));
+    }
+}
+
+/*
+ * The skinny kernel (few rows: decoding): out[m, o] = start + sum_p
+ * xp[m][p] . (weight[o, 2p], weight[o, 2p+1]) for m < M and o0 <= o < o1
+ * (o1 - o0 <= 16), start = bias[o] or 0. xp holds the rounded pairs of the
+ * M rows of inp, kp = ceil(K / 2) per row. A block of 16 weight rows x 16
+ * pairs is read in place once (masked past K, zero rows past o1) and
+ * transposed in registers, after which vector j holds pair j of the 16
+ * columns: the very vector the GEMM's packed B panel holds, so each lane
+ * runs the GEMM's chain for its element (same start, same pairs, same
+ * order) and the two paths agree bitwise. Only the valid pairs enter the
+ * sums. Rows go BF_SKINNY_ROWS at a time.
+ */
+#define BF_SKINNY_ROWS 8
+
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_skinny_tile(
+        int mr, int no, float* out, size_t ldo, const uint32_t* xp, int kp,
+        const uint16_t* w, size_t ldw, int K, const float* bias, int prefetch) {
+    const __mmask16 cols = bf_first16(no);
+    const __m512 start = bias != NULL ? _mm512_maskz_loadu_ps(cols, bias) : _mm512_setzero_ps();
+    __m512 acc[BF_SKINNY_ROWS];
+    for (int r = 0; r < mr; r++) { acc[r] = start; }
+    // the next group of 16 weight rows follows this one in memory: fetch it
+    // in order, an equal share per block, to stay one group ahead
+    const char* next = (const char*)(w + 16 * ldw);
+    const int blocks = (kp + 15) / 16;
+    const size_t share = (16 * ldw * sizeof(uint16_t) / (size_t)blocks + 63) / 64 * 64;
+    for (int p = 0; p < kp; p += 16) {
+        const int np = kp - p < 16 ? kp - p : 16;
+        __m512i v[16];
+        if (no == 16 && K - 2 * p >= 32) {
+            for (int i = 0; i < 16; i++) { v[i] = _mm512_loadu_si512(w + (size_t)i * ldw + 2 * p); }
+        } else {
+            const __mmask32 valid = bf_first32(K - 2 * p);
+            for (int i = 0; i < 16; i++) {
+                v[i] = i < no ? _mm512_maskz_loadu_epi16(valid, w + (size_t)i * ldw + 2 * p)
+                              : _mm512_setzero_si512();
+            }
+        }
+        if (prefetch) {
+            const char* pf = next + (size_t)(p / 16) * share;
+            for (size_t off = 0; off < share; off += 64) { _mm_prefetch(pf + off, _MM_HINT_T1); }
+        }
+        bf_transpose16(v);
+        for (int j = 0; j < np; j++) {
+            for (int r = 0; r < mr; r++) {
+                const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)r * kp + p + j]);
+                acc[r] = _mm512_dpbf16_ps(acc[r], x, (__m512bh)v[j]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) { _mm512_mask_storeu_ps(out + (size_t)r * ldo, cols, acc[r]); }
+}
+
+LLMC_TARGET_AVX512BF16 static void bf_skinny(float* out, size_t ldo, const uint32_t* xp,
+                                             const uint16_t* weight, const float* bias,
+                                             int M, int K, int o0, int o1) {
+    const int kp = (K + 1) / 2;
+    const int no = o1 - o0;
+    const uint16_t* w = weight + (size_t)o0 * K;
+    const float* b = bias != NULL ? bias + o0 : NULL;
+    for (int m = 0; m < M; m += BF_SKINNY_ROWS) {
+        float* out_m = out + (size_t)m * ldo + o0;
+        const uint32_t* x = xp + (size_t)m * kp;
+        const int pf = m == 0 && no == 16;   // the first pass brings the weight
+        switch (M - m) {
+            case 1: bf_skinny_tile(1, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 2: bf_skinny_tile(2, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 3: bf_skinny_tile(3, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 4: bf_skinny_tile(4, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 5: bf_skinny_tile(5, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 6: bf_skinny_tile(6, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            case 7: bf_skinny_tile(7, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf); break;
+            default: bf_skinny_tile(BF_SKINNY_ROWS, no, out_m, ldo, x, kp, w, (size_t)K, K, b, pf);
+        }
+    }
+}
+
+/* The rounded pairs of rows [m0, m1) of a row-major float32 x [*, K], into
+   xp [*, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
+LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K,
+                                                 int64_t m0, int64_t m1) {
+    const int kp = (K + 1) / 2;
+    for (int64_t m = m0; m < m1; m++) {
+        const float* x_m = x + (size_t)m * K;
+        uint32_t* xp_m = xp + (size_t)m * kp;
+        for (int p = 0; p < kp; p += 16) {
+            const int nk = K - 2 * p;
+            const __m512i pairs = bf_round_pairs(_mm512_maskz_loadu_ps(bf_first16(nk), x_m + 2 * p),
+                                                 _mm512_maskz_loadu_ps(bf_first16(nk - 16),
+                                                                       x_m + 2 * p + 16));
+            _mm512_mask_storeu_epi32(xp_m + p, bf_first16(kp - p), pairs);
+        }
+    }
+}
+
+#endif
