@@ -238,6 +238,36 @@ def test_denormal_inputs_round_as_float_to_bf16(use_isa, isa, T):
         assert_within(f"{isa} {name}", ours, exact, bound)
 
 
+@pytest.mark.parametrize("T", [5, 41])   # the skinny forward and the GEMM
+@pytest.mark.parametrize("isa", ISAS)
+def test_non_finite_values_stay_in_their_rows_and_columns(use_isa, isa, T):
+    """An inf or NaN reaches exactly the outputs whose sums contain it. With K
+    odd, the pad of a row's last pair sits where the next row begins: a
+    kernel that read one element too far would multiply that neighbour's inf
+    by the partner's zero pad, a NaN one row or column off."""
+    rng = np.random.default_rng(T)
+    B, C, OC = 1, 37, 29
+    x = rng.standard_normal((B, T, C), dtype=np.float32)
+    dout = rng.standard_normal((B, T, OC), dtype=np.float32)
+    w = rng.standard_normal((OC, C), dtype=np.float32)
+    x[0, 3, 0], dout[0, 2, 0], w[3, 0] = np.inf, np.nan, -np.inf
+    w16 = np.empty((OC, C), np.uint16)
+    K.float_to_bf16(w16, w)
+    use_isa(isa)
+    out = forward(x, w16, None)[0]
+    grads = backward(dout, x, w16)
+    expected_bad = {   # output -> (rows, columns) that hold a non-finite term
+        "out": ({3}, {3}), "dinp": ({2}, {0}), "dweight": ({0}, {0})}
+    for name, value in (("out", out), ("dinp", grads["dinp"][0]),
+                        ("dweight", grads["dweight"])):
+        rows, cols = expected_bad[name]
+        bad = np.zeros(value.shape, bool)
+        bad[list(rows), :] = True
+        bad[:, list(cols)] = True
+        assert np.isfinite(value[~bad]).all(), f"{name}: non-finite outside its rows/columns"
+        assert not np.isfinite(value[bad]).any(), f"{name}: a non-finite term got lost"
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_thread_count_does_not_change_a_bit(rng, set_threads, use_isa, isa):
     use_isa(isa)
