@@ -119,18 +119,26 @@ static int bf_block_pairs(int K) {
 static void bf_choose_tiles(int M, int N, int K, int nthreads, int* MC, int* NC) {
     const int64_t Kp = (K + 1) / 2, kpb = bf_block_pairs(K);
     const int multi_block = Kp > kpb;
-    const int64_t mc_max = BF_A_BYTES / ((int64_t)kpb * 4) / BF_MR * BF_MR;
-    const int64_t mb_max = bf_ceil_div(M, BF_MR), nb_max = bf_ceil_div(N, BF_NR);
-    double best = -1.0;
-    // the 64 coarsest cuts of each dimension (finer ones only add packing)
+    const int64_t mc_max = BF_A_BYTES / (kpb * 4) / BF_MR * BF_MR;
+    // the 32 coarsest cuts of each dimension (finer ones only add packing)
+    enum { CUTS = 32 };
     const int64_t mb_min = bf_ceil_div(M, mc_max);
-    for (int64_t mb = mb_min; mb <= mb_max && mb < mb_min + 64; mb++) {
+    const int64_t mb_end = bf_ceil_div(M, BF_MR) < mb_min + CUTS ? bf_ceil_div(M, BF_MR) + 1
+                                                                 : mb_min + CUTS;
+    const int64_t nb_end = bf_ceil_div(N, BF_NR) < CUTS ? bf_ceil_div(N, BF_NR) + 1 : CUTS + 1;
+    int64_t ncs[CUTS + 1], n_tiles[CUTS + 1];
+    for (int64_t nb = 1; nb < nb_end; nb++) {
+        ncs[nb] = bf_ceil_div(bf_ceil_div(N, nb), BF_NR) * BF_NR;
+        n_tiles[nb] = bf_ceil_div(N, ncs[nb]);
+    }
+    double best = -1.0;
+    for (int64_t mb = mb_min; mb < mb_end; mb++) {
         const int64_t mc = bf_ceil_div(bf_ceil_div(M, mb), BF_MR) * BF_MR;
-        for (int64_t nb = 1; nb <= nb_max && nb <= 64; nb++) {
-            const int64_t nc = bf_ceil_div(bf_ceil_div(N, nb), BF_NR) * BF_NR;
-            const int64_t tiles = bf_ceil_div(M, mc) * bf_ceil_div(N, nc);
-            const int64_t mine = bf_ceil_div(tiles, nthreads);
-            const int64_t a_packs = multi_block ? mine : bf_ceil_div(mine, bf_ceil_div(N, nc)) + 1;
+        const int64_t m_tiles = bf_ceil_div(M, mc);
+        for (int64_t nb = 1; nb < nb_end; nb++) {
+            const int64_t nc = ncs[nb];
+            const int64_t mine = bf_ceil_div(m_tiles * n_tiles[nb], nthreads);
+            const int64_t a_packs = multi_block ? mine : bf_ceil_div(mine, n_tiles[nb]) + 1;
             const double cost = (double)mine * (double)(mc * nc / 16 + nc) * (double)Kp
                                 + (double)a_packs * (double)(mc * Kp);
             if (best < 0.0 || cost < best) { best = cost; *MC = (int)mc; *NC = (int)nc; }

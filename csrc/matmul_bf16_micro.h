@@ -390,12 +390,14 @@ static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, s
         for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_loadu_ps(start + 16 * v); }
     }
     for (int p = 0; p < kp; p++) {
-        if (pf.count > 0) {   // a line of the next panel's source per pair
+        // up to two lines of the next panel's source per pair (a few rows
+        // share a panel when M is small), and of the next A block's
+        for (int q = 0; q < 2 && pf.count > 0; q++) {
             _mm_prefetch(pf.row + 64 * pf.line, _MM_HINT_T1);
             pf.count--;
             if (++pf.line == pf.per_row) { pf.line = 0; pf.row += pf.stride; }
         }
-        if (pf_a.count > 0) {   // and of the next A block's
+        if (pf_a.count > 0) {
             _mm_prefetch(pf_a.row + 64 * pf_a.line, _MM_HINT_T1);
             pf_a.count--;
             if (++pf_a.line == pf_a.per_row) { pf_a.line = 0; pf_a.row += pf_a.stride; }
