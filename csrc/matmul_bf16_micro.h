@@ -338,6 +338,32 @@ static inline struct bf_lines bf_panel_lines(const struct bf16_gemm* g, int n0, 
     return w;
 }
 
+/* The lines bf_pack_a(g, m0, mc, p0, kp) will read: mc rows of A, the
+   floats of pairs p0 .. p0+kp each (A_ROWS), or the mc floats of each
+   source row 2p0 .. 2(p0+kp) (A_COLS). */
+static inline struct bf_lines bf_block_lines(const struct bf16_gemm* g, int m0, int mc,
+                                             int p0, int kp) {
+    const int k0 = 2 * p0, k1 = g->K < 2 * (p0 + kp) ? g->K : 2 * (p0 + kp);
+    const int rows_m = g->M - m0 < mc ? g->M - m0 : mc;
+    struct bf_lines w;
+    size_t len;
+    int64_t rows;
+    if (g->a_kind == BF16_A_ROWS) {
+        w.row = (const char*)((const float*)g->a + (size_t)m0 * g->lda + (size_t)k0);
+        len = (size_t)(k1 - k0) * sizeof(float);
+        rows = rows_m;
+    } else {
+        w.row = (const char*)((const float*)g->a + (size_t)k0 * g->lda + (size_t)m0);
+        len = (size_t)rows_m * sizeof(float);
+        rows = k1 - k0;
+    }
+    w.stride = g->lda * sizeof(float);
+    w.per_row = (int)((len + 63) / 64) + 1;
+    w.line = 0;
+    w.count = rows * w.per_row;
+    return w;
+}
+
 /* Lines [first, first + count) of walk w. */
 static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, int64_t count) {
     if (count <= 0) { w.count = 0; return w; }
@@ -356,17 +382,25 @@ static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, in
  */
 LLMC_TARGET_AVX512BF16 __attribute__((noinline))
 static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
-                     const float* init, struct bf_lines pf, const float* pf_c) {
+                     const float* init, struct bf_lines pf, struct bf_lines pf_a,
+                     const float* pf_c) {
     __m512 acc[BF_MR][BF_NV];
     for (int r = 0; r < BF_MR; r++) {
         const float* start = init != NULL ? init : c + r * ldc;
         for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_loadu_ps(start + 16 * v); }
     }
     for (int p = 0; p < kp; p++) {
-        if (pf.count > 0) {   // a line of the next panel's source per pair
+        // up to two lines of the next panel's source per pair (a few rows
+        // share a panel when M is small), and of the next A block's
+        for (int q = 0; q < 2 && pf.count > 0; q++) {
             _mm_prefetch(pf.row + 64 * pf.line, _MM_HINT_T1);
             pf.count--;
             if (++pf.line == pf.per_row) { pf.line = 0; pf.row += pf.stride; }
+        }
+        if (pf_a.count > 0) {
+            _mm_prefetch(pf_a.row + 64 * pf_a.line, _MM_HINT_T1);
+            pf_a.count--;
+            if (++pf_a.line == pf_a.per_row) { pf_a.line = 0; pf_a.row += pf_a.stride; }
         }
         if (p < BF_MR && pf_c != NULL) {
             for (int v = 0; v < BF_NV; v++) { __builtin_prefetch(pf_c + p * ldc + 16 * v, 1, 3); }
@@ -396,7 +430,7 @@ LLMC_TARGET_AVX512BF16 static void bf_micro_edge(int kp, int mr, int nr, const u
         memcpy(tile + r * BF_NR, init != NULL ? init : c + r * ldc, (size_t)nr * sizeof(float));
     }
     const struct bf_lines none = {0};
-    bf_micro(kp, ap, bp, tile, BF_NR, NULL, none, NULL);
+    bf_micro(kp, ap, bp, tile, BF_NR, NULL, none, none, NULL);
     for (int r = 0; r < mr; r++) {
         memcpy(c + r * ldc, tile + r * BF_NR, (size_t)nr * sizeof(float));
     }
