@@ -13,8 +13,10 @@
  *                instruction, from half the bytes. Each thread packs the
  *                operands of its tiles of C into k-pair panels (A: 8 rows,
  *                B: 48 columns, K in blocks of up to 768) and an 8 x 48 tile
- *                of C stays in 24 registers over a block (the kernels are in
- *                matmul_bf16_micro.h).
+ *                of C stays in 24 registers over a block; meanwhile the
+ *                source of the next panel and K block is prefetched into L2,
+ *                so that packing reads L2 rather than waiting on memory (the
+ *                kernels are in matmul_bf16_micro.h).
  *   dot product, skinny
  *                the forward with B*T <= 12 rows (decoding): the GEMM would
  *                repack the whole weight per call for a few rows, so the
@@ -265,7 +267,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
         const int kp = (C + 1) / 2;
         uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
-        bf_round_rows(xp, inp, C, 0, BT);
+        bf_round_rows(xp, inp, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
         #pragma omp parallel for schedule(static)
         for (int64_t grp = 0; grp < groups; grp++) {

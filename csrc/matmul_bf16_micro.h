@@ -12,7 +12,7 @@
  *   B panel  [kp][BF_NR]  the pairs of BF_NR columns, pair by pair (a row
  *                         of the panel is three full vectors)
  * Rows past M and columns past N are zero. Every float32 source is rounded
- * to bf16 as llmc_bf16_round does (round_pairs below); bf16 sources are
+ * to bf16 as llmc_bf16_round does (bf_round_pairs below); bf16 sources are
  * copied.
  */
 #ifndef LLMC_MATMUL_BF16_MICRO_H
@@ -372,8 +372,9 @@ static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, in
  * The micro-kernel: c[r, 0..BF_NR) (+)= sum_{p < kp} ap[p][r] . bp[p][..]
  * for r < BF_MR, the tile in 24 accumulators. init: NULL starts from c,
  * else every row starts from init[0..BF_NR). Each lane's sum runs p = 0,
- * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches the lines
- * of pf, one per pair (into L2), and the tile of C at pf_c (for writing).
+ * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches into L2
+ * the lines of pf (up to two per pair) and of pf_a (one per pair), and the
+ * tile of C at pf_c for writing (NULL: none).
  */
 LLMC_TARGET_AVX512BF16 __attribute__((noinline))
 static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
@@ -506,12 +507,11 @@ LLMC_TARGET_AVX512BF16 static void bf_skinny(float* out, size_t ldo, const uint3
     }
 }
 
-/* The rounded pairs of rows [m0, m1) of a row-major float32 x [*, K], into
-   xp [*, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
-LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K,
-                                                 int64_t m0, int64_t m1) {
+/* The rounded pairs of the M rows of a row-major float32 x [M, K], into
+   xp [M, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
+LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K, int64_t M) {
     const int kp = (K + 1) / 2;
-    for (int64_t m = m0; m < m1; m++) {
+    for (int64_t m = 0; m < M; m++) {
         const float* x_m = x + (size_t)m * K;
         uint32_t* xp_m = xp + (size_t)m * kp;
         for (int p = 0; p < kp; p += 16) {

@@ -3,7 +3,7 @@ runs, against float64 products of the bf16-rounded operands.
 
 The bound. Every path sums the same exact terms: a product of two bf16
 numbers has at most 16 significant bits, so it is exact in float32 (no test
-value comes near underflow or overflow). Each output element is then one
+product comes near underflow or overflow). Each output element is then one
 chain of K float32 additions onto its start value s (the bias, 0, or what a
 (+=) output held), in an order that depends on the path (k = 0, 1, ... for the
 widened paths and the naive loops; pairs (2p+1, 2p) for vdpbf16ps). With
@@ -27,7 +27,7 @@ import torch
 import llmc_py
 from llmc_py import kernels as K
 from llmc_py._native.lib import ffi, lib
-from helpers import TOL, assert_close, assert_thread_invariant, t64
+from helpers import TOL, assert_close, assert_thread_invariant
 
 ISAS = llmc_py.supported_isas()
 WIDENED = [isa for isa in ISAS if isa != "avx512bf16"]   # round, widen, float32 GEMM
@@ -49,7 +49,7 @@ SHAPES = [  # B, T, C, OC
     (1, 12, 33, 50),      # skinny, the most rows it takes (8 + 4)
     (1, 13, 33, 50),      # one row more: the GEMM, with an edge tile
     (1, 16, 33, 50),      # the GEMM, two whole row tiles
-    (2, 9, 1000, 70),     # forward K = 1000: two K blocks, odd pair count
+    (2, 9, 1000, 70),     # forward K = 1000: two K blocks of 250 pairs
     (1, 801, 40, 1001),   # dweight K = 801, dinp K = 1001: two odd K blocks
 ]
 # smaller shapes for what is slow in numpy or in the naive loops
