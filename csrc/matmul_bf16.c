@@ -13,10 +13,12 @@
  *                instruction, from half the bytes. Each thread packs the
  *                operands of its tiles of C into k-pair panels (A: 8 rows,
  *                B: 48 columns, K in blocks of up to 768) and an 8 x 48 tile
- *                of C stays in 24 registers over a block (the kernels are in
- *                matmul_bf16_micro.h).
+ *                of C stays in 24 registers over a block; meanwhile the
+ *                source of the next panel and K block is prefetched into L2,
+ *                so that packing reads L2 rather than waiting on memory (the
+ *                kernels are in matmul_bf16_micro.h).
  *   dot product, skinny
- *                the forward with B*T <= 16 rows (decoding): the GEMM would
+ *                the forward with B*T <= 12 rows (decoding): the GEMM would
  *                repack the whole weight per call for a few rows, so the
  *                weight rows are read in place, once, and turned into the
  *                GEMM's panel layout in registers; threads take columns.
@@ -99,7 +101,11 @@ static int sizes_ok(int B, int T, int C, int OC) {
    ~1.3 bytes a cycle, so the block may live in L3; a larger block packs
    B for fewer tiles (3 MB measured 2-8% faster than 384 KB on dweight) */
 #define BF_A_BYTES (3 << 20)
-#define BF_SKINNY_MAX_ROWS 16
+/* the forward with B*T <= BF_SKINNY_MAX_ROWS takes the skinny kernel: on a
+   GPT-2 124M decoding step (Zen 4, 2 threads) it beat the GEMM up to 11
+   rows (by 15% at 9), tied at 12 and 13, and lost by 20-25% at 16, where
+   the GEMM's 8 x 48 tiles reuse each broadcast three times */
+#define BF_SKINNY_MAX_ROWS 12
 
 static int64_t bf_ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
@@ -183,21 +189,22 @@ LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* 
             for (int i0 = 0; i0 < mc; i0 += BF_MR) {
                 const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
                 float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
-                if (mr < BF_MR || nr < BF_NR) {
-                    bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, bp, c, g->ldc, init);
-                    continue;
-                }
                 const int64_t call = i0 / BF_MR;
                 const int64_t call_a = (j0 - n0) / BF_NR * panel_calls + call;
                 const int64_t b0 = walk_b.count * call / panel_calls;
                 const int64_t b1 = walk_b.count * (call + 1) / panel_calls;
                 const int64_t a0 = walk_a.count * call_a / block_calls;
                 const int64_t a1 = walk_a.count * (call_a + 1) / block_calls;
+                const struct bf_lines pf_b = bf_lines_part(walk_b, b0, b1 - b0);
+                const struct bf_lines pf_a = bf_lines_part(walk_a, a0, a1 - a0);
+                if (mr < BF_MR || nr < BF_NR) {
+                    bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, bp, c, g->ldc, init,
+                                  pf_b, pf_a);
+                    continue;
+                }
                 const float* next_c = i0 + BF_MR < mc ? c + BF_MR * g->ldc
                                       : next_j ? g->c + (size_t)m0 * g->ldc + j0 + BF_NR : NULL;
-                bf_micro(kp, ap + (size_t)i0 * kp, bp, c, g->ldc, init,
-                         bf_lines_part(walk_b, b0, b1 - b0), bf_lines_part(walk_a, a0, a1 - a0),
-                         next_c);
+                bf_micro(kp, ap + (size_t)i0 * kp, bp, c, g->ldc, init, pf_b, pf_a, next_c);
             }
         }
     }
@@ -260,7 +267,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
         const int kp = (C + 1) / 2;
         uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
-        bf_round_rows(xp, inp, C, 0, BT);
+        bf_round_rows(xp, inp, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
         #pragma omp parallel for schedule(static)
         for (int64_t grp = 0; grp < groups; grp++) {

@@ -12,7 +12,7 @@
  *   B panel  [kp][BF_NR]  the pairs of BF_NR columns, pair by pair (a row
  *                         of the panel is three full vectors)
  * Rows past M and columns past N are zero. Every float32 source is rounded
- * to bf16 as llmc_bf16_round does (round_pairs below); bf16 sources are
+ * to bf16 as llmc_bf16_round does (bf_round_pairs below); bf16 sources are
  * copied.
  */
 #ifndef LLMC_MATMUL_BF16_MICRO_H
@@ -252,20 +252,15 @@ LLMC_TARGET_AVX512BF16 static void bf_pack_b(uint32_t* bp, const struct bf16_gem
             for (int p = 0; p < kp; p += 16) {
                 const int np = kp - p < 16 ? kp - p : 16;
                 const int k0 = 2 * (p0 + p);
+                // one path for whole and partial blocks (a row past nr reads
+                // nothing, from a row that exists), so the block stays in
+                // registers
+                const __mmask32 valid = bf_first32(K - k0);
                 __m512i block[16];
-                if (rows >= 16 && K - k0 >= 32) {
-                    for (int i = 0; i < 16; i++) {
-                        const uint16_t* src = w_v + (size_t)i * ldb + k0;
-                        _mm_prefetch((const char*)(src + 4 * 32), _MM_HINT_T0);
-                        block[i] = _mm512_loadu_si512(src);
-                    }
-                } else {
-                    const __mmask32 valid = bf_first32(K - k0);
-                    for (int i = 0; i < 16; i++) {
-                        block[i] = i < rows ? _mm512_maskz_loadu_epi16(
-                                                  valid, w_v + (size_t)i * ldb + k0)
-                                            : _mm512_setzero_si512();
-                    }
+                for (int i = 0; i < 16; i++) {
+                    const int in = i < rows;
+                    block[i] = _mm512_maskz_loadu_epi16(in ? valid : 0,
+                                                        w_v + (size_t)(in ? i : 0) * ldb + k0);
                 }
                 bf_transpose16(block);
                 for (int j = 0; j < np; j++) {
@@ -377,8 +372,9 @@ static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, in
  * The micro-kernel: c[r, 0..BF_NR) (+)= sum_{p < kp} ap[p][r] . bp[p][..]
  * for r < BF_MR, the tile in 24 accumulators. init: NULL starts from c,
  * else every row starts from init[0..BF_NR). Each lane's sum runs p = 0,
- * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches the lines
- * of pf, one per pair (into L2), and the tile of C at pf_c (for writing).
+ * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches into L2
+ * the lines of pf (up to two per pair) and of pf_a (one per pair), and the
+ * tile of C at pf_c for writing (NULL: none).
  */
 LLMC_TARGET_AVX512BF16 __attribute__((noinline))
 static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
@@ -411,7 +407,7 @@ static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, s
         }
         for (int r = 0; r < BF_MR; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ap[(size_t)p * BF_MR + r]);
-            for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]); }
+            for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b[v], a); }
         }
     }
     for (int r = 0; r < BF_MR; r++) {
@@ -420,17 +416,18 @@ static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, s
 }
 
 /* The micro-kernel on a partial tile (mr rows x nr columns) through a local
-   copy; init as in bf_micro (only its first nr entries are read). */
+   copy; init and the prefetches as in bf_micro (only init's first nr
+   entries are read). */
 LLMC_TARGET_AVX512BF16 static void bf_micro_edge(int kp, int mr, int nr, const uint32_t* ap,
                                                  const uint32_t* bp, float* c, size_t ldc,
-                                                 const float* init) {
+                                                 const float* init, struct bf_lines pf,
+                                                 struct bf_lines pf_a) {
     float tile[BF_MR * BF_NR];
     memset(tile, 0, sizeof tile);
     for (int r = 0; r < mr; r++) {
         memcpy(tile + r * BF_NR, init != NULL ? init : c + r * ldc, (size_t)nr * sizeof(float));
     }
-    const struct bf_lines none = {0};
-    bf_micro(kp, ap, bp, tile, BF_NR, NULL, none, none, NULL);
+    bf_micro(kp, ap, bp, tile, BF_NR, NULL, pf, pf_a, NULL);
     for (int r = 0; r < mr; r++) {
         memcpy(c + r * ldc, tile + r * BF_NR, (size_t)nr * sizeof(float));
     }
@@ -464,15 +461,12 @@ LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_skinny_tile(
     const size_t share = (16 * ldw * sizeof(uint16_t) / (size_t)blocks + 63) / 64 * 64;
     for (int p = 0; p < kp; p += 16) {
         const int np = kp - p < 16 ? kp - p : 16;
+        // one load path for whole and partial blocks (as in bf_pack_b)
+        const __mmask32 valid = bf_first32(K - 2 * p);
         __m512i v[16];
-        if (no == 16 && K - 2 * p >= 32) {
-            for (int i = 0; i < 16; i++) { v[i] = _mm512_loadu_si512(w + (size_t)i * ldw + 2 * p); }
-        } else {
-            const __mmask32 valid = bf_first32(K - 2 * p);
-            for (int i = 0; i < 16; i++) {
-                v[i] = i < no ? _mm512_maskz_loadu_epi16(valid, w + (size_t)i * ldw + 2 * p)
-                              : _mm512_setzero_si512();
-            }
+        for (int i = 0; i < 16; i++) {
+            const int in = i < no;
+            v[i] = _mm512_maskz_loadu_epi16(in ? valid : 0, w + (size_t)(in ? i : 0) * ldw + 2 * p);
         }
         if (prefetch) {
             const char* pf = next + (size_t)(p / 16) * share;
@@ -482,7 +476,7 @@ LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_skinny_tile(
         for (int j = 0; j < np; j++) {
             for (int r = 0; r < mr; r++) {
                 const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)r * kp + p + j]);
-                acc[r] = _mm512_dpbf16_ps(acc[r], x, (__m512bh)v[j]);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)v[j], x);
             }
         }
     }
@@ -513,12 +507,11 @@ LLMC_TARGET_AVX512BF16 static void bf_skinny(float* out, size_t ldo, const uint3
     }
 }
 
-/* The rounded pairs of rows [m0, m1) of a row-major float32 x [*, K], into
-   xp [*, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
-LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K,
-                                                 int64_t m0, int64_t m1) {
+/* The rounded pairs of the M rows of a row-major float32 x [M, K], into
+   xp [M, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
+LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K, int64_t M) {
     const int kp = (K + 1) / 2;
-    for (int64_t m = m0; m < m1; m++) {
+    for (int64_t m = 0; m < M; m++) {
         const float* x_m = x + (size_t)m * K;
         uint32_t* xp_m = xp + (size_t)m * kp;
         for (int p = 0; p < kp; p += 16) {
