@@ -443,27 +443,35 @@ int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N);
 int softmax_forward(float* probs, const float* logits, int B, int T, int V, int Vp);
 
 /*
- * crossentropy_forward: losses[b,t] = -log(probs[b,t,targets[b,t]])
+ * softmax_crossentropy_forward: the classifier's loss without probabilities:
+ * per row, stats[b,t] = (max, inv) of the softmax over logits[b,t,:V]
+ * (inv = 1 / sum_i exp(logits[b,t,i] - max)) and
+ * losses[b,t] = -log(exp(logits[b,t,target] - max) * inv), bitwise
+ * -log(probs[b,t,target]) of softmax_forward's probs. logits are only read.
  *
  *   losses  [B, T]      (written)
- *   probs   [B, T, Vp]
+ *   stats   [B, T, 2]   (written)
+ *   logits  [B, T, Vp]
  *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
  */
-int crossentropy_forward(float* losses, const float* probs, const int* targets,
-                         int B, int T, int V, int Vp);
+int softmax_crossentropy_forward(float* losses, float* stats, const float* logits,
+                                 const int* targets, int B, int T, int V, int Vp);
 
 /*
- * crossentropy_softmax_backward: gradient through softmax and cross-entropy
- * together: dlogits[b,t,i] += (probs[b,t,i] - [i == target]) * dlosses[b,t]
- * for i < V; the padding columns get no gradient.
+ * softmax_crossentropy_backward: the gradient through softmax and
+ * cross-entropy together, from the forward's stats:
+ * dlogits[b,t,i] = (p[b,t,i] - [i == target]) * dlosses[b,t] for i < V, and 0
+ * in the padding columns, with p = exp(logits - max) * inv as the forward's.
+ * dlogits may be logits itself (the gradient then replaces the logits).
  *
- *   dlogits [B, T, Vp]  (+=)
+ *   dlogits [B, T, Vp]  (written)
+ *   logits  [B, T, Vp]
+ *   stats   [B, T, 2]
  *   dlosses [B, T]
- *   probs   [B, T, Vp]
  *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
  */
-int crossentropy_softmax_backward(float* dlogits, const float* dlosses,
-                                  const float* probs, const int* targets,
+int softmax_crossentropy_backward(float* dlogits, const float* logits, const float* stats,
+                                  const float* dlosses, const int* targets,
                                   int B, int T, int V, int Vp);
 
 /* ---- adamw.c ------------------------------------------------------------ */

@@ -236,8 +236,7 @@ def bench_step(config, B, T, repeats, rng, precision="fp32"):
     def step():
         state["t"] += 1
         model.zero_grad()
-        model.forward(x, y)
-        model.backward()
+        model.forward_backward(x, y)
         model.update(1e-4, 0.9, 0.999, 1e-8, 0.0, state["t"])
     return timed(step, repeats)
 

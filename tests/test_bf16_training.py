@@ -67,35 +67,63 @@ def test_bf16_copy_follows_the_parameters_through_updates(rng):
     assert np.array_equal(model.params_bf16.memory, expected)
 
 
-# a block's linear layers: (input activation, output activation, weight, bias)
-LINEARS = [("ln1", "qkv", "qkvw", "qkvb"), ("atty", "attproj", "attprojw", "attprojb"),
-           ("ln2", "fch", "fcw", "fcb"), ("fch_act", "fcproj", "fcprojw", "fcprojb")]
-
-
 def check_layers_teacher_forced(model, x, y):
-    """Every block linear layer of every layer, forward and backward, against
-    the reference bf16 linear layer on our own saved inputs."""
-    model.zero_grad()
-    model.forward(x, y)
-    model.backward()
-    p, a, d, g = model.params, model.acts, model.grads_acts, model.grads
-    for l in range(model.config.L):
-        for inp, out, weight, bias in LINEARS:
-            x_in = torch.tensor(a[inp][l], dtype=torch.float64, requires_grad=True)
-            w = torch.tensor(p[weight][l], dtype=torch.float64, requires_grad=True)
-            b = torch.tensor(p[bias][l], dtype=torch.float64) if bias in p else None
-            y_ref = ref.bf16_matmul(x_in, w, b)
-            err = max_rel_error(a[out][l], y_ref.detach().numpy())
-            assert err <= LAYER_TOL, f"layer {l} {weight} forward: {err:.3g}"
-            y_ref.backward(torch.tensor(d[out][l], dtype=torch.float64))
-            err = max_rel_error(d[inp][l], x_in.grad.numpy())
-            assert err <= LAYER_TOL, f"layer {l} {weight} dinp: {err:.3g}"
-            err = max_rel_error(g[weight][l], w.grad.numpy())
-            assert err <= LAYER_TOL, f"layer {l} {weight} dweight: {err:.3g}"
-    head = p.wte if model.config.tied_embeddings else p.lm_head
-    logits = ref.bf16_matmul(torch.tensor(a.lnf, dtype=torch.float64),
-                             torch.tensor(head, dtype=torch.float64))
-    assert max_rel_error(a.logits, logits.numpy()) <= LAYER_TOL
+    """Every linear layer of every block, and the head's forward, against the
+    reference bf16 linear layer fed with the very operands ours saw: each
+    call of the model's bf16 matmuls is recorded (its operands and results
+    copied as it returns; backward's input gradients start from zero and
+    every block weight has one backward call a step)."""
+    calls = {"forward": [], "backward": []}
+    forward, backward = model._matmul_forward, model._matmul_backward
+
+    def recording_forward(out, inp, weight, bias):
+        forward(out, inp, weight, bias)
+        calls["forward"].append([a if a is None else a.copy() for a in (out, inp, bias)]
+                                + [weight])
+    def recording_backward(dinp, dweight, dbias, dout, inp, weight):
+        before = dweight.copy()
+        backward(dinp, dweight, dbias, dout, inp, weight)
+        calls["backward"].append((dinp.copy(), dweight - before, dout.copy(), inp.copy(),
+                                  weight))
+    model._matmul_forward, model._matmul_backward = recording_forward, recording_backward
+    try:
+        model.zero_grad()
+        model.forward(x, y)
+        model.backward()
+    finally:
+        model._matmul_forward, model._matmul_backward = forward, backward
+
+    def float_weight(weight):
+        """The fp32 master copy of a bf16 weight view (its rows are whole)."""
+        for name in ("qkvw", "attprojw", "fcw", "fcprojw", "wte", "lm_head"):
+            if name not in model.params_bf16:
+                continue
+            full = model.params_bf16[name]
+            if np.shares_memory(full, weight):
+                if full.ndim == 2:
+                    return model.params[name]
+                for l in range(full.shape[0]):
+                    if np.shares_memory(full[l], weight):
+                        return model.params[name][l]
+        raise AssertionError("a weight not among the parameters")
+
+    assert len(calls["forward"]) == 4 * model.config.L + 1
+    assert len(calls["backward"]) == 4 * model.config.L + 1
+    for out, inp, bias, weight in calls["forward"]:
+        w = torch.tensor(float_weight(weight), dtype=torch.float64)
+        b = None if bias is None else torch.tensor(bias, dtype=torch.float64)
+        y_ref = ref.bf16_matmul(torch.tensor(inp, dtype=torch.float64), w, b)
+        err = max_rel_error(out, y_ref.numpy())
+        assert err <= LAYER_TOL, f"forward {out.shape}: {err:.3g}"
+    for dinp, dweight, dout, inp, weight in calls["backward"]:
+        x_in = torch.tensor(inp, dtype=torch.float64, requires_grad=True)
+        w = torch.tensor(float_weight(weight), dtype=torch.float64, requires_grad=True)
+        ref.bf16_matmul(x_in, w, None).backward(torch.tensor(dout, dtype=torch.float64))
+        err = max_rel_error(dinp, x_in.grad.numpy())
+        assert err <= LAYER_TOL, f"dinp {dinp.shape}: {err:.3g}"
+        err = max_rel_error(dweight, w.grad.numpy())
+        assert err <= LAYER_TOL, f"dweight {dweight.shape}: {err:.3g}"
+
 
 
 def check_against_bf16_reference(model, x, y):
@@ -107,9 +135,10 @@ def check_against_bf16_reference(model, x, y):
     loss.backward()
     model.zero_grad()
     ours = model.forward(x, y)
+    ours_logits = model.logits.copy()   # backward overwrites them
     model.backward()
     assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item()), f"{ours} vs {loss.item()}"
-    err = max_rel_error(model.logits[..., :c.vocab_size],
+    err = max_rel_error(ours_logits[..., :c.vocab_size],
                         logits.detach().numpy()[..., :c.vocab_size])
     assert err <= LOGITS_TOL, f"logits: {err:.3g} of the largest"
     for name in model.params.names:
@@ -177,9 +206,10 @@ def test_bf16_results_do_not_depend_on_thread_count(use_isa, set_threads, isa):
         for t in (1, 2):
             model.zero_grad()
             loss = model.forward(x, y)
+            logits = model.logits.copy()
             model.backward()
             model.update(t=t, **ADAMW)
-        results.append((loss, model.logits.copy(), model.grads.memory.copy(),
+        results.append((loss, logits, model.grads.memory.copy(),
                         model.params.memory.copy()))
     for loss, logits, grads, params in results[1:]:
         assert loss == results[0][0]
@@ -198,8 +228,9 @@ def test_instruction_sets_agree_in_bf16(use_isa):
         use_isa(isa)
         model = bf16_twin(fp32)
         loss = model.forward(x, y)
+        logits = model.logits.copy()
         model.backward()
-        results[isa] = (loss, model.logits.copy(), model.grads.memory.copy())
+        results[isa] = (loss, logits, model.grads.memory.copy())
     loss0, logits0, grads0 = next(iter(results.values()))
     for isa, (loss, logits, grads) in results.items():
         assert abs(loss - loss0) <= LOSS_RTOL * abs(loss0), isa

@@ -94,8 +94,8 @@ ROWS = {
     "residual_forward": Row(),
     "residual_backward": Row(),
     "softmax_forward": Row(bad=_V_ABOVE_VP),
-    "crossentropy_forward": Row(bad=_V_ABOVE_VP),
-    "crossentropy_softmax_backward": Row(bad=_V_ABOVE_VP),
+    "softmax_crossentropy_forward": Row(bad=_V_ABOVE_VP),
+    "softmax_crossentropy_backward": Row(bad=_V_ABOVE_VP),
     "adamw_update": Row(optional=frozenset({"params_bf16"}),   # fp32 training
                         not_sizes=frozenset({"t"}),   # the step number: a value, >= 1
                         bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
@@ -156,7 +156,7 @@ def test_raw_call_returns_status_and_process_survives():
 def test_header_parse_finds_the_kernels_and_their_parameters():
     assert {"encoder_forward", "matmul_backward_naive", "adamw_update"} <= set(KERNELS)
     assert PROTOTYPES["encoder_forward"] == ("out", "inp", "wte", "wpe", "B", "T", "C", "V")
-    assert {"encoder_forward", "crossentropy_forward"} <= set(TOKEN_KERNELS)
+    assert {"encoder_forward", "softmax_crossentropy_forward"} <= set(TOKEN_KERNELS)
     assert all("V" in PROTOTYPES[name] for name in TOKEN_KERNELS)
     for name in KERNELS:
         assert len(PROTOTYPES[name]) == len(ffi.typeof(getattr(lib, name)).args), name

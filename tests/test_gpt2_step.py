@@ -67,12 +67,12 @@ def check_against_reference(model, x, y):
 
     model.zero_grad()
     ours = model.forward(x, y)
+    logits_ours = model.logits[..., :c.vocab_size].copy()   # backward overwrites them
     model.backward()
 
     errors = {"loss": abs(ours - loss.item()) / abs(loss.item())}
     assert errors["loss"] <= LOSS_RTOL, f"loss {ours} vs {loss.item()}"
     logits_ref = logits.detach().numpy()[..., :c.vocab_size]
-    logits_ours = model.logits[..., :c.vocab_size]
     errors["logits"] = float(np.abs(logits_ours - logits_ref).max())
     assert errors["logits"] <= LOGITS_TOL * max(float(np.abs(logits_ref).max()), 0.1), \
         f"logits: max abs error {errors['logits']:.3g}"
@@ -153,9 +153,9 @@ def test_debug_state_from_reference_checks_the_model(tmp_path):
     assert np.array_equal(state["x"], x) and np.array_equal(state["y"], y)
     assert path.stat().st_size == 1024 + 4 * (2 * 27 + 27 * 67 + 1 + model.num_parameters)
     ours = model.forward(state["x"], state["y"])
+    assert max_rel_error(model.logits[..., :SMALL.vocab_size], state["logits"]) <= LOGITS_TOL
     model.backward()
     assert abs(ours - state["loss"]) <= LOSS_RTOL * abs(state["loss"])
-    assert max_rel_error(model.logits[..., :SMALL.vocab_size], state["logits"]) <= LOGITS_TOL
     assert max_rel_error(model.grads.memory, state["grads"]) <= GRAD_TOL
 
 
@@ -169,8 +169,9 @@ def test_results_do_not_depend_on_thread_count():
             llmc_py.set_num_threads(threads)
             model.zero_grad()
             loss = model.forward(x, y)
+            logits = model.logits.copy()
             model.backward()
-            results.append((loss, model.logits.copy(), model.grads.memory.copy()))
+            results.append((loss, logits, model.grads.memory.copy()))
     finally:
         llmc_py.set_num_threads(before)
     for loss, logits, grads in results[1:]:
@@ -193,8 +194,9 @@ def test_every_isa_gives_the_same_step(use_isa):
         use_isa(isa)
         model.zero_grad()
         loss = model.forward(x, y)
+        logits = model.logits.copy()
         model.backward()
-        results[isa] = (loss, model.logits.copy(),
+        results[isa] = (loss, logits,
                         {name: model.grads[name].copy() for name in model.grads.names})
     first, (loss0, logits0, grads0) = next(iter(results.items()))
     for isa, (loss, logits, grads) in results.items():

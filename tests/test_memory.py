@@ -7,13 +7,13 @@ from llmc_py import GPT2, GPT2Config, OutOfMemoryError
 from llmc_py.model import memory
 from llmc_py import train as train_mod
 from llmc_py.data import write_tokens
-from llmc_py.model.layout import ACT_SPECS, GRAD_ACT_SPECS, aligned_empty, specs_bytes
+from llmc_py.model.layout import aligned_empty
+from llmc_py.model.transformer import HEAD_ROWS
 
 GIB = 1 << 30
-# a long context and 8 heads: the attention maps (B, NH, T, T) of one layer are
-# 128 GiB per sequence, so B=80 needs about 10 TiB for the activations alone
-LONG = GPT2Config(max_seq_len=65536, vocab_size=50, padded_vocab_size=64, num_layers=1,
-                  num_heads=8, channels=8)
+# a long context and GPT-2's vocabulary: 196 KiB of logits per position
+WIDE_VOCAB = GPT2Config(max_seq_len=65536, vocab_size=50257, padded_vocab_size=50304,
+                        num_layers=1, num_heads=2, channels=8)
 
 
 def write_meminfo(folder, available_kb, swap_free_kb=0):
@@ -57,23 +57,64 @@ def test_aligned_empty_checks_before_allocating():
     assert aligned_empty(10).size == 10
 
 
-def test_model_forward_needing_10_tib_fails_before_allocating():
-    model = GPT2(LONG)
-    B, T = 80, 65536
-    needed = specs_bytes(ACT_SPECS, LONG, B, T) + specs_bytes(GRAD_ACT_SPECS, LONG, B, T)
-    assert needed > 10 * 1024 * GIB
+def test_model_forward_that_cannot_fit_fails_before_allocating():
+    model = GPT2(WIDE_VOCAB)
+    B, T = 4, 65536   # 262144 rows of 50304 logits: 49 GiB of them alone
     tokens = np.zeros((B, T), np.int32)
+    plan = model.memory_plan(B, T, training=False, keep_logits=True)
+    missing = {part: n for part, n in plan.items() if n and not part.startswith("parameters")}
+    assert list(missing) == ["activations", "logits", "scratch"]
     with pytest.raises(OutOfMemoryError) as info:
         model.forward(tokens, tokens)
+    needed = sum(missing.values())
     text = str(info.value)
-    assert text.startswith(f"activations and their gradients for B={B}, T={T} need "
-                           f"{needed / (1024 * GIB):.2f} TiB ({needed / GIB:.1f} GiB)")
+    assert text.startswith(f"a forward at B={B}, T={T} (activations "), text
+    assert f"logits {memory.format_bytes(plan['logits'])}" in text
+    assert f") need {memory.format_bytes(needed)} of memory, but only " in text
     assert model.acts is None and model.B is None   # nothing allocated, nothing changed
-    # inference needs no gradients, and says so
-    with pytest.raises(OutOfMemoryError, match=rf"^activations for B={B}, T={T} need"):
-        model.reserve(B, T)
+    # training runs the classifier a block of rows at a time, so this fits
+    # its logits; 128 times the rows do not fit, and the message says what
+    # needs what, gradients and AdamW's moments too
+    assert model.memory_plan(B, T, training=True)["logits"] < 100 << 20
+    with pytest.raises(OutOfMemoryError, match=rf"^training at B={128 * B}, T={T} \(parameter "
+                                               rf"gradients .*AdamW moments .*activation "
+                                               rf"gradients .*\) need"):
+        model.reserve(128 * B, T, training=True)
+    assert model.acts is None and model.m_memory is None and model._grads is None
     # and the model still works at a size that fits
     assert np.isfinite(model.forward(tokens[:1, :16], tokens[:1, :16]))
+
+
+def test_activation_memory_grows_linearly_in_t():
+    """No (T, T) buffer: at fixed B, every T-dependent part of a training
+    step's plan (activations, their gradients, the scratch) grows by the same
+    bytes for each doubling step of 256 positions; the parameters' parts stay."""
+    model = GPT2(GPT2Config())
+    B = 8
+    plans = {T: model.memory_plan(B, T, training=True) for T in (256, 512, 1024, 2048)}
+    for part in ("activations", "activation gradients", "scratch"):
+        sizes = [plans[T][part] for T in (256, 512, 1024, 2048)]
+        per_256 = sizes[1] - sizes[0]
+        assert per_256 > 0
+        assert sizes[2] - sizes[1] == 2 * per_256 and sizes[3] - sizes[2] == 4 * per_256, part
+    for part in ("parameters", "parameter gradients", "AdamW moments", "logits"):
+        assert len({plans[T][part] for T in plans}) == 1, part   # logits: HEAD_ROWS rows
+    # per position and layer: the attention's output and two numbers per head,
+    # where its probabilities once took T floats per head (T=1024: 4.8 GB)
+    assert plans[1024]["activations"] < 4 * B * 1024 * 12 * 17 * 768
+    assert plans[256]["logits"] == 4 * HEAD_ROWS * 50304
+
+
+def test_recompute_plans_less_and_changes_nothing_else():
+    model = GPT2(GPT2Config())
+    full = model.memory_plan(8, 256, training=True)
+    model.recompute = True
+    lean = model.memory_plan(8, 256, training=True)
+    C, L, BT = 768, 12, 8 * 256
+    # ln1, ln2 (C each) and the GELU output (4 C) held for 1 layer, not 12
+    assert full["activations"] - lean["activations"] == 4 * BT * 6 * C * (L - 1)
+    assert {k: v for k, v in full.items() if k != "activations"} == \
+        {k: v for k, v in lean.items() if k != "activations"}
 
 
 def test_a_model_too_large_for_memory():
@@ -91,4 +132,4 @@ def test_train_cli_fails_up_front_with_one_line(tmp_path, capsys):
                            "-o", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
-    assert "activations and their gradients for B=200000, T=1024 need" in err and "GiB" in err
+    assert "training at B=200000, T=1024 (" in err and ") need" in err and "GiB" in err

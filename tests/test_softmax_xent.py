@@ -1,5 +1,6 @@
-"""csrc/softmax_xent.c: softmax over the real vocabulary, cross-entropy and
-their fused backward, against the float64 reference and autograd."""
+"""csrc/softmax_xent.c: softmax over the real vocabulary and the fused
+softmax + cross-entropy (no probabilities kept; the backward in place of the
+logits), against the float64 reference and autograd."""
 import numpy as np
 import pytest
 
@@ -28,33 +29,28 @@ def make_inputs(rng, B, T, V, Vp):
 
 def forward(logits, targets, V):
     B, T, Vp = logits.shape
-    probs = np.full((B, T, Vp), np.nan, np.float32)   # (written): must not be read
-    losses = np.full((B, T), np.nan, np.float32)
-    K.softmax_forward(probs, logits, V)
-    K.crossentropy_forward(losses, probs, targets, V)
-    return probs, losses
+    losses = np.full((B, T), np.nan, np.float32)     # (written): must not be read
+    stats = np.full((B, T, 2), np.nan, np.float32)
+    kept = logits.copy()
+    K.softmax_crossentropy_forward(losses, stats, logits, targets, V)
+    assert np.array_equal(logits, kept, equal_nan=True), "the forward changed the logits"
+    return losses, stats
 
 
-def with_nan_padding(probs, V):
-    """probs with NaN in the padding, which the backward must not read."""
-    probs = probs.copy()
-    probs[..., V:] = np.nan
-    return probs
-
-
-def backward(dlosses, probs, targets, V, calls=1):
-    dlogits = np.zeros_like(probs)
-    for _ in range(calls):
-        K.crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V)
+def backward(dlosses, logits, stats, targets, V, in_place=False):
+    dlogits = logits if in_place else np.full_like(logits, np.nan)   # (written)
+    K.softmax_crossentropy_backward(dlogits, logits, stats, dlosses, targets, V)
     return dlogits
 
 
 @pytest.mark.parametrize("B,T,V,Vp", SHAPES)
 def test_softmax_crossentropy_match_reference(rng, isa, B, T, V, Vp):
     logits, targets, dlosses = make_inputs(rng, B, T, V, Vp)
-    probs, losses = forward(logits, targets, V)
+    probs = np.full((B, T, Vp), np.nan, np.float32)
+    K.softmax_forward(probs, logits, V)
     assert not probs[..., V:].any(), "probs padding columns are not exactly 0"
-    dlogits = backward(dlosses, with_nan_padding(probs, V), targets, V)
+    losses, stats = forward(logits, targets, V)
+    dlogits = backward(dlosses, logits, stats, targets, V)
 
     logits_t = t64(logits, grad=True)
     ref_probs = ref_softmax(logits_t, V)
@@ -65,26 +61,40 @@ def test_softmax_crossentropy_match_reference(rng, isa, B, T, V, Vp):
     assert_close("losses", losses, ref_losses, TOL["crossentropy"]["fwd"])
     assert_close("dlogits[:V]", dlogits[..., :V], logits_t.grad[..., :V],
                  TOL["crossentropy"]["bwd"])
-    assert not dlogits[..., V:].any(), "dlogits padding columns got a gradient"
+    assert not dlogits[..., V:].any(), "dlogits padding columns are not exactly 0"
+
+
+@pytest.mark.parametrize("B,T,V,Vp", SHAPES[1:4])
+def test_fused_equals_softmax_then_crossentropy_bitwise(rng, isa, B, T, V, Vp):
+    """The fused pair's probabilities are softmax_forward's, product for
+    product: the loss is -log p[target] and the gradient (p - onehot) * dloss
+    to the bit, also when the gradient overwrites the logits."""
+    logits, targets, dlosses = make_inputs(rng, B, T, V, Vp)
+    probs = np.empty_like(logits)
+    K.softmax_forward(probs, logits, V)
+    p_target = np.take_along_axis(probs, targets[..., None].astype(np.int64), -1)[..., 0]
+    expected = probs * dlosses[..., None]
+    np.put_along_axis(expected, targets[..., None].astype(np.int64),
+                      p_target[..., None] * dlosses[..., None] - dlosses[..., None], -1)
+    losses, stats = forward(logits, targets, V)
+    # the loss is libm's -logf(p): within an ulp of log in float64 rounded to float32
+    ref_losses = -np.log(p_target.astype(np.float64)).astype(np.float32)
+    assert np.all(np.abs(losses - ref_losses) <= np.spacing(ref_losses))
+    assert np.array_equal(backward(dlosses, logits, stats, targets, V), expected)
+    assert np.array_equal(backward(dlosses, logits.copy(), stats, targets, V, in_place=True),
+                          expected)
 
 
 def test_softmax_xent_thread_invariant(rng, isa, set_threads):
     logits, targets, dlosses = make_inputs(rng, 3, 37, 1000, 1024)   # 111 rows
 
     def run():
-        probs, losses = forward(logits, targets, 1000)
-        return {"probs": probs, "losses": losses,
-                "dlogits": backward(dlosses, probs, targets, 1000)}
+        probs = np.empty_like(logits)
+        K.softmax_forward(probs, logits, 1000)
+        losses, stats = forward(logits, targets, 1000)
+        return {"probs": probs, "losses": losses, "stats": stats,
+                "dlogits": backward(dlosses, logits, stats, targets, 1000)}
     assert_thread_invariant(set_threads, run)
-
-
-def test_crossentropy_backward_accumulates(rng):
-    V, Vp = 67, 128
-    logits, targets, dlosses = make_inputs(rng, 2, 37, V, Vp)
-    probs, _ = forward(logits, targets, V)
-    once, twice = backward(dlosses, probs, targets, V), backward(dlosses, probs, targets, V, 2)
-    assert_close("dlogits", twice, 2.0 * once, TOL["crossentropy"]["bwd"])
-    assert not twice[..., V:].any(), "dlogits padding columns got a gradient"
 
 
 @pytest.mark.parametrize("bad", [-1, 67, 127, 1 << 30])   # 67..127: padding is not a token
@@ -92,13 +102,13 @@ def test_crossentropy_backward_accumulates(rng):
 def test_crossentropy_rejects_target_out_of_range(rng, which, bad):
     V, Vp = 67, 128
     logits, targets, dlosses = make_inputs(rng, 2, 3, V, Vp)
-    probs, losses = forward(logits, targets, V)
+    losses, stats = forward(logits, targets, V)
     targets[1, 1] = bad
     with pytest.raises(llmc_py.RangeError, match=rf"targets\[1, 1\] = {bad} is not a token id"):
         if which == "forward":
-            K.crossentropy_forward(losses, probs, targets, V)
+            K.softmax_crossentropy_forward(losses, stats, logits, targets, V)
         else:
-            backward(dlosses, probs, targets, V)
+            backward(dlosses, logits, stats, targets, V)
 
 
 @pytest.mark.parametrize("V", [0, 129])   # no real column, or more real columns than Vp
@@ -110,17 +120,19 @@ def test_softmax_rejects_bad_vocab_size(rng, V):
 
 def test_softmax_xent_reject_wrong_shape(rng):
     logits, targets, dlosses = make_inputs(rng, 2, 3, 5, 8)
-    probs, _ = forward(logits, targets, 5)
+    losses, stats = forward(logits, targets, 5)
     with pytest.raises(llmc_py.ShapeError, match="targets"):
-        K.crossentropy_forward(np.empty((2, 3), np.float32), probs, targets[:, :2].copy(), 5)
+        K.softmax_crossentropy_forward(losses, stats, logits, targets[:, :2].copy(), 5)
+    with pytest.raises(llmc_py.ShapeError, match="stats"):
+        K.softmax_crossentropy_forward(losses, stats[:, :2].copy(), logits, targets, 5)
     with pytest.raises(llmc_py.ShapeError, match="dlosses"):
-        backward(dlosses.reshape(3, 2), probs, targets, 5)
+        backward(dlosses.reshape(3, 2), logits, stats, targets, 5)
 
 
 def test_softmax_xent_reject_wrong_dtype(rng):
     logits, targets, dlosses = make_inputs(rng, 2, 3, 5, 8)
-    probs, _ = forward(logits, targets, 5)
+    losses, stats = forward(logits, targets, 5)
     with pytest.raises(TypeError, match="targets"):
-        backward(dlosses, probs, targets.astype(np.int64), 5)
+        backward(dlosses, logits, stats, targets.astype(np.int64), 5)
     with pytest.raises(TypeError, match="logits"):
-        K.softmax_forward(probs, logits.astype(np.float64), 5)
+        K.softmax_forward(np.empty_like(logits), logits.astype(np.float64), 5)

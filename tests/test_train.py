@@ -51,18 +51,19 @@ def interrupt_at_batch(monkeypatch, n):
 
 
 def bad_loss_at_step(monkeypatch, n, value):
-    """Makes the training loss (batches of B=2) of the n-th forward ``value``."""
-    real = GPT2.forward
+    """Makes the training loss (batches of B=2) of the n-th training step's
+    forward_backward ``value``."""
+    real = GPT2.forward_backward
     calls = {"n": 0}
 
-    def forward(self, inputs, targets=None):
-        loss = real(self, inputs, targets)
-        if targets is not None and self.B == 2:
+    def forward_backward(self, inputs, targets, loss_scale=1.0):
+        loss = real(self, inputs, targets, loss_scale)
+        if self.B == 2:
             calls["n"] += 1
             if calls["n"] == n:
                 return value
         return loss
-    monkeypatch.setattr(GPT2, "forward", forward)
+    monkeypatch.setattr(GPT2, "forward_backward", forward_backward)
 
 
 @pytest.mark.parametrize("shuffle", ["0", "1"])
@@ -168,15 +169,16 @@ def test_resume_after_a_crash_past_the_checkpoint(shards, tmp_path, monkeypatch)
 def bad_gradient_at_step(monkeypatch, n, value):
     """Makes one parameter gradient ``value`` after the n-th backward (the loss
     stays finite)."""
-    real = GPT2.backward
+    real = GPT2.forward_backward
     calls = {"n": 0}
 
-    def backward(self, loss_scale=1.0):
-        real(self, loss_scale)
+    def forward_backward(self, inputs, targets, loss_scale=1.0):
+        loss = real(self, inputs, targets, loss_scale)
         calls["n"] += 1
         if calls["n"] == n:
             self.grads.memory[123] = value
-    monkeypatch.setattr(GPT2, "backward", backward)
+        return loss
+    monkeypatch.setattr(GPT2, "forward_backward", forward_backward)
 
 
 def straight_run(shards, out_dir):

@@ -205,25 +205,31 @@ def softmax_forward(probs, logits, V):
                               B, T, V, Vp), "softmax_forward")
 
 
-def crossentropy_forward(losses, probs, targets, V):
-    """losses[B,T] (written) = -log probs[b,t,targets[b,t]]; targets int32 in [0, V)."""
-    B, T, Vp = _dims(probs, "probs", 3)
-    _check_tokens(lib.crossentropy_forward(
+def softmax_crossentropy_forward(losses, stats, logits, targets, V):
+    """losses[B,T] (written) = -log softmax(logits[b,t,:V])[targets[b,t]], and
+    stats[B,T,2] (written) = each row's (max, 1/normaliser) for the backward;
+    logits[B,T,Vp] are only read; targets int32 in [0, V)."""
+    B, T, Vp = _dims(logits, "logits", 3)
+    _check_tokens(lib.softmax_crossentropy_forward(
         fptr(losses, "losses", (B, T), out=True),
-        fptr(probs, "probs", (B, T, Vp)),
+        fptr(stats, "stats", (B, T, 2), out=True),
+        fptr(logits, "logits", (B, T, Vp)),
         iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "crossentropy_forward", targets, "targets", V)
+        B, T, V, Vp), "softmax_crossentropy_forward", targets, "targets", V)
 
 
-def crossentropy_softmax_backward(dlogits, dlosses, probs, targets, V):
-    """dlogits[B,T,Vp] (+=) (probs - onehot(targets)) * dlosses over the first V columns."""
-    B, T, Vp = _dims(probs, "probs", 3)
-    _check_tokens(lib.crossentropy_softmax_backward(
+def softmax_crossentropy_backward(dlogits, logits, stats, dlosses, targets, V):
+    """dlogits[B,T,Vp] (written) = (softmax - onehot(targets)) * dlosses over the
+    first V columns, 0 past V, from the forward's stats; dlogits may be logits
+    (the gradient then replaces the logits in place)."""
+    B, T, Vp = _dims(logits, "logits", 3)
+    _check_tokens(lib.softmax_crossentropy_backward(
         fptr(dlogits, "dlogits", (B, T, Vp), out=True),
+        fptr(logits, "logits", (B, T, Vp)),
+        fptr(stats, "stats", (B, T, 2)),
         fptr(dlosses, "dlosses", (B, T)),
-        fptr(probs, "probs", (B, T, Vp)),
         iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "crossentropy_softmax_backward", targets, "targets", V)
+        B, T, V, Vp), "softmax_crossentropy_backward", targets, "targets", V)
 
 
 def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t,
@@ -504,3 +510,4 @@ def _check_heads(NH, NKV):
             raise ShapeError(f"{name} must be a positive int, got {n!r}")
     if NH % NKV != 0:
         raise ShapeError(f"NH={NH} is not a multiple of NKV={NKV}")
+

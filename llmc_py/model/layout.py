@@ -3,8 +3,10 @@
 Each spec is a tuple of (name, shape function), in the order the tensors lie
 in memory. ``param_specs(config)`` follows llm.c's checkpoint order (for
 GPT-2's choices it is exactly llm.c's layout, PARAM_SPECS); the same spec
-lays out the gradients. ``act_specs(config)`` and ``grad_act_specs`` lay out
-the activations of a forward pass and the gradients the backward pass needs.
+lays out the gradients. ``act_specs(config)`` lays out the activations of a
+forward pass that backward reads, and ``grad_act_specs(config)`` the
+gradients backward holds: the residual stream's, and one layer's worth of
+the rest, reused by every layer.
 """
 import math
 
@@ -13,17 +15,6 @@ import numpy as np
 from ..config import GPT2Config
 from ..errors import ShapeError
 from .memory import require
-
-# gradients of the activations: only the tensors the backward pass reads or
-# writes (att, the norm statistics and probs need none)
-_NO_GRAD = {"att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
-            "probs"}
-
-
-def grad_act_specs(act_specs):
-    """The activations the backward pass reads or writes gradients of."""
-    return tuple((name, fn) for name, fn in act_specs if name not in _NO_GRAD)
-
 
 # buffers start on a 64-byte boundary (one cache line, one AVX-512 vector)
 ALIGN_BYTES = 64
@@ -139,32 +130,60 @@ def param_specs(c):
     return tuple((name, fn) for name, fn, present in specs if present)
 
 
-def act_specs(c):
-    """(name, shape function of (config, B, T)) per activation of a forward."""
+def act_specs(c, recompute=False, logits=True):
+    """(name, shape function of (config, B, T)) per activation of a forward.
+
+    Per layer (a leading L), only what backward reads: the attention keeps
+    its output and two numbers per query row (att_stats: the softmax's max
+    and inverse normaliser), never its (T, T) probabilities; the two output
+    projections share one (B, T, C) buffer (proj), which backward never
+    reads. With ``recompute`` the norm outputs (ln1, ln2) and the MLP
+    activation (fch_act) are held for one layer at a time, and backward
+    recomputes them. ``logits=False`` leaves the (B, T, Vp) logits out (the
+    model holds them, or a block of their rows, apart)."""
     layernorm, rope = c.norm == "layernorm", c.position == "rope"
+    L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
-        ("ln1", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("ln1", lambda c, B, T: (L(c), B, T, c.C), True),
         ("ln1_mean", lambda c, B, T: (c.L, B, T), layernorm),
         ("ln1_rstd", lambda c, B, T: (c.L, B, T), True),
         ("qkv", lambda c, B, T: (c.L, B, T, c.qkv_channels), True),
         ("qkvr", lambda c, B, T: (c.L, B, T, c.qkv_channels), rope),   # after RoPE
         ("atty", lambda c, B, T: (c.L, B, T, c.C), True),
-        ("att", lambda c, B, T: (c.L, B, c.NH, T, T), True),
-        ("attproj", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("att_stats", lambda c, B, T: (c.L, B, c.NH, T, 2), True),
+        ("proj", lambda c, B, T: (B, T, c.C), True),          # attproj, then fcproj
         ("residual2", lambda c, B, T: (c.L, B, T, c.C), True),
-        ("ln2", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("ln2", lambda c, B, T: (L(c), B, T, c.C), True),
         ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm),
         ("ln2_rstd", lambda c, B, T: (c.L, B, T), True),
         ("fch", lambda c, B, T: (c.L, B, T, c.fc_channels), True),
-        ("fch_act", lambda c, B, T: (c.L, B, T, c.FF), True),   # after GELU / SwiGLU
-        ("fcproj", lambda c, B, T: (c.L, B, T, c.C), True),
+        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after GELU / SwiGLU
         ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
         ("lnf", lambda c, B, T: (B, T, c.C), True),
         ("lnf_mean", lambda c, B, T: (B, T), layernorm),
         ("lnf_rstd", lambda c, B, T: (B, T), True),
-        ("logits", lambda c, B, T: (B, T, c.Vp), True),
-        ("probs", lambda c, B, T: (B, T, c.Vp), True),
+        ("logits", lambda c, B, T: (B, T, c.Vp), logits),
+        ("xent_stats", lambda c, B, T: (B, T, 2), True),      # the loss's softmax: max, 1/sum
+        ("losses", lambda c, B, T: (B, T), True),
+    ]
+    return tuple((name, fn) for name, fn, present in specs if present)
+
+
+def grad_act_specs(c):
+    """(name, shape function of (config, B, T)) per activation gradient that
+    backward holds. ``residual`` is the residual stream's, carried from layer
+    to layer; the rest hold one layer's at a time: ``ln`` the gradient of a
+    norm's output (lnf, ln2, ln1 in turn), ``losses`` d(loss)/d(losses)."""
+    rope = c.position == "rope"
+    specs = [
+        ("residual", lambda c, B, T: (B, T, c.C), True),
+        ("ln", lambda c, B, T: (B, T, c.C), True),
+        ("fch_act", lambda c, B, T: (B, T, c.FF), True),
+        ("fch", lambda c, B, T: (B, T, c.fc_channels), True),
+        ("atty", lambda c, B, T: (B, T, c.C), True),
+        ("qkvr", lambda c, B, T: (B, T, c.qkv_channels), rope),
+        ("qkv", lambda c, B, T: (B, T, c.qkv_channels), True),
         ("losses", lambda c, B, T: (B, T), True),
     ]
     return tuple((name, fn) for name, fn, present in specs if present)
@@ -190,4 +209,4 @@ def checked_params(config, params):
 _GPT2 = GPT2Config()
 PARAM_SPECS = param_specs(_GPT2)
 ACT_SPECS = act_specs(_GPT2)
-GRAD_ACT_SPECS = grad_act_specs(ACT_SPECS)
+GRAD_ACT_SPECS = grad_act_specs(_GPT2)

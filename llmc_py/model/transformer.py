@@ -38,15 +38,24 @@ import threading
 import numpy as np
 
 from .._native import kernels as K
+from .._native.lib import get_isa, get_num_threads
 from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
 from ..io.tokens import first_out_of_vocab
-from .layout import (TensorGroup, act_specs, aligned_zeros, checked_params, grad_act_specs,
-                     param_specs, specs_bytes)
-from .memory import require
+from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
+                     grad_act_specs, param_specs, specs_bytes)
+from .memory import format_bytes, require
 
 PRECISIONS = ("fp32", "bf16")
+# rows of logits the classifier holds at once when it does not keep them all
+# (forward_backward, forward(keep_logits=False)): 77 MB of GPT-2's. A multiple
+# of the float32 GEMM's depth block, so the head weight's gradient is swept
+# as often as in one whole product
+HEAD_ROWS = 384
+# query rows of attention's backward blocks (its scratch: two such blocks of
+# T scores per thread)
+ATTENTION_BLOCK_ROWS = 64
 INIT_STD = 0.02
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
@@ -88,8 +97,9 @@ class Transformer:
         self.config = config
         self.precision = precision
         self.param_specs = param_specs(config)
-        self.act_specs = act_specs(config)
-        self.grad_act_specs = grad_act_specs(self.act_specs)
+        self._recompute = False
+        self.act_specs = act_specs(config, logits=False)
+        self.grad_act_specs = grad_act_specs(config)
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
@@ -115,11 +125,8 @@ class Transformer:
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
-        self.acts = None       # made on the first forward, for its (B, T)
-        self.grads_acts = None
-        self.B = self.T = None
-        self.inputs = self.targets = None
         self.mean_loss = None
+        self._drop_activations()   # made by the first forward, for its (B, T)
 
     def _init_params(self, seed):
         """GPT-2's initialisation: matrices from N(0, INIT_STD), the output
@@ -181,10 +188,39 @@ class Transformer:
 
     @property
     def logits(self):
-        """The (B, T, Vp) logits of the last forward (a view, not a copy)."""
-        if self.acts is None:
+        """The (B, T, Vp) logits of the last forward (a view, not a copy).
+        Only a forward that kept them has them: forward_backward and
+        forward(..., keep_logits=False) run the classifier a block of rows
+        at a time, and backward turns the logits into their gradient."""
+        if self._logits_state is None:
             raise RuntimeError("no forward has run yet")
-        return self.acts.logits
+        if self._logits_state != "logits":
+            raise RuntimeError(f"the logits are gone: {self._logits_state}; run "
+                               f"model.forward(inputs) again to have them")
+        return self._head_logits(self.B * self.T).reshape(self.B, self.T, self.config.Vp)
+
+    @property
+    def recompute(self):
+        """True: the norm outputs and the MLP activation are kept for one layer
+        only and backward recomputes them (less memory, the same results to
+        the bit, a little more time); False (default) keeps them all."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value):
+        with self.exclusive("recompute"):
+            value = bool(value)
+            if value != self._recompute:
+                self._recompute = value
+                self.act_specs = act_specs(self.config, recompute=value, logits=False)
+                self._drop_activations()
+
+    def _drop_activations(self):
+        """Forgets the activations (and their gradients): the next forward plans anew."""
+        self.acts = self.grads_acts = self._logits_buffer = None
+        self.B = self.T = None
+        self.inputs = self.targets = None
+        self._logits_state = None
 
     # ---- forward -----------------------------------------------------------
 
@@ -203,84 +239,202 @@ class Transformer:
             raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
-    def _batch(self, inputs, targets, max_T):
+    def _batch(self, inputs, targets, *, training=False, keep_logits=True):
         """Checked int32 (inputs, targets or None); plans the activations for
-        their (B, T). ``max_T`` is the longest sequence the model can take,
-        or None for no limit."""
+        their (B, T)."""
+        c = self.config
         inputs = self.token_ids(inputs, "inputs")
         B, T = inputs.shape
-        if max_T is not None and T > max_T:
+        if c.learned_positions and T > c.max_seq_len:
             raise ShapeError(f"sequence length T={T} exceeds the model's max_seq_len="
-                             f"{max_T} (its learned position table has {max_T} rows)")
+                             f"{c.max_seq_len} (its learned position table has "
+                             f"{c.max_seq_len} rows)")
         if targets is not None:
             targets = self.token_ids(targets, "targets")
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
-        self._plan(B, T, training=targets is not None)
+        self._plan(B, T, training=training, keep_logits=keep_logits)
         self.inputs, self.targets = inputs, targets
         return inputs, targets
 
+    def memory_plan(self, B, T, training=True, keep_logits=None):
+        """Bytes that a forward of (B, T) needs, by part; with ``training``
+        a whole step's: backward's gradients and AdamW's moments too.
+        ``keep_logits`` (default: not when training) counts all (B, T, Vp)
+        logits, else a block of HEAD_ROWS rows of them. "scratch" is the
+        kernels' temporary memory, estimated (see _scratch_bytes)."""
+        c, n, f32 = self.config, self.num_parameters, 4
+        keep = not training if keep_logits is None else keep_logits
+        plan = {"parameters": f32 * n,
+                "parameters (bf16 copy)": 2 * n if self.params_bf16 is not None else 0,
+                "parameter gradients": f32 * n if training else 0,
+                "AdamW moments": 2 * f32 * n if training else 0,
+                "activations": specs_bytes(self.act_specs, c, B, T),
+                "logits": f32 * self._head_rows(B, T, keep) * c.Vp,
+                "activation gradients": (specs_bytes(self.grad_act_specs, c, B, T)
+                                         if training else 0),
+                "scratch": self._scratch_bytes(B, T, self._head_rows(B, T, keep))}
+        return plan
+
+    def _scratch_bytes(self, B, T, head_rows):
+        """An upper estimate of the kernels' temporary memory at (B, T): per
+        thread, attention's panels and score blocks and a matmul's packed
+        blocks; and, where the bf16 matmul widens its operands to float32
+        (no AVX512_BF16), those copies for its largest product."""
+        c, f32 = self.config, 4
+        threads = get_num_threads()
+        hs = c.C // c.NH
+        attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
+        matmul = 4 << 20
+        total = threads * (attention + matmul)
+        if self.params_bf16 is not None and get_isa() != "avx512bf16":
+            rows = max(B * T, head_rows)
+            total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+        return total
+
+    def _missing_bytes(self, B, T, training, keep_logits):
+        """The bytes of memory_plan(B, T) not allocated yet."""
+        plan = self.memory_plan(B, T, training=training, keep_logits=keep_logits)
+        have = {"parameters": True, "parameters (bf16 copy)": True,
+                "parameter gradients": self._grads is not None,
+                "AdamW moments": self.m_memory is not None,
+                "activations": self.acts is not None and _fits(self.acts, plan["activations"]),
+                "logits": (self._logits_buffer is not None
+                           and self._logits_buffer.nbytes >= plan["logits"]),
+                "activation gradients": (self.grads_acts is not None and
+                                         _fits(self.grads_acts, plan["activation gradients"])),
+                "scratch": False}
+        return {part: nbytes for part, nbytes in plan.items() if nbytes and not have[part]}
+
     @_held
-    def reserve(self, B, T, training=False):
-        """Allocates activation memory for batches up to (B, T) now, so that
-        later forwards of any smaller shape reuse it (e.g. a growing context
-        while sampling). Raises OutOfMemoryError if the activations (and, with
-        ``training``, their gradients) cannot fit."""
-        self._plan(B, T, training=training)
+    def reserve(self, B, T, training=False, keep_logits=None):
+        """Allocates memory for batches up to (B, T) now, so that later
+        forwards of any smaller shape reuse it (e.g. a growing context while
+        sampling); with ``training``, for whole training steps (forward_backward
+        and update): the gradients and AdamW's moments too. Raises
+        OutOfMemoryError, saying what needs how much, if it cannot all fit."""
+        keep = not training if keep_logits is None else keep_logits
+        self._plan(B, T, training=training, keep_logits=keep)
+        if training:
+            self.grads   # noqa: B018  (made on first use)
+            self.moments()
 
-    def _plan(self, B, T, training=True):
-        if (B, T) == (self.B, self.T):
-            return
+    def _plan(self, B, T, training=False, keep_logits=True):
+        """Makes the buffers a forward of (B, T) (with ``training``, its
+        backward and update too) needs, reusing those that are large
+        enough; first checks that what is missing fits, all at once."""
         c = self.config
-        acts_memory = _reuse(self.acts, self.act_specs, c, B, T)
-        grads_memory = _reuse(self.grads_acts, self.grad_act_specs, c, B, T)
-        # all that this (B, T) will allocate, checked before any of it is: the
-        # activations and, for training, their gradients (made by backward)
-        with_grads = training or self.grads_acts is not None
-        needed = 0 if acts_memory is not None else specs_bytes(self.act_specs, c, B, T)
-        if with_grads and grads_memory is None:
-            needed += specs_bytes(self.grad_act_specs, c, B, T)
-        what = "activations" + (" and their gradients" if with_grads else "")
-        require(needed, f"{what} for B={B}, T={T}")
-        self.acts = TensorGroup(self.act_specs, c, B, T, memory=acts_memory)
-        self.grads_acts = None if self.grads_acts is None else TensorGroup(
-            self.grad_act_specs, c, B, T, memory=grads_memory)
-        self.B, self.T = B, T
+        missing = self._missing_bytes(B, T, training, keep_logits)
+        if missing:
+            parts = ", ".join(f"{part} {format_bytes(n)}" for part, n in missing.items())
+            require(sum(missing.values()), f"{'training' if training else 'a forward'} at "
+                                           f"B={B}, T={T} ({parts})")
+        if (B, T) != (self.B, self.T) or self.acts is None:
+            memory = _reuse(self.acts, self.act_specs, c, B, T)
+            self.acts = None   # an outgrown buffer is let go before its successor is made
+            self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory)
+            if self.grads_acts is not None:
+                memory = _reuse(self.grads_acts, self.grad_act_specs, c, B, T)
+                self.grads_acts = None
+                self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T, memory=memory)
+            self.B, self.T = B, T
+        if training and self.grads_acts is None:
+            self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
+        head = self._head_rows(B, T, keep_logits) * c.Vp
+        if self._logits_buffer is None or self._logits_buffer.size < head:
+            self._logits_buffer = None
+            self._logits_buffer = aligned_empty(head, what=f"the logits ({head // c.Vp} rows)")
 
-    def _loss(self, targets):
-        """The vocab softmax and cross-entropy after the logits; the mean loss."""
-        c, a = self.config, self.acts
-        if targets is None:
-            self.mean_loss = None
-            return None
-        K.softmax_forward(a.probs, a.logits, c.V)
-        K.crossentropy_forward(a.losses, a.probs, targets, c.V)
-        self.mean_loss = float(a.losses.mean(dtype=np.float64))
-        return self.mean_loss
+    @staticmethod
+    def _head_rows(B, T, keep_logits):
+        return B * T if keep_logits else min(HEAD_ROWS, B * T)
 
-    @_held
-    def forward(self, inputs, targets=None):
-        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
-        loss as a float when ``targets`` (B, T) are given, else None; the
-        logits are in ``model.logits`` either way. A learned position table
-        limits T to max_seq_len; RoPE and ALiBi extrapolate past it."""
+    def _head_logits(self, rows):
+        """The head buffer as ``rows`` rows of logits, (rows, Vp)."""
+        Vp = self.config.Vp
+        return self._logits_buffer[:rows * Vp].reshape(rows, Vp)
+
+    def _blocks_forward(self, inputs):
+        """The embedding and every block on ``inputs``; the final residual stream."""
         c = self.config
-        max_T = c.max_seq_len if c.learned_positions else None
-        inputs, targets = self._batch(inputs, targets, max_T)
         p, a = self.params, self.acts
 
         def attend(l):
             if c.position == "rope":
                 K.rope_forward(a.qkvr[l], a.qkv[l], None, c.NH, c.NKV, c.rope_theta)
-            K.attention_gqa_forward(a.atty[l], a.att[l], a.qkvr[l] if "qkvr" in a else a.qkv[l],
+            K.attention_gqa_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
                                     self.slopes, c.NH, c.NKV)
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         residual = a.encoded
         for l in range(c.L):
             residual = self.block_forward(a, l, residual, attend)
-        self.head_forward(a, residual)
-        return self._loss(targets)
+        return residual
+
+    @staticmethod
+    def _attention_input(a, l):
+        """Layer l's packed q, k, v as attention reads them (after RoPE)."""
+        return a.qkvr[l] if "qkvr" in a else a.qkv[l]
+
+    @_held
+    def forward(self, inputs, targets=None, *, keep_logits=True):
+        """Runs the model on int tokens (B, T). Returns the mean cross-entropy
+        loss as a float when ``targets`` (B, T) are given, else None. The
+        logits are in ``model.logits`` unless ``keep_logits`` is False (then
+        targets are needed, and the classifier runs HEAD_ROWS rows at a time,
+        in less memory: evaluation's way). A learned position table limits T
+        to max_seq_len; RoPE and ALiBi extrapolate past it."""
+        if not keep_logits and targets is None:
+            raise ValueError("forward(..., keep_logits=False) needs targets: without "
+                             "logits or a loss it would compute nothing")
+        inputs, targets = self._batch(inputs, targets, keep_logits=keep_logits)
+        c, a = self.config, self.acts
+        residual = self._blocks_forward(inputs)
+        self._logits_state = "the last forward did not keep them (keep_logits=False)"
+        if not keep_logits:
+            self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
+                               self.params.lnfw, self._bias(self.params, "lnfb"))
+            for rows in self._head_blocks():
+                self._classifier_rows(rows, targets)
+            return self._mean_loss()
+        logits = self._head_logits(self.B * self.T).reshape(self.B, self.T, c.Vp)
+        self.head_forward(a, residual, logits)
+        self._logits_state = "logits"
+        if targets is None:
+            self.mean_loss = None
+            return None
+        K.softmax_crossentropy_forward(a.losses, a.xent_stats, self.logits, targets, c.V)
+        return self._mean_loss()
+
+    def _mean_loss(self):
+        self.mean_loss = float(self.acts.losses.mean(dtype=np.float64))
+        return self.mean_loss
+
+    def _head_blocks(self):
+        """Slices of HEAD_ROWS rows over the B * T rows."""
+        BT = self.B * self.T
+        return [slice(r0, min(r0 + HEAD_ROWS, BT)) for r0 in range(0, BT, HEAD_ROWS)]
+
+    def _classifier_rows(self, rows, targets, d=None):
+        """The head on rows ``rows`` of lnf (flattened (B*T, C)), a block at a
+        time in the head buffer: logits, the losses; with ``d`` (backward's
+        activation gradients) also their gradient, in place, and its matmul
+        backward: d.ln's rows and the head weight's gradient."""
+        c, a = self.config, self.acts
+        n = rows.stop - rows.start
+        logits = self._head_logits(n)[None]                  # (1, n, Vp)
+        lnf = a.lnf.reshape(1, -1, c.C)[:, rows]
+        row_targets = targets.reshape(1, -1)[:, rows]
+        stats = a.xent_stats.reshape(1, -1, 2)[:, rows]
+        head = self._head(self._weights)
+        self._matmul_forward(logits, lnf, head, None)
+        K.softmax_crossentropy_forward(a.losses.reshape(1, -1)[:, rows], stats, logits,
+                                       row_targets, c.V)
+        if d is not None:
+            K.softmax_crossentropy_backward(logits, logits, stats,
+                                            d.losses.reshape(1, -1)[:, rows], row_targets, c.V)
+            self._matmul_backward(d.ln.reshape(1, -1, c.C)[:, rows], self._head(self.grads),
+                                  None, logits, lnf, head)
 
     # the block and the head on activations ``a`` laid out by act_specs: the
     # forward above runs them on (B, T), KV-cache decoding on one position
@@ -301,6 +455,11 @@ class Transformer:
             return None
         return a[name] if l is None else a[name][l]
 
+    @staticmethod
+    def _held_layer(a, name, l):
+        """Layer l's slot of a tensor that recompute holds for one layer only."""
+        return a[name][l if a[name].shape[0] > 1 else 0]
+
     def _norm_forward(self, out, mean, rstd, inp, weight, bias):
         if self.config.norm == "rmsnorm":
             K.rmsnorm_forward(out, rstd, inp, weight, self.config.norm_eps)
@@ -313,34 +472,53 @@ class Transformer:
         else:
             K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
 
+    def _norm1(self, a, l, residual):
+        """Layer l's first norm of ``residual``: its ln1 slot."""
+        p = self.params
+        ln1 = self._held_layer(a, "ln1", l)
+        self._norm_forward(ln1, self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
+                           p.ln1w[l], self._bias(p, "ln1b", l))
+        return ln1
+
+    def _norm2(self, a, l):
+        """Layer l's second norm, of a.residual2[l]: its ln2 slot."""
+        p = self.params
+        ln2 = self._held_layer(a, "ln2", l)
+        self._norm_forward(ln2, self._stat(a, "ln2_mean", l), a.ln2_rstd[l], a.residual2[l],
+                           p.ln2w[l], self._bias(p, "ln2b", l))
+        return ln2
+
+    def _mlp_act(self, a, l):
+        """Layer l's MLP activation of a.fch[l] (GELU or SwiGLU): its fch_act slot."""
+        fch_act = self._held_layer(a, "fch_act", l)
+        if self.config.mlp == "swiglu":
+            K.swiglu_forward(fch_act, a.fch[l])
+        else:
+            K.gelu_forward(fch_act, a.fch[l])
+        return fch_act
+
     def block_forward(self, a, l, residual, attend):
         """Layer l on the residual stream ``residual``; ``attend(l)`` turns
         a.qkv[l] into a.atty[l]. Returns the layer's output, a.residual3[l]."""
-        c, p = self.config, self.params
-        self._norm_forward(a.ln1[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
-                           p.ln1w[l], self._bias(p, "ln1b", l))
+        p = self.params
         w, matmul = self._weights, self._matmul_forward
-        matmul(a.qkv[l], a.ln1[l], w.qkvw[l], self._bias(p, "qkvb", l))
+        matmul(a.qkv[l], self._norm1(a, l, residual), w.qkvw[l], self._bias(p, "qkvb", l))
         attend(l)
-        matmul(a.attproj[l], a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
-        K.residual_forward(a.residual2[l], residual, a.attproj[l])
-        self._norm_forward(a.ln2[l], self._stat(a, "ln2_mean", l), a.ln2_rstd[l],
-                           a.residual2[l], p.ln2w[l], self._bias(p, "ln2b", l))
-        matmul(a.fch[l], a.ln2[l], w.fcw[l], self._bias(p, "fcb", l))
-        if c.mlp == "swiglu":
-            K.swiglu_forward(a.fch_act[l], a.fch[l])
-        else:
-            K.gelu_forward(a.fch_act[l], a.fch[l])
-        matmul(a.fcproj[l], a.fch_act[l], w.fcprojw[l], self._bias(p, "fcprojb", l))
-        K.residual_forward(a.residual3[l], a.residual2[l], a.fcproj[l])
+        matmul(a.proj, a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
+        K.residual_forward(a.residual2[l], residual, a.proj)
+        matmul(a.fch[l], self._norm2(a, l), w.fcw[l], self._bias(p, "fcb", l))
+        matmul(a.proj, self._mlp_act(a, l), w.fcprojw[l], self._bias(p, "fcprojb", l))
+        K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
 
-    def head_forward(self, a, residual):
-        """The final norm and the output head: a.logits."""
+    def head_forward(self, a, residual, logits=None):
+        """The final norm and the output head: ``logits`` (B, T, Vp), by
+        default a.logits."""
         p = self.params
         self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
                            self._bias(p, "lnfb"))
-        self._matmul_forward(a.logits, a.lnf, self._head(self._weights), None)
+        self._matmul_forward(a.logits if logits is None else logits, a.lnf,
+                             self._head(self._weights), None)
 
     # ---- backward ----------------------------------------------------------
 
@@ -350,61 +528,109 @@ class Transformer:
         self.grads.zero()
 
     def _start_backward(self, loss_scale):
-        """Zeroed activation gradients, with d(scaled mean loss)/d(loss[b, t])
-        in place and the softmax/cross-entropy backward done."""
-        if self.targets is None:
-            raise RuntimeError("backward needs a forward with targets first: "
-                               "call model.forward(inputs, targets)")
-        c, B, T = self.config, self.B, self.T
+        """Backward's activation gradients, with d(scaled mean loss)/d(loss[b, t])
+        in d.losses."""
+        B, T = self.B, self.T
         if self.grads_acts is None:
-            self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
-        else:
-            self.grads_acts.zero()
+            self._plan(B, T, training=True, keep_logits=self._logits_state == "logits")
         d = self.grads_acts
         d.losses[...] = loss_scale / (B * T)
-        K.crossentropy_softmax_backward(d.logits, d.losses, self.acts.probs, self.targets, c.V)
         return d
 
     @_held
     def backward(self, loss_scale=1.0):
         """Adds the gradients of ``loss_scale`` times the last forward's mean
-        loss into ``grads`` (a scale of 1/n averages n accumulated batches)."""
+        loss into ``grads`` (a scale of 1/n averages n accumulated batches).
+        The logits' gradient replaces the logits (model.logits is then gone)."""
+        if self.targets is None or self._logits_state != "logits":
+            raise RuntimeError("backward needs a forward with targets that kept its logits "
+                               "first: call model.forward(inputs, targets)")
+        c, a = self.config, self.acts
+        d = self._start_backward(loss_scale)
+        logits = self.logits
+        K.softmax_crossentropy_backward(logits, logits, a.xent_stats, d.losses, self.targets,
+                                        c.V)
+        self._logits_state = "backward replaced them by their gradient"
+        d.ln[...] = 0.0
+        self._matmul_backward(d.ln, self._head(self.grads), None, logits, a.lnf,
+                              self._head(self._weights))
+        self._blocks_backward(d)
+
+    @_held
+    def forward_backward(self, inputs, targets, loss_scale=1.0):
+        """A training step's forward and backward in one: the mean loss of
+        ``inputs`` against ``targets``, and its gradients (times
+        ``loss_scale``) added into ``grads``, as forward then backward give
+        them, to the bit. The classifier runs HEAD_ROWS rows at a time,
+        each block's logits turned into their gradient and multiplied back
+        at once, so the (B, T, Vp) logits are never held (model.logits is
+        not kept)."""
+        if targets is None:
+            raise ValueError("forward_backward needs targets")
+        inputs, targets = self._batch(inputs, targets, training=True, keep_logits=False)
+        a = self.acts
+        residual = self._blocks_forward(inputs)
+        self._logits_state = "forward_backward does not keep them"
+        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
+                           self.params.lnfw, self._bias(self.params, "lnfb"))
+        d = self._start_backward(loss_scale)
+        d.ln[...] = 0.0
+        for rows in self._head_blocks():
+            self._classifier_rows(rows, targets, d)
+        loss = self._mean_loss()
+        self._blocks_backward(d)
+        return loss
+
+    def _blocks_backward(self, d):
+        """Backward from d.ln = d(lnf) through the final norm, every block and
+        the embedding. d.residual carries the residual stream's gradient from
+        layer to layer; the other gradients are one layer's at a time."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
         w, matmul_backward = self._weights, self._matmul_backward
-        d = self._start_backward(loss_scale)
         rope = c.position == "rope"
-
-        matmul_backward(d.lnf, self._head(g), None, d.logits, a.lnf, self._head(w))
-        self._norm_backward(d.residual3[c.L - 1], g.lnfw, self._bias(g, "lnfb"), d.lnf,
+        d.residual[...] = 0.0
+        self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), d.ln,
                             a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
-            dresidual = d.encoded if l == 0 else d.residual3[l - 1]
-            K.residual_backward(d.residual2[l], d.fcproj[l], d.residual3[l])
-            matmul_backward(d.fch_act[l], g.fcprojw[l], self._bias(g, "fcprojb", l),
-                            d.fcproj[l], a.fch_act[l], w.fcprojw[l])
-            if c.mlp == "swiglu":
-                K.swiglu_backward(d.fch[l], d.fch_act[l], a.fch[l])
+            if self._recompute:
+                ln1, ln2, fch_act = self._norm1(a, l, residual), self._norm2(a, l), \
+                    self._mlp_act(a, l)
             else:
-                K.gelu_backward(d.fch[l], d.fch_act[l], a.fch[l])
-            matmul_backward(d.ln2[l], g.fcw[l], self._bias(g, "fcb", l), d.fch[l], a.ln2[l],
-                            w.fcw[l])
-            self._norm_backward(d.residual2[l], g.ln2w[l], self._bias(g, "ln2b", l), d.ln2[l],
+                ln1, ln2, fch_act = a.ln1[l], a.ln2[l], a.fch_act[l]
+            # d.residual is d(residual3[l]), which is also d(fcproj's output)
+            d.fch_act[...] = 0.0
+            matmul_backward(d.fch_act, g.fcprojw[l], self._bias(g, "fcprojb", l),
+                            d.residual, fch_act, w.fcprojw[l])
+            d.fch[...] = 0.0
+            if c.mlp == "swiglu":
+                K.swiglu_backward(d.fch, d.fch_act, a.fch[l])
+            else:
+                K.gelu_backward(d.fch, d.fch_act, a.fch[l])
+            d.ln[...] = 0.0
+            matmul_backward(d.ln, g.fcw[l], self._bias(g, "fcb", l), d.fch, ln2, w.fcw[l])
+            self._norm_backward(d.residual, g.ln2w[l], self._bias(g, "ln2b", l), d.ln,
                                 a.residual2[l], p.ln2w[l], self._stat(a, "ln2_mean", l),
                                 a.ln2_rstd[l])
-            K.residual_backward(dresidual, d.attproj[l], d.residual2[l])
-            matmul_backward(d.atty[l], g.attprojw[l], self._bias(g, "attprojb", l),
-                            d.attproj[l], a.atty[l], w.attprojw[l])
+            # now d(residual2[l]), which is also d(attproj's output)
+            d.atty[...] = 0.0
+            matmul_backward(d.atty, g.attprojw[l], self._bias(g, "attprojb", l),
+                            d.residual, a.atty[l], w.attprojw[l])
+            d.qkv[...] = 0.0
             if rope:
-                K.attention_gqa_backward(d.qkvr[l], d.atty[l], a.qkvr[l], a.att[l], c.NH, c.NKV)
-                K.rope_backward(d.qkv[l], d.qkvr[l], None, c.NH, c.NKV, c.rope_theta)
+                d.qkvr[...] = 0.0
+                K.attention_gqa_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l],
+                                         self.slopes, c.NH, c.NKV)
+                K.rope_backward(d.qkv, d.qkvr, None, c.NH, c.NKV, c.rope_theta)
             else:
-                K.attention_gqa_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH, c.NKV)
-            matmul_backward(d.ln1[l], g.qkvw[l], self._bias(g, "qkvb", l), d.qkv[l], a.ln1[l],
-                            w.qkvw[l])
-            self._norm_backward(dresidual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln1[l],
+                K.attention_gqa_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], self.slopes,
+                                         c.NH, c.NKV)
+            d.ln[...] = 0.0
+            matmul_backward(d.ln, g.qkvw[l], self._bias(g, "qkvb", l), d.qkv, ln1, w.qkvw[l])
+            self._norm_backward(d.residual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln,
                                 residual, p.ln1w[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
-        K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.encoded,
+            # now d(residual3[l - 1]), or d(encoded)
+        K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
 
     # ---- generation --------------------------------------------------------
@@ -422,6 +648,14 @@ class Transformer:
                                  stop_token=stop_token)
 
     # ---- update ------------------------------------------------------------
+
+    def moments(self):
+        """AdamW's moments (m, v), flat float32, one value per parameter: made
+        (zero) on first use, by this, update() or reserve(training=True)."""
+        if self.m_memory is None:
+            self.m_memory = aligned_zeros(self.num_parameters, what="AdamW's first moments")
+            self.v_memory = aligned_zeros(self.num_parameters, what="AdamW's second moments")
+        return self.m_memory, self.v_memory
 
     def grad_norm(self):
         """The global L2 norm of all parameter gradients."""
@@ -444,11 +678,13 @@ class Transformer:
         ``decay`` names the tensors to decay, e.g. model.matrix_params for
         weights only; the others then get none."""
         from ..train.optimizer import adamw_step   # train builds on the model, not back
-        if self.m_memory is None:
-            self.m_memory = aligned_zeros(self.num_parameters)
-            self.v_memory = aligned_zeros(self.num_parameters)
+        self.moments()
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
                    beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
+
+
+def _fits(group, nbytes):
+    return group.buffer.nbytes >= nbytes
 
 
 def _reuse(group, specs, config, B, T):

@@ -98,6 +98,9 @@ def build_parser():
     a("--precision", choices=PRECISIONS, default="fp32",
       help="bf16: mixed precision (bf16 matmuls on a bf16 copy of the weights; float32 "
            "master weights, gradients, optimizer state and statistics)")
+    a("--recompute", type=int, choices=(0, 1), default=0,
+      help="1: keep the norm outputs and the MLP activation for one layer only and "
+           "recompute them in backward (less memory, the same results, a little slower)")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
     a("--data-dir", default="data", help="where the default dataset is prepared")
     llama = p.add_argument_group(
@@ -333,6 +336,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     c = model.config
     check_model_fits(args, c)
     B, T = args.batch_size, args.seq_len
+    model.recompute = bool(args.recompute)
     model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
     optimizer = AdamW(model, args.beta1, args.beta2, args.adam_eps, args.weight_decay,
                       args.decay_on)

@@ -52,8 +52,7 @@ class Trainer:
         loss = 0.0
         for _ in range(n):
             x, y = self.next_batch()
-            loss += model.forward(x, y) / n
-            model.backward(loss_scale=1.0 / n)
+            loss += model.forward_backward(x, y, loss_scale=1.0 / n) / n
         for hook in self.after_backward:
             hook(self, step)
         norm = model.clip_grad_norm(self.grad_clip) if self.grad_clip > 0 else model.grad_norm()
@@ -71,5 +70,5 @@ class Trainer:
 def evaluate(model, loader, batches):
     """The mean loss over the first ``batches`` batches of ``loader``."""
     loader.reset()
-    losses = [model.forward(*loader.next_batch()) for _ in range(batches)]
+    losses = [model.forward(*loader.next_batch(), keep_logits=False) for _ in range(batches)]
     return float(np.mean(losses))

@@ -1,7 +1,7 @@
 """AdamW over the model's flat parameter and gradient buffers (llm.c's
-gpt2_update), as an object that owns its moments m and v."""
+gpt2_update), as an object that keeps its moments m and v in the model's
+(model.moments())."""
 from .._native import kernels as K
-from ..model.layout import aligned_zeros
 
 DECAY_ON = ("matrices", "all")   # which parameters weight decay applies to
 
@@ -46,9 +46,10 @@ class AdamW:
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.weight_decay, self.decay_on = weight_decay, decay_on
         self.decay = model.matrix_params if decay_on == "matrices" else None
-        n = model.num_parameters
-        self.m = aligned_zeros(n, what="AdamW's first moments")
-        self.v = aligned_zeros(n, what="AdamW's second moments")
+        # the model's moments (so its memory plan counts them), from zero
+        self.m, self.v = model.moments()
+        self.m[...] = 0.0
+        self.v[...] = 0.0
 
     def step(self, learning_rate, t):
         """Updates the model's parameters from its gradients; t >= 1."""

@@ -14,7 +14,7 @@ CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
                         "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints",
-                        "precision")
+                        "precision", "recompute")
 
 
 def resume_changes(saved, settings, explicit):
