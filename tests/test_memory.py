@@ -10,9 +10,10 @@ from llmc_py.data import write_tokens
 from llmc_py.model.layout import ACT_SPECS, GRAD_ACT_SPECS, aligned_empty, specs_bytes
 
 GIB = 1 << 30
-# a long context and 8 heads: the attention maps (B, NH, T, T) of one layer are
-# 128 GiB per sequence, so B=80 needs about 10 TiB for the activations alone
-LONG = GPT2Config(max_seq_len=65536, vocab_size=50, padded_vocab_size=64, num_layers=1,
+# a long context and a wide padded vocabulary: the logits and probs (B, T, Vp)
+# are 128 GiB per sequence, so B=80 needs about 10 TiB for the activations alone
+# (attention keeps only (B, NH, T, 2) statistics, so T alone no longer does it)
+LONG = GPT2Config(max_seq_len=65536, vocab_size=50, padded_vocab_size=1 << 18, num_layers=1,
                   num_heads=8, channels=8)
 
 

@@ -15,8 +15,8 @@ from ..errors import ShapeError
 from .memory import require
 
 # gradients of the activations: only the tensors the backward pass reads or
-# writes (att, the norm statistics and probs need none)
-_NO_GRAD = {"att", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
+# writes (att_stats, the norm statistics and probs need none)
+_NO_GRAD = {"att_stats", "ln1_mean", "ln1_rstd", "ln2_mean", "ln2_rstd", "lnf_mean", "lnf_rstd",
             "probs"}
 
 
@@ -150,7 +150,7 @@ def act_specs(c):
         ("qkv", lambda c, B, T: (c.L, B, T, c.qkv_channels), True),
         ("qkvr", lambda c, B, T: (c.L, B, T, c.qkv_channels), rope),   # after RoPE
         ("atty", lambda c, B, T: (c.L, B, T, c.C), True),
-        ("att", lambda c, B, T: (c.L, B, c.NH, T, T), True),
+        ("att_stats", lambda c, B, T: (c.L, B, c.NH, T, 2), True),
         ("attproj", lambda c, B, T: (c.L, B, T, c.C), True),
         ("residual2", lambda c, B, T: (c.L, B, T, c.C), True),
         ("ln2", lambda c, B, T: (c.L, B, T, c.C), True),

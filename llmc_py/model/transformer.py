@@ -272,8 +272,9 @@ class Transformer:
         def attend(l):
             if c.position == "rope":
                 K.rope_forward(a.qkvr[l], a.qkv[l], None, c.NH, c.NKV, c.rope_theta)
-            K.attention_gqa_forward(a.atty[l], a.att[l], a.qkvr[l] if "qkvr" in a else a.qkv[l],
-                                    self.slopes, c.NH, c.NKV)
+            K.attention_gqa_forward(a.atty[l], a.att_stats[l],
+                                    a.qkvr[l] if "qkvr" in a else a.qkv[l], self.slopes, c.NH,
+                                    c.NKV)
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         residual = a.encoded
@@ -396,10 +397,12 @@ class Transformer:
             matmul_backward(d.atty[l], g.attprojw[l], self._bias(g, "attprojb", l),
                             d.attproj[l], a.atty[l], w.attprojw[l])
             if rope:
-                K.attention_gqa_backward(d.qkvr[l], d.atty[l], a.qkvr[l], a.att[l], c.NH, c.NKV)
+                K.attention_gqa_backward(d.qkvr[l], d.atty[l], a.qkvr[l], a.att_stats[l],
+                                         self.slopes, c.NH, c.NKV)
                 K.rope_backward(d.qkv[l], d.qkvr[l], None, c.NH, c.NKV, c.rope_theta)
             else:
-                K.attention_gqa_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att[l], c.NH, c.NKV)
+                K.attention_gqa_backward(d.qkv[l], d.atty[l], a.qkv[l], a.att_stats[l],
+                                         self.slopes, c.NH, c.NKV)
             matmul_backward(d.ln1[l], g.qkvw[l], self._bias(g, "qkvb", l), d.qkv[l], a.ln1[l],
                             w.qkvw[l])
             self._norm_backward(dresidual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln1[l],
