@@ -27,28 +27,47 @@
  * share, then the few that only its later rows (or earlier keys) have, so no
  * masked entry is ever read or added.
  *
+ * Memory grows with T, not T^2 (FlashAttention's idea, in this exact form):
+ * the forward keeps only two numbers per query row, the max of its scores
+ * and the inverse of its sum of exponentials (stats [B, NH, T, 2]), and the
+ * backward recomputes the probabilities from them, block by block. Both
+ * recompute the scores with the same score_tile on the same key panel, and
+ * P = exp(s - max) * inv by the same vector operations as softmax_row, so
+ * the backward's P is bitwise the forward's, and so is every sum built on it.
+ *
  * Forward, parallel over (b, h): the key panel of the head's kv head is
  * built with the 1/sqrt(hs) scale folded in (a product of its own, before
- * the sums), then per tile of 8 query rows
- *   scores  = score_tile(q, panel), starting from the bias -slope * (t - t2)
- *   att     = softmax_row of each row, the masked future set to exactly 0
- *   out     = rows_tile(att, v)
- * Only the probabilities (att) are kept: the backward needs nothing else
- * (the ALiBi bias is a constant).
+ * the sums), then per tile of SCORE_ROWS query rows, in a per-thread scratch
+ * of SCORE_ROWS x T scores,
+ *   scores = score_tile(q, panel), starting from the bias -slope * (t - t2)
+ *   P      = softmax_row of each row, which also writes the row's max, inv
+ *   out    = rows_tile(P, v)
+ * Scratch per thread: the panel (T hs) and the tile (SCORE_ROWS T) floats.
  *
  * Backward, parallel over (b, kv head). A kv head's dk and dv gather from
  * all NH / NKV query heads of its group, so one thread owns the group and
- * walks its query heads in order. With P = att, dO = dout of head h:
+ * walks its query heads in order, each in blocks of BACKWARD_ROWS query
+ * rows t0 .. t1-1. With dO = dout of head h, per tile of the block's rows:
+ *   P  = exp(score_tile(q, key panel) - max) * inv     probs_row
  *   dP = dO V^T                  score_tile against a panel of v, no scale
- *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)      dscore_row, row by row
+ *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)          dscore_row
  *   dq += dS K                   rows_tile
+ * then, for every key t2 < t1, over the block's rows t >= t2:
  *   dk += dS^T Q                 cols_tile
  *   dv += P^T dO                 cols_tile
- * dq, dk and dv are summed onto dinp's values in place; dk and dv of a
- * group sum over its heads in order, then over t ascending. No two threads
- * touch the same element, and every element is summed in one order
- * whatever the thread count. The scratch (a panel, and dS for one head,
- * T x T) is one malloc per call, a slice per thread.
+ * (a key tile before the block takes the full rectangle of its rows, one on
+ * the block's diagonal the triangle, then the rest). dq, dk and dv are
+ * summed onto dinp's values in place; an element of dk or dv sums over the
+ * group's heads in order, then over t ascending, blocks carrying the partial
+ * sum through dinp (a float, so a store and a load change nothing). No two
+ * threads touch the same element, and every element is summed in one order
+ * whatever the thread count. Scratch per thread: the key panel and the
+ * panel of v (T hs each) and the blocks of P and dS (BACKWARD_ROWS T each),
+ * one malloc per call.
+ *
+ * attention_gqa_probs rebuilds the whole of P [B, NH, T, T] the same way
+ * (for tests, the benchmark and viewers): parallel over (b, h), scores by
+ * score_tile straight into att, then probs_row; the masked future is 0.
  *
  * attention_decode is one forward row per (b, h), parallel over (b, kv
  * head, chunk of up to DECODE_HEADS of its query heads). It transposes
@@ -63,13 +82,15 @@
  *
  * variants:
  *   attention_forward / _backward, attention_gqa_forward / _backward,
- *   attention_decode   the tiled kernels above, built per instruction set
- *                      (isa.h) and chosen at run time
+ *   attention_gqa_probs, attention_decode
+ *                      the tiled kernels above, built per instruction set
+ *                      (isa.h) and chosen at run time; they keep stats
  *   attention_forward_naive / _backward_naive
  *                      plain loops as in llm.c (one dot product per score,
- *                      scalar softmax with libm's expf): the reference the
- *                      tests and the benchmark check the tiled kernels
- *                      against; the same everywhere (no per-ISA build)
+ *                      scalar softmax with libm's expf) that keep the whole
+ *                      of att [B, NH, T, T]: the reference the tests and the
+ *                      benchmark check the tiled kernels against; the same
+ *                      everywhere (no per-ISA build)
  */
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -244,9 +265,10 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
 
 /* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
    taken 16 lanes at a time and summed lane by lane, then the lanes in order.
-   Built per instruction set and never inlined: the forward and the decode
-   run this very code. */
-static ALWAYS_INLINE void softmax_row_body(float* p, int n) {
+   Unless stats is NULL, stats[0] = the max and stats[1] = inv, the inverse of
+   the sum. Built per instruction set and never inlined: the forward and the
+   decode run this very code. */
+static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
     const vec16f neg_inf = (vec16f){0} - INFINITY;
     vec16f max16 = neg_inf;
     for (int k0 = 0; k0 < n; k0 += 16) {
@@ -268,9 +290,26 @@ static ALWAYS_INLINE void softmax_row_body(float* p, int n) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         store_part(p + k0, load_part(p + k0, m) * inv, m);
     }
+    if (stats != NULL) {
+        stats[0] = maxval;
+        stats[1] = inv;
+    }
 }
 
-LLMC_ISA_VARIANTS(softmax_row, (float* p, int n), p, n)
+LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
+
+/* softmax_row again from its saved max and inv: p[0 .. n) holds the row's
+   scores on entry and its probabilities on return, each exp(s - max) * inv
+   by the same vector operations as softmax_row, so bitwise the same. */
+static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
+    const float maxval = stats[0], inv = stats[1];
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        store_part(p + k0, llmc_exp16(load_part(p + k0, m) - maxval) * inv, m);
+    }
+}
+
+LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
 /* The backward through the softmax and the scale, one row of n keys: ds
    holds dP = dO . v on entry, and on return
@@ -373,36 +412,44 @@ static ALWAYS_INLINE void rows_tile(float* o, size_t ldo, int accumulate,
 
 /* cols_tile on one chunk of channels. */
 static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_t lda,
-                                     const float* x, size_t ldx, int KT, int t2a, int T,
-                                     int NV, int mlast) {
+                                     const float* x, size_t ldx, int KT, int t2a, int ta,
+                                     int tb, int NV, int mlast) {
     vec16f acc[TILE_KEYS][TILE_CH / 16], xv[TILE_CH / 16];
     UNROLL for (int j = 0; j < KT; j++) { load_chunk(acc[j], o + (size_t)j * ldo, NV, mlast); }
-    UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
-        const int t = t2a + d;
-        load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
-        UNROLL for (int j = 0; j < KT; j++) {
-            if (j <= d) { fma_chunk(acc[j], a[(size_t)t * lda + t2a + j], xv, NV); }
+    int t = ta;
+    if (t2a >= ta) {                            // the keys lie on the rows' diagonal:
+        UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
+            t = t2a + d;
+            load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
+            UNROLL for (int j = 0; j < KT; j++) {
+                if (j <= d) { fma_chunk(acc[j], a[(size_t)(t - ta) * lda + t2a + j], xv, NV); }
+            }
         }
+        t = t2a + KT - 1;
     }
-    for (int t = t2a + KT - 1; t < T; t++) {    // then those all KT keys have
+    for (; t < tb; t++) {                       // then those all KT keys have
         load_shared_chunk(xv, x + (size_t)t * ldx, NV, mlast);
-        const float* a_t = a + (size_t)t * lda + t2a;
+        const float* a_t = a + (size_t)(t - ta) * lda + t2a;
         UNROLL for (int j = 0; j < KT; j++) { fma_chunk(acc[j], a_t[j], xv, NV); }
     }
     UNROLL for (int j = 0; j < KT; j++) { store_chunk(o + (size_t)j * ldo, acc[j], NV, mlast); }
 }
 
 /*
- * cols_tile: KT keys (KT <= TILE_KEYS), key j at t2a + j; for c < hs,
- *   o[j][c] += sum_{t = t2a + j}^{T - 1} a[t][t2a + j] * x[t][c]
- * one FMA per t, t ascending. Rows of a, x and o lie lda, ldx, ldo apart.
+ * cols_tile: KT keys (KT <= TILE_KEYS), key j at t2a + j, and the rows
+ * ta .. tb-1 of a (row t at a + (t - ta) lda); for c < hs,
+ *   o[j][c] += sum_{t = max(ta, t2a + j)}^{tb - 1} a[t][t2a + j] * x[t][c]
+ * one FMA per t, t ascending. The keys lie either all before the rows
+ * (t2a + KT <= ta: the full rectangle) or among them (t2a >= ta: the
+ * triangle, then the rest). Rows of x (by t) and o lie ldx, ldo apart.
  */
 static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t lda,
-                                    const float* x, size_t ldx, int KT, int t2a, int T,
+                                    const float* x, size_t ldx, int KT, int t2a, int ta, int tb,
                                     int hs) {
     for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
         const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
-#define COLS_CHUNK(NV, mlast) cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, T, NV, mlast)
+#define COLS_CHUNK(NV, mlast) \
+        cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, ta, tb, NV, mlast)
         DISPATCH_CHUNK(nc, COLS_CHUNK);
 #undef COLS_CHUNK
     }
@@ -412,58 +459,71 @@ static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t
 /* The scratch floats of a key panel of T keys. */
 static size_t panel_count(int T, int hs) { return (size_t)((T + 15) / 16) * 16 * (size_t)hs; }
 
-/* One tile of R query rows t0 .. t0+R-1 of the forward of a (b, h). */
-static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* att_bh,
-                                       const float* q, const float* panel, const float* v,
-                                       size_t row, int T, int hs, float slope, int t0, int R) {
-    float* att_t = att_bh + (size_t)t0 * T;
-    score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope);
+/* One allocation for every thread's per_thread floats of scratch; NULL if it
+   fails or its size would not fit. */
+static float* alloc_scratch(size_t per_thread) {
+    const size_t threads = (size_t)omp_get_max_threads();
+    if (!llmc_count_fits(threads, per_thread, 1, 1)) { return NULL; }
+    return malloc(threads * per_thread * sizeof(float));
+}
+
+/* One tile of R query rows t0 .. t0+R-1 of the forward of a (b, h): their
+   scores in s [R, T], their softmax (and its statistics into stats_bh
+   [T, 2]), then their rows of out. */
+static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* stats_bh,
+                                       float* s, const float* q, const float* panel,
+                                       const float* v, size_t row, int T, int hs, float slope,
+                                       int t0, int R) {
+    score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope);
     for (int r = 0; r < R; r++) {
-        float* att_row = att_t + (size_t)r * T;
-        LLMC_ISA_SELECT(isa, softmax_row)(att_row, t0 + r + 1);
-        for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
+        LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T, t0 + r + 1,
+                                          stats_bh + 2 * (size_t)(t0 + r));
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_pv) {
-        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, att_t + (size_t)r * T, (size_t)T, v, row,
+        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, s + (size_t)r * T, (size_t)T, v, row,
                   R_pv, t0 + r + 1, hs);
     }
 }
 
 /* The forward of one (b, h): its kv head's key panel, then the query rows
-   in tiles. Rows of q, k and v lie row floats apart, of out C apart. */
-static ALWAYS_INLINE void forward_head_body(int isa, float* out_bh, float* att_bh,
+   in tiles, their scores in s [SCORE_ROWS, T]; stats_bh is stats[b, h]
+   [T, 2]. Rows of q, k and v lie row floats apart, of out C apart. */
+static ALWAYS_INLINE void forward_head_body(int isa, float* out_bh, float* stats_bh,
                                             const float* q, const float* k, const float* v,
-                                            float* panel, size_t row, size_t C, int T, int hs,
-                                            float slope, float scale) {
+                                            float* panel, float* s, size_t row, size_t C, int T,
+                                            int hs, float slope, float scale) {
     LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-        forward_rows(isa, out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, SCORE_ROWS);
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, t0,
+                     SCORE_ROWS);
     }
     for (; t0 < T; t0++) {
-        forward_rows(isa, out_bh, C, att_bh, q, panel, v, row, T, hs, slope, t0, 1);
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, t0, 1);
     }
 }
-LLMC_ISA_VARIANTS_ISA(forward_head, (float* out_bh, float* att_bh, const float* q, const float* k,
-                                     const float* v, float* panel, size_t row, size_t C, int T,
-                                     int hs, float slope, float scale),
-                      out_bh, att_bh, q, k, v, panel, row, C, T, hs, slope, scale)
+LLMC_ISA_VARIANTS_ISA(forward_head, (float* out_bh, float* stats_bh, const float* q,
+                                     const float* k, const float* v, float* panel, float* s,
+                                     size_t row, size_t C, int T, int hs, float slope,
+                                     float scale),
+                      out_bh, stats_bh, q, k, v, panel, s, row, C, T, hs, slope, scale)
 
 /* The forward core; sizes already checked. slopes may be NULL. */
-static int gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+static int gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
                        int B, int T, int NH, int NKV, int hs) {
     const size_t C = (size_t)NH * hs;                          // q heads, and out's row
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;    // packed q, k, v row
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
-    void (*const head)(float*, float*, const float*, const float*, const float*, float*, size_t,
-                       size_t, int, int, float, float) =
+    void (*const head)(float*, float*, const float*, const float*, const float*, float*, float*,
+                       size_t, size_t, int, int, float, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), forward_head);
-    // one key panel per thread
-    const size_t per_thread = panel_count(T, hs);
-    float* scratch = malloc((size_t)omp_get_max_threads() * per_thread * sizeof(float));
+    // per thread: a key panel, then the scores of one tile of rows
+    const size_t panel_len = panel_count(T, hs);
+    const size_t per_thread = panel_len + (size_t)SCORE_ROWS * T;
+    float* scratch = alloc_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
     #pragma omp parallel for collapse(2) schedule(static)
@@ -472,102 +532,159 @@ static int gqa_forward(float* out, float* att, const float* inp, const float* sl
             float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
             const float* inp_b = inp + (size_t)b * T * row;
             const size_t kv = (size_t)(h / kv_mul) * hs;
-            head(out + (size_t)b * T * C + (size_t)h * hs, att + ((size_t)b * NH + h) * T * T,
-                 inp_b + (size_t)h * hs, inp_b + C + kv, inp_b + v_start + kv, panel, row, C, T,
-                 hs, slopes != NULL ? slopes[h] : 0.0f, scale);
+            head(out + (size_t)b * T * C + (size_t)h * hs, stats + ((size_t)b * NH + h) * T * 2,
+                 inp_b + (size_t)h * hs, inp_b + C + kv, inp_b + v_start + kv, panel,
+                 panel + panel_len, row, C, T, hs, slopes != NULL ? slopes[h] : 0.0f, scale);
         }
     }
     free(scratch);
     return LLMC_OK;
 }
 
-/* One tile of R query rows of head h's backward: dP, dS and dq. */
-static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* ds, const float* att_bh,
-                                        const float* dout_h, size_t C, const float* panel,
-                                        const float* k, size_t row, int T, int hs, float scale,
-                                        int t0, int R) {
-    float* ds_t = ds + (size_t)t0 * T;
-    score_tile(ds_t, (size_t)T, dout_h + (size_t)t0 * C, C, panel, hs, R, t0 + 1, 0.0f);
+/* The probabilities att_bh [T, T] of one (b, h) from its statistics
+   stats_bh [T, 2]: the scores as the forward computes them, written straight
+   into att's rows, then probs_row; the masked future is set to exactly 0. */
+static ALWAYS_INLINE void probs_head_body(int isa, float* att_bh, const float* stats_bh,
+                                          const float* q, const float* k, float* panel,
+                                          size_t row, int T, int hs, float slope, float scale) {
+    LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
+    for (int t0 = 0; t0 < T;) {
+        const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
+        float* att_t = att_bh + (size_t)t0 * T;
+        if (R == SCORE_ROWS) {
+            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS,
+                       t0 + 1, slope);
+        } else {
+            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope);
+        }
+        for (int r = 0; r < R; r++) {
+            float* att_row = att_t + (size_t)r * T;
+            LLMC_ISA_SELECT(isa, probs_row)(att_row, t0 + r + 1, stats_bh + 2 * (size_t)(t0 + r));
+            for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
+        }
+        t0 += R;
+    }
+}
+LLMC_ISA_VARIANTS_ISA(probs_head, (float* att_bh, const float* stats_bh, const float* q,
+                                   const float* k, float* panel, size_t row, int T, int hs,
+                                   float slope, float scale),
+                      att_bh, stats_bh, q, k, panel, row, T, hs, slope, scale)
+
+/* Query rows per block of the backward, whose P and dS it recomputes at
+   once: a multiple of SCORE_ROWS and of TILE_KEYS. */
+#define BACKWARD_ROWS 64
+
+/* The rows of the backward's blocks of P and dS, for T query rows. */
+static int backward_block_rows(int T) { return T < BACKWARD_ROWS ? T : BACKWARD_ROWS; }
+
+/* One tile of R query rows t .. t+R-1 of head h's backward, in the block of
+   rows that starts at t0 (p and ds are [BACKWARD_ROWS, T], row t at
+   (t - t0) T): P recomputed from the scores and the forward's statistics
+   stats_bh [T, 2], dP, dS, then dq. */
+static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
+                                        const float* stats_bh, const float* q,
+                                        const float* dout_h, size_t C, const float* kpanel,
+                                        const float* vpanel, const float* k, size_t row, int T,
+                                        int hs, float slope, float scale, int t0, int t, int R) {
+    float* p_t = p + (size_t)(t - t0) * T;
+    float* ds_t = ds + (size_t)(t - t0) * T;
+    score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope);
+    score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f);
     for (int r = 0; r < R; r++) {
-        LLMC_ISA_SELECT(isa, dscore_row)(ds_t + (size_t)r * T, att_bh + (size_t)(t0 + r) * T,
-                                         t0 + r + 1, scale);
+        float* p_row = p_t + (size_t)r * T;
+        LLMC_ISA_SELECT(isa, probs_row)(p_row, t + r + 1, stats_bh + 2 * (size_t)(t + r));
+        LLMC_ISA_SELECT(isa, dscore_row)(ds_t + (size_t)r * T, p_row, t + r + 1, scale);
     }
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
-        rows_tile(dq + (size_t)(t0 + r) * row, row, 1, ds_t + (size_t)r * T, (size_t)T, k, row,
-                  R_dq, t0 + r + 1, hs);
+        rows_tile(dq + (size_t)(t + r) * row, row, 1, ds_t + (size_t)r * T, (size_t)T, k, row,
+                  R_dq, t + r + 1, hs);
     }
 }
 
-/* The backward of one (b, kv head g): its query heads h in order. Rows of
-   inp_b and dinp_b lie row floats apart, of dout_b C apart; att_b is
-   att[b]; k_head and v_head are the offsets of g's k and v in a row. */
+/* The backward of one (b, kv head g): its query heads h in order, each in
+   blocks of BACKWARD_ROWS query rows. Rows of inp_b and dinp_b lie row
+   floats apart, of dout_b C apart; stats_b is stats[b] [NH, T, 2]; k_head
+   and v_head are the offsets of g's k and v in a row. scratch holds a key
+   panel and a panel of v (panel_count(T, hs) each), then the blocks of P
+   and dS ([min(T, BACKWARD_ROWS), T] each). */
 static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const float* dout_b,
-                                              const float* inp_b, const float* att_b,
-                                              float* panel, float* ds, int h0, int h1,
-                                              size_t k_head, size_t v_head, size_t row, size_t C,
-                                              int T, int hs, float scale) {
-    LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + v_head, row, T, hs, 1.0f);
+                                              const float* inp_b, const float* stats_b,
+                                              const float* slopes, float* scratch, int h0,
+                                              int h1, size_t k_head, size_t v_head, size_t row,
+                                              size_t C, int T, int hs, float scale) {
+    const size_t panel_len = panel_count(T, hs);
+    float* kpanel = scratch;
+    float* vpanel = kpanel + panel_len;
+    float* p = vpanel + panel_len;
+    float* ds = p + (size_t)backward_block_rows(T) * T;
+    const float* k = inp_b + k_head;
+    LLMC_ISA_SELECT(isa, build_panel)(kpanel, k, row, T, hs, scale);
+    LLMC_ISA_SELECT(isa, build_panel)(vpanel, inp_b + v_head, row, T, hs, 1.0f);
     for (int h = h0; h < h1; h++) {
-        const float* att_bh = att_b + (size_t)h * T * T;
+        const float* stats_bh = stats_b + (size_t)h * T * 2;
+        const float* q = inp_b + (size_t)h * hs;
         const float* dout_h = dout_b + (size_t)h * hs;
         float* dq = dinp_b + (size_t)h * hs;
-        int t0 = 0;
-        for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-            backward_rows(isa, dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
-                          scale, t0, SCORE_ROWS);
-        }
-        for (; t0 < T; t0++) {
-            backward_rows(isa, dq, ds, att_bh, dout_h, C, panel, inp_b + k_head, row, T, hs,
-                          scale, t0, 1);
-        }
-        // dk += dS^T q and dv += P^T dO, TILE_KEYS keys at a time
-        const float* q = inp_b + (size_t)h * hs;
-        int t2 = 0;
-        for (; t2 + TILE_KEYS <= T; t2 += TILE_KEYS) {
-            cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
-                      TILE_KEYS, t2, T, hs);
-            cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
-                      dout_h, C, TILE_KEYS, t2, T, hs);
-        }
-        for (; t2 < T; t2++) {
-            cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
-                      1, t2, T, hs);
-            cols_tile(dinp_b + (size_t)t2 * row + v_head, row, att_bh, (size_t)T,
-                      dout_h, C, 1, t2, T, hs);
+        const float slope = slopes != NULL ? slopes[h] : 0.0f;
+        for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
+            const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
+            int t = t0;
+            for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
+                backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
+                              hs, slope, scale, t0, t, SCORE_ROWS);
+            }
+            for (; t < t1; t++) {
+                backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
+                              hs, slope, scale, t0, t, 1);
+            }
+            // dk += dS^T q and dv += P^T dO over the block's rows, for every
+            // key up to its last row, TILE_KEYS keys at a time
+            int t2 = 0;
+            for (; t2 + TILE_KEYS <= t1; t2 += TILE_KEYS) {
+                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                          TILE_KEYS, t2, t0, t1, hs);
+                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, dout_h, C,
+                          TILE_KEYS, t2, t0, t1, hs);
+            }
+            for (; t2 < t1; t2++) {
+                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                          1, t2, t0, t1, hs);
+                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, dout_h, C,
+                          1, t2, t0, t1, hs);
+            }
         }
     }
 }
 LLMC_ISA_VARIANTS_ISA(backward_group, (float* dinp_b, const float* dout_b, const float* inp_b,
-                                       const float* att_b, float* panel, float* ds, int h0,
-                                       int h1, size_t k_head, size_t v_head, size_t row,
+                                       const float* stats_b, const float* slopes, float* scratch,
+                                       int h0, int h1, size_t k_head, size_t v_head, size_t row,
                                        size_t C, int T, int hs, float scale),
-                      dinp_b, dout_b, inp_b, att_b, panel, ds, h0, h1, k_head, v_head, row, C,
-                      T, hs, scale)
+                      dinp_b, dout_b, inp_b, stats_b, slopes, scratch, h0, h1, k_head, v_head,
+                      row, C, T, hs, scale)
 
-/* The backward core; sizes already checked. */
-static int gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
-                        int B, int T, int NH, int NKV, int hs) {
+/* The backward core; sizes already checked. slopes may be NULL. */
+static int gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
+                        const float* slopes, int B, int T, int NH, int NKV, int hs) {
     const size_t C = (size_t)NH * hs;
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
-    void (*const group)(float*, const float*, const float*, const float*, float*, float*, int,
-                        int, size_t, size_t, size_t, size_t, int, int, float) =
+    void (*const group)(float*, const float*, const float*, const float*, const float*, float*,
+                        int, int, size_t, size_t, size_t, size_t, int, int, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), backward_group);
-    // per thread: a panel of v, then dS of one head [T, T]
-    const size_t panel_len = panel_count(T, hs);
-    const size_t per_thread = panel_len + (size_t)T * T;
-    float* scratch = malloc((size_t)omp_get_max_threads() * per_thread * sizeof(float));
+    // per thread: a key panel, a panel of v, then a block of P and one of dS
+    const size_t per_thread = 2 * panel_count(T, hs) + 2 * (size_t)backward_block_rows(T) * T;
+    float* scratch = alloc_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
     #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++) {
         for (int g = 0; g < NKV; g++) {
-            float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
             group(dinp + (size_t)b * T * row, dout + (size_t)b * T * C, inp + (size_t)b * T * row,
-                  att + (size_t)b * NH * T * T, panel, panel + panel_len, g * kv_mul,
+                  stats + (size_t)b * NH * T * 2, slopes,
+                  scratch + (size_t)omp_get_thread_num() * per_thread, g * kv_mul,
                   (g + 1) * kv_mul, C + (size_t)g * hs, v_start + (size_t)g * hs, row, C, T, hs,
                   scale);
         }
@@ -576,47 +693,88 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
     return LLMC_OK;
 }
 
-int attention_forward(float* out, float* att, const float* inp,
+/* The probabilities core; sizes already checked. slopes may be NULL. */
+static int gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
+                     int B, int T, int NH, int NKV, int hs) {
+    const size_t C = (size_t)NH * hs;
+    const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+    void (*const head)(float*, const float*, const float*, const float*, float*, size_t, int,
+                       int, float, float) = LLMC_ISA_SELECT(llmc_get_isa(), probs_head);
+    const size_t per_thread = panel_count(T, hs);   // a key panel
+    float* scratch = alloc_scratch(per_thread);
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
+
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            const float* inp_b = inp + (size_t)b * T * row;
+            const size_t bh = (size_t)b * NH + h;
+            head(att + bh * T * T, stats + bh * T * 2, inp_b + (size_t)h * hs,
+                 inp_b + C + (size_t)(h / kv_mul) * hs,
+                 scratch + (size_t)omp_get_thread_num() * per_thread, row, T, hs,
+                 slopes != NULL ? slopes[h] : 0.0f, scale);
+        }
+    }
+    free(scratch);
+    return LLMC_OK;
+}
+
+int attention_forward(float* out, float* stats, const float* inp,
                       int B, int T, int C, int NH) {
-    LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
-    return gqa_forward(out, att, inp, NULL, B, T, NH, NH, C / NH);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
+    return gqa_forward(out, stats, inp, NULL, B, T, NH, NH, C / NH);
 }
 
-int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
+int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                        int B, int T, int C, int NH) {
-    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, att, B, T, NH, NH, C / NH);
+    LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
+    return gqa_backward(dinp, dout, inp, stats, NULL, B, T, NH, NH, C / NH);
 }
 
-/* The sizes of a GQA call are positive, NH % NKV == 0, and its arrays can exist. */
+/* The sizes of a GQA call are positive, NH % NKV == 0, and its arrays
+   (inp, and stats [B, NH, T, 2]) can exist. */
 static int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs) {
     return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0
            && llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
-           && llmc_count_fits(B, NH, T, T);
+           && llmc_count_fits(B, NH, T, 2);
 }
 
-int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+/* As gqa_sizes_ok, for a call with a full att [B, NH, T, T]. */
+static int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs) {
+    return gqa_sizes_ok(B, T, NH, NKV, hs) && llmc_count_fits(B, NH, T, T);
+}
+
+int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
                           int B, int T, int NH, int NKV, int hs) {
-    LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_forward(out, att, inp, slopes, B, T, NH, NKV, hs);
+    return gqa_forward(out, stats, inp, slopes, B, T, NH, NKV, hs);
 }
 
-int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
-                           int B, int T, int NH, int NKV, int hs) {
-    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
+int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
+                           const float* slopes, int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, att, B, T, NH, NKV, hs);
+    return gqa_backward(dinp, dout, inp, stats, slopes, B, T, NH, NKV, hs);
+}
+
+int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
+                        int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL3(att, inp, stats), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    return gqa_probs(att, inp, stats, slopes, B, T, NH, NKV, hs);
 }
 
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
                             int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -668,7 +826,7 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
                              int B, int T, int NH, int NKV, int hs) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -732,7 +890,7 @@ static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0
     }
     for (int r = 0; r < R; r++) {
         float* att_h = att_h0 + (size_t)r * maxT;
-        LLMC_ISA_SELECT(isa, softmax_row)(att_h, n);
+        LLMC_ISA_SELECT(isa, softmax_row)(att_h, n, NULL);
         rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v, kv_row, 1, n, hs);
     }
 }

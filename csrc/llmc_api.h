@@ -255,25 +255,28 @@ int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
  * For head h (hs = C / NH channels), query t attends to keys t2 <= t:
  *   att[b,h,t,t2] = softmax_t2(q[b,t,h] . k[b,t2,h] / sqrt(hs))
  *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h]
+ * att itself is not kept: only each row's softmax statistics, from which
+ * the backward (and attention_gqa_probs) recompute it bitwise.
  *
- *   out [B, T, C]       (written)
- *   att [B, NH, T, T]   (written) the probabilities, 0 where t2 > t; saved
- *                       for backward
- *   inp [B, T, 3C]      q, k, v side by side in each row
+ *   out   [B, T, C]       (written)
+ *   stats [B, NH, T, 2]   (written) per query row: [0] the max of its
+ *                         scores, [1] 1 / sum_t2 exp(score - max); saved
+ *                         for backward
+ *   inp   [B, T, 3C]      q, k, v side by side in each row
  * C % NH must be 0.
  */
-int attention_forward(float* out, float* att, const float* inp,
+int attention_forward(float* out, float* stats, const float* inp,
                       int B, int T, int C, int NH);
 
 /*
  * attention_backward: gradients of attention_forward.
  *
- *   dinp [B, T, 3C]     (+=) dq, dk, dv side by side
- *   dout [B, T, C]
- *   inp  [B, T, 3C]     forward input
- *   att  [B, NH, T, T]  saved by attention_forward
+ *   dinp  [B, T, 3C]      (+=) dq, dk, dv side by side
+ *   dout  [B, T, C]
+ *   inp   [B, T, 3C]      forward input
+ *   stats [B, NH, T, 2]   saved by attention_forward
  */
-int attention_backward(float* dinp, const float* dout, const float* inp, const float* att,
+int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                        int B, int T, int C, int NH);
 
 /*
@@ -283,35 +286,54 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
  *   score = q[b,t,h] . k[b,t2,h/(NH/NKV)] / sqrt(hs) - slopes[h] * (t - t2)
  *   att[b,h,t,t2] = softmax_t2(score)
  *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h/(NH/NKV)]
+ * As in attention_forward, only the softmax statistics of att are kept.
  *
  *   out    [B, T, NH hs]            (written)
- *   att    [B, NH, T, T]            (written) probabilities, 0 where t2 > t;
- *                                   saved for backward
+ *   stats  [B, NH, T, 2]            (written) per query row: [0] the max of
+ *                                   its scores, [1] 1 / sum_t2 exp(score -
+ *                                   max); saved for backward
  *   inp    [B, T, (NH + 2 NKV) hs]  NH q heads, then NKV k heads, then NKV
  *                                   v heads in each row
  *   slopes [NH] ALiBi slope per head, or NULL (no position bias)
  * NH % NKV must be 0.
  */
-int attention_gqa_forward(float* out, float* att, const float* inp, const float* slopes,
+int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
                           int B, int T, int NH, int NKV, int hs);
 
 /*
- * attention_gqa_backward: gradients of attention_gqa_forward (the ALiBi bias
- * is a constant, so the slopes are not needed).
+ * attention_gqa_backward: gradients of attention_gqa_forward. It recomputes
+ * the scores, so it takes the forward's slopes too.
  *
- *   dinp [B, T, (NH + 2 NKV) hs]  (+=) dq, dk, dv heads as in inp
- *   dout [B, T, NH hs]
- *   inp  [B, T, (NH + 2 NKV) hs]  forward input
- *   att  [B, NH, T, T]            saved by attention_gqa_forward
+ *   dinp   [B, T, (NH + 2 NKV) hs]  (+=) dq, dk, dv heads as in inp
+ *   dout   [B, T, NH hs]
+ *   inp    [B, T, (NH + 2 NKV) hs]  forward input
+ *   stats  [B, NH, T, 2]            saved by attention_gqa_forward
+ *   slopes [NH] the forward's, or NULL
  */
-int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* att,
-                           int B, int T, int NH, int NKV, int hs);
+int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
+                           const float* slopes, int B, int T, int NH, int NKV, int hs);
+
+/*
+ * attention_gqa_probs: the probabilities att of attention_gqa_forward,
+ * recomputed from its input and statistics: bitwise the ones its out was
+ * computed from (on the same instruction set, see llmc_set_isa).
+ *
+ *   att    [B, NH, T, T]            (written) att[b,h,t,t2], 0 where t2 > t
+ *   inp    [B, T, (NH + 2 NKV) hs]  the forward's input
+ *   stats  [B, NH, T, 2]            saved by attention_gqa_forward (or
+ *                                   attention_forward, with NKV == NH)
+ *   slopes [NH] the forward's, or NULL
+ */
+int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
+                        int B, int T, int NH, int NKV, int hs);
 
 /*
  * The plain loops, llm.c's attention_forward / attention_backward with GQA
- * and ALiBi: the reference the tiled kernels are checked against (same
- * contracts as attention_gqa_forward / attention_gqa_backward, same
- * checks; they differ only in rounding).
+ * and ALiBi: the reference the tiled kernels are checked against. They keep
+ * the whole of att [B, NH, T, T] (written by the forward, 0 where t2 > t;
+ * read by the backward, which needs no slopes) where the tiled kernels keep
+ * stats; otherwise attention_gqa_forward's / _backward's contracts and
+ * checks. They differ from the tiled kernels only in rounding.
  */
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
                             int B, int T, int NH, int NKV, int hs);

@@ -136,21 +136,29 @@ def bench_matmul(BT, C, OC, repeats, rng, isas, torch_gflops=None, precision="fp
 def bench_attention(B, T, NH, hs, repeats, rng, isas):
     """ms of attention's forward and backward (GPT-2's layout, NKV = NH) on
     each instruction set in ``isas``, each verified against the plain twin
-    first, beside that twin's ms."""
+    first, beside that twin's ms. The forward keeps only row statistics, so
+    its probabilities are checked as attention_gqa_probs recomputes them."""
     qkv = rng.standard_normal((B, T, 3 * NH * hs), dtype=np.float32)
     dout = rng.standard_normal((B, T, NH * hs), dtype=np.float32)
-    out, att = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T, T), np.float32)
+    out, stats = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T, 2), np.float32)
+    probs = np.empty((B, NH, T, T), np.float32)
     dinp = np.zeros_like(qkv)
-    ref_out, ref_att, ref_dinp = np.empty_like(out), np.empty_like(att), np.zeros_like(qkv)
-    K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH)
-    K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH)
-    cases = [  # name, ours, the naive twin, {our result: the naive result}
-        ("fwd", lambda: K.attention_gqa_forward(out, att, qkv, None, NH, NH),
+    ref_out, ref_att, ref_dinp = np.empty_like(out), np.empty_like(probs), np.zeros_like(qkv)
+    forward = lambda: K.attention_gqa_forward(out, stats, qkv, None, NH, NH)
+
+    def recomputed_probs():
+        K.attention_gqa_probs(probs, qkv, stats, None, NH, NH)
+        return probs
+
+    # name, ours, the naive twin, {what: (our result, the naive result)}; the
+    # naive backward reads the naive forward's att, so "fwd" runs first
+    cases = [
+        ("fwd", forward,
          lambda: K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH),
-         {"out": (out, ref_out), "att": (att, ref_att)}),
-        ("bwd", lambda: K.attention_gqa_backward(dinp, dout, qkv, ref_att, NH, NH),
+         {"out": (lambda: out, ref_out), "probs": (recomputed_probs, ref_att)}),
+        ("bwd", lambda: K.attention_gqa_backward(dinp, dout, qkv, stats, None, NH, NH),
          lambda: K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH),
-         {"dinp": (dinp, ref_dinp)}),
+         {"dinp": (lambda: dinp, ref_dinp)}),
     ]
     before = get_isa()
     rows = []
@@ -161,10 +169,11 @@ def bench_attention(B, T, NH, hs, repeats, rng, isas):
                 set_isa(isa)
                 dinp[...] = 0.0   # verify before timing
                 ref_dinp[...] = 0.0
+                forward()         # the backward reads this instruction set's stats
                 naive()
                 ours()
                 for what, (result, ref) in results.items():
-                    err = float(np.abs(result - ref).max() / np.abs(ref).max())
+                    err = float(np.abs(result() - ref).max() / np.abs(ref).max())
                     if err > 1e-5:
                         raise AssertionError(f"attention {name} ({isa}): {what} disagrees "
                                              f"with naive at B={B} T={T} NH={NH} hs={hs}: "

@@ -77,6 +77,26 @@ def attention_gqa(qkv, NH, NKV, slopes=None):
     Returns out [B,T,NH*hs] and att [B,NH,T,T], exactly 0 above the diagonal."""
     B, T, width = qkv.shape
     hs = width // (NH + 2 * NKV)
+    scores, v = _attention_scores(qkv, NH, NKV, slopes)
+    att = _softmax_last(scores)
+    out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
+    return out, att
+
+
+def attention_gqa_stats(qkv, NH, NKV, slopes=None):
+    """The softmax statistics of attention_gqa's rows, [B,NH,T,2]: [0] the max
+    of the row's scores (over t2 <= t), [1] 1 / sum_t2 exp(score - max)."""
+    scores, _ = _attention_scores(qkv, NH, NKV, slopes)
+    maxval = scores.max(dim=-1, keepdim=True).values
+    inv = 1.0 / torch.exp(scores - maxval).sum(dim=-1, keepdim=True)
+    return torch.cat([maxval, inv], dim=-1)
+
+
+def _attention_scores(qkv, NH, NKV, slopes):
+    """attention_gqa's scores [B,NH,T,T] (-inf above the diagonal) and its v
+    heads repeated for the query heads [B,NH,T,hs]."""
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
     q, k, v = qkv.split([NH * hs, NKV * hs, NKV * hs], dim=-1)
     q = q.reshape(B, T, NH, hs).transpose(1, 2)
     k, v = (x.reshape(B, T, NKV, hs).transpose(1, 2).repeat_interleave(NH // NKV, dim=1)
@@ -87,9 +107,7 @@ def attention_gqa(qkv, NH, NKV, slopes=None):
         distance = pos[:, None] - pos[None, :]          # t - t2
         scores = scores - slopes.reshape(NH, 1, 1) * distance
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    att = _softmax_last(scores.masked_fill(future, float("-inf")))
-    out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
-    return out, att
+    return scores.masked_fill(future, float("-inf")), v
 
 
 def gelu(x):

@@ -1,5 +1,10 @@
 """csrc/attention.c: causal multi-head attention (GPT-2) and grouped-query
 attention with optional ALiBi, against the float64 reference and autograd."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -7,6 +12,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import attention_gqa as ref_attention_gqa
+from reference import attention_gqa_stats as ref_attention_gqa_stats
 
 SHAPES = [  # B, T, C, NH
     (4, 64, 768, 12),   # GPT-2 124M: hs = 64
@@ -24,23 +30,32 @@ def make_inputs(rng, B, T, C):
 def forward(qkv, NH):
     B, T, C3 = qkv.shape
     out = np.full((B, T, C3 // 3), np.nan, np.float32)   # (written): must not be read
-    att = np.full((B, NH, T, T), np.nan, np.float32)
-    K.attention_forward(out, att, qkv, NH)
-    return out, att
+    stats = np.full((B, NH, T, 2), np.nan, np.float32)
+    K.attention_forward(out, stats, qkv, NH)
+    return out, stats
 
 
-def backward(dout, qkv, att, NH, calls=1):
+def backward(dout, qkv, stats, NH, calls=1):
     dinp = np.zeros_like(qkv)
     for _ in range(calls):
-        K.attention_backward(dinp, dout, qkv, att, NH)
+        K.attention_backward(dinp, dout, qkv, stats, NH)
     return dinp
+
+
+def probs(qkv, stats, slopes, NH, NKV):
+    """The forward's probabilities, recomputed from its statistics."""
+    B, _, T, _ = stats.shape
+    att = np.full((B, NH, T, T), np.nan, np.float32)   # (written): must not be read
+    K.attention_gqa_probs(att, qkv, stats, slopes, NH, NKV)
+    return att
 
 
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
 def test_attention_matches_reference(rng, isa, B, T, C, NH):
     qkv, dout = make_inputs(rng, B, T, C)
-    out, att = forward(qkv, NH)
-    dinp = backward(dout, qkv, att, NH)
+    out, stats = forward(qkv, NH)
+    att = probs(qkv, stats, None, NH, NH)
+    dinp = backward(dout, qkv, stats, NH)
 
     qkv_t = t64(qkv, grad=True)
     ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NH)   # NKV = NH: multi-head
@@ -55,8 +70,8 @@ def test_attention_matches_reference(rng, isa, B, T, C, NH):
 
 def test_attention_backward_accumulates(rng):
     qkv, dout = make_inputs(rng, 2, 37, 60)
-    _, att = forward(qkv, 4)
-    once, twice = backward(dout, qkv, att, 4), backward(dout, qkv, att, 4, calls=2)
+    _, stats = forward(qkv, 4)
+    once, twice = backward(dout, qkv, stats, 4), backward(dout, qkv, stats, 4, calls=2)
     assert_close("dinp", twice, 2.0 * once, TOL["attention"]["bwd"])
 
 
@@ -64,8 +79,9 @@ def test_attention_thread_invariant(rng, isa, set_threads):
     qkv, dout = make_inputs(rng, 3, 20, 60)   # B*NH = 9 (b, h) pairs, uneven over 2 threads
 
     def run():
-        out, att = forward(qkv, 4)
-        return {"out": out, "att": att, "dinp": backward(dout, qkv, att, 4)}
+        out, stats = forward(qkv, 4)
+        return {"out": out, "stats": stats, "att": probs(qkv, stats, None, 4, 4),
+                "dinp": backward(dout, qkv, stats, 4)}
     assert_thread_invariant(set_threads, run)
 
 
@@ -75,11 +91,11 @@ def test_attention_rejects_heads_not_dividing_channels(rng):
         forward(qkv, 4)
 
 
-@pytest.mark.parametrize("bad", ["att", "dout"])
+@pytest.mark.parametrize("bad", ["stats", "dout"])
 def test_attention_rejects_wrong_shape(rng, bad):
     qkv, dout = make_inputs(rng, 2, 3, 8)
-    _, att = forward(qkv, 2)
-    args = dict(dinp=np.zeros_like(qkv), dout=dout, inp=qkv, att=att, NH=2)
+    _, stats = forward(qkv, 2)
+    args = dict(dinp=np.zeros_like(qkv), dout=dout, inp=qkv, stats=stats, NH=2)
     args[bad] = args[bad][..., :-1].copy()
     with pytest.raises(llmc_py.ShapeError, match=bad):
         K.attention_backward(**args)
@@ -118,36 +134,66 @@ def gqa_forward(qkv, slopes, NH, NKV):
     B, T, width = qkv.shape
     hs = width // (NH + 2 * NKV)
     out = np.full((B, T, NH * hs), np.nan, np.float32)   # (written): must not be read
-    att = np.full((B, NH, T, T), np.nan, np.float32)
-    K.attention_gqa_forward(out, att, qkv, slopes, NH, NKV)
-    return out, att
+    stats = np.full((B, NH, T, 2), np.nan, np.float32)
+    K.attention_gqa_forward(out, stats, qkv, slopes, NH, NKV)
+    return out, stats
 
 
-def gqa_backward(dout, qkv, att, NH, NKV, calls=1):
+def gqa_backward(dout, qkv, stats, slopes, NH, NKV, calls=1):
     dinp = np.zeros_like(qkv)
     for _ in range(calls):
-        K.attention_gqa_backward(dinp, dout, qkv, att, NH, NKV)
+        K.attention_gqa_backward(dinp, dout, qkv, stats, slopes, NH, NKV)
     return dinp
 
 
 TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 keys,
-                 # 32 keys of scores and 64 channels; these shapes hit each remainder
+                 # 32 keys of scores and 64 channels, and the backward recomputes
+                 # blocks of 64 query rows; these shapes hit each remainder
     (1, 1, 6, 2, 24, "alibi"),      # T = 1: one row, one key
     (1, 35, 6, 1, 24, "alibi"),     # T = 4 tiles of 8 rows + 3; multi-query
     (2, 33, 6, 2, 15, None),        # hs = 15: one partial vector
-    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16
+    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16; blocks 64 + 6
     (1, 47, 3, 3, 100, None),       # hs = 100: 64, then 36 (a partial vector)
     (3, 9, 2, 2, 1, "alibi"),       # hs = 1
+    (1, 130, 4, 2, 32, "steep"),    # blocks of 64, 64 and 2 rows
 ]
+
+LONG_SHAPES = [  # B, T, NH, NKV, hs, slopes: T = 1, 37, 64, 256, 1024; GPT-2
+                 # (NKV = NH), GQA and ALiBi at each length
+    (2, 1, 4, 4, 64, None),
+    (1, 1, 4, 2, 64, "alibi"),
+    (2, 37, 4, 4, 64, None),
+    (2, 37, 4, 2, 64, "alibi"),
+    (1, 64, 4, 4, 64, None),        # one whole block of the backward
+    (1, 64, 6, 2, 64, "alibi"),
+    (1, 256, 4, 4, 64, None),
+    (1, 256, 4, 1, 64, "alibi"),
+    (1, 1024, 2, 2, 64, None),
+    (1, 1024, 2, 1, 64, "alibi"),
+    (1, 1024, 4, 2, 64, "steep"),
+]
+
+
+def tiled(qkv, slopes, NH, NKV):
+    """The tiled forward: out, what its backward reads (stats), and att."""
+    out, stats = gqa_forward(qkv, slopes, NH, NKV)
+    return out, stats, probs(qkv, stats, slopes, NH, NKV)
+
+
+def naive(qkv, slopes, NH, NKV):
+    """The plain forward: out, what its backward reads (att), and att."""
+    out, att = naive_forward(qkv, slopes, NH, NKV)
+    return out, att, att
 
 
 def check_gqa_against_reference(rng, forward, backward, B, T, NH, NKV, hs, slopes):
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, att = forward(qkv, slopes, NH, NKV)
-    dinp = backward(dout, qkv, att, NH, NKV)
+    out, saved, att = forward(qkv, slopes, NH, NKV)
+    dinp = backward(dout, qkv, saved, slopes, NH, NKV)
 
     qkv_t = t64(qkv, grad=True)
-    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes))
+    slopes_t = None if slopes is None else t64(slopes)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, slopes_t)
     (ref_out * t64(dout)).sum().backward()
 
     tol = TOL["attention_gqa"]
@@ -155,11 +201,52 @@ def check_gqa_against_reference(rng, forward, backward, B, T, NH, NKV, hs, slope
     assert_close("att", att, ref_att, tol["fwd"])
     assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
     assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+    if forward is tiled:
+        ref_stats = ref_attention_gqa_stats(t64(qkv), NH, NKV, slopes_t)
+        assert_close("stats max", saved[..., 0], ref_stats[..., 0], tol["fwd"])
+        assert_close("stats inv", saved[..., 1], ref_stats[..., 1], tol["fwd"])
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
 def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
-    check_gqa_against_reference(rng, gqa_forward, gqa_backward, B, T, NH, NKV, hs, slopes)
+    check_gqa_against_reference(rng, tiled, gqa_backward, B, T, NH, NKV, hs, slopes)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", LONG_SHAPES)
+def test_attention_gqa_long_sequences_match_reference(rng, isa, B, T, NH, NKV, hs, slopes):
+    check_gqa_against_reference(rng, tiled, gqa_backward, B, T, NH, NKV, hs, slopes)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", [
+    (2, 37, 6, 2, 24, "alibi"),
+    (1, 200, 4, 4, 64, None),
+    (1, 150, 4, 1, 15, "steep"),
+])
+def test_attention_gqa_probs_are_the_forwards(rng, isa, B, T, NH, NKV, hs, slopes):
+    # the probabilities recomputed from stats give out back, and each row is
+    # a softmax whose statistics are plausible
+    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, stats, att = tiled(qkv, slopes, NH, NKV)
+    v = qkv[..., (NH + NKV) * hs:].reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)
+    v = np.repeat(v.astype(np.float64), NH // NKV, axis=1)              # [B, NH, T, hs]
+    again = (att.astype(np.float64) @ v).transpose(0, 2, 1, 3).reshape(B, T, NH * hs)
+    assert_close("out from probs", out, again, TOL["attention_variant"]["fwd"])
+    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
+    assert (att >= 0).all() and np.allclose(att.sum(-1, dtype=np.float64), 1.0, atol=1e-5)
+    # each row: its largest probability is exp(0) * inv; inv = 1 / a sum of
+    # t + 1 terms of at most 1, one of them 1
+    maxval, inv = stats[..., 0], stats[..., 1]
+    assert np.isfinite(maxval).all()
+    assert np.array_equal(att.max(-1), inv)
+    count = np.arange(1, T + 1, dtype=np.float64)
+    assert ((inv > 0) & (inv <= 1) & (1.0 / inv.astype(np.float64) <= count * (1 + 1e-6))).all()
+    assert (inv[:, :, 0] == 1).all() and (att[:, :, 0, 0] == 1).all()   # one key: weight 1
+
+
+def test_attention_gqa_probs_thread_invariant(rng, isa, set_threads):
+    qkv, _, slopes = make_gqa_inputs(rng, 3, 29, 4, 2, 24, "alibi")   # 12 (b, h) pairs
+    _, stats = gqa_forward(qkv, slopes, 4, 2)
+    assert_thread_invariant(set_threads, lambda: {"att": probs(qkv, stats, slopes, 4, 2)})
 
 
 def naive_forward(qkv, slopes, NH, NKV):
@@ -171,7 +258,8 @@ def naive_forward(qkv, slopes, NH, NKV):
     return out, att
 
 
-def naive_backward(dout, qkv, att, NH, NKV, calls=1):
+def naive_backward(dout, qkv, att, slopes, NH, NKV, calls=1):
+    # the plain backward reads att, so it needs no slopes
     dinp = np.zeros_like(qkv)
     for _ in range(calls):
         K.attention_backward_naive(dinp, dout, qkv, att, NH, NKV)
@@ -181,40 +269,40 @@ def naive_backward(dout, qkv, att, NH, NKV, calls=1):
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
 def test_attention_naive_matches_reference(rng, B, T, NH, NKV, hs, slopes):
     # the plain twin itself, against float64
-    check_gqa_against_reference(rng, naive_forward, naive_backward, B, T, NH, NKV, hs, slopes)
+    check_gqa_against_reference(rng, naive, naive_backward, B, T, NH, NKV, hs, slopes)
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
 def test_attention_tiled_matches_naive(rng, isa, B, T, NH, NKV, hs, slopes):
     # the tiled kernels against their plain twin, on every instruction set;
-    # the backward of each gets the same att (the naive forward's)
+    # each backward reads its own forward's saved tensor
     qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, att = gqa_forward(qkv, slopes, NH, NKV)
+    out, stats, att = tiled(qkv, slopes, NH, NKV)
     naive_out, naive_att = naive_forward(qkv, slopes, NH, NKV)
     tol = TOL["attention_variant"]
     assert_close("out", out, naive_out, tol["fwd"])
     assert_close("att", att, naive_att, tol["fwd"])
-    assert_close("dinp", gqa_backward(dout, qkv, naive_att, NH, NKV),
-                 naive_backward(dout, qkv, naive_att, NH, NKV), tol["bwd"])
+    assert_close("dinp", gqa_backward(dout, qkv, stats, slopes, NH, NKV),
+                 naive_backward(dout, qkv, naive_att, None, NH, NKV), tol["bwd"])
 
 
 def test_attention_naive_backward_accumulates_and_is_thread_invariant(rng, set_threads):
     qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")   # 5 kv heads
     _, att = naive_forward(qkv, slopes, 10, 5)
-    assert_close("dinp", naive_backward(dout, qkv, att, 10, 5, calls=2),
-                 2.0 * naive_backward(dout, qkv, att, 10, 5), TOL["attention_gqa"]["bwd"])
+    assert_close("dinp", naive_backward(dout, qkv, att, None, 10, 5, calls=2),
+                 2.0 * naive_backward(dout, qkv, att, None, 10, 5), TOL["attention_gqa"]["bwd"])
 
     def run():
         out, att = naive_forward(qkv, slopes, 10, 5)
-        return {"out": out, "att": att, "dinp": naive_backward(dout, qkv, att, 10, 5)}
+        return {"out": out, "att": att, "dinp": naive_backward(dout, qkv, att, None, 10, 5)}
     assert_thread_invariant(set_threads, run)
 
 
 def test_attention_gqa_backward_accumulates(rng):
     qkv, dout, slopes = make_gqa_inputs(rng, 2, 13, 6, 2, 15, "alibi")
-    _, att = gqa_forward(qkv, slopes, 6, 2)
-    once = gqa_backward(dout, qkv, att, 6, 2)
-    twice = gqa_backward(dout, qkv, att, 6, 2, calls=2)
+    _, stats = gqa_forward(qkv, slopes, 6, 2)
+    once = gqa_backward(dout, qkv, stats, slopes, 6, 2)
+    twice = gqa_backward(dout, qkv, stats, slopes, 6, 2, calls=2)
     assert_close("dinp", twice, 2.0 * once, TOL["attention_gqa"]["bwd"])
 
 
@@ -223,26 +311,30 @@ def test_attention_gqa_thread_invariant(rng, isa, set_threads):
     qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")
 
     def run():
-        out, att = gqa_forward(qkv, slopes, 10, 5)
-        return {"out": out, "att": att, "dinp": gqa_backward(dout, qkv, att, 10, 5)}
+        out, stats, att = tiled(qkv, slopes, 10, 5)
+        return {"out": out, "stats": stats, "att": att,
+                "dinp": gqa_backward(dout, qkv, stats, slopes, 10, 5)}
     assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
 
 
 def test_attention_gqa_without_groups_or_slopes_is_gpt2_attention(rng):
     # the same core runs both, so the results are bitwise equal
     qkv, dout = make_inputs(rng, 2, 37, 60)
-    out, att = forward(qkv, 4)
-    gqa_out, gqa_att = gqa_forward(qkv, None, 4, 4)
-    assert np.array_equal(gqa_out, out) and np.array_equal(gqa_att, att)
-    assert np.array_equal(gqa_backward(dout, qkv, att, 4, 4), backward(dout, qkv, att, 4))
+    out, stats = forward(qkv, 4)
+    gqa_out, gqa_stats = gqa_forward(qkv, None, 4, 4)
+    assert np.array_equal(gqa_out, out) and np.array_equal(gqa_stats, stats)
+    assert np.array_equal(gqa_backward(dout, qkv, stats, None, 4, 4),
+                          backward(dout, qkv, stats, 4))
 
 
 def test_attention_gqa_zero_slopes_are_no_bias(rng):
-    qkv, _, _ = make_gqa_inputs(rng, 2, 19, 6, 2, 16)
-    plain = gqa_forward(qkv, None, 6, 2)
-    zero = gqa_forward(qkv, np.zeros(6, np.float32), 6, 2)
-    for name, a, b in zip(("out", "att"), plain, zero):
+    qkv, dout, _ = make_gqa_inputs(rng, 2, 19, 6, 2, 16)
+    zeros = np.zeros(6, np.float32)
+    plain, zero = tiled(qkv, None, 6, 2), tiled(qkv, zeros, 6, 2)
+    for name, a, b in zip(("out", "stats", "att"), plain, zero):
         assert np.array_equal(a, b), name
+    assert np.array_equal(gqa_backward(dout, qkv, plain[1], None, 6, 2),
+                          gqa_backward(dout, qkv, plain[1], zeros, 6, 2)), "dinp"
 
 
 def test_attention_gqa_rejects_heads_not_dividing(rng):
@@ -257,7 +349,9 @@ def test_attention_gqa_c_rejects_heads_not_dividing():
     buf = ffi.new("float[]", 1024)
     assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
         == lib.LLMC_ERR_SHAPE
-    assert lib.attention_gqa_backward(buf, buf, buf, buf, 1, 2, 6, 4, 2) == lib.LLMC_ERR_SHAPE
+    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
+        == lib.LLMC_ERR_SHAPE
+    assert lib.attention_gqa_probs(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) == lib.LLMC_ERR_SHAPE
 
 
 @pytest.mark.parametrize("NH,NKV", [(0, 1), (4, 0), (4, -2)])
@@ -265,7 +359,7 @@ def test_attention_gqa_rejects_non_positive_heads(rng, NH, NKV):
     qkv = randn(rng, 1, 3, 24)
     with pytest.raises(llmc_py.ShapeError, match="must be a positive int"):
         K.attention_gqa_forward(np.zeros((1, 3, 8), np.float32),
-                                np.zeros((1, 4, 3, 3), np.float32), qkv, None, NH, NKV)
+                                np.zeros((1, 4, 3, 2), np.float32), qkv, None, NH, NKV)
 
 
 def test_attention_gqa_rejects_inp_width_not_a_whole_number_of_heads(rng):
@@ -274,30 +368,95 @@ def test_attention_gqa_rejects_inp_width_not_a_whole_number_of_heads(rng):
         gqa_forward(qkv, None, 4, 2)
 
 
-@pytest.mark.parametrize("bad", ["out", "att", "slopes"])
+@pytest.mark.parametrize("bad", ["out", "stats", "slopes"])
 def test_attention_gqa_forward_rejects_wrong_shape(rng, bad):
     qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
-    args = dict(out=np.zeros((2, 3, 32), np.float32), att=np.zeros((2, 4, 3, 3), np.float32),
+    args = dict(out=np.zeros((2, 3, 32), np.float32), stats=np.zeros((2, 4, 3, 2), np.float32),
                 inp=qkv, slopes=slopes, NH=4, NKV=2)
     args[bad] = args[bad][..., :-1].copy()
     with pytest.raises(llmc_py.ShapeError, match=bad):
         K.attention_gqa_forward(**args)
 
 
-@pytest.mark.parametrize("bad", ["dinp", "dout", "att"])
+@pytest.mark.parametrize("bad", ["dinp", "dout", "stats", "slopes"])
 def test_attention_gqa_backward_rejects_wrong_shape(rng, bad):
-    qkv, dout, _ = make_gqa_inputs(rng, 2, 3, 4, 2, 8)
-    _, att = gqa_forward(qkv, None, 4, 2)
-    args = dict(dinp=np.zeros_like(qkv), dout=dout, inp=qkv, att=att, NH=4, NKV=2)
+    qkv, dout, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
+    _, stats = gqa_forward(qkv, slopes, 4, 2)
+    args = dict(dinp=np.zeros_like(qkv), dout=dout, inp=qkv, stats=stats, slopes=slopes, NH=4,
+                NKV=2)
     args[bad] = args[bad][..., :-1].copy()
     with pytest.raises(llmc_py.ShapeError, match=bad):
         K.attention_gqa_backward(**args)
+
+
+@pytest.mark.parametrize("bad", ["att", "stats", "slopes"])
+def test_attention_gqa_probs_rejects_wrong_shape(rng, bad):
+    qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
+    _, stats = gqa_forward(qkv, slopes, 4, 2)
+    args = dict(att=np.zeros((2, 4, 3, 3), np.float32), inp=qkv, stats=stats, slopes=slopes,
+                NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_gqa_probs(**args)
 
 
 def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
     qkv, _, _ = make_gqa_inputs(rng, 1, 3, 4, 2, 8)
     with pytest.raises(TypeError, match="slopes"):
         gqa_forward(qkv, K.alibi_slopes(4).astype(np.float64), 4, 2)
+
+
+_ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
+
+# Runs in a child process: the attention of one head at T = 16384, whose
+# T x T probabilities would be 1 GiB, with the address space capped at what
+# the process already maps plus 256 MiB.
+_LONG_CONTEXT = """
+import resource
+import numpy as np
+from llmc_py import kernels as K
+
+B, T, NH, hs = 1, 16384, 1, 16
+rng = np.random.default_rng(0)
+qkv = rng.standard_normal((B, T, 3 * NH * hs), dtype=np.float32)
+dout = rng.standard_normal((B, T, NH * hs), dtype=np.float32)
+out, stats = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T, 2), np.float32)
+dinp = np.zeros_like(qkv)
+# start the threads and touch every page before the cap
+small = qkv[:, :8].copy()
+K.attention_gqa_forward(out[:, :8].copy(), stats[:, :, :8].copy(), small, None, NH, NH)
+out[...], stats[...] = 0, 0
+with open("/proc/self/status") as f:
+    mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.RLIM_INFINITY))
+try:
+    np.ones((T, T), np.float32)
+    raise SystemExit("the cap does not hold: a T x T array was allocated")
+except MemoryError:
+    pass
+K.attention_gqa_forward(out, stats, qkv, None, NH, NH)
+K.attention_gqa_backward(dinp, dout, qkv, stats, None, NH, NH)
+# the last query row attends to every key: check it in float64
+q, k, v = (qkv[0, :, i * hs:(i + 1) * hs].astype(np.float64) for i in range(3))
+s = k @ q[-1] / np.sqrt(hs)
+p = np.exp(s - s.max())
+ref = p @ v / p.sum()
+assert np.abs(out[0, -1] - ref).max() <= 3e-6 * np.abs(ref).max(), "out"
+assert abs(stats[0, 0, -1, 0] - s.max()) <= 3e-6 * abs(s.max()), "stats max"
+assert np.isfinite(dinp).all() and np.abs(dinp).max() > 0, "dinp"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(_ASAN or not sys.platform.startswith("linux"),
+                    reason="needs Linux's RLIMIT_AS, which AddressSanitizer's shadow defeats")
+def test_attention_scratch_grows_with_T_not_T_squared():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    result = subprocess.run([sys.executable, "-c", _LONG_CONTEXT], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
 # ---- decoding one position against a KV cache ---------------------------------
@@ -342,7 +501,7 @@ def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
 def test_attention_decode_matches_forward_row(rng, isa, lengths, maxT, NH, NKV, hs, slopes):
     qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
     out, att = decode(*cache, slopes, NH, NKV)
-    full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
+    full_out, _, full_att = tiled(qkv, slopes, NH, NKV)
     ref_out, _ = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
 
     tol = TOL["attention_decode"]
@@ -430,8 +589,9 @@ def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     qkv, dout, slopes = make_gqa_inputs(rng, 5, 43, 6, 1, 24, "alibi")
 
     def run():
-        out, att = gqa_forward(qkv, slopes, 6, 1)
-        return {"out": out, "att": att, "dinp": gqa_backward(dout, qkv, att, 6, 1)}
+        out, stats, att = tiled(qkv, slopes, 6, 1)
+        return {"out": out, "stats": stats, "att": att,
+                "dinp": gqa_backward(dout, qkv, stats, slopes, 6, 1)}
     assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
 
 
@@ -443,12 +603,13 @@ def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     (1, 2, 1, 8, "alibi"),     # T = 1
 ])
 def test_attention_decode_equals_forward_row_bitwise(rng, isa, T, NH, NKV, hs, slopes):
-    # the first, second, middle and last two positions, each a row of the batch
+    # the first, second, middle and last two positions, each a row of the batch;
+    # att: the decode's softmax against attention_gqa_probs' recomputation
     positions = sorted({0, 1, T // 2, T - 2, T - 1} & set(range(T)))
     lengths = [t + 1 for t in positions]
     qkv, slopes, cache = make_decode_case(rng, lengths, T, NH, NKV, hs, slopes)
     out, att = decode(*cache, slopes, NH, NKV)
-    full_out, full_att = gqa_forward(qkv, slopes, NH, NKV)
+    full_out, _, full_att = tiled(qkv, slopes, NH, NKV)
     bits = lambda x: np.ascontiguousarray(x).view(np.uint32)   # -0.0 != 0.0 too
     for b, n in enumerate(lengths):
         assert np.array_equal(bits(out[b]), bits(full_out[b, n - 1])), f"out at t = {n - 1}"

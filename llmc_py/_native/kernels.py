@@ -142,26 +142,27 @@ def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, variant=""):
         B, T, C, OC), "matmul_backward_bf16" + (f"_{variant}" if variant else ""))
 
 
-def attention_forward(out, att, inp, NH):
-    """out[B,T,C] (written), att[B,NH,T,T] (written) <- inp[B,T,3C] (q, k, v)."""
+def attention_forward(out, stats, inp, NH):
+    """out[B,T,C] (written), stats[B,NH,T,2] (written: each query row's score max
+    and 1/sum of exponentials, saved for backward) <- inp[B,T,3C] (q, k, v)."""
     B, T, C3 = _dims(inp, "inp", 3)
     C = _qkv_channels(C3, NH)
     check(lib.attention_forward(
         fptr(out, "out", (B, T, C), out=True),
-        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(stats, "stats", (B, NH, T, 2), out=True),
         fptr(inp, "inp", (B, T, C3)),
         B, T, C, NH), "attention_forward")
 
 
-def attention_backward(dinp, dout, inp, att, NH):
-    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], att[B,NH,T,T]."""
+def attention_backward(dinp, dout, inp, stats, NH):
+    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], stats[B,NH,T,2]."""
     B, T, C3 = _dims(inp, "inp", 3)
     C = _qkv_channels(C3, NH)
     check(lib.attention_backward(
         fptr(dinp, "dinp", (B, T, C3), out=True),
         fptr(dout, "dout", (B, T, C)),
         fptr(inp, "inp", (B, T, C3)),
-        fptr(att, "att", (B, NH, T, T)),
+        fptr(stats, "stats", (B, NH, T, 2)),
         B, T, C, NH), "attention_backward")
 
 
@@ -407,29 +408,45 @@ def _swiglu_dims(inp):
 
 # ---- grouped-query attention (attention.c) ----------------------------------
 
-def attention_gqa_forward(out, att, inp, slopes, NH, NKV):
-    """out[B,T,NH*hs] (written), att[B,NH,T,T] (written) <- inp[B,T,(NH+2*NKV)*hs]
+def attention_gqa_forward(out, stats, inp, slopes, NH, NKV):
+    """out[B,T,NH*hs] (written), stats[B,NH,T,2] (written: each query row's score
+    max and 1/sum of exponentials, saved for backward) <- inp[B,T,(NH+2*NKV)*hs]
     (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
 
     Query head h reads kv head h // (NH // NKV); NH % NKV must be 0."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_forward(
         fptr(out, "out", (B, T, NH * hs), out=True),
-        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(stats, "stats", (B, NH, T, 2), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         _optional(slopes, "slopes", (NH,)),
         B, T, NH, NKV, hs), "attention_gqa_forward")
 
 
-def attention_gqa_backward(dinp, dout, inp, att, NH, NKV):
-    """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, att[B,NH,T,T]."""
+def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV):
+    """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
+    slopes[NH] (the forward's) or None."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_backward(
         fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
         fptr(dout, "dout", (B, T, NH * hs)),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        fptr(att, "att", (B, NH, T, T)),
+        fptr(stats, "stats", (B, NH, T, 2)),
+        _optional(slopes, "slopes", (NH,)),
         B, T, NH, NKV, hs), "attention_gqa_backward")
+
+
+def attention_gqa_probs(att, inp, stats, slopes, NH, NKV):
+    """att[B,NH,T,T] (written: the forward's probabilities, 0 above the diagonal,
+    bitwise those its out used) <- inp, stats[B,NH,T,2], slopes[NH] or None, as
+    given to attention_gqa_forward."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_gqa_probs(
+        fptr(att, "att", (B, NH, T, T), out=True),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        fptr(stats, "stats", (B, NH, T, 2)),
+        _optional(slopes, "slopes", (NH,)),
+        B, T, NH, NKV, hs), "attention_gqa_probs")
 
 
 def attention_forward_naive(out, att, inp, slopes, NH, NKV):
