@@ -236,8 +236,12 @@ def bench_memory_bound(N, repeats, rng, C=768):
     return rows
 
 
-def bench_step(config, B, T, repeats, rng, precision="fp32"):
+def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False):
+    """Times forward_backward + AdamW of a fresh GPT-2; with the model's
+    memory plan of the step in MiB ("planned_mib")."""
     model = GPT2(config, seed=0, precision=precision)
+    model.recompute = recompute
+    planned = sum(model.memory_plan(B, T, training=True).values()) / 2**20
     tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     state = {"t": 0}
@@ -247,7 +251,24 @@ def bench_step(config, B, T, repeats, rng, precision="fp32"):
         model.zero_grad()
         model.forward_backward(x, y)
         model.update(1e-4, 0.9, 0.999, 1e-8, 0.0, state["t"])
-    return timed(step, repeats)
+    return dict(timed(step, repeats), planned_mib=planned)
+
+
+def own_step_job(layers, B, T, repeats, precision="fp32", recompute=False, threads=None,
+                 config=None):
+    """bench_step in a fresh interpreter (bench_step.py), on this process's
+    instruction set and thread count unless ``threads`` is given: its
+    timing, peak RSS and memory plan. ``config``: GPT2Config fields other
+    than num_layers (default: GPT-2 124M's)."""
+    job = dict(layers=layers, B=B, T=T, repeats=repeats, precision=precision,
+               recompute=recompute, isa=get_isa(),
+               threads=get_num_threads() if threads is None else threads, config=config or {})
+    done = subprocess.run([sys.executable, "-m", "llmc_py.bench_step", json.dumps(job)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        raise RuntimeError(f"llmc_py step job failed: {lines[-1]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch,
@@ -332,6 +353,8 @@ def main(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="also time the step under torch.compile (its first step compiles, "
                         "which takes minutes; untimed)")
+    p.add_argument("--recompute", action="store_true",
+                   help="also time the step with recompute on (model.recompute)")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--generate", action="store_true",
@@ -388,11 +411,15 @@ def main(argv=None):
                                                   precision)
         results["attention"] = bench_attention(B, T, 12, 64, args.repeats, rng, isas)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
-    config = GPT2Config(num_layers=args.layers)
     step = results["step"]
-    step["llmc_py"] = bench_step(config, B, T, args.repeats, rng, args.precision)
+    own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats)
+    step["llmc_py"] = own_step(args.precision)
+    if args.recompute:
+        step["llmc_py_recompute"] = own_step(args.precision, recompute=True)
     if bf16:
-        step["llmc_py_fp32"] = bench_step(config, B, T, args.repeats, rng)
+        step["llmc_py_fp32"] = own_step()
+        if args.recompute:
+            step["llmc_py_fp32_recompute"] = own_step(recompute=True)
     if not args.skip_torch:
         torch_step = functools.partial(torch_job, "step", layers=args.layers, B=B, T=T,
                                        repeats=args.repeats)
@@ -404,10 +431,7 @@ def main(argv=None):
             if bf16:
                 step["torch_compile_autocast_bf16"] = torch_step(compile=True, autocast=True)
     if args.scaling:
-        threads = get_num_threads()
-        set_num_threads(1)
-        step["llmc_py_1_thread"] = bench_step(config, B, T, args.repeats, rng, args.precision)
-        set_num_threads(threads)
+        step["llmc_py_1_thread"] = own_step(args.precision, threads=1)
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         print(json.dumps(results, indent=1))
@@ -438,19 +462,22 @@ def main(argv=None):
             print(f"{r['kernel']:<20}{r['elements']:>12}{r['ms']:9.2f}{r['gbps']:8.1f}"
                   f"{r['copy_gbps']:8.1f}{r['gbps'] / r['copy_gbps']:7.2f}")
     print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max; "
-          f"torch: peak RSS of its process):")
+          f"peak RSS of each one's own process; ours: also the model's memory plan):")
     for name, t in results["step"].items():
         if t is None:
             print(f"  {name:<28} not installed")
             continue
         rss = f"  {t['peak_rss_mib']:6.0f} MiB" if "peak_rss_mib" in t else ""
+        rss += f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
         print(f"  {name:<28} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
               f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s{rss}")
     ours = results["step"]["llmc_py"]
     for name, t in results["step"].items():
         if t and name != "llmc_py" and not name.startswith("llmc_py_1"):
+            memory = (f", {ours['peak_rss_mib'] / t['peak_rss_mib']:.2f}x the memory"
+                      if "peak_rss_mib" in t else "")
             print(f"  llmc_py ({results['precision']}) over {name}: "
-                  f"{t['median'] / ours['median']:.2f}x")
+                  f"{t['median'] / ours['median']:.2f}x the speed{memory}")
     if "llmc_py_1_thread" in results["step"]:
         one = results["step"]["llmc_py_1_thread"]
         print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")

@@ -52,6 +52,14 @@ def test_bench_torch_step_runs_in_its_own_process():
         assert 0 < t["min"] <= t["median"] <= t["max"] and t["peak_rss_mib"] > 0
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bench_own_step_runs_in_its_own_process(precision):
+    t = bench.own_step_job(1, 2, 8, 2, precision, recompute=True, config=TINY)
+    assert 0 < t["min"] <= t["median"] <= t["max"]
+    # the process's peak holds the interpreter and numpy besides the model's plan
+    assert 0 < t["planned_mib"] < t["peak_rss_mib"]
+
+
 def test_bench_torch_job_failures_raise():
     with pytest.raises(RuntimeError, match="PyTorch step job failed: .*unexpected keyword"):
         bench.torch_job("step", layers=1, B=2, T=8, repeats=1, no_such_flag=1)

@@ -423,3 +423,17 @@ def test_llama_arch_trains_resumes_and_samples(shards, tmp_path, monkeypatch, ca
 def test_llama_choices_are_checked(shards, tmp_path, capsys):
     assert run(shards, tmp_path / "out", "-x", "1", "--arch", "llama", "--kv-heads", "3") == 1
     assert "not divisible by num_kv_heads=3" in capsys.readouterr().err
+
+
+def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):
+    """--recompute 1 recomputes activations in backward: the same losses and
+    model to the bit; a resume may switch it, and says so."""
+    plain, lean = tmp_path / "plain", tmp_path / "lean"
+    assert run(shards, plain, "-x", "4", "-n", "2", "-v", "2") == 0
+    assert run(shards, lean, "-x", "2", "-n", "2", "-v", "2", "--recompute", "1") == 0
+    assert run(shards, lean, "-x", "4", "-n", "2", "-v", "2", "-y", "1") == 0
+    said = capsys.readouterr()
+    assert "recompute 1 -> 0" in said.out + said.err
+    assert train_losses(lean) == train_losses(plain)
+    assert (lean / "model_00000004.bin").read_bytes() == \
+        (plain / "model_00000004.bin").read_bytes()

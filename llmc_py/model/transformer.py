@@ -24,7 +24,18 @@ update() rewrites the bf16 copy as it updates the parameters.
 Parameters, their gradients, the activations and the activation gradients
 each live in one contiguous float32 buffer; ``params``, ``grads``, ``acts``
 and ``grads_acts`` are TensorGroups of named views into them
-(``model.params["qkvw"][l]`` is layer l's qkv weight), never copies.
+(``model.params["qkvw"][l]`` is layer l's qkv weight), never copies. The
+logits have a buffer of their own: all (B, T, Vp) of them after forward(),
+or HEAD_ROWS rows at a time in forward_backward() and
+forward(..., keep_logits=False).
+
+Memory (layout.act_specs, grad_act_specs): attention keeps two numbers per
+query row and head, not its probabilities; the classifier keeps no
+probabilities (backward turns the logits into their gradient in place); the
+activation gradients are one layer's, reused by every layer, plus the
+residual stream's; with ``recompute`` the norm outputs and the MLP
+activation are one layer's too, recomputed in backward. memory_plan() sums
+it all, and every allocation is checked against the memory available first.
 
 Activation buffers are planned for the (B, T) of the first forward. A later
 forward with another (B, T) re-plans them: it reuses the same memory when the
