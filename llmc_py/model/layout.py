@@ -173,20 +173,20 @@ def act_specs(c, recompute=False, logits=True):
 def grad_act_specs(c):
     """(name, shape function of (config, B, T)) per activation gradient that
     backward holds. ``residual`` is the residual stream's, carried from layer
-    to layer; the rest hold one layer's at a time: ``ln`` the gradient of a
-    norm's output (lnf, ln2, ln1 in turn), ``losses`` d(loss)/d(losses)."""
+    to layer. The others hold one layer's at a time, each serving in turn
+    gradients whose lifetimes do not overlap: ``narrow`` (B, T, C) that of
+    lnf, then per layer ln2, atty and ln1; ``wide`` that of the MLP
+    activation (FF), then of qkv; ``fch`` that of fch, then (RoPE) of qkv
+    before RoPE; ``losses`` d(loss)/d(losses)."""
     rope = c.position == "rope"
     specs = [
-        ("residual", lambda c, B, T: (B, T, c.C), True),
-        ("ln", lambda c, B, T: (B, T, c.C), True),
-        ("fch_act", lambda c, B, T: (B, T, c.FF), True),
-        ("fch", lambda c, B, T: (B, T, c.fc_channels), True),
-        ("atty", lambda c, B, T: (B, T, c.C), True),
-        ("qkvr", lambda c, B, T: (B, T, c.qkv_channels), rope),
-        ("qkv", lambda c, B, T: (B, T, c.qkv_channels), True),
-        ("losses", lambda c, B, T: (B, T), True),
+        ("residual", lambda c, B, T: (B, T, c.C)),
+        ("narrow", lambda c, B, T: (B, T, c.C)),
+        ("wide", lambda c, B, T: (B, T, max(c.FF, c.qkv_channels))),
+        ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if rope else 0))),
+        ("losses", lambda c, B, T: (B, T)),
     ]
-    return tuple((name, fn) for name, fn, present in specs if present)
+    return tuple(specs)
 
 
 def num_parameters(config):

@@ -60,10 +60,10 @@ from .memory import format_bytes, require
 
 PRECISIONS = ("fp32", "bf16")
 # rows of logits the classifier holds at once when it does not keep them all
-# (forward_backward, forward(keep_logits=False)): 77 MB of GPT-2's. A multiple
-# of the float32 GEMM's depth block, so the head weight's gradient is swept
-# as often as in one whole product
-HEAD_ROWS = 384
+# (forward_backward, forward(keep_logits=False)): 51 MB of GPT-2's. Even, so
+# that the bf16 matmul's k pairs of the head weight's gradient (summed over
+# rows) are the pairs of one whole product; 384 rows measured no faster
+HEAD_ROWS = 256
 # query rows of attention's backward blocks (its scratch: two such blocks of
 # T scores per thread)
 ATTENTION_BLOCK_ROWS = 64
@@ -430,7 +430,7 @@ class Transformer:
         """The head on rows ``rows`` of lnf (flattened (B*T, C)), a block at a
         time in the head buffer: logits, the losses; with ``d`` (backward's
         activation gradients) also their gradient, in place, and its matmul
-        backward: d.ln's rows and the head weight's gradient."""
+        backward: d.narrow's rows and the head weight's gradient."""
         c, a = self.config, self.acts
         n = rows.stop - rows.start
         logits = self._head_logits(n)[None]                  # (1, n, Vp)
@@ -444,7 +444,7 @@ class Transformer:
         if d is not None:
             K.softmax_crossentropy_backward(logits, logits, stats,
                                             d.losses.reshape(1, -1)[:, rows], row_targets, c.V)
-            self._matmul_backward(d.ln.reshape(1, -1, c.C)[:, rows], self._head(self.grads),
+            self._matmul_backward(d.narrow.reshape(1, -1, c.C)[:, rows], self._head(self.grads),
                                   None, logits, lnf, head)
 
     # the block and the head on activations ``a`` laid out by act_specs: the
@@ -465,6 +465,10 @@ class Transformer:
         if name not in a:
             return None
         return a[name] if l is None else a[name][l]
+
+    def _grads_as(self, buffer, width):
+        """The first B * T * width floats of a gradient buffer, as (B, T, width)."""
+        return buffer.reshape(-1)[:self.B * self.T * width].reshape(self.B, self.T, width)
 
     @staticmethod
     def _held_layer(a, name, l):
@@ -562,8 +566,8 @@ class Transformer:
         K.softmax_crossentropy_backward(logits, logits, a.xent_stats, d.losses, self.targets,
                                         c.V)
         self._logits_state = "backward replaced them by their gradient"
-        d.ln[...] = 0.0
-        self._matmul_backward(d.ln, self._head(self.grads), None, logits, a.lnf,
+        d.narrow[...] = 0.0
+        self._matmul_backward(d.narrow, self._head(self.grads), None, logits, a.lnf,
                               self._head(self._weights))
         self._blocks_backward(d)
 
@@ -585,7 +589,7 @@ class Transformer:
         self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
                            self.params.lnfw, self._bias(self.params, "lnfb"))
         d = self._start_backward(loss_scale)
-        d.ln[...] = 0.0
+        d.narrow[...] = 0.0
         for rows in self._head_blocks():
             self._classifier_rows(rows, targets, d)
         loss = self._mean_loss()
@@ -593,14 +597,17 @@ class Transformer:
         return loss
 
     def _blocks_backward(self, d):
-        """Backward from d.ln = d(lnf) through the final norm, every block and
-        the embedding. d.residual carries the residual stream's gradient from
-        layer to layer; the other gradients are one layer's at a time."""
+        """Backward from d.narrow = d(lnf) through the final norm, every block
+        and the embedding. d.residual carries the residual stream's gradient
+        from layer to layer; the others hold one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
         w, matmul_backward = self._weights, self._matmul_backward
         rope = c.position == "rope"
+        dfch_act, dqkv = self._grads_as(d.wide, c.FF), self._grads_as(d.wide, c.qkv_channels)
+        dfch, dqkvr = self._grads_as(d.fch, c.fc_channels), self._grads_as(d.fch, c.qkv_channels)
+        dln = datty = d.narrow
         d.residual[...] = 0.0
-        self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), d.ln,
+        self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), dln,
                             a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
             residual = a.encoded if l == 0 else a.residual3[l - 1]
@@ -610,35 +617,35 @@ class Transformer:
             else:
                 ln1, ln2, fch_act = a.ln1[l], a.ln2[l], a.fch_act[l]
             # d.residual is d(residual3[l]), which is also d(fcproj's output)
-            d.fch_act[...] = 0.0
-            matmul_backward(d.fch_act, g.fcprojw[l], self._bias(g, "fcprojb", l),
+            dfch_act[...] = 0.0
+            matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l),
                             d.residual, fch_act, w.fcprojw[l])
-            d.fch[...] = 0.0
+            dfch[...] = 0.0
             if c.mlp == "swiglu":
-                K.swiglu_backward(d.fch, d.fch_act, a.fch[l])
+                K.swiglu_backward(dfch, dfch_act, a.fch[l])
             else:
-                K.gelu_backward(d.fch, d.fch_act, a.fch[l])
-            d.ln[...] = 0.0
-            matmul_backward(d.ln, g.fcw[l], self._bias(g, "fcb", l), d.fch, ln2, w.fcw[l])
-            self._norm_backward(d.residual, g.ln2w[l], self._bias(g, "ln2b", l), d.ln,
+                K.gelu_backward(dfch, dfch_act, a.fch[l])
+            dln[...] = 0.0
+            matmul_backward(dln, g.fcw[l], self._bias(g, "fcb", l), dfch, ln2, w.fcw[l])
+            self._norm_backward(d.residual, g.ln2w[l], self._bias(g, "ln2b", l), dln,
                                 a.residual2[l], p.ln2w[l], self._stat(a, "ln2_mean", l),
                                 a.ln2_rstd[l])
             # now d(residual2[l]), which is also d(attproj's output)
-            d.atty[...] = 0.0
-            matmul_backward(d.atty, g.attprojw[l], self._bias(g, "attprojb", l),
+            datty[...] = 0.0
+            matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l),
                             d.residual, a.atty[l], w.attprojw[l])
-            d.qkv[...] = 0.0
+            dqkv[...] = 0.0
             if rope:
-                d.qkvr[...] = 0.0
-                K.attention_gqa_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l],
+                dqkvr[...] = 0.0
+                K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l],
                                          self.slopes, c.NH, c.NKV)
-                K.rope_backward(d.qkv, d.qkvr, None, c.NH, c.NKV, c.rope_theta)
+                K.rope_backward(dqkv, dqkvr, None, c.NH, c.NKV, c.rope_theta)
             else:
-                K.attention_gqa_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], self.slopes,
+                K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
                                          c.NH, c.NKV)
-            d.ln[...] = 0.0
-            matmul_backward(d.ln, g.qkvw[l], self._bias(g, "qkvb", l), d.qkv, ln1, w.qkvw[l])
-            self._norm_backward(d.residual, g.ln1w[l], self._bias(g, "ln1b", l), d.ln,
+            dln[...] = 0.0
+            matmul_backward(dln, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, ln1, w.qkvw[l])
+            self._norm_backward(d.residual, g.ln1w[l], self._bias(g, "ln1b", l), dln,
                                 residual, p.ln1w[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
             # now d(residual3[l - 1]), or d(encoded)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
