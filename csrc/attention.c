@@ -62,8 +62,8 @@
  * sum through dinp (a float, so a store and a load change nothing). No two
  * threads touch the same element, and every element is summed in one order
  * whatever the thread count. Scratch per thread: the key panel and the
- * panel of v (T hs each) and the blocks of P and dS (BACKWARD_ROWS T each),
- * one malloc per call.
+ * panel of v (T hs each) and the blocks of P and dS (min(T, BACKWARD_ROWS)
+ * x T each), one malloc per call.
  *
  * attention_gqa_probs rebuilds the whole of P [B, NH, T, T] the same way
  * (for tests, the benchmark and viewers): parallel over (b, h), scores by
@@ -571,7 +571,8 @@ LLMC_ISA_VARIANTS_ISA(probs_head, (float* att_bh, const float* stats_bh, const f
                       att_bh, stats_bh, q, k, panel, row, T, hs, slope, scale)
 
 /* Query rows per block of the backward, whose P and dS it recomputes at
-   once: a multiple of SCORE_ROWS and of TILE_KEYS. */
+   once: a multiple of SCORE_ROWS and of TILE_KEYS (so that no key tile
+   straddles a block's first row). Blocks of 32 or 128 rows were no faster. */
 #define BACKWARD_ROWS 64
 
 /* The rows of the backward's blocks of P and dS, for T query rows. */
