@@ -16,10 +16,12 @@ from ._native.lib import set_isa, set_num_threads
 from .bench import bench_step
 from .bench_torch import peak_rss_mib
 from .config import GPT2Config
+from .model.memory import return_freed_scratch
 
 
 def main(argv=None):
     job = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    return_freed_scratch()   # as the trainer does
     set_num_threads(job["threads"])
     set_isa(job["isa"])
     config = GPT2Config(**dict(job["config"], num_layers=job["layers"]))

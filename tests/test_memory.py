@@ -133,3 +133,9 @@ def test_train_cli_fails_up_front_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1
     assert "training at B=200000, T=1024 (" in err and ") need" in err and "GiB" in err
+
+
+def test_return_freed_scratch_applies_under_glibc():
+    import platform
+    applied = memory.return_freed_scratch()
+    assert applied == (platform.libc_ver()[0] == "glibc")

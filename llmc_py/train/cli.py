@@ -24,6 +24,7 @@ from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
+from ..model.memory import return_freed_scratch
 from .loop import Trainer, evaluate
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
@@ -481,6 +482,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    return_freed_scratch()
     try:
         return run(args, argv=argv)
     except (UsageError, LlmcError, OSError) as e:
