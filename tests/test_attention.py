@@ -445,9 +445,9 @@ s = k @ q[-1] / np.sqrt(hs)
 p = np.exp(s - s.max())
 ref = p @ v / p.sum()
 # a weighted sum of 16384 values in float32: rounding grows with the terms
-# (about sqrt(T) ulps; builds without FMA, such as the sanitizers', lose more)
+# (about sqrt(T) ulps; seen 3.0e-6 on the sanitizers' -O1 build)
 err = np.abs(out[0, -1] - ref).max() / np.abs(ref).max()
-assert err <= 1e-4, f"out: {err:.3g}"
+assert err <= 2e-5, f"out: {err:.3g}"
 assert abs(stats[0, 0, -1, 0] - s.max()) <= 3e-6 * abs(s.max()), "stats max"
 assert np.isfinite(dinp).all() and np.abs(dinp).max() > 0, "dinp"
 print("ok")
