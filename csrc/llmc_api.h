@@ -159,6 +159,38 @@ int rmsnorm_backward(float* dinp, float* dweight,
                      const float* dout, const float* inp, const float* weight,
                      const float* rstd, int B, int T, int C);
 
+/*
+ * head_rmsnorm_forward: RMSNorm of each q head and each k head of packed
+ * rows (Qwen3's q_norm and k_norm, before RoPE): per head of hs channels,
+ * out = inp * rstd * weight, with qweight for the NH q heads and kweight for
+ * the NKV k heads; the NKV v heads are copied.
+ *
+ *   out     [B, T, (NH + 2 NKV) hs]  (written; may be inp)
+ *   rstd    [B, T, NH + NKV]         (written) saved for backward
+ *   inp     [B, T, (NH + 2 NKV) hs]
+ *   qweight [hs]
+ *   kweight [hs]
+ * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
+ */
+int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* qweight,
+                         const float* kweight, int B, int T, int NH, int NKV, int hs,
+                         float eps);
+
+/*
+ * head_rmsnorm_backward: gradients of head_rmsnorm_forward.
+ *
+ *   dinp     [B, T, (NH + 2 NKV) hs]  (+=; the v heads' is dout's)
+ *   dqweight [hs]                     (+=)
+ *   dkweight [hs]                     (+=)
+ *   dout     [B, T, (NH + 2 NKV) hs]
+ *   inp      [B, T, (NH + 2 NKV) hs]  forward input
+ *   qweight, kweight [hs]
+ *   rstd     [B, T, NH + NKV]         saved by head_rmsnorm_forward
+ */
+int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout,
+                          const float* inp, const float* qweight, const float* kweight,
+                          const float* rstd, int B, int T, int NH, int NKV, int hs);
+
 /* ---- matmul.c ----------------------------------------------------------- */
 
 /*
@@ -378,7 +410,7 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  *   out[i + hs/2] = x[i + hs/2] cos a + x[i] sin a
  * The NKV v heads are copied unchanged.
  *
- *   out [B, T, (NH + 2 NKV) hs]  (written) rotated q, rotated k, v
+ *   out [B, T, (NH + 2 NKV) hs]  (written; may be inp) rotated q, rotated k, v
  *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
  *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
  * hs must be even; theta must be positive and finite, else LLMC_ERR_VALUE.

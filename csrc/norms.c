@@ -184,3 +184,97 @@ int rmsnorm_backward(float* dinp, float* dweight,
     // pass 2, dweight: sums over rows
     return llmc_column_sums(dweight, NULL, dout, inp, NULL, rstd, BT, C);
 }
+
+/* ---- per-head RMSNorm on packed q, k, v rows (Qwen3's q_norm, k_norm) ---- */
+
+static int head_rmsnorm_check(const float* out, const float* rstd, const float* inp,
+                              const float* qweight, const float* kweight,
+                              int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, rstd, inp) && LLMC_NONNULL2(qweight, kweight),
+                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs), LLMC_ERR_SHAPE);
+    return LLMC_OK;
+}
+
+int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float* qweight,
+                         const float* kweight, int B, int T, int NH, int NKV, int hs,
+                         float eps) {
+    const int status = head_rmsnorm_check(out, rstd, inp, qweight, kweight, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    LLMC_REQUIRE(eps >= 0.0f, LLMC_ERR_VALUE);   // NaN fails too
+    const int nnorm = NH + NKV;                  // normed heads per (b, t)
+    const size_t row = (size_t)(NH + 2 * NKV) * hs;
+    const int64_t rows = (int64_t)B * T * nnorm;
+
+    // each (b, t, head) is one row of rmsnorm; v heads are copied
+    void (*const norm_row)(float*, float*, const float*, const float*, int, float) =
+        LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t bt = r / nnorm;
+        const int h = (int)(r % nnorm);
+        const size_t at = (size_t)bt * row + (size_t)h * hs;
+        norm_row(out + at, rstd + r, inp + at, h < NH ? qweight : kweight, hs, eps);
+        if (h == nnorm - 1 && out != inp) {
+            const size_t v0 = (size_t)bt * row + (size_t)nnorm * hs;
+            for (size_t i = 0; i < (size_t)NKV * hs; i++) { out[v0 + i] = inp[v0 + i]; }
+        }
+    }
+    return LLMC_OK;
+}
+
+/* dweight[i] += sum over rows of dout * x * rstd, for the rows of the heads
+   [h0, h0 + nheads) of every (b, t): 16 columns per task, each column summed
+   over the rows in order, so any thread count gives the same bits. */
+static void head_weight_grads(float* dweight, const float* dout, const float* inp,
+                              const float* rstd, int64_t BT, int nnorm, size_t row, int h0,
+                              int nheads, int hs) {
+    const int blocks = (hs + 15) / 16;
+    #pragma omp parallel for schedule(static)
+    for (int blk = 0; blk < blocks; blk++) {
+        const int i0 = blk * 16;
+        const int n = hs - i0 < 16 ? hs - i0 : 16;
+        vec16f acc = {0};
+        for (int64_t bt = 0; bt < BT; bt++) {
+            for (int h = h0; h < h0 + nheads; h++) {
+                const size_t at = (size_t)bt * row + (size_t)h * hs + i0;
+                acc += llmc_load16(dout + at, n) * llmc_load16(inp + at, n)
+                       * rstd[bt * nnorm + h];
+            }
+        }
+        for (int j = 0; j < n; j++) { dweight[i0 + j] += acc[j]; }
+    }
+}
+
+int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout,
+                          const float* inp, const float* qweight, const float* kweight,
+                          const float* rstd, int B, int T, int NH, int NKV, int hs) {
+    const int status = head_rmsnorm_check(dinp, rstd, inp, qweight, kweight, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    LLMC_REQUIRE(LLMC_NONNULL3(dqweight, dkweight, dout), LLMC_ERR_NULL);
+    const int nnorm = NH + NKV;
+    const size_t row = (size_t)(NH + 2 * NKV) * hs;
+    const int64_t BT = (int64_t)B * T;
+    const int64_t rows = BT * nnorm;
+
+    // pass 1, dinp: every (b, t, head) row is independent; v heads pass through
+    void (*const norm_row)(float*, const float*, const float*, const float*, float, int) =
+        LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_backward_row);
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t bt = r / nnorm;
+        const int h = (int)(r % nnorm);
+        const size_t at = (size_t)bt * row + (size_t)h * hs;
+        norm_row(dinp + at, dout + at, inp + at, h < NH ? qweight : kweight, rstd[r], hs);
+        if (h == nnorm - 1) {
+            const size_t v0 = (size_t)bt * row + (size_t)nnorm * hs;
+            for (size_t i = 0; i < (size_t)NKV * hs; i++) { dinp[v0 + i] += dout[v0 + i]; }
+        }
+    }
+
+    // pass 2, the weights' gradients: the q heads' rows, then the k heads'
+    head_weight_grads(dqweight, dout, inp, rstd, BT, nnorm, row, 0, NH, hs);
+    head_weight_grads(dkweight, dout, inp, rstd, BT, nnorm, row, NH, NKV, hs);
+    return LLMC_OK;
+}

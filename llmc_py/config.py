@@ -39,7 +39,8 @@ class TransformerConfig:
     vocab_size: int = 50257          # V
     padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
     num_layers: int = 12             # L
-    num_heads: int = 12              # NH: query heads; must divide channels
+    num_heads: int = 12              # NH: query heads; must divide channels unless
+                                     # head_dim is given
     num_kv_heads: int = 4            # NKV: key/value heads; divides NH (1: MQA, NH: MHA;
                                      # 0 picks NH)
     channels: int = 768              # C
@@ -52,10 +53,18 @@ class TransformerConfig:
     tied_embeddings: bool = True     # the output head is wte; False adds lm_head [Vp, C]
     rope_theta: float = 10000.0      # RoPE base
     norm_eps: float = 1e-5           # epsilon inside the norms
+    head_dim: int = 0                # hs: channels per attention head; 0 means C / NH
+                                     # (Qwen3 sets its own: attention is NH * hs wide);
+                                     # held as 0 whenever it equals C / NH
+    qk_norm: bool = False            # RMSNorm on each q and k head before RoPE (Qwen3's
+                                     # q_norm, k_norm: weights of hs, norm_eps)
 
     def __post_init__(self):
         if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim and isinstance(self.num_heads, int) and self.num_heads > 0 \
+                and self.head_dim * self.num_heads == self.channels:
+            object.__setattr__(self, "head_dim", 0)   # one way to say C / NH
         if isinstance(self.ffn_hidden, int) and self.ffn_hidden == 0:
             default = llama_ffn_hidden(self.channels) if self.mlp == "swiglu" \
                 else 4 * self.channels
@@ -78,7 +87,7 @@ class TransformerConfig:
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("bias", "tied_embeddings"):
+        for name in ("bias", "tied_embeddings", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ShapeError(f"{kind}.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
@@ -87,22 +96,36 @@ class TransformerConfig:
             if not isinstance(value, (int, float)) or not (0 < value < float("inf")):
                 raise ShapeError(f"{kind}.{name} must be a positive finite number, "
                                  f"got {value!r}")
-        if self.channels % self.num_heads != 0:
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) \
+                or self.head_dim < 0:
+            raise ShapeError(f"{kind}.head_dim must be an int >= 0 (0: channels / num_heads), "
+                             f"got {self.head_dim!r}")
+        if self.head_dim == 0 and self.channels % self.num_heads != 0:
             raise ShapeError(f"{kind}.channels={self.channels} is not divisible by "
-                             f"num_heads={self.num_heads}")
+                             f"num_heads={self.num_heads} (or give head_dim)")
         if self.num_heads % self.num_kv_heads != 0:
             raise ShapeError(f"{kind}.num_heads={self.num_heads} is not divisible by "
                              f"num_kv_heads={self.num_kv_heads}")
         if self.position == "rope" and self.head_size % 2 != 0:
             raise ShapeError(f"{kind}: RoPE needs an even head size, got "
-                             f"channels / num_heads = {self.head_size}")
+                             f"head_dim = {self.head_size}")
+        if self.qk_norm and self.norm != "rmsnorm":
+            raise ShapeError(f"{kind}.qk_norm is RMSNorm on the q and k heads; it needs "
+                             f"norm='rmsnorm', got {self.norm!r}")
         if self.padded_vocab_size < self.vocab_size:
             raise ShapeError(f"{kind}.padded_vocab_size={self.padded_vocab_size} is "
                              f"smaller than vocab_size={self.vocab_size}")
 
     @property
     def head_size(self):
-        return self.channels // self.num_heads
+        """hs: head_dim, or C / NH when that is 0."""
+        return self.head_dim or self.channels // self.num_heads
+
+    @property
+    def attn_channels(self):
+        """Width of the attention's output (the q heads together): NH * hs,
+        which is C unless head_dim says otherwise."""
+        return self.num_heads * self.head_size
 
     @property
     def kv_dim(self):
@@ -112,7 +135,7 @@ class TransformerConfig:
     @property
     def qkv_channels(self):
         """Width of the fused q, k, v projection: (NH + 2 NKV) * hs."""
-        return self.channels + 2 * self.kv_dim
+        return self.attn_channels + 2 * self.kv_dim
 
     @property
     def fc_channels(self):
@@ -128,7 +151,8 @@ class TransformerConfig:
     def is_gpt2(self):
         """True if the choices are GPT-2's (llm.c's model file can hold it)."""
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
-            and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels
+            and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
+            and self.attn_channels == self.channels and not self.qk_norm
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property

@@ -98,6 +98,9 @@ def forward(p, config, inputs, targets=None, precision="fp32"):
     for l in range(c.num_layers):
         h = norm(x, param("ln1w", l), param("ln1b", l), c)
         qkv = matmul(h, param("qkvw", l), param("qkvb", l))
+        if c.qk_norm:
+            qkv = R.head_rmsnorm(qkv, param("qnormw", l), param("knormw", l), c.num_heads,
+                                 c.num_kv_heads, c.norm_eps)[0]
         if c.position == "rope":
             qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta)
         h = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)[0]

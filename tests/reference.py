@@ -35,6 +35,19 @@ def rmsnorm(x, weight, eps=LN_EPS):
     return x * rstd * weight, rstd.squeeze(-1)
 
 
+def head_rmsnorm(x, qweight, kweight, NH, NKV, eps=LN_EPS):
+    """RMSNorm of each q head (qweight [hs]) and k head (kweight [hs]) of
+    packed rows x [B,T,(NH+2NKV)hs], v heads unchanged (Qwen3's q_norm and
+    k_norm). Returns out and rstd [B,T,NH+NKV]."""
+    B, T, CH = x.shape
+    hs = CH // (NH + 2 * NKV)
+    heads = x.reshape(B, T, NH + 2 * NKV, hs)
+    q, rq = rmsnorm(heads[:, :, :NH], qweight, eps)
+    k, rk = rmsnorm(heads[:, :, NH:NH + NKV], kweight, eps)
+    out = torch.cat([q, k, heads[:, :, NH + NKV:]], dim=2).reshape(B, T, CH)
+    return out, torch.cat([rq, rk], dim=2)
+
+
 def matmul(x, weight, bias=None):
     """x [B,T,C] @ weight^T with weight stored [OC,C], plus bias [OC] if given."""
     out = x @ weight.T

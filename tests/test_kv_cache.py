@@ -1,7 +1,8 @@
 """KV-cache generation (kv_cache.py) against full recomputation: the same
-logits at every step, for GPT-2, RoPE, ALiBi, GQA and MQA models, batched
-prompts of unequal lengths included; greedy decoding equals the argmax chain
-of full forwards; seeds reproduce.
+logits at every step, for GPT-2, RoPE, ALiBi, GQA, MQA and Qwen3-style
+(qk_norm, head size apart from C / NH) models, batched prompts of unequal
+lengths included; greedy decoding equals the argmax chain of full
+forwards; seeds reproduce.
 
 No tolerance: the cached logits of a position equal those of a full forward
 over the whole sequence bitwise, on every instruction set of the matmul (the
@@ -31,6 +32,9 @@ MODELS = {
                                                    num_kv_heads=2, channels=90), seed=4),
     "learned-mha": lambda: Llama(dataclasses.replace(LLAMA, position="learned",
                                                      num_kv_heads=4, max_seq_len=48), seed=5),
+    # Qwen3-style: q and k heads RMS-normed before RoPE, NH hs = 96 != C
+    "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=24,
+                                                      rope_theta=1e6), seed=6),
 }
 
 

@@ -24,6 +24,10 @@ CONFIGS = {   # id: the choices, over BASE
                                  num_heads=6, num_kv_heads=3, channels=90),
     "alibi-rmsnorm-swiglu": dict(position="alibi", num_heads=4, num_kv_heads=1),
     "learned-rmsnorm": dict(position="learned", ffn_hidden=96),
+    # Qwen3-style: q and k heads RMS-normed before RoPE, hs = 24 (NH hs = 96 != C)
+    "qwen3": dict(qk_norm=True, head_dim=24, rope_theta=1e6, norm_eps=1e-6),
+    "qknorm-alibi-untied": dict(qk_norm=True, position="alibi", head_dim=10,
+                                tied_embeddings=False),
 }
 
 

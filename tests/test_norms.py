@@ -6,6 +6,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import layernorm as ref_layernorm
+from reference import head_rmsnorm as ref_head_rmsnorm
 from reference import rmsnorm as ref_rmsnorm
 
 SHAPES = [  # B, T, C
@@ -208,3 +209,91 @@ def test_rmsnorm_rejects_wrong_dtype(rng):
     _, rstd = rms_forward(x, w)
     with pytest.raises(TypeError, match="dout"):
         rms_backward(dout.astype(np.float64), x, w, rstd)
+
+
+# ---- per-head RMSNorm on packed q, k, v (Qwen3's q_norm, k_norm) -----------
+
+HEAD_SHAPES = [  # B, T, NH, NKV, hs
+    (2, 64, 16, 8, 128),   # Qwen3-0.6B's heads
+    (1, 1, 4, 1, 24),
+    (3, 37, 6, 3, 15),     # hs=15: no vector width divides it
+]
+
+
+def head_forward(x, qw, kw, NH, NKV, eps=1e-6):
+    B, T, _ = x.shape
+    out = np.full_like(x, np.nan)                       # (written): must not be read
+    rstd = np.full((B, T, NH + NKV), np.nan, np.float32)
+    K.head_rmsnorm_forward(out, rstd, x, qw, kw, NH, NKV, eps)
+    return out, rstd
+
+
+def head_backward(dout, x, qw, kw, rstd, NH, NKV):
+    grads = np.zeros_like(x), np.zeros_like(qw), np.zeros_like(kw)
+    K.head_rmsnorm_backward(*grads, dout, x, qw, kw, rstd, NH, NKV)
+    return grads
+
+
+def head_inputs(rng, B, T, NH, NKV, hs):
+    x = randn(rng, B, T, (NH + 2 * NKV) * hs)
+    return x, randn(rng, hs) + np.float32(1.0), randn(rng, hs) + np.float32(1.0), \
+        randn(rng, *x.shape)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", HEAD_SHAPES)
+def test_head_rmsnorm_matches_reference(rng, isa, B, T, NH, NKV, hs):
+    x, qw, kw, dout = head_inputs(rng, B, T, NH, NKV, hs)
+    out, rstd = head_forward(x, qw, kw, NH, NKV)
+    dinp, dqw, dkw = head_backward(dout, x, qw, kw, rstd, NH, NKV)
+
+    xt, qt, kt = t64(x, grad=True), t64(qw, grad=True), t64(kw, grad=True)
+    ref, ref_rstd = ref_head_rmsnorm(xt, qt, kt, NH, NKV, eps=1e-6)
+    (ref * t64(dout)).sum().backward()
+    tol = TOL["rmsnorm"]
+    for name, ours, theirs, kind in [("out", out, ref, "fwd"), ("rstd", rstd, ref_rstd, "fwd"),
+                                     ("dinp", dinp, xt.grad, "bwd"),
+                                     ("dqweight", dqw, qt.grad, "bwd"),
+                                     ("dkweight", dkw, kt.grad, "bwd")]:
+        assert_close(name, ours, theirs, tol[kind])
+    # the v heads pass through unchanged, both ways
+    v0 = (NH + NKV) * hs
+    assert np.array_equal(out[..., v0:], x[..., v0:])
+    assert np.array_equal(dinp[..., v0:], dout[..., v0:])
+
+
+def test_head_rmsnorm_in_place_and_rows_as_rmsnorm(rng):
+    """In place gives the same bits; each head is bitwise rmsnorm_forward's row."""
+    NH, NKV, hs = 4, 2, 24
+    x, qw, kw, _ = head_inputs(rng, 2, 5, NH, NKV, hs)
+    out, rstd = head_forward(x, qw, kw, NH, NKV)
+    inplace = x.copy()
+    K.head_rmsnorm_forward(inplace, np.empty_like(rstd), inplace, qw, kw, NH, NKV, 1e-6)
+    assert np.array_equal(inplace, out)
+    heads = x.reshape(2, 5, NH + 2 * NKV, hs)
+    q_out, q_rstd = rms_forward(np.ascontiguousarray(heads[:, :, :NH]).reshape(2, 5 * NH, hs),
+                                qw, eps=1e-6)
+    assert np.array_equal(q_out.reshape(2, 5, NH * hs), out[..., :NH * hs])
+    assert np.array_equal(q_rstd.reshape(2, 5, NH), rstd[..., :NH])
+
+
+def test_head_rmsnorm_thread_invariant(rng, isa, set_threads):
+    x, qw, kw, dout = head_inputs(rng, 3, 41, 8, 2, 40)
+
+    def run():
+        out, rstd = head_forward(x, qw, kw, 8, 2)
+        dinp, dqw, dkw = head_backward(dout, x, qw, kw, rstd, 8, 2)
+        return dict(out=out, rstd=rstd, dinp=dinp, dqw=dqw, dkw=dkw)
+    assert_thread_invariant(set_threads, run)
+
+
+@pytest.mark.parametrize("bad", ["qweight", "kweight", "rstd"])
+def test_head_rmsnorm_rejects_wrong_shape(rng, bad):
+    x, qw, kw, _ = head_inputs(rng, 2, 3, 4, 2, 8)
+    args = dict(out=np.empty_like(x), rstd=np.empty((2, 3, 6), np.float32), inp=x,
+                qweight=qw, kweight=kw, NH=4, NKV=2)
+    args[bad] = np.zeros(args[bad].shape[:-1] + (args[bad].shape[-1] + 1,), np.float32)
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.head_rmsnorm_forward(**args)
+    with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
+        K.head_rmsnorm_forward(np.empty_like(x), np.empty((2, 3, 6), np.float32), x, qw, kw,
+                               4, 2, eps=np.nan)

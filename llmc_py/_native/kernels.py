@@ -342,6 +342,38 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
         B, T, C), "rmsnorm_backward")
 
 
+def head_rmsnorm_forward(out, rstd, inp, qweight, kweight, NH, NKV, eps=1e-6):
+    """out[B,T,(NH+2NKV)hs] (written; may be inp): each q head of inp RMS-normed
+    with qweight[hs], each k head with kweight[hs], v heads copied;
+    rstd[B,T,NH+NKV] (written)."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    CH = (NH + 2 * NKV) * hs
+    check(lib.head_rmsnorm_forward(
+        fptr(out, "out", (B, T, CH), out=True),
+        fptr(rstd, "rstd", (B, T, NH + NKV), out=True),
+        fptr(inp, "inp", (B, T, CH)),
+        fptr(qweight, "qweight", (hs,)),
+        fptr(kweight, "kweight", (hs,)),
+        B, T, NH, NKV, hs, eps), "head_rmsnorm_forward")
+
+
+def head_rmsnorm_backward(dinp, dqweight, dkweight, dout, inp, qweight, kweight, rstd, NH, NKV):
+    """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
+    the weights, rstd[B,T,NH+NKV] (the forward's)."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    CH = (NH + 2 * NKV) * hs
+    check(lib.head_rmsnorm_backward(
+        fptr(dinp, "dinp", (B, T, CH), out=True),
+        fptr(dqweight, "dqweight", (hs,), out=True),
+        fptr(dkweight, "dkweight", (hs,), out=True),
+        fptr(dout, "dout", (B, T, CH)),
+        fptr(inp, "inp", (B, T, CH)),
+        fptr(qweight, "qweight", (hs,)),
+        fptr(kweight, "kweight", (hs,)),
+        fptr(rstd, "rstd", (B, T, NH + NKV)),
+        B, T, NH, NKV, hs), "head_rmsnorm_backward")
+
+
 def rope_forward(out, inp, pos, NH, NKV, theta=10000.0):
     """out[B,T,(NH+2NKV)hs] (written): q and k heads of inp rotated (half-split pairs
     i, i+hs/2) by (pos[b]+t) * theta^(-2i/hs), v heads copied; pos int32 [B] >= 0 or None."""

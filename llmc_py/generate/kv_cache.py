@@ -10,7 +10,8 @@ once per generation.
 
 The cache is one contiguous float32 buffer, ``k`` then ``v``, each
 [L, B, max_len, NKV * hs]: a grouped-query model caches only its NKV heads.
-Keys are cached after RoPE (rotated at their own position).
+Keys are cached as attention reads them: after qk_norm and RoPE (rotated at
+their own position).
 """
 import numpy as np
 
@@ -48,7 +49,8 @@ class Decoder:
     ``step(tokens)`` per position; both return the (B, V) logits of each
     row's newest position. What it uses of the model is its decoding
     interface (model.transformer.Transformer): config, params, slopes,
-    token_ids, block_forward and head_forward, and forward for the prefill."""
+    token_ids, position_qkv, block_forward and head_forward, and forward for
+    the prefill."""
 
     def __init__(self, model, batch_size, max_len):
         c = model.config
@@ -60,7 +62,8 @@ class Decoder:
         self.cache = KVCache(c, batch_size, max_len)
         # one position per row
         self.acts = TensorGroup(act_specs(c), c, batch_size, 1)
-        self.q = aligned_zeros(batch_size * c.channels).reshape(batch_size, c.channels)
+        self.q = aligned_zeros(batch_size * c.attn_channels).reshape(batch_size,
+                                                                      c.attn_channels)
         self.att = aligned_zeros(batch_size * c.num_heads * max_len).reshape(
             batch_size, c.num_heads, max_len)   # attention_decode's scores
         self.rows = np.arange(batch_size)
@@ -82,8 +85,8 @@ class Decoder:
         model = self.model
         model.forward(tokens)
         a = model.acts
-        qkv = a.qkvr if "qkvr" in a else a.qkv   # keys after RoPE
-        C, kv = c.channels, c.kv_dim
+        qkv = a.qkvr if "qkvr" in a else a.qkv   # keys after qk_norm and RoPE
+        C, kv = c.attn_channels, c.kv_dim
         for b, n in enumerate(lengths):
             cache.k[:, b, :n] = qkv[:, b, :n, C:C + kv]
             cache.v[:, b, :n] = qkv[:, b, :n, C + kv:]
@@ -112,12 +115,9 @@ class Decoder:
         lengths = pos + 1
 
         def attend(l):
-            qkv = a.qkv[l]
-            if c.position == "rope":
-                K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta)
-                qkv = a.qkvr[l]
-            row = qkv[:, 0]
-            C, kv = c.channels, c.kv_dim
+            model.position_qkv(a, l, pos)
+            row = (a.qkvr[l] if "qkvr" in a else a.qkv[l])[:, 0]
+            C, kv = c.attn_channels, c.kv_dim
             cache.k[l, self.rows, pos] = row[:, C:C + kv]
             cache.v[l, self.rows, pos] = row[:, C + kv:]
             self.q[...] = row[:, :C]

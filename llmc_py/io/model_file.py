@@ -6,6 +6,8 @@ then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
 header exactly, before anything is allocated; a failure raises
 CheckpointError naming the file, the field and the value.
 """
+from pathlib import Path
+
 import numpy as np
 
 from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
@@ -128,10 +130,14 @@ def write_model(path, config, params, dtype="fp32"):
 #     [12] mlp       0 gelu, 1 swiglu
 #     [13] bias      0 or 1
 #     [14] tied_embeddings  0 or 1
+#     [15] head_dim  0 (channels / num_heads) or the head size (Qwen3)
+#     [16] qk_norm   0 or 1 (RMSNorm on each q and k head before RoPE; its
+#          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
-# Unused slots are 0; a reader rejects any field out of its range.
+# Unused slots are 0; a reader rejects any field out of its range. Slots 15
+# and 16 came later: files from before hold 0 there, which reads as before.
 MAGIC_LLAMA = 20261122
 VERSION_LLAMA = 1
 VERSION_LLAMA_BF16 = 2
@@ -139,7 +145,8 @@ LLAMA_BYTES_PER_PARAM = {VERSION_LLAMA: 4, VERSION_LLAMA_BF16: 2}
 LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
                    "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
 LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
-LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14}
+LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
+LLAMA_HEAD_DIM_SLOT = 15
 LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
 
@@ -157,6 +164,7 @@ def llama_headers(config, version=VERSION_LLAMA):
         ints[slot] = choices.index(getattr(config, name))
     for name, slot in LLAMA_FLAG_SLOTS.items():
         ints[slot] = int(getattr(config, name))
+    ints[LLAMA_HEAD_DIM_SLOT] = config.head_dim
     floats = np.zeros(HEADER_INTS, dtype="<f4")
     for name, slot in LLAMA_FLOAT_SLOTS.items():
         floats[slot] = getattr(config, name)
@@ -189,6 +197,10 @@ def read_llama_header(path):
         if flag not in (0, 1):
             raise CheckpointError(f"{path}: header field {name} is {flag}, expected 0 or 1")
         fields[name] = bool(flag)
+    fields["head_dim"] = int(ints[LLAMA_HEAD_DIM_SLOT])
+    if fields["head_dim"] < 0:
+        raise CheckpointError(f"{path}: header field head_dim is {fields['head_dim']}, must "
+                              f"be >= 0 (0: channels / num_heads)")
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
@@ -238,8 +250,11 @@ def model_kind(path):
 
 
 def read_model_file(path):
-    """(config, params) from either model file: a GPT2Config from llm.c's,
-    a LlamaConfig from ours."""
+    """(config, params) from either model file, a GPT2Config from llm.c's,
+    a LlamaConfig from ours; or from a Hugging Face model folder (io.hf)."""
+    if Path(path).is_dir():
+        from .hf import read_hf   # needs the optional safetensors package
+        return read_hf(path)
     return (read_llama if model_kind(path) == "llama" else read_model)(path)
 
 

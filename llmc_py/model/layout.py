@@ -100,6 +100,8 @@ class TensorGroup:
 # learned positions, gelu, biases, tied embeddings, NKV = NH) the layout is
 # exactly llm.c's.
 #   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
+#   qnormw, knormw [L, hs]        qk_norm's weights (Qwen3's q_norm, k_norm)
+#   attprojw [L, C, NH hs]        NH hs = C unless head_dim says otherwise
 #   fcw  [L, 2 FF, C] (swiglu)    rows: W1 (the gate) then W3 (the up projection)
 #        [L, FF, C]   (gelu)
 #   lm_head [Vp, C]               only when the embeddings are untied
@@ -115,7 +117,9 @@ def param_specs(c):
         ("ln1b", lambda c: (c.L, c.C), layernorm),
         ("qkvw", lambda c: (c.L, c.qkv_channels, c.C), True),
         ("qkvb", lambda c: (c.L, c.qkv_channels), bias),
-        ("attprojw", lambda c: (c.L, c.C, c.C), True),
+        ("qnormw", lambda c: (c.L, c.head_size), c.qk_norm),
+        ("knormw", lambda c: (c.L, c.head_size), c.qk_norm),
+        ("attprojw", lambda c: (c.L, c.C, c.attn_channels), True),
         ("attprojb", lambda c: (c.L, c.C), bias),
         ("ln2w", lambda c: (c.L, c.C), True),
         ("ln2b", lambda c: (c.L, c.C), layernorm),
@@ -142,6 +146,7 @@ def act_specs(c, recompute=False, logits=True):
     recomputes them. ``logits=False`` leaves the (B, T, Vp) logits out (the
     model holds them, or a block of their rows, apart)."""
     layernorm, rope = c.norm == "layernorm", c.position == "rope"
+    qk_norm = c.qk_norm
     L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
@@ -149,8 +154,10 @@ def act_specs(c, recompute=False, logits=True):
         ("ln1_mean", lambda c, B, T: (c.L, B, T), layernorm),
         ("ln1_rstd", lambda c, B, T: (c.L, B, T), True),
         ("qkv", lambda c, B, T: (c.L, B, T, c.qkv_channels), True),
-        ("qkvr", lambda c, B, T: (c.L, B, T, c.qkv_channels), rope),   # after RoPE
-        ("atty", lambda c, B, T: (c.L, B, T, c.C), True),
+        # q, k, v as attention reads them: after qk_norm and RoPE
+        ("qkvr", lambda c, B, T: (c.L, B, T, c.qkv_channels), rope or qk_norm),
+        ("qk_rstd", lambda c, B, T: (c.L, B, T, c.NH + c.NKV), qk_norm),
+        ("atty", lambda c, B, T: (c.L, B, T, c.attn_channels), True),
         ("att_stats", lambda c, B, T: (c.L, B, c.NH, T, 2), True),
         ("proj", lambda c, B, T: (B, T, c.C), True),          # attproj, then fcproj
         ("residual2", lambda c, B, T: (c.L, B, T, c.C), True),
@@ -176,14 +183,15 @@ def grad_act_specs(c):
     to layer. The others hold one layer's at a time, each serving in turn
     gradients whose lifetimes do not overlap: ``narrow`` (B, T, C) that of
     lnf, then per layer ln2, atty and ln1; ``wide`` that of the MLP
-    activation (FF), then of qkv; ``fch`` that of fch, then (RoPE) of qkv
-    before RoPE; ``losses`` d(loss)/d(losses)."""
-    rope = c.position == "rope"
+    activation (FF), then of qkv (or with qk_norm and RoPE, of qkv between
+    the two); ``fch`` that of fch, then of qkvr (with RoPE or qk_norm), then
+    of qkv (with both); ``losses`` d(loss)/d(losses)."""
+    qkvr = c.position == "rope" or c.qk_norm
     specs = [
         ("residual", lambda c, B, T: (B, T, c.C)),
-        ("narrow", lambda c, B, T: (B, T, c.C)),
+        ("narrow", lambda c, B, T: (B, T, max(c.C, c.attn_channels))),
         ("wide", lambda c, B, T: (B, T, max(c.FF, c.qkv_channels))),
-        ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if rope else 0))),
+        ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if qkvr else 0))),
         ("losses", lambda c, B, T: (B, T)),
     ]
     return tuple(specs)

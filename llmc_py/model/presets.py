@@ -54,7 +54,8 @@ class Llama(Transformer):
 
 def load_model(path, precision="fp32"):
     """A GPT2 or a Llama, whichever the model file at ``path`` holds (fp32
-    or bf16 parameters), in ``precision`` "fp32" or "bf16"."""
+    or bf16 parameters), or the Hugging Face model folder at ``path``
+    (GPT-2, Llama, Qwen3: io.hf), in ``precision`` "fp32" or "bf16"."""
     config, params = read_model_file(path)
     model = GPT2 if isinstance(config, GPT2Config) else Llama
     return model(config, params=params, precision=precision)

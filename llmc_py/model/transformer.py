@@ -74,7 +74,7 @@ INIT_STD = 0.02
 MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
 _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
-_NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw")
+_NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
 def _held(method):
@@ -151,7 +151,8 @@ class Transformer:
             view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
         p.wte[c.V:] = 0.0   # the padding rows are never used
         for name in _NORM_WEIGHTS:
-            p[name][...] = 1.0
+            if name in p:
+                p[name][...] = 1.0
 
     @_held
     def refresh_bf16(self):
@@ -189,6 +190,13 @@ class Transformer:
         parameter rounded to the nearest bf16, as llm.c's train_gpt2.py
         writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
         write_model_file(path, self.config, self.params.memory, dtype=dtype)
+
+    def save_pretrained(self, folder, dtype="fp32"):
+        """Writes a Hugging Face model folder (config.json, model.safetensors;
+        io.hf) that transformers' AutoModelForCausalLM.from_pretrained loads:
+        GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config."""
+        from ..io.hf import write_hf   # needs the optional safetensors package
+        write_hf(folder, self.config, self.params.memory, dtype=dtype)
 
     @property
     def grads(self):
@@ -371,8 +379,7 @@ class Transformer:
         p, a = self.params, self.acts
 
         def attend(l):
-            if c.position == "rope":
-                K.rope_forward(a.qkvr[l], a.qkv[l], None, c.NH, c.NKV, c.rope_theta)
+            self.position_qkv(a, l, None)
             K.attention_gqa_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
                                     self.slopes, c.NH, c.NKV)
 
@@ -382,9 +389,22 @@ class Transformer:
             residual = self.block_forward(a, l, residual, attend)
         return residual
 
+    def position_qkv(self, a, l, pos):
+        """Layer l's a.qkv as attention reads it, into a.qkvr: each q and k
+        head RMS-normed (qk_norm), then rotated (RoPE) at positions pos[b] + t
+        (pos None: t). A model with neither reads a.qkv itself."""
+        c, p = self.config, self.params
+        qkv = a.qkv[l]
+        if c.qk_norm:
+            K.head_rmsnorm_forward(a.qkvr[l], a.qk_rstd[l], qkv, p.qnormw[l], p.knormw[l],
+                                   c.NH, c.NKV, c.norm_eps)
+            qkv = a.qkvr[l]   # RoPE turns it in place
+        if c.position == "rope":
+            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta)
+
     @staticmethod
     def _attention_input(a, l):
-        """Layer l's packed q, k, v as attention reads them (after RoPE)."""
+        """Layer l's packed q, k, v as attention reads them (after qk_norm, RoPE)."""
         return a.qkvr[l] if "qkvr" in a else a.qkv[l]
 
     @_held
@@ -444,7 +464,8 @@ class Transformer:
         if d is not None:
             K.softmax_crossentropy_backward(logits, logits, stats,
                                             d.losses.reshape(1, -1)[:, rows], row_targets, c.V)
-            self._matmul_backward(d.narrow.reshape(1, -1, c.C)[:, rows], self._head(self.grads),
+            self._matmul_backward(self._grads_as(d.narrow, c.C).reshape(1, -1, c.C)[:, rows],
+                                  self._head(self.grads),
                                   None, logits, lnf, head)
 
     # the block and the head on activations ``a`` laid out by act_specs: the
@@ -567,7 +588,8 @@ class Transformer:
                                         c.V)
         self._logits_state = "backward replaced them by their gradient"
         d.narrow[...] = 0.0
-        self._matmul_backward(d.narrow, self._head(self.grads), None, logits, a.lnf,
+        self._matmul_backward(self._grads_as(d.narrow, c.C), self._head(self.grads), None,
+                              logits, a.lnf,
                               self._head(self._weights))
         self._blocks_backward(d)
 
@@ -602,10 +624,15 @@ class Transformer:
         from layer to layer; the others hold one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
         w, matmul_backward = self._weights, self._matmul_backward
-        rope = c.position == "rope"
-        dfch_act, dqkv = self._grads_as(d.wide, c.FF), self._grads_as(d.wide, c.qkv_channels)
-        dfch, dqkvr = self._grads_as(d.fch, c.fc_channels), self._grads_as(d.fch, c.qkv_channels)
-        dln = datty = d.narrow
+        rope, qk_norm = c.position == "rope", c.qk_norm
+        dfch_act = self._grads_as(d.wide, c.FF)
+        dfch = self._grads_as(d.fch, c.fc_channels)
+        # qkv's gradient, and on the way back to it, qkvr's and (with both
+        # qk_norm and RoPE) that of the normed q, k between them
+        dqkvr = self._grads_as(d.fch, c.qkv_channels)
+        dqkvn = self._grads_as(d.wide, c.qkv_channels)
+        dqkv = dqkvr if rope and qk_norm else dqkvn
+        dln, datty = self._grads_as(d.narrow, c.C), self._grads_as(d.narrow, c.attn_channels)
         d.residual[...] = 0.0
         self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), dln,
                             a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
@@ -634,15 +661,7 @@ class Transformer:
             datty[...] = 0.0
             matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l),
                             d.residual, a.atty[l], w.attprojw[l])
-            dqkv[...] = 0.0
-            if rope:
-                dqkvr[...] = 0.0
-                K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l],
-                                         self.slopes, c.NH, c.NKV)
-                K.rope_backward(dqkv, dqkvr, None, c.NH, c.NKV, c.rope_theta)
-            else:
-                K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
-                                         c.NH, c.NKV)
+            self._attention_backward(l, dqkv, dqkvn, dqkvr, datty)
             dln[...] = 0.0
             matmul_backward(dln, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, ln1, w.qkvw[l])
             self._norm_backward(d.residual, g.ln1w[l], self._bias(g, "ln1b", l), dln,
@@ -650,6 +669,31 @@ class Transformer:
             # now d(residual3[l - 1]), or d(encoded)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
+
+    def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty):
+        """dqkv (zeroed here) = d(layer l's qkv) from datty, back through
+        attention, RoPE and qk_norm (position_qkv's steps, undone in reverse).
+        dqkvr and dqkvn are the buffers on the way: with both steps dqkv is
+        dqkvr's buffer, used again once RoPE's backward has read it."""
+        c, p, a, g = self.config, self.params, self.acts, self.grads
+        rope, qk_norm = c.position == "rope", c.qk_norm
+        if not (rope or qk_norm):
+            dqkv[...] = 0.0
+            K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
+                                     c.NH, c.NKV)
+            return
+        dqkvr[...] = 0.0
+        K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l], self.slopes,
+                                 c.NH, c.NKV)
+        dnormed = dqkvr
+        if rope:
+            dqkvn[...] = 0.0
+            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta)
+            dnormed = dqkvn
+        if qk_norm:
+            dqkv[...] = 0.0
+            K.head_rmsnorm_backward(dqkv, g.qnormw[l], g.knormw[l], dnormed, a.qkv[l],
+                                    p.qnormw[l], p.knormw[l], a.qk_rstd[l], c.NH, c.NKV)
 
     # ---- generation --------------------------------------------------------
 

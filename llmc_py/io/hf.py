@@ -1,0 +1,453 @@
+"""Hugging Face model folders, in and out: config.json and model.safetensors
+(or the shards a model.safetensors.index.json lists), for GPT2LMHeadModel,
+LlamaForCausalLM and Qwen3ForCausalLM.
+
+Reading maps the folder's config onto a TransformerConfig and its tensors
+onto our layout (model.layout.param_specs):
+- GPT-2's Conv1D weights are stored (in, out): they are transposed into
+  llm.c's (out, in); c_attn already packs q, k, v as our qkvw does. The
+  attention-mask buffers (attn.bias, attn.masked_bias) are dropped.
+- Llama and Qwen3: q_proj, k_proj, v_proj stack into qkvw, gate_proj and
+  up_proj into fcw (gate first), Qwen3's q_norm and k_norm are qnormw and
+  knormw. Hugging Face's RoPE is the half-split ("rotate half") layout our
+  kernels use, so q and k need no permutation (Meta's original checkpoints,
+  interleaved, would; they are not read here).
+- The vocabulary is padded to a multiple of 128 rows, as llm.c does; the
+  padding rows are zero.
+Writing does the reverse. A field or tensor we cannot represent (rope
+scaling, sliding windows, a bias on some layers only, an unknown tensor) is
+refused with an UnsupportedError or CheckpointError naming the file and the
+field or tensor; nothing is guessed.
+
+The tensors are read and written by the ``safetensors`` package (numpy);
+``ml_dtypes`` gives numpy the bf16 type most hub checkpoints use. Both come
+with ``pip install "llmc_py[hf]"``.
+"""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..config import GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
+from ..errors import CheckpointError, ShapeError, UnsupportedError
+from ..model.layout import checked_params, param_specs
+from .files import atomic_write
+
+INSTALL_HINT = 'pip install "llmc_py[hf]"'
+ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", \
+    "model.safetensors.index.json"
+DTYPES = {"fp32": np.float32, "bf16": "bfloat16"}   # what write_hf stores
+
+
+def _safetensors():
+    """(safe_open, save) of the safetensors package, with numpy's bf16 type
+    registered; UnsupportedError with the install line if either is missing."""
+    try:
+        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors reads)
+        from safetensors import safe_open
+        from safetensors.numpy import save
+    except ImportError as e:
+        raise UnsupportedError(f"Hugging Face checkpoints need the safetensors and ml_dtypes "
+                               f"packages: {INSTALL_HINT} ({e})") from None
+    return safe_open, save
+
+
+def is_hf_folder(path):
+    """True if ``path`` is a folder (a Hugging Face model folder, or not a
+    model at all: read_hf says which)."""
+    return Path(path).is_dir()
+
+
+# ---- config.json -------------------------------------------------------------
+
+def _field(raw, path, name, default=None, kind=int):
+    """config.json's ``name`` (``default`` when absent), checked to be a ``kind``."""
+    value = raw.get(name, default)
+    ok = isinstance(value, kind) and not isinstance(value, bool) if kind in (int, float) \
+        else isinstance(value, kind)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise CheckpointError(f"{path}: field {name} is {value!r}, expected {kind.__name__}")
+    return value
+
+
+def _refuse(path, name, value, why):
+    raise UnsupportedError(f"{path}: field {name} is {value!r}: {why}")
+
+
+def _rope_theta(raw, path):
+    """RoPE's base from transformers 4's rope_theta / rope_scaling or 5's
+    rope_parameters; scaled RoPE is refused."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            _refuse(path, "rope_parameters.rope_type", kind, "RoPE scaling is not supported")
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    else:
+        theta = raw.get("rope_theta", 10000.0)
+    scaling = raw.get("rope_scaling")
+    if scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type")) != "default":
+        _refuse(path, "rope_scaling", scaling, "RoPE scaling is not supported")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"{path}: field rope_theta is {theta!r}, expected a positive "
+                              f"number")
+    return float(theta)
+
+
+def _gpt2_config(raw, path):
+    C = _field(raw, path, "n_embd")
+    act = raw.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        _refuse(path, "activation_function", act, "GPT-2's GELU here is the tanh "
+                "approximation (gelu_new)")
+    for name, expected in (("scale_attn_weights", True),
+                           ("scale_attn_by_inverse_layer_idx", False)):
+        if raw.get(name, expected) != expected:
+            _refuse(path, name, raw[name], f"only {expected} is supported")
+    inner = raw.get("n_inner")
+    fields = dict(max_seq_len=_field(raw, path, "n_positions"),
+                  vocab_size=_field(raw, path, "vocab_size"),
+                  num_layers=_field(raw, path, "n_layer"), num_heads=_field(raw, path, "n_head"),
+                  channels=C, ffn_hidden=4 * C if inner is None else _field(raw, path, "n_inner"),
+                  norm_eps=_field(raw, path, "layer_norm_epsilon", 1e-5, float),
+                  tied_embeddings=_field(raw, path, "tie_word_embeddings", True, bool))
+    fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
+    gpt2 = LlamaConfig(num_kv_heads=fields["num_heads"], **GPT2_CHOICES | fields)
+    if gpt2.is_gpt2:   # llm.c's model file can hold it
+        return GPT2Config(**{k: v for k, v in fields.items() if k not in GPT2_CHOICES})
+    return gpt2
+
+
+def _llama_config(raw, path, qwen3):
+    C, NH = _field(raw, path, "hidden_size"), _field(raw, path, "num_attention_heads")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        _refuse(path, "hidden_act", act, "the MLP is SwiGLU (silu)")
+    if raw.get("pretraining_tp", 1) != 1:
+        _refuse(path, "pretraining_tp", raw["pretraining_tp"], "only 1 is supported")
+    attention_bias = _field(raw, path, "attention_bias", False, bool)
+    mlp_bias = _field(raw, path, "mlp_bias", False, bool) if not qwen3 else False
+    if attention_bias != mlp_bias:
+        _refuse(path, "attention_bias", attention_bias, f"biases must be on every linear "
+                f"layer or none (mlp_bias is {mlp_bias})")
+    if raw.get("use_sliding_window", False) or any(
+            kind != "full_attention" for kind in raw.get("layer_types") or ()):
+        _refuse(path, "use_sliding_window" if raw.get("use_sliding_window") else "layer_types",
+                raw.get("use_sliding_window") or raw.get("layer_types"),
+                "sliding-window attention is not supported")
+    head_dim = raw.get("head_dim")
+    fields = dict(max_seq_len=_field(raw, path, "max_position_embeddings"),
+                  vocab_size=_field(raw, path, "vocab_size"),
+                  num_layers=_field(raw, path, "num_hidden_layers"), num_heads=NH,
+                  num_kv_heads=_field(raw, path, "num_key_value_heads", NH), channels=C,
+                  ffn_hidden=_field(raw, path, "intermediate_size"),
+                  head_dim=0 if head_dim is None else _field(raw, path, "head_dim"),
+                  norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias,
+                  tied_embeddings=_field(raw, path, "tie_word_embeddings", False, bool),
+                  rope_theta=_rope_theta(raw, path),
+                  norm_eps=_field(raw, path, "rms_norm_eps", 1e-6, float), qk_norm=qwen3)
+    fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
+    return LlamaConfig(**fields)
+
+
+def read_hf_config(folder):
+    """(architecture, config) from a Hugging Face folder's config.json."""
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE}: not a Hugging Face model folder "
+                              f"(or a model file: give its path)")
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise UnsupportedError(f"{path}: field architectures is {archs!r}; supported: one of "
+                               f"{', '.join(ARCHITECTURES)}")
+    arch = archs[0]
+    try:
+        if arch == "GPT2LMHeadModel":
+            config = _gpt2_config(raw, path)
+        else:
+            config = _llama_config(raw, path, qwen3=arch == "Qwen3ForCausalLM")
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return arch, config
+
+
+def architecture(config):
+    """The Hugging Face class a config is written as."""
+    if config.norm == "layernorm" and config.position == "learned" and config.mlp == "gelu" \
+            and config.bias and config.num_kv_heads == config.num_heads \
+            and config.head_size * config.num_heads == config.channels \
+            and config.norm_eps == GPT2_CHOICES["norm_eps"]:
+        return "GPT2LMHeadModel"
+    if config.norm == "rmsnorm" and config.position == "rope" and config.mlp == "swiglu":
+        return "Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"
+    raise UnsupportedError(
+        f"no Hugging Face architecture holds norm={config.norm!r}, "
+        f"position={config.position!r}, mlp={config.mlp!r}, bias={config.bias}, "
+        f"num_kv_heads={config.num_kv_heads}: GPT-2 (layernorm, learned, gelu, bias, "
+        f"multi-head) or Llama/Qwen3 (rmsnorm, rope, swiglu) only")
+
+
+def hf_config(config):
+    """config.json's fields for ``config`` (architecture() says which class)."""
+    arch = architecture(config)
+    c = config
+    if arch == "GPT2LMHeadModel":
+        return dict(architectures=[arch], model_type="gpt2", n_positions=c.max_seq_len,
+                    n_ctx=c.max_seq_len, vocab_size=c.vocab_size, n_layer=c.num_layers,
+                    n_head=c.num_heads, n_embd=c.channels, n_inner=c.ffn_hidden,
+                    activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
+                    tie_word_embeddings=c.tied_embeddings, resid_pdrop=0.0, embd_pdrop=0.0,
+                    attn_pdrop=0.0, torch_dtype="float32")
+    if arch == "LlamaForCausalLM" and c.bias:
+        bias = dict(attention_bias=True, mlp_bias=True)
+    elif c.bias:
+        raise UnsupportedError("Qwen3ForCausalLM has no biases on its MLP: a qk_norm model "
+                               "with bias=True has no Hugging Face architecture")
+    else:
+        bias = dict(attention_bias=False) | ({} if c.qk_norm else dict(mlp_bias=False))
+    return dict(architectures=[arch], model_type="qwen3" if c.qk_norm else "llama",
+                max_position_embeddings=c.max_seq_len, vocab_size=c.vocab_size,
+                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, hidden_size=c.channels,
+                intermediate_size=c.ffn_hidden, head_dim=c.head_size, hidden_act="silu",
+                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=None,
+                rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
+                tie_word_embeddings=c.tied_embeddings, attention_dropout=0.0,
+                torch_dtype="float32", **bias)
+
+
+# ---- the tensors -------------------------------------------------------------
+#
+# Per parameter of ours: the Hugging Face tensors it is made of ({l} is the
+# layer), stacked by rows in this order, and whether they are stored (in, out)
+# (GPT-2's Conv1D) and need a transpose.
+
+def _tensor_map(arch):
+    if arch == "GPT2LMHeadModel":
+        h = "transformer.h.{l}."
+        return {
+            "wte": (["transformer.wte.weight"], False), "wpe": (["transformer.wpe.weight"], False),
+            "ln1w": ([h + "ln_1.weight"], False), "ln1b": ([h + "ln_1.bias"], False),
+            "qkvw": ([h + "attn.c_attn.weight"], True), "qkvb": ([h + "attn.c_attn.bias"], False),
+            "attprojw": ([h + "attn.c_proj.weight"], True),
+            "attprojb": ([h + "attn.c_proj.bias"], False),
+            "ln2w": ([h + "ln_2.weight"], False), "ln2b": ([h + "ln_2.bias"], False),
+            "fcw": ([h + "mlp.c_fc.weight"], True), "fcb": ([h + "mlp.c_fc.bias"], False),
+            "fcprojw": ([h + "mlp.c_proj.weight"], True),
+            "fcprojb": ([h + "mlp.c_proj.bias"], False),
+            "lnfw": (["transformer.ln_f.weight"], False), "lnfb": (["transformer.ln_f.bias"], False),
+            "lm_head": (["lm_head.weight"], False),
+        }
+    h, att, mlp = "model.layers.{l}.", "model.layers.{l}.self_attn.", "model.layers.{l}.mlp."
+    return {
+        "wte": (["model.embed_tokens.weight"], False),
+        "ln1w": ([h + "input_layernorm.weight"], False),
+        "qkvw": ([att + "q_proj.weight", att + "k_proj.weight", att + "v_proj.weight"], False),
+        "qkvb": ([att + "q_proj.bias", att + "k_proj.bias", att + "v_proj.bias"], False),
+        "qnormw": ([att + "q_norm.weight"], False), "knormw": ([att + "k_norm.weight"], False),
+        "attprojw": ([att + "o_proj.weight"], False), "attprojb": ([att + "o_proj.bias"], False),
+        "ln2w": ([h + "post_attention_layernorm.weight"], False),
+        "fcw": ([mlp + "gate_proj.weight", mlp + "up_proj.weight"], False),
+        "fcb": ([mlp + "gate_proj.bias", mlp + "up_proj.bias"], False),
+        "fcprojw": ([mlp + "down_proj.weight"], False), "fcprojb": ([mlp + "down_proj.bias"], False),
+        "lnfw": (["model.norm.weight"], False), "lm_head": (["lm_head.weight"], False),
+    }
+
+
+# tensors a folder may hold that carry nothing of the model: GPT-2's causal
+# masks, an old RoPE frequency cache
+_IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+# our tensors that are not per layer
+_WHOLE = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
+
+
+def _part_rows(config, name, templates):
+    """Rows of each Hugging Face part of one layer of our ``name``, when it
+    is stacked from several (q, k, v; gate, up); else None."""
+    if len(templates) == 1:
+        return None
+    c = config
+    return [c.attn_channels, c.kv_dim, c.kv_dim] if name.startswith("qkv") else [c.FF, c.FF]
+
+
+def hf_tensors(config, params):
+    """{Hugging Face name: float32 array} for a model of ``config`` with
+    flat ``params`` (the inverse of what read_hf does)."""
+    arch = architecture(config)
+    names = _tensor_map(arch)
+    out = {}
+    flat = checked_params(config, params)
+    offset = 0
+    for name, fn in param_specs(config):
+        shape = tuple(fn(config))
+        count = math.prod(shape)
+        tensor = flat[offset:offset + count].reshape(shape)
+        offset += count
+        if name == "wte" or name == "lm_head":
+            tensor = tensor[:config.vocab_size]   # without the padding rows
+        templates, transposed = names[name]
+        rows = _part_rows(config, name, templates)
+        for l in [None] if name in _WHOLE else range(config.num_layers):
+            value = tensor if l is None else tensor[l]
+            parts = [value] if rows is None else np.split(value, np.cumsum(rows)[:-1], axis=0)
+            for template, part in zip(templates, parts):
+                out[template.format(l=l)] = np.ascontiguousarray(part.T if transposed else part)
+    return out
+
+
+def _open_files(folder):
+    """{Hugging Face tensor name: file} from the index, or the one file."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index}: expected a JSON object with a weight_map "
+                                  f"({type(e).__name__}: {e})") from None
+        files = {}
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or "/" in file or "\\" in file or file.startswith("."):
+                raise CheckpointError(f"{index}: tensor {name} maps to {file!r}, not a file "
+                                      f"name in the folder")
+            files[name] = folder / file
+        return files, index
+    single = folder / WEIGHTS_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{folder}: no {WEIGHTS_FILE} and no {INDEX_FILE} (only "
+                              f"safetensors weights are read)")
+    return None, single
+
+
+def _read_all(folder):
+    """{name: float32 array} of every tensor in the folder's safetensors file(s)."""
+    safe_open, _ = _safetensors()
+    files, source = _open_files(folder)
+    by_file = {}
+    if files is None:
+        by_file[source] = None   # every tensor in it
+    else:
+        for name, file in files.items():
+            by_file.setdefault(file, []).append(name)
+    tensors = {}
+    for file, wanted in by_file.items():
+        if not file.is_file():
+            raise CheckpointError(f"{source}: lists {file.name}, which is missing")
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                names = f.keys() if wanted is None else wanted
+                for name in names:
+                    if wanted is not None and name not in f.keys():
+                        raise CheckpointError(f"{file}: tensor {name} (listed in {source.name}) "
+                                              f"is not in the file")
+                    if name.endswith(_IGNORED):
+                        continue
+                    tensors[name] = _as_float32(f.get_tensor(name), file, name)
+        except CheckpointError:
+            raise
+        except Exception as e:   # safetensors' own errors: a bad header, offsets, dtypes
+            raise CheckpointError(f"{file}: not a readable safetensors file "
+                                  f"({type(e).__name__}: {e})") from None
+    return tensors
+
+
+def _as_float32(array, file, name):
+    if array.dtype.name not in ("float32", "float16", "bfloat16", "float64"):
+        raise CheckpointError(f"{file}: tensor {name} has dtype {array.dtype.name}; expected "
+                              f"a float type")
+    return np.asarray(array, dtype=np.float32)
+
+
+def read_hf(folder):
+    """(config, params) from a Hugging Face model folder; params is flat
+    float32 in our layout."""
+    arch, config = read_hf_config(folder)
+    tensors = _read_all(folder)
+    names = _tensor_map(arch)
+    # a GPT-2 folder written by an older transformers has no "transformer." prefix
+    if arch == "GPT2LMHeadModel" and "transformer.wte.weight" not in tensors:
+        tensors = {(n if n == "lm_head.weight" else "transformer." + n): t
+                   for n, t in tensors.items()}
+    if config.tied_embeddings:
+        tensors.pop("lm_head.weight", None)   # the same numbers as the embedding
+    params = []
+    used = set()
+    for name, fn in param_specs(config):
+        shape = tuple(fn(config))
+        templates, transposed = names[name]
+        rows = _part_rows(config, name, templates)
+        layers = [None] if name in _WHOLE else range(config.num_layers)
+        per_layer = []
+        for l in layers:
+            parts = []
+            for i, template in enumerate(templates):
+                hf_name = template.format(l=l)
+                if hf_name not in tensors:
+                    raise CheckpointError(f"{folder}: tensor {hf_name} is missing (needed for "
+                                          f"{name} of a {arch} with this config.json)")
+                value = tensors[hf_name]
+                used.add(hf_name)
+                value = value.T if transposed else value
+                expected = _hf_shape(config, name, shape, l is not None, rows, i)
+                if value.shape != expected:
+                    stored = tuple(reversed(expected)) if transposed else expected
+                    raise CheckpointError(f"{folder}: tensor {hf_name} has shape "
+                                          f"{list(tensors[hf_name].shape)}, expected "
+                                          f"{list(stored)} (from config.json)")
+                parts.append(value)
+            per_layer.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+        tensor = per_layer[0] if name in _WHOLE else np.stack(per_layer)
+        if name in ("wte", "lm_head"):   # pad the vocabulary with zero rows
+            tensor = np.concatenate([tensor, np.zeros((config.Vp - config.V, config.C),
+                                                      np.float32)])
+        params.append(tensor.reshape(-1))
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise CheckpointError(f"{folder}: tensor {unused[0]} is not part of a {arch} with this "
+                              f"config.json ({len(unused)} such tensors): an option llmc_py "
+                              f"does not support?")
+    return config, np.concatenate(params)
+
+
+def _hf_shape(config, name, shape, per_layer, rows, part):
+    """The shape Hugging Face's part ``part`` of our tensor has (after any transpose)."""
+    shape = shape[1:] if per_layer else shape
+    if name in ("wte", "lm_head"):
+        shape = (config.V,) + shape[1:]
+    if rows is not None:
+        shape = (rows[part],) + shape[1:]
+    return shape
+
+
+def write_hf(folder, config, params, dtype="fp32"):
+    """Writes a Hugging Face model folder: config.json and model.safetensors
+    (``dtype`` "fp32", or "bf16" rounded to nearest even), each atomically,
+    the weights first. ``transformers.AutoModelForCausalLM.from_pretrained``
+    loads it."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype is {dtype!r}, expected one of {tuple(DTYPES)}")
+    _, save = _safetensors()
+    raw = hf_config(config)
+    tensors = hf_tensors(config, params)
+    if dtype == "bf16":
+        import ml_dtypes
+        from .model_file import round_to_bf16
+        tensors = {n: round_to_bf16(t).view(ml_dtypes.bfloat16) for n, t in tensors.items()}
+        raw["torch_dtype"] = "bfloat16"
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / WEIGHTS_FILE, [save(tensors, metadata={"format": "pt"})])
+    atomic_write(folder / CONFIG_FILE, [(json.dumps(raw, indent=2) + "\n").encode()])
