@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# Hugging Face folders (llmc_py.io.hf) and tokenizer.json files: safetensors
+# reads and writes the weights, ml_dtypes gives numpy their bf16 type
+HF = ["safetensors>=0.4", "ml_dtypes>=0.3", "tokenizers>=0.15"]
+
 setup(
     name="llmc_py",
     version="0.1.0",
@@ -8,8 +12,10 @@ setup(
     python_requires=">=3.9",
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy>=1.22", "tiktoken>=0.5"],
-    extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6"],
-                    "plot": ["matplotlib"]},
+    extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6",
+                             "transformers>=4.51", *HF],
+                    "plot": ["matplotlib"],
+                    "hf": HF},
     cffi_modules=["llmc_py/_native/build.py:ffibuilder"],
     zip_safe=False,
 )

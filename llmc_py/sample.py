@@ -4,7 +4,9 @@
         --temperature 0.8 --top-k 40 --top-p 0.95 --seed 1337
 
 Text streams to stdout as it is produced, decoded with a KV cache;
-temperature 0 is greedy decoding. GPT-2 and Llama-family model files both work.
+temperature 0 is greedy decoding. GPT-2 and Llama-family model files both work,
+and Hugging Face model folders (GPT-2, Llama, Qwen3), whose tokenizer.json is
+used when they have one (``pip install "llmc_py[hf]"``); otherwise GPT-2's.
 """
 import argparse
 import sys
@@ -24,7 +26,11 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.sample",
                                 description="Sample text from an llm.c model file.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-e", "--checkpoint", required=True, help="llm.c model file")
+    p.add_argument("-e", "--checkpoint", required=True,
+                   help="a model file, or a Hugging Face model folder")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json or a folder holding one (default: -e's, if a "
+                        "folder with one, else GPT-2's)")
     p.add_argument("--prompt", default="", help="text to continue (empty: start of a document)")
     p.add_argument("-g", "--gen-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
@@ -42,38 +48,46 @@ def build_parser():
     return p
 
 
+def check_vocab(config, encoding, source):
+    """A tokenizer fits a model whose vocabulary holds all its ids (a model
+    may have more rows, as Qwen3's 151,936 for 151,669 tokens)."""
+    if encoding.n_vocab > config.vocab_size:
+        raise ValueError(f"{source}: vocab_size {config.vocab_size} is smaller than the "
+                         f"tokenizer's {encoding.n_vocab} tokens ({encoding.name}); give the "
+                         f"model's tokenizer with --tokenizer")
+
+
 def main(argv=None, out=None):
     out = sys.stdout if out is None else out
     args = build_parser().parse_args(argv)
     try:
         check_flags(args, FLAG_RANGES)
-        from .tokenizer import EOT, get_encoding
+        from .tokenizer import load_tokenizer
         model = load_model(args.checkpoint, precision=args.precision)
-        encoding = get_encoding()
-        if model.config.vocab_size != encoding.n_vocab:
-            raise ValueError(f"{args.checkpoint}: vocab_size {model.config.vocab_size} does not "
-                             f"match the GPT-2 tokenizer's {encoding.n_vocab}")
+        encoding = load_tokenizer(args.tokenizer or args.checkpoint)
+        check_vocab(model.config, encoding, args.checkpoint)
+        EOT = encoding.eot_token
         prompt = [EOT] + encoding.encode(args.prompt, allowed_special="all")
         out.write(args.prompt)
-        pending = []   # tokens whose bytes do not yet end on a whole character
+        ids = prompt[1:]
+        shown = encoding.decode(ids)   # the text so far; each new token shows what it adds
         for new in stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
                           stop_token=EOT if args.stop_at_eot else None):
             token = int(new[0])
-            if token == EOT:
+            if token == EOT and args.stop_at_eot:
                 break
-            pending.append(token)
-            data = encoding.decode_bytes(pending)
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
+            ids.append(token)
+            text = encoding.decode(ids)
+            if text.endswith("\ufffd"):   # a character's bytes are not all out yet
                 continue
-            out.write(text)
+            out.write(text[len(shown):] if text.startswith(shown) else text)
             out.flush()
-            pending = []
-        if pending:
-            out.write(encoding.decode(pending))
+            shown = text
+        text = encoding.decode(ids)
+        if text != shown:
+            out.write(text[len(shown):] if text.startswith(shown) else text)
         out.write("\n")
         return 0
     except (LlmcError, ValueError, OSError) as e:

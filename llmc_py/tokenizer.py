@@ -205,6 +205,84 @@ def get_encoding():
     return encoding_from_ranks(ranks)
 
 
+# ---- a Hugging Face tokenizer.json ---------------------------------------------
+
+HF_TOKENIZER_FILE = "tokenizer.json"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (through the ``tokenizers`` package,
+    ``pip install "llmc_py[hf]"``) with what data and sample use of
+    tiktoken's Encoding: ``encode``, ``encode_ordinary_batch``, ``decode``,
+    ``n_vocab``, ``name`` and ``eot_token``, the id that starts each
+    document: the model's bos token, else its eos token (Qwen3's and
+    GPT-2's <|endoftext|>), from the folder's config.json."""
+
+    def __init__(self, path, eot_token=None):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:
+            raise TokenizerUnavailableError(f"{path}: reading a tokenizer.json needs the "
+                                            f"tokenizers package: pip install "
+                                            f'"llmc_py[hf]" ({e})') from None
+        path = Path(path)
+        try:
+            self._tokenizer = _Tokenizer.from_file(str(path))
+        except Exception as e:   # the tokenizers package raises its own Exception types
+            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
+        self.path = path
+        self.n_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:10]
+        self.name = f"hf-{digest}"
+        self.eot_token = eot_token
+        if eot_token is None or not 0 <= eot_token < self.n_vocab:
+            raise CheckpointError(f"{path}: no document separator: config.json beside it "
+                                  f"gives no bos_token_id or eos_token_id within the "
+                                  f"{self.n_vocab} tokens (got {eot_token!r})")
+
+    def encode(self, text, allowed_special=None):
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary_batch(self, texts):
+        return [e.ids for e in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self):
+        return f"HFTokenizer({str(self.path)!r}, n_vocab={self.n_vocab}, eot={self.eot_token})"
+
+
+def _separator_id(config_path):
+    """bos_token_id, else eos_token_id (the first of a list), of a config.json."""
+    import json
+    try:
+        raw = json.loads(Path(config_path).read_text())
+    except (OSError, ValueError):
+        return None
+    for key in ("bos_token_id", "eos_token_id"):
+        value = raw.get(key)
+        value = value[0] if isinstance(value, list) and value else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def load_tokenizer(path=None):
+    """The tokenizer for a model: with ``path`` a Hugging Face folder holding
+    tokenizer.json (or that file), its HFTokenizer; otherwise (None, a
+    folder without one such as GPT-2's, or a model file) GPT-2's Encoding
+    (get_encoding)."""
+    if path is not None:
+        path = Path(path)
+        file = path / HF_TOKENIZER_FILE if path.is_dir() else path
+        if file.name == HF_TOKENIZER_FILE and file.is_file():
+            return HFTokenizer(file, _separator_id(file.parent / "config.json"))
+        if path.suffix == ".json":
+            raise TokenizerUnavailableError(f"{path}: no such tokenizer file")
+    return get_encoding()
+
+
 # ---- llm.c's tokenizer file ------------------------------------------------------
 
 class Tokenizer:

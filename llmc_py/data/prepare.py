@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError, LlmcError
-from ..io.tokens import (MANIFEST, MAX_TOKEN_ID, TOKEN_DTYPE, check_manifest, read_tokens_header,
-                         write_manifest, write_tokens)
+from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest,
+                         read_tokens_header, token_dtype, write_manifest, write_tokens)
 from .shakespeare import SOURCES, shakespeare_text
 
 
@@ -29,7 +29,9 @@ DATASETS = ("shakespeare",)
 
 
 def tokenize_text(text, encoding, *, split_blank_lines=True):
-    """uint16 tokens for ``text``, each document preceded by EOT. With
+    """Token ids for ``text``, each document preceded by EOT (the encoding's
+    eot_token), as uint16, or uint32 when the encoding's vocabulary does not
+    fit in uint16 (io.tokens: llm.c's Llama 3 files). With
     ``split_blank_lines`` every blank-line-separated section is a document
     and keeps its trailing blank line (llm.c's tinyshakespeare rule);
     otherwise the whole text is one document."""
@@ -46,10 +48,11 @@ def tokenize_text(text, encoding, *, split_blank_lines=True):
         tokens[pos] = eot
         tokens[pos + 1:pos + 1 + len(ids)] = ids
         pos += 1 + len(ids)
-    if tokens.size and tokens.max() > MAX_TOKEN_ID:
-        raise DataError(f"the encoding {encoding.name!r} has ids above {MAX_TOKEN_ID}, "
-                        f"which a uint16 token file cannot hold")
-    return tokens.astype(TOKEN_DTYPE)
+    dtype = token_dtype(encoding.n_vocab)
+    if tokens.size and tokens.max() > np.iinfo(dtype).max:
+        raise DataError(f"the encoding {encoding.name!r} gave id {int(tokens.max())}, above "
+                        f"its {encoding.n_vocab} tokens")
+    return tokens.astype(dtype)
 
 
 def split_train_val(tokens, val_tokens=None):
@@ -66,6 +69,12 @@ def split_train_val(tokens, val_tokens=None):
 
 
 # ---- preparation -------------------------------------------------------------------------
+
+def dataset_name(name, encoding=None):
+    """The folder of dataset ``name`` in ``encoding``'s tokens: ``name`` for
+    GPT-2's (None), ``name-ENCODING`` for another tokenizer's (its name)."""
+    return name if encoding is None or encoding.name == "gpt2" else f"{name}-{encoding.name}"
+
 
 def dataset_paths(name, out_dir="data"):
     """(train_path, val_path) of a prepared dataset: OUT/NAME/{train,val}.bin."""
@@ -93,8 +102,9 @@ def write_dataset(tokens, name, out_dir="data", *, val_tokens=None):
     folder = train_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(folder)
-    write_tokens(val_path, val)
-    write_tokens(train_path, train)
+    dtype = tokens.dtype if tokens.dtype in (TOKEN_DTYPE, TOKEN_DTYPE_32) else TOKEN_DTYPE
+    write_tokens(val_path, val, dtype)
+    write_tokens(train_path, train, dtype)
     write_manifest(folder, [val_path.name, train_path.name])
     return train_path, val_path, len(train), len(val)
 
@@ -129,15 +139,18 @@ def prepare_text(path, out_dir="data", name=None, *, split_blank_lines=False, en
 
 
 def prepare_dataset(name="shakespeare", out_dir="data", *, force=False, source="auto",
-                    encoding=None, quiet=False):
+                    encoding=None, quiet=False, folder=None):
     """Prepares a named dataset (DATASETS) into OUT/NAME/{train,val}.bin,
     prints one line naming the source and the token counts (unless
     ``quiet``), and returns (train_path, val_path). If both files already
     exist and are valid token files it returns them untouched, unless
-    ``force``. ``encoding`` defaults to tokenizer.get_encoding()."""
+    ``force``. ``encoding`` defaults to tokenizer.get_encoding(), GPT-2's.
+    ``folder`` names the dataset's folder instead of NAME (dataset_name
+    gives one per tokenizer)."""
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} "
                         f"(or prepare a text file with --text)")
+    name = folder or name
     if not force and _dataset_ready(name, out_dir):
         return dataset_paths(name, out_dir)
     t0 = time.perf_counter()
@@ -172,6 +185,10 @@ def build_parser():
                         "the whole file is one document")
     p.add_argument("--source", choices=SOURCES, default="auto",
                    help="where shakespeare comes from (default: auto)")
+    p.add_argument("--tokenizer", metavar="PATH", default=None,
+                   help="a Hugging Face model folder (its tokenizer.json) or a tokenizer.json "
+                        "(default: GPT-2's); vocabularies past 65,536 ids write uint32 token "
+                        "files (llm.c's Llama 3 format)")
     return p
 
 
@@ -183,10 +200,14 @@ def main(argv=None):
     if args.dataset and (args.name or args.split_blank_lines):
         parser.error("--name and --split-blank-lines go with --text")
     try:
+        from ..tokenizer import load_tokenizer
+        encoding = load_tokenizer(args.tokenizer)
         if args.text:
-            prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines)
+            prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines,
+                         encoding=encoding)
         else:
-            prepare_dataset(args.dataset, args.out, force=True, source=args.source)
+            prepare_dataset(args.dataset, args.out, force=True, source=args.source,
+                            encoding=encoding, folder=dataset_name(args.dataset, encoding))
     except (LlmcError, OSError) as e:
         print(f"llmc_py.data: error: {e}", file=sys.stderr)
         return 1

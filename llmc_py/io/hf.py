@@ -45,7 +45,7 @@ def _safetensors():
     """(safe_open, save) of the safetensors package, with numpy's bf16 type
     registered; UnsupportedError with the install line if either is missing."""
     try:
-        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16", which safetensors reads)
+        import ml_dtypes  # noqa: F401  registers numpy's bfloat16, which safetensors reads
         from safetensors import safe_open
         from safetensors.numpy import save
     except ImportError as e:
@@ -432,15 +432,29 @@ def _hf_shape(config, name, shape, per_layer, rows, part):
     return shape
 
 
-def write_hf(folder, config, params, dtype="fp32"):
-    """Writes a Hugging Face model folder: config.json and model.safetensors
-    (``dtype`` "fp32", or "bf16" rounded to nearest even), each atomically,
-    the weights first. ``transformers.AutoModelForCausalLM.from_pretrained``
-    loads it."""
+# config.json fields about the tokenizer, which our model files do not hold;
+# an export may carry them over from the folder it started from
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def token_ids(folder):
+    """The TOKEN_ID_FIELDS of a Hugging Face folder's config.json ({} if none)."""
+    try:
+        raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: raw[k] for k in TOKEN_ID_FIELDS if isinstance(raw, dict) and k in raw}
+
+
+def write_hf(folder, config, params, dtype="fp32", token_ids=None):
+    """Writes a Hugging Face model folder: config.json (with ``token_ids``,
+    e.g. {"eos_token_id": 2}, when given) and model.safetensors (``dtype``
+    "fp32", or "bf16" rounded to nearest even), each atomically, the weights
+    first. ``transformers.AutoModelForCausalLM.from_pretrained`` loads it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype is {dtype!r}, expected one of {tuple(DTYPES)}")
     _, save = _safetensors()
-    raw = hf_config(config)
+    raw = hf_config(config) | dict(token_ids or {})
     tensors = hf_tensors(config, params)
     if dtype == "bf16":
         import ml_dtypes

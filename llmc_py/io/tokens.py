@@ -1,10 +1,13 @@
 """llm.c's token files (``train.bin``, ``val.bin``, fineweb shards), and the
 manifest that makes a prepared set of them one whole.
 
-256 little-endian int32 header slots [0] MAGIC_TOKENS, [1] VERSION_TOKENS,
-[2] number of tokens; then that many uint16 token ids. The file size must be
-exactly HEADER_BYTES + 2 * ntok. A malformed file raises DataError naming the
-file, the field and the value.
+256 little-endian int32 header slots [0] magic, [1] version, [2] number of
+tokens; then that many token ids. Two kinds, as llm.c writes them:
+- GPT-2's: magic 20240520, version 1, uint16 ids;
+- Llama 3's: magic 20240801, version 7, uint32 ids, for tokenizers whose
+  vocabulary does not fit in uint16 (Llama 3's 128,256 ids, Qwen3's 151,936).
+The file size must be exactly HEADER_BYTES + (2 or 4) * ntok. A malformed
+file raises DataError naming the file, the field and the value.
 
 ``manifest.json`` beside a prepared set: ``{"complete": false}`` while it is
 being written, then ``{"complete": true, "files": {name: {"tokens": n,
@@ -23,14 +26,30 @@ from ..errors import DataError
 from .files import HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, read_header
 
 MAGIC_TOKENS = 20240520
-VERSION_TOKENS = 1           # uint16 tokens (llm.c's version 2 holds LLaMA 3's uint32)
+VERSION_TOKENS = 1           # uint16 tokens
 TOKEN_DTYPE = np.dtype("<u2")
 MAX_TOKEN_ID = 65535
+MAGIC_TOKENS_32 = 20240801   # llm.c's Llama 3 token files
+VERSION_TOKENS_32 = 7
+TOKEN_DTYPE_32 = np.dtype("<u4")
+# (magic, version) -> the ids' type
+TOKEN_FORMATS = {(MAGIC_TOKENS, VERSION_TOKENS): TOKEN_DTYPE,
+                 (MAGIC_TOKENS_32, VERSION_TOKENS_32): TOKEN_DTYPE_32}
 NTOK_SLOT = 2
 
 
-def write_tokens(path, tokens):
-    """Writes llm.c's token file for the 1-D integer ``tokens``, atomically."""
+def token_dtype(vocab_size):
+    """The ids' type of a token file for a vocabulary of ``vocab_size``."""
+    return TOKEN_DTYPE if vocab_size <= MAX_TOKEN_ID + 1 else TOKEN_DTYPE_32
+
+
+def write_tokens(path, tokens, dtype=TOKEN_DTYPE):
+    """Writes llm.c's token file for the 1-D integer ``tokens``, atomically:
+    uint16 ids (GPT-2's file), or with ``dtype`` uint32 Llama 3's file."""
+    dtype = np.dtype(dtype)
+    if dtype not in (TOKEN_DTYPE, TOKEN_DTYPE_32):
+        raise ValueError(f"dtype is {dtype}, expected uint16 or uint32")
+    max_id = np.iinfo(dtype).max
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise DataError(f"{path}: tokens must be 1-D, got shape {tokens.shape}")
@@ -40,43 +59,52 @@ def write_tokens(path, tokens):
         raise DataError(f"{path}: {tokens.size} tokens do not fit the int32 header")
     if tokens.size:
         lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi > MAX_TOKEN_ID:
-            bad = int(np.argmax((tokens < 0) | (tokens > MAX_TOKEN_ID)))
+        if lo < 0 or hi > max_id:
+            bad = int(np.argmax((tokens < 0) | (tokens > max_id)))
             raise DataError(f"{path}: token {bad} is {int(tokens[bad])}, outside "
-                            f"[0, {MAX_TOKEN_ID}] (uint16 token file)")
+                            f"[0, {max_id}] ({dtype.name} token file)")
+    magic, version = next(key for key, kind in TOKEN_FORMATS.items() if kind == dtype)
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MAGIC_TOKENS, VERSION_TOKENS, tokens.size)
-    atomic_write(path, [header.tobytes(), tokens.astype(TOKEN_DTYPE)])
+    header[:3] = (magic, version, tokens.size)
+    atomic_write(path, [header.tobytes(), tokens.astype(dtype)])
 
 
 def read_tokens_header(path):
     """The token count of a token file, after checking its header and size."""
+    return token_file_info(path)[0]
+
+
+def token_file_info(path):
+    """(token count, ids' dtype) of a token file, after checking its header
+    and size."""
     header, size = read_header(path, "token", DataError)
-    if header[0] != MAGIC_TOKENS:
+    magics = {magic: version for magic, version in TOKEN_FORMATS}
+    if header[0] not in magics:
         raise DataError(f"{path}: header field magic is {header[0]}, expected "
-                        f"{MAGIC_TOKENS} (not an llm.c token file)")
-    if header[1] != VERSION_TOKENS:
-        hint = " (uint32 LLaMA 3 tokens are not supported)" if header[1] == 2 else ""
+                        f"{MAGIC_TOKENS} (uint16 ids) or {MAGIC_TOKENS_32} (uint32 ids): not "
+                        f"an llm.c token file")
+    if header[1] != magics[header[0]]:
         raise DataError(f"{path}: header field version is {header[1]}, expected "
-                        f"{VERSION_TOKENS}{hint}")
+                        f"{magics[header[0]]} for magic {header[0]}")
+    dtype = TOKEN_FORMATS[(int(header[0]), int(header[1]))]
     ntok = int(header[NTOK_SLOT])
     if ntok < 0:
         raise DataError(f"{path}: header field ntok is {ntok}, must be >= 0")
-    expected = HEADER_BYTES + TOKEN_DTYPE.itemsize * ntok
+    expected = HEADER_BYTES + dtype.itemsize * ntok
     if size != expected:
         kind = "truncated" if size < expected else "has trailing bytes"
         raise DataError(f"{path}: file size is {size} bytes but header field ntok={ntok} "
                         f"describes {expected} bytes (token file {kind})")
-    return ntok
+    return ntok, dtype
 
 
 def read_tokens(path):
-    """The tokens of a validated token file as a read-only uint16 np.memmap
-    (an empty array for a file of 0 tokens, which cannot be mapped)."""
-    ntok = read_tokens_header(path)
+    """The tokens of a validated token file as a read-only uint16 (or uint32)
+    np.memmap (an empty array for a file of 0 tokens, which cannot be mapped)."""
+    ntok, dtype = token_file_info(path)
     if ntok == 0:
-        return np.zeros(0, dtype=TOKEN_DTYPE)
-    return np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
 
 
 def first_out_of_vocab(tokens, vocab_size):

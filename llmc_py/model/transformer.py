@@ -191,12 +191,13 @@ class Transformer:
         writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
         write_model_file(path, self.config, self.params.memory, dtype=dtype)
 
-    def save_pretrained(self, folder, dtype="fp32"):
+    def save_pretrained(self, folder, dtype="fp32", token_ids=None):
         """Writes a Hugging Face model folder (config.json, model.safetensors;
         io.hf) that transformers' AutoModelForCausalLM.from_pretrained loads:
-        GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config."""
+        GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config.
+        ``token_ids`` adds config.json's bos/eos/pad ids (io.hf.token_ids)."""
         from ..io.hf import write_hf   # needs the optional safetensors package
-        write_hf(folder, self.config, self.params.memory, dtype=dtype)
+        write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
 
     @property
     def grads(self):

@@ -20,6 +20,7 @@ import numpy as np
 from .._native.lib import set_num_threads
 from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
+from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
@@ -52,8 +53,15 @@ def build_parser():
       help="glob of training token files (default: the Shakespeare set, prepared if missing)")
     a("-j", "--val-data", default=None, help="glob of validation token files")
     a("-e", "--init", default=DEFAULT_MODEL,
-      help="an llm.c model file to start from (fine-tune), or a depth like d6 for a fresh "
-           "model (d12 is GPT-2 124M's shape)")
+      help="an llm.c model file or a Hugging Face model folder (GPT-2, Llama, Qwen3) to start "
+           "from (fine-tune), or a depth like d6 for a fresh model (d12 is GPT-2 124M's shape)")
+    a("--tokenizer", default=None,
+      help="a tokenizer.json, or a folder holding one, for the default dataset and samples "
+           "(default: -e's when it is a Hugging Face folder with one, else GPT-2's); give "
+           "it (or the same -e) again when resuming")
+    a("--export-hf", metavar="DIR", default=None,
+      help="at the end, also write the model as a Hugging Face folder (config.json, "
+           "model.safetensors and -e's tokenizer files)")
     a("-o", "--output-dir", default="out", help="folder for the log and checkpoints")
     a("-b", "--batch-size", type=int, default=8, help="B: sequences per micro-batch")
     a("-t", "--seq-len", type=int, default=128, help="T: tokens per sequence")
@@ -155,7 +163,8 @@ def describe(config):
     text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
     if isinstance(c, LlamaConfig):
         text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
-                 + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied"))
+                 + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
+                 + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else ""))
     return text
 
 
@@ -244,11 +253,23 @@ def build_model(args):
     return load_model(args.init, precision=args.precision)
 
 
-def check_model_fits(args, config):
-    """Everything the flags ask of the model, checked before step 1."""
-    if config.vocab_size != GPT2_VOCAB:
+def tokenizer_source(args):
+    """Where the run's tokenizer comes from: --tokenizer, else -e when it is
+    a folder (a Hugging Face model's); None for GPT-2's."""
+    if args.tokenizer:
+        return args.tokenizer
+    return args.init if Path(args.init).is_dir() else None
+
+
+def check_model_fits(args, config, encoding=None):
+    """Everything the flags ask of the model, checked before step 1; the
+    tokenizer ``encoding`` (None: GPT-2's) must fit its vocabulary."""
+    if encoding is None and config.vocab_size != GPT2_VOCAB:
         raise UsageError(f"the model's vocab_size is {config.vocab_size}; the GPT-2 tokenizer "
-                         f"needs {GPT2_VOCAB}")
+                         f"needs {GPT2_VOCAB} (give the model's tokenizer with --tokenizer)")
+    if encoding is not None and encoding.n_vocab > config.vocab_size:
+        raise UsageError(f"the model's vocab_size is {config.vocab_size}, fewer than the "
+                         f"{encoding.n_vocab} tokens of {tokenizer_source(args)}")
     if config.learned_positions:
         if args.seq_len > config.max_seq_len:
             raise UsageError(f"-t {args.seq_len} is longer than the model's max_seq_len "
@@ -288,7 +309,7 @@ def signal_name(signum):
 
 def _run(args, progress, signals, explicit):
     from ..data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
-    from ..tokenizer import EOT, get_encoding
+    from ..tokenizer import get_encoding, load_tokenizer
 
     check_args(args)
     grad_accum = grad_accum_of(args)
@@ -310,17 +331,23 @@ def _run(args, progress, signals, explicit):
             folder.clear()
             progress.say(f"removed the earlier run in {folder.path} (--overwrite)")
         return _train(args, progress, signals, explicit, folder, grad_accum, DataLoader,
-                      prepare_dataset, EOT, get_encoding)
+                      prepare_dataset, get_encoding, load_tokenizer)
     finally:
         folder.unlock()
 
 
 def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, prepare_dataset,
-           EOT, get_encoding):
-    # data
+           get_encoding, load_tokenizer):
+    # data, in the tokens of the model's tokenizer (GPT-2's unless a
+    # Hugging Face folder or --tokenizer gives another)
+    source = tokenizer_source(args)
+    encoding = load_tokenizer(source) if source else None
     train_data, val_data = args.train_data, args.val_data
     if train_data is None:
-        train_path, val_path = prepare_dataset(DEFAULT_DATASET, args.data_dir)
+        from ..data.prepare import dataset_name
+        train_path, val_path = prepare_dataset(
+            DEFAULT_DATASET, args.data_dir, encoding=encoding,
+            folder=dataset_name(DEFAULT_DATASET, encoding))
         train_data = str(train_path)
         if val_data is None:
             val_data = str(val_path)
@@ -335,7 +362,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     else:
         model = build_model(args)
     c = model.config
-    check_model_fits(args, c)
+    check_model_fits(args, c, encoding)
     B, T = args.batch_size, args.seq_len
     model.recompute = bool(args.recompute)
     model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
@@ -348,7 +375,9 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     if val_data and args.val_every:
         val_loader = DataLoader(val_data, B, T, vocab_size=c.vocab_size)
         val_batches = min(val_batches, val_loader.num_batches)
-    encoding = get_encoding() if args.sample_every else None
+    if encoding is None and args.sample_every:
+        encoding = get_encoding()
+    EOT = encoding.eot_token if encoding is not None else None
     sample_rng = np.random.default_rng(args.seed)
     # what a resumed run must share with this one, saved in every state file
     settings = dict(vars(args), train_data=train_data, val_data=val_data,
@@ -476,7 +505,31 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     if val_loss is not None:
         summary += f", val loss {val_loss:.4f}"
     progress.say(summary + f"; checkpoint {folder.checkpoint_paths(args.max_steps)[0]}")
+    if args.export_hf:
+        export_hf(model, args.export_hf, source)
+        progress.say(f"exported as a Hugging Face folder: {args.export_hf}")
     return 0
+
+
+# a Hugging Face folder's tokenizer files, copied beside an export
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def export_hf(model, folder, tokenizer_from=None):
+    """The model as a Hugging Face folder, with the tokenizer files and the
+    bos/eos/pad ids of the folder ``tokenizer_from`` (a model's, or a
+    tokenizer.json's) when given."""
+    from ..io.hf import token_ids
+    if tokenizer_from is None:
+        model.save_pretrained(folder)
+        return
+    source = Path(tokenizer_from)
+    source = source if source.is_dir() else source.parent
+    model.save_pretrained(folder, token_ids=token_ids(source))
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            atomic_write(Path(folder) / name, [(source / name).read_bytes()])
 
 
 def main(argv=None):
