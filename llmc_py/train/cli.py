@@ -130,6 +130,10 @@ def build_parser():
     b("--untied", type=int, choices=(0, 1), default=0,
       help="llama: 1 gives the output head its own matrix instead of sharing wte")
     b("--rope-theta", type=float, default=10000.0, help="llama: the RoPE base")
+    b("--qk-norm", type=int, choices=(0, 1), default=0,
+      help="llama: 1 RMS-normalises each q and k head before RoPE (Qwen3)")
+    b("--head-dim", type=int, default=0,
+      help="llama: channels per attention head (0: channels / heads; Qwen3 sets its own)")
     return p
 
 
@@ -152,7 +156,8 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
         return LlamaConfig(**sizes, num_kv_heads=args.kv_heads or NH, norm=args.norm,
                            position=args.position, mlp=args.mlp, ffn_hidden=args.ffn_hidden,
                            bias=bool(args.bias), tied_embeddings=not args.untied,
-                           rope_theta=args.rope_theta)
+                           rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
+                           head_dim=args.head_dim)
     except ShapeError as e:
         raise UsageError(f"-e {depth} --arch llama: {e}") from None
 
@@ -190,6 +195,7 @@ FLAG_RANGES = {
     "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
+    "head_dim": NON_NEGATIVE,
 }
 
 
