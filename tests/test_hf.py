@@ -327,3 +327,22 @@ def test_export_refuses_what_no_architecture_holds(tmp_path):
     with pytest.raises(UnsupportedError, match="position='alibi'"):
         llmc_py.Llama(config).save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
+
+
+def test_fuzzed_config_fields_raise_our_errors(tmp_path):
+    """Every config.json field set to values of the wrong type or range: the
+    folder loads (a field that does not matter) or raises an LlmcError
+    naming the file; never a TypeError, KeyError or AttributeError."""
+    make_hf("qwen3-qknorm-tied").save_pretrained(tmp_path)
+    pristine = json.loads((tmp_path / "config.json").read_text())
+    values = [None, "x", -1, 0, 1.5, [], {}, True, 10**12, ["x"], {"rope_type": 3}]
+    refused = 0
+    for field in pristine:
+        for value in values:
+            (tmp_path / "config.json").write_text(json.dumps(pristine | {field: value}))
+            try:
+                load_model(tmp_path)
+            except llmc_py.LlmcError as e:
+                assert "config.json" in str(e) or "tensor" in str(e), (field, value, e)
+                refused += 1
+    assert refused > 60

@@ -54,22 +54,14 @@ def _safetensors():
     return safe_open, save
 
 
-def is_hf_folder(path):
-    """True if ``path`` is a folder (a Hugging Face model folder, or not a
-    model at all: read_hf says which)."""
-    return Path(path).is_dir()
-
-
 # ---- config.json -------------------------------------------------------------
 
 def _field(raw, path, name, default=None, kind=int):
     """config.json's ``name`` (``default`` when absent), checked to be a ``kind``."""
     value = raw.get(name, default)
-    ok = isinstance(value, kind) and not isinstance(value, bool) if kind in (int, float) \
-        else isinstance(value, kind)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
-    if not ok:
+        value = float(value)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
         raise CheckpointError(f"{path}: field {name} is {value!r}, expected {kind.__name__}")
     return value
 
@@ -90,7 +82,8 @@ def _rope_theta(raw, path):
     else:
         theta = raw.get("rope_theta", 10000.0)
     scaling = raw.get("rope_scaling")
-    if scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type")) != "default":
+    if scaling not in (None, {}) and (not isinstance(scaling, dict) or
+                                      scaling.get("rope_type", scaling.get("type")) != "default"):
         _refuse(path, "rope_scaling", scaling, "RoPE scaling is not supported")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise CheckpointError(f"{path}: field rope_theta is {theta!r}, expected a positive "
@@ -134,8 +127,9 @@ def _llama_config(raw, path, qwen3):
     if attention_bias != mlp_bias:
         _refuse(path, "attention_bias", attention_bias, f"biases must be on every linear "
                 f"layer or none (mlp_bias is {mlp_bias})")
-    if raw.get("use_sliding_window", False) or any(
-            kind != "full_attention" for kind in raw.get("layer_types") or ()):
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window", False) or not isinstance(layer_types, list) or any(
+            kind != "full_attention" for kind in layer_types):
         _refuse(path, "use_sliding_window" if raw.get("use_sliding_window") else "layer_types",
                 raw.get("use_sliding_window") or raw.get("layer_types"),
                 "sliding-window attention is not supported")
