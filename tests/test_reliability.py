@@ -207,10 +207,10 @@ def test_interrupted_data_preparation_leaves_a_set_the_loader_refuses(tmp_path, 
 
     real = P.write_tokens
 
-    def interrupted(path, tokens):
+    def interrupted(path, tokens, *args):
         if Path(path).name == "train.bin":
             raise KeyboardInterrupt
-        return real(path, tokens)
+        return real(path, tokens, *args)
     monkeypatch.setattr(P, "write_tokens", interrupted)
     capsys.readouterr()
     assert P.main(["--text", str(new), "--name", "set", "--out", str(data)]) == 130

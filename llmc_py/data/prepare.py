@@ -201,7 +201,9 @@ def main(argv=None):
         parser.error("--name and --split-blank-lines go with --text")
     try:
         from ..tokenizer import load_tokenizer
-        encoding = load_tokenizer(args.tokenizer)
+        # GPT-2's is loaded (None) after the text is read, so that a missing
+        # file is said first
+        encoding = load_tokenizer(args.tokenizer) if args.tokenizer else None
         if args.text:
             prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines,
                          encoding=encoding)
