@@ -19,7 +19,8 @@ representation lists is the embedding's output, layer l + 1 block l's):
   update_ratio_layer            [L] over each layer's tensors together
   warnings                      [text] thresholds crossed (also printed)
   monitor_ms                    what the measurement took (wall clock)
-Numbers carry 7 significant digits; a non-finite one is null.
+The numbers in lists and in the per-tensor objects carry 7 significant
+digits, the others all of theirs; a non-finite number is null.
 """
 import json
 import math
@@ -35,22 +36,27 @@ from .representation import representation_stats
 METRICS_FILE = "metrics.jsonl"
 
 
-def _number(x):
+def _number(x, digits):
     x = float(x)
-    return float(f"{x:.7g}") if math.isfinite(x) else None
+    if not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}") if digits else x
 
 
-def jsonable(value):
-    """Arrays to nested lists and numbers to 7 significant digits (None if
-    not finite), through dicts and lists."""
+def jsonable(value, digits=None):
+    """Arrays to nested lists, numbers to floats (None if not finite), through
+    dicts and lists; the numbers inside a list or a nested dict rounded to
+    ``digits`` significant digits (a record's own numbers kept whole)."""
     if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
+        inner = 7 if digits is None else digits
+        return {k: jsonable(v, None if digits is None and not isinstance(v, dict) else inner)
+                for k, v in value.items()}
     if isinstance(value, np.ndarray):
-        return jsonable(value.tolist())
+        value = value.tolist()
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, digits or 7) for v in value]
     if isinstance(value, (float, np.floating)):
-        return _number(value)
+        return _number(value, digits)
     if isinstance(value, np.integer):
         return int(value)
     return value
