@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import model_reference as ref
+from data_helpers import REAL_RANKS, require_real_ranks
 from helpers import TOL, assert_close, t64
 from reference import attention_entropy as ref_attention_entropy
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
@@ -289,3 +290,36 @@ def test_monitor_needs_validation_data(shards, tmp_path, capsys):
     assert "--monitor-every" in capsys.readouterr().err
     assert run(shards, tmp_path / "out", "--monitor-every", "-1") == 1
     assert "--monitor-every" in capsys.readouterr().err
+
+
+def test_inspect_draws_every_head_and_prints_entropies(shards, tmp_path, monkeypatch, capsys):
+    require_real_ranks()
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(REAL_RANKS.parent))
+    monkeypatch.setenv("LLMC_OFFLINE", "1")
+    from llmc_py import inspect
+    from llmc_py.tokenizer import get_encoding
+    get_encoding.cache_clear()
+    path = tmp_path / "model.bin"                           # 3 layers, 6 heads, ALiBi
+    llama = Llama(LlamaConfig(**{**CONFIGS["llama_alibi_mqa"].__dict__, "vocab_size": 50257,
+                                 "padded_vocab_size": 50304}), seed=0)
+    llama.params.qkvw[...] *= 12.0
+    llama.save_checkpoint(path)
+    png = tmp_path / "att.png"
+    prompt = "ROMEO: But soft, what light"
+    assert inspect.main([str(path), "--prompt", prompt, "--layer", "2", "-o", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = out.splitlines()
+    T = len(get_encoding().encode(prompt))
+    assert lines[0] == f"{T} tokens, 3 layers x 6 heads"
+    table = [line for line in lines if re.match(r"[ *]layer ", line)]
+    assert [line[:9] for line in table] == [" layer  0", " layer  1", "*layer  2"]
+    printed = np.array([[float(v) for v in re.findall(r"(\d+\.\d+) \(", line)]
+                        for line in table])
+    ids = np.array([get_encoding().encode(prompt)])
+    expected = monitors.attention_entropy(llama, ids)
+    np.testing.assert_allclose(printed, expected, atol=0.006)   # printed to 2 decimals
+    maps = inspect.attention_maps(llama, 2)
+    assert maps.shape == (6, T, T) and np.allclose(maps.sum(-1), 1, atol=1e-5)
+    assert inspect.main([str(path), "--prompt", prompt, "--layer", "3"]) == 1
+    assert "--layer 3" in capsys.readouterr().err
