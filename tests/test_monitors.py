@@ -10,7 +10,7 @@ import torch
 
 import model_reference as ref
 from data_helpers import REAL_RANKS, require_real_ranks
-from helpers import TOL, assert_close, t64
+from helpers import TOL, assert_close
 from reference import attention_entropy as ref_attention_entropy
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
 from llmc_py import monitors

@@ -111,7 +111,7 @@ def build_parser():
     a("--monitor-entropy-min", type=float, default=0.1,
       help="with --monitor-every: warn when a head's mean attention entropy (nats) falls "
            "below this (0: never)")
-    a("--monitor-cosine-max", type=float, default=0.95,
+    a("--monitor-cosine-max", type=float, default=0.99,
       help="with --monitor-every: warn when a layer's mean cosine between token vectors "
            "rises above this (1: never)")
     a("--data-dir", default="data", help="where the default dataset is prepared")
