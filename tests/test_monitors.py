@@ -323,3 +323,14 @@ def test_inspect_draws_every_head_and_prints_entropies(shards, tmp_path, monkeyp
     assert maps.shape == (6, T, T) and np.allclose(maps.sum(-1), 1, atol=1e-5)
     assert inspect.main([str(path), "--prompt", prompt, "--layer", "3"]) == 1
     assert "--layer 3" in capsys.readouterr().err
+
+
+def test_a_failing_measurement_is_a_warning(shards, tmp_path, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise ValueError("no probe today")
+    monkeypatch.setattr(monitors.Monitor, "measure", fail)
+    assert run(shards, tmp_path / "out", "-x", "2", "--monitor-every", "1") == 0
+    out = capsys.readouterr().out
+    assert "step 2: warning: the monitor failed (ValueError: no probe today); training goes " \
+        "on" in out
+    assert read_records(tmp_path / "out") == []

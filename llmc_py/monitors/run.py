@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from ..errors import LlmcError
 from .attention import attention_entropy_rows, mean_entropy
 from .parameters import gradient_norms, layer_totals, update_ratios
 from .probe import run_forward
@@ -134,7 +135,12 @@ class Monitor:
             return
         step, grad_norms, before, spent = pending
         t0 = time.perf_counter()
-        record = self.measure(result, grad_norms, before)
+        try:
+            record = self.measure(result, grad_norms, before)
+        except (LlmcError, ValueError, FloatingPointError) as e:   # as a failed evaluation
+            self.say(f"step {step}: warning: the monitor failed ({type(e).__name__}: {e}); "
+                     f"training goes on")
+            return
         record["monitor_ms"] = (spent + time.perf_counter() - t0) * 1000
         self.metrics.write(json.dumps(jsonable(record), separators=(",", ":")) + "\n")
         self.metrics.flush()
