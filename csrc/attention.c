@@ -69,6 +69,11 @@
  * (for tests, the benchmark and viewers): parallel over (b, h), scores by
  * score_tile straight into att, then probs_row; the masked future is 0.
  *
+ * attention_gqa_entropy gives each query row's entropy -sum_t2 P ln P (for
+ * monitors) the same way without holding P: parallel over (b, h), per tile
+ * of SCORE_ROWS rows the scores in a per-thread scratch, then entropy_row
+ * from them and the row's saved max and inv.
+ *
  * attention_decode is one forward row per (b, h), parallel over (b, kv
  * head, chunk of up to DECODE_HEADS of its query heads). It transposes
  * 16 x 16 blocks of cached keys on the fly, once for the chunk's heads,
@@ -82,7 +87,7 @@
  *
  * variants:
  *   attention_forward / _backward, attention_gqa_forward / _backward,
- *   attention_gqa_probs, attention_decode
+ *   attention_gqa_probs, attention_gqa_entropy, attention_decode
  *                      the tiled kernels above, built per instruction set
  *                      (isa.h) and chosen at run time; they keep stats
  *   attention_forward_naive / _backward_naive
@@ -91,6 +96,9 @@
  *                      of att [B, NH, T, T]: the reference the tests and the
  *                      benchmark check the tiled kernels against; the same
  *                      everywhere (no per-ISA build)
+ *   attention_entropy_naive
+ *                      the row entropies from a whole att by libm's logf:
+ *                      attention_gqa_entropy's plain twin
  */
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -310,6 +318,27 @@ static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
 }
 
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
+
+/* The entropy of the probabilities of one row of n keys, from its scores s
+   and its saved max and inv. With d = s - max, P = exp(d) inv and
+   ln P = d + ln inv, so (as the P sum to 1)
+     H = -sum P ln P = -ln inv - inv sum exp(d) d
+   Both terms are >= 0 (d <= 0, inv <= 1): nothing cancels, and a P that
+   underflows to 0 adds exactly 0, where P ln P would need a guard. */
+static ALWAYS_INLINE void entropy_row_body(float* entropy, const float* s, int n,
+                                           const float* stats) {
+    const float maxval = stats[0], inv = stats[1];
+    vec16f acc = {0};
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        const vec16f d = load_part(s + k0, m) - maxval;
+        acc += llmc_select16(llmc_lanes_below(m), llmc_exp16(d) * d, (vec16f){0});
+    }
+    *entropy = -logf(inv) - inv * llmc_hsum16(acc);
+}
+
+LLMC_ISA_VARIANTS(entropy_row, (float* entropy, const float* s, int n, const float* stats),
+                  entropy, s, n, stats)
 
 /* The backward through the softmax and the scale, one row of n keys: ds
    holds dP = dO . v on entry, and on return
@@ -570,6 +599,34 @@ LLMC_ISA_VARIANTS_ISA(probs_head, (float* att_bh, const float* stats_bh, const f
                                    float slope, float scale),
                       att_bh, stats_bh, q, k, panel, row, T, hs, slope, scale)
 
+/* The row entropies entropy_bh [T] of one (b, h) from its statistics
+   stats_bh [T, 2]: the scores as the forward computes them, a tile of rows
+   at a time in s [SCORE_ROWS, T], then entropy_row of each. */
+static ALWAYS_INLINE void entropy_head_body(int isa, float* entropy_bh, const float* stats_bh,
+                                            const float* q, const float* k, float* panel,
+                                            float* s, size_t row, int T, int hs, float slope,
+                                            float scale) {
+    LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
+    for (int t0 = 0; t0 < T;) {
+        const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
+        if (R == SCORE_ROWS) {
+            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS, t0 + 1,
+                       slope);
+        } else {
+            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope);
+        }
+        for (int r = 0; r < R; r++) {
+            LLMC_ISA_SELECT(isa, entropy_row)(entropy_bh + t0 + r, s + (size_t)r * T, t0 + r + 1,
+                                              stats_bh + 2 * (size_t)(t0 + r));
+        }
+        t0 += R;
+    }
+}
+LLMC_ISA_VARIANTS_ISA(entropy_head, (float* entropy_bh, const float* stats_bh, const float* q,
+                                     const float* k, float* panel, float* s, size_t row, int T,
+                                     int hs, float slope, float scale),
+                      entropy_bh, stats_bh, q, k, panel, s, row, T, hs, slope, scale)
+
 /* Query rows per block of the backward, whose P and dS it recomputes at
    once: a multiple of SCORE_ROWS and of TILE_KEYS (so that no key tile
    straddles a block's first row). Blocks of 32 or 128 rows were no faster. */
@@ -722,6 +779,36 @@ static int gqa_probs(float* att, const float* inp, const float* stats, const flo
     return LLMC_OK;
 }
 
+/* The entropy core; sizes already checked. slopes may be NULL. */
+static int gqa_entropy(float* entropy, const float* inp, const float* stats,
+                       const float* slopes, int B, int T, int NH, int NKV, int hs) {
+    const size_t C = (size_t)NH * hs;
+    const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
+    const int kv_mul = NH / NKV;
+    const float scale = 1.0f / sqrtf((float)hs);
+    void (*const head)(float*, const float*, const float*, const float*, float*, float*, size_t,
+                       int, int, float, float) = LLMC_ISA_SELECT(llmc_get_isa(), entropy_head);
+    // per thread: a key panel, then the scores of one tile of rows
+    const size_t panel_len = panel_count(T, hs);
+    const size_t per_thread = panel_len + (size_t)SCORE_ROWS * T;
+    float* scratch = alloc_scratch(per_thread);
+    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
+
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < NH; h++) {
+            float* panel = scratch + (size_t)omp_get_thread_num() * per_thread;
+            const float* inp_b = inp + (size_t)b * T * row;
+            const size_t bh = (size_t)b * NH + h;
+            head(entropy + bh * T, stats + bh * T * 2, inp_b + (size_t)h * hs,
+                 inp_b + C + (size_t)(h / kv_mul) * hs, panel, panel + panel_len, row, T, hs,
+                 slopes != NULL ? slopes[h] : 0.0f, scale);
+        }
+    }
+    free(scratch);
+    return LLMC_OK;
+}
+
 int attention_forward(float* out, float* stats, const float* inp,
                       int B, int T, int C, int NH) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
@@ -770,6 +857,13 @@ int attention_gqa_probs(float* att, const float* inp, const float* stats, const 
     LLMC_REQUIRE(LLMC_NONNULL3(att, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
     return gqa_probs(att, inp, stats, slopes, B, T, NH, NKV, hs);
+}
+
+int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
+                          const float* slopes, int B, int T, int NH, int NKV, int hs) {
+    LLMC_REQUIRE(LLMC_NONNULL3(entropy, inp, stats), LLMC_ERR_NULL);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    return gqa_entropy(entropy, inp, stats, slopes, B, T, NH, NKV, hs);
 }
 
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
@@ -872,6 +966,26 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
                 }
             }
         }
+    }
+    return LLMC_OK;
+}
+
+int attention_entropy_naive(float* entropy, const float* att, int B, int NH, int T) {
+    LLMC_REQUIRE(LLMC_NONNULL2(entropy, att), LLMC_ERR_NULL);
+    LLMC_REQUIRE(B > 0 && NH > 0 && T > 0 && llmc_count_fits(B, NH, T, T), LLMC_ERR_SHAPE);
+    const long rows = (long)B * NH * T;
+
+    // rows are independent; the masked future (t2 > t) is not read
+    #pragma omp parallel for schedule(static)
+    for (long bht = 0; bht < rows; bht++) {
+        const int t = (int)(bht % T);
+        const float* att_bht = att + (size_t)bht * T;
+        float sum = 0.0f;
+        for (int t2 = 0; t2 <= t; t2++) {
+            const float p = att_bht[t2];
+            if (p > 0.0f) { sum -= p * logf(p); }   // p ln p -> 0 as p -> 0
+        }
+        entropy[bht] = sum;
     }
     return LLMC_OK;
 }

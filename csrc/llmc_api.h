@@ -360,6 +360,22 @@ int attention_gqa_probs(float* att, const float* inp, const float* stats, const 
                         int B, int T, int NH, int NKV, int hs);
 
 /*
+ * attention_gqa_entropy: the entropy (natural log) of each query row of the
+ * probabilities of attention_gqa_forward, from its input and statistics;
+ * the scores are recomputed a few rows at a time, att is never held whole:
+ *   entropy[b,h,t] = -sum_{t2 <= t} att[b,h,t,t2] ln att[b,h,t,t2]
+ * between 0 (one key takes all the weight) and ln(t + 1) (uniform).
+ *
+ *   entropy [B, NH, T]               (written)
+ *   inp     [B, T, (NH + 2 NKV) hs]  the forward's input
+ *   stats   [B, NH, T, 2]            saved by attention_gqa_forward (or
+ *                                    attention_forward, with NKV == NH)
+ *   slopes  [NH] the forward's, or NULL
+ */
+int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
+                          const float* slopes, int B, int T, int NH, int NKV, int hs);
+
+/*
  * The plain loops, llm.c's attention_forward / attention_backward with GQA
  * and ALiBi: the reference the tiled kernels are checked against. They keep
  * the whole of att [B, NH, T, T] (written by the forward, 0 where t2 > t;
@@ -371,6 +387,16 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
                             int B, int T, int NH, int NKV, int hs);
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
                              int B, int T, int NH, int NKV, int hs);
+
+/*
+ * attention_entropy_naive: attention_gqa_entropy's plain twin, from the
+ * whole of att (as attention_forward_naive writes it):
+ *   entropy[b,h,t] = -sum_{t2 <= t, att > 0} att[b,h,t,t2] ln att[b,h,t,t2]
+ *
+ *   entropy [B, NH, T]     (written)
+ *   att     [B, NH, T, T]  probabilities; entries t2 > t are not read
+ */
+int attention_entropy_naive(float* entropy, const float* att, int B, int NH, int T);
 
 /*
  * attention_decode: one new query position per row, against a KV cache.

@@ -1,7 +1,11 @@
 """Draw the train and val loss curves of a run: ``python -m llmc_py.plot OUTDIR``.
 
 Reads OUTDIR/main.log (lines ``s:N trl:X ...`` and ``s:N tel:X``) and writes
-OUTDIR/loss.png. Needs matplotlib (``pip install "llmc_py[plot]"``).
+OUTDIR/loss.png; when the run has OUTDIR/metrics.jsonl (--monitor-every), also
+OUTDIR/monitors.png: the loss, each layer's attention entropy (mean and min
+over its heads), the representation measures per layer, and each layer's
+gradient norm and update-to-weight ratio, over steps. Needs matplotlib
+(``pip install "llmc_py[plot]"``).
 """
 import argparse
 import re
@@ -9,6 +13,7 @@ import sys
 from pathlib import Path
 
 _LINE = re.compile(r"s:(\d+) (trl|tel):(\S+)")
+METRICS_FILE = "metrics.jsonl"
 
 
 def read_log(path):
@@ -55,7 +60,95 @@ def main(argv=None):
     output = Path(args.output) if args.output else Path(args.out_dir) / "loss.png"
     fig.savefig(output, dpi=100, bbox_inches="tight")
     print(f"wrote {output}")
+    metrics = Path(args.out_dir) / METRICS_FILE
+    if metrics.exists():
+        from .monitors import read_metrics
+        records = read_metrics(metrics)
+        if records:
+            output = output.with_name("monitors.png")
+            plot_monitors(plt, records, train, str(Path(args.out_dir))).savefig(
+                output, dpi=100, bbox_inches="tight")
+            print(f"wrote {output}")
     return 0
+
+
+def _series(records, field, reduce=None):
+    """(steps, values (steps, layers)) of a per-layer field of the records;
+    ``reduce`` turns a layer's list (e.g. its heads) into one number."""
+    steps, rows = [], []
+    for r in records:
+        value = r.get(field)
+        if value is None:
+            continue
+        steps.append(r["step"])
+        rows.append([reduce(v) if reduce else v for v in value])
+    values = [[float("nan") if v is None else v for v in row] for row in rows]
+    return steps, values
+
+
+def _layer_lines(ax, steps, values, labels, style="-", legend=False):
+    import matplotlib
+    cmap = matplotlib.colormaps["viridis"]
+    count = len(values[0]) if values else 0
+    for i in range(count):
+        ax.plot(steps, [row[i] for row in values], style, color=cmap(i / max(count - 1, 1)),
+                linewidth=1, label=labels[i] if legend else None)
+
+
+def plot_monitors(plt, records, train_loss, title):
+    """The monitors figure of metrics.jsonl's ``records`` (and main.log's
+    train loss {step: loss}, which is drawn at every step)."""
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    axes = axes.ravel()
+    L = len(records[0]["attention_entropy"])
+    layers = [f"layer {l}" for l in range(L)]
+    stream = ["embedding"] + layers      # the representation lists start at the embedding
+
+    ax = axes[0]
+    if train_loss:
+        ax.plot(list(train_loss), list(train_loss.values()), linewidth=1, label="train")
+    probe = [(r["step"], r["probe_loss"]) for r in records if r.get("probe_loss") is not None]
+    if probe:
+        ax.plot(*zip(*probe), "o-", markersize=2, linewidth=1, label="probe batch")
+    ax.set_title("loss")
+    ax.legend()
+
+    ax = axes[1]
+    def finite(row):
+        return [v for v in row if v is not None] or [float("nan")]
+    steps, mean = _series(records, "attention_entropy", lambda heads: sum(
+        finite(heads)) / len(finite(heads)))
+    _layer_lines(ax, steps, mean, layers, "-", legend=True)
+    steps, low = _series(records, "attention_entropy", lambda heads: min(finite(heads)))
+    _layer_lines(ax, steps, low, layers, "--")
+    ax.set_title("attention entropy (nats): mean over heads, -- min")
+    ax.legend(fontsize=8)
+
+    panels = [
+        ("attention_entropy_normalized", "normalised entropy (/ ln(t+1)): min over heads",
+         min, layers, False),
+        ("mean_cosine", "mean cosine between token vectors", None, stream, False),
+        ("residual_ratio", "residual ratio ||X - 1 mean|| / ||X||", None, stream, False),
+        ("effective_rank", "effective rank of the tokens", None, stream, True),
+        ("grad_norm_layer", "gradient norm per layer (before clipping)", None, layers, False),
+        ("update_ratio_layer", "update / weight norm per layer", None, layers, False),
+    ]
+    for ax, (field, name, reduce, labels, legend) in zip(axes[2:], panels):
+        steps, values = _series(records, field,
+                                (lambda row: min(finite(row))) if reduce else None)
+        if steps:
+            _layer_lines(ax, steps, values, labels, legend=legend)
+        ax.set_title(name)
+        if legend:
+            ax.legend(fontsize=8)
+    for ax in axes[6:]:
+        ax.set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

@@ -82,8 +82,11 @@ def norm(x, weight, bias, config):
     return R.layernorm(x, weight, bias, config.norm_eps)[0]
 
 
-def forward(p, config, inputs, targets=None, precision="fp32"):
-    """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T)."""
+def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
+    """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T).
+    A dict ``trace`` receives "hidden": the residual stream after the
+    embedding and after each block, and "att": each layer's attention
+    probabilities [B, NH, T, T]."""
     c = config
     matmul = bf16_matmul if precision == "bf16" else R.matmul
     inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
@@ -95,6 +98,8 @@ def forward(p, config, inputs, targets=None, precision="fp32"):
         return p[name] if l is None else p[name][l]
 
     x = R.encoder(p["wte"], param("wpe"), inputs)
+    if trace is not None:
+        trace["hidden"], trace["att"] = [x], []
     for l in range(c.num_layers):
         h = norm(x, param("ln1w", l), param("ln1b", l), c)
         qkv = matmul(h, param("qkvw", l), param("qkvb", l))
@@ -103,12 +108,15 @@ def forward(p, config, inputs, targets=None, precision="fp32"):
                                  c.num_kv_heads, c.norm_eps)[0]
         if c.position == "rope":
             qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta)
-        h = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)[0]
+        h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)
         x = R.residual(x, matmul(h, param("attprojw", l), param("attprojb", l)))
         h = norm(x, param("ln2w", l), param("ln2b", l), c)
         h = matmul(h, param("fcw", l), param("fcb", l))
         h = R.swiglu(h) if c.mlp == "swiglu" else R.gelu(h)
         x = R.residual(x, matmul(h, param("fcprojw", l), param("fcprojb", l)))
+        if trace is not None:
+            trace["hidden"].append(x)
+            trace["att"].append(att)
     x = norm(x, p["lnfw"], param("lnfb"), c)
     logits = matmul(x, p["wte"] if c.tied_embeddings else p["lm_head"])
     if targets is None:

@@ -105,6 +105,12 @@ def attention_gqa_stats(qkv, NH, NKV, slopes=None):
     return torch.cat([maxval, inv], dim=-1)
 
 
+def attention_entropy(att):
+    """-sum_t2 att ln att over the last axis (natural log; 0 ln 0 = 0): the
+    entropy of each row of attention probabilities [B,NH,T,T]."""
+    return -torch.special.xlogy(att, att).sum(dim=-1)
+
+
 def _attention_scores(qkv, NH, NKV, slopes):
     """attention_gqa's scores [B,NH,T,T] (-inf above the diagonal) and its v
     heads repeated for the query heads [B,NH,T,hs]."""

@@ -12,6 +12,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import attention_gqa as ref_attention_gqa
+from reference import attention_entropy as ref_attention_entropy
 from reference import attention_gqa_stats as ref_attention_gqa_stats
 
 SHAPES = [  # B, T, C, NH
@@ -450,6 +451,11 @@ err = np.abs(out[0, -1] - ref).max() / np.abs(ref).max()
 assert err <= 2e-5, f"out: {err:.3g}"
 assert abs(stats[0, 0, -1, 0] - s.max()) <= 3e-6 * abs(s.max()), "stats max"
 assert np.isfinite(dinp).all() and np.abs(dinp).max() > 0, "dinp"
+# the row entropies need no T x T either
+ent = np.empty((B, NH, T), np.float32)
+K.attention_gqa_entropy(ent, qkv, stats, None, NH, NH)
+ref_ent = np.log(p.sum()) - (p * (s - s.max())).sum() / p.sum()
+assert abs(ent[0, 0, -1] - ref_ent) <= 2e-5 * ref_ent, f"entropy: {ent[0, 0, -1]} vs {ref_ent}"
 print("ok")
 """
 
@@ -624,3 +630,97 @@ def test_attention_decode_equals_forward_row_bitwise(rng, isa, T, NH, NKV, hs, s
         assert np.array_equal(bits(out[b]), bits(full_out[b, n - 1])), f"out at t = {n - 1}"
         assert np.array_equal(bits(att[b, :, :n]), bits(full_att[b, :, n - 1, :n])), \
             f"att at t = {n - 1}"
+
+
+# ---- row entropies (attention_gqa_entropy) ------------------------------------
+
+def entropy(qkv, stats, slopes, NH, NKV):
+    """Each query row's entropy, from the forward's statistics."""
+    B, _, T, _ = stats.shape
+    out = np.full((B, NH, T), np.nan, np.float32)   # (written): must not be read
+    K.attention_gqa_entropy(out, qkv, stats, slopes, NH, NKV)
+    return out
+
+
+def entropy_naive(att):
+    B, NH, T, _ = att.shape
+    out = np.full((B, NH, T), np.nan, np.float32)
+    K.attention_entropy_naive(out, att)
+    return out
+
+
+ENTROPY_SHAPES = [  # B, T, NH, NKV, hs, slopes; GQA_SHAPES and TILE_SHAPES hit the
+                    # tiles' edges (T = 1, odd T, hs = 1, 15, 80, 100, multi-query)
+    (1, 1024, 2, 1, 64, "alibi"),   # GPT-2's longest context; rows of 1024 keys
+    (1, 1024, 2, 2, 64, "steep"),   # far keys' weights underflow to exactly 0
+    (8, 128, 4, 4, 64, None),       # the default training run's attention (d4)
+    (1, 64, 3, 3, 7, None),         # odd heads and head size
+]
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES + ENTROPY_SHAPES)
+def test_attention_gqa_entropy_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
+    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    qkv *= 2.0   # sharper rows than unit scores give: entropies from 0 to near ln(t + 1)
+    _, stats = gqa_forward(qkv, slopes, NH, NKV)
+    ours = entropy(qkv, stats, slopes, NH, NKV)
+    _, ref_att = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
+    ref = ref_attention_entropy(ref_att)
+    assert_close("entropy", ours, ref, TOL["attention_entropy"]["fwd"])
+    # between 0 (one key) and ln(t + 1) (uniform), up to rounding
+    bound = np.log(np.arange(1, T + 1, dtype=np.float64))
+    assert (ours >= -1e-6).all() and (ours <= bound + 1e-5).all()
+    assert (ours[:, :, 0] == 0).all(), "a row of one key has entropy 0"
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
+def test_attention_entropy_naive_matches_reference_and_tiled(rng, isa, B, T, NH, NKV, hs,
+                                                             slopes):
+    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    _, att = naive_forward(qkv, slopes, NH, NKV)
+    ours = entropy_naive(att)
+    assert_close("entropy naive", ours, ref_attention_entropy(t64(att)),
+                 TOL["attention_entropy"]["fwd"])
+    _, stats = gqa_forward(qkv, slopes, NH, NKV)
+    assert_close("entropy tiled vs naive", entropy(qkv, stats, slopes, NH, NKV), ours,
+                 TOL["attention_entropy"]["variant"])
+
+
+def test_attention_gqa_entropy_of_known_rows():
+    # q = 0: every score is 0, each row uniform: entropy ln(t + 1). Then a
+    # steep ALiBi slope: each row all but one-hot on its own key: entropy ~0.
+    B, T, NH, NKV, hs = 2, 70, 2, 1, 16
+    qkv = np.random.default_rng(1).standard_normal((B, T, (NH + 2 * NKV) * hs),
+                                                    dtype=np.float32)
+    qkv[..., :NH * hs] = 0.0
+    _, stats = gqa_forward(qkv, None, NH, NKV)
+    uniform = np.broadcast_to(np.log(np.arange(1, T + 1)), (B, NH, T))
+    assert_close("uniform rows", entropy(qkv, stats, None, NH, NKV), uniform,
+                 TOL["attention_entropy"]["fwd"])
+    steep = np.full(NH, 100.0, np.float32)   # the next key is e^-100 as likely
+    _, stats = gqa_forward(qkv, steep, NH, NKV)
+    assert np.abs(entropy(qkv, stats, steep, NH, NKV)).max() <= 1e-30
+
+
+def test_attention_gqa_entropy_thread_invariant(rng, isa, set_threads):
+    qkv, _, slopes = make_gqa_inputs(rng, 3, 29, 4, 2, 24, "alibi")   # 12 (b, h) pairs
+    _, stats = gqa_forward(qkv, slopes, 4, 2)
+    assert_thread_invariant(set_threads, lambda: {
+        "entropy": entropy(qkv, stats, slopes, 4, 2)})
+
+
+@pytest.mark.parametrize("bad", ["entropy", "stats", "slopes"])
+def test_attention_gqa_entropy_rejects_wrong_shape(rng, bad):
+    qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
+    _, stats = gqa_forward(qkv, slopes, 4, 2)
+    args = dict(entropy=np.zeros((2, 4, 3), np.float32), inp=qkv, stats=stats, slopes=slopes,
+                NH=4, NKV=2)
+    args[bad] = args[bad][..., :-1].copy()
+    with pytest.raises(llmc_py.ShapeError, match=bad):
+        K.attention_gqa_entropy(**args)
+
+
+def test_attention_entropy_naive_rejects_wrong_shape():
+    with pytest.raises(llmc_py.ShapeError, match="entropy"):
+        K.attention_entropy_naive(np.zeros((1, 2, 4), np.float32),
+                                  np.zeros((1, 2, 3, 3), np.float32))

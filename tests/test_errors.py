@@ -88,6 +88,8 @@ ROWS = {
     "attention_gqa_probs": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
     "attention_forward_naive": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
     "attention_backward_naive": Row(bad=_NH_NOT_DIVISIBLE),
+    "attention_gqa_entropy": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
+    "attention_entropy_naive": Row(),
     "attention_decode": Row(optional=frozenset({"slopes"}), fill={"len": 1},
                             bad=_NH_NOT_DIVISIBLE),
     "rope_forward": Row(**_ROPE),

@@ -34,3 +34,20 @@ def test_plot_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert plot.main([str(tmp_path)]) == 1
     assert "pip install" in capsys.readouterr().err
+
+
+def test_plot_draws_the_monitors_of_a_run(shards, tmp_path, capsys):
+    from llmc_py import train
+    train_glob, val_glob = shards
+    out = tmp_path / "out"
+    assert train.main(["-i", train_glob, "-j", val_glob, "-o", str(out), "-e", "d2", "-b", "2",
+                       "-t", "16", "-x", "4", "-v", "0", "-s", "0", "--monitor-every", "1"]) == 0
+    capsys.readouterr()
+    assert plot.main([str(out)]) == 0
+    assert capsys.readouterr().out.split() == ["wrote", str(out / "loss.png"),
+                                               "wrote", str(out / "monitors.png")]
+    assert (out / "monitors.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (out / "metrics.jsonl").write_text("")          # no measurements: no monitors figure
+    (out / "monitors.png").unlink()
+    assert plot.main([str(out)]) == 0
+    assert not (out / "monitors.png").exists()

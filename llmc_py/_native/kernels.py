@@ -481,6 +481,19 @@ def attention_gqa_probs(att, inp, stats, slopes, NH, NKV):
         B, T, NH, NKV, hs), "attention_gqa_probs")
 
 
+def attention_gqa_entropy(entropy, inp, stats, slopes, NH, NKV):
+    """entropy[B,NH,T] (written: -sum_t2 att ln att of each query row, natural
+    log, without holding att) <- inp, stats[B,NH,T,2], slopes[NH] or None, as
+    given to attention_gqa_forward."""
+    B, T, hs = _gqa_dims(inp, NH, NKV)
+    check(lib.attention_gqa_entropy(
+        fptr(entropy, "entropy", (B, NH, T), out=True),
+        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
+        fptr(stats, "stats", (B, NH, T, 2)),
+        _optional(slopes, "slopes", (NH,)),
+        B, T, NH, NKV, hs), "attention_gqa_entropy")
+
+
 def attention_forward_naive(out, att, inp, slopes, NH, NKV):
     """attention_gqa_forward's contract, by plain loops (llm.c's): the reference."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
@@ -501,6 +514,16 @@ def attention_backward_naive(dinp, dout, inp, att, NH, NKV):
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(att, "att", (B, NH, T, T)),
         B, T, NH, NKV, hs), "attention_backward_naive")
+
+
+def attention_entropy_naive(entropy, att):
+    """attention_gqa_entropy's contract from the whole of att[B,NH,T,T], by plain
+    loops: the reference."""
+    B, NH, T, _ = _dims(att, "att", 4)
+    check(lib.attention_entropy_naive(
+        fptr(entropy, "entropy", (B, NH, T), out=True),
+        fptr(att, "att", (B, NH, T, T)),
+        B, NH, T), "attention_entropy_naive")
 
 
 def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):

@@ -26,6 +26,7 @@ from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
 from ..model.memory import return_freed_scratch
+from ..monitors import Monitor
 from .loop import Trainer, evaluate
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
@@ -111,6 +112,16 @@ def build_parser():
       help="1: keep the norm outputs and the MLP activation for one layer only and "
            "recompute them in backward (less memory, the same results, a little slower)")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
+    a("--monitor-every", type=int, default=0,
+      help="every N steps, measure attention entropy, representation collapse, per-layer "
+           "gradient norms and update ratios on a fixed validation batch and append them "
+           "to OUT/metrics.jsonl (0: never; needs validation data)")
+    a("--monitor-entropy-min", type=float, default=0.1,
+      help="with --monitor-every: warn when a head's mean attention entropy (nats) falls "
+           "below this (0: never)")
+    a("--monitor-cosine-max", type=float, default=0.99,
+      help="with --monitor-every: warn when a layer's mean cosine between token vectors "
+           "rises above this (1: never)")
     a("--data-dir", default="data", help="where the default dataset is prepared")
     llama = p.add_argument_group(
         "model family", "for a fresh model (-e dN); a model file carries its own choices")
@@ -196,6 +207,8 @@ FLAG_RANGES = {
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
     "head_dim": NON_NEGATIVE,
+    "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
+    "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
 }
 
 
@@ -381,6 +394,12 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     if val_data and args.val_every:
         val_loader = DataLoader(val_data, B, T, vocab_size=c.vocab_size)
         val_batches = min(val_batches, val_loader.num_batches)
+    probe = None
+    if args.monitor_every:
+        if not val_data:
+            raise UsageError("--monitor-every measures on a validation batch: give -j (the "
+                             "default dataset has one)")
+        probe = DataLoader(val_data, B, T, vocab_size=c.vocab_size).next_batch()
     if encoding is None and args.sample_every:
         encoding = get_encoding()
     EOT = encoding.eot_token if encoding is not None else None
@@ -403,6 +422,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                                   f"usable ({type(e).__name__}: {e})") from None
         optimizer.load_moments(m, v)
         folder.truncate_log(resume_step)
+        folder.truncate_metrics(resume_step)
         progress.say(f"resumed from step {resume_step} in {folder.path}")
         if changes:
             progress.say("changed on resume: " + ", ".join(changes))
@@ -411,6 +431,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                  f"{model.precision}; batch {B}x{T}, "
                  f"{grad_accum} micro-batch(es) per step; {args.max_steps} steps")
     log = folder.open_log(append=bool(resume_step))
+    metrics = folder.open_metrics(append=bool(resume_step)) if probe is not None else None
 
     def state_extra():
         return {"args": settings,
@@ -447,6 +468,13 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                       grad_accum=grad_accum, grad_clip=args.grad_clip,
                       update_guard=signals.deferred)
     trainer.after_step.append(step_finished)
+    if probe is not None:
+        monitor = Monitor(model, *probe, args.monitor_every, metrics,
+                          entropy_min=args.monitor_entropy_min or None,
+                          cosine_max=args.monitor_cosine_max if args.monitor_cosine_max < 1
+                          else None, say=progress.say)
+        trainer.after_backward.append(monitor.after_backward)
+        trainer.after_step.append(monitor.after_step)
     started = time.perf_counter()
     losses = []
     val_loss = None
@@ -502,6 +530,8 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         raise Stopped(signum, handled=True) from None
     finally:
         log.close()
+        if metrics is not None:
+            metrics.close()
 
     elapsed = time.perf_counter() - started
     steps_run = args.max_steps - resume_step

@@ -14,7 +14,8 @@ CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
                         "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints",
-                        "precision", "recompute")
+                        "precision", "recompute", "monitor_every", "monitor_entropy_min",
+                        "monitor_cosine_max")
 
 
 def resume_changes(saved, settings, explicit):

@@ -2,6 +2,8 @@
 
   main.log          one line per step ``s:N trl:LOSS lr:LR norm:NORM`` and
                     per evaluation ``s:N tel:LOSS`` (llm.c's format)
+  metrics.jsonl     with --monitor-every: one JSON object per measurement,
+                    its "step" first (llmc_py.monitors.run lists the fields)
   model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
   state_%08d.bin    the training state (io.state)
   DONE_%08d         empty; written last, marks a complete checkpoint
@@ -11,6 +13,8 @@ One trainer at a time: ``lock()`` takes an exclusive advisory lock on .lock,
 which the kernel drops when the process ends however it ends, so a crash
 never leaves a stale lock.
 """
+import json
+import math
 import os
 import re
 from pathlib import Path
@@ -26,15 +30,27 @@ except ImportError:   # Windows: no advisory locks here; the folder is not guard
 
 # the temporary files of io.files.atomic_write for this folder's files, which
 # stay behind only when the writing process was killed before its rename
-_TEMPORARY = re.compile(r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log)\..+\.tmp")
+_TEMPORARY = re.compile(
+    r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl)\..+\.tmp")
 _DONE = re.compile(r"DONE_(\d{8})")
 _STEP_LINE = re.compile(r"s:(\d+) ")
+
+
+def _metrics_step(line):
+    """The "step" of a metrics.jsonl line; a line that is not a measurement
+    counts as past every step."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return math.inf
+    return step if isinstance(step, int) else math.inf
 
 
 class RunFolder:
     def __init__(self, path):
         self.path = Path(path)
         self.log_path = self.path / "main.log"
+        self.metrics_path = self.path / "metrics.jsonl"
         self._lock_fd = None
 
     def create(self):
@@ -65,8 +81,8 @@ class RunFolder:
             self._lock_fd = None
 
     def run_files(self):
-        """The files of a run in this folder: checkpoints and main.log."""
-        names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log")
+        """The files of a run in this folder: checkpoints, main.log and metrics.jsonl."""
+        names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl")
         return sorted(p for p in self.path.iterdir() if names.fullmatch(p.name))
 
     def clear(self):
@@ -132,5 +148,17 @@ class RunFolder:
                 if not ((match := _STEP_LINE.match(line)) and int(match.group(1)) > step)]
         atomic_write(self.log_path, ["".join(kept).encode()])
 
+    def truncate_metrics(self, step):
+        """As truncate_log, for metrics.jsonl: keeps the measurements of steps
+        up to ``step``, and drops a line a killed run left half written."""
+        if not self.metrics_path.exists():
+            return
+        kept = [line for line in self.metrics_path.read_text().splitlines(keepends=True)
+                if line.endswith("\n") and _metrics_step(line) <= step]
+        atomic_write(self.metrics_path, ["".join(kept).encode()])
+
     def open_log(self, append):
         return open(self.log_path, "a" if append else "w")
+
+    def open_metrics(self, append):
+        return open(self.metrics_path, "a" if append else "w")
