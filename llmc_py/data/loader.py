@@ -153,13 +153,18 @@ class DataLoader:
         d.update(epoch=self.epoch, shard_pos=self.shard_pos, batch_pos=self.batch_pos)
         return d
 
-    def load_state_dict(self, d):
+    def load_state_dict(self, d, *, other_batch=False):
         """Restores a position saved by state_dict(); the loader must have the
-        same settings and data (a mismatch is a DataError naming it)."""
+        same settings and data (a mismatch is a DataError naming it). With
+        ``other_batch`` a sequential loader may have another B (the number of
+        processes changed): it goes on at the first window that starts at or
+        after the saved position's first unread token."""
         try:
             saved = {k: int(d[k]) for k in self._SETTINGS + ("epoch", "shard_pos", "batch_pos")}
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"DataLoader state is malformed: {type(e).__name__}: {e}") from None
+        if other_batch and not self.shuffle and saved["B"] != self.B:
+            saved = self._rebatched(saved)
         for name in self._SETTINGS:
             if saved[name] != int(getattr(self, name)):
                 raise DataError(f"DataLoader state: {name} is {saved[name]}, but this loader "
@@ -173,6 +178,20 @@ class DataLoader:
             raise DataError(f"DataLoader state: batch_pos {batch_pos} out of range for "
                             f"{self.files[shard]} ({self.shard_batches[shard]} batches)")
         self.epoch, self.shard_pos, self.batch_pos = epoch, shard_pos, batch_pos
+
+    def _rebatched(self, saved):
+        """``saved`` (a sequential position for another B) in this loader's B."""
+        tokens = saved["batch_pos"] * saved["B"] * self.T   # read of its shard
+        epoch, shard_pos = saved["epoch"], saved["shard_pos"]
+        batch_pos = -(-tokens // (self.B * self.T))
+        if not 0 <= shard_pos < self.num_shards:
+            return saved   # refused below
+        if batch_pos >= self.shard_batches[shard_pos]:
+            batch_pos, shard_pos = 0, shard_pos + 1
+            if shard_pos == self.num_shards:
+                shard_pos, epoch = 0, epoch + 1
+        return dict(saved, B=self.B, num_batches=self.num_batches, epoch=epoch,
+                    shard_pos=shard_pos, batch_pos=batch_pos)
 
     def __repr__(self):
         return (f"DataLoader({self.pattern!r}, B={self.B}, T={self.T}, shuffle={self.shuffle}, "

@@ -9,10 +9,13 @@ Flags follow llm.c's train_gpt2 where one exists (-i -j -e -o -b -t -x -l -u
 command line and sequences the run; the step itself is train.loop.Trainer.
 """
 import argparse
+import hashlib
+import os
 import re
 import signal
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +30,8 @@ from ..generate.kv_cache import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
 from ..model.memory import return_freed_scratch
 from ..monitors import Monitor
+from . import distributed
+from .distributed import RankRows, ShardedAdamW, Solo, raise_injected_fault
 from .loop import Trainer, evaluate
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
@@ -112,6 +117,8 @@ def build_parser():
       help="1: keep the norm outputs and the MLP activation for one layer only and "
            "recompute them in backward (less memory, the same results, a little slower)")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
+    a("--zero", type=int, choices=(0, 1), default=0,
+      help="under mpiexec: 1 keeps each rank's shard of AdamW's moments only (ZeRO-1)")
     a("--monitor-every", type=int, default=0,
       help="every N steps, measure attention entropy, representation collapse, per-layer "
            "gradient norms and update ratios on a fixed validation batch and append them "
@@ -217,12 +224,14 @@ def check_args(args):
     check_flags(args, FLAG_RANGES)
 
 
-def grad_accum_of(args):
-    """Micro-batches per optimizer step, from -d (0: one)."""
-    bt = args.batch_size * args.seq_len
+def grad_accum_of(args, ranks=1):
+    """Micro-batches per optimizer step, from -d (0: one), the tokens of a
+    step over all ``ranks`` processes (llm.c's convention: -b is per process)."""
+    bt = args.batch_size * args.seq_len * ranks
     total = args.total_batch_tokens or bt
     if total % bt:
-        raise UsageError(f"-d {total} is not a multiple of B*T = {bt}")
+        raise UsageError(f"-d {total} is not a multiple of B*T*processes = {args.batch_size}*"
+                         f"{args.seq_len}*{ranks} = {bt}")
     return total // bt
 
 
@@ -306,14 +315,15 @@ def explicit_flags(argv):
     return set(vars(parser.parse_args(argv)))
 
 
-def run(args, out=None, argv=None):
+def run(args, out=None, argv=None, world=None):
     """The run the command line asks for; returns the exit code. ``args`` (the
     parser's namespace) is read, never changed; ``argv`` says which flags
-    were given."""
+    were given; ``world`` is train.distributed's (default: one process)."""
     progress = Progress(out)
     with StopSignals() as signals:
         try:
-            return _run(args, progress, signals, explicit_flags(argv or []))
+            return _run(args, progress, signals, explicit_flags(argv or []),
+                        Solo() if world is None else world)
         except KeyboardInterrupt as stop:   # Stopped, or Ctrl-C before the handlers were in
             signum = getattr(stop, "signum", signal.SIGINT)
             if not getattr(stop, "handled", False):
@@ -326,15 +336,18 @@ def signal_name(signum):
     return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
 
 
-def _run(args, progress, signals, explicit):
+def _run(args, progress, signals, explicit, world):
     from ..data import DataLoader, prepare_dataset   # noqa: deferred, pulls tiktoken
     from ..tokenizer import get_encoding, load_tokenizer
 
     check_args(args)
-    grad_accum = grad_accum_of(args)
+    grad_accum = grad_accum_of(args, world.size)
     if args.threads:
         set_num_threads(args.threads)
     folder = RunFolder(args.output_dir)
+    if not world.is_root:   # the output folder is rank 0's alone
+        return _train(args, progress, signals, explicit, folder, grad_accum, DataLoader,
+                      prepare_dataset, get_encoding, load_tokenizer, world)
     folder.create()
     folder.lock()
     try:
@@ -350,13 +363,14 @@ def _run(args, progress, signals, explicit):
             folder.clear()
             progress.say(f"removed the earlier run in {folder.path} (--overwrite)")
         return _train(args, progress, signals, explicit, folder, grad_accum, DataLoader,
-                      prepare_dataset, get_encoding, load_tokenizer)
+                      prepare_dataset, get_encoding, load_tokenizer, world)
     finally:
         folder.unlock()
 
 
 def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, prepare_dataset,
-           get_encoding, load_tokenizer):
+           get_encoding, load_tokenizer, world):
+    root, ranks = world.is_root, world.size
     # data, in the tokens of the model's tokenizer (GPT-2's unless a
     # Hugging Face folder or --tokenizer gives another)
     source = tokenizer_source(args)
@@ -364,41 +378,65 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     train_data, val_data = args.train_data, args.val_data
     if train_data is None:
         from ..data.prepare import dataset_name
-        train_path, val_path = prepare_dataset(
-            DEFAULT_DATASET, args.data_dir, encoding=encoding,
-            folder=dataset_name(DEFAULT_DATASET, encoding))
+        for preparing in (True, False):   # rank 0 first; the others then find it ready
+            if preparing == root:
+                train_path, val_path = prepare_dataset(
+                    DEFAULT_DATASET, args.data_dir, encoding=encoding,
+                    folder=dataset_name(DEFAULT_DATASET, encoding), quiet=not root)
+            world.barrier()
         train_data = str(train_path)
         if val_data is None:
             val_data = str(val_path)
 
     # model, optimizer, schedule
-    resume_step = 0
+    resume_step, m, v, extra = 0, None, None, None
     if args.resume:
-        resume_step, model, m, v, extra = usable_checkpoint(folder, progress, args.precision)
-        if args.max_steps < resume_step:
-            raise UsageError(f"-x {args.max_steps} is below the checkpoint's step "
-                             f"{resume_step} in {folder.path}")
+        if root:
+            resume_step, model, m, v, extra = usable_checkpoint(folder, progress, args.precision)
+            if args.max_steps < resume_step:
+                raise UsageError(f"-x {args.max_steps} is below the checkpoint's step "
+                                 f"{resume_step} in {folder.path}")
+        # the other ranks get the checkpoint from rank 0 (they need no access to -o)
+        resume_step, config, extra = world.broadcast_object(
+            (resume_step, model.config, extra) if root else None)
+        if not root:
+            model = (GPT2 if isinstance(config, GPT2Config) else Llama)(
+                config, precision=args.precision)
     else:
         model = build_model(args)
+        if ranks > 1:
+            world.same_on_every_rank("model (-e and its file)", model_digest(model))
+    if ranks > 1:   # every rank starts from rank 0's parameters
+        world.broadcast(model.params.memory)
+        if model.params_bf16 is not None:
+            model.refresh_bf16()
     c = model.config
     check_model_fits(args, c, encoding)
     B, T = args.batch_size, args.seq_len
     model.recompute = bool(args.recompute)
     model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
-    optimizer = AdamW(model, args.beta1, args.beta2, args.adam_eps, args.weight_decay,
-                      args.decay_on)
-    train_loader = DataLoader(train_data, B, T, shuffle=bool(args.shuffle),
-                              seed=args.seed, vocab_size=c.vocab_size)
+    adamw = dict(beta1=args.beta1, beta2=args.beta2, eps=args.adam_eps,
+                 weight_decay=args.weight_decay, decay_on=args.decay_on)
+    sharded = bool(args.zero) and ranks > 1
+    optimizer = ShardedAdamW(model, world, **adamw) if sharded else AdamW(model, **adamw)
+    # each rank reads its B rows of every batch of ranks * B
+    train_loader = RankRows(DataLoader(train_data, B * ranks, T, shuffle=bool(args.shuffle),
+                                       seed=args.seed, vocab_size=c.vocab_size), world)
     val_loader = None
     val_batches = args.val_batches
     if val_data and args.val_every:
-        val_loader = DataLoader(val_data, B, T, vocab_size=c.vocab_size)
+        val_loader = RankRows(DataLoader(val_data, B * ranks, T, vocab_size=c.vocab_size),
+                              world)
         val_batches = min(val_batches, val_loader.num_batches)
+    world.same_on_every_rank("training data (-i)", fingerprint(train_loader.files))
     probe = None
     if args.monitor_every:
         if not val_data:
             raise UsageError("--monitor-every measures on a validation batch: give -j (the "
                              "default dataset has one)")
+        if sharded:
+            raise UsageError("--monitor-every reads every gradient, which --zero 1 leaves "
+                             "reduced on their own rank only: use one or the other")
         probe = DataLoader(val_data, B, T, vocab_size=c.vocab_size).next_batch()
     if encoding is None and args.sample_every:
         encoding = get_encoding()
@@ -406,7 +444,8 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     sample_rng = np.random.default_rng(args.seed)
     # what a resumed run must share with this one, saved in every state file
     settings = dict(vars(args), train_data=train_data, val_data=val_data,
-                    total_batch_tokens=grad_accum * B * T, grad_accum=grad_accum,
+                    total_batch_tokens=grad_accum * B * T * ranks, grad_accum=grad_accum,
+                    world_size=ranks,
                     val_batches=val_batches, train_fingerprint=fingerprint(train_loader.files),
                     val_fingerprint=fingerprint(val_loader.files) if val_loader else None)
 
@@ -415,23 +454,34 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         changes = resume_changes(saved, settings, explicit)
         try:
-            train_loader.load_state_dict(extra["train_loader"])
+            train_loader.load_state_dict(extra["train_loader"],
+                                         other_batch=saved.get("world_size", 1) != ranks)
             sample_rng.bit_generator.state = extra["sample_rng"]
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{state_path}: the data loader or RNG state is not "
                                   f"usable ({type(e).__name__}: {e})") from None
+        if ranks > 1 and not sharded:   # every rank holds all of m and v
+            if not root:
+                m, v = np.empty(model.num_parameters, np.float32), \
+                    np.empty(model.num_parameters, np.float32)
+            world.broadcast(m)
+            world.broadcast(v)
         optimizer.load_moments(m, v)
-        folder.truncate_log(resume_step)
-        folder.truncate_metrics(resume_step)
+        if root:
+            folder.truncate_log(resume_step)
+            folder.truncate_metrics(resume_step)
         progress.say(f"resumed from step {resume_step} in {folder.path}")
         if changes:
             progress.say("changed on resume: " + ", ".join(changes))
 
     progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters, "
-                 f"{model.precision}; batch {B}x{T}, "
-                 f"{grad_accum} micro-batch(es) per step; {args.max_steps} steps")
-    log = folder.open_log(append=bool(resume_step))
-    metrics = folder.open_metrics(append=bool(resume_step)) if probe is not None else None
+                 f"{model.precision}; batch {B}x{T}"
+                 + (f" on each of {ranks} processes" + (" (ZeRO-1)" if sharded else "")
+                    if ranks > 1 else "")
+                 + f", {grad_accum} micro-batch(es) per step; {args.max_steps} steps")
+    log = folder.open_log(append=bool(resume_step)) if root else open(os.devnull, "w")
+    metrics = folder.open_metrics(append=bool(resume_step)) \
+        if probe is not None and root else None
 
     def state_extra():
         return {"args": settings,
@@ -446,9 +496,16 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         finished["step"], finished["extra"] = result.step, state_extra()
 
     def save(step):
+        """Rank 0 writes the checkpoint, whole: ZeRO's moment shards are gathered
+        first (every rank takes part in that)."""
         try:
             with signals.deferred():
-                folder.save(step, model, optimizer, finished["extra"], args.keep_checkpoints)
+                state = optimizer
+                if sharded:
+                    state = types.SimpleNamespace(m=None, v=None)
+                    state.m, state.v = optimizer.gathered_moments()
+                if root:
+                    folder.save(step, model, state, finished["extra"], args.keep_checkpoints)
         except WriteError as e:
             intact = (f"the checkpoint of step {last_good} is intact" if last_good
                       else "no checkpoint was written before")
@@ -466,9 +523,12 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         next_batch = train_loader.next_batch
     trainer = Trainer(model, optimizer, schedule_from_args(args), next_batch,
                       grad_accum=grad_accum, grad_clip=args.grad_clip,
-                      update_guard=signals.deferred)
+                      update_guard=signals.deferred, world=world)
+    if ranks > 1:   # first of all: the gradients averaged over the ranks
+        reduce = world.reduce_scatter_mean if sharded else world.average
+        trainer.after_backward.append(lambda trainer, step: reduce(model.grads.memory))
     trainer.after_step.append(step_finished)
-    if probe is not None:
+    if probe is not None and root:
         monitor = Monitor(model, *probe, args.monitor_every, metrics,
                           entropy_min=args.monitor_entropy_min or None,
                           cosine_max=args.monitor_cosine_max if args.monitor_cosine_max < 1
@@ -492,18 +552,19 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
             elapsed = time.perf_counter() - started
             eta = elapsed / (step - resume_step) * (args.max_steps - step)
             progress.step(step, args.max_steps, r.loss, r.norm, r.lr, r.ms,
-                          grad_accum * B * T / (r.ms / 1000), eta)
+                          grad_accum * B * T * ranks / (r.ms / 1000), eta)
+            raise_injected_fault(world.rank, step)
 
             last = step == args.max_steps
             if val_loader is not None and (step % args.val_every == 0 or last):
                 try:
-                    val_loss = evaluate(model, val_loader, val_batches)
+                    val_loss = world.mean(evaluate(model, val_loader, val_batches))
                     log.write(f"s:{step} tel:{val_loss:.6f}\n")
                     log.flush()
                     progress.say(f"step {step}: val loss {val_loss:.6f}")
                 except (LlmcError, ValueError) as e:
                     warn("evaluation", step, e)
-            if args.sample_every and (step % args.sample_every == 0 or last):
+            if args.sample_every and (step % args.sample_every == 0 or last) and root:
                 try:
                     ids = [int(new[0]) for new in stream(model, [[EOT]], args.gen_tokens,
                                                          temperature=1.0, rng=sample_rng)]
@@ -541,7 +602,11 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     if val_loss is not None:
         summary += f", val loss {val_loss:.4f}"
     progress.say(summary + f"; checkpoint {folder.checkpoint_paths(args.max_steps)[0]}")
-    if args.export_hf:
+    if ranks > 1 and steps_run:   # rank 0's share of the exchanges
+        progress.say(f"communication (rank 0): {world.seconds / steps_run * 1000:.1f} ms and "
+                     f"{world.bytes_sent / steps_run / 2**20:.1f} MiB sent per step "
+                     f"({100 * world.seconds / elapsed:.1f}% of the time)")
+    if args.export_hf and root:
         export_hf(model, args.export_hf, source)
         progress.say(f"exported as a Hugging Face folder: {args.export_hf}")
     return 0
@@ -568,13 +633,41 @@ def export_hf(model, folder, tokenizer_from=None):
             atomic_write(Path(folder) / name, [(source / name).read_bytes()])
 
 
+def model_digest(model):
+    """A hash of a model's config and parameters, to compare across ranks."""
+    digest = hashlib.sha256(repr(model.config).encode())
+    digest.update(model.params.memory.tobytes())
+    return digest.hexdigest()[:16]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     return_freed_scratch()
     try:
-        return run(args, argv=argv)
+        world = distributed.world()
+        if world.size == 1:
+            return run(args, argv=argv)
     except (UsageError, LlmcError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return run_ranks(args, argv, world)
+
+
+def run_ranks(args, argv, world):
+    """One rank of a run under mpiexec: rank 0 prints and writes; the others
+    are silent. Any exception on any rank ends the whole job at once: one
+    line naming the rank, then MPI_Abort (no rank is left waiting for it)."""
+    quiet = None if world.is_root else open(os.devnull, "w")
+    try:
+        code = run(args, out=quiet, argv=argv, world=world)
+    except BaseException as e:   # noqa: B036 (anything, even a bug, must end the job)
+        print(f"error: rank {world.rank} of {world.size}: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        world.abort(1)
+        return 1
+    if code != 0 and code < 128:
+        world.abort(code)
+    world.barrier()
+    return code
 

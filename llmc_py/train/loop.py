@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._native import kernels as K
+from .distributed import Solo
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -31,14 +34,20 @@ class Trainer:
     callables f(trainer, result), run after each step that was applied.
     ``update_guard``: a context manager factory around the update and the
     after_step hooks, so that they run whole or not at all (the CLI holds
-    stop signals there)."""
+    stop signals there).
+
+    ``world`` (train.distributed; default one process): the loss is the mean
+    over its ranks, and with an optimizer that updates a shard (``span``,
+    ZeRO-1) the gradient norm is the shards' together. Reducing the
+    gradients is an after_backward hook's work."""
 
     def __init__(self, model, optimizer, schedule, next_batch, *, grad_accum=1, grad_clip=1.0,
-                 update_guard=contextlib.nullcontext):
+                 update_guard=contextlib.nullcontext, world=None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.next_batch = next_batch
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self.update_guard = update_guard
+        self.world = Solo() if world is None else world
         self.after_backward = []
         self.after_step = []
 
@@ -53,9 +62,10 @@ class Trainer:
         for _ in range(n):
             x, y = self.next_batch()
             loss += model.forward_backward(x, y, loss_scale=1.0 / n) / n
+        loss = self.world.mean(loss)
         for hook in self.after_backward:
             hook(self, step)
-        norm = model.clip_grad_norm(self.grad_clip) if self.grad_clip > 0 else model.grad_norm()
+        norm = self._clip_grad_norm()
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return StepResult(step, loss, norm, 0.0, (time.perf_counter() - t0) * 1000, False)
         lr = self.schedule(step)
@@ -65,6 +75,19 @@ class Trainer:
             for hook in self.after_step:
                 hook(self, result)
         return result
+
+
+    def _clip_grad_norm(self):
+        """The global gradient norm, before clipping the gradients to grad_clip."""
+        model, span = self.model, getattr(self.optimizer, "span", None)
+        if span is None:   # every rank holds all of the (averaged) gradients
+            norm = model.grad_norm()
+        else:
+            shard = model.grads.memory[span[0]:span[1]]
+            norm = math.sqrt(self.world.sum(K.global_norm_squared(shard)))
+        if 0 < self.grad_clip < norm:
+            K.scale_inplace(model.grads.memory, self.grad_clip / norm)
+        return norm
 
 
 def evaluate(model, loader, batches):

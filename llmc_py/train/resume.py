@@ -14,7 +14,8 @@ CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
                         "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints",
-                        "precision", "recompute", "monitor_every", "monitor_entropy_min",
+                        "precision", "recompute", "world_size", "zero", "total_batch_tokens",
+                        "monitor_every", "monitor_entropy_min",
                         "monitor_cosine_max")
 
 
@@ -22,8 +23,12 @@ def resume_changes(saved, settings, explicit):
     """The changeable settings that differ from the checkpoint's, as text;
     raises UsageError for one that must not change. ``explicit`` names the
     flags given on this command line (a model flag left at its default is
-    not a change: the model comes from the checkpoint)."""
-    for key in FIXED_ON_RESUME + tuple(k for k in FIXED_MODEL_FLAGS if k in explicit):
+    not a change: the model comes from the checkpoint). Another number of
+    processes (world_size) may change the micro-batches per step too."""
+    fixed = FIXED_ON_RESUME
+    if saved.get("world_size", 1) != settings.get("world_size", 1):
+        fixed = tuple(k for k in fixed if k != "grad_accum")
+    for key in fixed + tuple(k for k in FIXED_MODEL_FLAGS if k in explicit):
         if key in saved and saved[key] != settings[key]:
             what = ("the training data differ from the checkpoint's"
                     if key == "train_fingerprint" else

@@ -1,0 +1,174 @@
+"""Data-parallel training under mpiexec (train.distributed): 2 ranks of one
+thread each against one process, bitwise determinism, resume, ZeRO-1,
+gradient accumulation, a rank that fails, and another number of processes
+on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
+processes (the [mpi] extra's mpich, which the test extra installs).
+
+Tolerance against one process: 1e-5 relative on every step's loss (the two
+sum a step's rows in other groupings; seen: equal to the printed digits)."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmc_py import load_model
+from llmc_py import train as train_mod
+from llmc_py.data import DataLoader, write_tokens
+from llmc_py.errors import UsageError
+from llmc_py.io import read_state
+from llmc_py.train import distributed
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["-e", "d1", "-t", "32", "-s", "0", "-v", "4", "-m", "2", "-u", "2", "-l", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    write_tokens(folder / "train.bin", rng.integers(0, 50257, 30000))
+    write_tokens(folder / "val.bin", rng.integers(0, 50257, 4000))
+    return ["-i", str(folder / "train.bin"), "-j", str(folder / "val.bin")]
+
+
+def env(**extra):
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+             OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for name in distributed.LAUNCHER_SIZE_VARS:
+        e.pop(name, None)
+    e.update(extra)
+    return e
+
+
+def mpirun(out, *args, ranks=2, timeout=120, **extra_env):
+    mpiexec = shutil.which("mpiexec")
+    assert mpiexec, 'mpiexec is not on PATH: pip install ".[mpi]" (mpich) or a system MPI'
+    return subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "llmc_py.train",
+                           "-o", str(out), *args], env=env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def solo(out, *args):
+    return train_mod.main(["-o", str(out), *args])
+
+
+def log_lines(out, kind):
+    return [float(line.split(f"{kind}:")[1].split()[0])
+            for line in (Path(out) / "main.log").read_text().splitlines() if f" {kind}:" in line]
+
+
+@pytest.mark.parametrize("extra", [[], ["--zero", "1"], ["-d", str(2 * 4 * 32)]],
+                         ids=["allreduce", "zero1", "accumulation"])
+def test_two_ranks_match_one_process(shards, tmp_path, extra):
+    ran = mpirun(tmp_path / "two", *shards, *SMALL, "-b", "2", "-x", "8", *extra)
+    assert ran.returncode == 0, ran.stderr
+    assert solo(tmp_path / "one", *shards, *SMALL, "-b", "4", "-x", "8",
+                *[a for a in extra if a not in ("--zero", "1")]) == 0
+    for kind in ("trl", "tel"):
+        two, one = log_lines(tmp_path / "two", kind), log_lines(tmp_path / "one", kind)
+        assert len(two) == len(one) == (8 if kind == "trl" else 2)
+        np.testing.assert_allclose(two, one, rtol=1e-5, err_msg=kind)
+    assert "on each of 2 processes" in ran.stdout and ran.stdout.count("step 8/8") == 1
+
+
+def files_of(out):
+    return sorted(p.name for p in Path(out).iterdir() if not p.name.startswith("."))
+
+
+@pytest.mark.parametrize("extra", [[], ["--zero", "1"]], ids=["allreduce", "zero1"])
+def test_runs_are_bitwise_identical_and_resume_bitwise(shards, tmp_path, extra):
+    # a constant rate: a run of -x 4 is the first half of one of -x 8
+    args = [*shards, *SMALL, "-b", "2", "-n", "4", "-k", "constant", *extra]
+    for name in ("a", "b"):
+        ran = mpirun(tmp_path / name, *args, "-x", "8")
+        assert ran.returncode == 0, ran.stderr
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert files_of(a) == ["DONE_00000004", "DONE_00000008", "main.log", "model_00000004.bin",
+                           "model_00000008.bin", "state_00000004.bin", "state_00000008.bin"]
+    for step in (4, 8):
+        assert_same_checkpoint(a, b, step)
+    assert (a / "main.log").read_bytes() == (b / "main.log").read_bytes()
+    # stop at 4, resume to 8: the same bytes
+    assert mpirun(tmp_path / "c", *args, "-x", "4").returncode == 0
+    ran = mpirun(tmp_path / "c", *args, "-x", "8", "-y", "1")
+    assert ran.returncode == 0, ran.stderr
+    assert_same_checkpoint(a, tmp_path / "c", 8)
+    assert (tmp_path / "c" / "main.log").read_bytes() == (a / "main.log").read_bytes()
+
+
+def assert_same_checkpoint(one, other, step):
+    """The model file and AdamW's moments bitwise, and the data position (the
+    state files also hold each run's own -o)."""
+    name = f"model_{step:08d}.bin"
+    assert (one / name).read_bytes() == (other / name).read_bytes(), name
+    n = load_model(one / name).num_parameters
+    states = [read_state(folder / f"state_{step:08d}.bin", n) for folder in (one, other)]
+    for i, what in ((1, "m"), (2, "v")):
+        assert np.array_equal(states[0][i], states[1][i]), what
+    assert states[0][3]["train_loader"] == states[1][3]["train_loader"]
+
+
+def test_a_rank_that_raises_ends_the_job(shards, tmp_path):
+    args = [*shards, *SMALL, "-b", "2", "-n", "4"]
+    t0 = time.monotonic()
+    ran = mpirun(tmp_path / "f", *args, "-x", "8", timeout=30,
+                 **{distributed.FAULT_ENV: "1:6"})
+    assert ran.returncode != 0 and time.monotonic() - t0 < 30
+    assert "error: rank 1 of 2: RuntimeError: injected fault" in ran.stderr
+    assert files_of(tmp_path / "f") == ["DONE_00000004", "main.log", "model_00000004.bin",
+                                        "state_00000004.bin"]
+    ran = mpirun(tmp_path / "f", *args, "-x", "8", "-y", "1")
+    assert ran.returncode == 0, ran.stderr
+    assert mpirun(tmp_path / "whole", *args, "-x", "8").returncode == 0
+    assert (tmp_path / "f" / "model_00000008.bin").read_bytes() == \
+        (tmp_path / "whole" / "model_00000008.bin").read_bytes()
+
+
+def test_resume_with_another_number_of_processes(shards, tmp_path, capsys):
+    args = [*shards, *SMALL, "-b", "2", "-n", "4"]
+    assert mpirun(tmp_path / "r", *args, "-x", "4").returncode == 0
+    assert solo(tmp_path / "r", *args, "-x", "8", "-y", "1") == 0
+    assert "world_size 2 -> 1" in capsys.readouterr().out
+    losses = log_lines(tmp_path / "r", "trl")
+    assert len(losses) == 8 and all(np.isfinite(losses))
+
+
+# ---- the pieces, in one process ---------------------------------------------------
+
+def test_shards_cover_the_buffer_in_order():
+    for n, size in ((10, 3), (7, 7), (5, 8), (124_475_904, 2)):
+        bounds = distributed.shard_bounds(n, size)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_launched_without_mpi4py_is_refused(monkeypatch):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setitem(sys.modules, "mpi4py", None)   # as if not installed
+    with pytest.raises(UsageError, match="2 processes, but mpi4py is not installed"):
+        distributed.world()
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert isinstance(distributed.world(), distributed.Solo)
+
+
+def test_a_loader_position_moves_to_another_batch(shards, tmp_path):
+    """Sequential: the first window at or after the first unread token."""
+    path = shards[1]
+    four = DataLoader(path, 4, 32)
+    for _ in range(3):
+        four.next_batch()
+    two = DataLoader(path, 2, 32)
+    two.load_state_dict(four.state_dict(), other_batch=True)
+    assert np.array_equal(two.next_batch()[0], four.next_batch()[0][:2])
+    three = DataLoader(path, 3, 32)
+    three.load_state_dict(four.state_dict(), other_batch=True)   # 4 windows of 4 rows read
+    assert three.batch_pos == 6   # ceil(16 / 3) windows of 3 rows
+    shuffled = DataLoader(path, 2, 32, shuffle=True)
+    with pytest.raises(ValueError, match="B is 4"):
+        shuffled.load_state_dict(DataLoader(path, 4, 32, shuffle=True).state_dict(),
+                                 other_batch=True)
