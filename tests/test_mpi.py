@@ -76,6 +76,18 @@ def test_two_ranks_match_one_process(shards, tmp_path, extra):
     assert "on each of 2 processes" in ran.stdout and ran.stdout.count("step 8/8") == 1
 
 
+def test_zero1_in_bf16_matches_the_all_reduce(shards, tmp_path):
+    """bf16 mixed precision: ZeRO-1 updates the fp32 shard and gathers it,
+    then rounds the bf16 copy again; the same steps as without it (the
+    gradient norms differ only in how their squares are summed)."""
+    for name, extra in (("plain", []), ("zero", ["--zero", "1"])):
+        ran = mpirun(tmp_path / name, *shards, *SMALL, "-b", "2", "-x", "6", "--precision",
+                     "bf16", *extra)
+        assert ran.returncode == 0, ran.stderr
+    np.testing.assert_allclose(log_lines(tmp_path / "zero", "trl"),
+                               log_lines(tmp_path / "plain", "trl"), rtol=1e-5)
+
+
 def files_of(out):
     return sorted(p.name for p in Path(out).iterdir() if not p.name.startswith("."))
 
@@ -172,3 +184,17 @@ def test_a_loader_position_moves_to_another_batch(shards, tmp_path):
     with pytest.raises(ValueError, match="B is 4"):
         shuffled.load_state_dict(DataLoader(path, 4, 32, shuffle=True).state_dict(),
                                  other_batch=True)
+
+
+def test_a_zero_shard_is_what_the_memory_plan_counts():
+    from llmc_py import GPT2, GPT2Config
+    model = GPT2(GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128,
+                            num_layers=1, num_heads=2, channels=32))
+    n = model.num_parameters
+    bounds = distributed.shard_bounds(n, 3)[1]
+    model.reserve(2, 8, training=True, moment_params=bounds[1] - bounds[0])
+    assert model.m_memory is None   # the shard's optimizer makes its moments
+    assert model.memory_plan(2, 8)["AdamW moments"] == 8 * (bounds[1] - bounds[0])
+    full = GPT2(model.config)
+    full.reserve(2, 8, training=True)
+    assert full.m_memory.size == n and full.memory_plan(2, 8)["AdamW moments"] == 8 * n

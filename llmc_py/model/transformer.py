@@ -136,6 +136,7 @@ class Transformer:
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
+        self.moment_params = self.num_parameters   # parameters whose moments we keep
         self.mean_loss = None
         self._drop_activations()   # made by the first forward, for its (B, T)
 
@@ -288,7 +289,7 @@ class Transformer:
         plan = {"parameters": f32 * n,
                 "parameters (bf16 copy)": 2 * n if self.params_bf16 is not None else 0,
                 "parameter gradients": f32 * n if training else 0,
-                "AdamW moments": 2 * f32 * n if training else 0,
+                "AdamW moments": 2 * f32 * self.moment_params if training else 0,
                 "activations": specs_bytes(self.act_specs, c, B, T),
                 "logits": f32 * self._head_rows(B, T, keep) * c.Vp,
                 "activation gradients": (specs_bytes(self.grad_act_specs, c, B, T)
@@ -303,7 +304,7 @@ class Transformer:
         (no AVX512_BF16), those copies for its largest product."""
         c, f32 = self.config, 4
         threads = get_num_threads()
-        hs = c.C // c.NH
+        hs = c.head_size
         attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
         matmul = 4 << 20
         total = threads * (attention + matmul)
@@ -317,7 +318,9 @@ class Transformer:
         plan = self.memory_plan(B, T, training=training, keep_logits=keep_logits)
         have = {"parameters": True, "parameters (bf16 copy)": True,
                 "parameter gradients": self._grads is not None,
-                "AdamW moments": self.m_memory is not None,
+                # made by moments(); a shard of them, by its optimizer (ZeRO-1)
+                "AdamW moments": (self.m_memory is not None
+                                  or self.moment_params < self.num_parameters),
                 "activations": self.acts is not None and _fits(self.acts, plan["activations"]),
                 "logits": (self._logits_buffer is not None
                            and self._logits_buffer.nbytes >= plan["logits"]),
@@ -327,17 +330,22 @@ class Transformer:
         return {part: nbytes for part, nbytes in plan.items() if nbytes and not have[part]}
 
     @_held
-    def reserve(self, B, T, training=False, keep_logits=None):
+    def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
         """Allocates memory for batches up to (B, T) now, so that later
         forwards of any smaller shape reuse it (e.g. a growing context while
         sampling); with ``training``, for whole training steps (forward_backward
         and update): the gradients and AdamW's moments too. Raises
-        OutOfMemoryError, saying what needs how much, if it cannot all fit."""
+        OutOfMemoryError, saying what needs how much, if it cannot all fit.
+        ``moment_params`` < num_parameters: this process keeps the moments of
+        that many parameters only (a ZeRO-1 shard, which its optimizer makes)."""
         keep = not training if keep_logits is None else keep_logits
+        if moment_params is not None:
+            self.moment_params = moment_params
         self._plan(B, T, training=training, keep_logits=keep)
         if training:
             self.grads   # noqa: B018  (made on first use)
-            self.moments()
+            if self.moment_params == self.num_parameters:
+                self.moments()
 
     def _plan(self, B, T, training=False, keep_logits=True):
         """Makes the buffers a forward of (B, T) (with ``training``, its

@@ -414,10 +414,12 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     check_model_fits(args, c, encoding)
     B, T = args.batch_size, args.seq_len
     model.recompute = bool(args.recompute)
-    model.reserve(B, T, training=True)   # fails now if a step cannot fit in memory
+    sharded = bool(args.zero) and ranks > 1
+    shard = distributed.shard_bounds(model.num_parameters, ranks)[world.rank]
+    # fails now if a step cannot fit in memory
+    model.reserve(B, T, training=True, moment_params=shard[1] - shard[0] if sharded else None)
     adamw = dict(beta1=args.beta1, beta2=args.beta2, eps=args.adam_eps,
                  weight_decay=args.weight_decay, decay_on=args.decay_on)
-    sharded = bool(args.zero) and ranks > 1
     optimizer = ShardedAdamW(model, world, **adamw) if sharded else AdamW(model, **adamw)
     # each rank reads its B rows of every batch of ranks * B
     train_loader = RankRows(DataLoader(train_data, B * ranks, T, shuffle=bool(args.shuffle),

@@ -91,7 +91,7 @@ class Solo:
     def broadcast_object(self, obj):
         return obj
 
-    def gather(self, shard, n):
+    def gather(self, shard, n, out=None):
         return shard
 
     def scatter(self, full, shard):
@@ -203,11 +203,11 @@ class MPIWorld:
         self.bytes_sent += 4 * counts[self.rank] * (self.size - 1)
         self.seconds += time.perf_counter() - t0
 
-    def gather(self, shard, n):
+    def gather(self, shard, n, out=None):
         """Rank 0: the n-element array whose shards the ranks hold (``shard``
-        is this rank's); the others: None."""
+        is this rank's), in ``out`` if given; the others: None."""
         bounds = shard_bounds(n, self.size)
-        full = np.empty(n, np.float32) if self.is_root else None
+        full = (np.empty(n, np.float32) if out is None else out) if self.is_root else None
         spec = [full, [b - a for a, b in bounds], [a for a, _ in bounds], self.MPI.FLOAT]
         self.comm.Gatherv(shard, spec if self.is_root else None, root=0)
         return full
@@ -238,9 +238,12 @@ class ShardedAdamW(AdamW):
 
     def gathered_moments(self):
         """(m, v) for every parameter on rank 0, (None, None) on the others
-        (a collective: every rank calls it)."""
+        (a collective: every rank calls it). Between steps the gradients are
+        spent, so m is gathered into their buffer: rank 0 then holds one
+        parameter-sized array more than the others, as long as it writes."""
         n = self.model.num_parameters
-        return self.world.gather(self.m, n), self.world.gather(self.v, n)
+        return self.world.gather(self.m, n, out=self.model.grads.memory), \
+            self.world.gather(self.v, n)
 
     def load_moments(self, m, v):
         """m and v for every parameter from rank 0 (None elsewhere)."""
