@@ -28,6 +28,11 @@ CONFIGS = {   # id: the choices, over BASE
     "qwen3": dict(qk_norm=True, head_dim=24, rope_theta=1e6, norm_eps=1e-6),
     "qknorm-alibi-untied": dict(qk_norm=True, position="alibi", head_dim=10,
                                 tied_embeddings=False),
+    # scaled RoPE for longer contexts; llama3's blend spans hs = 16's wavelengths at 16
+    "rope-llama3": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max=16,
+                        rope_theta=500000.0),
+    "rope-linear": dict(rope_scaling="linear", rope_factor=4.0),
+    "rope-ntk": dict(rope_scaling="ntk", rope_factor=4.0, num_kv_heads=1),
 }
 
 
@@ -148,10 +153,20 @@ def _corrupt(path, slot, value, floats=False):
     ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
     ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
     ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
-])                                                                   # a file that disagrees
+                                                                     # a file that disagrees
+    ("head_dim", 15, -3, "head_dim is -3"),
+    ("qk_norm", LLAMA_FLAG_SLOTS["qk_norm"], 5, "qk_norm is 5, expected 0 or 1"),
+    ("rope_scaling", 24, 9, "rope_scaling is 9, expected one of"),
+    ("rope_original_max", 25, 0, None),   # llama3 without its context: below
+])
 def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
     path = tmp_path / "m.bin"
-    Llama(BASE).save_checkpoint(path)
+    config = BASE
+    if message is None:
+        config = dataclasses.replace(BASE, rope_scaling="llama3", rope_factor=8.0,
+                                     rope_original_max=16)
+        message = "llama3 RoPE scaling needs rope_original_max > 0"
+    Llama(config).save_checkpoint(path)
     _corrupt(path, slot, value)
     with pytest.raises(CheckpointError, match=message):
         load_model(path)

@@ -158,16 +158,45 @@ def test_rope_rejects_non_integer_head_counts():
 
 
 def test_rope_c_rejects_odd_head_size_and_bad_values():
-    # the C checks behind the wrapper's: odd hs, theta <= 0, a negative start
+    # the C checks behind the wrapper's: odd hs, theta <= 0, a negative start,
+    # frequencies that are not positive and finite
     buf = ffi.new("float[]", 64)
     pos = ffi.new("int[]", [3, -2])
-    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_forward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_backward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_forward(buf, buf, pos, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+    N = ffi.NULL
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_forward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_forward(buf, buf, pos, N, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+    for bad in ([1.0, 0.0], [1.0, -1.0], [float("nan"), 1.0], [float("inf"), 1.0]):
+        freq = ffi.new("double[]", bad)
+        assert lib.rope_forward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
+        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(2, 37, 4, 2, 16), (1, 5, 3, 1, 2)])
+def test_rope_with_given_frequencies_matches_reference(rng, isa, B, T, NH, NKV, hs):
+    """A scaled RoPE's frequencies (any positive ones) instead of theta's."""
+    x, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    freq = rng.uniform(1e-4, 1.0, hs // 2)
+    pos = np.array([5, 900][:B], np.int32)
+    out = np.full_like(x, np.nan)
+    K.rope_forward(out, x, pos, NH, NKV, 1e4, inv_freq=freq)
+    dinp = np.zeros_like(x)
+    K.rope_backward(dinp, dout, pos, NH, NKV, 1e4, inv_freq=freq)
+    xt = t64(x, grad=True)
+    ref = ref_rope(xt, t64(pos).long(), NH, NKV, inv_freq=freq)
+    (ref * t64(dout)).sum().backward()
+    assert_close("out", out, ref, TOL["rope"]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL["rope"]["bwd"])
+    # theta's own frequencies given explicitly: bitwise the plain kernel
+    plain, given = np.empty_like(x), np.empty_like(x)
+    K.rope_forward(plain, x, pos, NH, NKV, 1e4)
+    K.rope_forward(given, x, pos, NH, NKV, 1e4,
+                   inv_freq=1e4 ** (-2.0 * np.arange(hs // 2) / hs))
+    assert np.array_equal(plain, given)
 
 
 def test_rope_rejects_wrong_shapes(rng):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
+from ..config import MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
@@ -133,11 +133,15 @@ def write_model(path, config, params, dtype="fp32"):
 #     [15] head_dim  0 (channels / num_heads) or the head size (Qwen3)
 #     [16] qk_norm   0 or 1 (RMSNorm on each q and k head before RoPE; its
 #          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
-#   256 float32 header slots: [0] rope_theta  [1] norm_eps
+#     [24] rope_scaling  0 none, 1 linear, 2 ntk, 3 llama3
+#     [25] rope_original_max  (llama3)
+#   256 float32 header slots: [0] rope_theta  [1] norm_eps  [2] rope_factor
+#     [3] rope_low_freq_factor  [4] rope_high_freq_factor  (read when [24] != 0)
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
-# Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# and 16 came later: files from before hold 0 there, which reads as before.
+# Unused slots are 0; a reader rejects any field out of its range. Slots 15,
+# 16, 24, 25 and float slots 2-4 came later: files from before hold 0 there,
+# which reads as before.
 MAGIC_LLAMA = 20261122
 VERSION_LLAMA = 1
 VERSION_LLAMA_BF16 = 2
@@ -147,6 +151,10 @@ LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_head
 LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
 LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
+# RoPE scaling: its kind and trained context (int slots), its factors (float slots)
+LLAMA_ROPE_SCALING_SLOT, LLAMA_ROPE_ORIGINAL_MAX_SLOT = 24, 25
+LLAMA_ROPE_FLOAT_SLOTS = {"rope_factor": 2, "rope_low_freq_factor": 3,
+                          "rope_high_freq_factor": 4}
 LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
 
@@ -165,8 +173,10 @@ def llama_headers(config, version=VERSION_LLAMA):
     for name, slot in LLAMA_FLAG_SLOTS.items():
         ints[slot] = int(getattr(config, name))
     ints[LLAMA_HEAD_DIM_SLOT] = config.head_dim
+    ints[LLAMA_ROPE_SCALING_SLOT] = ROPE_SCALINGS.index(config.rope_scaling)
+    ints[LLAMA_ROPE_ORIGINAL_MAX_SLOT] = config.rope_original_max
     floats = np.zeros(HEADER_INTS, dtype="<f4")
-    for name, slot in LLAMA_FLOAT_SLOTS.items():
+    for name, slot in (LLAMA_FLOAT_SLOTS | LLAMA_ROPE_FLOAT_SLOTS).items():
         floats[slot] = getattr(config, name)
     return ints, floats
 
@@ -206,6 +216,15 @@ def read_llama_header(path):
         floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
     for name, slot in LLAMA_FLOAT_SLOTS.items():
         fields[name] = float(floats[slot])   # the config rejects <= 0, inf and NaN
+    code = int(ints[LLAMA_ROPE_SCALING_SLOT])
+    if not 0 <= code < len(ROPE_SCALINGS):
+        raise CheckpointError(f"{path}: header field rope_scaling is {code}, expected one of "
+                              + ", ".join(f"{i} ({c})" for i, c in enumerate(ROPE_SCALINGS)))
+    if code:
+        fields["rope_scaling"] = ROPE_SCALINGS[code]
+        fields["rope_original_max"] = int(ints[LLAMA_ROPE_ORIGINAL_MAX_SLOT])
+        for name, slot in LLAMA_ROPE_FLOAT_SLOTS.items():
+            fields[name] = float(floats[slot])
     try:
         config = LlamaConfig(**fields)
     except ShapeError as e:

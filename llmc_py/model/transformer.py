@@ -115,6 +115,7 @@ class Transformer:
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
+        self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._user = threading.RLock()   # held by the thread inside an entry point
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
@@ -409,7 +410,7 @@ class Transformer:
                                    c.NH, c.NKV, c.norm_eps)
             qkv = a.qkvr[l]   # RoPE turns it in place
         if c.position == "rope":
-            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta)
+            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
 
     @staticmethod
     def _attention_input(a, l):
@@ -697,7 +698,7 @@ class Transformer:
         dnormed = dqkvr
         if rope:
             dqkvn[...] = 0.0
-            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta)
+            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
             dnormed = dqkvn
         if qk_norm:
             dqkv[...] = 0.0
