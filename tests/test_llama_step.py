@@ -199,3 +199,29 @@ def test_config_rejects_impossible_choices():
     with pytest.raises(ShapeError, match="norm must be one of"):
         dataclasses.replace(BASE, norm="batchnorm")
     assert dataclasses.replace(BASE, channels=60, position="alibi").head_size == 15
+
+
+@pytest.mark.parametrize("scheme", ["gpt2", "xavier_normal", "xavier_uniform"])
+def test_initialisation_schemes(scheme):
+    """Each matrix's spread is its scheme's; norm weights 1, biases 0; the
+    constructor's draw is initialize(seed) with GPT-2's scheme, bitwise."""
+    config = dataclasses.replace(BASE, bias=True, num_layers=3, channels=256, num_heads=4)
+    model = Llama(config, seed=4)
+    again = Llama(config, seed=9)
+    again.initialize(4)
+    assert np.array_equal(again.params.memory, model.params.memory)
+    model.initialize(5, scheme, std=0.05)
+    for name in model.matrix_params:
+        w = model.params[name]
+        rows = w[:config.V] if name == "wte" else w
+        fan_out, fan_in = w.shape[-2:]
+        expected = {"gpt2": 0.05 / (np.sqrt(2 * 3) if name in ("attprojw", "fcprojw") else 1),
+                    "xavier_normal": np.sqrt(2 / (fan_in + fan_out)),
+                    "xavier_uniform": np.sqrt(6 / (fan_in + fan_out)) / np.sqrt(3)}[scheme]
+        assert abs(rows.std() / expected - 1) < 0.05, (name, rows.std(), expected)
+        if scheme == "xavier_uniform":
+            assert np.abs(rows).max() <= expected * np.sqrt(3)
+    assert np.all(model.params.ln1w == 1) and np.all(model.params.qkvb == 0)
+    assert np.all(model.params.wte[config.V:] == 0)
+    with pytest.raises(ValueError, match="scheme is 'he'"):
+        model.initialize(0, "he")
