@@ -53,7 +53,7 @@ from .._native.lib import get_isa, get_num_threads
 from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
-from ..io.tokens import first_out_of_vocab
+from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, param_specs, specs_bytes)
 from .memory import format_bytes, require
@@ -241,23 +241,27 @@ class Transformer:
         self.acts = self.grads_acts = self._logits_buffer = None
         self.B = self.T = None
         self.inputs = self.targets = None
+        self.counted = 0   # the last batch's targets that are not IGNORE_INDEX
         self._logits_state = None
 
     # ---- forward -----------------------------------------------------------
 
-    def token_ids(self, tokens, name="tokens"):
+    def token_ids(self, tokens, name="tokens", allow_ignore=False):
         """``tokens`` (B, T) as checked contiguous int32 ids; RangeError names
-        the first one outside the vocabulary."""
+        the first one outside the vocabulary. ``allow_ignore`` (targets):
+        IGNORE_INDEX is allowed too."""
         arr = np.asarray(tokens)
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
             raise ShapeError(f"{name} must have shape (B, T) with B, T >= 1, got {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name} must hold integer token ids, got {arr.dtype}")
         V = self.config.vocab_size
-        bad = first_out_of_vocab(arr, V)
+        bad = first_out_of_vocab(arr, V, allow_ignore)
         if bad is not None:
             b, t = bad
-            raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
+            also = f" or {IGNORE_INDEX} (ignored)" if allow_ignore else ""
+            raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in "
+                             f"[0, {V}){also}")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
     def _batch(self, inputs, targets, *, training=False, keep_logits=True):
@@ -271,11 +275,14 @@ class Transformer:
                              f"{c.max_seq_len} (its learned position table has "
                              f"{c.max_seq_len} rows)")
         if targets is not None:
-            targets = self.token_ids(targets, "targets")
+            targets = self.token_ids(targets, "targets", allow_ignore=True)
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
         self._plan(B, T, training=training, keep_logits=keep_logits)
         self.inputs, self.targets = inputs, targets
+        # the targets the mean loss is over: all but the ignored ones
+        self.counted = (0 if targets is None
+                        else targets.size - int(np.count_nonzero(targets == IGNORE_INDEX)))
         return inputs, targets
 
     def memory_plan(self, B, T, training=True, keep_logits=None):
@@ -419,7 +426,8 @@ class Transformer:
     @_held
     def forward(self, inputs, targets=None, *, keep_logits=True):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
-        loss as a float when ``targets`` (B, T) are given, else None. The
+        loss as a float when ``targets`` (B, T) are given, else None: the mean
+        over the targets that are not IGNORE_INDEX (-1), 0.0 if all are. The
         logits are in ``model.logits`` unless ``keep_logits`` is False (then
         targets are needed, and the classifier runs HEAD_ROWS rows at a time,
         in less memory: evaluation's way). A learned position table limits T
@@ -447,7 +455,10 @@ class Transformer:
         return self._mean_loss()
 
     def _mean_loss(self):
-        self.mean_loss = float(self.acts.losses.mean(dtype=np.float64))
+        """The mean of the losses over the counted targets (the ignored ones'
+        losses are 0); 0.0 when every target is ignored."""
+        total = self.acts.losses.sum(dtype=np.float64)
+        self.mean_loss = float(total / self.counted) if self.counted else 0.0
         return self.mean_loss
 
     def _head_blocks(self):
@@ -574,12 +585,13 @@ class Transformer:
 
     def _start_backward(self, loss_scale):
         """Backward's activation gradients, with d(scaled mean loss)/d(loss[b, t])
-        in d.losses."""
+        in d.losses: loss_scale over the counted targets (the kernel gives
+        ignored rows no gradient; with none counted, no row has any)."""
         B, T = self.B, self.T
         if self.grads_acts is None:
             self._plan(B, T, training=True, keep_logits=self._logits_state == "logits")
         d = self.grads_acts
-        d.losses[...] = loss_scale / (B * T)
+        d.losses[...] = loss_scale / self.counted if self.counted else 0.0
         return d
 
     @_held
@@ -605,7 +617,8 @@ class Transformer:
     @_held
     def forward_backward(self, inputs, targets, loss_scale=1.0):
         """A training step's forward and backward in one: the mean loss of
-        ``inputs`` against ``targets``, and its gradients (times
+        ``inputs`` against ``targets`` (over those not IGNORE_INDEX, as
+        forward's), and its gradients (times
         ``loss_scale``) added into ``grads``, as forward then backward give
         them, to the bit. The classifier runs HEAD_ROWS rows at a time,
         each block's logits turned into their gradient and multiplied back
