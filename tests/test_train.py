@@ -134,10 +134,35 @@ def test_checkpoint_files_and_keep_last(shards, tmp_path):
 def test_plain_progress_lines(shards, tmp_path, capsys):
     assert run(shards, tmp_path / "out", "-x", "3", "-v", "0") == 0
     out = capsys.readouterr().out
-    steps = re.findall(r"^step (\d+)/3: train loss (\S+) norm (\S+) lr (\S+) \(took (\S+) ms, "
-                       r"(\d+) tok/s, eta (\d+) s\)$", out, re.M)
+    steps = re.findall(r"^step (\d+)/3: train loss (\S+) ppl (\S+) norm (\S+) lr (\S+) "
+                       r"\(took (\S+) ms, (\d+) tok/s, eta (\d+) s\)$", out, re.M)
     assert [s[0] for s in steps] == ["1", "2", "3"]
+    for _, loss, ppl, *_ in steps:   # the perplexity is exp(loss)
+        assert abs(float(ppl) - np.exp(float(loss))) <= 1e-4 * float(ppl)
     assert "done: 3 steps" in out
+
+
+def test_perplexity_beside_every_loss_but_not_in_main_log(shards, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert run(shards, out_dir, "-x", "4") == 0   # -v 4: one evaluation, at the end
+    out = capsys.readouterr().out
+    (val, ppl), = re.findall(r"^step 4: val loss (\S+) \(perplexity (\S+)\)$", out, re.M)
+    assert abs(float(ppl) - np.exp(float(val))) <= 1e-4 * float(ppl)
+    first, last, ppl_first, ppl_last, val_s, ppl_val = re.search(
+        r"train loss (\S+) -> (\S+) \(perplexity (\S+) -> (\S+)\), val loss (\S+) "
+        r"\(perplexity (\S+)\)", out).groups()
+    for loss, ppl in ((first, ppl_first), (last, ppl_last), (val_s, ppl_val)):
+        assert abs(float(ppl) - np.exp(float(loss))) <= 0.01 * float(ppl)
+    # main.log keeps llm.c's fields only
+    log = (out_dir / "main.log").read_text().splitlines()
+    assert all(re.fullmatch(r"s:\d+ (trl:\S+ lr:\S+ norm:\S+|tel:\S+)", line) for line in log)
+    assert "ppl" not in "\n".join(log) and "perplexity" not in "\n".join(log)
+
+
+def test_perplexity():
+    assert train_mod.perplexity(0.0) == 1.0
+    assert train_mod.perplexity(np.log(50257.0)) == pytest.approx(50257.0)
+    assert train_mod.perplexity(1e4) == float("inf")   # exp overflows a float
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeypatch,
@@ -437,3 +462,15 @@ def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path
     assert train_losses(lean) == train_losses(plain)
     assert (lean / "model_00000004.bin").read_bytes() == \
         (plain / "model_00000004.bin").read_bytes()
+
+
+def test_live_progress_line_shows_perplexity():
+    import io
+    from llmc_py.train.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    term = Terminal()
+    Progress(term).step(7, 10, 2.0, 0.5, 1e-3, 12.0, 1000.0, 3.0)
+    assert term.getvalue().startswith("\rstep     7/10 | loss 2.0000 | ppl 7.39 | norm 0.500")

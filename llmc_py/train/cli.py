@@ -32,7 +32,7 @@ from ..model.memory import return_freed_scratch
 from ..monitors import Monitor
 from . import distributed
 from .distributed import RankRows, ShardedAdamW, Solo, raise_injected_fault
-from .loop import Trainer, evaluate
+from .loop import Trainer, evaluate, perplexity
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
 from .run_folder import RunFolder
@@ -247,12 +247,14 @@ class Progress:
 
     def step(self, step, total, loss, norm, lr, ms, tokens_per_s, eta_s):
         if self.live:
-            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | norm {norm:.3f} | "
+            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | "
+                              f"ppl {perplexity(loss):.2f} | norm {norm:.3f} | "
                               f"lr {lr:.2e} | {ms:6.0f} ms | {tokens_per_s:7.0f} tok/s | "
                               f"eta {format_seconds(eta_s)}  ")
             self.open_line = True
         else:
-            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} norm {norm:.4f} "
+            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} "
+                              f"ppl {perplexity(loss):.4f} norm {norm:.4f} "
                               f"lr {lr:.3e} (took {ms:.1f} ms, {tokens_per_s:.0f} tok/s, "
                               f"eta {eta_s:.0f} s)\n")
         self.stream.flush()
@@ -563,7 +565,8 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                     val_loss = world.mean(evaluate(model, val_loader, val_batches))
                     log.write(f"s:{step} tel:{val_loss:.6f}\n")
                     log.flush()
-                    progress.say(f"step {step}: val loss {val_loss:.6f}")
+                    progress.say(f"step {step}: val loss {val_loss:.6f} "
+                                 f"(perplexity {perplexity(val_loss):.4f})")
                 except (LlmcError, ValueError) as e:
                     warn("evaluation", step, e)
             if args.sample_every and (step % args.sample_every == 0 or last) and root:
@@ -600,9 +603,10 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     steps_run = args.max_steps - resume_step
     summary = f"done: {steps_run} steps in {format_seconds(elapsed)}"
     if losses:
-        summary += f", train loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        summary += (f", train loss {losses[0]:.4f} -> {losses[-1]:.4f} (perplexity "
+                    f"{perplexity(losses[0]):.2f} -> {perplexity(losses[-1]):.2f})")
     if val_loss is not None:
-        summary += f", val loss {val_loss:.4f}"
+        summary += f", val loss {val_loss:.4f} (perplexity {perplexity(val_loss):.2f})"
     progress.say(summary + f"; checkpoint {folder.checkpoint_paths(args.max_steps)[0]}")
     if ranks > 1 and steps_run:   # rank 0's share of the exchanges
         progress.say(f"communication (rank 0): {world.seconds / steps_run * 1000:.1f} ms and "

@@ -94,6 +94,15 @@ class Trainer:
         return norm
 
 
+def perplexity(loss):
+    """exp(loss): the perplexity of a mean cross-entropy in nats (inf when
+    it overflows a float, NaN for a NaN loss)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def evaluate(model, loader, batches):
     """The mean loss over the first ``batches`` batches of ``loader``."""
     loader.reset()
