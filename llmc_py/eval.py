@@ -105,8 +105,9 @@ def build_parser():
     p.add_argument("--lengths", type=int, nargs="+", required=True,
                    help="context lengths to evaluate at")
     p.add_argument("--stride", type=int, default=0,
-                   help="tokens between window starts (0: the length, windows side by side); "
-                        "a smaller stride gives each scored token more context")
+                   help="tokens between window starts (0, or more than a length: the length, "
+                        "windows side by side); a smaller stride gives each scored token "
+                        "more context")
     p.add_argument("-b", "--batch-size", type=int, default=1, help="windows per forward")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="evaluate on the first N tokens only (0: all)")
