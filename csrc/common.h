@@ -81,6 +81,14 @@ static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {
     return -1;
 }
 
+/* As llmc_first_bad_index, for targets: LLMC_IGNORE_INDEX is allowed too. */
+static inline int64_t llmc_first_bad_target(const int* ids, int64_t n, int V) {
+    for (int64_t i = 0; i < n; i++) {
+        if ((ids[i] < 0 || ids[i] >= V) && ids[i] != LLMC_IGNORE_INDEX) { return i; }
+    }
+    return -1;
+}
+
 /* Elements per chunk of a chunked reduction. Fixed, so a sum is split the
    same way whatever the thread count, and its result never changes. */
 #define LLMC_REDUCE_CHUNK 16384

@@ -525,16 +525,26 @@ int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N);
 int softmax_forward(float* probs, const float* logits, int B, int T, int V, int Vp);
 
 /*
+ * The target that is ignored: a row whose target is LLMC_IGNORE_INDEX adds
+ * nothing to the loss or the gradient (loss 0, dlogits 0), as PyTorch's
+ * cross_entropy(..., ignore_index=-1). Only targets may hold it; the caller
+ * leaves such rows out of the mean.
+ */
+typedef enum { LLMC_IGNORE_INDEX = -1 } llmc_target;
+
+/*
  * softmax_crossentropy_forward: the classifier's loss without probabilities:
  * per row, stats[b,t] = (max, inv) of the softmax over logits[b,t,:V]
  * (inv = 1 / sum_i exp(logits[b,t,i] - max)) and
  * losses[b,t] = -log(exp(logits[b,t,target] - max) * inv), bitwise
- * -log(probs[b,t,target]) of softmax_forward's probs. logits are only read.
+ * -log(probs[b,t,target]) of softmax_forward's probs; losses[b,t] = 0 where
+ * target == LLMC_IGNORE_INDEX (its stats are still written). logits are only
+ * read.
  *
  *   losses  [B, T]      (written)
  *   stats   [B, T, 2]   (written)
  *   logits  [B, T, Vp]
- *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
+ *   targets [B, T]      int32 in [0, V) or LLMC_IGNORE_INDEX; else LLMC_ERR_RANGE
  */
 int softmax_crossentropy_forward(float* losses, float* stats, const float* logits,
                                  const int* targets, int B, int T, int V, int Vp);
@@ -543,14 +553,16 @@ int softmax_crossentropy_forward(float* losses, float* stats, const float* logit
  * softmax_crossentropy_backward: the gradient through softmax and
  * cross-entropy together, from the forward's stats:
  * dlogits[b,t,i] = (p[b,t,i] - [i == target]) * dlosses[b,t] for i < V, and 0
- * in the padding columns, with p = exp(logits - max) * inv as the forward's.
- * dlogits may be logits itself (the gradient then replaces the logits).
+ * in the padding columns, with p = exp(logits - max) * inv as the forward's;
+ * a row whose target is LLMC_IGNORE_INDEX gets 0 in every column, whatever
+ * its dlosses. dlogits may be logits itself (the gradient then replaces the
+ * logits).
  *
  *   dlogits [B, T, Vp]  (written)
  *   logits  [B, T, Vp]
  *   stats   [B, T, 2]
  *   dlosses [B, T]
- *   targets [B, T]      int32 in [0, V); else LLMC_ERR_RANGE
+ *   targets [B, T]      int32 in [0, V) or LLMC_IGNORE_INDEX; else LLMC_ERR_RANGE
  */
 int softmax_crossentropy_backward(float* dlogits, const float* logits, const float* stats,
                                   const float* dlosses, const int* targets,

@@ -11,6 +11,9 @@
  * the very product softmax_forward computes (one lane of llmc_exp16, times
  * inv), so the losses and gradients are bitwise those of
  * softmax, then -log p[target], then (p - onehot) * dloss.
+ *
+ * A row whose target is LLMC_IGNORE_INDEX has loss 0 and gradient 0 (its
+ * statistics are still computed, so that every row's stats are defined).
  */
 #include "llmc.h"
 #include "common.h"
@@ -90,7 +93,7 @@ int softmax_forward(float* probs, const float* logits, int B, int T, int V, int 
 static LLMC_ALWAYS_INLINE void xent_forward_row_body(float* loss, float* stats, const float* x,
                                                      int target, int V) {
     row_stats(NULL, x, V, &stats[0], &stats[1]);
-    *loss = -logf(row_prob(x, target, stats[0], stats[1]));
+    *loss = target == LLMC_IGNORE_INDEX ? 0.0f : -logf(row_prob(x, target, stats[0], stats[1]));
 }
 LLMC_ISA_VARIANTS(xent_forward_row, (float* loss, float* stats, const float* x, int target, int V),
                   loss, stats, x, target, V)
@@ -101,7 +104,7 @@ int softmax_crossentropy_forward(float* losses, float* stats, const float* logit
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
-    LLMC_REQUIRE(llmc_first_bad_index(targets, BT, V) < 0, LLMC_ERR_RANGE);
+    LLMC_REQUIRE(llmc_first_bad_target(targets, BT, V) < 0, LLMC_ERR_RANGE);
 
     void (*const row)(float*, float*, const float*, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), xent_forward_row);
@@ -113,10 +116,15 @@ int softmax_crossentropy_forward(float* losses, float* stats, const float* logit
 }
 
 /* One row of the fused backward: dx[i] = (p[i] - [i == target]) * dloss for
-   i < V, 0 past V; dx may be x (each element is read before it is written). */
+   i < V, 0 past V (0 everywhere for an ignored target); dx may be x (each
+   element is read before it is written). */
 static LLMC_ALWAYS_INLINE void xent_backward_row_body(float* dx, const float* x,
                                                       const float* stats, int target,
                                                       float dloss, int V, int Vp) {
+    if (target == LLMC_IGNORE_INDEX) {
+        memset(dx, 0, (size_t)Vp * sizeof *dx);
+        return;
+    }
     const float maxval = stats[0], inv = stats[1];
     for (int i = 0; i < V; i += 16) {
         const int n = V - i < 16 ? V - i : 16;
@@ -138,7 +146,7 @@ int softmax_crossentropy_backward(float* dlogits, const float* logits, const flo
     LLMC_REQUIRE(B > 0 && T > 0 && V > 0 && Vp >= V, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, Vp, 1), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
-    LLMC_REQUIRE(llmc_first_bad_index(targets, BT, V) < 0, LLMC_ERR_RANGE);
+    LLMC_REQUIRE(llmc_first_bad_target(targets, BT, V) < 0, LLMC_ERR_RANGE);
 
     void (*const row)(float*, const float*, const float*, int, float, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), xent_backward_row);

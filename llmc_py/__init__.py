@@ -20,13 +20,14 @@ from .config import GPT2Config, LlamaConfig, TransformerConfig
 from .errors import (CheckpointError, ConcurrentUseError, DataError, InvalidValueError, LlmcError,
                      NullPointerError, OutOfMemoryError, RangeError, ShapeError,
                      TokenizerUnavailableError, UnsupportedError, UsageError, WriteError)
+from .io.tokens import IGNORE_INDEX
 from .model import GPT2, Llama, Transformer, load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Transformer", "GPT2", "Llama", "TransformerConfig", "GPT2Config", "LlamaConfig",
-    "load_model", "kernels",
+    "load_model", "kernels", "IGNORE_INDEX",
     "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
     "NullPointerError", "UnsupportedError", "DataError", "TokenizerUnavailableError",
     "UsageError", "WriteError", "ConcurrentUseError", "InvalidValueError",

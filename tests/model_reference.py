@@ -124,7 +124,9 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
         return logits, None
     targets = torch.as_tensor(np.asarray(targets, dtype=np.int64))
     losses = R.crossentropy(R.softmax(logits, c.vocab_size), targets)
-    return logits, losses.mean()
+    # the mean over the targets that count; with none, 0 (and no gradient)
+    counted = int((targets != R.IGNORE_INDEX).sum())
+    return logits, losses.sum() / counted if counted else losses.sum()
 
 
 class AdamW:

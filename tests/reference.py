@@ -154,9 +154,15 @@ def softmax(logits, V):
     return torch.cat([p, pad], dim=-1)
 
 
+IGNORE_INDEX = -1   # a target that adds no loss (the kernels' LLMC_IGNORE_INDEX)
+
+
 def crossentropy(probs, targets):
-    """losses[b,t] = -log probs[b,t,targets[b,t]]; targets a long tensor [B,T]."""
-    return -torch.log(probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
+    """losses[b,t] = -log probs[b,t,targets[b,t]], 0 where the target is
+    IGNORE_INDEX; targets a long tensor [B,T]."""
+    kept = targets != IGNORE_INDEX
+    picked = probs.gather(-1, torch.where(kept, targets, 0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(kept, -torch.log(picked), torch.zeros_like(picked))
 
 
 def adamw_step(param, grad, m, v, learning_rate, beta1, beta2, eps, weight_decay, t):

@@ -253,9 +253,14 @@ def test_kernel_rejects_token_ids_out_of_range(name):
     call = Call(name)
     V = call.args["V"]
     for param in call.tokens():
-        for value in (-1, V, INT_MAX):
+        # targets may also be LLMC_IGNORE_INDEX (-1); inputs may not
+        ignorable = param == "targets"
+        for value in (-2 if ignorable else -1, V, INT_MAX, -INT_MAX - 1):
             call.buffers[param][0] = value
             _expect(call, lib.LLMC_ERR_RANGE, {}, f"{param}[0]={value}")
+        if ignorable:
+            call.buffers[param][0] = lib.LLMC_IGNORE_INDEX
+            _expect(call, lib.LLMC_OK, {}, f"{param}[0]=LLMC_IGNORE_INDEX")
         call.buffers[param][0] = 0
     _expect(call, lib.LLMC_OK, {}, "tokens back in range")
 

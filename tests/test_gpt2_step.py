@@ -267,8 +267,10 @@ def test_bad_model_inputs_raise_clear_errors():
         bad = np.zeros((2, 4), np.int32)
         bad[1, 2] = 67
         model.forward(bad)
-    with pytest.raises(llmc_py.RangeError, match="targets"):
-        model.forward(np.zeros((1, 3), np.int32), np.full((1, 3), -1))
+    with pytest.raises(llmc_py.RangeError, match=r"targets\[0, 0\] = -2 .* or -1 \(ignored\)"):
+        model.forward(np.zeros((1, 3), np.int32), np.full((1, 3), -2))
+    with pytest.raises(llmc_py.RangeError, match=r"inputs\[0, 1\] = -1 is not a token id"):
+        model.forward(np.array([[0, -1, 2]]), np.zeros((1, 3), np.int32))   # targets only
     with pytest.raises(llmc_py.ShapeError):
         model.forward(np.zeros((1, 3), np.int32), np.zeros((1, 4), np.int32))
     with pytest.raises(llmc_py.ShapeError):

@@ -3,9 +3,12 @@ softmax + cross-entropy (no probabilities kept; the backward in place of the
 logits), against the float64 reference and autograd."""
 import numpy as np
 import pytest
+import torch
 
 import llmc_py
 from llmc_py import kernels as K
+from llmc_py._native.lib import lib
+from llmc_py.io.tokens import IGNORE_INDEX
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import crossentropy as ref_crossentropy
 from reference import softmax as ref_softmax
@@ -87,6 +90,7 @@ def test_fused_equals_softmax_then_crossentropy_bitwise(rng, isa, B, T, V, Vp):
 
 def test_softmax_xent_thread_invariant(rng, isa, set_threads):
     logits, targets, dlosses = make_inputs(rng, 3, 37, 1000, 1024)   # 111 rows
+    targets = masked_targets(rng, targets, 0.25)
 
     def run():
         probs = np.empty_like(logits)
@@ -97,14 +101,77 @@ def test_softmax_xent_thread_invariant(rng, isa, set_threads):
     assert_thread_invariant(set_threads, run)
 
 
-@pytest.mark.parametrize("bad", [-1, 67, 127, 1 << 30])   # 67..127: padding is not a token
+MASKED_SHAPES = [  # B, T, V, Vp, fraction of targets ignored
+    (2, 37, 67, 128, 0.3),
+    (3, 5, 1000, 1024, 0.5),
+    (1, 1, 67, 128, 1.0),      # the only row ignored
+    (2, 3, 64, 64, 1.0),       # every row ignored, no padding
+    (1, 3, 1, 4, 0.4),         # one real token
+]
+
+
+def masked_targets(rng, targets, fraction):
+    """``targets`` with about ``fraction`` of them (all, at 1.0) set to IGNORE_INDEX."""
+    targets = targets.copy()
+    targets[rng.random(targets.shape) < fraction] = IGNORE_INDEX
+    return targets
+
+
+def test_ignore_index_is_the_kernels():
+    assert IGNORE_INDEX == lib.LLMC_IGNORE_INDEX == -1
+
+
+@pytest.mark.parametrize("B,T,V,Vp,fraction", MASKED_SHAPES)
+def test_ignored_targets_match_torch_cross_entropy(rng, isa, B, T, V, Vp, fraction):
+    """Against PyTorch's cross_entropy(ignore_index=-1): an ignored row's loss
+    is 0 and its gradient 0 in every column, whatever its dloss."""
+    logits, targets, dlosses = make_inputs(rng, B, T, V, Vp)
+    targets = masked_targets(rng, targets, fraction)
+    ignored = targets == IGNORE_INDEX
+    assert ignored.any() and (fraction < 1 or ignored.all())
+    losses, stats = forward(logits, targets, V)
+    dlogits = backward(dlosses, logits, stats, targets, V)
+
+    logits_t = t64(logits[..., :V], grad=True)
+    ref_losses = torch.nn.functional.cross_entropy(
+        logits_t.reshape(-1, V), t64(targets).long().reshape(-1), ignore_index=IGNORE_INDEX,
+        reduction="none").reshape(B, T)
+    (ref_losses * t64(dlosses)).sum().backward()
+
+    assert_close("losses", losses, ref_losses, TOL["crossentropy"]["fwd"])
+    assert_close("dlogits[:V]", dlogits[..., :V], logits_t.grad, TOL["crossentropy"]["bwd"])
+    assert not losses[ignored].any(), "an ignored row's loss is not exactly 0"
+    assert not dlogits[ignored].any(), "an ignored row's dlogits are not exactly 0"
+    assert not dlogits[..., V:].any(), "dlogits padding columns are not exactly 0"
+    # the stats of every row are still the softmax's, ignored or not
+    _, unmasked_stats = forward(logits, make_inputs(rng, B, T, V, Vp)[1], V)
+    assert np.array_equal(stats, unmasked_stats)
+    in_place = backward(dlosses, logits.copy(), stats, targets, V, in_place=True)
+    assert np.array_equal(in_place, dlogits)
+
+
+def test_kept_rows_are_unchanged_by_ignoring_others(rng, isa):
+    """Masking some targets changes nothing in the other rows, to the bit."""
+    logits, targets, dlosses = make_inputs(rng, 3, 11, 67, 128)
+    masked = masked_targets(rng, targets, 0.5)
+    kept = masked != IGNORE_INDEX
+    losses, stats = forward(logits, targets, 67)
+    losses_m, stats_m = forward(logits, masked, 67)
+    assert np.array_equal(losses_m[kept], losses[kept])
+    assert np.array_equal(backward(dlosses, logits, stats_m, masked, 67)[kept],
+                          backward(dlosses, logits, stats, targets, 67)[kept])
+
+
+@pytest.mark.parametrize("bad", [-2, 67, 127, 1 << 30, -(1 << 31)])   # 67..127: padding
 @pytest.mark.parametrize("which", ["forward", "backward"])
 def test_crossentropy_rejects_target_out_of_range(rng, which, bad):
     V, Vp = 67, 128
     logits, targets, dlosses = make_inputs(rng, 2, 3, V, Vp)
     losses, stats = forward(logits, targets, V)
     targets[1, 1] = bad
-    with pytest.raises(llmc_py.RangeError, match=rf"targets\[1, 1\] = {bad} is not a token id"):
+    with pytest.raises(llmc_py.RangeError,
+                       match=rf"targets\[1, 1\] = {bad} is not a token id in \[0, 67\) "
+                             rf"or -1 \(ignored\)"):
         if which == "forward":
             K.softmax_crossentropy_forward(losses, stats, logits, targets, V)
         else:

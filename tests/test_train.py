@@ -134,10 +134,35 @@ def test_checkpoint_files_and_keep_last(shards, tmp_path):
 def test_plain_progress_lines(shards, tmp_path, capsys):
     assert run(shards, tmp_path / "out", "-x", "3", "-v", "0") == 0
     out = capsys.readouterr().out
-    steps = re.findall(r"^step (\d+)/3: train loss (\S+) norm (\S+) lr (\S+) \(took (\S+) ms, "
-                       r"(\d+) tok/s, eta (\d+) s\)$", out, re.M)
+    steps = re.findall(r"^step (\d+)/3: train loss (\S+) ppl (\S+) norm (\S+) lr (\S+) "
+                       r"\(took (\S+) ms, (\d+) tok/s, eta (\d+) s\)$", out, re.M)
     assert [s[0] for s in steps] == ["1", "2", "3"]
+    for _, loss, ppl, *_ in steps:   # the perplexity is exp(loss)
+        assert abs(float(ppl) - np.exp(float(loss))) <= 1e-4 * float(ppl)
     assert "done: 3 steps" in out
+
+
+def test_perplexity_beside_every_loss_but_not_in_main_log(shards, tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    assert run(shards, out_dir, "-x", "4") == 0   # -v 4: one evaluation, at the end
+    out = capsys.readouterr().out
+    (val, ppl), = re.findall(r"^step 4: val loss (\S+) \(perplexity (\S+)\)$", out, re.M)
+    assert abs(float(ppl) - np.exp(float(val))) <= 1e-4 * float(ppl)
+    first, last, ppl_first, ppl_last, val_s, ppl_val = re.search(
+        r"train loss (\S+) -> (\S+) \(perplexity (\S+) -> (\S+)\), val loss (\S+) "
+        r"\(perplexity (\S+)\)", out).groups()
+    for loss, ppl in ((first, ppl_first), (last, ppl_last), (val_s, ppl_val)):
+        assert abs(float(ppl) - np.exp(float(loss))) <= 0.01 * float(ppl)
+    # main.log keeps llm.c's fields only
+    log = (out_dir / "main.log").read_text().splitlines()
+    assert all(re.fullmatch(r"s:\d+ (trl:\S+ lr:\S+ norm:\S+|tel:\S+)", line) for line in log)
+    assert "ppl" not in "\n".join(log) and "perplexity" not in "\n".join(log)
+
+
+def test_perplexity():
+    assert train_mod.perplexity(0.0) == 1.0
+    assert train_mod.perplexity(np.log(50257.0)) == pytest.approx(50257.0)
+    assert train_mod.perplexity(1e4) == float("inf")   # exp overflows a float
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(shards, tmp_path, monkeypatch,
@@ -437,3 +462,94 @@ def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path
     assert train_losses(lean) == train_losses(plain)
     assert (lean / "model_00000004.bin").read_bytes() == \
         (plain / "model_00000004.bin").read_bytes()
+
+
+def test_live_progress_line_shows_perplexity():
+    import io
+    from llmc_py.train.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    term = Terminal()
+    Progress(term).step(7, 10, 2.0, 0.5, 1e-3, 12.0, 1000.0, 3.0)
+    assert term.getvalue().startswith("\rstep     7/10 | loss 2.0000 | ppl 7.39 | norm 0.500")
+
+
+def scripted_val_losses(monkeypatch, losses):
+    """Makes the evaluations return ``losses`` in turn (the real one runs too)."""
+    from llmc_py.train import cli, loop
+    real, script = loop.evaluate, iter(losses)
+
+    def evaluate(model, loader, batches):
+        real(model, loader, batches)
+        return next(script)
+    monkeypatch.setattr(cli, "evaluate", evaluate)
+
+
+def best_info(out_dir):
+    import json
+    return json.loads((out_dir / "best.json").read_text())
+
+
+def test_keep_best_keeps_the_best_model_beside_the_last_n(shards, tmp_path, monkeypatch,
+                                                          capsys):
+    straight, best = tmp_path / "straight", tmp_path / "best"
+    args = ("-x", "8", "-v", "2", "-n", "2")
+    assert run(shards, straight, *args) == 0   # every checkpoint kept
+    scripted_val_losses(monkeypatch, [3.0, 2.0, 2.5, 2.0])   # steps 2, 4, 6, 8
+    assert run(shards, best, *args, "-nk", "1", "--keep-best", "1") == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^step (\d+): new best val loss (\S+), saved as (\S+)$", out, re.M) == \
+        [("2", "3.000000", str(best / "model_best.bin")),
+         ("4", "2.000000", str(best / "model_best.bin"))]   # a tie is not a new best
+    assert "best val loss 2.0000 at step 4" in out
+    assert completed_steps(best) == [8]   # -nk 1 removed step 4's checkpoint, not the best
+    assert (best / "model_best.bin").read_bytes() == (straight / "model_00000004.bin").read_bytes()
+    info = best_info(best)
+    assert info["step"] == 4 and info["val_loss"] == 2.0
+
+
+def test_keep_best_survives_resume(shards, tmp_path, monkeypatch, capsys):
+    out_dir, straight = tmp_path / "out", tmp_path / "straight"
+    assert run(shards, straight, "-x", "4", "-v", "2", "-n", "2") == 0   # -x: the schedule
+    scripted_val_losses(monkeypatch, [3.0, 2.0])
+    assert run(shards, out_dir, "-x", "4", "-v", "2", "-n", "2", "--keep-best", "1") == 0
+    scripted_val_losses(monkeypatch, [2.5, 2.1])   # worse than the best before the resume
+    assert run(shards, out_dir, "-x", "8", "-v", "2", "-n", "2", "--keep-best", "1",
+               "-y", "1") == 0
+    out = capsys.readouterr().out
+    assert "best so far: step 4, val loss 2.000000" in out
+    assert best_info(out_dir)["step"] == 4
+    assert (out_dir / "model_best.bin").read_bytes() == \
+        (straight / "model_00000004.bin").read_bytes()
+    scripted_val_losses(monkeypatch, [1.5])   # better: replaces it
+    assert run(shards, out_dir, "-x", "10", "-v", "2", "-n", "2", "--keep-best", "1",
+               "-y", "1") == 0
+    assert best_info(out_dir)["step"] == 10 and best_info(out_dir)["val_loss"] == 1.5
+    assert (out_dir / "model_best.bin").read_bytes() == \
+        (out_dir / "model_00000010.bin").read_bytes()
+
+
+def test_keep_best_restarts_when_the_validation_set_changes(shards, tmp_path, monkeypatch,
+                                                          capsys):
+    out_dir = tmp_path / "out"
+    scripted_val_losses(monkeypatch, [1.0])
+    assert run(shards, out_dir, "-x", "2", "-v", "2", "--keep-best", "1") == 0
+    scripted_val_losses(monkeypatch, [2.0])   # other batches: not comparable with 1.0
+    assert run(shards, out_dir, "-x", "4", "-v", "4", "-m", "1", "--keep-best", "1",
+               "-y", "1") == 0
+    assert "measured on other validation data or batches" in capsys.readouterr().out
+    assert best_info(out_dir)["step"] == 4
+
+
+def test_keep_best_needs_validation_and_overwrite_removes_it(shards, tmp_path, monkeypatch,
+                                                            capsys):
+    out_dir = tmp_path / "out"
+    assert run(shards, out_dir, "-x", "2", "-v", "0", "--keep-best", "1") == 1
+    assert "--keep-best 1" in capsys.readouterr().err
+    assert run(shards, out_dir, "-x", "2", "--keep-best", "1", "--overwrite") == 0
+    assert (out_dir / "model_best.bin").exists() and (out_dir / "best.json").exists()
+    assert run(shards, out_dir, "-x", "2") == 1   # another run's files: refused
+    assert run(shards, out_dir, "-x", "2", "--overwrite") == 0
+    assert not (out_dir / "model_best.bin").exists() and not (out_dir / "best.json").exists()

@@ -96,9 +96,22 @@ def test_run_folder_keeps_the_last_checkpoints_and_truncates_the_log(tmp_path):
     assert folder.log_path.read_text() == "s:1 trl:1.0\ns:2 trl:2.0\ns:2 tel:2.5\n"
 
     (folder.path / ".state_00000004.bin.abc.tmp").write_bytes(b"x")
+    (folder.path / ".model_best.bin.abc.tmp").write_bytes(b"x")
+    (folder.path / ".best.json.abc.tmp").write_bytes(b"x")
     (folder.path / "notes.tmp").write_bytes(b"mine")
-    assert folder.remove_stale_temporaries() == 1
+    assert folder.remove_stale_temporaries() == 3
     assert (folder.path / "notes.tmp").exists()
+
+    # the best model: beside the checkpoints, never removed by keep
+    assert folder.read_best() is None
+    folder.save_best(2, model, 4.5, {"val_batches": 3})
+    folder.save(4, model, optimizer, {"step": 4}, keep=1)
+    assert folder.completed_steps() == [4]
+    assert folder.read_best() == {"step": 2, "val_loss": 4.5, "measured_on": {"val_batches": 3}}
+    assert folder.best_path.read_bytes() == folder.checkpoint_paths(4)[0].read_bytes()
+    assert {"model_best.bin", "best.json"} <= {p.name for p in folder.run_files()}
+    folder.best_path.unlink()   # a best.json without its model is no best
+    assert folder.read_best() is None
 
 
 def test_trainer_hooks_see_the_gradients_before_clipping(rng):

@@ -5,7 +5,7 @@ exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
 from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
-from ..io.tokens import first_out_of_vocab
+from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
 
@@ -209,20 +209,22 @@ def softmax_forward(probs, logits, V):
 def softmax_crossentropy_forward(losses, stats, logits, targets, V):
     """losses[B,T] (written) = -log softmax(logits[b,t,:V])[targets[b,t]], and
     stats[B,T,2] (written) = each row's (max, 1/normaliser) for the backward;
-    logits[B,T,Vp] are only read; targets int32 in [0, V)."""
+    logits[B,T,Vp] are only read; targets int32 in [0, V), or IGNORE_INDEX
+    (-1): that row's loss is 0."""
     B, T, Vp = _dims(logits, "logits", 3)
     _check_tokens(lib.softmax_crossentropy_forward(
         fptr(losses, "losses", (B, T), out=True),
         fptr(stats, "stats", (B, T, 2), out=True),
         fptr(logits, "logits", (B, T, Vp)),
         iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "softmax_crossentropy_forward", targets, "targets", V)
+        B, T, V, Vp), "softmax_crossentropy_forward", targets, "targets", V, allow_ignore=True)
 
 
 def softmax_crossentropy_backward(dlogits, logits, stats, dlosses, targets, V):
     """dlogits[B,T,Vp] (written) = (softmax - onehot(targets)) * dlosses over the
-    first V columns, 0 past V, from the forward's stats; dlogits may be logits
-    (the gradient then replaces the logits in place)."""
+    first V columns, 0 past V, from the forward's stats; 0 in every column of a
+    row whose target is IGNORE_INDEX; dlogits may be logits (the gradient
+    then replaces the logits in place)."""
     B, T, Vp = _dims(logits, "logits", 3)
     _check_tokens(lib.softmax_crossentropy_backward(
         fptr(dlogits, "dlogits", (B, T, Vp), out=True),
@@ -230,7 +232,7 @@ def softmax_crossentropy_backward(dlogits, logits, stats, dlosses, targets, V):
         fptr(stats, "stats", (B, T, 2)),
         fptr(dlosses, "dlosses", (B, T)),
         iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "softmax_crossentropy_backward", targets, "targets", V)
+        B, T, V, Vp), "softmax_crossentropy_backward", targets, "targets", V, allow_ignore=True)
 
 
 def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t,
@@ -270,14 +272,16 @@ MATMUL_FORWARD_BF16 = {"": lib.matmul_forward_bf16, "naive": lib.matmul_forward_
 MATMUL_BACKWARD_BF16 = {"": lib.matmul_backward_bf16, "naive": lib.matmul_backward_bf16_naive}
 
 
-def _check_tokens(status, where, tokens, name, V):
+def _check_tokens(status, where, tokens, name, V, allow_ignore=False):
     """check(), except that a token id outside [0, V) is reported with its
-    position and value (C only says that one is)."""
+    position and value (C only says that one is); ``allow_ignore``: targets,
+    which may also be IGNORE_INDEX."""
     if status == lib.LLMC_ERR_RANGE:
-        pos = first_out_of_vocab(tokens, V)
+        pos = first_out_of_vocab(tokens, V, allow_ignore)
         if pos is not None:
+            also = f" or {IGNORE_INDEX} (ignored)" if allow_ignore else ""
             err = RangeError(f"{where}: {name}[{', '.join(str(int(i)) for i in pos)}] = "
-                             f"{int(tokens[pos])} is not a token id in [0, {V})")
+                             f"{int(tokens[pos])} is not a token id in [0, {V}){also}")
             err.status = status
             raise err
     check(status, where)

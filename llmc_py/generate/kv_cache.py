@@ -21,6 +21,12 @@ from ..model.layout import TensorGroup, act_specs, aligned_zeros
 from .sampling import sample_next
 
 
+def kv_cache_floats(config, batch_size, max_len):
+    """Floats a KV cache holds: per position of each row, every layer's key
+    and value (2 * L * NKV * hs)."""
+    return 2 * config.num_layers * batch_size * max_len * config.kv_dim
+
+
 class KVCache:
     """Keys and values of every layer for ``batch_size`` rows of up to
     ``max_len`` positions; ``lengths[b]`` positions of row b are filled."""
@@ -31,7 +37,7 @@ class KVCache:
             raise ShapeError(f"a KV cache needs batch_size, max_len >= 1, got {batch_size}, "
                              f"{max_len}")
         shape = (L, batch_size, max_len, kv_dim)
-        count = L * batch_size * max_len * kv_dim
+        count = kv_cache_floats(config, batch_size, max_len) // 2
         self.memory = aligned_zeros(2 * count, what=f"a KV cache for batch {batch_size} of "
                                                     f"{max_len} positions")
         self.k = self.memory[:count].reshape(shape)

@@ -175,8 +175,9 @@ def _llama_config(raw, path, qwen3):
 
 
 def read_hf_config(folder):
-    """(architecture, config) from a Hugging Face folder's config.json."""
-    path = Path(folder) / CONFIG_FILE
+    """(architecture, config) from a Hugging Face folder's config.json (or
+    from the path of such a JSON file itself)."""
+    path = Path(folder) if Path(folder).is_file() else Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {CONFIG_FILE}: not a Hugging Face model folder "
                               f"(or a model file: give its path)")

@@ -107,11 +107,21 @@ def read_tokens(path):
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
 
 
-def first_out_of_vocab(tokens, vocab_size):
+# a target equal to this is ignored: no loss, no gradient, not counted in the
+# mean (csrc's LLMC_IGNORE_INDEX; PyTorch's cross_entropy(ignore_index=-1)).
+# Targets only: an input token must be a real token.
+IGNORE_INDEX = -1
+
+
+def first_out_of_vocab(tokens, vocab_size, allow_ignore=False):
     """The index (a tuple) of the first id in ``tokens`` outside [0, vocab_size),
-    or None if every id is a token."""
+    or None if every id is a token; with ``allow_ignore``, IGNORE_INDEX is
+    not an error (targets)."""
     tokens = np.asarray(tokens)
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    outside = (tokens < 0) | (tokens >= vocab_size)
+    if allow_ignore:
+        outside &= tokens != IGNORE_INDEX
+    bad = np.flatnonzero(outside)
     return np.unravel_index(bad[0], tokens.shape) if bad.size else None
 
 

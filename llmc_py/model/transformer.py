@@ -53,9 +53,9 @@ from .._native.lib import get_isa, get_num_threads
 from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
-from ..io.tokens import first_out_of_vocab
+from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
-                     grad_act_specs, param_specs, specs_bytes)
+                     grad_act_specs, num_parameters, param_specs, specs_bytes)
 from .memory import format_bytes, require
 
 PRECISIONS = ("fp32", "bf16")
@@ -266,23 +266,27 @@ class Transformer:
         self.acts = self.grads_acts = self._logits_buffer = None
         self.B = self.T = None
         self.inputs = self.targets = None
+        self.counted = 0   # the last batch's targets that are not IGNORE_INDEX
         self._logits_state = None
 
     # ---- forward -----------------------------------------------------------
 
-    def token_ids(self, tokens, name="tokens"):
+    def token_ids(self, tokens, name="tokens", allow_ignore=False):
         """``tokens`` (B, T) as checked contiguous int32 ids; RangeError names
-        the first one outside the vocabulary."""
+        the first one outside the vocabulary. ``allow_ignore`` (targets):
+        IGNORE_INDEX is allowed too."""
         arr = np.asarray(tokens)
         if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
             raise ShapeError(f"{name} must have shape (B, T) with B, T >= 1, got {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name} must hold integer token ids, got {arr.dtype}")
         V = self.config.vocab_size
-        bad = first_out_of_vocab(arr, V)
+        bad = first_out_of_vocab(arr, V, allow_ignore)
         if bad is not None:
             b, t = bad
-            raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in [0, {V})")
+            also = f" or {IGNORE_INDEX} (ignored)" if allow_ignore else ""
+            raise RangeError(f"{name}[{b}, {t}] = {arr[b, t]} is not a token id in "
+                             f"[0, {V}){also}")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
     def _batch(self, inputs, targets, *, training=False, keep_logits=True):
@@ -296,11 +300,14 @@ class Transformer:
                              f"{c.max_seq_len} (its learned position table has "
                              f"{c.max_seq_len} rows)")
         if targets is not None:
-            targets = self.token_ids(targets, "targets")
+            targets = self.token_ids(targets, "targets", allow_ignore=True)
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
         self._plan(B, T, training=training, keep_logits=keep_logits)
         self.inputs, self.targets = inputs, targets
+        # the targets the mean loss is over: all but the ignored ones
+        self.counted = (0 if targets is None
+                        else targets.size - int(np.count_nonzero(targets == IGNORE_INDEX)))
         return inputs, targets
 
     def memory_plan(self, B, T, training=True, keep_logits=None):
@@ -308,35 +315,11 @@ class Transformer:
         a whole step's: backward's gradients and AdamW's moments too.
         ``keep_logits`` (default: not when training) counts all (B, T, Vp)
         logits, else a block of HEAD_ROWS rows of them. "scratch" is the
-        kernels' temporary memory, estimated (see _scratch_bytes)."""
-        c, n, f32 = self.config, self.num_parameters, 4
-        keep = not training if keep_logits is None else keep_logits
-        plan = {"parameters": f32 * n,
-                "parameters (bf16 copy)": 2 * n if self.params_bf16 is not None else 0,
-                "parameter gradients": f32 * n if training else 0,
-                "AdamW moments": 2 * f32 * self.moment_params if training else 0,
-                "activations": specs_bytes(self.act_specs, c, B, T),
-                "logits": f32 * self._head_rows(B, T, keep) * c.Vp,
-                "activation gradients": (specs_bytes(self.grad_act_specs, c, B, T)
-                                         if training else 0),
-                "scratch": self._scratch_bytes(B, T, self._head_rows(B, T, keep))}
-        return plan
-
-    def _scratch_bytes(self, B, T, head_rows):
-        """An upper estimate of the kernels' temporary memory at (B, T): per
-        thread, attention's panels and score blocks and a matmul's packed
-        blocks; and, where the bf16 matmul widens its operands to float32
-        (no AVX512_BF16), those copies for its largest product."""
-        c, f32 = self.config, 4
-        threads = get_num_threads()
-        hs = c.head_size
-        attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
-        matmul = 4 << 20
-        total = threads * (attention + matmul)
-        if self.params_bf16 is not None and get_isa() != "avx512bf16":
-            rows = max(B * T, head_rows)
-            total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
-        return total
+        kernels' temporary memory, estimated. This model's memory_plan():
+        its precision, recompute and share of the moments."""
+        return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
+                           precision=self.precision, recompute=self._recompute,
+                           moment_params=self.moment_params)
 
     def _missing_bytes(self, B, T, training, keep_logits):
         """The bytes of memory_plan(B, T) not allocated yet."""
@@ -393,14 +376,10 @@ class Transformer:
             self.B, self.T = B, T
         if training and self.grads_acts is None:
             self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
-        head = self._head_rows(B, T, keep_logits) * c.Vp
+        head = _head_rows(B, T, keep_logits) * c.Vp
         if self._logits_buffer is None or self._logits_buffer.size < head:
             self._logits_buffer = None
             self._logits_buffer = aligned_empty(head, what=f"the logits ({head // c.Vp} rows)")
-
-    @staticmethod
-    def _head_rows(B, T, keep_logits):
-        return B * T if keep_logits else min(HEAD_ROWS, B * T)
 
     def _head_logits(self, rows):
         """The head buffer as ``rows`` rows of logits, (rows, Vp)."""
@@ -444,7 +423,8 @@ class Transformer:
     @_held
     def forward(self, inputs, targets=None, *, keep_logits=True):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
-        loss as a float when ``targets`` (B, T) are given, else None. The
+        loss as a float when ``targets`` (B, T) are given, else None: the mean
+        over the targets that are not IGNORE_INDEX (-1), 0.0 if all are. The
         logits are in ``model.logits`` unless ``keep_logits`` is False (then
         targets are needed, and the classifier runs HEAD_ROWS rows at a time,
         in less memory: evaluation's way). A learned position table limits T
@@ -472,7 +452,10 @@ class Transformer:
         return self._mean_loss()
 
     def _mean_loss(self):
-        self.mean_loss = float(self.acts.losses.mean(dtype=np.float64))
+        """The mean of the losses over the counted targets (the ignored ones'
+        losses are 0); 0.0 when every target is ignored."""
+        total = self.acts.losses.sum(dtype=np.float64)
+        self.mean_loss = float(total / self.counted) if self.counted else 0.0
         return self.mean_loss
 
     def _head_blocks(self):
@@ -599,12 +582,13 @@ class Transformer:
 
     def _start_backward(self, loss_scale):
         """Backward's activation gradients, with d(scaled mean loss)/d(loss[b, t])
-        in d.losses."""
+        in d.losses: loss_scale over the counted targets (the kernel gives
+        ignored rows no gradient; with none counted, no row has any)."""
         B, T = self.B, self.T
         if self.grads_acts is None:
             self._plan(B, T, training=True, keep_logits=self._logits_state == "logits")
         d = self.grads_acts
-        d.losses[...] = loss_scale / (B * T)
+        d.losses[...] = loss_scale / self.counted if self.counted else 0.0
         return d
 
     @_held
@@ -630,7 +614,8 @@ class Transformer:
     @_held
     def forward_backward(self, inputs, targets, loss_scale=1.0):
         """A training step's forward and backward in one: the mean loss of
-        ``inputs`` against ``targets``, and its gradients (times
+        ``inputs`` against ``targets`` (over those not IGNORE_INDEX, as
+        forward's), and its gradients (times
         ``loss_scale``) added into ``grads``, as forward then backward give
         them, to the bit. The classifier runs HEAD_ROWS rows at a time,
         each block's logits turned into their gradient and multiplied back
@@ -777,6 +762,56 @@ class Transformer:
         self.moments()
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
                    beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
+
+
+def _head_rows(B, T, keep_logits):
+    """Rows of logits held at once: all B * T, or a block of HEAD_ROWS."""
+    return B * T if keep_logits else min(HEAD_ROWS, B * T)
+
+
+def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
+                recompute=False, moment_params=None):
+    """Bytes by part that a model of ``config`` in ``precision`` needs for a
+    forward of (B, T), computed from the config alone (nothing is
+    allocated); with ``training`` a whole step's: the parameter gradients,
+    AdamW's moments (of ``moment_params`` parameters, default all; fewer for
+    a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
+    (default: not when training) counts all (B, T, Vp) logits, else a block
+    of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
+    "scratch" is the kernels' temporary memory, estimated for this process's
+    thread count and instruction set (see _scratch_bytes)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
+    c, f32 = config, 4
+    n = num_parameters(c)
+    moments = n if moment_params is None else moment_params
+    keep = not training if keep_logits is None else keep_logits
+    head_rows = _head_rows(B, T, keep)
+    return {"parameters": f32 * n,
+            "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
+            "parameter gradients": f32 * n if training else 0,
+            "AdamW moments": 2 * f32 * moments if training else 0,
+            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
+            "logits": f32 * head_rows * c.Vp,
+            "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
+            "scratch": _scratch_bytes(c, B, T, head_rows, precision)}
+
+
+def _scratch_bytes(config, B, T, head_rows, precision):
+    """An upper estimate of the kernels' temporary memory at (B, T): per
+    thread, attention's panels and score blocks and a matmul's packed
+    blocks; and, where the bf16 matmul widens its operands to float32
+    (no AVX512_BF16), those copies for its largest product."""
+    c, f32 = config, 4
+    threads = get_num_threads()
+    hs = c.head_size
+    attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
+    matmul = 4 << 20
+    total = threads * (attention + matmul)
+    if precision == "bf16" and get_isa() != "avx512bf16":
+        rows = max(B * T, head_rows)
+        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+    return total
 
 
 def _fits(group, nbytes):

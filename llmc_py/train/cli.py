@@ -10,6 +10,7 @@ command line and sequences the run; the step itself is train.loop.Trainer.
 """
 import argparse
 import hashlib
+import math
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ from ..model.memory import return_freed_scratch
 from ..monitors import Monitor
 from . import distributed
 from .distributed import RankRows, ShardedAdamW, Solo, raise_injected_fault
-from .loop import Trainer, evaluate
+from .loop import Trainer, evaluate, perplexity
 from .optimizer import DECAY_ON, AdamW
 from .resume import resume_changes, usable_checkpoint
 from .run_folder import RunFolder
@@ -101,6 +102,9 @@ def build_parser():
       help="write a checkpoint every N steps (0: only at the end)")
     a("-nk", "--keep-checkpoints", type=int, default=0,
       help="keep only the last N checkpoints (0: keep all)")
+    a("--keep-best", type=int, choices=(0, 1), default=0,
+      help="1: also keep the model with the lowest validation loss so far as "
+           "OUT/model_best.bin (its step and loss in OUT/best.json), which -nk never removes")
     a("-y", "--resume", type=int, choices=(0, 1), default=0,
       help="1: resume from the newest complete checkpoint in the output folder")
     a("--overwrite", action="store_true",
@@ -252,12 +256,14 @@ class Progress:
 
     def step(self, step, total, loss, norm, lr, ms, tokens_per_s, eta_s):
         if self.live:
-            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | norm {norm:.3f} | "
+            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | "
+                              f"ppl {perplexity(loss):.2f} | norm {norm:.3f} | "
                               f"lr {lr:.2e} | {ms:6.0f} ms | {tokens_per_s:7.0f} tok/s | "
                               f"eta {format_seconds(eta_s)}  ")
             self.open_line = True
         else:
-            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} norm {norm:.4f} "
+            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} "
+                              f"ppl {perplexity(loss):.4f} norm {norm:.4f} "
                               f"lr {lr:.3e} (took {ms:.1f} ms, {tokens_per_s:.0f} tok/s, "
                               f"eta {eta_s:.0f} s)\n")
         self.stream.flush()
@@ -439,6 +445,9 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                               world)
         val_batches = min(val_batches, val_loader.num_batches)
     world.same_on_every_rank("training data (-i)", fingerprint(train_loader.files))
+    if args.keep_best and val_loader is None:
+        raise UsageError("--keep-best 1 keeps the model with the best validation loss: it "
+                         "needs validation data (-j) and evaluations (-v > 0)")
     probe = None
     if args.monitor_every:
         if not val_data:
@@ -497,6 +506,19 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         return {"args": settings,
                 "train_loader": train_loader.state_dict(),
                 "sample_rng": sample_rng.bit_generator.state}
+
+    # --keep-best: the validation loss to beat, and what it was measured on
+    best_loss = math.inf
+    measured_on = {"val_data": settings["val_fingerprint"], "val_batches": val_batches}
+    best = folder.read_best() if args.keep_best and resume_step and root else None
+    if best is not None:
+        if best.get("measured_on") == measured_on:
+            best_loss = best["val_loss"]
+            progress.say(f"best so far: step {best.get('step')}, val loss {best_loss:.6f} "
+                         f"({folder.best_path})")
+        else:
+            progress.say(f"{folder.best_path} (step {best.get('step')}) was measured on other "
+                         f"validation data or batches: the next evaluation replaces it")
 
     # the last step whose update finished, and the state that goes with it
     finished = {"step": resume_step, "extra": state_extra()}
@@ -571,9 +593,22 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
                     val_loss = world.mean(evaluate(model, val_loader, val_batches))
                     log.write(f"s:{step} tel:{val_loss:.6f}\n")
                     log.flush()
-                    progress.say(f"step {step}: val loss {val_loss:.6f}")
+                    progress.say(f"step {step}: val loss {val_loss:.6f} "
+                                 f"(perplexity {perplexity(val_loss):.4f})")
                 except (LlmcError, ValueError) as e:
                     warn("evaluation", step, e)
+                else:
+                    if args.keep_best and root and val_loss < best_loss:
+                        try:
+                            with signals.deferred():
+                                folder.save_best(step, model, val_loss, measured_on)
+                        except WriteError as e:
+                            warn("saving the best model", step, e)
+                        else:
+                            best_loss = val_loss
+                            best = {"step": step}
+                            progress.say(f"step {step}: new best val loss {val_loss:.6f}, "
+                                         f"saved as {folder.best_path}")
             if args.sample_every and (step % args.sample_every == 0 or last) and root:
                 try:
                     ids = [int(new[0]) for new in stream(model, [[EOT]], args.gen_tokens,
@@ -608,9 +643,12 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
     steps_run = args.max_steps - resume_step
     summary = f"done: {steps_run} steps in {format_seconds(elapsed)}"
     if losses:
-        summary += f", train loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        summary += (f", train loss {losses[0]:.4f} -> {losses[-1]:.4f} (perplexity "
+                    f"{perplexity(losses[0]):.2f} -> {perplexity(losses[-1]):.2f})")
     if val_loss is not None:
-        summary += f", val loss {val_loss:.4f}"
+        summary += f", val loss {val_loss:.4f} (perplexity {perplexity(val_loss):.2f})"
+    if args.keep_best and best is not None and best_loss < math.inf:
+        summary += f", best val loss {best_loss:.4f} at step {best['step']} ({folder.best_path})"
     progress.say(summary + f"; checkpoint {folder.checkpoint_paths(args.max_steps)[0]}")
     if ranks > 1 and steps_run:   # rank 0's share of the exchanges
         progress.say(f"communication (rank 0): {world.seconds / steps_run * 1000:.1f} ms and "

@@ -16,7 +16,7 @@ from .distributed import Solo
 @dataclass(frozen=True)
 class StepResult:
     step: int
-    loss: float      # mean over the step's micro-batches
+    loss: float      # the mean of the step's micro-batches' mean losses
     norm: float      # the global gradient norm before clipping
     lr: float        # 0.0 when the step was not applied
     ms: float
@@ -28,6 +28,10 @@ class Trainer:
     ``schedule`` (step -> learning rate) on ``next_batch()`` -> (inputs,
     targets); ``grad_accum`` micro-batches per step, gradients clipped to a
     global norm of ``grad_clip`` (0: never).
+
+    A step's loss and gradient average its micro-batches' (llm.c's way):
+    each micro-batch's mean over its counted targets (those not
+    IGNORE_INDEX) weighs 1/grad_accum, however many targets it counts.
 
     ``after_backward``: callables f(trainer, step), run once the step's
     gradients are complete, before the norm is taken. ``after_step``:
@@ -88,6 +92,15 @@ class Trainer:
         if 0 < self.grad_clip < norm:
             K.scale_inplace(model.grads.memory, self.grad_clip / norm)
         return norm
+
+
+def perplexity(loss):
+    """exp(loss): the perplexity of a mean cross-entropy in nats (inf when
+    it overflows a float, NaN for a NaN loss)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def evaluate(model, loader, batches):

@@ -7,6 +7,10 @@
   model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
   state_%08d.bin    the training state (io.state)
   DONE_%08d         empty; written last, marks a complete checkpoint
+  model_best.bin    with --keep-best 1: the model file of the step with the
+                    lowest validation loss so far, never removed by -nk
+  best.json         its step and validation loss (and what the loss was
+                    measured on), written after model_best.bin
   .lock             holds the PID of the trainer using the folder
 
 One trainer at a time: ``lock()`` takes an exclusive advisory lock on .lock,
@@ -31,7 +35,8 @@ except ImportError:   # Windows: no advisory locks here; the folder is not guard
 # the temporary files of io.files.atomic_write for this folder's files, which
 # stay behind only when the writing process was killed before its rename
 _TEMPORARY = re.compile(
-    r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl)\..+\.tmp")
+    r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl|model_best\.bin|"
+    r"best\.json)\..+\.tmp")
 _DONE = re.compile(r"DONE_(\d{8})")
 _STEP_LINE = re.compile(r"s:(\d+) ")
 
@@ -51,6 +56,8 @@ class RunFolder:
         self.path = Path(path)
         self.log_path = self.path / "main.log"
         self.metrics_path = self.path / "metrics.jsonl"
+        self.best_path = self.path / "model_best.bin"
+        self.best_info_path = self.path / "best.json"
         self._lock_fd = None
 
     def create(self):
@@ -81,8 +88,10 @@ class RunFolder:
             self._lock_fd = None
 
     def run_files(self):
-        """The files of a run in this folder: checkpoints, main.log and metrics.jsonl."""
-        names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl")
+        """The files of a run in this folder: checkpoints, the best model,
+        main.log and metrics.jsonl."""
+        names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl|"
+                           r"model_best\.bin|best\.json")
         return sorted(p for p in self.path.iterdir() if names.fullmatch(p.name))
 
     def clear(self):
@@ -126,6 +135,26 @@ class RunFolder:
             for old in self.completed_steps()[:-keep]:
                 for path in reversed(self.checkpoint_paths(old)):   # the marker first
                     path.unlink(missing_ok=True)
+
+    def save_best(self, step, model, val_loss, measured_on):
+        """The model as model_best.bin, then best.json saying its ``step``,
+        ``val_loss`` and ``measured_on`` (what makes losses comparable: the
+        validation data and batches). Each file is replaced atomically; a
+        failure raises WriteError and leaves the earlier best whole."""
+        model.save_checkpoint(self.best_path)
+        info = {"step": step, "val_loss": val_loss, "measured_on": measured_on}
+        atomic_write(self.best_info_path, [json.dumps(info).encode()])
+
+    def read_best(self):
+        """best.json's dict, or None when there is none (or it is unreadable)."""
+        try:
+            info = json.loads(self.best_info_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(info, dict) and isinstance(info.get("val_loss"), (int, float))
+                and self.best_path.is_file()):
+            return None
+        return info
 
     def read_state(self, step, num_params):
         """(m, v, extra) of the checkpoint of ``step``."""

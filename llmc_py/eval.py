@@ -1,0 +1,149 @@
+"""Loss and perplexity of a model at several context lengths:
+
+    python -m llmc_py.eval MODEL DATA --lengths 256 512 1024 [--stride S]
+
+MODEL is a model file or a Hugging Face folder; DATA a glob of llm.c token
+files, read as one long text (the files in sorted order, one after another).
+
+At each length L the text is cut into windows of L tokens that start every
+S tokens (S = L by default: windows side by side). Every next-token target
+of the text is scored exactly once: a window scores the targets that no
+earlier window scored (the others are masked, IGNORE_INDEX), so with S < L
+each target after the first window has at least L - S tokens of context
+(sliding-window evaluation). The last window ends at the text's end. The loss
+is the mean over all targets scored; the perplexity its exp. A model with a
+learned position table cannot go past its max_seq_len: asking is a clear
+error, not a crash; RoPE, ALiBi and other position schemes can.
+"""
+import argparse
+import glob
+import os
+import sys
+
+import numpy as np
+
+from .errors import DataError, LlmcError, UsageError
+from .io.tokens import IGNORE_INDEX, read_tokens
+from .train.loop import perplexity
+
+
+def windows(n_tokens, length, stride):
+    """(begin, first) per window over a text of ``n_tokens`` tokens: the
+    window's inputs are tokens[begin:begin + length], its targets the next
+    token of each, and it scores its targets from offset ``first`` on (the
+    ones before were scored by an earlier window). Every target position
+    1 .. n_tokens - 1 is scored once."""
+    if length < 1 or stride < 1 or stride > length:
+        raise UsageError(f"length {length}, stride {stride}: need 1 <= stride <= length")
+    if n_tokens < length + 1:
+        raise DataError(f"the text has {n_tokens} tokens; a window of {length} needs "
+                        f"{length + 1}")
+    out, scored_to = [], 0   # targets (by input offset) up to scored_to are done
+    begin = 0
+    while True:
+        begin = min(begin, n_tokens - 1 - length)   # the last window ends at the text's end
+        out.append((begin, scored_to - begin if scored_to > begin else 0))
+        scored_to = begin + length
+        if scored_to >= n_tokens - 1:
+            return out
+        begin += stride
+
+
+def evaluate_length(model, tokens, length, stride=None, batch_size=1):
+    """(mean loss, targets scored, windows) of ``model`` on the 1-D
+    ``tokens`` at context ``length`` with windows every ``stride`` tokens
+    (default: ``length``), ``batch_size`` windows per forward."""
+    c = model.config
+    if c.learned_positions and length > c.max_seq_len:
+        raise UsageError(f"length {length} is past the model's learned position table "
+                         f"(max_seq_len {c.max_seq_len}): a learned-position model cannot be "
+                         f"evaluated there; RoPE or ALiBi models can")
+    spans = windows(len(tokens), length, stride or length)
+    total, counted = 0.0, 0
+    for b0 in range(0, len(spans), batch_size):
+        batch = spans[b0:b0 + batch_size]
+        x = np.stack([tokens[begin:begin + length] for begin, _ in batch]).astype(np.int32)
+        y = np.stack([tokens[begin + 1:begin + length + 1] for begin, _ in batch]).astype(
+            np.int32)
+        for row, (_, first) in enumerate(batch):
+            y[row, :first] = IGNORE_INDEX
+        loss = model.forward(x, y, keep_logits=False)
+        total += loss * model.counted   # the batch's sum, from its mean over counted targets
+        counted += model.counted
+    return total / counted, counted, len(spans)
+
+
+def read_text(pattern, vocab_size, max_tokens=0):
+    """The tokens of the files matching ``pattern``, in sorted order, one
+    after another (the first ``max_tokens`` of them if > 0), as int32."""
+    files = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not files:
+        raise DataError(f"no token files match {pattern!r}")
+    parts, have = [], 0
+    for path in files:
+        part = np.asarray(read_tokens(path))
+        parts.append(part)
+        have += part.size
+        if max_tokens and have >= max_tokens:
+            break
+    tokens = np.concatenate(parts)
+    if max_tokens:
+        tokens = tokens[:max_tokens]
+    if tokens.size and int(tokens.max()) >= vocab_size:
+        raise DataError(f"{pattern}: token id {int(tokens.max())} is outside the model's "
+                        f"vocabulary of {vocab_size}")
+    return tokens.astype(np.int32)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m llmc_py.eval",
+        description="Loss and perplexity of a model at several context lengths, with "
+                    "sliding windows over long texts.")
+    p.add_argument("model", help="a model file or a Hugging Face model folder")
+    p.add_argument("data", help="glob of token files (llm.c's format), read as one text")
+    p.add_argument("--lengths", type=int, nargs="+", required=True,
+                   help="context lengths to evaluate at")
+    p.add_argument("--stride", type=int, default=0,
+                   help="tokens between window starts (0, or more than a length: the length, "
+                        "windows side by side); a smaller stride gives each scored token "
+                        "more context")
+    p.add_argument("-b", "--batch-size", type=int, default=1, help="windows per forward")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="evaluate on the first N tokens only (0: all)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.batch_size < 1 or args.stride < 0 or args.max_tokens < 0 or \
+                min(args.lengths) < 1:
+            raise UsageError("--lengths and -b must be >= 1, --stride and --max-tokens >= 0")
+        from .model import load_model
+        model = load_model(args.model, precision=args.precision)
+        c = model.config
+        too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
+        if too_long:
+            raise UsageError(f"--lengths {' '.join(map(str, too_long))}: past the model's "
+                             f"learned position table (max_seq_len {c.max_seq_len}); a "
+                             f"learned-position model cannot be evaluated there (RoPE or "
+                             f"ALiBi models can)")
+        tokens = read_text(args.data, c.vocab_size, args.max_tokens)
+        print(f"{args.model} on {len(tokens)} tokens of {args.data}")
+        print(f"{'length':>8} {'stride':>8} {'windows':>8} {'targets':>9} {'loss':>9} "
+              f"{'perplexity':>11}")
+        for L in args.lengths:
+            stride = min(args.stride or L, L)
+            loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size)
+            print(f"{L:>8} {stride:>8} {n:>8} {counted:>9} {loss:>9.4f} "
+                  f"{perplexity(loss):>11.3f}")
+    except (UsageError, LlmcError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Parameters and memory of a model, from its config alone (nothing is
+allocated, so any size works, Qwen3-8B or GPT-2 XL included):
+
+    python -m llmc_py.summary MODEL_OR_CONFIG [-b B] [-t T] [--precision fp32|bf16]
+
+MODEL_OR_CONFIG is a model file (only its header is read), a Hugging Face
+folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
+-e). The parameters are counted per component from the layout the model
+allocates (model.layout.param_specs); the memory is the model's own plan
+(model.transformer.memory_plan) for a training step and for a forward that
+keeps its logits, and the KV cache is generate.kv_cache's.
+"""
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from .errors import LlmcError, UsageError
+from .generate.kv_cache import kv_cache_floats
+from .model.layout import param_specs
+from .model.memory import format_bytes
+from .model.transformer import PRECISIONS, memory_plan
+
+# the parameter tensors of each component
+COMPONENTS = (
+    ("embeddings", ("wte", "wpe")),
+    ("attention", ("qkvw", "qkvb", "qnormw", "knormw", "attprojw", "attprojb")),
+    ("MLP", ("fcw", "fcb", "fcprojw", "fcprojb")),
+    ("norms", ("ln1w", "ln1b", "ln2w", "ln2b", "lnfw", "lnfb")),
+    ("head", ("lm_head",)),
+)
+
+
+def load_config(source):
+    """The config of ``source``: a depth like d12, a Hugging Face folder or
+    config.json, or a model file (its header only)."""
+    from .train.cli import config_from_depth
+    config = config_from_depth(str(source))
+    if config is not None:
+        return config
+    path = Path(source)
+    if path.is_dir() or path.suffix == ".json":
+        from .io.hf import read_hf_config
+        return read_hf_config(path)[1]
+    if not path.is_file():
+        raise UsageError(f"{source}: no such model file, Hugging Face folder or config.json, "
+                         f"and not a depth like d12")
+    from .io.model_file import model_kind, read_llama_header, read_model_header
+    read_header = read_llama_header if model_kind(path) == "llama" else read_model_header
+    return read_header(path)[0]
+
+
+def parameter_counts(config):
+    """{component: parameters} over COMPONENTS, in the order the model lays
+    them out; they add up to the model's num_parameters."""
+    sizes = {name: math.prod(fn(config)) for name, fn in param_specs(config)}
+    counts = {part: sum(sizes.pop(name, 0) for name in names) for part, names in COMPONENTS}
+    if sizes:   # a tensor no component claims would go uncounted
+        raise AssertionError(f"summary.COMPONENTS misses {sorted(sizes)}")
+    return counts
+
+
+def memory_table(config, B, T, precision="fp32"):
+    """({part: bytes} of a training step, {part: bytes} of a forward that
+    keeps its (B, T, Vp) logits), as the model plans them."""
+    return (memory_plan(config, B, T, training=True, precision=precision),
+            memory_plan(config, B, T, training=False, keep_logits=True, precision=precision))
+
+
+def kv_cache_bytes(config, B=1, T=1):
+    """Bytes of a KV cache for B rows of T positions (float32)."""
+    return 4 * kv_cache_floats(config, B, T)
+
+
+def describe(config):
+    from .train.cli import describe as describe_config
+    return describe_config(config)
+
+
+def format_summary(config, B, T, precision="fp32", source=None):
+    """The tables as text."""
+    c = config
+    counts = parameter_counts(c)
+    total = sum(counts.values())
+    lines = [f"{source + ': ' if source else ''}{describe(c)}; vocab {c.vocab_size} "
+             f"(padded {c.Vp}), max_seq_len {c.max_seq_len}", "",
+             f"{'parameters':<14}{'count':>18}{'share':>9}"]
+    for part, n in counts.items():
+        lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
+    lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
+    notes = []
+    if c.Vp > c.V:
+        notes.append(f"wte has {c.Vp - c.V} padding rows (Vp {c.Vp} - V {c.V}): "
+                     f"{(c.Vp - c.V) * c.C:,} of the embeddings' parameters")
+    if c.tied_embeddings:
+        notes.append("the head is tied to wte: it adds no parameters")
+    lines += [f"  ({note})" for note in notes]
+    train, forward = memory_table(c, B, T, precision)
+    lines += ["", f"{f'memory at B={B}, T={T}, {precision}':<30}{'training step':>20}"
+                  f"{'forward':>20}"]
+    for part in train:
+        lines.append(f"  {part:<28}{_bytes(train[part]):>20}{_bytes(forward[part]):>20}")
+    lines.append(f"  {'total':<28}{_bytes(sum(train.values())):>20}"
+                 f"{_bytes(sum(forward.values())):>20}")
+    lines += ["  (training: forward_backward's logits, a block of rows at a time; "
+              "forward: all B*T rows",
+              "  of them kept; scratch: estimated for this machine's threads)",
+              "", f"KV cache (float32): {kv_cache_bytes(c):,} bytes per token "
+                  f"(2 x {c.L} layers x {c.NKV} kv heads x {c.head_size}); "
+                  f"{_bytes(kv_cache_bytes(c, B, T))} for {B} x {T} tokens"]
+    return "\n".join(lines)
+
+
+def _bytes(n):
+    return format_bytes(n) if n else "-"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m llmc_py.summary",
+        description="Parameters per component and memory per part of a model, from its "
+                    "config alone (nothing is allocated).")
+    p.add_argument("model", metavar="MODEL_OR_CONFIG",
+                   help="a model file, a Hugging Face folder or its config.json, or a depth "
+                        "like d12")
+    p.add_argument("-b", "--batch-size", type=int, default=1, help="B: sequences")
+    p.add_argument("-t", "--seq-len", type=int, default=0,
+                   help="T: tokens per sequence (0: the model's max_seq_len)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16 adds the bf16 copy of the weights (mixed precision)")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.batch_size < 1 or args.seq_len < 0:
+            raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and "
+                             f"T >= 0")
+        config = load_config(args.model)
+        T = args.seq_len or config.max_seq_len
+        print(format_summary(config, args.batch_size, T, args.precision, args.model))
+    except (UsageError, LlmcError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

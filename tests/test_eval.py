@@ -1,0 +1,116 @@
+"""python -m llmc_py.eval: loss and perplexity at several context lengths,
+with sliding windows that score every target once; a learned-position model
+asked past its table is a clear error."""
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from llmc_py import GPT2, Llama, UsageError
+from llmc_py import eval as evaluation
+from llmc_py.data import write_tokens
+from test_gpt2_step import SMALL
+from test_llama_step import BASE
+
+ROPE = dataclasses.replace(BASE, max_seq_len=16)   # RoPE goes past its max_seq_len
+
+
+@pytest.mark.parametrize("n", [2, 9, 17, 40])
+def test_windows_score_every_target_once(n):
+    for length in range(1, n):
+        for stride in range(1, length + 1):
+            spans = evaluation.windows(n, length, stride)
+            scored = [begin + j + 1 for begin, first in spans for j in range(first, length)]
+            assert scored == list(range(1, n)), (n, length, stride, spans)
+            # every window but the first leaves at least length - stride of context
+            assert all(first >= length - stride for _, first in spans[1:-1])
+
+
+def test_windows_refuse_what_cannot_be():
+    with pytest.raises(UsageError, match="stride"):
+        evaluation.windows(100, 8, 9)
+    with pytest.raises(ValueError, match="a window of 8 needs 9"):
+        evaluation.windows(8, 8, 8)
+
+
+def test_one_window_is_the_models_forward():
+    model = Llama(ROPE, seed=3)
+    tokens = np.random.default_rng(3).integers(0, ROPE.vocab_size, 25).astype(np.int32)
+    loss, counted, n = evaluation.evaluate_length(model, tokens, 24)
+    assert (counted, n) == (24, 1)
+    assert loss == model.forward(tokens[None, :-1], tokens[None, 1:])
+
+
+def test_side_by_side_windows_average_every_target():
+    """Stride = length: each window is a forward of its own; the loss is the
+    mean over all targets (not the mean of window means: the last window
+    scores fewer)."""
+    model = GPT2(SMALL, seed=4)
+    tokens = np.random.default_rng(4).integers(0, SMALL.vocab_size, 30).astype(np.int32)
+    loss, counted, n = evaluation.evaluate_length(model, tokens, 8)
+    assert (counted, n) == (29, 4)
+    sums = []
+    for begin in (0, 8, 16):
+        model.forward(tokens[None, begin:begin + 8], tokens[None, begin + 1:begin + 9])
+        sums.append(model.acts.losses.astype(np.float64).sum())
+    model.forward(tokens[None, 21:29], tokens[None, 22:30])   # the last 8: 5 new targets
+    sums.append(model.acts.losses[0, 3:].astype(np.float64).sum())
+    assert abs(loss - sum(sums) / 29) <= 1e-6 * loss
+    # windows in batches give the same loss
+    batched, _, _ = evaluation.evaluate_length(model, tokens, 8, batch_size=3)
+    assert abs(batched - loss) <= 1e-6 * loss
+
+
+def test_a_sliding_window_scores_with_more_context():
+    """With stride 1 each target after the first window is scored with the
+    full length of context: its loss is the last position's of that window."""
+    model = Llama(ROPE, seed=5)
+    tokens = np.random.default_rng(5).integers(0, ROPE.vocab_size, 14).astype(np.int32)
+    loss, counted, n = evaluation.evaluate_length(model, tokens, 6, stride=1)
+    assert (counted, n) == (13, 8)
+    model.forward(tokens[None, :6], tokens[None, 1:7])
+    total = model.acts.losses.astype(np.float64).sum()
+    for begin in range(1, 8):
+        model.forward(tokens[None, begin:begin + 6], tokens[None, begin + 1:begin + 7])
+        total += float(model.acts.losses[0, -1])
+    assert abs(loss - total / 13) <= 1e-6 * loss
+
+
+def write_text(tmp_path, vocab, n):
+    tokens = np.random.default_rng(6).integers(0, vocab, n)
+    write_tokens(tmp_path / "val_000.bin", tokens[:n // 2])
+    write_tokens(tmp_path / "val_001.bin", tokens[n // 2:])
+    return str(tmp_path / "val_*.bin"), tokens
+
+
+def test_cli_table(tmp_path, capsys):
+    model = Llama(ROPE, seed=7)
+    model.save_checkpoint(tmp_path / "rope.bin")
+    data, tokens = write_text(tmp_path, ROPE.vocab_size, 101)
+    # 32 is past max_seq_len 16: RoPE extrapolates
+    assert evaluation.main([str(tmp_path / "rope.bin"), data, "--lengths", "8", "32",
+                            "--stride", "4", "-b", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^ +(\d+) +(\d+) +(\d+) +(\d+) +(\S+) +(\S+)$", out, re.M)
+    assert [r[:4] for r in rows] == [("8", "4", "24", "100"), ("32", "4", "18", "100")]
+    for length, *_, loss, ppl in rows:
+        assert abs(float(ppl) - np.exp(float(loss))) <= 1e-3 * float(ppl)
+        expected, _, _ = evaluation.evaluate_length(model, tokens.astype(np.int32),
+                                                    int(length), 4)
+        assert abs(float(loss) - expected) <= 1e-4
+
+
+def test_learned_positions_past_their_table_is_a_clear_error(tmp_path, capsys):
+    GPT2(SMALL).save_checkpoint(tmp_path / "gpt2.bin")   # max_seq_len 32
+    data, _ = write_text(tmp_path, SMALL.vocab_size, 200)
+    assert evaluation.main([str(tmp_path / "gpt2.bin"), data, "--lengths", "16", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --lengths 64: past the model's learned position table "
+                          "(max_seq_len 32)") and err.count("\n") == 1
+    with pytest.raises(UsageError, match="max_seq_len 32"):
+        evaluation.evaluate_length(GPT2(SMALL), np.zeros(100, np.int32), 33)
+    Llama(ROPE).save_checkpoint(tmp_path / "rope.bin")
+    data, _ = write_text(tmp_path, ROPE.vocab_size, 200)
+    assert evaluation.main([str(tmp_path / "rope.bin"), data, "--lengths", "250"]) == 1
+    assert "the text has 200 tokens; a window of 250 needs 251" in capsys.readouterr().err

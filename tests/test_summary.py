@@ -1,0 +1,132 @@
+"""python -m llmc_py.summary: parameters per component and memory per part
+from a config alone. Its numbers are what a real model allocates (small
+models, built here), and it runs without allocating for a config far too big
+to build (Qwen3-8B's)."""
+import dataclasses
+import json
+import re
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from llmc_py import GPT2, Llama
+from llmc_py import summary
+from llmc_py.generate.kv_cache import KVCache
+from llmc_py.io.hf import hf_config
+from test_gpt2_step import SMALL
+from test_llama_step import BASE, CONFIGS
+
+# Qwen3-8B's config.json, its sizes as published
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936,
+            "tie_word_embeddings": False, "max_position_embeddings": 40960,
+            "rope_theta": 1000000, "rms_norm_eps": 1e-06, "hidden_act": "silu",
+            "attention_bias": False}
+
+MODELS = {
+    "gpt2": lambda: GPT2(SMALL),
+    **{name: (lambda choices=choices: Llama(dataclasses.replace(BASE, **choices)))
+       for name, choices in CONFIGS.items()},
+}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
+    model = MODELS[name]()
+    model = type(model)(model.config, params=model.params.memory, precision=precision)
+    c, (B, T) = model.config, (3, 17)
+    counts = summary.parameter_counts(c)
+    assert sum(counts.values()) == model.num_parameters == model.params.size
+    for part, names in summary.COMPONENTS:
+        assert counts[part] == sum(int(np.prod(model.params.shapes[n])) for n in names
+                                   if n in model.params.shapes), part
+    assert counts["head"] == (0 if c.tied_embeddings else model.params.lm_head.size)
+
+    train, forward = summary.memory_table(c, B, T, precision)
+    assert train == model.memory_plan(B, T, training=True)
+    assert forward == model.memory_plan(B, T, training=False, keep_logits=True)
+    # and what a training step really allocates
+    model.reserve(B, T, training=True)
+    allocated = {"parameters": model.params.memory.nbytes,
+                 "parameters (bf16 copy)": (0 if model.params_bf16 is None
+                                            else model.params_bf16.memory.nbytes),
+                 "parameter gradients": model.grads.memory.nbytes,
+                 "AdamW moments": model.m_memory.nbytes + model.v_memory.nbytes,
+                 "activations": model.acts.memory.nbytes,
+                 "logits": model._logits_buffer.nbytes,
+                 "activation gradients": model.grads_acts.memory.nbytes}
+    assert allocated == {part: train[part] for part in allocated}
+    # a forward that keeps its logits holds all B*T rows of them
+    model.forward(np.zeros((B, T), np.int32))
+    assert model.logits.nbytes == forward["logits"]
+    assert summary.kv_cache_bytes(c, B, T) == KVCache(c, B, T).nbytes
+    assert summary.kv_cache_bytes(c) == 4 * 2 * c.L * c.NKV * c.head_size
+
+
+def test_memory_plan_with_recompute_is_the_models():
+    model = MODELS["llama"]()
+    model.recompute = True
+    from llmc_py.model.transformer import memory_plan
+    assert memory_plan(model.config, 2, 9, recompute=True) == model.memory_plan(2, 9)
+    assert memory_plan(model.config, 2, 9)["activations"] > model.memory_plan(2, 9)["activations"]
+
+
+def test_qwen3_8b_config_without_allocating(tmp_path, capsys):
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B))
+    tracemalloc.start()
+    try:
+        assert summary.main([str(folder / "config.json"), "-b", "2", "-t", "4096",
+                             "--precision", "bf16"]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"the summary allocated {peak} bytes"   # 8B params: 30 GiB
+    out = capsys.readouterr().out
+    config = summary.load_config(folder)   # the folder works as well as its config.json
+    counts = summary.parameter_counts(config)
+    total = sum(counts.values())
+    assert abs(total - 8.19e9) < 0.005e9, total
+    assert re.search(rf"^  total +{total:,} +100.0%$", out, re.M)
+    # untied: the head is the embedding's size; qk_norm adds 2 hs per layer
+    assert counts["head"] == counts["embeddings"] == 151936 * 4096
+    assert counts["norms"] == 36 * 2 * 4096 + 4096
+    assert counts["attention"] == 36 * (4096 * (32 + 2 * 8) * 128 + 32 * 128 * 4096 + 2 * 128)
+    assert counts["MLP"] == 36 * 3 * 4096 * 12288
+    train, _ = summary.memory_table(config, 2, 4096, "bf16")
+    assert train["parameters"] == 4 * total and train["parameters (bf16 copy)"] == 2 * total
+    assert train["AdamW moments"] == 8 * total
+    assert f"{36 * 2 * 8 * 128 * 4:,} bytes per token" in out
+    assert "parameters (bf16 copy)" in out and "30.51 GiB" in out
+
+
+def test_sources_model_file_hf_folder_and_depth(tmp_path, capsys):
+    llama = Llama(dataclasses.replace(BASE, **CONFIGS["mqa-untied-bias"]))
+    llama.save_checkpoint(tmp_path / "llama.bin")
+    GPT2(SMALL).save_checkpoint(tmp_path / "gpt2.bin")
+    assert summary.load_config(tmp_path / "llama.bin") == llama.config
+    assert summary.load_config(tmp_path / "gpt2.bin") == SMALL
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(hf_config(llama.config)))
+    assert sum(summary.parameter_counts(summary.load_config(hf)).values()) == \
+        llama.num_parameters
+    d12 = summary.load_config("d12")
+    assert sum(summary.parameter_counts(d12).values()) == 124475904   # llm.c's GPT-2 124M
+    assert summary.main(["d12", "-b", "4", "-t", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "memory at B=4, T=64, fp32" in out and "tied to wte" in out
+    assert "47 padding rows" in out
+
+
+def test_bad_source_is_one_line(tmp_path, capsys):
+    assert summary.main([str(tmp_path / "missing.bin")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "missing.bin" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text("{not json")
+    assert summary.main([str(tmp_path / "config.json")]) == 1
+    assert "not valid JSON" in capsys.readouterr().err
