@@ -5,8 +5,12 @@ Each variant is a run of ``python -m llmc_py.train`` with the suite's common
 flags and its own; the table (markdown, printed and written to
 OUT/SUITE.md) has the final validation loss and perplexity, the median step
 time, tokens/s, the process's peak memory and the parameter count, and
-OUT/SUITE.png draws the loss curves (with matplotlib). ``--`` passes further
-flags to every run (e.g. ``-- -x 50`` for a quick look).
+OUT/SUITE.png draws the loss curves (with matplotlib). A suite with
+``lengths`` also evaluates each trained model on the validation text at
+those multiples of the trained length (llmc_py.eval; "n/a" where a learned
+position table ends); a variant with ``scale_rope`` evaluates there with
+its RoPE scaled by the multiple (that rope_scaling kind). ``--`` passes
+further flags to every run (e.g. ``-- -x 50`` for a quick look).
 """
 import argparse
 import json
@@ -34,10 +38,15 @@ SUITES = {
         "variants": {"mha": LLAMA + ["--kv-heads", "4"],
                      "gqa": LLAMA + ["--kv-heads", "2"],
                      "mqa": LLAMA + ["--kv-heads", "1"]}},
-    "positions": {
-        "about": "learned positions, RoPE and ALiBi, trained at the same length",
+    "extrapolation": {
+        "about": "positions trained at T = 128, evaluated at 1x, 2x and 4x that length",
+        "lengths": (1, 2, 4),
         "variants": {"learned": LLAMA + ["--position", "learned"],
                      "rope": LLAMA + ["--position", "rope"],
+                     "rope + linear scaling": {"flags": LLAMA + ["--position", "rope"],
+                                               "scale_rope": "linear"},
+                     "rope + ntk scaling": {"flags": LLAMA + ["--position", "rope"],
+                                            "scale_rope": "ntk"},
                      "alibi": LLAMA + ["--position", "alibi"]}},
 }
 DEFAULT_SUITES = ("gpt2-vs-llama", "heads")
@@ -45,11 +54,15 @@ _STEP = re.compile(r"took ([0-9.]+) ms")
 _PARAMS = re.compile(r"([0-9.]+)M parameters")
 
 
-def run_variant(folder, flags, timeout=None):
-    """Trains one variant into ``folder``; returns its result row (a dict)."""
+def run_variant(folder, flags, lengths=(), scale_rope=None, timeout=None):
+    """Trains one variant into ``folder`` (and evaluates it at ``lengths``,
+    multiples of its T); returns its result row (a dict)."""
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "llmc_py.compare", "--child", str(folder), "--", *flags,
-               "-o", str(folder / "run"), "--overwrite"]
+    evaluation = ["--lengths", *map(str, lengths)] if lengths else []
+    if scale_rope:
+        evaluation += ["--scale-rope", scale_rope]
+    command = [sys.executable, "-m", "llmc_py.compare", "--child", str(folder), *evaluation,
+               "--", *flags, "-o", str(folder / "run"), "--overwrite"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     (folder / "stdout.txt").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -60,11 +73,15 @@ def run_variant(folder, flags, timeout=None):
     val = [float(line.split("tel:")[1]) for line in log if " tel:" in line]
     tokens = _tokens_per_step(flags)
     ms = statistics.median(steps[1:] if len(steps) > 1 else steps)
-    return {"val loss": val[-1] if val else math.nan,
-            "perplexity": math.exp(val[-1]) if val else math.nan,
-            "ms/step": ms, "tokens/s": tokens / (ms / 1000),
-            "peak MiB": json.loads((folder / "peak.json").read_text())["peak_mib"],
-            "parameters (M)": float(_PARAMS.search(done.stdout).group(1))}
+    child_results = json.loads((folder / "peak.json").read_text())
+    row = {"val loss": val[-1] if val else math.nan,
+           "perplexity": math.exp(val[-1]) if val else math.nan,
+           "ms/step": ms, "tokens/s": tokens / (ms / 1000),
+           "peak MiB": child_results["peak_mib"],
+           "parameters (M)": float(_PARAMS.search(done.stdout).group(1))}
+    for multiple, loss in child_results.get("lengths", {}).items():
+        row[f"loss @ {multiple}x T"] = loss
+    return row
 
 
 def _tokens_per_step(flags):
@@ -85,16 +102,25 @@ def curves(folder):
 def table(rows):
     """A markdown table of {variant: row}."""
     columns = ["val loss", "perplexity", "ms/step", "tokens/s", "peak MiB", "parameters (M)"]
+    columns += sorted({c for row in rows.values() for c in row if c.startswith("loss @")},
+                      key=lambda c: int(c.split()[2][:-1]))
     lines = ["| variant | " + " | ".join(columns) + " |",
              "|---|" + "---|" * len(columns)]
     for name, row in rows.items():
         if "error" in row:
             lines.append(f"| {name} | " + row["error"] + " |" + " |" * (len(columns) - 1))
             continue
-        cells = [f"{row[c]:.4f}" if c in ("val loss", "perplexity") else
-                 f"{row[c]:.1f}" if c == "parameters (M)" else f"{row[c]:.0f}" for c in columns]
+        cells = [_cell(c, row.get(c)) for c in columns]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(column, value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if column in ("val loss", "perplexity") or column.startswith("loss @"):
+        return f"{value:.4f}"
+    return f"{value:.1f}" if column == "parameters (M)" else f"{value:.0f}"
 
 
 def draw(path, title, folders):
@@ -124,15 +150,48 @@ def draw(path, title, folders):
     return True
 
 
-def child(folder, flags):
-    """--child: one variant's training in this process, then its peak RSS."""
-    from .train.cli import main as train
+def child(folder, flags, lengths=(), scale_rope=None):
+    """--child: one variant's training in this process, its peak RSS (before
+    any evaluation), and the final model's validation loss at ``lengths``
+    (multiples of T)."""
+    from .train.cli import build_parser, main as train
     code = train(flags)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
     if sys.platform == "darwin":
         peak /= 1024   # bytes there
-    (Path(folder) / "peak.json").write_text(json.dumps({"peak_mib": peak}))
+    results = {"peak_mib": peak}
+    if code == 0 and lengths:
+        args = build_parser().parse_args(flags)
+        results["lengths"] = evaluate_lengths(args, lengths, scale_rope)
+    (Path(folder) / "peak.json").write_text(json.dumps(results))
     return code
+
+
+def evaluate_lengths(args, multiples, scale_rope=None):
+    """{multiple: val loss} of a finished run's final model at multiple * T
+    tokens of context (None where a learned table ends); with ``scale_rope``,
+    each at a RoPE scaled by its multiple."""
+    import dataclasses
+    from .errors import UsageError
+    from .eval import evaluate_length, read_text
+    from .model import load_model
+    from .train.run_folder import RunFolder
+    folder = RunFolder(args.output_dir)
+    model = load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
+    tokens = read_text(args.val_data or "data/shakespeare/val.bin", model.config.vocab_size)
+    losses = {}
+    for multiple in multiples:
+        length = multiple * args.seq_len
+        scaled = model
+        if scale_rope and multiple > 1:
+            config = dataclasses.replace(model.config, rope_scaling=scale_rope,
+                                         rope_factor=float(multiple))
+            scaled = type(model)(config, params=model.params.memory)
+        try:
+            losses[multiple] = evaluate_length(scaled, tokens, length)[0]
+        except UsageError:
+            losses[multiple] = None   # past a learned position table
+    return losses
 
 
 def main(argv=None):
@@ -147,9 +206,11 @@ def main(argv=None):
                                              f"{' '.join(DEFAULT_SUITES)})")
     p.add_argument("--out", default="compare", help="folder for the runs, tables and plots")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--lengths", type=int, nargs="*", default=(), help=argparse.SUPPRESS)
+    p.add_argument("--scale-rope", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, extra)
+        return child(args.child, extra, args.lengths, args.scale_rope)
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         print(f"error: unknown suite(s) {unknown}; known: {', '.join(SUITES)}", file=sys.stderr)
@@ -158,11 +219,14 @@ def main(argv=None):
     failed = 0
     for suite in args.suites or DEFAULT_SUITES:
         spec = SUITES[suite]
-        folders = {name: out / suite / name for name in spec["variants"]}
+        folders = {name: out / suite / re.sub(r"\W+", "-", name) for name in spec["variants"]}
         rows = {}
-        for name, flags in spec["variants"].items():
+        for name, variant in spec["variants"].items():
             print(f"{suite}: training {name} ...", flush=True)
-            rows[name] = run_variant(folders[name], COMMON + flags + extra)
+            if isinstance(variant, list):
+                variant = {"flags": variant}
+            rows[name] = run_variant(folders[name], COMMON + variant["flags"] + extra,
+                                     spec.get("lengths", ()), variant.get("scale_rope"))
             failed += "error" in rows[name]
         text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
         (out / f"{suite}.md").write_text(text)

@@ -1,5 +1,6 @@
 """python -m llmc_py.compare end to end at a tiny size: every variant of a
 suite trains in its own process, and the table and the plot are written."""
+import json
 import math
 import os
 import sys
@@ -38,3 +39,31 @@ def test_compare_refuses_an_unknown_suite(capsys):
     assert compare.main(["nope"]) == 1
     assert "unknown suite" in capsys.readouterr().err
     assert sys.modules["llmc_py.compare"] is compare
+
+
+def test_compare_evaluates_at_longer_lengths(tmp_path, monkeypatch):
+    """A suite with lengths: each trained model's loss at 1x and 2x its T,
+    a RoPE one also with its RoPE scaled by the multiple."""
+    rng = np.random.default_rng(1)
+    write_tokens(tmp_path / "train.bin", rng.integers(0, 50257, 3000))
+    write_tokens(tmp_path / "val.bin", rng.integers(0, 50257, 1000))
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rope = ["--arch", "llama", "--kv-heads", "1", "--position", "rope"]
+    monkeypatch.setitem(compare.SUITES, "tiny", {
+        "about": "a test", "lengths": (1, 2),
+        "variants": {"rope": rope, "rope scaled": {"flags": rope, "scale_rope": "linear"}}})
+    tiny = ["-e", "d1", "-b", "2", "-t", "16", "-x", "2", "-v", "2", "-m", "1",
+            "-i", str(tmp_path / "train.bin"), "-j", str(tmp_path / "val.bin")]
+    assert compare.main(["tiny", "--out", str(tmp_path / "out"), "--", *tiny]) == 0
+    lines = (tmp_path / "out" / "tiny.md").read_text().splitlines()
+    assert "loss @ 1x T | loss @ 2x T |" in lines[2]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in lines[4:] if line.startswith("| rope")}
+    plain, scaled = rows["rope"], rows["rope scaled"]
+    assert all(np.isfinite(float(c)) for c in plain[-2:] + scaled[-2:])
+    # the same training (same seed, flags): the same losses at 1x; at 2x the scaling differs
+    results = [json.loads((tmp_path / "out" / "tiny" / name / "peak.json").read_text())
+               for name in ("rope", "rope-scaled")]
+    assert plain[:2] == scaled[:2]
+    assert results[0]["lengths"]["1"] == results[1]["lengths"]["1"]
+    assert results[0]["lengths"]["2"] != results[1]["lengths"]["2"]
