@@ -112,7 +112,7 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
         x = R.residual(x, matmul(h, param("attprojw", l), param("attprojb", l)))
         h = norm(x, param("ln2w", l), param("ln2b", l), c)
         h = matmul(h, param("fcw", l), param("fcb", l))
-        h = R.swiglu(h) if c.mlp == "swiglu" else R.gelu(h)
+        h = R.MLP_ACTIVATIONS[c.mlp](h)
         x = R.residual(x, matmul(h, param("fcprojw", l), param("fcprojb", l)))
         if trace is not None:
             trace["hidden"].append(x)

@@ -141,6 +141,33 @@ def swiglu(x):
     return gate / (1.0 + torch.exp(-gate)) * up
 
 
+def gelu_erf(x):
+    """x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), the exact GELU; as erfc(-x / sqrt 2),
+    which keeps the left tail (1 + erf cancels there, even in float64)."""
+    return 0.5 * x * torch.erfc(-x / math.sqrt(2.0))
+
+
+def relu(x):
+    return torch.relu(x)
+
+
+def geglu(x):
+    """gelu(gate) * up (the tanh GELU), rows [..., 2FF] as in swiglu."""
+    gate, up = x.chunk(2, dim=-1)
+    return gelu(gate) * up
+
+
+def reglu(x):
+    """relu(gate) * up, rows [..., 2FF] as in swiglu."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.relu(gate) * up
+
+
+# the MLP activations by config.mlp
+MLP_ACTIVATIONS = {"gelu": gelu, "swiglu": swiglu, "relu": relu, "gelu_erf": gelu_erf,
+                   "geglu": geglu, "reglu": reglu}
+
+
 def residual(a, b):
     return a + b
 

@@ -35,6 +35,13 @@ MODELS = {
     # Qwen3-style: q and k heads RMS-normed before RoPE, NH hs = 96 != C
     "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=24,
                                                       rope_theta=1e6), seed=6),
+    # the other MLPs
+    "geglu": lambda: Llama(dataclasses.replace(LLAMA, mlp="geglu"), seed=7),
+    "reglu-alibi": lambda: Llama(dataclasses.replace(LLAMA, mlp="reglu", position="alibi"),
+                                 seed=8),
+    "relu-learned": lambda: Llama(dataclasses.replace(LLAMA, mlp="relu", position="learned",
+                                                      max_seq_len=48), seed=9),
+    "gelu_erf": lambda: Llama(dataclasses.replace(LLAMA, mlp="gelu_erf"), seed=10),
 }
 
 

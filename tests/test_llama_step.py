@@ -28,6 +28,14 @@ CONFIGS = {   # id: the choices, over BASE
     "qwen3": dict(qk_norm=True, head_dim=24, rope_theta=1e6, norm_eps=1e-6),
     "qknorm-alibi-untied": dict(qk_norm=True, position="alibi", head_dim=10,
                                 tied_embeddings=False),
+    # the other MLPs: plain ReLU and exact GELU, gated GeGLU and ReGLU (the
+    # last with Llama's hidden-size rule, ffn_hidden 0 applying it anew:
+    # 2/3 of 4C = 170, x1.3 = 221, up to a multiple of 48: 240)
+    "relu-layernorm-bias": dict(mlp="relu", norm="layernorm", bias=True),
+    "gelu_erf-learned": dict(mlp="gelu_erf", position="learned", ffn_hidden=100),
+    "geglu": dict(mlp="geglu"),
+    "reglu-alibi-ffn-rule": dict(mlp="reglu", position="alibi", ffn_hidden=0,
+                                 ffn_multiple_of=48, ffn_dim_multiplier=1.3),
 }
 
 
@@ -174,6 +182,43 @@ def test_truncated_model_file_is_refused(tmp_path):
         path.write_bytes(path.read_bytes()[:size])
         with pytest.raises(CheckpointError, match=str(path)):
             load_model(path)
+
+
+def test_ffn_hidden_follows_llama_rule():
+    # the defaults keep the sizes of files from before the rule had its fields
+    assert BASE.ffn_hidden == 192 and BASE.fc_channels == 384
+    assert dataclasses.replace(BASE, mlp="reglu", ffn_hidden=0).ffn_hidden == 192
+    assert dataclasses.replace(BASE, **CONFIGS["reglu-alibi-ffn-rule"]).ffn_hidden == 240
+    assert dataclasses.replace(BASE, mlp="geglu", ffn_hidden=0).fc_channels == 384
+    for mlp in ("gelu", "relu", "gelu_erf"):   # not gated: 4C, one matrix of FF rows
+        config = dataclasses.replace(BASE, mlp=mlp, ffn_hidden=0, ffn_multiple_of=48)
+        assert (config.ffn_hidden, config.fc_channels) == (256, 256)
+    # Llama 3 8B's own numbers: C 4096, multiplier 1.3, multiple_of 1024 -> 14336
+    assert LlamaConfig(channels=4096, num_heads=32, num_kv_heads=8, ffn_multiple_of=1024,
+                       ffn_dim_multiplier=1.3).ffn_hidden == 14336
+    with pytest.raises(ShapeError, match="ffn_multiple_of must be a positive int"):
+        dataclasses.replace(BASE, ffn_multiple_of=0)
+    with pytest.raises(ShapeError, match="ffn_dim_multiplier must be a positive finite"):
+        dataclasses.replace(BASE, ffn_dim_multiplier=-1.0)
+
+
+def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
+    path = tmp_path / "m.bin"
+    Llama(dataclasses.replace(BASE, mlp="geglu")).save_checkpoint(path)
+    assert load_model(path).config.mlp == "geglu"
+    _corrupt(path, LLAMA_CHOICE_SLOTS["mlp"][0], 6)
+    with pytest.raises(CheckpointError, match=r"mlp is 6, expected one of 0 \(gelu\), "
+                                              r"1 \(swiglu\), 2 \(relu\), 3 \(gelu_erf\), "
+                                              r"4 \(geglu\), 5 \(reglu\)"):
+        load_model(path)
+    # a file from before the rule's slots holds 0 in them: read as 32 and 1
+    Llama(BASE).save_checkpoint(path)
+    _corrupt(path, 17, 0)
+    _corrupt(path, 2, 0.0, floats=True)
+    assert load_model(path).config == BASE
+    _corrupt(path, 17, -4)
+    with pytest.raises(CheckpointError, match="ffn_multiple_of must be a positive int"):
+        load_model(path)
 
 
 def test_config_rejects_impossible_choices():

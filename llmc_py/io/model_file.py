@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
+from ..config import FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
@@ -127,17 +127,21 @@ def write_model(path, config, params, dtype="fp32"):
 #     [8] num_kv_heads [9] ffn_hidden
 #     [10] norm      0 layernorm, 1 rmsnorm
 #     [11] position  0 learned, 1 rope, 2 alibi
-#     [12] mlp       0 gelu, 1 swiglu
+#     [12] mlp       0 gelu, 1 swiglu, 2 relu, 3 gelu_erf, 4 geglu, 5 reglu
 #     [13] bias      0 or 1
 #     [14] tied_embeddings  0 or 1
 #     [15] head_dim  0 (channels / num_heads) or the head size (Qwen3)
 #     [16] qk_norm   0 or 1 (RMSNorm on each q and k head before RoPE; its
 #          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
+#     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps
+#     [2] ffn_dim_multiplier  the Llama rule's factor (0: 1)
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# and 16 came later: files from before hold 0 there, which reads as before.
+# to 17 and float slot 2 came later: files from before hold 0 there, which
+# reads as before. ffn_hidden is always explicit, so the rule's two fields
+# only record how it was chosen.
 MAGIC_LLAMA = 20261122
 VERSION_LLAMA = 1
 VERSION_LLAMA_BF16 = 2
@@ -147,7 +151,10 @@ LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_head
 LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
 LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
-LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
+LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 2}
+# later slots, and the value their 0 (a file from before them) stands for
+LLAMA_LATER_INT_SLOTS = {"ffn_multiple_of": (17, FFN_MULTIPLE)}
+LLAMA_LATER_FLOAT_SLOTS = {"ffn_dim_multiplier": 1.0}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
 
 
@@ -165,6 +172,8 @@ def llama_headers(config, version=VERSION_LLAMA):
     for name, slot in LLAMA_FLAG_SLOTS.items():
         ints[slot] = int(getattr(config, name))
     ints[LLAMA_HEAD_DIM_SLOT] = config.head_dim
+    for name, (slot, _) in LLAMA_LATER_INT_SLOTS.items():
+        ints[slot] = getattr(config, name)
     floats = np.zeros(HEADER_INTS, dtype="<f4")
     for name, slot in LLAMA_FLOAT_SLOTS.items():
         floats[slot] = getattr(config, name)
@@ -201,11 +210,15 @@ def read_llama_header(path):
     if fields["head_dim"] < 0:
         raise CheckpointError(f"{path}: header field head_dim is {fields['head_dim']}, must "
                               f"be >= 0 (0: channels / num_heads)")
+    for name, (slot, before) in LLAMA_LATER_INT_SLOTS.items():
+        fields[name] = int(ints[slot]) or before   # the config rejects < 0
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
     for name, slot in LLAMA_FLOAT_SLOTS.items():
         fields[name] = float(floats[slot])   # the config rejects <= 0, inf and NaN
+        if fields[name] == 0.0 and name in LLAMA_LATER_FLOAT_SLOTS:
+            fields[name] = LLAMA_LATER_FLOAT_SLOTS[name]
     try:
         config = LlamaConfig(**fields)
     except ShapeError as e:

@@ -102,8 +102,8 @@ class TensorGroup:
 #   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
 #   qnormw, knormw [L, hs]        qk_norm's weights (Qwen3's q_norm, k_norm)
 #   attprojw [L, C, NH hs]        NH hs = C unless head_dim says otherwise
-#   fcw  [L, 2 FF, C] (swiglu)    rows: W1 (the gate) then W3 (the up projection)
-#        [L, FF, C]   (gelu)
+#   fcw  [L, 2 FF, C] (gated: swiglu, geglu, reglu)  rows: W1 (the gate) then W3 (up)
+#        [L, FF, C]   (gelu, gelu_erf, relu)
 #   lm_head [Vp, C]               only when the embeddings are untied
 
 def param_specs(c):
@@ -165,7 +165,7 @@ def act_specs(c, recompute=False, logits=True):
         ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm),
         ("ln2_rstd", lambda c, B, T: (c.L, B, T), True),
         ("fch", lambda c, B, T: (c.L, B, T, c.fc_channels), True),
-        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after GELU / SwiGLU
+        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after the activation
         ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
         ("lnf", lambda c, B, T: (B, T, c.C), True),
         ("lnf_mean", lambda c, B, T: (B, T), layernorm),

@@ -7,7 +7,8 @@ train_gpt2.c; its choices come from the config (config.TransformerConfig):
     logits = head(normf(x))
 
 norm: layernorm | rmsnorm; position: a learned table, RoPE on q and k, or
-ALiBi biases in the attention; act: GELU | SwiGLU; attention: grouped-query
+ALiBi biases in the attention; act: GELU (tanh or erf) | ReLU, or gated:
+SwiGLU | GeGLU | ReGLU (act(gate) * up); attention: grouped-query
 (NKV key/value heads; NKV = NH is GPT-2's multi-head attention); biases on
 or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
 (model.presets): their forward and backward are these.
@@ -114,6 +115,10 @@ class Transformer:
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
+        # the MLP activation's kernels are named after it (a gated one reads
+        # fch's [gate | up] halves)
+        self._mlp_forward = getattr(K, f"{config.mlp}_forward")
+        self._mlp_backward = getattr(K, f"{config.mlp}_backward")
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self._user = threading.RLock()   # held by the thread inside an entry point
         self.params = TensorGroup(self.param_specs, self.config)
@@ -534,12 +539,9 @@ class Transformer:
         return ln2
 
     def _mlp_act(self, a, l):
-        """Layer l's MLP activation of a.fch[l] (GELU or SwiGLU): its fch_act slot."""
+        """Layer l's MLP activation of a.fch[l] (config.mlp's): its fch_act slot."""
         fch_act = self._held_layer(a, "fch_act", l)
-        if self.config.mlp == "swiglu":
-            K.swiglu_forward(fch_act, a.fch[l])
-        else:
-            K.gelu_forward(fch_act, a.fch[l])
+        self._mlp_forward(fch_act, a.fch[l])
         return fch_act
 
     def block_forward(self, a, l, residual, attend):
@@ -638,7 +640,7 @@ class Transformer:
         dfch = self._grads_as(d.fch, c.fc_channels)
         # qkv's gradient, and on the way back to it, qkvr's and (with both
         # qk_norm and RoPE) that of the normed q, k between them
-        dqkvr = self._grads_as(d.fch, c.qkv_channels)
+        dqkvr = self._grads_as(d.fch, c.qkv_channels) if rope or qk_norm else None
         dqkvn = self._grads_as(d.wide, c.qkv_channels)
         dqkv = dqkvr if rope and qk_norm else dqkvn
         dln, datty = self._grads_as(d.narrow, c.C), self._grads_as(d.narrow, c.attn_channels)
@@ -657,10 +659,7 @@ class Transformer:
             matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l),
                             d.residual, fch_act, w.fcprojw[l])
             dfch[...] = 0.0
-            if c.mlp == "swiglu":
-                K.swiglu_backward(dfch, dfch_act, a.fch[l])
-            else:
-                K.gelu_backward(dfch, dfch_act, a.fch[l])
+            self._mlp_backward(dfch, dfch_act, a.fch[l])
             dln[...] = 0.0
             matmul_backward(dln, g.fcw[l], self._bias(g, "fcb", l), dfch, ln2, w.fcw[l])
             self._norm_backward(d.residual, g.ln2w[l], self._bias(g, "ln2b", l), dln,
