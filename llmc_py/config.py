@@ -20,6 +20,11 @@ NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope", "alibi")
 # (new names go at the end: a model file holds the index)
 MLPS = ("gelu", "swiglu", "relu", "gelu_erf", "geglu", "reglu")
+# where the norms sit in a block (see model.transformer): "pre" x + f(norm(x));
+# "post" norm(x + f(x)) (the original Transformer); "parallel" one norm read
+# by attention and the MLP side by side, x + attn(n) + mlp(n), n = norm1(x)
+# (GPT-J, Falcon-7B)
+BLOCKS = ("pre", "post", "parallel")
 # the gated MLPs: W2(act(x W1) * x W3), fcw holding W1 (the gate) then W3
 GATED_MLPS = ("swiglu", "geglu", "reglu")
 # a gated MLP's hidden size by the Llama rule is rounded up to a multiple of
@@ -59,6 +64,7 @@ class TransformerConfig:
     mlp: str = "swiglu"              # gated: "swiglu" W2(silu(x W1) * x W3), "geglu" (gelu,
                                      # tanh form), "reglu" (relu); plain: W2 act(x W1),
                                      # "gelu" (GPT-2's tanh form), "gelu_erf", "relu"
+    block: str = "pre"               # the norms' places: "pre" | "post" | "parallel"
     bias: bool = False               # biases on the linear layers
     tied_embeddings: bool = True     # the output head is wte; False adds lm_head [Vp, C]
     rope_theta: float = 10000.0      # RoPE base
@@ -108,7 +114,8 @@ class TransformerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ShapeError(f"{kind}.{name} must be a positive int, got {value!r}")
-        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS),
+                              ("block", BLOCKS)):
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
@@ -173,11 +180,17 @@ class TransformerConfig:
         return self.position == "learned"
 
     @property
+    def second_norm(self):
+        """True if a block has a second norm (ln2): all but the parallel block."""
+        return self.block != "parallel"
+
+    @property
     def is_gpt2(self):
         """True if the choices are GPT-2's (llm.c's model file can hold it)."""
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
             and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
-            and self.attn_channels == self.channels and not self.qk_norm
+            and self.attn_channels == self.channels and not self.qk_norm \
+            and self.block == "pre"
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property
@@ -240,4 +253,4 @@ class GPT2Config(TransformerConfig):
         if not self.is_gpt2:
             raise ShapeError("GPT2Config holds GPT-2's choices (layernorm, learned, gelu, "
                              "bias, tied, num_kv_heads = num_heads, ffn_hidden = 4 channels, "
-                             "norm_eps 1e-5); use LlamaConfig or TransformerConfig for others")
+                             "norm_eps 1e-5, pre-norm blocks); use LlamaConfig or TransformerConfig for others")

@@ -42,6 +42,11 @@ MODELS = {
     "relu-learned": lambda: Llama(dataclasses.replace(LLAMA, mlp="relu", position="learned",
                                                       max_seq_len=48), seed=9),
     "gelu_erf": lambda: Llama(dataclasses.replace(LLAMA, mlp="gelu_erf"), seed=10),
+    # the norms' places
+    "post-norm": lambda: Llama(dataclasses.replace(LLAMA, block="post"), seed=11),
+    "parallel-layernorm": lambda: Llama(dataclasses.replace(LLAMA, block="parallel",
+                                                            norm="layernorm", bias=True),
+                                        seed=12),
 }
 
 

@@ -36,6 +36,14 @@ CONFIGS = {   # id: the choices, over BASE
     "geglu": dict(mlp="geglu"),
     "reglu-alibi-ffn-rule": dict(mlp="reglu", position="alibi", ffn_hidden=0,
                                  ffn_multiple_of=48, ffn_dim_multiplier=1.3),
+    # the norms' places: post-norm as the original Transformer (layernorm,
+    # learned positions) and with RoPE and qk_norm; the parallel block as
+    # GPT-J (one layernorm, RoPE, GELU, biases) and with ALiBi
+    "post-layernorm-learned": dict(block="post", norm="layernorm", position="learned",
+                                   mlp="gelu", bias=True),
+    "post-rope-qknorm": dict(block="post", qk_norm=True),
+    "parallel-gptj": dict(block="parallel", norm="layernorm", mlp="gelu", bias=True),
+    "parallel-alibi": dict(block="parallel", position="alibi", num_kv_heads=1),
 }
 
 
@@ -153,6 +161,8 @@ def _corrupt(path, slot, value, floats=False):
     ("ffn_hidden", LLAMA_INT_SLOTS["ffn_hidden"], -5, "ffn_hidden is -5"),
     ("norm", LLAMA_CHOICE_SLOTS["norm"][0], 7, "norm is 7, expected one of"),
     ("position", LLAMA_CHOICE_SLOTS["position"][0], -1, "position is -1"),
+    ("block", LLAMA_CHOICE_SLOTS["block"][0], 3, r"block is 3, expected one of 0 \(pre\), "
+                                                 r"1 \(post\), 2 \(parallel\)"),
     ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
     ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
     ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
@@ -219,6 +229,23 @@ def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
     _corrupt(path, 17, -4)
     with pytest.raises(CheckpointError, match="ffn_multiple_of must be a positive int"):
         load_model(path)
+
+
+def test_block_layouts():
+    """The parallel block has no second norm; post-norm keeps ln2, the layer's
+    output, for every layer also when recomputing."""
+    from llmc_py.model.layout import act_specs, param_specs
+    parallel = dataclasses.replace(BASE, block="parallel", norm="layernorm")
+    names = [name for name, _ in param_specs(parallel)]
+    assert "ln2w" not in names and "ln2b" not in names and "ln1b" in names
+    assert "ln2" not in dict(act_specs(parallel)) and "ln2_rstd" not in dict(act_specs(parallel))
+    post = dataclasses.replace(BASE, block="post")
+    specs = dict(act_specs(post, recompute=True))
+    assert specs["ln2"](post, 2, 3)[0] == post.num_layers and specs["ln1"](post, 2, 3)[0] == 1
+    with pytest.raises(ShapeError, match="block must be one of"):
+        dataclasses.replace(BASE, block="sandwich")
+    with pytest.raises(ShapeError, match="pre-norm blocks"):
+        GPT2Config(num_layers=1, channels=8, num_heads=2, block="post")
 
 
 def test_config_rejects_impossible_choices():

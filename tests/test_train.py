@@ -438,6 +438,14 @@ def test_llama_mlp_flags_reach_the_model_file(shards, tmp_path, mlp):
     assert c.fc_channels == (2 if gated else 1) * c.ffn_hidden
 
 
+@pytest.mark.parametrize("block", ["post", "parallel"])
+def test_llama_block_flag_reaches_the_model_file(shards, tmp_path, capsys, block):
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--block", block) == 0
+    assert load_model(out / "model_00000002.bin").config.block == block
+    assert f"{block} block" in capsys.readouterr().out
+
+
 def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):
     """--recompute 1 recomputes activations in backward: the same losses and
     model to the bit; a resume may switch it, and says so."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
+from ..config import BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
@@ -134,12 +134,13 @@ def write_model(path, config, params, dtype="fp32"):
 #     [16] qk_norm   0 or 1 (RMSNorm on each q and k head before RoPE; its
 #          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
 #     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
+#     [18] block     0 pre, 1 post, 2 parallel (the norms' places)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps
 #     [2] ffn_dim_multiplier  the Llama rule's factor (0: 1)
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# to 17 and float slot 2 came later: files from before hold 0 there, which
+# to 18 and float slot 2 came later: files from before hold 0 there, which
 # reads as before. ffn_hidden is always explicit, so the rule's two fields
 # only record how it was chosen.
 MAGIC_LLAMA = 20261122
@@ -148,7 +149,8 @@ VERSION_LLAMA_BF16 = 2
 LLAMA_BYTES_PER_PARAM = {VERSION_LLAMA: 4, VERSION_LLAMA_BF16: 2}
 LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
                    "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
-LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
+LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS),
+                      "block": (18, BLOCKS)}
 LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
 LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 2}

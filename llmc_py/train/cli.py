@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..config import (FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig,
+from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig,
                       padded_vocab)
 from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
 from ..io.files import atomic_write
@@ -139,6 +139,9 @@ def build_parser():
     b("--norm", choices=NORMS, default="rmsnorm", help="llama: the norm")
     b("--position", choices=POSITIONS, default="rope",
       help="llama: rotary (rope), ALiBi biases (alibi) or a learned table")
+    b("--block", choices=BLOCKS, default="pre",
+      help="llama: the norms' places: pre (x + f(norm(x))), post (norm(x + f(x)), the "
+           "original Transformer's) or parallel (x + attn(n) + mlp(n), n = norm(x): GPT-J)")
     b("--mlp", choices=MLPS, default="swiglu",
       help="llama: the MLP; gated (act(x W1) * x W3): swiglu, geglu, reglu; plain: gelu "
            "(tanh form), gelu_erf (exact), relu")
@@ -180,7 +183,8 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
         return GPT2Config(**sizes)
     try:
         return LlamaConfig(**sizes, num_kv_heads=args.kv_heads or NH, norm=args.norm,
-                           position=args.position, mlp=args.mlp, ffn_hidden=args.ffn_hidden,
+                           position=args.position, mlp=args.mlp, block=args.block,
+                           ffn_hidden=args.ffn_hidden,
                            ffn_multiple_of=args.ffn_multiple_of,
                            ffn_dim_multiplier=args.ffn_dim_multiplier,
                            bias=bool(args.bias), tied_embeddings=not args.untied,
@@ -196,6 +200,7 @@ def describe(config):
     text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
     if isinstance(c, LlamaConfig):
         text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
+                 + ("" if c.block == "pre" else f", {c.block} block")
                  + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
                  + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else ""))
     return text
