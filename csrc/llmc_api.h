@@ -97,6 +97,19 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
 int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
                      int B, int T, int C, int V);
 
+/*
+ * sinusoidal_forward: out[b,t,:] = inp[b,t,:] + PE(pos[b] + t), the original
+ * Transformer's fixed positions: PE(p)[2i] = sin(p w_i), PE(p)[2i+1] =
+ * cos(p w_i), w_i = 10000^(-2i/C) (an odd C ends with a sin channel). No
+ * parameters, so no backward: the gradient passes through unchanged.
+ *
+ *   out [B, T, C]  (written) may alias inp
+ *   inp [B, T, C]
+ *   pos [B]        int32 first position of each row, >= 0 (else
+ *                  LLMC_ERR_RANGE), or NULL: 0
+ */
+int sinusoidal_forward(float* out, const float* inp, const int* pos, int B, int T, int C);
+
 /* ---- norms.c ------------------------------------------------------------ */
 
 /*

@@ -17,7 +17,7 @@ def padded_vocab(vocab_size, multiple=VOCAB_PAD_MULTIPLE):
 # the Llama family's choices; each is a string in the config and a small int
 # code in the checkpoint header (the index in these tuples)
 NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "rope", "alibi")
+POSITIONS = ("learned", "rope", "alibi", "sinusoidal")
 # (new names go at the end: a model file holds the index)
 MLPS = ("gelu", "swiglu", "relu", "gelu_erf", "geglu", "reglu")
 # where the norms sit in a block (see model.transformer): "pre" x + f(norm(x));
@@ -44,8 +44,9 @@ def llama_ffn_hidden(channels, multiple_of=FFN_MULTIPLE, ffn_dim_multiplier=1.0)
 class TransformerConfig:
     """One decoder-only transformer, by its sizes and choices. The presets
     below (LlamaConfig, GPT2Config) are this with other defaults."""
-    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE and
-                                     # ALiBi only the length trained at, not a limit
+    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE,
+                                     # ALiBi and sinusoidal only the length trained at,
+                                     # not a limit
     vocab_size: int = 50257          # V
     padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
     num_layers: int = 12             # L
@@ -61,6 +62,7 @@ class TransformerConfig:
                                      # (Llama 3 70B: 1.3)
     norm: str = "rmsnorm"            # "rmsnorm" (weight only) | "layernorm" (weight, bias)
     position: str = "rope"           # "rope" | "alibi" | "learned" (a wpe table, as GPT-2)
+                                     # | "sinusoidal" (fixed sin/cos added to the embedding)
     mlp: str = "swiglu"              # gated: "swiglu" W2(silu(x W1) * x W3), "geglu" (gelu,
                                      # tanh form), "reglu" (relu); plain: W2 act(x W1),
                                      # "gelu" (GPT-2's tanh form), "gelu_erf", "relu"

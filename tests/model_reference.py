@@ -98,6 +98,9 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
         return p[name] if l is None else p[name][l]
 
     x = R.encoder(p["wte"], param("wpe"), inputs)
+    if c.position == "sinusoidal":
+        x = x + R.sinusoidal(torch.zeros(inputs.shape[0], dtype=torch.long), inputs.shape[1],
+                             c.channels)
     if trace is not None:
         trace["hidden"], trace["att"] = [x], []
     for l in range(c.num_layers):

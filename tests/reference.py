@@ -19,6 +19,16 @@ def encoder(wte, wpe, inp):
     return wte[inp] if wpe is None else wte[inp] + wpe[:T]
 
 
+def sinusoidal(pos, T, C):
+    """The original Transformer's positions [B, T, C] at pos[b] + t (pos a
+    long tensor [B]): sin(p w_i) in channel 2i, cos(p w_i) in 2i + 1,
+    w_i = 10000^(-2i/C)."""
+    p = (pos[:, None] + torch.arange(T))[..., None].to(torch.float64)   # [B, T, 1]
+    i = torch.arange(C)
+    angle = p * 10000.0 ** (-(i - i % 2).to(torch.float64) / C)
+    return torch.where(i % 2 == 0, torch.sin(angle), torch.cos(angle))
+
+
 def layernorm(x, weight, bias, eps=LN_EPS):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, with the
     biased variance. Returns out, mean [B,T] and rstd [B,T]."""

@@ -63,6 +63,7 @@ _ROPE = dict(optional=frozenset({"pos"}), valid={"hs": 2, "theta": 10000.0},
 ROWS = {
     "encoder_forward": Row(optional=frozenset({"wpe"})),
     "encoder_backward": Row(optional=frozenset({"dwpe"})),
+    "sinusoidal_forward": Row(optional=frozenset({"pos"})),
     "layernorm_forward": Row(bad=_NEGATIVE_EPS),
     "layernorm_backward": Row(),
     "rmsnorm_forward": Row(bad=_NEGATIVE_EPS),

@@ -47,6 +47,7 @@ MODELS = {
     "parallel-layernorm": lambda: Llama(dataclasses.replace(LLAMA, block="parallel",
                                                             norm="layernorm", bias=True),
                                         seed=12),
+    "sinusoidal": lambda: Llama(dataclasses.replace(LLAMA, position="sinusoidal"), seed=13),
 }
 
 
@@ -131,8 +132,8 @@ def test_learned_positions_refuse_to_go_past_max_seq_len():
         model.generate([1] * 40, 10, temperature=0)
 
 
-@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa"])
-def test_rope_and_alibi_generate_past_max_seq_len(name):
+@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa", "sinusoidal"])
+def test_rope_alibi_and_sinusoidal_generate_past_max_seq_len(name):
     model = MODELS[name]()
     prompt = [2, 7, 1, 8]
     max_seq_len = model.config.max_seq_len

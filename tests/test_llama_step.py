@@ -44,6 +44,11 @@ CONFIGS = {   # id: the choices, over BASE
     "post-rope-qknorm": dict(block="post", qk_norm=True),
     "parallel-gptj": dict(block="parallel", norm="layernorm", mlp="gelu", bias=True),
     "parallel-alibi": dict(block="parallel", position="alibi", num_kv_heads=1),
+    # sinusoidal positions: in the original Transformer (post-norm layernorm,
+    # ReLU, biases) and in a Llama-style block with hs 15
+    "sinusoidal-original": dict(position="sinusoidal", block="post", norm="layernorm",
+                                mlp="relu", bias=True),
+    "sinusoidal-hs15": dict(position="sinusoidal", channels=60),
 }
 
 
@@ -106,8 +111,8 @@ def test_gpt2_choices_reproduce_gpt2():
                                atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
-def test_rope_and_alibi_extrapolate_past_max_seq_len(position):
+@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal"])
+def test_rope_alibi_and_sinusoidal_extrapolate_past_max_seq_len(position):
     config = dataclasses.replace(BASE, position=position, max_seq_len=16)
     model = make_model(config, seed=2)
     x, y = make_batch(config, 2, 40, seed=2)   # 2.5x the trained length
@@ -161,6 +166,9 @@ def _corrupt(path, slot, value, floats=False):
     ("ffn_hidden", LLAMA_INT_SLOTS["ffn_hidden"], -5, "ffn_hidden is -5"),
     ("norm", LLAMA_CHOICE_SLOTS["norm"][0], 7, "norm is 7, expected one of"),
     ("position", LLAMA_CHOICE_SLOTS["position"][0], -1, "position is -1"),
+    ("position", LLAMA_CHOICE_SLOTS["position"][0], 4, r"position is 4, expected one of "
+                                                       r"0 \(learned\), 1 \(rope\), "
+                                                       r"2 \(alibi\), 3 \(sinusoidal\)"),
     ("block", LLAMA_CHOICE_SLOTS["block"][0], 3, r"block is 3, expected one of 0 \(pre\), "
                                                  r"1 \(post\), 2 \(parallel\)"),
     ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
@@ -224,7 +232,7 @@ def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
     # a file from before the rule's slots holds 0 in them: read as 32 and 1
     Llama(BASE).save_checkpoint(path)
     _corrupt(path, 17, 0)
-    _corrupt(path, 2, 0.0, floats=True)
+    _corrupt(path, 8, 0.0, floats=True)
     assert load_model(path).config == BASE
     _corrupt(path, 17, -4)
     with pytest.raises(CheckpointError, match="ffn_multiple_of must be a positive int"):

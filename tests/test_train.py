@@ -441,9 +441,11 @@ def test_llama_mlp_flags_reach_the_model_file(shards, tmp_path, mlp):
 @pytest.mark.parametrize("block", ["post", "parallel"])
 def test_llama_block_flag_reaches_the_model_file(shards, tmp_path, capsys, block):
     out = tmp_path / "out"
-    assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--block", block) == 0
-    assert load_model(out / "model_00000002.bin").config.block == block
-    assert f"{block} block" in capsys.readouterr().out
+    assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--block", block,
+               "--position", "sinusoidal") == 0
+    config = load_model(out / "model_00000002.bin").config
+    assert (config.block, config.position) == (block, "sinusoidal")
+    assert f"sinusoidal, swiglu 192, {block} block" in capsys.readouterr().out
 
 
 def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):

@@ -23,6 +23,17 @@ def encoder_forward(out, inp, wte, wpe):
         B, T, C, V), "encoder_forward", inp, "inp", V)
 
 
+def sinusoidal_forward(out, inp, pos=None):
+    """out[B,T,C] (written; may be inp) = inp + the sinusoidal position
+    embedding at positions pos[b] + t (pos int32 [B] >= 0, or None: t)."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.sinusoidal_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, C), "sinusoidal_forward")
+
+
 def encoder_backward(dwte, dwpe, dout, inp):
     """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
     B, T = _dims(inp, "inp", 2)

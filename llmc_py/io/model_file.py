@@ -126,7 +126,7 @@ def write_model(path, config, params, dtype="fp32"):
 #     [6] channels     [7] padded_vocab_size   (the slots of llm.c's GPT-2 file)
 #     [8] num_kv_heads [9] ffn_hidden
 #     [10] norm      0 layernorm, 1 rmsnorm
-#     [11] position  0 learned, 1 rope, 2 alibi
+#     [11] position  0 learned, 1 rope, 2 alibi, 3 sinusoidal
 #     [12] mlp       0 gelu, 1 swiglu, 2 relu, 3 gelu_erf, 4 geglu, 5 reglu
 #     [13] bias      0 or 1
 #     [14] tied_embeddings  0 or 1
@@ -136,11 +136,11 @@ def write_model(path, config, params, dtype="fp32"):
 #     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
 #     [18] block     0 pre, 1 post, 2 parallel (the norms' places)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps
-#     [2] ffn_dim_multiplier  the Llama rule's factor (0: 1)
+#     [8] ffn_dim_multiplier  the Llama rule's factor (0: 1)
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# to 18 and float slot 2 came later: files from before hold 0 there, which
+# to 18 and float slot 8 came later: files from before hold 0 there, which
 # reads as before. ffn_hidden is always explicit, so the rule's two fields
 # only record how it was chosen.
 MAGIC_LLAMA = 20261122
@@ -153,7 +153,7 @@ LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (
                       "block": (18, BLOCKS)}
 LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
-LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 2}
+LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 8}
 # later slots, and the value their 0 (a file from before them) stands for
 LLAMA_LATER_INT_SLOTS = {"ffn_multiple_of": (17, FFN_MULTIPLE)}
 LLAMA_LATER_FLOAT_SLOTS = {"ffn_dim_multiplier": 1.0}

@@ -15,8 +15,8 @@ the original post-norm Transformer has none (its last norm2 is the last
 step), but keeping it leaves one layout and one head for every block, and
 a norm of a normed vector only re-weights its channels.
 
-norm: layernorm | rmsnorm; position: a learned table, RoPE on q and k, or
-ALiBi biases in the attention; act: GELU (tanh or erf) | ReLU, or gated:
+norm: layernorm | rmsnorm; position: a learned table, fixed sinusoids added
+to the embedding, RoPE on q and k, or ALiBi biases in the attention; act: GELU (tanh or erf) | ReLU, or gated:
 SwiGLU | GeGLU | ReGLU (act(gate) * up); attention: grouped-query
 (NKV key/value heads; NKV = NH is GPT-2's multi-head attention); biases on
 or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
@@ -407,6 +407,8 @@ class Transformer:
                                     self.slopes, c.NH, c.NKV)
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
+        if c.position == "sinusoidal":
+            K.sinusoidal_forward(a.encoded, a.encoded, None)
         residual = a.encoded
         for l in range(c.L):
             residual = self.block_forward(a, l, residual, attend)
@@ -437,7 +439,7 @@ class Transformer:
         logits are in ``model.logits`` unless ``keep_logits`` is False (then
         targets are needed, and the classifier runs HEAD_ROWS rows at a time,
         in less memory: evaluation's way). A learned position table limits T
-        to max_seq_len; RoPE and ALiBi extrapolate past it."""
+        to max_seq_len; RoPE, ALiBi and sinusoidal positions extrapolate past it."""
         if not keep_logits and targets is None:
             raise ValueError("forward(..., keep_logits=False) needs targets: without "
                              "logits or a loss it would compute nothing")

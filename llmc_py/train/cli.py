@@ -138,7 +138,8 @@ def build_parser():
       help="gpt2: llm.c's GPT-2; llama: the decoder with the choices below")
     b("--norm", choices=NORMS, default="rmsnorm", help="llama: the norm")
     b("--position", choices=POSITIONS, default="rope",
-      help="llama: rotary (rope), ALiBi biases (alibi) or a learned table")
+      help="llama: rotary (rope), ALiBi biases (alibi), a learned table or fixed "
+           "sinusoids added to the embedding (sinusoidal)")
     b("--block", choices=BLOCKS, default="pre",
       help="llama: the norms' places: pre (x + f(norm(x))), post (norm(x + f(x)), the "
            "original Transformer's) or parallel (x + attn(n) + mlp(n), n = norm(x): GPT-J)")
