@@ -452,9 +452,11 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  *   out [B, T, (NH + 2 NKV) hs]  (written; may be inp) rotated q, rotated k, v
  *   inp [B, T, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
  *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
+ *   inv_freq [hs/2] float64 each pair's frequency (a scaled RoPE), positive
+ *       and finite, else LLMC_ERR_VALUE; or NULL: theta^(-2i/hs)
  * hs must be even; theta must be positive and finite, else LLMC_ERR_VALUE.
  */
-int rope_forward(float* out, const float* inp, const int* pos,
+int rope_forward(float* out, const float* inp, const int* pos, const double* inv_freq,
                  int B, int T, int NH, int NKV, int hs, float theta);
 
 /*
@@ -463,9 +465,9 @@ int rope_forward(float* out, const float* inp, const int* pos,
  *
  *   dinp [B, T, (NH + 2 NKV) hs]  (+=)
  *   dout [B, T, (NH + 2 NKV) hs]
- *   pos  [B] int32 or NULL, as in the forward
+ *   pos  [B] int32 or NULL, inv_freq [hs/2] or NULL, as in the forward
  */
-int rope_backward(float* dinp, const float* dout, const int* pos,
+int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
                   int B, int T, int NH, int NKV, int hs, float theta);
 
 /* ---- activations.c ------------------------------------------------------ */

@@ -3,7 +3,9 @@
  * [q heads | k heads | v heads] rows in the half-split pair layout stated in
  * llmc_api.h.
  *
- * Each pair (x[i], x[i + hs/2]) turns by the angle a = p * theta^(-2i/hs):
+ * Each pair (x[i], x[i + hs/2]) turns by the angle a = p * f_i, with the
+ * frequency f_i = theta^(-2i/hs), or inv_freq[i] when the caller gives them
+ * (a scaled RoPE: linear interpolation, NTK, Llama 3's rule; see config.py):
  *   forward   R(a)  = [cos a, -sin a; sin a, cos a]
  *   backward  R(a)^T = R(-a), since a rotation's Jacobian is itself and its
  *             transpose is its inverse; the angle does not depend on x, so
@@ -25,7 +27,7 @@
 #define ROPE_CHUNK 64
 
 /* Checks shared by forward and backward; returns LLMC_OK or a status. */
-static int rope_check(const float* out, const float* inp, const int* pos,
+static int rope_check(const float* out, const float* inp, const int* pos, const double* inv_freq,
                       int B, int T, int NH, int NKV, int hs, float theta) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && hs % 2 == 0,
@@ -35,14 +37,20 @@ static int rope_check(const float* out, const float* inp, const int* pos,
     if (pos != NULL) {
         for (int b = 0; b < B; b++) { LLMC_REQUIRE(pos[b] >= 0, LLMC_ERR_RANGE); }
     }
+    if (inv_freq != NULL) {   // finite and positive (NaN fails too)
+        for (int i = 0; i < hs / 2; i++) {
+            LLMC_REQUIRE(inv_freq[i] > 0.0 && isfinite(inv_freq[i]), LLMC_ERR_VALUE);
+        }
+    }
     return LLMC_OK;
 }
 
 /* cos and sin of the angles of pairs [i0, i0 + n) at position p. */
 static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0, int n, int hs,
-                                           double theta) {
+                                           double theta, const double* inv_freq) {
     for (int j = 0; j < n; j++) {
-        const double freq = pow(theta, -2.0 * (double)(i0 + j) / (double)hs);
+        const double freq = inv_freq != NULL ? inv_freq[i0 + j]
+                                             : pow(theta, -2.0 * (double)(i0 + j) / (double)hs);
         const double a = (double)p * freq;
         c[j] = (float)cos(a);
         s[j] = (float)sin(a);
@@ -55,13 +63,14 @@ static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0
  * accumulates. The v heads are copied or accumulated unchanged.
  */
 static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int64_t p, int NH,
-                                             int NKV, int hs, float theta, int backward) {
+                                             int NKV, int hs, float theta,
+                                             const double* inv_freq, int backward) {
     const int half = hs / 2;
     const int nrot = NH + NKV;                          // heads that turn
     float c[ROPE_CHUNK], s[ROPE_CHUNK];
     for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
         const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
-        rope_angles(c, s, p, i0, n, hs, (double)theta);
+        rope_angles(c, s, p, i0, n, hs, (double)theta, inv_freq);
         for (int h = 0; h < nrot; h++) {
             const float* x1 = x_bt + (size_t)h * hs + i0;   // first half
             const float* x2 = x1 + half;                    // its partners
@@ -90,36 +99,38 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int
     }
 }
 LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, int64_t p, int NH, int NKV, int hs,
-                             float theta, int backward),
-                  y_bt, x_bt, p, NH, NKV, hs, theta, backward)
+                             float theta, const double* inv_freq, int backward),
+                  y_bt, x_bt, p, NH, NKV, hs, theta, inv_freq, backward)
 
 /* Both directions over all rows, in parallel. */
-static void rope_apply(float* out, const float* inp, const int* pos,
+static void rope_apply(float* out, const float* inp, const int* pos, const double* inv_freq,
                        int B, int T, int NH, int NKV, int hs, float theta, int backward) {
     const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
     const int64_t BT = (int64_t)B * T;
-    void (*const row_fn)(float*, const float*, int64_t, int, int, int, float, int) =
+    void (*const row_fn)(float*, const float*, int64_t, int, int, int, float, const double*,
+                         int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
 
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         const int64_t p = (pos != NULL ? (int64_t)pos[bt / T] : 0) + bt % T;
-        row_fn(out + (size_t)bt * row, inp + (size_t)bt * row, p, NH, NKV, hs, theta, backward);
+        row_fn(out + (size_t)bt * row, inp + (size_t)bt * row, p, NH, NKV, hs, theta, inv_freq,
+               backward);
     }
 }
 
-int rope_forward(float* out, const float* inp, const int* pos,
+int rope_forward(float* out, const float* inp, const int* pos, const double* inv_freq,
                  int B, int T, int NH, int NKV, int hs, float theta) {
-    const int status = rope_check(out, inp, pos, B, T, NH, NKV, hs, theta);
+    const int status = rope_check(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    rope_apply(out, inp, pos, B, T, NH, NKV, hs, theta, 0);
+    rope_apply(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta, 0);
     return LLMC_OK;
 }
 
-int rope_backward(float* dinp, const float* dout, const int* pos,
+int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
                   int B, int T, int NH, int NKV, int hs, float theta) {
-    const int status = rope_check(dinp, dout, pos, B, T, NH, NKV, hs, theta);
+    const int status = rope_check(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    rope_apply(dinp, dout, pos, B, T, NH, NKV, hs, theta, 1);
+    rope_apply(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta, 1);
     return LLMC_OK;
 }

@@ -27,6 +27,12 @@ MLPS = ("gelu", "swiglu", "relu", "gelu_erf", "geglu", "reglu")
 BLOCKS = ("pre", "post", "parallel")
 # the gated MLPs: W2(act(x W1) * x W3), fcw holding W1 (the gate) then W3
 GATED_MLPS = ("swiglu", "geglu", "reglu")
+# RoPE for contexts past the trained length: "linear" divides every frequency
+# by rope_factor (position interpolation); "ntk" raises the base to theta *
+# factor^(hs/(hs-2)) (NTK-aware); "llama3" is Llama 3.1's rule (Hugging Face's
+# rope_type "llama3": long wavelengths divided by the factor, short ones kept,
+# a smooth blend between, set by rope_original_max and the two freq factors)
+ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
 # a gated MLP's hidden size by the Llama rule is rounded up to a multiple of
 # this by default (Llama's multiple_of is 256; 32 suits our small models)
 FFN_MULTIPLE = 32
@@ -76,6 +82,12 @@ class TransformerConfig:
                                      # held as 0 whenever it equals C / NH
     qk_norm: bool = False            # RMSNorm on each q and k head before RoPE (Qwen3's
                                      # q_norm, k_norm: weights of hs, norm_eps)
+    rope_scaling: str = "none"       # ROPE_SCALINGS
+    rope_factor: float = 1.0         # how much longer a context it is scaled for
+    rope_original_max: int = 0       # llama3: the context it was trained at (8192)
+    rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max / low
+                                         # are divided by the factor
+    rope_high_freq_factor: float = 4.0   # llama3: ... below original_max / high kept
 
     def __post_init__(self):
         if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
@@ -89,7 +101,9 @@ class TransformerConfig:
                                        self.ffn_dim_multiplier) \
                 if self.mlp in GATED_MLPS else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
-        for name in ("rope_theta", "norm_eps", "ffn_dim_multiplier"):   # held as the float32 the kernels and file use
+        # held as the float32 the kernels and file use
+        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "ffn_dim_multiplier"):
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(np.float32(value)))
@@ -125,7 +139,8 @@ class TransformerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ShapeError(f"{kind}.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("rope_theta", "norm_eps"):
+        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not (0 < value < float("inf")):
                 raise ShapeError(f"{kind}.{name} must be a positive finite number, "
@@ -143,12 +158,49 @@ class TransformerConfig:
         if self.position == "rope" and self.head_size % 2 != 0:
             raise ShapeError(f"{kind}: RoPE needs an even head size, got "
                              f"head_dim = {self.head_size}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ShapeError(f"{kind}.rope_scaling must be one of {ROPE_SCALINGS}, got "
+                             f"{self.rope_scaling!r}")
+        if self.rope_scaling != "none" and self.position != "rope":
+            raise ShapeError(f"{kind}.rope_scaling={self.rope_scaling!r} needs position='rope'")
+        if not isinstance(self.rope_original_max, int) or self.rope_original_max < 0:
+            raise ShapeError(f"{kind}.rope_original_max must be an int >= 0, got "
+                             f"{self.rope_original_max!r}")
+        if self.rope_scaling == "llama3" and (
+                self.rope_original_max == 0
+                or self.rope_high_freq_factor <= self.rope_low_freq_factor):
+            raise ShapeError(f"{kind}: llama3 RoPE scaling needs rope_original_max > 0 and "
+                             f"rope_high_freq_factor > rope_low_freq_factor, got "
+                             f"{self.rope_original_max}, {self.rope_high_freq_factor}, "
+                             f"{self.rope_low_freq_factor}")
         if self.qk_norm and self.norm != "rmsnorm":
             raise ShapeError(f"{kind}.qk_norm is RMSNorm on the q and k heads; it needs "
                              f"norm='rmsnorm', got {self.norm!r}")
         if self.padded_vocab_size < self.vocab_size:
             raise ShapeError(f"{kind}.padded_vocab_size={self.padded_vocab_size} is "
                              f"smaller than vocab_size={self.vocab_size}")
+
+    def rope_inv_freq(self):
+        """RoPE's frequency for each of the hs/2 pairs, float64, for a scaled
+        RoPE (rope_scaling); None for plain RoPE (theta^(-2i/hs), which the
+        kernel computes itself)."""
+        if self.rope_scaling == "none":
+            return None
+        hs, factor = self.head_size, self.rope_factor
+        exponents = -2.0 * np.arange(hs // 2, dtype=np.float64) / hs
+        if self.rope_scaling == "ntk":
+            return (self.rope_theta * factor ** (hs / (hs - 2))) ** exponents
+        freq = self.rope_theta ** exponents
+        if self.rope_scaling == "linear":
+            return freq / factor
+        # llama3: by wavelength, against the trained context's
+        wavelength = 2 * np.pi / freq
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        original = self.rope_original_max
+        blend = (original / wavelength - low) / (high - low)   # 0 at the long end, 1 at the short
+        scaled = np.where(wavelength > original / low, freq / factor, freq)
+        medium = (wavelength <= original / low) & (wavelength >= original / high)
+        return np.where(medium, (1 - blend) * freq / factor + blend * freq, scaled)
 
     @property
     def head_size(self):

@@ -110,7 +110,8 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
                 qkv = R.head_rmsnorm(qkv, param("qnormw", l), param("knormw", l), c.num_heads,
                                      c.num_kv_heads, c.norm_eps)[0]
             if c.position == "rope":
-                qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta)
+                qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
+                             c.rope_inv_freq())
             h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)
             return matmul(h, param("attprojw", l), param("attprojb", l)), att
 

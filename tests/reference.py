@@ -70,18 +70,20 @@ def _softmax_last(scores):
     return e / e.sum(-1, keepdim=True)
 
 
-def rope(x, pos, NH, NKV, theta=ROPE_THETA):
+def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None):
     """Rotary embedding of packed rows x [B,T,(NH+2NKV)hs]: the NH q and NKV k
     heads turn, the NKV v heads stay. Half-split pairs: channel i of a head
     pairs with channel i + hs/2, turned by the angle p * theta^(-2i/hs) at
-    position p = pos[b] + t (pos a long tensor [B], or None for all 0):
+    position p = pos[b] + t (pos a long tensor [B], or None for all 0), or by
+    p * inv_freq[i] when given (a scaled RoPE's frequencies):
       (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)"""
     B, T, CH = x.shape
     hs = CH // (NH + 2 * NKV)
     half = hs // 2
     start = torch.zeros(B, dtype=torch.float64) if pos is None else pos.to(torch.float64)
     p = start[:, None] + torch.arange(T, dtype=torch.float64)                 # [B, T]
-    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs)      # [half]
+    freq = theta ** (-2.0 * torch.arange(half, dtype=torch.float64) / hs) \
+        if inv_freq is None else torch.as_tensor(inv_freq, dtype=torch.float64)  # [half]
     angle = p[:, :, None, None] * freq                                        # [B, T, 1, half]
     cos, sin = torch.cos(angle), torch.sin(angle)
     nrot = (NH + NKV) * hs

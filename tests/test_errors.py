@@ -37,7 +37,7 @@ class Row:
     optional:  pointers that may be NULL
     not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
     valid:     {argument: value} where 1 is not valid
-    fill:      {int array: value} where zeroes are not valid (lengths >= 1)
+    fill:      {array: value} where zeroes are not valid (lengths >= 1, frequencies > 0)
     bad:       extra ({argument: value, ...}, expected status name) cases
     """
     optional: frozenset = frozenset()
@@ -53,7 +53,8 @@ _NH_NOT_DIVISIBLE = (({"NH": 3, "NKV": 2}, "LLMC_ERR_SHAPE"),)
 _NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_VALUE"), ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
                  ({"eps": -1.0, "C": 0}, "LLMC_ERR_SHAPE"))   # a bad size is reported first
 # RoPE: an even head size and a positive, finite theta
-_ROPE = dict(optional=frozenset({"pos"}), valid={"hs": 2, "theta": 10000.0},
+_ROPE = dict(optional=frozenset({"pos", "inv_freq"}), valid={"hs": 2, "theta": 10000.0},
+             fill={"inv_freq": 1.0},
              bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_VALUE"),
                   ({"theta": float("inf")}, "LLMC_ERR_VALUE"),
                   ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))

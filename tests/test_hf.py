@@ -224,7 +224,7 @@ def test_an_unsupported_architecture_is_named(gpt2_folder, archs):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
     ("use_sliding_window", True),
     ("hidden_act", "gelu"),
@@ -233,6 +233,8 @@ def test_an_unsupported_architecture_is_named(gpt2_folder, archs):
 def test_unsupported_options_are_named(tmp_path, field, value):
     make_hf("qwen3-qknorm-tied").save_pretrained(tmp_path)
     edit_config(tmp_path, **{field: value})
+    if field == "rope_scaling":   # transformers 4's field, read when 5's is absent
+        edit_config(tmp_path, rope_parameters=None)
     with pytest.raises(UnsupportedError, match=f"field {field.split('_parameters')[0]}"):
         load_model(tmp_path)
 
@@ -352,3 +354,36 @@ def test_fuzzed_config_fields_raise_our_errors(tmp_path):
                 assert "config.json" in str(e) or "tensor" in str(e), (field, value, e)
                 refused += 1
     assert refused > 60
+
+
+@pytest.mark.parametrize("rope_type,scaling", [
+    ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16)),
+    ("linear", dict(factor=4.0)),
+])
+def test_scaled_rope_matches_transformers(tmp_path, rope_type, scaling):
+    """A Llama with rope scaling (Llama 3.1's rule, or linear interpolation):
+    the frequencies equal transformers' own, and the logits past the
+    original context too."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=500000.0,
+        rope_scaling=dict(rope_type=rope_type, **scaling), **COMMON)).eval()
+    hf.config._attn_implementation = "eager"
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    model = load_model(tmp_path)
+    assert model.config.rope_scaling == rope_type
+    expected, _ = ROPE_INIT_FUNCTIONS[rope_type](hf.config, "cpu")
+    np.testing.assert_allclose(model.config.rope_inv_freq(), expected.numpy(), rtol=1e-6)
+    x = np.random.default_rng(0).integers(0, V, (1, 60))   # past 16 positions
+    model.forward(x)
+    with torch.no_grad():
+        ref = hf(torch.tensor(x)).logits.numpy()
+    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
+    model.save_pretrained(tmp_path / "back")   # and back: the same scaling
+    assert read_hf(tmp_path / "back")[0] == model.config

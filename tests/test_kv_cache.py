@@ -35,6 +35,9 @@ MODELS = {
     # Qwen3-style: q and k heads RMS-normed before RoPE, NH hs = 96 != C
     "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=24,
                                                       rope_theta=1e6), seed=6),
+    # Llama 3.1's scaled RoPE (rotated at each position with its own frequencies)
+    "rope-llama3": lambda: Llama(dataclasses.replace(
+        LLAMA, rope_scaling="llama3", rope_factor=8.0, rope_original_max=8), seed=7),
     # the other MLPs
     "geglu": lambda: Llama(dataclasses.replace(LLAMA, mlp="geglu"), seed=7),
     "reglu-alibi": lambda: Llama(dataclasses.replace(LLAMA, mlp="reglu", position="alibi"),

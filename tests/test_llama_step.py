@@ -28,6 +28,11 @@ CONFIGS = {   # id: the choices, over BASE
     "qwen3": dict(qk_norm=True, head_dim=24, rope_theta=1e6, norm_eps=1e-6),
     "qknorm-alibi-untied": dict(qk_norm=True, position="alibi", head_dim=10,
                                 tied_embeddings=False),
+    # scaled RoPE for longer contexts; llama3's blend spans hs = 16's wavelengths at 16
+    "rope-llama3": dict(rope_scaling="llama3", rope_factor=8.0, rope_original_max=16,
+                        rope_theta=500000.0),
+    "rope-linear": dict(rope_scaling="linear", rope_factor=4.0),
+    "rope-ntk": dict(rope_scaling="ntk", rope_factor=4.0, num_kv_heads=1),
     # the other MLPs: plain ReLU and exact GELU, gated GeGLU and ReGLU (the
     # last with Llama's hidden-size rule, ffn_hidden 0 applying it anew:
     # 2/3 of 4C = 170, x1.3 = 221, up to a multiple of 48: 240)
@@ -174,10 +179,20 @@ def _corrupt(path, slot, value, floats=False):
     ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
     ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
     ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
-])                                                                   # a file that disagrees
+                                                                     # a file that disagrees
+    ("head_dim", 15, -3, "head_dim is -3"),
+    ("qk_norm", LLAMA_FLAG_SLOTS["qk_norm"], 5, "qk_norm is 5, expected 0 or 1"),
+    ("rope_scaling", 24, 9, "rope_scaling is 9, expected one of"),
+    ("rope_original_max", 25, 0, None),   # llama3 without its context: below
+])
 def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
     path = tmp_path / "m.bin"
-    Llama(BASE).save_checkpoint(path)
+    config = BASE
+    if message is None:
+        config = dataclasses.replace(BASE, rope_scaling="llama3", rope_factor=8.0,
+                                     rope_original_max=16)
+        message = "llama3 RoPE scaling needs rope_original_max > 0"
+    Llama(config).save_checkpoint(path)
     _corrupt(path, slot, value)
     with pytest.raises(CheckpointError, match=message):
         load_model(path)
@@ -264,3 +279,29 @@ def test_config_rejects_impossible_choices():
     with pytest.raises(ShapeError, match="norm must be one of"):
         dataclasses.replace(BASE, norm="batchnorm")
     assert dataclasses.replace(BASE, channels=60, position="alibi").head_size == 15
+
+
+@pytest.mark.parametrize("scheme", ["gpt2", "xavier_normal", "xavier_uniform"])
+def test_initialisation_schemes(scheme):
+    """Each matrix's spread is its scheme's; norm weights 1, biases 0; the
+    constructor's draw is initialize(seed) with GPT-2's scheme, bitwise."""
+    config = dataclasses.replace(BASE, bias=True, num_layers=3, channels=256, num_heads=4)
+    model = Llama(config, seed=4)
+    again = Llama(config, seed=9)
+    again.initialize(4)
+    assert np.array_equal(again.params.memory, model.params.memory)
+    model.initialize(5, scheme, std=0.05)
+    for name in model.matrix_params:
+        w = model.params[name]
+        rows = w[:config.V] if name == "wte" else w
+        fan_out, fan_in = w.shape[-2:]
+        expected = {"gpt2": 0.05 / (np.sqrt(2 * 3) if name in ("attprojw", "fcprojw") else 1),
+                    "xavier_normal": np.sqrt(2 / (fan_in + fan_out)),
+                    "xavier_uniform": np.sqrt(6 / (fan_in + fan_out)) / np.sqrt(3)}[scheme]
+        assert abs(rows.std() / expected - 1) < 0.05, (name, rows.std(), expected)
+        if scheme == "xavier_uniform":
+            assert np.abs(rows).max() <= expected * np.sqrt(3)
+    assert np.all(model.params.ln1w == 1) and np.all(model.params.qkvb == 0)
+    assert np.all(model.params.wte[config.V:] == 0)
+    with pytest.raises(ValueError, match="scheme is 'he'"):
+        model.initialize(0, "he")

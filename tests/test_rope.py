@@ -2,6 +2,7 @@
 float64 reference and autograd."""
 import numpy as np
 import pytest
+import torch
 
 import llmc_py
 from llmc_py import kernels as K
@@ -158,16 +159,45 @@ def test_rope_rejects_non_integer_head_counts():
 
 
 def test_rope_c_rejects_odd_head_size_and_bad_values():
-    # the C checks behind the wrapper's: odd hs, theta <= 0, a negative start
+    # the C checks behind the wrapper's: odd hs, theta <= 0, a negative start,
+    # frequencies that are not positive and finite
     buf = ffi.new("float[]", 64)
     pos = ffi.new("int[]", [3, -2])
-    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_forward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_backward(buf, buf, ffi.NULL, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_forward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_backward(buf, buf, pos, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_forward(buf, buf, pos, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+    N = ffi.NULL
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_forward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
+    assert lib.rope_forward(buf, buf, pos, N, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+    for bad in ([1.0, 0.0], [1.0, -1.0], [float("nan"), 1.0], [float("inf"), 1.0]):
+        freq = ffi.new("double[]", bad)
+        assert lib.rope_forward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
+        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(2, 37, 4, 2, 16), (1, 5, 3, 1, 2)])
+def test_rope_with_given_frequencies_matches_reference(rng, isa, B, T, NH, NKV, hs):
+    """A scaled RoPE's frequencies (any positive ones) instead of theta's."""
+    x, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    freq = rng.uniform(1e-4, 1.0, hs // 2)
+    pos = np.array([5, 900][:B], np.int32)
+    out = np.full_like(x, np.nan)
+    K.rope_forward(out, x, pos, NH, NKV, 1e4, inv_freq=freq)
+    dinp = np.zeros_like(x)
+    K.rope_backward(dinp, dout, pos, NH, NKV, 1e4, inv_freq=freq)
+    xt = t64(x, grad=True)
+    ref = ref_rope(xt, t64(pos).long(), NH, NKV, inv_freq=freq)
+    (ref * t64(dout)).sum().backward()
+    assert_close("out", out, ref, TOL["rope"]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL["rope"]["bwd"])
+    # theta's own frequencies given explicitly: bitwise the plain kernel
+    plain, given = np.empty_like(x), np.empty_like(x)
+    K.rope_forward(plain, x, pos, NH, NKV, 1e4)
+    K.rope_forward(given, x, pos, NH, NKV, 1e4,
+                   inv_freq=1e4 ** (-2.0 * np.arange(hs // 2) / hs))
+    assert np.array_equal(plain, given)
 
 
 def test_rope_rejects_wrong_shapes(rng):
@@ -190,3 +220,40 @@ def test_rope_rejects_wrong_dtypes(rng):
         K.rope_forward(np.empty_like(x), x.astype(np.float64), None, 2, 1)
     with pytest.raises(TypeError, match="dinp"):
         K.rope_backward(np.zeros(dout.shape, np.float64), dout, None, 2, 1)
+
+
+def interleaved_rope(x, heads, hs, theta=1e4):
+    """Meta's layout: channel 2i of a head turns with 2i + 1 (float64 torch)."""
+    T = x.shape[0]
+    freq = theta ** (-2.0 * torch.arange(hs // 2, dtype=torch.float64) / hs)
+    angle = torch.arange(T, dtype=torch.float64)[:, None, None] * freq     # [T, 1, hs/2]
+    pairs = x.reshape(T, heads, hs // 2, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    turned = torch.stack([a * torch.cos(angle) - b * torch.sin(angle),
+                          b * torch.cos(angle) + a * torch.sin(angle)], dim=-1)
+    return turned.reshape(T, heads * hs)
+
+
+def test_interleaved_weights_permuted_give_the_same_scores(rng):
+    """Scores q . k of Meta's interleaved RoPE on the original q, k weights
+    equal ours (half-split) on the permuted weights (io.rope_layout)."""
+    from llmc_py.io.rope_layout import half_split_to_interleaved, interleaved_to_half_split
+    T, C, NH, NKV, hs = 9, 24, 2, 1, 8
+    x = rng.standard_normal((T, C))
+    wq, wk = rng.standard_normal((NH * hs, C)), rng.standard_normal((NKV * hs, C))
+    q = interleaved_rope(t64(x @ wq.T), NH, hs).reshape(T, NH, hs)
+    k = interleaved_rope(t64(x @ wk.T), NKV, hs).reshape(T, NKV, hs)
+    ours_q, ours_k = interleaved_to_half_split(wq, NH, hs), interleaved_to_half_split(wk, NKV, hs)
+    qkv = np.concatenate([x @ ours_q.T, x @ ours_k.T, np.zeros((T, NKV * hs))], axis=1)
+    turned = ref_rope(t64(qkv[None]), None, NH, NKV)[0]
+    q2 = turned[:, :NH * hs].reshape(T, NH, hs)
+    k2 = turned[:, NH * hs:(NH + NKV) * hs].reshape(T, NKV, hs)
+    for h in range(NH):
+        scores = q[:, h] @ k[:, 0].T
+        assert torch.allclose(q2[:, h] @ k2[:, 0].T, scores, rtol=1e-12, atol=1e-12)
+    # without the permutation, half-split RoPE gives other scores
+    plain = np.concatenate([x @ wq.T, x @ wk.T, np.zeros((T, NKV * hs))], axis=1)
+    turned = ref_rope(t64(plain[None]), None, NH, NKV)[0]
+    unpermuted = turned[:, :hs] @ turned[:, NH * hs:(NH + 1) * hs].T
+    assert not torch.allclose(unpermuted, q[:, 0] @ k[:, 0].T, rtol=1e-3)
+    assert np.array_equal(half_split_to_interleaved(ours_q, NH, hs), wq)

@@ -415,19 +415,22 @@ def head_rmsnorm_backward(dinp, dqweight, dkweight, dout, inp, qweight, kweight,
         B, T, NH, NKV, hs), "head_rmsnorm_backward")
 
 
-def rope_forward(out, inp, pos, NH, NKV, theta=10000.0):
-    """out[B,T,(NH+2NKV)hs] (written): q and k heads of inp rotated (half-split pairs
-    i, i+hs/2) by (pos[b]+t) * theta^(-2i/hs), v heads copied; pos int32 [B] >= 0 or None."""
+def rope_forward(out, inp, pos, NH, NKV, theta=10000.0, inv_freq=None):
+    """out[B,T,(NH+2NKV)hs] (written; may be inp): q and k heads of inp rotated
+    (half-split pairs i, i+hs/2) by (pos[b]+t) * f_i, f_i = theta^(-2i/hs) or
+    inv_freq[i] (float64 [hs/2], a scaled RoPE) when given; v heads copied;
+    pos int32 [B] >= 0 or None."""
     B, T, CH = _dims(inp, "inp", 3)
     hs = _rope_head_size(CH, NH, NKV)
     check(lib.rope_forward(
         fptr(out, "out", (B, T, CH), out=True),
         fptr(inp, "inp", (B, T, CH)),
         ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
         B, T, NH, NKV, hs, theta), "rope_forward")
 
 
-def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0):
+def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0, inv_freq=None):
     """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through)."""
     B, T, CH = _dims(dout, "dout", 3)
     hs = _rope_head_size(CH, NH, NKV)
@@ -435,6 +438,7 @@ def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0):
         fptr(dinp, "dinp", (B, T, CH), out=True),
         fptr(dout, "dout", (B, T, CH)),
         ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
         B, T, NH, NKV, hs, theta), "rope_backward")
 
 

@@ -70,25 +70,51 @@ def _refuse(path, name, value, why):
     raise UnsupportedError(f"{path}: field {name} is {value!r}: {why}")
 
 
-def _rope_theta(raw, path):
-    """RoPE's base from transformers 4's rope_theta / rope_scaling or 5's
-    rope_parameters; scaled RoPE is refused."""
+def _rope(raw, path):
+    """RoPE's config fields from transformers 4's rope_theta / rope_scaling or
+    5's rope_parameters: the base, and a "linear" or "llama3" scaling; other
+    scalings (yarn, dynamic, longrope) are refused."""
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
-            _refuse(path, "rope_parameters.rope_type", kind, "RoPE scaling is not supported")
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    else:
-        theta = raw.get("rope_theta", 10000.0)
-    scaling = raw.get("rope_scaling")
-    if scaling not in (None, {}) and (not isinstance(scaling, dict) or
-                                      scaling.get("rope_type", scaling.get("type")) != "default"):
-        _refuse(path, "rope_scaling", scaling, "RoPE scaling is not supported")
+    scaling = params if isinstance(params, dict) and params else raw.get("rope_scaling")
+    name = "rope_parameters" if scaling is params and params else "rope_scaling"
+    theta = raw.get("rope_theta", 10000.0)
+    if scaling in (None, {}):
+        scaling = {}
+    elif not isinstance(scaling, dict):
+        _refuse(path, name, scaling, "expected an object")
+    theta = scaling.get("rope_theta", theta)
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise CheckpointError(f"{path}: field rope_theta is {theta!r}, expected a positive "
                               f"number")
-    return float(theta)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    fields = dict(rope_theta=float(theta))
+    if kind == "default":
+        return fields
+    if kind not in ("linear", "llama3"):
+        _refuse(path, f"{name}.rope_type", kind, "supported: default, linear, llama3")
+    fields.update(rope_scaling=kind, rope_factor=_field(scaling, path, "factor", kind=float))
+    if kind == "llama3":
+        fields.update(
+            rope_original_max=_field(scaling, path, "original_max_position_embeddings"),
+            rope_low_freq_factor=_field(scaling, path, "low_freq_factor", kind=float),
+            rope_high_freq_factor=_field(scaling, path, "high_freq_factor", kind=float))
+    return fields
+
+
+def _hf_rope(config):
+    """config.json's rope_scaling for a config (None for plain RoPE)."""
+    c = config
+    if c.rope_scaling == "none":
+        return None
+    if c.rope_scaling == "ntk":
+        raise UnsupportedError("rope_scaling='ntk' has no Hugging Face rope_type (its "
+                               "'dynamic' changes with the length): export refuses it")
+    scaling = dict(rope_type=c.rope_scaling, factor=c.rope_factor)
+    if c.rope_scaling == "llama3":
+        scaling.update(original_max_position_embeddings=c.rope_original_max,
+                       low_freq_factor=c.rope_low_freq_factor,
+                       high_freq_factor=c.rope_high_freq_factor)
+    return scaling
 
 
 def _gpt2_config(raw, path):
@@ -142,8 +168,8 @@ def _llama_config(raw, path, qwen3):
                   head_dim=0 if head_dim is None else _field(raw, path, "head_dim"),
                   norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias,
                   tied_embeddings=_field(raw, path, "tie_word_embeddings", False, bool),
-                  rope_theta=_rope_theta(raw, path),
-                  norm_eps=_field(raw, path, "rms_norm_eps", 1e-6, float), qk_norm=qwen3)
+                  norm_eps=_field(raw, path, "rms_norm_eps", 1e-6, float), qk_norm=qwen3,
+                  **_rope(raw, path))
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     return LlamaConfig(**fields)
 
@@ -217,8 +243,9 @@ def hf_config(config):
                 num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                 num_key_value_heads=c.num_kv_heads, hidden_size=c.channels,
                 intermediate_size=c.ffn_hidden, head_dim=c.head_size, hidden_act="silu",
-                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=None,
-                rope_parameters=dict(rope_type="default", rope_theta=c.rope_theta),
+                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=_hf_rope(c),
+                rope_parameters=dict(_hf_rope(c) or dict(rope_type="default"),
+                                     rope_theta=c.rope_theta),
                 tie_word_embeddings=c.tied_embeddings, attention_dropout=0.0,
                 torch_dtype="float32", **bias)
 

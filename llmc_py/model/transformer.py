@@ -78,6 +78,7 @@ HEAD_ROWS = 256
 # T scores per thread)
 ATTENTION_BLOCK_ROWS = 64
 INIT_STD = 0.02
+INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
 # A config that lacks one (wpe, lm_head) skips it.
@@ -129,11 +130,12 @@ class Transformer:
         self._mlp_forward = getattr(K, f"{config.mlp}_forward")
         self._mlp_backward = getattr(K, f"{config.mlp}_backward")
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
+        self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._user = threading.RLock()   # held by the thread inside an entry point
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
-            self._init_params(seed)
+            self._init_params(seed, "gpt2", INIT_STD)
         else:
             self.params.memory[...] = checked_params(config, params)
         # what the linear layers read: the float32 parameters, or their bf16 copy
@@ -154,20 +156,43 @@ class Transformer:
         self.mean_loss = None
         self._drop_activations()   # made by the first forward, for its (B, T)
 
-    def _init_params(self, seed):
-        """GPT-2's initialisation: matrices from N(0, INIT_STD), the output
-        projections into the residual stream scaled by 1/sqrt(2 L), norm
-        weights 1, everything else (biases) 0."""
+    def initialize(self, seed=0, scheme="gpt2", std=INIT_STD):
+        """Draws fresh parameters from ``seed`` (the constructor's: GPT-2's
+        scheme, std 0.02). Norm weights start at 1, biases at 0; the weight
+        matrices (matrix_params) by ``scheme``:
+          "gpt2"            N(0, std), the output projections into the residual
+                            stream (attprojw, fcprojw) N(0, std / sqrt(2 L));
+          "xavier_normal"   N(0, sqrt(2 / (fan_in + fan_out)));
+          "xavier_uniform"  U(-a, a), a = sqrt(6 / (fan_in + fan_out));
+        fan_in and fan_out are a matrix's columns and rows (per layer)."""
+        if scheme not in INIT_SCHEMES:
+            raise ValueError(f"scheme is {scheme!r}, expected one of {INIT_SCHEMES}")
+        if not std > 0:
+            raise ValueError(f"std must be positive, got {std!r}")
+        with self.exclusive("initialize"):
+            self._init_params(seed, scheme, std)
+            if self.params_bf16 is not None:
+                self.refresh_bf16()
+
+    def _init_params(self, seed, scheme, std):
         c, p = self.config, self.params
         rng = np.random.default_rng(seed)
         for name in self.matrix_params:
-            std = INIT_STD / math.sqrt(2 * c.L) if name in _RESIDUAL_PROJECTIONS else INIT_STD
             view = p[name]
-            view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(std)
+            fan_out, fan_in = view.shape[-2:]
+            if scheme == "xavier_uniform":
+                bound = math.sqrt(6.0 / (fan_in + fan_out))
+                view[...] = rng.uniform(-bound, bound, view.shape).astype(np.float32)
+                continue
+            if scheme == "xavier_normal":
+                scale = math.sqrt(2.0 / (fan_in + fan_out))
+            else:
+                scale = std / math.sqrt(2 * c.L) if name in _RESIDUAL_PROJECTIONS else std
+            view[...] = rng.standard_normal(view.shape, dtype=np.float32) * np.float32(scale)
         p.wte[c.V:] = 0.0   # the padding rows are never used
-        for name in _NORM_WEIGHTS:
-            if name in p:
-                p[name][...] = 1.0
+        for name in p.names:   # norm weights 1, biases 0
+            if name not in self.matrix_params:
+                p[name][...] = 1.0 if name in _NORM_WEIGHTS else 0.0
 
     @_held
     def refresh_bf16(self):
@@ -425,7 +450,7 @@ class Transformer:
                                    c.NH, c.NKV, c.norm_eps)
             qkv = a.qkvr[l]   # RoPE turns it in place
         if c.position == "rope":
-            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta)
+            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
 
     @staticmethod
     def _attention_input(a, l):
@@ -768,7 +793,7 @@ class Transformer:
         dnormed = dqkvr
         if rope:
             dqkvn[...] = 0.0
-            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta)
+            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
             dnormed = dqkvn
         if qk_norm:
             dqkv[...] = 0.0

@@ -29,6 +29,7 @@ from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
+from ..model.transformer import INIT_SCHEMES, INIT_STD
 from ..model.memory import return_freed_scratch
 from ..monitors import Monitor
 from . import distributed
@@ -118,6 +119,10 @@ def build_parser():
       help="1: keep the norm outputs and the MLP activation for one layer only and "
            "recompute them in backward (less memory, the same results, a little slower)")
     a("--threads", type=int, default=0, help="kernel threads (0: OpenMP's default)")
+    a("--init-scheme", choices=INIT_SCHEMES, default="gpt2",
+      help="a fresh model's weight matrices: gpt2 (normal, --init-std, residual projections "
+           "/ sqrt(2L)), xavier_normal or xavier_uniform")
+    a("--init-std", type=float, default=INIT_STD, help="gpt2 scheme: the std")
     a("--zero", type=int, choices=(0, 1), default=0,
       help="under mpiexec: 1 keeps each rank's shard of AdamW's moments only (ZeRO-1)")
     a("--monitor-every", type=int, default=0,
@@ -230,7 +235,7 @@ FLAG_RANGES = {
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
     "ffn_multiple_of": POSITIVE, "ffn_dim_multiplier": POSITIVE,
-    "head_dim": NON_NEGATIVE,
+    "head_dim": NON_NEGATIVE, "init_std": POSITIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
 }
@@ -291,8 +296,11 @@ def build_model(args):
     """A fresh model of the -e depth, or the -e model file's."""
     config = config_from_depth(args.init, args=args)
     if config is not None:
-        model = Llama if isinstance(config, LlamaConfig) else GPT2
-        return model(config, seed=args.seed, precision=args.precision)
+        model = (Llama if isinstance(config, LlamaConfig) else GPT2)(
+            config, seed=args.seed, precision=args.precision)
+        if (args.init_scheme, args.init_std) != ("gpt2", INIT_STD):
+            model.initialize(args.seed, args.init_scheme, args.init_std)
+        return model
     if not Path(args.init).exists():
         raise UsageError(f"-e {args.init}: no such model file, and not a depth like d6")
     return load_model(args.init, precision=args.precision)

@@ -1,0 +1,179 @@
+"""Train several variants on the same data, tokens and budget, one process
+each, and compare them: ``python -m llmc_py.compare [SUITE ...]``.
+
+Each variant is a run of ``python -m llmc_py.train`` with the suite's common
+flags and its own; the table (markdown, printed and written to
+OUT/SUITE.md) has the final validation loss and perplexity, the median step
+time, tokens/s, the process's peak memory and the parameter count, and
+OUT/SUITE.png draws the loss curves (with matplotlib). ``--`` passes further
+flags to every run (e.g. ``-- -x 50`` for a quick look).
+"""
+import argparse
+import json
+import math
+import re
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# flags every variant shares unless a suite says otherwise: a d4-sized model
+# on the default Shakespeare set, evaluated at the end
+COMMON = ["-e", "d4", "-b", "8", "-t", "128", "-x", "300", "-v", "100", "-m", "10",
+          "-s", "0", "-n", "0"]
+LLAMA = ["--arch", "llama"]
+SUITES = {
+    "gpt2-vs-llama": {
+        "about": "GPT-2 style (learned positions, LayerNorm, GELU, multi-head) against "
+                 "Llama style (RoPE, RMSNorm, SwiGLU, GQA)",
+        "variants": {"gpt2": [],
+                     "llama": LLAMA + ["--kv-heads", "2"]}},
+    "heads": {
+        "about": "multi-head, grouped-query (2 groups of 2) and multi-query attention",
+        "variants": {"mha": LLAMA + ["--kv-heads", "4"],
+                     "gqa": LLAMA + ["--kv-heads", "2"],
+                     "mqa": LLAMA + ["--kv-heads", "1"]}},
+    "positions": {
+        "about": "learned positions, RoPE and ALiBi, trained at the same length",
+        "variants": {"learned": LLAMA + ["--position", "learned"],
+                     "rope": LLAMA + ["--position", "rope"],
+                     "alibi": LLAMA + ["--position", "alibi"]}},
+}
+DEFAULT_SUITES = ("gpt2-vs-llama", "heads")
+_STEP = re.compile(r"took ([0-9.]+) ms")
+_PARAMS = re.compile(r"([0-9.]+)M parameters")
+
+
+def run_variant(folder, flags, timeout=None):
+    """Trains one variant into ``folder``; returns its result row (a dict)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "llmc_py.compare", "--child", str(folder), "--", *flags,
+               "-o", str(folder / "run"), "--overwrite"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    (folder / "stdout.txt").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": f"exit {done.returncode}: {last}"}
+    steps = [float(ms) for ms in _STEP.findall(done.stdout)]
+    log = (folder / "run" / "main.log").read_text().splitlines()
+    val = [float(line.split("tel:")[1]) for line in log if " tel:" in line]
+    tokens = _tokens_per_step(flags)
+    ms = statistics.median(steps[1:] if len(steps) > 1 else steps)
+    return {"val loss": val[-1] if val else math.nan,
+            "perplexity": math.exp(val[-1]) if val else math.nan,
+            "ms/step": ms, "tokens/s": tokens / (ms / 1000),
+            "peak MiB": json.loads((folder / "peak.json").read_text())["peak_mib"],
+            "parameters (M)": float(_PARAMS.search(done.stdout).group(1))}
+
+
+def _tokens_per_step(flags):
+    """B * T (or -d) of a run's flags (the last of each wins, as argparse does)."""
+    values = {}
+    for flag, value in zip(flags, flags[1:]):
+        values[flag] = value
+    total = int(values.get("-d", 0))
+    return total or int(values.get("-b", 8)) * int(values.get("-t", 128))
+
+
+def curves(folder):
+    """({step: train loss}, {step: val loss}) of a variant's run."""
+    from .plot import read_log
+    return read_log(folder / "run" / "main.log")
+
+
+def table(rows):
+    """A markdown table of {variant: row}."""
+    columns = ["val loss", "perplexity", "ms/step", "tokens/s", "peak MiB", "parameters (M)"]
+    lines = ["| variant | " + " | ".join(columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {name} | " + row["error"] + " |" + " |" * (len(columns) - 1))
+            continue
+        cells = [f"{row[c]:.4f}" if c in ("val loss", "perplexity") else
+                 f"{row[c]:.1f}" if c == "parameters (M)" else f"{row[c]:.0f}" for c in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(path, title, folders):
+    """The variants' train (thin) and val (dots) loss curves, if matplotlib is there."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, folder in folders.items():
+        if not (folder / "run" / "main.log").exists():
+            continue
+        train, val = curves(folder)
+        line, = ax.plot(list(train), list(train.values()), lw=0.8, label=f"{name} train")
+        if val:
+            ax.plot(list(val), list(val.values()), "o-", color=line.get_color(),
+                    label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def child(folder, flags):
+    """--child: one variant's training in this process, then its peak RSS."""
+    from .train.cli import main as train
+    code = train(flags)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+    if sys.platform == "darwin":
+        peak /= 1024   # bytes there
+    (Path(folder) / "peak.json").write_text(json.dumps({"peak_mib": peak}))
+    return code
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    p = argparse.ArgumentParser(prog="python -m llmc_py.compare",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("suites", nargs="*", help=f"of {', '.join(SUITES)} (default: "
+                                             f"{' '.join(DEFAULT_SUITES)})")
+    p.add_argument("--out", default="compare", help="folder for the runs, tables and plots")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args.child, extra)
+    unknown = [s for s in args.suites if s not in SUITES]
+    if unknown:
+        print(f"error: unknown suite(s) {unknown}; known: {', '.join(SUITES)}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    failed = 0
+    for suite in args.suites or DEFAULT_SUITES:
+        spec = SUITES[suite]
+        folders = {name: out / suite / name for name in spec["variants"]}
+        rows = {}
+        for name, flags in spec["variants"].items():
+            print(f"{suite}: training {name} ...", flush=True)
+            rows[name] = run_variant(folders[name], COMMON + flags + extra)
+            failed += "error" in rows[name]
+        text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
+        (out / f"{suite}.md").write_text(text)
+        print(text)
+        if draw(out / f"{suite}.png", spec["about"], folders):
+            print(f"loss curves: {out / f'{suite}.png'}")
+    if failed:
+        print(f"error: {failed} run(s) failed; see their stdout.txt under {out}",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
