@@ -307,4 +307,5 @@ class GPT2Config(TransformerConfig):
         if not self.is_gpt2:
             raise ShapeError("GPT2Config holds GPT-2's choices (layernorm, learned, gelu, "
                              "bias, tied, num_kv_heads = num_heads, ffn_hidden = 4 channels, "
-                             "norm_eps 1e-5, pre-norm blocks); use LlamaConfig or TransformerConfig for others")
+                             "norm_eps 1e-5, pre-norm blocks); use LlamaConfig or "
+                             "TransformerConfig for others")

@@ -10,6 +10,7 @@ import pytest
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
 from llmc_py.io import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
 from llmc_py.errors import CheckpointError, ShapeError
+from helpers import assert_thread_invariant
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
 
 BASE = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
@@ -305,3 +306,19 @@ def test_initialisation_schemes(scheme):
     assert np.all(model.params.wte[config.V:] == 0)
     with pytest.raises(ValueError, match="scheme is 'he'"):
         model.initialize(0, "he")
+
+
+@pytest.mark.parametrize("name", ["relu-layernorm-bias", "gelu_erf-learned", "geglu",
+                                  "post-rope-qknorm", "parallel-gptj", "sinusoidal-original"])
+def test_new_variants_do_not_depend_on_thread_count(set_threads, name):
+    """Loss and every gradient bitwise equal on 1, 2 and 3 threads."""
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    model = make_model(config, seed=8)
+    x, y = make_batch(config, 3, 13, seed=8)
+
+    def run():
+        model.zero_grad()
+        loss = model.forward(x, y)
+        model.backward()
+        return {"loss": np.array([loss]), "grads": model.grads.memory.copy()}
+    assert_thread_invariant(set_threads, run)

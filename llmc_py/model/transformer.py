@@ -16,11 +16,12 @@ step), but keeping it leaves one layout and one head for every block, and
 a norm of a normed vector only re-weights its channels.
 
 norm: layernorm | rmsnorm; position: a learned table, fixed sinusoids added
-to the embedding, RoPE on q and k, or ALiBi biases in the attention; act: GELU (tanh or erf) | ReLU, or gated:
-SwiGLU | GeGLU | ReGLU (act(gate) * up); attention: grouped-query
-(NKV key/value heads; NKV = NH is GPT-2's multi-head attention); biases on
-or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
-(model.presets): their forward and backward are these.
+to the embedding, RoPE on q and k, or ALiBi biases in the attention; act:
+GELU (tanh or erf) | ReLU, or gated: SwiGLU | GeGLU | ReGLU (act(gate) * up);
+attention: grouped-query (NKV key/value heads; NKV = NH is GPT-2's
+multi-head attention); biases on or off; the head tied to wte or its own
+lm_head. GPT-2 and Llama are presets (model.presets): their forward and
+backward are these.
 
 Precision: "fp32" runs every kernel in float32. "bf16" is mixed precision as
 in llm.c's CUDA trainer: the parameters (the master copy), their gradients
