@@ -1,8 +1,12 @@
-/* Element-wise layers: GELU (tanh approximation), SwiGLU and the residual add.
-   GELU and SwiGLU run on 16-lane vectors with exponentials of their own
-   (gelu_sigmoid16) or llmc_exp16 (common.h) in place of libm's expf. Each
-   kernel's loop is built per instruction set (isa.h); a thread runs its
-   contiguous share of the blocks through one call. */
+/* Element-wise layers: the MLP activations (GELU in its tanh approximation
+   and exact with erf, ReLU) and the gated MLPs (SwiGLU, GeGLU, ReGLU), and
+   the residual add. GELU and the gated kernels run on 16-lane vectors with
+   exponentials of their own (gelu_sigmoid16) or llmc_exp16 (common.h) in
+   place of libm's expf; exact GELU calls libm's erfcf per element (no vector
+   erf of our own). Each vector kernel's loop is built per instruction set
+   (isa.h); a thread runs its contiguous share of the blocks through one call. */
+#include <math.h>
+
 #include "llmc.h"
 #include "common.h"
 #include "isa.h"
@@ -122,12 +126,40 @@ static LLMC_ALWAYS_INLINE void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
     *sig_c = llmc_select16(positive, er, r);
 }
 
-/* SwiGLU works on blocks of 16 columns of one row, the last block of each
-   row possibly partial; rows and blocks are flattened (block k is block
-   k % row_blocks of row k / row_blocks), so that one int64_t row (N == 1, as in
-   decoding) still spreads over the threads. These run blocks [k0, k1). */
-static LLMC_ALWAYS_INLINE void swiglu_forward_blocks_body(float* out, const float* inp, int FF,
-                                                          int64_t k0, int64_t k1) {
+/* The gate of a gated MLP (Shazeer's GLU variants): out = act(gate) * up,
+   act silu (SwiGLU), GELU's tanh form (GeGLU, as gelu_forward) or ReLU (ReGLU).
+   gate16 gives act(g) and act'(g); a caller that needs only act(g) lets the
+   compiler drop the derivative (everything here is inlined). */
+enum { GATE_SILU, GATE_GELU, GATE_RELU };
+
+static LLMC_ALWAYS_INLINE void gate16(const int act, vec16f g, vec16f* a, vec16f* da) {
+    const vec16f zero = {0};
+    if (act == GATE_SILU) {
+        // silu(g) = g s, and since s' = s (1 - s), silu'(g) = s (1 + g (1 - s))
+        vec16f sig, sig_c;
+        sigmoid16(g, &sig, &sig_c);
+        *a = g * sig;
+        *da = sig * (1.0f + g * sig_c);
+    } else if (act == GATE_GELU) {
+        // as gelu_forward and gelu_backward
+        vec16f s, e;
+        gelu_sigmoid16(g, &s, &e);
+        const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * g * g);
+        *a = g * s;
+        *da = s * (1.0f + 2.0f * g * (e * s) * du);
+    } else {
+        // relu(g) = g for g >= 0, else 0 (NaN stays NaN); relu'(g) = 1 for g > 0, else 0
+        *a = llmc_select16(g < zero, zero, g);
+        *da = llmc_select16(g > zero, zero + 1.0f, zero);
+    }
+}
+
+/* The gated kernels work on blocks of 16 columns of one row, the last block
+   of each row possibly partial; rows and blocks are flattened (block k is
+   block k % row_blocks of row k / row_blocks), so that one row (N == 1, as
+   in decoding) still spreads over the threads. These run blocks [k0, k1). */
+static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, float* out, const float* inp,
+                                                    int FF, int64_t k0, int64_t k1) {
     const int64_t row_blocks = (FF + 15) / 16;
     for (int64_t k = k0; k < k1; k++) {
         const int64_t r = k / row_blocks;
@@ -135,35 +167,16 @@ static LLMC_ALWAYS_INLINE void swiglu_forward_blocks_body(float* out, const floa
         const int n = FF - i < 16 ? FF - i : 16;
         const float* gate = inp + (size_t)r * 2 * FF + i;
         const vec16f g = llmc_load16(gate, n), u = llmc_load16(gate + FF, n);
-        vec16f sig, sig_c;
-        sigmoid16(g, &sig, &sig_c);
-        llmc_store16(out + (size_t)r * FF + i, g * sig * u, n);
+        vec16f a, da;
+        gate16(act, g, &a, &da);
+        llmc_store16(out + (size_t)r * FF + i, a * u, n);
     }
 }
-LLMC_ISA_VARIANTS(swiglu_forward_blocks,
-                  (float* out, const float* inp, int FF, int64_t k0, int64_t k1),
-                  out, inp, FF, k0, k1)
 
-int swiglu_forward(float* out, const float* inp, int64_t N, int FF) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, int, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks);
-    #pragma omp parallel
-    {
-        int64_t k0, k1;
-        llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
-        if (k0 < k1) { blocks(out, inp, FF, k0, k1); }
-    }
-    return LLMC_OK;
-}
-
-/* with s = sigmoid(g): silu(g) = g s, and since s' = s (1 - s),
-     silu'(g) = s + g s (1 - s) = s (1 + g (1 - s))
-     dgate += dout * up * silu'(g),  dup += dout * silu(g) */
-static LLMC_ALWAYS_INLINE void swiglu_backward_blocks_body(float* dinp, const float* dout,
-                                                           const float* inp, int FF, int64_t k0,
-                                                           int64_t k1) {
+/* dgate += dout * up * act'(gate),  dup += dout * act(gate) */
+static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp, const float* dout,
+                                                     const float* inp, int FF, int64_t k0,
+                                                     int64_t k1) {
     const int64_t row_blocks = (FF + 15) / 16;
     for (int64_t k = k0; k < k1; k++) {
         const int64_t r = k / row_blocks;
@@ -173,27 +186,189 @@ static LLMC_ALWAYS_INLINE void swiglu_backward_blocks_body(float* dinp, const fl
         float* dgate = dinp + (size_t)r * 2 * FF + i;
         const vec16f g = llmc_load16(gate, n), u = llmc_load16(gate + FF, n);
         const vec16f dy = llmc_load16(dout + (size_t)r * FF + i, n);
-        vec16f sig, sig_c;
-        sigmoid16(g, &sig, &sig_c);
-        const vec16f dsilu = sig * (1.0f + g * sig_c);
-        llmc_store16(dgate, llmc_load16(dgate, n) + dy * u * dsilu, n);
-        llmc_store16(dgate + FF, llmc_load16(dgate + FF, n) + dy * (g * sig), n);
+        vec16f a, da;
+        gate16(act, g, &a, &da);
+        llmc_store16(dgate, llmc_load16(dgate, n) + dy * u * da, n);
+        llmc_store16(dgate + FF, llmc_load16(dgate + FF, n) + dy * a, n);
     }
 }
-LLMC_ISA_VARIANTS(swiglu_backward_blocks, (float* dinp, const float* dout, const float* inp,
-                                           int FF, int64_t k0, int64_t k1),
-                  dinp, dout, inp, FF, k0, k1)
 
-int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+/* one forward and one backward variant set per gate */
+#define GATED_VARIANTS(name, act)                                                          \
+    static LLMC_ALWAYS_INLINE void name##_forward_blocks_body(                             \
+            float* out, const float* inp, int FF, int64_t k0, int64_t k1) {               \
+        gated_forward_blocks(act, out, inp, FF, k0, k1);                                   \
+    }                                                                                      \
+    LLMC_ISA_VARIANTS(name##_forward_blocks,                                               \
+                      (float* out, const float* inp, int FF, int64_t k0, int64_t k1),     \
+                      out, inp, FF, k0, k1)                                                \
+    static LLMC_ALWAYS_INLINE void name##_backward_blocks_body(                            \
+            float* dinp, const float* dout, const float* inp, int FF, int64_t k0,         \
+            int64_t k1) {                                                                  \
+        gated_backward_blocks(act, dinp, dout, inp, FF, k0, k1);                           \
+    }                                                                                      \
+    LLMC_ISA_VARIANTS(name##_backward_blocks, (float* dinp, const float* dout,            \
+                                               const float* inp, int FF, int64_t k0,      \
+                                               int64_t k1),                                \
+                      dinp, dout, inp, FF, k0, k1)
+
+GATED_VARIANTS(swiglu, GATE_SILU)
+GATED_VARIANTS(geglu, GATE_GELU)
+GATED_VARIANTS(reglu, GATE_RELU)
+
+typedef void (*gated_forward_fn)(float*, const float*, int, int64_t, int64_t);
+typedef void (*gated_backward_fn)(float*, const float*, const float*, int, int64_t, int64_t);
+
+static int gated_forward(gated_forward_fn blocks, float* out, const float* inp, int64_t N,
+                         int FF) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    #pragma omp parallel
+    {
+        int64_t k0, k1;
+        llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
+        if (k0 < k1) { blocks(out, inp, FF, k0, k1); }
+    }
+    return LLMC_OK;
+}
+
+static int gated_backward(gated_backward_fn blocks, float* dinp, const float* dout,
+                          const float* inp, int64_t N, int FF) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, const float*, int, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), swiglu_backward_blocks);
     #pragma omp parallel
     {
         int64_t k0, k1;
         llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
         if (k0 < k1) { blocks(dinp, dout, inp, FF, k0, k1); }
+    }
+    return LLMC_OK;
+}
+
+int swiglu_forward(float* out, const float* inp, int64_t N, int FF) {
+    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks), out, inp, N,
+                         FF);
+}
+
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+    return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), swiglu_backward_blocks), dinp, dout,
+                          inp, N, FF);
+}
+
+int geglu_forward(float* out, const float* inp, int64_t N, int FF) {
+    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), geglu_forward_blocks), out, inp, N,
+                         FF);
+}
+
+int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+    return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), geglu_backward_blocks), dinp, dout,
+                          inp, N, FF);
+}
+
+int reglu_forward(float* out, const float* inp, int64_t N, int FF) {
+    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), reglu_forward_blocks), out, inp, N,
+                         FF);
+}
+
+int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+    return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), reglu_backward_blocks), dinp, dout,
+                          inp, N, FF);
+}
+
+/* ReLU, blocks [blk0, blk1) of 16 elements; the last block of N may be partial. */
+static LLMC_ALWAYS_INLINE void relu_forward_blocks_body(float* out, const float* inp, int64_t N,
+                                                        int64_t blk0, int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
+        const int n = N - i < 16 ? (int)(N - i) : 16;
+        vec16f a, da;
+        gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
+        llmc_store16(out + i, a, n);
+    }
+}
+LLMC_ISA_VARIANTS(relu_forward_blocks,
+                  (float* out, const float* inp, int64_t N, int64_t blk0, int64_t blk1),
+                  out, inp, N, blk0, blk1)
+
+int relu_forward(float* out, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, int64_t, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), relu_forward_blocks);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
+    }
+    return LLMC_OK;
+}
+
+static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
+                                                         const float* inp, int64_t N, int64_t blk0,
+                                                         int64_t blk1) {
+    for (int64_t blk = blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
+        const int n = N - i < 16 ? (int)(N - i) : 16;
+        vec16f a, da;
+        gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
+        llmc_store16(dinp + i, llmc_load16(dinp + i, n) + da * llmc_load16(dout + i, n), n);
+    }
+}
+LLMC_ISA_VARIANTS(relu_backward_blocks,
+                  (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
+                   int64_t blk1),
+                  dinp, dout, inp, N, blk0, blk1)
+
+int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*const blocks)(float*, const float*, const float*, int64_t, int64_t, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), relu_backward_blocks);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
+    }
+    return LLMC_OK;
+}
+
+/* Exact GELU, x Phi(x), with Phi(x) = erfc(-x / sqrt 2) / 2: erfc keeps the
+   left tail (where 1 + erf(x / sqrt 2) would cancel) accurate. Scalar libm,
+   elements [i0, i1) per thread. */
+#define INV_SQRT2 0.7071067811865476f
+#define INV_SQRT_2PI 0.3989422804014327f
+
+int gelu_erf_forward(float* out, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(N, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++) {
+            const float x = inp[i];
+            out[i] = x * (0.5f * erfcf(-x * INV_SQRT2));
+        }
+    }
+    return LLMC_OK;
+}
+
+/* d/dx [x Phi(x)] = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) */
+int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(N, &i0, &i1);
+        for (int64_t i = i0; i < i1; i++) {
+            const float x = inp[i];
+            const float grad = 0.5f * erfcf(-x * INV_SQRT2)
+                               + x * (INV_SQRT_2PI * expf(-0.5f * x * x));
+            dinp[i] += grad * dout[i];
+        }
     }
     return LLMC_OK;
 }

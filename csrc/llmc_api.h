@@ -97,6 +97,19 @@ int encoder_forward(float* out, const int* inp, const float* wte, const float* w
 int encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
                      int B, int T, int C, int V);
 
+/*
+ * sinusoidal_forward: out[b,t,:] = inp[b,t,:] + PE(pos[b] + t), the original
+ * Transformer's fixed positions: PE(p)[2i] = sin(p w_i), PE(p)[2i+1] =
+ * cos(p w_i), w_i = 10000^(-2i/C) (an odd C ends with a sin channel). No
+ * parameters, so no backward: the gradient passes through unchanged.
+ *
+ *   out [B, T, C]  (written) may alias inp
+ *   inp [B, T, C]
+ *   pos [B]        int32 first position of each row, >= 0 (else
+ *                  LLMC_ERR_RANGE), or NULL: 0
+ */
+int sinusoidal_forward(float* out, const float* inp, const int* pos, int B, int T, int C);
+
 /* ---- norms.c ------------------------------------------------------------ */
 
 /*
@@ -494,6 +507,50 @@ int swiglu_forward(float* out, const float* inp, int64_t N, int FF);
  *   inp  [N, 2 FF]  forward input
  */
 int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
+
+/*
+ * geglu_forward, reglu_forward: as swiglu_forward with another gate:
+ * out = gelu(gate) * up (GeGLU; gelu_forward's tanh form) or
+ * out = relu(gate) * up (ReGLU).
+ *
+ *   out [N, FF]     (written)
+ *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
+ */
+int geglu_forward(float* out, const float* inp, int64_t N, int FF);
+int reglu_forward(float* out, const float* inp, int64_t N, int FF);
+
+/*
+ * geglu_backward, reglu_backward: gradients of geglu_forward, reglu_forward
+ * (relu'(0) = 0, as torch has it).
+ *
+ *   dinp [N, 2 FF]  (+=) dgate, dup
+ *   dout [N, FF]
+ *   inp  [N, 2 FF]  forward input
+ */
+int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
+int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
+
+/*
+ * relu_forward: out = max(inp, 0) (NaN stays NaN)
+ * relu_backward: dinp += (inp > 0) * dout
+ *
+ *   out, dinp [N]  (written), (+=)
+ *   dout      [N]
+ *   inp       [N]  forward input
+ */
+int relu_forward(float* out, const float* inp, int64_t N);
+int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
+
+/*
+ * gelu_erf_forward: out = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), the exact GELU
+ * gelu_erf_backward: dinp += (Phi(x) + x exp(-x^2 / 2) / sqrt(2 pi)) * dout
+ *
+ *   out, dinp [N]  (written), (+=)
+ *   dout      [N]
+ *   inp       [N]  forward input
+ */
+int gelu_erf_forward(float* out, const float* inp, int64_t N);
+int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 
 /*
  * residual_forward: out = inp1 + inp2

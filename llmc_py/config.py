@@ -17,31 +17,42 @@ def padded_vocab(vocab_size, multiple=VOCAB_PAD_MULTIPLE):
 # the Llama family's choices; each is a string in the config and a small int
 # code in the checkpoint header (the index in these tuples)
 NORMS = ("layernorm", "rmsnorm")
-POSITIONS = ("learned", "rope", "alibi")
-MLPS = ("gelu", "swiglu")
+POSITIONS = ("learned", "rope", "alibi", "sinusoidal")
+# (new names go at the end: a model file holds the index)
+MLPS = ("gelu", "swiglu", "relu", "gelu_erf", "geglu", "reglu")
+# where the norms sit in a block (see model.transformer): "pre" x + f(norm(x));
+# "post" norm(x + f(x)) (the original Transformer); "parallel" one norm read
+# by attention and the MLP side by side, x + attn(n) + mlp(n), n = norm1(x)
+# (GPT-J, Falcon-7B)
+BLOCKS = ("pre", "post", "parallel")
+# the gated MLPs: W2(act(x W1) * x W3), fcw holding W1 (the gate) then W3
+GATED_MLPS = ("swiglu", "geglu", "reglu")
 # RoPE for contexts past the trained length: "linear" divides every frequency
 # by rope_factor (position interpolation); "ntk" raises the base to theta *
 # factor^(hs/(hs-2)) (NTK-aware); "llama3" is Llama 3.1's rule (Hugging Face's
 # rope_type "llama3": long wavelengths divided by the factor, short ones kept,
 # a smooth blend between, set by rope_original_max and the two freq factors)
 ROPE_SCALINGS = ("none", "linear", "ntk", "llama3")
-# SwiGLU's hidden size by the Llama rule is rounded up to a multiple of this
+# a gated MLP's hidden size by the Llama rule is rounded up to a multiple of
+# this by default (Llama's multiple_of is 256; 32 suits our small models)
 FFN_MULTIPLE = 32
 
 
-def llama_ffn_hidden(channels, multiple=FFN_MULTIPLE):
-    """The Llama rule: 2/3 of 4C, rounded up to a multiple (so a SwiGLU MLP's
-    three matrices hold about as many weights as GPT-2's two of 4C)."""
-    hidden = 8 * channels // 3
-    return (hidden + multiple - 1) // multiple * multiple
+def llama_ffn_hidden(channels, multiple_of=FFN_MULTIPLE, ffn_dim_multiplier=1.0):
+    """Llama's rule (its FeedForward): 2/3 of 4C, times ffn_dim_multiplier,
+    rounded up to a multiple of multiple_of (so a gated MLP's three matrices
+    hold about as many weights as GPT-2's two of 4C)."""
+    hidden = int(ffn_dim_multiplier * (8 * channels // 3))
+    return (hidden + multiple_of - 1) // multiple_of * multiple_of
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
     """One decoder-only transformer, by its sizes and choices. The presets
     below (LlamaConfig, GPT2Config) are this with other defaults."""
-    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE and
-                                     # ALiBi only the length trained at, not a limit
+    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE,
+                                     # ALiBi and sinusoidal only the length trained at,
+                                     # not a limit
     vocab_size: int = 50257          # V
     padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
     num_layers: int = 12             # L
@@ -51,10 +62,17 @@ class TransformerConfig:
                                      # 0 picks NH)
     channels: int = 768              # C
     ffn_hidden: int = 0              # FF: MLP hidden size; 0 picks the default (the Llama
-                                     # rule for swiglu, 4C for gelu)
+                                     # rule for a gated MLP, 4C for the others)
+    ffn_multiple_of: int = FFN_MULTIPLE  # the Llama rule rounds FF up to a multiple of this
+    ffn_dim_multiplier: float = 1.0  # the Llama rule scales 2/3 of 4C by this first
+                                     # (Llama 3 70B: 1.3)
     norm: str = "rmsnorm"            # "rmsnorm" (weight only) | "layernorm" (weight, bias)
     position: str = "rope"           # "rope" | "alibi" | "learned" (a wpe table, as GPT-2)
-    mlp: str = "swiglu"              # "swiglu": W2(silu(x W1) * x W3) | "gelu": GPT-2's
+                                     # | "sinusoidal" (fixed sin/cos added to the embedding)
+    mlp: str = "swiglu"              # gated: "swiglu" W2(silu(x W1) * x W3), "geglu" (gelu,
+                                     # tanh form), "reglu" (relu); plain: W2 act(x W1),
+                                     # "gelu" (GPT-2's tanh form), "gelu_erf", "relu"
+    block: str = "pre"               # the norms' places: "pre" | "post" | "parallel"
     bias: bool = False               # biases on the linear layers
     tied_embeddings: bool = True     # the output head is wte; False adds lm_head [Vp, C]
     rope_theta: float = 10000.0      # RoPE base
@@ -78,25 +96,42 @@ class TransformerConfig:
                 and self.head_dim * self.num_heads == self.channels:
             object.__setattr__(self, "head_dim", 0)   # one way to say C / NH
         if isinstance(self.ffn_hidden, int) and self.ffn_hidden == 0:
-            default = llama_ffn_hidden(self.channels) if self.mlp == "swiglu" \
-                else 4 * self.channels
+            self._validate_ffn_rule()
+            default = llama_ffn_hidden(self.channels, self.ffn_multiple_of,
+                                       self.ffn_dim_multiplier) \
+                if self.mlp in GATED_MLPS else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
+        # held as the float32 the kernels and file use
         for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor"):   # held as the float32 the kernels and file use
+                     "rope_high_freq_factor", "ffn_dim_multiplier"):
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 object.__setattr__(self, name, float(np.float32(value)))
         self.validate()
 
+    def _validate_ffn_rule(self):
+        kind = type(self).__name__
+        if not isinstance(self.ffn_multiple_of, int) or isinstance(self.ffn_multiple_of, bool) \
+                or self.ffn_multiple_of <= 0:
+            raise ShapeError(f"{kind}.ffn_multiple_of must be a positive int, got "
+                             f"{self.ffn_multiple_of!r}")
+        value = self.ffn_dim_multiplier
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not (0 < value < float("inf")):
+            raise ShapeError(f"{kind}.ffn_dim_multiplier must be a positive finite number, "
+                             f"got {value!r}")
+
     def validate(self):
         """Raises ShapeError naming the first field that cannot describe a model."""
         kind = type(self).__name__
+        self._validate_ffn_rule()
         for name in ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers",
                      "num_heads", "num_kv_heads", "channels", "ffn_hidden"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ShapeError(f"{kind}.{name} must be a positive int, got {value!r}")
-        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS)):
+        for name, allowed in (("norm", NORMS), ("position", POSITIONS), ("mlp", MLPS),
+                              ("block", BLOCKS)):
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
@@ -190,20 +225,26 @@ class TransformerConfig:
 
     @property
     def fc_channels(self):
-        """Width of the MLP's first projection: 2 FF for SwiGLU (W1 and W3
-        stacked), FF for GELU."""
-        return 2 * self.ffn_hidden if self.mlp == "swiglu" else self.ffn_hidden
+        """Width of the MLP's first projection: 2 FF for a gated MLP (W1 and
+        W3 stacked), FF for the others."""
+        return 2 * self.ffn_hidden if self.mlp in GATED_MLPS else self.ffn_hidden
 
     @property
     def learned_positions(self):
         return self.position == "learned"
 
     @property
+    def second_norm(self):
+        """True if a block has a second norm (ln2): all but the parallel block."""
+        return self.block != "parallel"
+
+    @property
     def is_gpt2(self):
         """True if the choices are GPT-2's (llm.c's model file can hold it)."""
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
             and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
-            and self.attn_channels == self.channels and not self.qk_norm
+            and self.attn_channels == self.channels and not self.qk_norm \
+            and self.block == "pre"
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property
@@ -266,4 +307,5 @@ class GPT2Config(TransformerConfig):
         if not self.is_gpt2:
             raise ShapeError("GPT2Config holds GPT-2's choices (layernorm, learned, gelu, "
                              "bias, tied, num_kv_heads = num_heads, ffn_hidden = 4 channels, "
-                             "norm_eps 1e-5); use LlamaConfig or TransformerConfig for others")
+                             "norm_eps 1e-5, pre-norm blocks); use LlamaConfig or "
+                             "TransformerConfig for others")

@@ -65,6 +65,17 @@ TOL = {
     #   fwd, bwd: against the tensor's largest entry (seen 8.2e-8, 1.2e-7);
     #   silu: silu(g) and silu'(g) each against its own size (seen 2.4e-7)
     "swiglu": {"fwd": 7e-7, "bwd": 1.2e-6, "silu": 2e-6},
+    # sinusoidal positions: sin/cos of a double angle rounded to float, one
+    # add (seen 5.2e-8, also at positions near 1e5)
+    "sinusoidal": {"fwd": 2.4e-7},
+    # exact GELU: libm's erfcf and expf, a few ulp each (seen 2.8e-8, 1.0e-7)
+    "gelu_erf": {"fwd": 3e-7, "bwd": 1e-6},
+    # ReLU: a select, exact (seen 0); ReGLU: then one or two products, each
+    # half an ulp of itself (seen 4.1e-8, 1.4e-8)
+    "relu": {"fwd": 0.0, "bwd": 0.0},
+    "reglu": {"fwd": 1.2e-7, "bwd": 2.4e-7},
+    # GeGLU: gelu_forward's arithmetic times up (seen 2.7e-8, 4.4e-8)
+    "geglu": {"fwd": 5e-7, "bwd": 2e-6},
     # fwd: one add, half an ulp; bwd: two (+=) calls onto a non-zero start,
     # two roundings
     "residual": {"fwd": 2.0 ** -24, "bwd": 2e-7},

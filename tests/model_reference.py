@@ -98,23 +98,45 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
         return p[name] if l is None else p[name][l]
 
     x = R.encoder(p["wte"], param("wpe"), inputs)
+    if c.position == "sinusoidal":
+        x = x + R.sinusoidal(torch.zeros(inputs.shape[0], dtype=torch.long), inputs.shape[1],
+                             c.channels)
     if trace is not None:
         trace["hidden"], trace["att"] = [x], []
     for l in range(c.num_layers):
-        h = norm(x, param("ln1w", l), param("ln1b", l), c)
-        qkv = matmul(h, param("qkvw", l), param("qkvb", l))
-        if c.qk_norm:
-            qkv = R.head_rmsnorm(qkv, param("qnormw", l), param("knormw", l), c.num_heads,
-                                 c.num_kv_heads, c.norm_eps)[0]
-        if c.position == "rope":
-            qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
-                         c.rope_inv_freq())
-        h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)
-        x = R.residual(x, matmul(h, param("attprojw", l), param("attprojb", l)))
-        h = norm(x, param("ln2w", l), param("ln2b", l), c)
-        h = matmul(h, param("fcw", l), param("fcb", l))
-        h = R.swiglu(h) if c.mlp == "swiglu" else R.gelu(h)
-        x = R.residual(x, matmul(h, param("fcprojw", l), param("fcprojb", l)))
+        def attention(h):
+            qkv = matmul(h, param("qkvw", l), param("qkvb", l))
+            if c.qk_norm:
+                qkv = R.head_rmsnorm(qkv, param("qnormw", l), param("knormw", l), c.num_heads,
+                                     c.num_kv_heads, c.norm_eps)[0]
+            if c.position == "rope":
+                qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
+                             c.rope_inv_freq())
+            h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes)
+            return matmul(h, param("attprojw", l), param("attprojb", l)), att
+
+        def mlp(h):
+            h = R.MLP_ACTIVATIONS[c.mlp](matmul(h, param("fcw", l), param("fcb", l)))
+            return matmul(h, param("fcprojw", l), param("fcprojb", l))
+
+        def norm1(h):
+            return norm(h, param("ln1w", l), param("ln1b", l), c)
+
+        def norm2(h):
+            return norm(h, param("ln2w", l), param("ln2b", l), c)
+
+        if c.block == "pre":         # x + f(norm(x))
+            h, att = attention(norm1(x))
+            x = R.residual(x, h)
+            x = R.residual(x, mlp(norm2(x)))
+        elif c.block == "post":      # norm(x + f(x))
+            h, att = attention(x)
+            x = norm1(R.residual(x, h))
+            x = norm2(R.residual(x, mlp(x)))
+        else:                        # parallel: x + attn(n) + mlp(n), n = norm1(x)
+            n = norm1(x)
+            h, att = attention(n)
+            x = R.residual(R.residual(x, h), mlp(n))
         if trace is not None:
             trace["hidden"].append(x)
             trace["att"].append(att)

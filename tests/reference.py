@@ -19,6 +19,16 @@ def encoder(wte, wpe, inp):
     return wte[inp] if wpe is None else wte[inp] + wpe[:T]
 
 
+def sinusoidal(pos, T, C):
+    """The original Transformer's positions [B, T, C] at pos[b] + t (pos a
+    long tensor [B]): sin(p w_i) in channel 2i, cos(p w_i) in 2i + 1,
+    w_i = 10000^(-2i/C)."""
+    p = (pos[:, None] + torch.arange(T))[..., None].to(torch.float64)   # [B, T, 1]
+    i = torch.arange(C)
+    angle = p * 10000.0 ** (-(i - i % 2).to(torch.float64) / C)
+    return torch.where(i % 2 == 0, torch.sin(angle), torch.cos(angle))
+
+
 def layernorm(x, weight, bias, eps=LN_EPS):
     """(x - mean) / sqrt(var + eps) * weight + bias over the last axis, with the
     biased variance. Returns out, mean [B,T] and rstd [B,T]."""
@@ -141,6 +151,33 @@ def swiglu(x):
     holding the gate in the first FF columns and up in the last FF."""
     gate, up = x.chunk(2, dim=-1)
     return gate / (1.0 + torch.exp(-gate)) * up
+
+
+def gelu_erf(x):
+    """x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), the exact GELU; as erfc(-x / sqrt 2),
+    which keeps the left tail (1 + erf cancels there, even in float64)."""
+    return 0.5 * x * torch.erfc(-x / math.sqrt(2.0))
+
+
+def relu(x):
+    return torch.relu(x)
+
+
+def geglu(x):
+    """gelu(gate) * up (the tanh GELU), rows [..., 2FF] as in swiglu."""
+    gate, up = x.chunk(2, dim=-1)
+    return gelu(gate) * up
+
+
+def reglu(x):
+    """relu(gate) * up, rows [..., 2FF] as in swiglu."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.relu(gate) * up
+
+
+# the MLP activations by config.mlp
+MLP_ACTIVATIONS = {"gelu": gelu, "swiglu": swiglu, "relu": relu, "gelu_erf": gelu_erf,
+                   "geglu": geglu, "reglu": reglu}
 
 
 def residual(a, b):

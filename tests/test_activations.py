@@ -1,4 +1,5 @@
-"""csrc/activations.c: GELU (tanh approximation), SwiGLU and the residual add."""
+"""csrc/activations.c: GELU (tanh approximation and exact), ReLU, the gated
+MLPs (SwiGLU, GeGLU, ReGLU) and the residual add."""
 import numpy as np
 import pytest
 import torch
@@ -7,6 +8,10 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import gelu as ref_gelu
+from reference import gelu_erf as ref_gelu_erf
+from reference import geglu as ref_geglu
+from reference import reglu as ref_reglu
+from reference import relu as ref_relu
 from reference import residual as ref_residual
 from reference import swiglu as ref_swiglu
 
@@ -236,3 +241,106 @@ def test_swiglu_rejects_wrong_dtype(rng):
         K.swiglu_forward(np.empty((4, 5), np.float64), x)
     with pytest.raises(TypeError, match="inp"):
         K.swiglu_forward(np.empty((4, 5), np.float32), x.tolist())
+
+
+# ---- ReLU, exact GELU, GeGLU, ReGLU ---------------------------------------------
+#
+# The element-wise ones share gelu's shapes and special values, the gated ones
+# SwiGLU's (a row holds [gate | up]).
+
+ELEMENTWISE = {"relu": ref_relu, "gelu_erf": ref_gelu_erf}
+GATED = {"geglu": ref_geglu, "reglu": ref_reglu}
+
+
+def elementwise_run(name, x, dout, calls=1):
+    out = np.full_like(x, np.nan)   # (written): must not be read
+    getattr(K, f"{name}_forward")(out, x)
+    dinp = np.zeros_like(x)
+    for _ in range(calls):
+        getattr(K, f"{name}_backward")(dinp, dout, x)
+    return out, dinp
+
+
+def gated_run(name, x, dout, calls=1):
+    out = np.full(x.shape[:-1] + (x.shape[-1] // 2,), np.nan, np.float32)
+    getattr(K, f"{name}_forward")(out, x)
+    dinp = np.zeros_like(x)
+    for _ in range(calls):
+        getattr(K, f"{name}_backward")(dinp, dout, x)
+    return out, dinp
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_elementwise_activations_match_reference(rng, isa, name, shape):
+    x, dout = gelu_inputs(rng, shape)
+    out, dinp = elementwise_run(name, x, dout)
+    xt = t64(x, grad=True)
+    ref = ELEMENTWISE[name](xt)
+    (ref * t64(dout)).sum().backward()
+    assert_close("out", out, ref, TOL[name]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL[name]["bwd"])
+
+
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+@pytest.mark.parametrize("name", GATED)
+def test_gated_activations_match_reference(rng, isa, name, shape):
+    x, dout = swiglu_inputs(rng, shape)
+    out, dinp = gated_run(name, x, dout)
+    xt = t64(x, grad=True)
+    ref = GATED[name](xt)
+    (ref * t64(dout)).sum().backward()
+    assert_close("out", out, ref, TOL[name]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL[name]["bwd"])
+
+
+def test_exact_gelu_differs_from_the_tanh_form_and_keeps_its_left_tail():
+    # the two GELUs differ by ~1e-4 near |x| ~ 2; exact GELU at -5 is
+    # -5 Phi(-5) = -1.4333e-6, which 1 + erf(-5 / sqrt 2) in float would lose
+    x = np.array([-5.0, -2.0, 2.0, 0.0], np.float32)
+    exact, tanh_form = np.empty_like(x), np.empty_like(x)
+    K.gelu_erf_forward(exact, x)
+    K.gelu_forward(tanh_form, x)
+    assert np.abs(exact - tanh_form).max() > 5e-5
+    ref = ref_gelu_erf(t64(x)).numpy()
+    assert abs(exact[0] - ref[0]) <= 1e-5 * abs(ref[0]), (exact[0], ref[0])
+    assert exact[3] == 0.0
+
+
+def test_geglu_gate_is_gelu_forward_bitwise(rng):
+    # up = 1: GeGLU's gate runs gelu_forward's very arithmetic
+    gate = randn(rng, 67, scale=3.0)
+    x = np.concatenate([gate, np.ones_like(gate)])
+    out, _ = gated_run("geglu", x, np.ones(67, np.float32))
+    expected = np.empty_like(gate)
+    K.gelu_forward(expected, gate)
+    assert np.array_equal(out, expected)
+
+
+def test_relu_derivative_at_zero_and_nan():
+    x = np.array([-1.0, 0.0, 2.0, np.nan], np.float32)
+    out, dinp = elementwise_run("relu", x, np.full(4, 3.0, np.float32))
+    assert out[:3].tolist() == [0.0, 0.0, 2.0] and np.isnan(out[3])
+    assert dinp[:3].tolist() == [0.0, 0.0, 3.0]   # relu'(0) = 0, as torch
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE) + list(GATED))
+def test_new_activations_accumulate_and_are_thread_invariant(rng, isa, set_threads, name):
+    if name in GATED:
+        x, dout = swiglu_inputs(rng, (37, 2 * 67))
+        run = gated_run
+    else:
+        x, dout = gelu_inputs(rng, (3, 37, 67))
+        run = elementwise_run
+    once, twice = run(name, x, dout)[1], run(name, x, dout, calls=2)[1]
+    assert_close("dinp", twice, 2.0 * once.astype(np.float64), 2.0 ** -23)
+    assert_thread_invariant(set_threads, lambda: dict(zip(("out", "dinp"), run(name, x, dout))))
+
+
+@pytest.mark.parametrize("name", list(ELEMENTWISE) + list(GATED))
+def test_new_activations_reject_wrong_shapes(rng, name):
+    x = randn(rng, 4, 10)
+    with pytest.raises(llmc_py.ShapeError, match="out"):
+        getattr(K, f"{name}_forward")(np.empty((4, 7), np.float32), x)
+    with pytest.raises(llmc_py.ShapeError, match="dout"):
+        getattr(K, f"{name}_backward")(np.zeros_like(x), np.zeros((4, 7), np.float32), x)

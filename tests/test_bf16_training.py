@@ -71,8 +71,9 @@ def check_layers_teacher_forced(model, x, y):
     """Every linear layer of every block, and the head's forward, against the
     reference bf16 linear layer fed with the very operands ours saw: each
     call of the model's bf16 matmuls is recorded (its operands and results
-    copied as it returns; backward's input gradients start from zero and
-    every block weight has one backward call a step)."""
+    copied as it returns; every block weight has one backward call a step,
+    and each call's input gradient is recorded from zero, then added: post-
+    norm and parallel blocks add two into one buffer)."""
     calls = {"forward": [], "backward": []}
     forward, backward = model._matmul_forward, model._matmul_backward
 
@@ -82,9 +83,10 @@ def check_layers_teacher_forced(model, x, y):
                                 + [weight])
     def recording_backward(dinp, dweight, dbias, dout, inp, weight):
         before = dweight.copy()
-        backward(dinp, dweight, dbias, dout, inp, weight)
-        calls["backward"].append((dinp.copy(), dweight - before, dout.copy(), inp.copy(),
-                                  weight))
+        own = np.zeros_like(dinp)   # this call's part of dinp
+        backward(own, dweight, dbias, dout, inp, weight)
+        dinp += own
+        calls["backward"].append((own, dweight - before, dout.copy(), inp.copy(), weight))
     model._matmul_forward, model._matmul_backward = recording_forward, recording_backward
     try:
         model.zero_grad()

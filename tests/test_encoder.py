@@ -1,4 +1,5 @@
-"""csrc/encoder.c: token + position embedding against the float64 reference."""
+"""csrc/encoder.c: token + position embedding and sinusoidal positions against
+the float64 reference."""
 import numpy as np
 import pytest
 
@@ -6,6 +7,7 @@ import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import encoder as ref_encoder
+from reference import sinusoidal as ref_sinusoidal
 
 SHAPES = [  # B, T, C, V; small V makes tokens repeat, so dwte rows gather many terms
     (4, 64, 768, 1000),   # GPT-2 124M width
@@ -132,3 +134,47 @@ def test_encoder_rejects_wrong_dtypes(rng):
         K.encoder_forward(out, inp.astype(np.int64), wte, wpe)
     with pytest.raises(TypeError, match="wte"):
         K.encoder_forward(out, inp, wte.astype(np.float64), wpe)
+
+
+# ---- sinusoidal positions ----------------------------------------------------------
+
+@pytest.mark.parametrize("B,T,C", [(2, 37, 67), (1, 1, 1), (3, 5, 60), (2, 64, 768)])
+def test_sinusoidal_matches_reference(rng, B, T, C):
+    x = randn(rng, B, T, C)
+    pos = rng.integers(0, 100_000, size=B, dtype=np.int32)   # far past any trained length
+    for positions in (None, pos):
+        out = np.full_like(x, np.nan)
+        K.sinusoidal_forward(out, x, positions)
+        start = np.zeros(B, np.int64) if positions is None else positions.astype(np.int64)
+        ref = t64(x) + ref_sinusoidal(t64(start).long(), T, C)
+        assert_close("out", out, ref, TOL["sinusoidal"]["fwd"])
+
+
+def test_sinusoidal_rows_depend_on_position_only(rng):
+    # a row at position p adds the same as row p of a full sequence, bitwise:
+    # what KV-cache decoding relies on; in place (out = inp) as the model runs it
+    x = randn(rng, 1, 50, 33)
+    full = x.copy()
+    K.sinusoidal_forward(full, full, None)
+    for p in (0, 17, 49):
+        row = x[:, p:p + 1].copy()
+        K.sinusoidal_forward(row, row, np.array([p], np.int32))
+        assert np.array_equal(row, full[:, p:p + 1])
+    zero = np.zeros((1, 1, 6), np.float32)
+    K.sinusoidal_forward(zero, zero, None)   # position 0: sin 0 = 0, cos 0 = 1
+    assert zero.reshape(-1).tolist() == [0.0, 1.0] * 3
+
+
+def test_sinusoidal_thread_invariant_and_checked(rng, set_threads):
+    x = randn(rng, 3, 37, 67)
+    pos = np.array([0, 5, 4000], np.int32)
+
+    def run():
+        out = np.empty_like(x)
+        K.sinusoidal_forward(out, x, pos)
+        return {"out": out}
+    assert_thread_invariant(set_threads, run)
+    with pytest.raises(llmc_py.RangeError):
+        K.sinusoidal_forward(np.empty_like(x), x, np.array([0, -1, 2], np.int32))
+    with pytest.raises(llmc_py.ShapeError, match="pos"):
+        K.sinusoidal_forward(np.empty_like(x), x, np.zeros(2, np.int32))

@@ -9,6 +9,7 @@ Tolerances (fp32 on both sides, summing in different orders): logits within
 1.3e-7), each gradient within 2e-5 of its tensor's largest entry (seen:
 1.2e-6). Nothing is downloaded: transformers builds the models from configs
 here."""
+import dataclasses
 import json
 
 import numpy as np
@@ -328,6 +329,11 @@ def test_export_refuses_what_no_architecture_holds(tmp_path):
                                  position="alibi")
     with pytest.raises(UnsupportedError, match="position='alibi'"):
         llmc_py.Llama(config).save_pretrained(tmp_path)
+    for choice, match in (("mlp", "mlp='geglu'"), ("block", "block='post'")):
+        other = dataclasses.replace(config, position="rope",
+                                    **{choice: match.split("'")[1]})
+        with pytest.raises(UnsupportedError, match=match):
+            llmc_py.Llama(other).save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 

@@ -38,6 +38,19 @@ MODELS = {
     # Llama 3.1's scaled RoPE (rotated at each position with its own frequencies)
     "rope-llama3": lambda: Llama(dataclasses.replace(
         LLAMA, rope_scaling="llama3", rope_factor=8.0, rope_original_max=8), seed=7),
+    # the other MLPs
+    "geglu": lambda: Llama(dataclasses.replace(LLAMA, mlp="geglu"), seed=7),
+    "reglu-alibi": lambda: Llama(dataclasses.replace(LLAMA, mlp="reglu", position="alibi"),
+                                 seed=8),
+    "relu-learned": lambda: Llama(dataclasses.replace(LLAMA, mlp="relu", position="learned",
+                                                      max_seq_len=48), seed=9),
+    "gelu_erf": lambda: Llama(dataclasses.replace(LLAMA, mlp="gelu_erf"), seed=10),
+    # the norms' places
+    "post-norm": lambda: Llama(dataclasses.replace(LLAMA, block="post"), seed=11),
+    "parallel-layernorm": lambda: Llama(dataclasses.replace(LLAMA, block="parallel",
+                                                            norm="layernorm", bias=True),
+                                        seed=12),
+    "sinusoidal": lambda: Llama(dataclasses.replace(LLAMA, position="sinusoidal"), seed=13),
 }
 
 
@@ -122,8 +135,8 @@ def test_learned_positions_refuse_to_go_past_max_seq_len():
         model.generate([1] * 40, 10, temperature=0)
 
 
-@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa"])
-def test_rope_and_alibi_generate_past_max_seq_len(name):
+@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa", "sinusoidal"])
+def test_rope_alibi_and_sinusoidal_generate_past_max_seq_len(name):
     model = MODELS[name]()
     prompt = [2, 7, 1, 8]
     max_seq_len = model.config.max_seq_len

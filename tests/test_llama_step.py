@@ -10,6 +10,7 @@ import pytest
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
 from llmc_py.io import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
 from llmc_py.errors import CheckpointError, ShapeError
+from helpers import assert_thread_invariant
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
 
 BASE = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
@@ -33,6 +34,27 @@ CONFIGS = {   # id: the choices, over BASE
                         rope_theta=500000.0),
     "rope-linear": dict(rope_scaling="linear", rope_factor=4.0),
     "rope-ntk": dict(rope_scaling="ntk", rope_factor=4.0, num_kv_heads=1),
+    # the other MLPs: plain ReLU and exact GELU, gated GeGLU and ReGLU (the
+    # last with Llama's hidden-size rule, ffn_hidden 0 applying it anew:
+    # 2/3 of 4C = 170, x1.3 = 221, up to a multiple of 48: 240)
+    "relu-layernorm-bias": dict(mlp="relu", norm="layernorm", bias=True),
+    "gelu_erf-learned": dict(mlp="gelu_erf", position="learned", ffn_hidden=100),
+    "geglu": dict(mlp="geglu"),
+    "reglu-alibi-ffn-rule": dict(mlp="reglu", position="alibi", ffn_hidden=0,
+                                 ffn_multiple_of=48, ffn_dim_multiplier=1.3),
+    # the norms' places: post-norm as the original Transformer (layernorm,
+    # learned positions) and with RoPE and qk_norm; the parallel block as
+    # GPT-J (one layernorm, RoPE, GELU, biases) and with ALiBi
+    "post-layernorm-learned": dict(block="post", norm="layernorm", position="learned",
+                                   mlp="gelu", bias=True),
+    "post-rope-qknorm": dict(block="post", qk_norm=True),
+    "parallel-gptj": dict(block="parallel", norm="layernorm", mlp="gelu", bias=True),
+    "parallel-alibi": dict(block="parallel", position="alibi", num_kv_heads=1),
+    # sinusoidal positions: in the original Transformer (post-norm layernorm,
+    # ReLU, biases) and in a Llama-style block with hs 15
+    "sinusoidal-original": dict(position="sinusoidal", block="post", norm="layernorm",
+                                mlp="relu", bias=True),
+    "sinusoidal-hs15": dict(position="sinusoidal", channels=60),
 }
 
 
@@ -95,8 +117,8 @@ def test_gpt2_choices_reproduce_gpt2():
                                atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi"])
-def test_rope_and_alibi_extrapolate_past_max_seq_len(position):
+@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal"])
+def test_rope_alibi_and_sinusoidal_extrapolate_past_max_seq_len(position):
     config = dataclasses.replace(BASE, position=position, max_seq_len=16)
     model = make_model(config, seed=2)
     x, y = make_batch(config, 2, 40, seed=2)   # 2.5x the trained length
@@ -150,6 +172,11 @@ def _corrupt(path, slot, value, floats=False):
     ("ffn_hidden", LLAMA_INT_SLOTS["ffn_hidden"], -5, "ffn_hidden is -5"),
     ("norm", LLAMA_CHOICE_SLOTS["norm"][0], 7, "norm is 7, expected one of"),
     ("position", LLAMA_CHOICE_SLOTS["position"][0], -1, "position is -1"),
+    ("position", LLAMA_CHOICE_SLOTS["position"][0], 4, r"position is 4, expected one of "
+                                                       r"0 \(learned\), 1 \(rope\), "
+                                                       r"2 \(alibi\), 3 \(sinusoidal\)"),
+    ("block", LLAMA_CHOICE_SLOTS["block"][0], 3, r"block is 3, expected one of 0 \(pre\), "
+                                                 r"1 \(post\), 2 \(parallel\)"),
     ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
     ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
     ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
@@ -191,6 +218,60 @@ def test_truncated_model_file_is_refused(tmp_path):
             load_model(path)
 
 
+def test_ffn_hidden_follows_llama_rule():
+    # the defaults keep the sizes of files from before the rule had its fields
+    assert BASE.ffn_hidden == 192 and BASE.fc_channels == 384
+    assert dataclasses.replace(BASE, mlp="reglu", ffn_hidden=0).ffn_hidden == 192
+    assert dataclasses.replace(BASE, **CONFIGS["reglu-alibi-ffn-rule"]).ffn_hidden == 240
+    assert dataclasses.replace(BASE, mlp="geglu", ffn_hidden=0).fc_channels == 384
+    for mlp in ("gelu", "relu", "gelu_erf"):   # not gated: 4C, one matrix of FF rows
+        config = dataclasses.replace(BASE, mlp=mlp, ffn_hidden=0, ffn_multiple_of=48)
+        assert (config.ffn_hidden, config.fc_channels) == (256, 256)
+    # Llama 3 8B's own numbers: C 4096, multiplier 1.3, multiple_of 1024 -> 14336
+    assert LlamaConfig(channels=4096, num_heads=32, num_kv_heads=8, ffn_multiple_of=1024,
+                       ffn_dim_multiplier=1.3).ffn_hidden == 14336
+    with pytest.raises(ShapeError, match="ffn_multiple_of must be a positive int"):
+        dataclasses.replace(BASE, ffn_multiple_of=0)
+    with pytest.raises(ShapeError, match="ffn_dim_multiplier must be a positive finite"):
+        dataclasses.replace(BASE, ffn_dim_multiplier=-1.0)
+
+
+def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
+    path = tmp_path / "m.bin"
+    Llama(dataclasses.replace(BASE, mlp="geglu")).save_checkpoint(path)
+    assert load_model(path).config.mlp == "geglu"
+    _corrupt(path, LLAMA_CHOICE_SLOTS["mlp"][0], 6)
+    with pytest.raises(CheckpointError, match=r"mlp is 6, expected one of 0 \(gelu\), "
+                                              r"1 \(swiglu\), 2 \(relu\), 3 \(gelu_erf\), "
+                                              r"4 \(geglu\), 5 \(reglu\)"):
+        load_model(path)
+    # a file from before the rule's slots holds 0 in them: read as 32 and 1
+    Llama(BASE).save_checkpoint(path)
+    _corrupt(path, 17, 0)
+    _corrupt(path, 8, 0.0, floats=True)
+    assert load_model(path).config == BASE
+    _corrupt(path, 17, -4)
+    with pytest.raises(CheckpointError, match="ffn_multiple_of must be a positive int"):
+        load_model(path)
+
+
+def test_block_layouts():
+    """The parallel block has no second norm; post-norm keeps ln2, the layer's
+    output, for every layer also when recomputing."""
+    from llmc_py.model.layout import act_specs, param_specs
+    parallel = dataclasses.replace(BASE, block="parallel", norm="layernorm")
+    names = [name for name, _ in param_specs(parallel)]
+    assert "ln2w" not in names and "ln2b" not in names and "ln1b" in names
+    assert "ln2" not in dict(act_specs(parallel)) and "ln2_rstd" not in dict(act_specs(parallel))
+    post = dataclasses.replace(BASE, block="post")
+    specs = dict(act_specs(post, recompute=True))
+    assert specs["ln2"](post, 2, 3)[0] == post.num_layers and specs["ln1"](post, 2, 3)[0] == 1
+    with pytest.raises(ShapeError, match="block must be one of"):
+        dataclasses.replace(BASE, block="sandwich")
+    with pytest.raises(ShapeError, match="pre-norm blocks"):
+        GPT2Config(num_layers=1, channels=8, num_heads=2, block="post")
+
+
 def test_config_rejects_impossible_choices():
     with pytest.raises(ShapeError, match="num_heads=4 is not divisible by num_kv_heads=3"):
         dataclasses.replace(BASE, num_kv_heads=3)
@@ -225,3 +306,19 @@ def test_initialisation_schemes(scheme):
     assert np.all(model.params.wte[config.V:] == 0)
     with pytest.raises(ValueError, match="scheme is 'he'"):
         model.initialize(0, "he")
+
+
+@pytest.mark.parametrize("name", ["relu-layernorm-bias", "gelu_erf-learned", "geglu",
+                                  "post-rope-qknorm", "parallel-gptj", "sinusoidal-original"])
+def test_new_variants_do_not_depend_on_thread_count(set_threads, name):
+    """Loss and every gradient bitwise equal on 1, 2 and 3 threads."""
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    model = make_model(config, seed=8)
+    x, y = make_batch(config, 3, 13, seed=8)
+
+    def run():
+        model.zero_grad()
+        loss = model.forward(x, y)
+        model.backward()
+        return {"loss": np.array([loss]), "grads": model.grads.memory.copy()}
+    assert_thread_invariant(set_threads, run)

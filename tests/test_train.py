@@ -12,6 +12,7 @@ import pytest
 
 from data_helpers import REAL_RANKS, require_real_ranks
 from llmc_py import GPT2, GPT2Config, Llama, load_model
+from llmc_py.config import GATED_MLPS, llama_ffn_hidden
 from llmc_py.io import state as io_state
 from llmc_py import train as train_mod
 from llmc_py.train import RunFolder
@@ -448,6 +449,28 @@ def test_llama_arch_trains_resumes_and_samples(shards, tmp_path, monkeypatch, ca
 def test_llama_choices_are_checked(shards, tmp_path, capsys):
     assert run(shards, tmp_path / "out", "-x", "1", "--arch", "llama", "--kv-heads", "3") == 1
     assert "not divisible by num_kv_heads=3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mlp", ["geglu", "reglu", "relu", "gelu_erf"])
+def test_llama_mlp_flags_reach_the_model_file(shards, tmp_path, mlp):
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--mlp", mlp,
+               "--ffn-multiple-of", "16", "--ffn-dim-multiplier", "1.3") == 0
+    c = load_model(out / "model_00000002.bin").config
+    assert (c.mlp, c.ffn_multiple_of) == (mlp, 16) and abs(c.ffn_dim_multiplier - 1.3) < 1e-6
+    gated = mlp in GATED_MLPS
+    assert c.ffn_hidden == (llama_ffn_hidden(c.channels, 16, 1.3) if gated else 4 * c.channels)
+    assert c.fc_channels == (2 if gated else 1) * c.ffn_hidden
+
+
+@pytest.mark.parametrize("block", ["post", "parallel"])
+def test_llama_block_flag_reaches_the_model_file(shards, tmp_path, capsys, block):
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--block", block,
+               "--position", "sinusoidal") == 0
+    config = load_model(out / "model_00000002.bin").config
+    assert (config.block, config.position) == (block, "sinusoidal")
+    assert f"sinusoidal, swiglu 192, {block} block" in capsys.readouterr().out
 
 
 def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):

@@ -23,6 +23,17 @@ def encoder_forward(out, inp, wte, wpe):
         B, T, C, V), "encoder_forward", inp, "inp", V)
 
 
+def sinusoidal_forward(out, inp, pos=None):
+    """out[B,T,C] (written; may be inp) = inp + the sinusoidal position
+    embedding at positions pos[b] + t (pos int32 [B] >= 0, or None: t)."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.sinusoidal_forward(
+        fptr(out, "out", (B, T, C), out=True),
+        fptr(inp, "inp", (B, T, C)),
+        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
+        B, T, C), "sinusoidal_forward")
+
+
 def encoder_backward(dwte, dwpe, dout, inp):
     """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
     B, T = _dims(inp, "inp", 2)
@@ -179,6 +190,36 @@ def gelu_backward(dinp, dout, inp):
     check(lib.gelu_backward(fptr(dinp, "dinp", inp.shape, out=True),
                             fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
                             inp.size), "gelu_backward")
+
+
+def relu_forward(out, inp):
+    """out (written) = max(inp, 0), any shape."""
+    _dims(inp, "inp")
+    check(lib.relu_forward(fptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
+                           inp.size), "relu_forward")
+
+
+def relu_backward(dinp, dout, inp):
+    """dinp (+=) (inp > 0) * dout, any shape."""
+    _dims(inp, "inp")
+    check(lib.relu_backward(fptr(dinp, "dinp", inp.shape, out=True),
+                            fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
+                            inp.size), "relu_backward")
+
+
+def gelu_erf_forward(out, inp):
+    """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape."""
+    _dims(inp, "inp")
+    check(lib.gelu_erf_forward(fptr(out, "out", inp.shape, out=True),
+                               fptr(inp, "inp", inp.shape), inp.size), "gelu_erf_forward")
+
+
+def gelu_erf_backward(dinp, dout, inp):
+    """dinp (+=) gelu_erf'(inp) * dout, any shape."""
+    _dims(inp, "inp")
+    check(lib.gelu_erf_backward(fptr(dinp, "dinp", inp.shape, out=True),
+                                fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
+                                inp.size), "gelu_erf_backward")
 
 
 def residual_forward(out, inp1, inp2):
@@ -422,6 +463,39 @@ def swiglu_backward(dinp, dout, inp):
         fptr(dout, "dout", inp.shape[:-1] + (FF,)),
         fptr(inp, "inp", inp.shape),
         N, FF), "swiglu_backward")
+
+
+def geglu_forward(out, inp):
+    """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form)."""
+    _gated_forward(lib.geglu_forward, "geglu_forward", out, inp)
+
+
+def geglu_backward(dinp, dout, inp):
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
+    _gated_backward(lib.geglu_backward, "geglu_backward", dinp, dout, inp)
+
+
+def reglu_forward(out, inp):
+    """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:]."""
+    _gated_forward(lib.reglu_forward, "reglu_forward", out, inp)
+
+
+def reglu_backward(dinp, dout, inp):
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
+    _gated_backward(lib.reglu_backward, "reglu_backward", dinp, dout, inp)
+
+
+def _gated_forward(kernel, name, out, inp):
+    N, FF = _swiglu_dims(inp)
+    check(kernel(fptr(out, "out", inp.shape[:-1] + (FF,), out=True), fptr(inp, "inp", inp.shape),
+                 N, FF), name)
+
+
+def _gated_backward(kernel, name, dinp, dout, inp):
+    N, FF = _swiglu_dims(inp)
+    check(kernel(fptr(dinp, "dinp", inp.shape, out=True),
+                 fptr(dout, "dout", inp.shape[:-1] + (FF,)), fptr(inp, "inp", inp.shape),
+                 N, FF), name)
 
 
 def _rope_head_size(CH, NH, NKV):

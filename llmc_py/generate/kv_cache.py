@@ -63,7 +63,8 @@ class Decoder:
         if c.learned_positions and max_len > c.max_seq_len:
             raise ShapeError(f"generating up to {max_len} positions exceeds the model's "
                              f"max_seq_len={c.max_seq_len} (its learned position table has "
-                             f"{c.max_seq_len} rows); RoPE and ALiBi models can go further")
+                             f"{c.max_seq_len} rows); RoPE, ALiBi and sinusoidal models can go "
+                             f"further")
         self.model = model
         self.cache = KVCache(c, batch_size, max_len)
         # one position per row
@@ -118,6 +119,8 @@ class Decoder:
         np.take(p.wte, tokens, axis=0, out=x)
         if c.learned_positions:
             x += p.wpe[pos]
+        elif c.position == "sinusoidal":
+            K.sinusoidal_forward(a.encoded, a.encoded, pos)
         lengths = pos + 1
 
         def attend(l):

@@ -204,6 +204,9 @@ def read_hf_config(folder):
 
 def architecture(config):
     """The Hugging Face class a config is written as."""
+    if config.block != "pre":
+        raise UnsupportedError(f"no Hugging Face architecture we write holds block="
+                               f"{config.block!r}: GPT-2, Llama and Qwen3 are pre-norm")
     if config.norm == "layernorm" and config.position == "learned" and config.mlp == "gelu" \
             and config.bias and config.num_kv_heads == config.num_heads \
             and config.head_size * config.num_heads == config.channels \

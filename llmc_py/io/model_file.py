@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config, LlamaConfig
+from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config,
+                      LlamaConfig)
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
@@ -126,36 +127,44 @@ def write_model(path, config, params, dtype="fp32"):
 #     [6] channels     [7] padded_vocab_size   (the slots of llm.c's GPT-2 file)
 #     [8] num_kv_heads [9] ffn_hidden
 #     [10] norm      0 layernorm, 1 rmsnorm
-#     [11] position  0 learned, 1 rope, 2 alibi
-#     [12] mlp       0 gelu, 1 swiglu
+#     [11] position  0 learned, 1 rope, 2 alibi, 3 sinusoidal
+#     [12] mlp       0 gelu, 1 swiglu, 2 relu, 3 gelu_erf, 4 geglu, 5 reglu
 #     [13] bias      0 or 1
 #     [14] tied_embeddings  0 or 1
 #     [15] head_dim  0 (channels / num_heads) or the head size (Qwen3)
 #     [16] qk_norm   0 or 1 (RMSNorm on each q and k head before RoPE; its
 #          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
+#     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
+#     [18] block     0 pre, 1 post, 2 parallel (the norms' places)
 #     [24] rope_scaling  0 none, 1 linear, 2 ntk, 3 llama3
 #     [25] rope_original_max  (llama3)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps  [2] rope_factor
 #     [3] rope_low_freq_factor  [4] rope_high_freq_factor  (read when [24] != 0)
+#     [8] ffn_dim_multiplier  the Llama rule's factor (0: 1)
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
-# Unused slots are 0; a reader rejects any field out of its range. Slots 15,
-# 16, 24, 25 and float slots 2-4 came later: files from before hold 0 there,
-# which reads as before.
+# Unused slots are 0; a reader rejects any field out of its range. Slots 15
+# to 18, 24, 25 and float slots 2-4 and 8 came later: files from before hold
+# 0 there, which reads as before. ffn_hidden is always explicit, so the
+# Llama rule's two fields only record how it was chosen.
 MAGIC_LLAMA = 20261122
 VERSION_LLAMA = 1
 VERSION_LLAMA_BF16 = 2
 LLAMA_BYTES_PER_PARAM = {VERSION_LLAMA: 4, VERSION_LLAMA_BF16: 2}
 LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_heads": 5,
                    "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
-LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS)}
+LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS),
+                      "block": (18, BLOCKS)}
 LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
+LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 8}
+# later slots, and the value their 0 (a file from before them) stands for
+LLAMA_LATER_INT_SLOTS = {"ffn_multiple_of": (17, FFN_MULTIPLE)}
+LLAMA_LATER_FLOAT_SLOTS = {"ffn_dim_multiplier": 1.0}
 # RoPE scaling: its kind and trained context (int slots), its factors (float slots)
 LLAMA_ROPE_SCALING_SLOT, LLAMA_ROPE_ORIGINAL_MAX_SLOT = 24, 25
 LLAMA_ROPE_FLOAT_SLOTS = {"rope_factor": 2, "rope_low_freq_factor": 3,
                           "rope_high_freq_factor": 4}
-LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
 
 
@@ -173,6 +182,8 @@ def llama_headers(config, version=VERSION_LLAMA):
     for name, slot in LLAMA_FLAG_SLOTS.items():
         ints[slot] = int(getattr(config, name))
     ints[LLAMA_HEAD_DIM_SLOT] = config.head_dim
+    for name, (slot, _) in LLAMA_LATER_INT_SLOTS.items():
+        ints[slot] = getattr(config, name)
     ints[LLAMA_ROPE_SCALING_SLOT] = ROPE_SCALINGS.index(config.rope_scaling)
     ints[LLAMA_ROPE_ORIGINAL_MAX_SLOT] = config.rope_original_max
     floats = np.zeros(HEADER_INTS, dtype="<f4")
@@ -211,11 +222,15 @@ def read_llama_header(path):
     if fields["head_dim"] < 0:
         raise CheckpointError(f"{path}: header field head_dim is {fields['head_dim']}, must "
                               f"be >= 0 (0: channels / num_heads)")
+    for name, (slot, before) in LLAMA_LATER_INT_SLOTS.items():
+        fields[name] = int(ints[slot]) or before   # the config rejects < 0
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         floats = np.frombuffer(f.read(HEADER_BYTES), dtype="<f4")
     for name, slot in LLAMA_FLOAT_SLOTS.items():
         fields[name] = float(floats[slot])   # the config rejects <= 0, inf and NaN
+        if fields[name] == 0.0 and name in LLAMA_LATER_FLOAT_SLOTS:
+            fields[name] = LLAMA_LATER_FLOAT_SLOTS[name]
     code = int(ints[LLAMA_ROPE_SCALING_SLOT])
     if not 0 <= code < len(ROPE_SCALINGS):
         raise CheckpointError(f"{path}: header field rope_scaling is {code}, expected one of "

@@ -102,8 +102,8 @@ class TensorGroup:
 #   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
 #   qnormw, knormw [L, hs]        qk_norm's weights (Qwen3's q_norm, k_norm)
 #   attprojw [L, C, NH hs]        NH hs = C unless head_dim says otherwise
-#   fcw  [L, 2 FF, C] (swiglu)    rows: W1 (the gate) then W3 (the up projection)
-#        [L, FF, C]   (gelu)
+#   fcw  [L, 2 FF, C] (gated: swiglu, geglu, reglu)  rows: W1 (the gate) then W3 (up)
+#        [L, FF, C]   (gelu, gelu_erf, relu)
 #   lm_head [Vp, C]               only when the embeddings are untied
 
 def param_specs(c):
@@ -121,8 +121,8 @@ def param_specs(c):
         ("knormw", lambda c: (c.L, c.head_size), c.qk_norm),
         ("attprojw", lambda c: (c.L, c.C, c.attn_channels), True),
         ("attprojb", lambda c: (c.L, c.C), bias),
-        ("ln2w", lambda c: (c.L, c.C), True),
-        ("ln2b", lambda c: (c.L, c.C), layernorm),
+        ("ln2w", lambda c: (c.L, c.C), c.second_norm),
+        ("ln2b", lambda c: (c.L, c.C), layernorm and c.second_norm),
         ("fcw", lambda c: (c.L, c.fc_channels, c.C), True),
         ("fcb", lambda c: (c.L, c.fc_channels), bias),
         ("fcprojw", lambda c: (c.L, c.C, c.FF), True),
@@ -144,10 +144,17 @@ def act_specs(c, recompute=False, logits=True):
     reads. With ``recompute`` the norm outputs (ln1, ln2) and the MLP
     activation (fch_act) are held for one layer at a time, and backward
     recomputes them. ``logits=False`` leaves the (B, T, Vp) logits out (the
-    model holds them, or a block of their rows, apart)."""
+    model holds them, or a block of their rows, apart).
+
+    By the block (config.block): "pre" as above; "post": residual2 and
+    residual3 hold the sums that ln1 and ln2 normalise, and ln2 is the
+    layer's output, the next layer's input (so kept for every layer, also
+    with recompute); "parallel": residual2 = x + attention's output,
+    residual3 = residual2 + the MLP's, and no ln2 (the MLP reads ln1)."""
     layernorm, rope = c.norm == "layernorm", c.position == "rope"
-    qk_norm = c.qk_norm
+    qk_norm, ln2 = c.qk_norm, c.second_norm
     L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
+    L2 = (lambda c: c.L) if c.block == "post" else L       # ln2: post-norm's layer output
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
         ("ln1", lambda c, B, T: (L(c), B, T, c.C), True),
@@ -161,11 +168,11 @@ def act_specs(c, recompute=False, logits=True):
         ("att_stats", lambda c, B, T: (c.L, B, c.NH, T, 2), True),
         ("proj", lambda c, B, T: (B, T, c.C), True),          # attproj, then fcproj
         ("residual2", lambda c, B, T: (c.L, B, T, c.C), True),
-        ("ln2", lambda c, B, T: (L(c), B, T, c.C), True),
-        ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm),
-        ("ln2_rstd", lambda c, B, T: (c.L, B, T), True),
+        ("ln2", lambda c, B, T: (L2(c), B, T, c.C), ln2),
+        ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm and ln2),
+        ("ln2_rstd", lambda c, B, T: (c.L, B, T), ln2),
         ("fch", lambda c, B, T: (c.L, B, T, c.fc_channels), True),
-        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after GELU / SwiGLU
+        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after the activation
         ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
         ("lnf", lambda c, B, T: (B, T, c.C), True),
         ("lnf_mean", lambda c, B, T: (B, T), layernorm),

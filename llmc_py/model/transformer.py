@@ -6,11 +6,22 @@ train_gpt2.c; its choices come from the config (config.TransformerConfig):
                 x = x + fcproj(act(fc(norm2(x))))
     logits = head(normf(x))
 
-norm: layernorm | rmsnorm; position: a learned table, RoPE on q and k, or
-ALiBi biases in the attention; act: GELU | SwiGLU; attention: grouped-query
-(NKV key/value heads; NKV = NH is GPT-2's multi-head attention); biases on
-or off; the head tied to wte or its own lm_head. GPT-2 and Llama are presets
-(model.presets): their forward and backward are these.
+That is the pre-norm block; config.block may also place the norms after
+each residual add (post-norm, the original Transformer's: x = norm1(x +
+attn(x)), x = norm2(x + mlp(x))) or run the two sublayers side by side on
+one norm (the parallel block of GPT-J and Falcon-7B: x = x + attn(norm1(x))
++ mlp(norm1(x)); it has no norm2). Every block keeps the final norm normf:
+the original post-norm Transformer has none (its last norm2 is the last
+step), but keeping it leaves one layout and one head for every block, and
+a norm of a normed vector only re-weights its channels.
+
+norm: layernorm | rmsnorm; position: a learned table, fixed sinusoids added
+to the embedding, RoPE on q and k, or ALiBi biases in the attention; act:
+GELU (tanh or erf) | ReLU, or gated: SwiGLU | GeGLU | ReGLU (act(gate) * up);
+attention: grouped-query (NKV key/value heads; NKV = NH is GPT-2's
+multi-head attention); biases on or off; the head tied to wte or its own
+lm_head. GPT-2 and Llama are presets (model.presets): their forward and
+backward are these.
 
 Precision: "fp32" runs every kernel in float32. "bf16" is mixed precision as
 in llm.c's CUDA trainer: the parameters (the master copy), their gradients
@@ -115,6 +126,10 @@ class Transformer:
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
+        # the MLP activation's kernels are named after it (a gated one reads
+        # fch's [gate | up] halves)
+        self._mlp_forward = getattr(K, f"{config.mlp}_forward")
+        self._mlp_backward = getattr(K, f"{config.mlp}_backward")
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._user = threading.RLock()   # held by the thread inside an entry point
@@ -397,6 +412,8 @@ class Transformer:
                                     self.slopes, c.NH, c.NKV)
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
+        if c.position == "sinusoidal":
+            K.sinusoidal_forward(a.encoded, a.encoded, None)
         residual = a.encoded
         for l in range(c.L):
             residual = self.block_forward(a, l, residual, attend)
@@ -428,7 +445,7 @@ class Transformer:
         logits are in ``model.logits`` unless ``keep_logits`` is False (then
         targets are needed, and the classifier runs HEAD_ROWS rows at a time,
         in less memory: evaluation's way). A learned position table limits T
-        to max_seq_len; RoPE and ALiBi extrapolate past it."""
+        to max_seq_len; RoPE, ALiBi and sinusoidal positions extrapolate past it."""
         if not keep_logits and targets is None:
             raise ValueError("forward(..., keep_logits=False) needs targets: without "
                              "logits or a loss it would compute nothing")
@@ -533,36 +550,52 @@ class Transformer:
                            p.ln1w[l], self._bias(p, "ln1b", l))
         return ln1
 
-    def _norm2(self, a, l):
-        """Layer l's second norm, of a.residual2[l]: its ln2 slot."""
+    def _norm2(self, a, l, inp):
+        """Layer l's second norm of ``inp`` (a.residual2[l] pre-norm,
+        a.residual3[l] post-norm): its ln2 slot."""
         p = self.params
         ln2 = self._held_layer(a, "ln2", l)
-        self._norm_forward(ln2, self._stat(a, "ln2_mean", l), a.ln2_rstd[l], a.residual2[l],
+        self._norm_forward(ln2, self._stat(a, "ln2_mean", l), a.ln2_rstd[l], inp,
                            p.ln2w[l], self._bias(p, "ln2b", l))
         return ln2
 
     def _mlp_act(self, a, l):
-        """Layer l's MLP activation of a.fch[l] (GELU or SwiGLU): its fch_act slot."""
+        """Layer l's MLP activation of a.fch[l] (config.mlp's): its fch_act slot."""
         fch_act = self._held_layer(a, "fch_act", l)
-        if self.config.mlp == "swiglu":
-            K.swiglu_forward(fch_act, a.fch[l])
-        else:
-            K.gelu_forward(fch_act, a.fch[l])
+        self._mlp_forward(fch_act, a.fch[l])
         return fch_act
 
     def block_forward(self, a, l, residual, attend):
         """Layer l on the residual stream ``residual``; ``attend(l)`` turns
-        a.qkv[l] into a.atty[l]. Returns the layer's output, a.residual3[l]."""
-        p = self.params
+        a.qkv[l] into a.atty[l]. Returns the layer's output (layer_output).
+
+        By config.block, with attn and mlp the two sublayers:
+          pre       r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln2(r2));   out r3
+          post      r2 = x + attn(x);          r3 = ln1(r2) + mlp(ln1(r2)); out ln2(r3)
+          parallel  r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln1(x));    out r3"""
+        c, p = self.config, self.params
         w, matmul = self._weights, self._matmul_forward
-        matmul(a.qkv[l], self._norm1(a, l, residual), w.qkvw[l], self._bias(p, "qkvb", l))
+        post = c.block == "post"
+        attn_in = residual if post else self._norm1(a, l, residual)
+        matmul(a.qkv[l], attn_in, w.qkvw[l], self._bias(p, "qkvb", l))
         attend(l)
         matmul(a.proj, a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
         K.residual_forward(a.residual2[l], residual, a.proj)
-        matmul(a.fch[l], self._norm2(a, l), w.fcw[l], self._bias(p, "fcb", l))
+        if c.block == "pre":
+            mlp_in = self._norm2(a, l, a.residual2[l])
+        elif post:
+            mlp_in = self._norm1(a, l, a.residual2[l])
+        else:   # parallel: the MLP reads the attention's norm
+            mlp_in = attn_in
+        matmul(a.fch[l], mlp_in, w.fcw[l], self._bias(p, "fcb", l))
         matmul(a.proj, self._mlp_act(a, l), w.fcprojw[l], self._bias(p, "fcprojb", l))
-        K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
-        return a.residual3[l]
+        K.residual_forward(a.residual3[l], mlp_in if post else a.residual2[l], a.proj)
+        return self._norm2(a, l, a.residual3[l]) if post else a.residual3[l]
+
+    def layer_output(self, a, l):
+        """Layer l's output, the next layer's input: a.ln2[l] post-norm,
+        a.residual3[l] otherwise."""
+        return a.ln2[l] if self.config.block == "post" else a.residual3[l]
 
     def head_forward(self, a, residual, logits=None):
         """The final norm and the output head: ``logits`` (B, T, Vp), by
@@ -642,52 +675,91 @@ class Transformer:
         and the embedding. d.residual carries the residual stream's gradient
         from layer to layer; the others hold one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
-        w, matmul_backward = self._weights, self._matmul_backward
         rope, qk_norm = c.position == "rope", c.qk_norm
         dfch_act = self._grads_as(d.wide, c.FF)
         dfch = self._grads_as(d.fch, c.fc_channels)
         # qkv's gradient, and on the way back to it, qkvr's and (with both
         # qk_norm and RoPE) that of the normed q, k between them
-        dqkvr = self._grads_as(d.fch, c.qkv_channels)
+        dqkvr = self._grads_as(d.fch, c.qkv_channels) if rope or qk_norm else None
         dqkvn = self._grads_as(d.wide, c.qkv_channels)
         dqkv = dqkvr if rope and qk_norm else dqkvn
         dln, datty = self._grads_as(d.narrow, c.C), self._grads_as(d.narrow, c.attn_channels)
         d.residual[...] = 0.0
         self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), dln,
-                            a.residual3[c.L - 1], p.lnfw, self._stat(a, "lnf_mean"), a.lnf_rstd)
+                            self.layer_output(a, c.L - 1), p.lnfw, self._stat(a, "lnf_mean"),
+                            a.lnf_rstd)
+        qkv_grads = (dqkv, dqkvn, dqkvr, datty)
         for l in reversed(range(c.L)):
-            residual = a.encoded if l == 0 else a.residual3[l - 1]
-            if self._recompute:
-                ln1, ln2, fch_act = self._norm1(a, l, residual), self._norm2(a, l), \
-                    self._mlp_act(a, l)
-            else:
-                ln1, ln2, fch_act = a.ln1[l], a.ln2[l], a.fch_act[l]
-            # d.residual is d(residual3[l]), which is also d(fcproj's output)
-            dfch_act[...] = 0.0
-            matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l),
-                            d.residual, fch_act, w.fcprojw[l])
-            dfch[...] = 0.0
-            if c.mlp == "swiglu":
-                K.swiglu_backward(dfch, dfch_act, a.fch[l])
-            else:
-                K.gelu_backward(dfch, dfch_act, a.fch[l])
-            dln[...] = 0.0
-            matmul_backward(dln, g.fcw[l], self._bias(g, "fcb", l), dfch, ln2, w.fcw[l])
-            self._norm_backward(d.residual, g.ln2w[l], self._bias(g, "ln2b", l), dln,
-                                a.residual2[l], p.ln2w[l], self._stat(a, "ln2_mean", l),
-                                a.ln2_rstd[l])
-            # now d(residual2[l]), which is also d(attproj's output)
-            datty[...] = 0.0
-            matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l),
-                            d.residual, a.atty[l], w.attprojw[l])
-            self._attention_backward(l, dqkv, dqkvn, dqkvr, datty)
-            dln[...] = 0.0
-            matmul_backward(dln, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, ln1, w.qkvw[l])
-            self._norm_backward(d.residual, g.ln1w[l], self._bias(g, "ln1b", l), dln,
-                                residual, p.ln1w[l], self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
-            # now d(residual3[l - 1]), or d(encoded)
+            # d.residual is d(layer l's output)
+            residual = a.encoded if l == 0 else self.layer_output(a, l - 1)
+            if c.block == "pre":
+                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
+                ln2 = self._norm2(a, l, a.residual2[l]) if self._recompute else a.ln2[l]
+                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
+                dln[...] = 0.0
+                self._mlp_branch_backward(l, dln, d.residual, ln2, fch_act, dfch_act, dfch)
+                self._norm2_backward(d.residual, dln, a.residual2[l], l)
+                # now d(residual2[l])
+                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, zero=True)
+                self._norm1_backward(d.residual, dln, residual, l)
+            elif c.block == "parallel":
+                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
+                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
+                # d(residual3[l]) = d(residual2[l]): both branches' output's
+                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, zero=True)
+                self._mlp_branch_backward(l, dln, d.residual, ln1, fch_act, dfch_act, dfch)
+                self._norm1_backward(d.residual, dln, residual, l)
+            else:   # post: dln holds d(residual3[l]), then d(ln1[l])
+                ln1 = self._norm1(a, l, a.residual2[l]) if self._recompute else a.ln1[l]
+                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
+                dln[...] = 0.0
+                self._norm2_backward(dln, d.residual, a.residual3[l], l)
+                self._mlp_branch_backward(l, dln, dln, ln1, fch_act, dfch_act, dfch)
+                d.residual[...] = 0.0
+                self._norm1_backward(d.residual, dln, a.residual2[l], l)
+                # now d(residual2[l])
+                self._attention_branch_backward(l, d.residual, d.residual, residual, qkv_grads)
+            # now d(layer l - 1's output), or d(encoded)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
+
+    def _norm1_backward(self, dinp, dout, inp, l):
+        a, p, g = self.acts, self.params, self.grads
+        self._norm_backward(dinp, g.ln1w[l], self._bias(g, "ln1b", l), dout, inp, p.ln1w[l],
+                            self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
+
+    def _norm2_backward(self, dinp, dout, inp, l):
+        a, p, g = self.acts, self.params, self.grads
+        self._norm_backward(dinp, g.ln2w[l], self._bias(g, "ln2b", l), dout, inp, p.ln2w[l],
+                            self._stat(a, "ln2_mean", l), a.ln2_rstd[l])
+
+    def _mlp_branch_backward(self, l, dinp, dout, mlp_in, fch_act, dfch_act, dfch):
+        """Layer l's MLP back from ``dout`` = d(its output): its weights'
+        gradients, and d(mlp_in) added into ``dinp`` (which may be ``dout``'s
+        buffer: dout is read first, dinp written last)."""
+        a, g, w = self.acts, self.grads, self._weights
+        dfch_act[...] = 0.0
+        self._matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l), dout,
+                              fch_act, w.fcprojw[l])
+        dfch[...] = 0.0
+        self._mlp_backward(dfch, dfch_act, a.fch[l])
+        self._matmul_backward(dinp, g.fcw[l], self._bias(g, "fcb", l), dfch, mlp_in, w.fcw[l])
+
+    def _attention_branch_backward(self, l, dinp, dout, attn_in, qkv_grads, zero=False):
+        """Layer l's attention back from ``dout`` = d(its projection's output):
+        its weights' gradients, and d(attn_in) added into ``dinp`` (zeroed
+        first with ``zero``, once datty, which shares its buffer, is spent;
+        dinp may be dout's buffer: dout is read first, dinp written last)."""
+        a, g, w = self.acts, self.grads, self._weights
+        dqkv, dqkvn, dqkvr, datty = qkv_grads
+        datty[...] = 0.0
+        self._matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l), dout,
+                              a.atty[l], w.attprojw[l])
+        self._attention_backward(l, dqkv, dqkvn, dqkvr, datty)
+        if zero:
+            dinp[...] = 0.0
+        self._matmul_backward(dinp, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, attn_in,
+                              w.qkvw[l])
 
     def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty):
         """dqkv (zeroed here) = d(layer l's qkv) from datty, back through

@@ -10,7 +10,7 @@ def hidden_states(model, tokens=None, targets=None):
     """The residual stream (L + 1, B, T, C) float32 views: the embedding's
     output, then each block's."""
     a = last_forward_acts(model, tokens, targets)
-    return [a.encoded] + [a.residual3[l] for l in range(model.config.L)]
+    return [a.encoded] + [model.layer_output(a, l) for l in range(model.config.L)]
 
 
 def sequence_measures(H):

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..config import MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig, padded_vocab
+from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig,
+                      padded_vocab)
 from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
@@ -146,13 +147,24 @@ def build_parser():
       help="gpt2: llm.c's GPT-2; llama: the decoder with the choices below")
     b("--norm", choices=NORMS, default="rmsnorm", help="llama: the norm")
     b("--position", choices=POSITIONS, default="rope",
-      help="llama: rotary (rope), ALiBi biases (alibi) or a learned table")
-    b("--mlp", choices=MLPS, default="swiglu", help="llama: the MLP")
+      help="llama: rotary (rope), ALiBi biases (alibi), a learned table or fixed "
+           "sinusoids added to the embedding (sinusoidal)")
+    b("--block", choices=BLOCKS, default="pre",
+      help="llama: the norms' places: pre (x + f(norm(x))), post (norm(x + f(x)), the "
+           "original Transformer's) or parallel (x + attn(n) + mlp(n), n = norm(x): GPT-J)")
+    b("--mlp", choices=MLPS, default="swiglu",
+      help="llama: the MLP; gated (act(x W1) * x W3): swiglu, geglu, reglu; plain: gelu "
+           "(tanh form), gelu_erf (exact), relu")
     b("--kv-heads", type=int, default=0,
       help="llama: key/value heads, dividing the query heads (1: multi-query; 0: as many "
            "as query heads)")
     b("--ffn-hidden", type=int, default=0,
-      help="llama: MLP hidden size (0: 2/3 of 4C rounded up to 32 for swiglu, 4C for gelu)")
+      help="llama: MLP hidden size (0: Llama's rule for a gated MLP, 2/3 of 4C times "
+           "--ffn-dim-multiplier rounded up to --ffn-multiple-of; 4C for the others)")
+    b("--ffn-multiple-of", type=int, default=FFN_MULTIPLE,
+      help="llama: Llama's multiple_of, the hidden-size rule's rounding")
+    b("--ffn-dim-multiplier", type=float, default=1.0,
+      help="llama: Llama's ffn_dim_multiplier, the hidden-size rule's factor")
     b("--bias", type=int, choices=(0, 1), default=0, help="llama: biases on the linear layers")
     b("--untied", type=int, choices=(0, 1), default=0,
       help="llama: 1 gives the output head its own matrix instead of sharing wte")
@@ -181,7 +193,10 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
         return GPT2Config(**sizes)
     try:
         return LlamaConfig(**sizes, num_kv_heads=args.kv_heads or NH, norm=args.norm,
-                           position=args.position, mlp=args.mlp, ffn_hidden=args.ffn_hidden,
+                           position=args.position, mlp=args.mlp, block=args.block,
+                           ffn_hidden=args.ffn_hidden,
+                           ffn_multiple_of=args.ffn_multiple_of,
+                           ffn_dim_multiplier=args.ffn_dim_multiplier,
                            bias=bool(args.bias), tied_embeddings=not args.untied,
                            rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
                            head_dim=args.head_dim)
@@ -195,6 +210,7 @@ def describe(config):
     text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
     if isinstance(c, LlamaConfig):
         text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
+                 + ("" if c.block == "pre" else f", {c.block} block")
                  + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
                  + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else ""))
     return text
@@ -222,6 +238,7 @@ FLAG_RANGES = {
     "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
+    "ffn_multiple_of": POSITIVE, "ffn_dim_multiplier": POSITIVE,
     "head_dim": NON_NEGATIVE, "init_std": POSITIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
