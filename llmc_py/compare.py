@@ -24,7 +24,7 @@ from pathlib import Path
 
 # flags every variant shares unless a suite says otherwise: a d4-sized model
 # on the default Shakespeare set, evaluated at the end
-COMMON = ["-e", "d4", "-b", "8", "-t", "128", "-x", "300", "-v", "100", "-m", "10",
+COMMON = ["-e", "d4", "-b", "8", "-t", "128", "-x", "200", "-v", "50", "-m", "10",
           "-s", "0", "-n", "0"]
 LLAMA = ["--arch", "llama"]
 SUITES = {
@@ -33,6 +33,17 @@ SUITES = {
                  "Llama style (RoPE, RMSNorm, SwiGLU, GQA)",
         "variants": {"gpt2": [],
                      "llama": LLAMA + ["--kv-heads", "2"]}},
+    "mlp": {
+        "about": "MLPs at about equal parameter count: ReLU and GELU of 4C, SwiGLU and GeGLU "
+                 "of 2/3 of that (three matrices)",
+        "variants": {name: LLAMA + ["--kv-heads", "4", "--mlp", name]
+                     for name in ("relu", "gelu", "swiglu", "geglu")}},
+    "norm-placement": {
+        "about": "pre-norm, post-norm and the parallel block at a high learning rate (6e-3) "
+                 "without warmup; attention entropy in each run's metrics.jsonl",
+        "variants": {name: LLAMA + ["--block", name, "-l", "6e-3", "-u", "0",
+                                    "--monitor-every", "25"]
+                     for name in ("pre", "post", "parallel")}},
     "heads": {
         "about": "multi-head, grouped-query (2 groups of 2) and multi-query attention",
         "variants": {"mha": LLAMA + ["--kv-heads", "4"],
@@ -42,6 +53,7 @@ SUITES = {
         "about": "positions trained at T = 128, evaluated at 1x, 2x and 4x that length",
         "lengths": (1, 2, 4),
         "variants": {"learned": LLAMA + ["--position", "learned"],
+                     "sinusoidal": LLAMA + ["--position", "sinusoidal"],
                      "rope": LLAMA + ["--position", "rope"],
                      "rope + linear scaling": {"flags": LLAMA + ["--position", "rope"],
                                                "scale_rope": "linear"},
@@ -49,7 +61,7 @@ SUITES = {
                                             "scale_rope": "ntk"},
                      "alibi": LLAMA + ["--position", "alibi"]}},
 }
-DEFAULT_SUITES = ("gpt2-vs-llama", "heads")
+DEFAULT_SUITES = tuple(SUITES)
 _STEP = re.compile(r"took ([0-9.]+) ms")
 _PARAMS = re.compile(r"([0-9.]+)M parameters")
 
