@@ -729,6 +729,7 @@ def run_ranks(args, argv, world):
     except BaseException as e:   # noqa: B036 (anything, even a bug, must end the job)
         print(f"error: rank {world.rank} of {world.size}: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
+        time.sleep(1.0)   # the launcher forwards the line before the abort tears it down
         world.abort(1)
         return 1
     if code != 0 and code < 128:
