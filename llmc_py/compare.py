@@ -46,6 +46,7 @@ SUITES = {
                      for name in ("pre", "post", "parallel")}},
     "heads": {
         "about": "multi-head, grouped-query (2 groups of 2) and multi-query attention",
+        "decode": True,
         "variants": {"mha": LLAMA + ["--kv-heads", "4"],
                      "gqa": LLAMA + ["--kv-heads", "2"],
                      "mqa": LLAMA + ["--kv-heads", "1"]}},
@@ -66,13 +67,16 @@ _STEP = re.compile(r"took ([0-9.]+) ms")
 _PARAMS = re.compile(r"([0-9.]+)M parameters")
 
 
-def run_variant(folder, flags, lengths=(), scale_rope=None, timeout=None):
+def run_variant(folder, flags, lengths=(), scale_rope=None, decode=False, timeout=None):
     """Trains one variant into ``folder`` (and evaluates it at ``lengths``,
-    multiples of its T); returns its result row (a dict)."""
+    multiples of its T, and times its decoding if ``decode``); returns its
+    result row (a dict)."""
     folder.mkdir(parents=True, exist_ok=True)
     evaluation = ["--lengths", *map(str, lengths)] if lengths else []
     if scale_rope:
         evaluation += ["--scale-rope", scale_rope]
+    if decode:
+        evaluation += ["--decode"]
     command = [sys.executable, "-m", "llmc_py.compare", "--child", str(folder), *evaluation,
                "--", *flags, "-o", str(folder / "run"), "--overwrite"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -93,6 +97,7 @@ def run_variant(folder, flags, lengths=(), scale_rope=None, timeout=None):
            "parameters (M)": float(_PARAMS.search(done.stdout).group(1))}
     for multiple, loss in child_results.get("lengths", {}).items():
         row[f"loss @ {multiple}x T"] = loss
+    row.update(child_results.get("decode", {}))
     return row
 
 
@@ -114,6 +119,7 @@ def curves(folder):
 def table(rows):
     """A markdown table of {variant: row}."""
     columns = ["val loss", "perplexity", "ms/step", "tokens/s", "peak MiB", "parameters (M)"]
+    columns += [c for c in DECODE_COLUMNS if any(c in row for row in rows.values())]
     columns += sorted({c for row in rows.values() for c in row if c.startswith("loss @")},
                       key=lambda c: int(c.split()[2][:-1]))
     lines = ["| variant | " + " | ".join(columns) + " |",
@@ -132,7 +138,9 @@ def _cell(column, value):
         return "n/a"
     if column in ("val loss", "perplexity") or column.startswith("loss @"):
         return f"{value:.4f}"
-    return f"{value:.1f}" if column == "parameters (M)" else f"{value:.0f}"
+    if column in ("parameters (M)", "KV cache MiB"):
+        return f"{value:.1f}"
+    return f"{value:.0f}"
 
 
 def draw(path, title, folders):
@@ -162,10 +170,10 @@ def draw(path, title, folders):
     return True
 
 
-def child(folder, flags, lengths=(), scale_rope=None):
+def child(folder, flags, lengths=(), scale_rope=None, decode=False):
     """--child: one variant's training in this process, its peak RSS (before
-    any evaluation), and the final model's validation loss at ``lengths``
-    (multiples of T)."""
+    any evaluation), the final model's validation loss at ``lengths``
+    (multiples of T) and, with ``decode``, its decoding speed."""
     from .train.cli import build_parser, main as train
     code = train(flags)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
@@ -175,8 +183,38 @@ def child(folder, flags, lengths=(), scale_rope=None):
     if code == 0 and lengths:
         args = build_parser().parse_args(flags)
         results["lengths"] = evaluate_lengths(args, lengths, scale_rope)
+    if code == 0 and decode:
+        results["decode"] = time_decoding(build_parser().parse_args(flags))
     (Path(folder) / "peak.json").write_text(json.dumps(results))
     return code
+
+
+DECODE_BATCH, DECODE_PROMPT, DECODE_TOKENS = 8, 16, 240
+DECODE_COLUMNS = ("KV cache MiB", "decode tokens/s")
+
+
+def time_decoding(args):
+    """The final model's KV cache size and decoding speed: DECODE_BATCH rows
+    of a DECODE_PROMPT-token prompt, then DECODE_TOKENS steps (median step
+    time; tokens/s counts every row's token)."""
+    import time
+    import numpy as np
+    from .generate import Decoder
+    from .model import load_model
+    from .train.run_folder import RunFolder
+    folder = RunFolder(args.output_dir)
+    model = load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
+    decoder = Decoder(model, DECODE_BATCH, DECODE_PROMPT + DECODE_TOKENS)
+    rng = np.random.default_rng(0)
+    decoder.prefill(rng.integers(0, model.config.vocab_size, (DECODE_BATCH, DECODE_PROMPT)))
+    times = []
+    for _ in range(DECODE_TOKENS):
+        tokens = rng.integers(0, model.config.vocab_size, DECODE_BATCH)
+        start = time.perf_counter()
+        decoder.step(tokens)
+        times.append(time.perf_counter() - start)
+    return {"KV cache MiB": decoder.cache.nbytes / 2**20,
+            "decode tokens/s": DECODE_BATCH / statistics.median(times)}
 
 
 def evaluate_lengths(args, multiples, scale_rope=None):
@@ -220,9 +258,10 @@ def main(argv=None):
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--lengths", type=int, nargs="*", default=(), help=argparse.SUPPRESS)
     p.add_argument("--scale-rope", help=argparse.SUPPRESS)
+    p.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        return child(args.child, extra, args.lengths, args.scale_rope)
+        return child(args.child, extra, args.lengths, args.scale_rope, args.decode)
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
         print(f"error: unknown suite(s) {unknown}; known: {', '.join(SUITES)}", file=sys.stderr)
@@ -238,7 +277,8 @@ def main(argv=None):
             if isinstance(variant, list):
                 variant = {"flags": variant}
             rows[name] = run_variant(folders[name], COMMON + variant["flags"] + extra,
-                                     spec.get("lengths", ()), variant.get("scale_rope"))
+                                     spec.get("lengths", ()), variant.get("scale_rope"),
+                                     spec.get("decode", False))
             failed += "error" in rows[name]
         text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
         (out / f"{suite}.md").write_text(text)

@@ -30,8 +30,12 @@ def test_compare_runs_a_suite_end_to_end(tmp_path, monkeypatch):
         cells = [float(c) for c in row.split("|")[2:-1]]
         assert all(math.isfinite(c) and c > 0 for c in cells), row
         assert abs(cells[1] - math.exp(cells[0])) < 1e-3 * cells[1]   # perplexity
-    params = [float(r.split("|")[-2]) for r in rows]
+    header = [c.strip() for c in text.splitlines()[2].split("|")[1:-1]]
+    column = {name: [float(r.split("|")[1:-1][header.index(name)]) for r in rows]
+              for name in ("parameters (M)", "KV cache MiB", "decode tokens/s")}
+    params, cache = column["parameters (M)"], column["KV cache MiB"]
     assert params[0] > params[1] > params[2]   # fewer kv heads, fewer parameters
+    assert cache[0] == 2 * cache[1] == 4 * cache[2]   # 4, 2 and 1 kv heads
     assert (tmp_path / "out" / "heads.png").stat().st_size > 0
 
 
