@@ -65,6 +65,16 @@
  * panel of v (T hs each) and the blocks of P and dS (min(T, BACKWARD_ROWS)
  * x T each), one malloc per call.
  *
+ * A sliding window of W keys (window > 0) bounds every key loop below: row
+ * t's keys are lo(t) = max(0, t - W + 1) .. t. A tile's scores start at the
+ * panel block of its first row's lo; each row's softmax (and probs_row,
+ * dscore_row, entropy_row) runs over its own window; the sums over keys
+ * that a tile's rows share start at the first row's lo, and the later rows'
+ * entries before their own lo are set to 0 first (an added 0 * x changes no
+ * bit). So time is O(T W), and a row sums the same terms in the same order
+ * as attention_decode over a rolling cache of its window. The backward's
+ * dk, dv loops start at the block's first key, 16-aligned.
+ *
  * attention_gqa_probs rebuilds the whole of P [B, NH, T, T] the same way
  * (for tests, the benchmark and viewers): parallel over (b, h), scores by
  * score_tile straight into att, then probs_row; the masked future is 0.
@@ -116,6 +126,22 @@
 #define DECODE_HEADS 4  /* query heads of a kv head the decode scores at once */
 
 #define ALWAYS_INLINE LLMC_ALWAYS_INLINE
+
+/* The first key of query row t: t - window + 1 in a sliding window of
+   window keys (window > 0), else 0. */
+static inline int first_key(int t, int window) {
+    return window > 0 && t >= window ? t - window + 1 : 0;
+}
+
+/* The first key of the panel block (16 keys) that holds row t's first key. */
+static inline int first_block_key(int t, int window) { return first_key(t, window) / 16 * 16; }
+
+/* Zeroes x[k0 .. k1): the probabilities (and their gradients) of keys
+   outside a row's window that a tile's shared loops still read. */
+static inline void zero_keys(float* x, int k0, int k1) {
+    for (int t2 = k0; t2 < k1; t2++) { x[t2] = 0.0f; }
+}
+
 /* Fully unrolls a loop over a tile's rows or vectors, so that the tile's
    accumulators can live in registers. */
 #define UNROLL _Pragma("GCC unroll 16")
@@ -198,16 +224,18 @@ static ALWAYS_INLINE vec16f score_init(int n, int t2, float slope) {
 }
 
 /*
- * score_tile: R query rows (R <= SCORE_ROWS) against the keys of a panel.
- * Row r has n0 + r keys; for t2 < n0 + r,
+ * score_tile: R query rows (R <= SCORE_ROWS) against the keys of a panel,
+ * from key k_first on (a multiple of 16: a panel block). Row r has n0 + r
+ * keys; for k_first <= t2 < n0 + r,
  *   s[r][t2] = score_init(n0 + r, t2) + sum_i a[r][i] * panel(i, t2)
  * one FMA per i, i ascending. a's rows lie lda floats apart, s's lds apart.
  * Keys past a row's last are computed in their lanes but never stored.
  */
 static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_t lda,
-                                     const float* panel, int hs, int R, int n0, float slope) {
+                                     const float* panel, int hs, int R, int n0, float slope,
+                                     int k_first) {
     const int nmax = n0 + R - 1;
-    for (int k0 = 0; k0 < nmax; k0 += 32) {
+    for (int k0 = k_first; k0 < nmax; k0 += 32) {
         const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
         const float* p1 = p0 + (size_t)16 * hs;       // keys k0+16 .. k0+31
         vec16f acc[SCORE_ROWS][2];
@@ -245,17 +273,18 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
 
 /* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
    apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,
-   each a query row with n keys (stride floats apart), as score_tile computes
-   them against a panel of k times scale. The 16 x 16 key blocks are
-   transposed on the fly, once for all R heads. Writes row r at s + r lds. */
+   against n keys (stride floats apart) of which the first lies dist0
+   positions before the query, as score_tile computes them against a panel
+   of k times scale. The 16 x 16 key blocks are transposed on the fly, once
+   for all R heads. Writes row r at s + r lds. */
 static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, size_t ldq,
                                         const float* slopes, const float* k, size_t stride,
-                                        int n, int hs, float scale, int R) {
+                                        int n, int dist0, int hs, float scale, int R) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         vec16f acc[DECODE_HEADS];
         UNROLL for (int r = 0; r < R; r++) {
-            acc[r] = score_init(n, k0, slopes != NULL ? slopes[r] : 0.0f);
+            acc[r] = score_init(dist0 + 1, k0, slopes != NULL ? slopes[r] : 0.0f);
         }
         for (int i0 = 0; i0 < hs; i0 += 16) {
             const int ci = hs - i0 < 16 ? hs - i0 : 16;
@@ -497,21 +526,30 @@ static float* alloc_scratch(size_t per_thread) {
 }
 
 /* One tile of R query rows t0 .. t0+R-1 of the forward of a (b, h): their
-   scores in s [R, T], their softmax (and its statistics into stats_bh
-   [T, 2]), then their rows of out. */
+   scores in s [R, T], the softmax of each row's window (and its statistics
+   into stats_bh [T, 2]), then their rows of out. A group of rows sums
+   P v from its first row's first key: the later rows' keys before their
+   own first key are set to 0, so they add exactly nothing, and each row
+   sums the same terms in the same order as the decode of its position. */
 static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* stats_bh,
                                        float* s, const float* q, const float* panel,
                                        const float* v, size_t row, int T, int hs, float slope,
-                                       int t0, int R) {
-    score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope);
+                                       int window, int t0, int R) {
+    score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
+               first_block_key(t0, window));
     for (int r = 0; r < R; r++) {
-        LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T, t0 + r + 1,
+        const int lo = first_key(t0 + r, window);
+        LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T + lo, t0 + r + 1 - lo,
                                           stats_bh + 2 * (size_t)(t0 + r));
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_pv) {
-        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, s + (size_t)r * T, (size_t)T, v, row,
-                  R_pv, t0 + r + 1, hs);
+        const int lo = first_key(t0 + r, window);
+        for (int d = 1; d < R_pv; d++) {
+            zero_keys(s + (size_t)(r + d) * T, lo, first_key(t0 + r + d, window));
+        }
+        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, s + (size_t)r * T + lo, (size_t)T,
+                  v + (size_t)lo * row, row, R_pv, t0 + r + 1 - lo, hs);
     }
 }
 
@@ -521,33 +559,34 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
 static ALWAYS_INLINE void forward_head_body(int isa, float* out_bh, float* stats_bh,
                                             const float* q, const float* k, const float* v,
                                             float* panel, float* s, size_t row, size_t C, int T,
-                                            int hs, float slope, float scale) {
+                                            int hs, float slope, float scale, int window) {
     LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, t0,
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, t0,
                      SCORE_ROWS);
     }
     for (; t0 < T; t0++) {
-        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, t0, 1);
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, t0,
+                     1);
     }
 }
 LLMC_ISA_VARIANTS_ISA(forward_head, (float* out_bh, float* stats_bh, const float* q,
                                      const float* k, const float* v, float* panel, float* s,
                                      size_t row, size_t C, int T, int hs, float slope,
-                                     float scale),
-                      out_bh, stats_bh, q, k, v, panel, s, row, C, T, hs, slope, scale)
+                                     float scale, int window),
+                      out_bh, stats_bh, q, k, v, panel, s, row, C, T, hs, slope, scale, window)
 
 /* The forward core; sizes already checked. slopes may be NULL. */
 static int gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                       int B, int T, int NH, int NKV, int hs) {
+                       int B, int T, int NH, int NKV, int hs, int window) {
     const size_t C = (size_t)NH * hs;                          // q heads, and out's row
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;    // packed q, k, v row
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const head)(float*, float*, const float*, const float*, const float*, float*, float*,
-                       size_t, size_t, int, int, float, float) =
+                       size_t, size_t, int, int, float, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), forward_head);
     // per thread: a key panel, then the scores of one tile of rows
     const size_t panel_len = panel_count(T, hs);
@@ -563,7 +602,8 @@ static int gqa_forward(float* out, float* stats, const float* inp, const float* 
             const size_t kv = (size_t)(h / kv_mul) * hs;
             head(out + (size_t)b * T * C + (size_t)h * hs, stats + ((size_t)b * NH + h) * T * 2,
                  inp_b + (size_t)h * hs, inp_b + C + kv, inp_b + v_start + kv, panel,
-                 panel + panel_len, row, C, T, hs, slopes != NULL ? slopes[h] : 0.0f, scale);
+                 panel + panel_len, row, C, T, hs, slopes != NULL ? slopes[h] : 0.0f, scale,
+                 window);
         }
     }
     free(scratch);
@@ -572,32 +612,40 @@ static int gqa_forward(float* out, float* stats, const float* inp, const float* 
 
 /* The probabilities att_bh [T, T] of one (b, h) from its statistics
    stats_bh [T, 2]: the scores as the forward computes them, written straight
-   into att's rows, then probs_row; the masked future is set to exactly 0. */
+   into att's rows, then probs_row over each row's window; the keys outside
+   it (the masked future, and the past before a sliding window) are set to
+   exactly 0. */
 static ALWAYS_INLINE void probs_head_body(int isa, float* att_bh, const float* stats_bh,
                                           const float* q, const float* k, float* panel,
-                                          size_t row, int T, int hs, float slope, float scale) {
+                                          size_t row, int T, int hs, float slope, float scale,
+                                          int window) {
     LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
     for (int t0 = 0; t0 < T;) {
         const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
         float* att_t = att_bh + (size_t)t0 * T;
+        const int k_first = first_block_key(t0, window);
         if (R == SCORE_ROWS) {
             score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS,
-                       t0 + 1, slope);
+                       t0 + 1, slope, k_first);
         } else {
-            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope);
+            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope,
+                       k_first);
         }
         for (int r = 0; r < R; r++) {
             float* att_row = att_t + (size_t)r * T;
-            LLMC_ISA_SELECT(isa, probs_row)(att_row, t0 + r + 1, stats_bh + 2 * (size_t)(t0 + r));
-            for (int t2 = t0 + r + 1; t2 < T; t2++) { att_row[t2] = 0.0f; }   // masked: exactly 0
+            const int lo = first_key(t0 + r, window);
+            LLMC_ISA_SELECT(isa, probs_row)(att_row + lo, t0 + r + 1 - lo,
+                                            stats_bh + 2 * (size_t)(t0 + r));
+            zero_keys(att_row, 0, lo);
+            zero_keys(att_row, t0 + r + 1, T);
         }
         t0 += R;
     }
 }
 LLMC_ISA_VARIANTS_ISA(probs_head, (float* att_bh, const float* stats_bh, const float* q,
                                    const float* k, float* panel, size_t row, int T, int hs,
-                                   float slope, float scale),
-                      att_bh, stats_bh, q, k, panel, row, T, hs, slope, scale)
+                                   float slope, float scale, int window),
+                      att_bh, stats_bh, q, k, panel, row, T, hs, slope, scale, window)
 
 /* The row entropies entropy_bh [T] of one (b, h) from its statistics
    stats_bh [T, 2]: the scores as the forward computes them, a tile of rows
@@ -605,27 +653,30 @@ LLMC_ISA_VARIANTS_ISA(probs_head, (float* att_bh, const float* stats_bh, const f
 static ALWAYS_INLINE void entropy_head_body(int isa, float* entropy_bh, const float* stats_bh,
                                             const float* q, const float* k, float* panel,
                                             float* s, size_t row, int T, int hs, float slope,
-                                            float scale) {
+                                            float scale, int window) {
     LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
     for (int t0 = 0; t0 < T;) {
         const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
+        const int k_first = first_block_key(t0, window);
         if (R == SCORE_ROWS) {
             score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS, t0 + 1,
-                       slope);
+                       slope, k_first);
         } else {
-            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope);
+            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope,
+                       k_first);
         }
         for (int r = 0; r < R; r++) {
-            LLMC_ISA_SELECT(isa, entropy_row)(entropy_bh + t0 + r, s + (size_t)r * T, t0 + r + 1,
-                                              stats_bh + 2 * (size_t)(t0 + r));
+            const int lo = first_key(t0 + r, window);
+            LLMC_ISA_SELECT(isa, entropy_row)(entropy_bh + t0 + r, s + (size_t)r * T + lo,
+                                              t0 + r + 1 - lo, stats_bh + 2 * (size_t)(t0 + r));
         }
         t0 += R;
     }
 }
 LLMC_ISA_VARIANTS_ISA(entropy_head, (float* entropy_bh, const float* stats_bh, const float* q,
                                      const float* k, float* panel, float* s, size_t row, int T,
-                                     int hs, float slope, float scale),
-                      entropy_bh, stats_bh, q, k, panel, s, row, T, hs, slope, scale)
+                                     int hs, float slope, float scale, int window),
+                      entropy_bh, stats_bh, q, k, panel, s, row, T, hs, slope, scale, window)
 
 /* Query rows per block of the backward, whose P and dS it recomputes at
    once: a multiple of SCORE_ROWS and of TILE_KEYS (so that no key tile
@@ -638,25 +689,36 @@ static int backward_block_rows(int T) { return T < BACKWARD_ROWS ? T : BACKWARD_
 /* One tile of R query rows t .. t+R-1 of head h's backward, in the block of
    rows that starts at t0 (p and ds are [BACKWARD_ROWS, T], row t at
    (t - t0) T): P recomputed from the scores and the forward's statistics
-   stats_bh [T, 2], dP, dS, then dq. */
+   stats_bh [T, 2], dP, dS over each row's window, then dq. The block's
+   sums read keys from k_block (the first block key of its first row) on:
+   a row's P and dS before its own first key are set to 0. */
 static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
                                         const float* stats_bh, const float* q,
                                         const float* dout_h, size_t C, const float* kpanel,
                                         const float* vpanel, const float* k, size_t row, int T,
-                                        int hs, float slope, float scale, int t0, int t, int R) {
+                                        int hs, float slope, float scale, int window,
+                                        int k_block, int t0, int t, int R) {
     float* p_t = p + (size_t)(t - t0) * T;
     float* ds_t = ds + (size_t)(t - t0) * T;
-    score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope);
-    score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f);
+    const int k_first = first_block_key(t, window);
+    score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope, k_first);
+    score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
+               k_first);
     for (int r = 0; r < R; r++) {
         float* p_row = p_t + (size_t)r * T;
-        LLMC_ISA_SELECT(isa, probs_row)(p_row, t + r + 1, stats_bh + 2 * (size_t)(t + r));
-        LLMC_ISA_SELECT(isa, dscore_row)(ds_t + (size_t)r * T, p_row, t + r + 1, scale);
+        float* ds_row = ds_t + (size_t)r * T;
+        const int lo = first_key(t + r, window);
+        LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, t + r + 1 - lo,
+                                        stats_bh + 2 * (size_t)(t + r));
+        LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, t + r + 1 - lo, scale);
+        zero_keys(p_row, k_block, lo);
+        zero_keys(ds_row, k_block, lo);
     }
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
-        rows_tile(dq + (size_t)(t + r) * row, row, 1, ds_t + (size_t)r * T, (size_t)T, k, row,
-                  R_dq, t + r + 1, hs);
+        const int lo = first_key(t + r, window);
+        rows_tile(dq + (size_t)(t + r) * row, row, 1, ds_t + (size_t)r * T + lo, (size_t)T,
+                  k + (size_t)lo * row, row, R_dq, t + r + 1 - lo, hs);
     }
 }
 
@@ -670,7 +732,7 @@ static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const floa
                                               const float* inp_b, const float* stats_b,
                                               const float* slopes, float* scratch, int h0,
                                               int h1, size_t k_head, size_t v_head, size_t row,
-                                              size_t C, int T, int hs, float scale) {
+                                              size_t C, int T, int hs, float scale, int window) {
     const size_t panel_len = panel_count(T, hs);
     float* kpanel = scratch;
     float* vpanel = kpanel + panel_len;
@@ -687,18 +749,20 @@ static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const floa
         const float slope = slopes != NULL ? slopes[h] : 0.0f;
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
+            const int k_block = first_block_key(t0, window);
             int t = t0;
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
                 backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, t0, t, SCORE_ROWS);
+                              hs, slope, scale, window, k_block, t0, t, SCORE_ROWS);
             }
             for (; t < t1; t++) {
                 backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, t0, t, 1);
+                              hs, slope, scale, window, k_block, t0, t, 1);
             }
             // dk += dS^T q and dv += P^T dO over the block's rows, for every
-            // key up to its last row, TILE_KEYS keys at a time
-            int t2 = 0;
+            // key from the block's first (a multiple of 16, so no tile
+            // straddles t0) up to its last row, TILE_KEYS keys at a time
+            int t2 = k_block;
             for (; t2 + TILE_KEYS <= t1; t2 += TILE_KEYS) {
                 cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
                           TILE_KEYS, t2, t0, t1, hs);
@@ -717,20 +781,20 @@ static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const floa
 LLMC_ISA_VARIANTS_ISA(backward_group, (float* dinp_b, const float* dout_b, const float* inp_b,
                                        const float* stats_b, const float* slopes, float* scratch,
                                        int h0, int h1, size_t k_head, size_t v_head, size_t row,
-                                       size_t C, int T, int hs, float scale),
+                                       size_t C, int T, int hs, float scale, int window),
                       dinp_b, dout_b, inp_b, stats_b, slopes, scratch, h0, h1, k_head, v_head,
-                      row, C, T, hs, scale)
+                      row, C, T, hs, scale, window)
 
 /* The backward core; sizes already checked. slopes may be NULL. */
 static int gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                        const float* slopes, int B, int T, int NH, int NKV, int hs) {
+                        const float* slopes, int B, int T, int NH, int NKV, int hs, int window) {
     const size_t C = (size_t)NH * hs;
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const group)(float*, const float*, const float*, const float*, const float*, float*,
-                        int, int, size_t, size_t, size_t, size_t, int, int, float) =
+                        int, int, size_t, size_t, size_t, size_t, int, int, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), backward_group);
     // per thread: a key panel, a panel of v, then a block of P and one of dS
     const size_t per_thread = 2 * panel_count(T, hs) + 2 * (size_t)backward_block_rows(T) * T;
@@ -744,7 +808,7 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
                   stats + (size_t)b * NH * T * 2, slopes,
                   scratch + (size_t)omp_get_thread_num() * per_thread, g * kv_mul,
                   (g + 1) * kv_mul, C + (size_t)g * hs, v_start + (size_t)g * hs, row, C, T, hs,
-                  scale);
+                  scale, window);
         }
     }
     free(scratch);
@@ -753,13 +817,13 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
 
 /* The probabilities core; sizes already checked. slopes may be NULL. */
 static int gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
-                     int B, int T, int NH, int NKV, int hs) {
+                     int B, int T, int NH, int NKV, int hs, int window) {
     const size_t C = (size_t)NH * hs;
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const head)(float*, const float*, const float*, const float*, float*, size_t, int,
-                       int, float, float) = LLMC_ISA_SELECT(llmc_get_isa(), probs_head);
+                       int, float, float, int) = LLMC_ISA_SELECT(llmc_get_isa(), probs_head);
     const size_t per_thread = panel_count(T, hs);   // a key panel
     float* scratch = alloc_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
@@ -772,7 +836,7 @@ static int gqa_probs(float* att, const float* inp, const float* stats, const flo
             head(att + bh * T * T, stats + bh * T * 2, inp_b + (size_t)h * hs,
                  inp_b + C + (size_t)(h / kv_mul) * hs,
                  scratch + (size_t)omp_get_thread_num() * per_thread, row, T, hs,
-                 slopes != NULL ? slopes[h] : 0.0f, scale);
+                 slopes != NULL ? slopes[h] : 0.0f, scale, window);
         }
     }
     free(scratch);
@@ -781,13 +845,13 @@ static int gqa_probs(float* att, const float* inp, const float* stats, const flo
 
 /* The entropy core; sizes already checked. slopes may be NULL. */
 static int gqa_entropy(float* entropy, const float* inp, const float* stats,
-                       const float* slopes, int B, int T, int NH, int NKV, int hs) {
+                       const float* slopes, int B, int T, int NH, int NKV, int hs, int window) {
     const size_t C = (size_t)NH * hs;
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const head)(float*, const float*, const float*, const float*, float*, float*, size_t,
-                       int, int, float, float) = LLMC_ISA_SELECT(llmc_get_isa(), entropy_head);
+                       int, int, float, float, int) = LLMC_ISA_SELECT(llmc_get_isa(), entropy_head);
     // per thread: a key panel, then the scores of one tile of rows
     const size_t panel_len = panel_count(T, hs);
     const size_t per_thread = panel_len + (size_t)SCORE_ROWS * T;
@@ -802,7 +866,7 @@ static int gqa_entropy(float* entropy, const float* inp, const float* stats,
             const size_t bh = (size_t)b * NH + h;
             head(entropy + bh * T, stats + bh * T * 2, inp_b + (size_t)h * hs,
                  inp_b + C + (size_t)(h / kv_mul) * hs, panel, panel + panel_len, row, T, hs,
-                 slopes != NULL ? slopes[h] : 0.0f, scale);
+                 slopes != NULL ? slopes[h] : 0.0f, scale, window);
         }
     }
     free(scratch);
@@ -814,7 +878,7 @@ int attention_forward(float* out, float* stats, const float* inp,
     LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
-    return gqa_forward(out, stats, inp, NULL, B, T, NH, NH, C / NH);
+    return gqa_forward(out, stats, inp, NULL, B, T, NH, NH, C / NH, 0);
 }
 
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
@@ -822,54 +886,56 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, stats, NULL, B, T, NH, NH, C / NH);
+    return gqa_backward(dinp, dout, inp, stats, NULL, B, T, NH, NH, C / NH, 0);
 }
 
-/* The sizes of a GQA call are positive, NH % NKV == 0, and its arrays
-   (inp, and stats [B, NH, T, 2]) can exist. */
-static int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs) {
-    return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0
+/* The sizes of a GQA call are positive (the window >= 0), NH % NKV == 0,
+   and its arrays (inp, and stats [B, NH, T, 2]) can exist. */
+static int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs, int window) {
+    return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0 && window >= 0
            && llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
            && llmc_count_fits(B, NH, T, 2);
 }
 
 /* As gqa_sizes_ok, for a call with a full att [B, NH, T, T]. */
-static int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs) {
-    return gqa_sizes_ok(B, T, NH, NKV, hs) && llmc_count_fits(B, NH, T, T);
+static int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs, int window) {
+    return gqa_sizes_ok(B, T, NH, NKV, hs, window) && llmc_count_fits(B, NH, T, T);
 }
 
 int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                          int B, int T, int NH, int NKV, int hs) {
+                          int B, int T, int NH, int NKV, int hs, int window) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_forward(out, stats, inp, slopes, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    return gqa_forward(out, stats, inp, slopes, B, T, NH, NKV, hs, window);
 }
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                           const float* slopes, int B, int T, int NH, int NKV, int hs) {
+                           const float* slopes, int B, int T, int NH, int NKV, int hs,
+                           int window) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, stats, slopes, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    return gqa_backward(dinp, dout, inp, stats, slopes, B, T, NH, NKV, hs, window);
 }
 
 int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
-                        int B, int T, int NH, int NKV, int hs) {
+                        int B, int T, int NH, int NKV, int hs, int window) {
     LLMC_REQUIRE(LLMC_NONNULL3(att, inp, stats), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_probs(att, inp, stats, slopes, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    return gqa_probs(att, inp, stats, slopes, B, T, NH, NKV, hs, window);
 }
 
 int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
-                          const float* slopes, int B, int T, int NH, int NKV, int hs) {
+                          const float* slopes, int B, int T, int NH, int NKV, int hs,
+                          int window) {
     LLMC_REQUIRE(LLMC_NONNULL3(entropy, inp, stats), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
-    return gqa_entropy(entropy, inp, stats, slopes, B, T, NH, NKV, hs);
+    LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    return gqa_entropy(entropy, inp, stats, slopes, B, T, NH, NKV, hs, window);
 }
 
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
-                            int B, int T, int NH, int NKV, int hs) {
+                            int B, int T, int NH, int NKV, int hs, int window) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -883,9 +949,10 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
                 const size_t k_off = C + (size_t)(h / kv_mul) * hs;   // v: NKV heads later
                 const float slope = slopes != NULL ? slopes[h] : 0.0f;
                 float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;
+                const int lo = first_key(t, window);   // the row's keys: lo .. t
                 // pass 1: the scores and their max
                 float maxval = -INFINITY;
-                for (int t2 = 0; t2 <= t; t2++) {
+                for (int t2 = lo; t2 <= t; t2++) {
                     const float* k = inp_b + (size_t)t2 * row + k_off;
                     float val = 0.0f;
                     for (int i = 0; i < hs; i++) { val += q[i] * k[i]; }
@@ -895,20 +962,20 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
                 }
                 // pass 2: the exponentials and their sum
                 float expsum = 0.0f;
-                for (int t2 = 0; t2 <= t; t2++) {
+                for (int t2 = lo; t2 <= t; t2++) {
                     const float e = expf(att_bth[t2] - maxval);
                     expsum += e;
                     att_bth[t2] = e;
                 }
-                // pass 3: normalise; the masked future is exactly 0
+                // pass 3: normalise; keys outside the window are exactly 0
                 const float expsum_inv = 1.0f / expsum;
                 for (int t2 = 0; t2 < T; t2++) {
-                    att_bth[t2] = t2 <= t ? att_bth[t2] * expsum_inv : 0.0f;
+                    att_bth[t2] = t2 >= lo && t2 <= t ? att_bth[t2] * expsum_inv : 0.0f;
                 }
                 // pass 4: the weighted sum of the values
                 float* out_bth = out + ((size_t)b * T + t) * C + (size_t)h * hs;
                 for (int i = 0; i < hs; i++) { out_bth[i] = 0.0f; }
-                for (int t2 = 0; t2 <= t; t2++) {
+                for (int t2 = lo; t2 <= t; t2++) {
                     const float* v = inp_b + (size_t)t2 * row + k_off + (size_t)NKV * hs;
                     for (int i = 0; i < hs; i++) { out_bth[i] += att_bth[t2] * v[i]; }
                 }
@@ -919,9 +986,9 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
 }
 
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
-                             int B, int T, int NH, int NKV, int hs) {
+                             int B, int T, int NH, int NKV, int hs, int window) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
-    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -940,16 +1007,17 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
                     const float* dout_bth = dout + ((size_t)b * T + t) * C + (size_t)h * hs;
                     const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
                     float* dq = dinp_b + (size_t)t * row + (size_t)h * hs;
+                    const int lo = first_key(t, window);
                     // datt[t2] = dout . v[t2]; through the softmax,
                     // dpreatt[t2] = att[t2] * (datt[t2] - sum_t3 att[t3] datt[t3])
                     float att_datt = 0.0f;
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = lo; t2 <= t; t2++) {
                         const float* v = inp_b + (size_t)t2 * row + v_off;
                         float datt = 0.0f;
                         for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
                         att_datt += att_bth[t2] * datt;
                     }
-                    for (int t2 = 0; t2 <= t; t2++) {
+                    for (int t2 = lo; t2 <= t; t2++) {
                         const float* k = inp_b + (size_t)t2 * row + k_off;
                         const float* v = inp_b + (size_t)t2 * row + v_off;
                         float* dk = dinp_b + (size_t)t2 * row + k_off;
@@ -990,41 +1058,64 @@ int attention_entropy_naive(float* entropy, const float* att, int B, int NH, int
     return LLMC_OK;
 }
 
+/* decode_scores with R (1 .. DECODE_HEADS) a constant in each case. */
+static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q, size_t ldq,
+                                            const float* slopes, const float* k, size_t stride,
+                                            int n, int dist0, int hs, float scale, int R) {
+    switch (R) {
+    case 4: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 4); break;
+    case 3: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 3); break;
+    case 2: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 2); break;
+    default: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 1); break;
+    }
+}
+
 /* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,
-   each the forward's row n - 1: its scores, softmax_row and rows_tile.
+   each the forward's last row of a window of n keys: its scores,
+   softmax_row and rows_tile. The keys lie in the cache's ring of maxT slots
+   from slot first on, wrapping to slot 0: two stretches, each summed in
+   order (the second carries the first's sums through out, exactly).
    out_h0, att_h0, q_h0 and slopes_h0 start at the first of the R heads. */
 static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0,
                                            const float* q_h0, const float* k, const float* v,
-                                           const float* slopes_h0, int n, size_t kv_row, int hs,
-                                           int maxT, float scale, int R) {
-    switch (R) {
-    case 4: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 4); break;
-    case 3: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 3); break;
-    case 2: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 2); break;
-    default: decode_scores(att_h0, maxT, q_h0, hs, slopes_h0, k, kv_row, n, hs, scale, 1); break;
+                                           const float* slopes_h0, int n, int first,
+                                           size_t kv_row, int hs, int maxT, float scale, int R) {
+    const int n1 = maxT - first < n ? maxT - first : n;   // keys before the wrap
+    const size_t at = (size_t)first * kv_row;
+    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, kv_row, n1, n - 1, hs, scale,
+                      R);
+    if (n1 < n) {
+        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, kv_row, n - n1, n - 1 - n1,
+                          hs, scale, R);
     }
     for (int r = 0; r < R; r++) {
         float* att_h = att_h0 + (size_t)r * maxT;
         LLMC_ISA_SELECT(isa, softmax_row)(att_h, n, NULL);
-        rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v, kv_row, 1, n, hs);
+        rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v + at, kv_row, 1, n1, hs);
+        if (n1 < n) {
+            rows_tile(out_h0 + (size_t)r * hs, hs, 1, att_h + n1, maxT, v, kv_row, 1, n - n1, hs);
+        }
     }
 }
 LLMC_ISA_VARIANTS_ISA(decode_unit, (float* out_h0, float* att_h0, const float* q_h0,
                                     const float* k, const float* v, const float* slopes_h0, int n,
-                                    size_t kv_row, int hs, int maxT, float scale, int R),
-                      out_h0, att_h0, q_h0, k, v, slopes_h0, n, kv_row, hs, maxT, scale, R)
+                                    int first, size_t kv_row, int hs, int maxT, float scale,
+                                    int R),
+                      out_h0, att_h0, q_h0, k, v, slopes_h0, n, first, kv_row, hs, maxT, scale,
+                      R)
 
 int attention_decode(float* out, float* att, const float* q, const float* k_cache,
                      const float* v_cache, const int* len, const float* slopes,
-                     int B, int NH, int NKV, int hs, int maxT) {
+                     int B, int NH, int NKV, int hs, int maxT, int window) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, q) && LLMC_NONNULL3(k_cache, v_cache, len),
                  LLMC_ERR_NULL);
-    LLMC_REQUIRE(B > 0 && NH > 0 && NKV > 0 && hs > 0 && maxT > 0 && NH % NKV == 0,
-                 LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(B > 0 && NH > 0 && NKV > 0 && hs > 0 && maxT > 0 && NH % NKV == 0
+                 && window >= 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, maxT, NKV, hs) && llmc_count_fits(B, NH, maxT, 1)
                  && llmc_count_fits(B, NH, hs, 1), LLMC_ERR_SHAPE);
-    for (int b = 0; b < B; b++) {
-        LLMC_REQUIRE(len[b] >= 1 && len[b] <= maxT, LLMC_ERR_RANGE);
+    for (int b = 0; b < B; b++) {   // the keys a row attends to fit in the cache
+        LLMC_REQUIRE(len[b] >= 1 && len[b] - first_key(len[b] - 1, window) <= maxT,
+                     LLMC_ERR_RANGE);
     }
     const size_t kv_row = (size_t)NKV * hs;       // one cached position (q, out: NH hs)
     const int kv_mul = NH / NKV;
@@ -1032,7 +1123,7 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
     // units of up to DECODE_HEADS query heads of one kv head
     const int chunks = (kv_mul + DECODE_HEADS - 1) / DECODE_HEADS;
     void (*const unit)(float*, float*, const float*, const float*, const float*, const float*,
-                       int, size_t, int, int, float, int) =
+                       int, int, size_t, int, int, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), decode_unit);
 
     #pragma omp parallel for collapse(3) schedule(static)
@@ -1044,8 +1135,10 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
                                                                    : DECODE_HEADS;
                 const size_t kv = (size_t)b * maxT * kv_row + (size_t)g * hs;
                 const size_t bh0 = (size_t)b * NH + h0;
+                const int lo = first_key(len[b] - 1, window);   // position lo is in slot lo % maxT
                 unit(out + bh0 * hs, att + bh0 * maxT, q + bh0 * hs, k_cache + kv, v_cache + kv,
-                     slopes != NULL ? slopes + h0 : NULL, len[b], kv_row, hs, maxT, scale, R);
+                     slopes != NULL ? slopes + h0 : NULL, len[b] - lo, lo % maxT, kv_row, hs,
+                     maxT, scale, R);
             }
         }
     }

@@ -326,12 +326,15 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
 
 /*
  * attention_gqa_forward: causal grouped-query attention over packed q, k, v
- * heads, optionally with ALiBi. Query head h reads kv head h / (NH / NKV)
- * (NKV == NH: multi-head; NKV == 1: multi-query). For t2 <= t:
+ * heads, optionally with ALiBi and a sliding window. Query head h reads kv
+ * head h / (NH / NKV) (NKV == NH: multi-head; NKV == 1: multi-query). Query
+ * t attends to keys lo(t) <= t2 <= t, where lo(t) = max(0, t - window + 1)
+ * with a window of window keys (Mistral's), and lo(t) = 0 for window 0:
  *   score = q[b,t,h] . k[b,t2,h/(NH/NKV)] / sqrt(hs) - slopes[h] * (t - t2)
  *   att[b,h,t,t2] = softmax_t2(score)
  *   out[b,t,h]    = sum_t2 att[b,h,t,t2] * v[b,t2,h/(NH/NKV)]
  * As in attention_forward, only the softmax statistics of att are kept.
+ * With a window, time is O(T window), not O(T^2).
  *
  *   out    [B, T, NH hs]            (written)
  *   stats  [B, NH, T, 2]            (written) per query row: [0] the max of
@@ -340,14 +343,15 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
  *   inp    [B, T, (NH + 2 NKV) hs]  NH q heads, then NKV k heads, then NKV
  *                                   v heads in each row
  *   slopes [NH] ALiBi slope per head, or NULL (no position bias)
+ *   window keys a query attends to, itself included; 0: all before it
  * NH % NKV must be 0.
  */
 int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                          int B, int T, int NH, int NKV, int hs);
+                          int B, int T, int NH, int NKV, int hs, int window);
 
 /*
  * attention_gqa_backward: gradients of attention_gqa_forward. It recomputes
- * the scores, so it takes the forward's slopes too.
+ * the scores, so it takes the forward's slopes and window too.
  *
  *   dinp   [B, T, (NH + 2 NKV) hs]  (+=) dq, dk, dv heads as in inp
  *   dout   [B, T, NH hs]
@@ -356,7 +360,8 @@ int attention_gqa_forward(float* out, float* stats, const float* inp, const floa
  *   slopes [NH] the forward's, or NULL
  */
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                           const float* slopes, int B, int T, int NH, int NKV, int hs);
+                           const float* slopes, int B, int T, int NH, int NKV, int hs,
+                           int window);
 
 /*
  * attention_gqa_probs: the probabilities att of attention_gqa_forward,
@@ -364,20 +369,21 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
  * computed from (on the same instruction set, see llmc_set_isa).
  *
  *   att    [B, NH, T, T]            (written) att[b,h,t,t2], 0 where t2 > t
+ *                                   or t2 < lo(t)
  *   inp    [B, T, (NH + 2 NKV) hs]  the forward's input
  *   stats  [B, NH, T, 2]            saved by attention_gqa_forward (or
  *                                   attention_forward, with NKV == NH)
  *   slopes [NH] the forward's, or NULL
  */
 int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
-                        int B, int T, int NH, int NKV, int hs);
+                        int B, int T, int NH, int NKV, int hs, int window);
 
 /*
  * attention_gqa_entropy: the entropy (natural log) of each query row of the
  * probabilities of attention_gqa_forward, from its input and statistics;
  * the scores are recomputed a few rows at a time, att is never held whole:
- *   entropy[b,h,t] = -sum_{t2 <= t} att[b,h,t,t2] ln att[b,h,t,t2]
- * between 0 (one key takes all the weight) and ln(t + 1) (uniform).
+ *   entropy[b,h,t] = -sum_{lo(t) <= t2 <= t} att[b,h,t,t2] ln att[b,h,t,t2]
+ * between 0 (one key takes all the weight) and ln(t + 1 - lo(t)) (uniform).
  *
  *   entropy [B, NH, T]               (written)
  *   inp     [B, T, (NH + 2 NKV) hs]  the forward's input
@@ -386,20 +392,21 @@ int attention_gqa_probs(float* att, const float* inp, const float* stats, const 
  *   slopes  [NH] the forward's, or NULL
  */
 int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
-                          const float* slopes, int B, int T, int NH, int NKV, int hs);
+                          const float* slopes, int B, int T, int NH, int NKV, int hs,
+                          int window);
 
 /*
  * The plain loops, llm.c's attention_forward / attention_backward with GQA
  * and ALiBi: the reference the tiled kernels are checked against. They keep
- * the whole of att [B, NH, T, T] (written by the forward, 0 where t2 > t;
+ * the whole of att [B, NH, T, T] (written by the forward, 0 outside the window;
  * read by the backward, which needs no slopes) where the tiled kernels keep
  * stats; otherwise attention_gqa_forward's / _backward's contracts and
  * checks. They differ from the tiled kernels only in rounding.
  */
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
-                            int B, int T, int NH, int NKV, int hs);
+                            int B, int T, int NH, int NKV, int hs, int window);
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
-                             int B, int T, int NH, int NKV, int hs);
+                             int B, int T, int NH, int NKV, int hs, int window);
 
 /*
  * attention_entropy_naive: attention_gqa_entropy's plain twin, from the
@@ -407,35 +414,44 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
  *   entropy[b,h,t] = -sum_{t2 <= t, att > 0} att[b,h,t,t2] ln att[b,h,t,t2]
  *
  *   entropy [B, NH, T]     (written)
- *   att     [B, NH, T, T]  probabilities; entries t2 > t are not read
+ *   att     [B, NH, T, T]  probabilities; entries t2 > t are not read (those
+ *                          before a sliding window are 0 and add nothing)
  */
 int attention_entropy_naive(float* entropy, const float* att, int B, int NH, int T);
 
 /*
  * attention_decode: one new query position per row, against a KV cache.
- * Row b's query (at position len[b] - 1) attends to cached positions
- * t2 < len[b] of its row, with the same scores as attention_gqa_forward
- * (1/sqrt(hs) scale, kv head h / (NH / NKV), ALiBi -slopes[h] * (len[b] - 1 - t2)):
+ * Row b's query (at position len[b] - 1) attends to its window of cached
+ * positions lo <= t2 < len[b] (lo = max(0, len[b] - window) with a window,
+ * else 0), with the same scores as attention_gqa_forward (1/sqrt(hs)
+ * scale, kv head h / (NH / NKV), ALiBi -slopes[h] * (len[b] - 1 - t2)):
  *   att[b,h,t2] = softmax_t2(score)
- *   out[b,h]    = sum_t2 att[b,h,t2] * v_cache[b,t2,h/(NH/NKV)]
+ *   out[b,h]    = sum_t2 att[b,h,t2] * v_cache[b,t2 % maxT,h/(NH/NKV)]
+ * bitwise equal to row len[b] - 1 of attention_gqa_forward's out.
+ *
+ * The cache is a ring of maxT slots: position t2 lives in slot t2 % maxT
+ * (with no window, positions never reach maxT, so the slot is t2 itself; a
+ * rolling cache of a sliding-window model needs only maxT = window slots).
  *
  *   out     [B, NH hs]         (written)
- *   att     [B, NH, maxT]      (written) the probabilities for t2 < len[b];
- *                              entries t2 >= len[b] are not written. The
- *                              caller's buffer for the scores, so that no
- *                              call allocates, whatever maxT
+ *   att     [B, NH, maxT]      (written) the probabilities of the window's
+ *                              keys in order, from [0]; the rest is not
+ *                              written. The caller's buffer for the scores,
+ *                              so that no call allocates, whatever maxT
  *   q       [B, NH hs]         the new position's query heads (already
  *                              rotated for RoPE)
- *   k_cache [B, maxT, NKV hs]  keys of positions 0 .. len[b]-1 of row b
- *                              (later positions are not read)
+ *   k_cache [B, maxT, NKV hs]  keys of the window's positions of row b, in
+ *                              their slots (other slots are not read)
  *   v_cache [B, maxT, NKV hs]
- *   len     [B] int32, 1 <= len[b] <= maxT; else LLMC_ERR_RANGE
+ *   len     [B] int32, len[b] >= 1 and len[b] - lo <= maxT (the window fits
+ *           in the ring); else LLMC_ERR_RANGE
  *   slopes  [NH] or NULL
+ *   window  keys a query attends to (0: every position before it)
  * NH % NKV must be 0.
  */
 int attention_decode(float* out, float* att, const float* q, const float* k_cache,
                      const float* v_cache, const int* len, const float* slopes,
-                     int B, int NH, int NKV, int hs, int maxT);
+                     int B, int NH, int NKV, int hs, int maxT, int window);
 
 /* ---- rope.c ------------------------------------------------------------- */
 

@@ -133,31 +133,32 @@ def bench_matmul(BT, C, OC, repeats, rng, isas, torch_gflops=None, precision="fp
     return rows
 
 
-def bench_attention(B, T, NH, hs, repeats, rng, isas):
-    """ms of attention's forward and backward (GPT-2's layout, NKV = NH) on
-    each instruction set in ``isas``, each verified against the plain twin
-    first, beside that twin's ms. The forward keeps only row statistics, so
-    its probabilities are checked as attention_gqa_probs recomputes them."""
+def bench_attention(B, T, NH, hs, repeats, rng, isas, window=0):
+    """ms of attention's forward and backward (GPT-2's layout, NKV = NH;
+    with ``window`` a sliding window of that many keys) on each instruction
+    set in ``isas``, each verified against the plain twin first, beside
+    that twin's ms. The forward keeps only row statistics, so its
+    probabilities are checked as attention_gqa_probs recomputes them."""
     qkv = rng.standard_normal((B, T, 3 * NH * hs), dtype=np.float32)
     dout = rng.standard_normal((B, T, NH * hs), dtype=np.float32)
     out, stats = np.empty((B, T, NH * hs), np.float32), np.empty((B, NH, T, 2), np.float32)
     probs = np.empty((B, NH, T, T), np.float32)
     dinp = np.zeros_like(qkv)
     ref_out, ref_att, ref_dinp = np.empty_like(out), np.empty_like(probs), np.zeros_like(qkv)
-    forward = lambda: K.attention_gqa_forward(out, stats, qkv, None, NH, NH)
+    forward = lambda: K.attention_gqa_forward(out, stats, qkv, None, NH, NH, window)
 
     def recomputed_probs():
-        K.attention_gqa_probs(probs, qkv, stats, None, NH, NH)
+        K.attention_gqa_probs(probs, qkv, stats, None, NH, NH, window)
         return probs
 
     # name, ours, the naive twin, {what: (our result, the naive result)}; the
     # naive backward reads the naive forward's att, so "fwd" runs first
     cases = [
         ("fwd", forward,
-         lambda: K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH),
+         lambda: K.attention_forward_naive(ref_out, ref_att, qkv, None, NH, NH, window),
          {"out": (lambda: out, ref_out), "probs": (recomputed_probs, ref_att)}),
-        ("bwd", lambda: K.attention_gqa_backward(dinp, dout, qkv, stats, None, NH, NH),
-         lambda: K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH),
+        ("bwd", lambda: K.attention_gqa_backward(dinp, dout, qkv, stats, None, NH, NH, window),
+         lambda: K.attention_backward_naive(ref_dinp, dout, qkv, ref_att, NH, NH, window),
          {"dinp": (lambda: dinp, ref_dinp)}),
     ]
     before = get_isa()
@@ -179,7 +180,8 @@ def bench_attention(B, T, NH, hs, repeats, rng, isas):
                                              f"with naive at B={B} T={T} NH={NH} hs={hs}: "
                                              f"{err:.2e}")
                 t_ours = timed(ours, repeats)
-                rows.append({"kernel": f"attention {name}", "shape": f"{B}x{T}x{NH}x{hs}",
+                kernel = f"attention {name}" + (f" w{window}" if window else "")
+                rows.append({"kernel": kernel, "shape": f"{B}x{T}x{NH}x{hs}",
                              "isa": isa, "ms": t_ours["median"] * 1e3,
                              "naive_ms": t_naive["median"] * 1e3})
     finally:
@@ -341,6 +343,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true")
+    p.add_argument("--attention-window", type=int, default=0, metavar="W",
+                   help="also time attention with a sliding window of W keys (on the "
+                        "fastest instruction set), beside full causal attention")
     p.add_argument("--isa", nargs="+", default=None, metavar="ISA",
                    help="the matmul kernel's instruction sets to time (avx512bf16, avx512, "
                         "avx2, portable); default: every one this CPU runs. The training "
@@ -368,7 +373,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         check_flags(args, {"repeats": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
-                           "layers": POSITIVE, "gen": POSITIVE})
+                           "layers": POSITIVE, "gen": POSITIVE,
+                           "attention_window": NON_NEGATIVE})
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -410,6 +416,9 @@ def main(argv=None):
                                                   theirs["gflops"][key] if theirs else None,
                                                   precision)
         results["attention"] = bench_attention(B, T, 12, 64, args.repeats, rng, isas)
+        if args.attention_window:
+            results["attention"] += bench_attention(B, T, 12, 64, args.repeats, rng, isas[:1],
+                                                    window=args.attention_window)
         results["memory_bound"] = bench_memory_bound(B * T * 3072 * 4, args.repeats, rng)
     step = results["step"]
     own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats)

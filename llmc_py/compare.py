@@ -31,6 +31,7 @@ SUITES = {
     "gpt2-vs-llama": {
         "about": "GPT-2 style (learned positions, LayerNorm, GELU, multi-head) against "
                  "Llama style (RoPE, RMSNorm, SwiGLU, GQA)",
+        "decode": True,
         "variants": {"gpt2": [],
                      "llama": LLAMA + ["--kv-heads", "2"]}},
     "mlp": {
@@ -98,7 +99,29 @@ def run_variant(folder, flags, lengths=(), scale_rope=None, decode=False, timeou
     for multiple, loss in child_results.get("lengths", {}).items():
         row[f"loss @ {multiple}x T"] = loss
     row.update(child_results.get("decode", {}))
+    row.update(monitor_columns(folder / "run" / "metrics.jsonl"))
     return row
+
+
+MONITOR_COLUMNS = ("attention entropy", "mean cosine")
+
+
+def monitor_columns(path):
+    """From a run's monitor records (metrics.jsonl, when --monitor-every was
+    given): the mean normalised attention entropy over layers and heads (1:
+    uniform, 0: one key) and the last layer's mean cosine between token
+    vectors, each as "first -> last" record."""
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not records:
+        return {}
+    first, last = records[0], records[-1]
+    entropy = lambda r: statistics.fmean(v for layer in r["attention_entropy_normalized"]
+                                         for v in layer)
+    return {"attention entropy": f"{entropy(first):.2f} -> {entropy(last):.2f} "
+                                 f"(steps {first['step']} -> {last['step']})",
+            "mean cosine": f"{first['mean_cosine'][-1]:.2f} -> {last['mean_cosine'][-1]:.2f}"}
 
 
 def _tokens_per_step(flags):
@@ -119,7 +142,8 @@ def curves(folder):
 def table(rows):
     """A markdown table of {variant: row}."""
     columns = ["val loss", "perplexity", "ms/step", "tokens/s", "peak MiB", "parameters (M)"]
-    columns += [c for c in DECODE_COLUMNS if any(c in row for row in rows.values())]
+    columns += [c for c in DECODE_COLUMNS + MONITOR_COLUMNS
+                if any(c in row for row in rows.values())]
     columns += sorted({c for row in rows.values() for c in row if c.startswith("loss @")},
                       key=lambda c: int(c.split()[2][:-1]))
     lines = ["| variant | " + " | ".join(columns) + " |",
@@ -136,6 +160,8 @@ def table(rows):
 def _cell(column, value):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
+    if isinstance(value, str):
+        return value
     if column in ("val loss", "perplexity") or column.startswith("loss @"):
         return f"{value:.4f}"
     if column in ("parameters (M)", "KV cache MiB"):

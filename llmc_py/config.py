@@ -88,6 +88,8 @@ class TransformerConfig:
     rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max / low
                                          # are divided by the factor
     rope_high_freq_factor: float = 4.0   # llama3: ... below original_max / high kept
+    sliding_window: int = 0          # W > 0: each query attends to its last W positions,
+                                     # itself included (Mistral's); 0: to all before it
 
     def __post_init__(self):
         if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
@@ -163,6 +165,10 @@ class TransformerConfig:
                              f"{self.rope_scaling!r}")
         if self.rope_scaling != "none" and self.position != "rope":
             raise ShapeError(f"{kind}.rope_scaling={self.rope_scaling!r} needs position='rope'")
+        if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) \
+                or self.sliding_window < 0:
+            raise ShapeError(f"{kind}.sliding_window must be an int >= 0 (0: none), got "
+                             f"{self.sliding_window!r}")
         if not isinstance(self.rope_original_max, int) or self.rope_original_max < 0:
             raise ShapeError(f"{kind}.rope_original_max must be an int >= 0, got "
                              f"{self.rope_original_max!r}")
@@ -244,7 +250,7 @@ class TransformerConfig:
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
             and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
             and self.attn_channels == self.channels and not self.qk_norm \
-            and self.block == "pre"
+            and self.block == "pre" and self.sliding_window == 0
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property
@@ -307,5 +313,6 @@ class GPT2Config(TransformerConfig):
         if not self.is_gpt2:
             raise ShapeError("GPT2Config holds GPT-2's choices (layernorm, learned, gelu, "
                              "bias, tied, num_kv_heads = num_heads, ffn_hidden = 4 channels, "
-                             "norm_eps 1e-5, pre-norm blocks); use LlamaConfig or "
+                             "norm_eps 1e-5, pre-norm blocks, no sliding window); use "
+                             "LlamaConfig or "
                              "TransformerConfig for others")

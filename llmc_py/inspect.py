@@ -28,11 +28,11 @@ def attention_maps(model, layer):
     """float32 (NH, T, T): layer ``layer``'s attention probabilities for the
     first sequence of the model's last forward, rebuilt from its statistics
     by attention_gqa_probs (rows: queries, columns: keys; 0 above the
-    diagonal)."""
+    diagonal and before a sliding window)."""
     c, a = model.config, model.acts
     att = np.empty((model.B, c.NH, model.T, model.T), np.float32)
     K.attention_gqa_probs(att, model._attention_input(a, layer), a.att_stats[layer],
-                          model.slopes, c.NH, c.NKV)
+                          model.slopes, c.NH, c.NKV, c.sliding_window)
     return att[0]
 
 
@@ -110,7 +110,8 @@ def main(argv=None):
                              f"{c.max_seq_len}")
         run_forward(model, np.array([ids]))
         rows = attention_entropy_rows(model)
-        entropy, normalized = mean_entropy(rows), mean_entropy(rows, normalized=True)
+        entropy = mean_entropy(rows)
+        normalized = mean_entropy(rows, normalized=True, window=model.config.sliding_window)
         maps = attention_maps(model, args.layer)
     except (LlmcError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -93,25 +93,26 @@ def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None):
     return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)
 
 
-def attention_gqa(qkv, NH, NKV, slopes=None):
+def attention_gqa(qkv, NH, NKV, slopes=None, window=0):
     """Causal grouped-query attention over packed rows [B,T,(NH+2*NKV)*hs]: NH q
     heads, then NKV k heads, then NKV v heads. Each kv head serves NH // NKV
     consecutive query heads (repeat_interleave). With slopes [NH], the ALiBi
     bias -slopes[h] * (t - t2) is added to the scores before the softmax.
+    A window > 0 masks keys t2 <= t - window too (Mistral's sliding window).
 
-    Returns out [B,T,NH*hs] and att [B,NH,T,T], exactly 0 above the diagonal."""
+    Returns out [B,T,NH*hs] and att [B,NH,T,T], exactly 0 where masked."""
     B, T, width = qkv.shape
     hs = width // (NH + 2 * NKV)
-    scores, v = _attention_scores(qkv, NH, NKV, slopes)
+    scores, v = _attention_scores(qkv, NH, NKV, slopes, window)
     att = _softmax_last(scores)
     out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
     return out, att
 
 
-def attention_gqa_stats(qkv, NH, NKV, slopes=None):
+def attention_gqa_stats(qkv, NH, NKV, slopes=None, window=0):
     """The softmax statistics of attention_gqa's rows, [B,NH,T,2]: [0] the max
-    of the row's scores (over t2 <= t), [1] 1 / sum_t2 exp(score - max)."""
-    scores, _ = _attention_scores(qkv, NH, NKV, slopes)
+    of the row's scores (over its unmasked keys), [1] 1 / sum_t2 exp(score - max)."""
+    scores, _ = _attention_scores(qkv, NH, NKV, slopes, window)
     maxval = scores.max(dim=-1, keepdim=True).values
     inv = 1.0 / torch.exp(scores - maxval).sum(dim=-1, keepdim=True)
     return torch.cat([maxval, inv], dim=-1)
@@ -123,9 +124,10 @@ def attention_entropy(att):
     return -torch.special.xlogy(att, att).sum(dim=-1)
 
 
-def _attention_scores(qkv, NH, NKV, slopes):
-    """attention_gqa's scores [B,NH,T,T] (-inf above the diagonal) and its v
-    heads repeated for the query heads [B,NH,T,hs]."""
+def _attention_scores(qkv, NH, NKV, slopes, window=0):
+    """attention_gqa's scores [B,NH,T,T] (-inf above the diagonal and, with a
+    window, at t2 <= t - window) and its v heads repeated for the query heads
+    [B,NH,T,hs]."""
     B, T, width = qkv.shape
     hs = width // (NH + 2 * NKV)
     q, k, v = qkv.split([NH * hs, NKV * hs, NKV * hs], dim=-1)
@@ -137,8 +139,10 @@ def _attention_scores(qkv, NH, NKV, slopes):
         pos = torch.arange(T, dtype=torch.float64)
         distance = pos[:, None] - pos[None, :]          # t - t2
         scores = scores - slopes.reshape(NH, 1, 1) * distance
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    return scores.masked_fill(future, float("-inf")), v
+    masked = torch.ones(T, T, dtype=torch.bool).triu(1)
+    if window:
+        masked |= torch.ones(T, T, dtype=torch.bool).tril(-window)
+    return scores.masked_fill(masked, float("-inf")), v
 
 
 def gelu(x):

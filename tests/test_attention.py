@@ -348,11 +348,15 @@ def test_attention_gqa_c_rejects_heads_not_dividing():
     # the C prologue checks it too, for callers that skip the wrapper
     from llmc_py._native.lib import ffi, lib
     buf = ffi.new("float[]", 1024)
-    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
+    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
         == lib.LLMC_ERR_SHAPE
-    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) \
+    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
         == lib.LLMC_ERR_SHAPE
-    assert lib.attention_gqa_probs(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2) == lib.LLMC_ERR_SHAPE
+    assert lib.attention_gqa_probs(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
+        == lib.LLMC_ERR_SHAPE
+    # and a negative sliding window
+    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 2, 1, 2, -1) \
+        == lib.LLMC_ERR_SHAPE
 
 
 @pytest.mark.parametrize("NH,NKV", [(0, 1), (4, 0), (4, -2)])
@@ -724,3 +728,154 @@ def test_attention_entropy_naive_rejects_wrong_shape():
     with pytest.raises(llmc_py.ShapeError, match="entropy"):
         K.attention_entropy_naive(np.zeros((1, 2, 4), np.float32),
                                   np.zeros((1, 2, 3, 3), np.float32))
+
+
+# ---- sliding-window attention -------------------------------------------------
+
+WINDOW_SHAPES = [  # B, T, NH, NKV, hs, slopes, window. The tiles start at a row's
+                   # first key rounded down to 16 keys; windows that are and are
+                   # not multiples of 4, 8 and 16, across the backward's 64-row blocks
+    (2, 37, 4, 2, 16, None, 1),        # each query sees itself only
+    (2, 37, 4, 2, 16, "alibi", 5),
+    (1, 40, 6, 3, 15, None, 8),        # hs = 15
+    (2, 33, 4, 1, 24, "alibi", 16),    # multi-query
+    (1, 70, 2, 1, 80, "steep", 13),    # hs = 80; blocks of 64 + 6 rows
+    (1, 130, 4, 2, 32, None, 37),      # blocks of 64, 64 and 2 rows
+    (1, 200, 4, 4, 64, "alibi", 70),   # a window longer than a block
+    (1, 130, 2, 2, 16, None, 129),     # only the last row loses a key
+    (3, 9, 2, 2, 1, None, 3),          # hs = 1
+]
+
+
+def windowed(qkv, slopes, NH, NKV, window):
+    """The tiled forward with a window: out, stats, and att from probs."""
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    out = np.full((B, T, NH * hs), np.nan, np.float32)
+    stats = np.full((B, NH, T, 2), np.nan, np.float32)
+    K.attention_gqa_forward(out, stats, qkv, slopes, NH, NKV, window)
+    att = np.full((B, NH, T, T), np.nan, np.float32)
+    K.attention_gqa_probs(att, qkv, stats, slopes, NH, NKV, window)
+    return out, stats, att
+
+
+def windowed_backward(dout, qkv, stats, slopes, NH, NKV, window):
+    dinp = np.zeros_like(qkv)
+    K.attention_gqa_backward(dinp, dout, qkv, stats, slopes, NH, NKV, window)
+    return dinp
+
+
+def outside_window(T, window):
+    """[T, T] True where key t2 is not in query t's window (future or too old)."""
+    t = np.arange(T)
+    return (t[None, :] > t[:, None]) | (t[None, :] <= t[:, None] - window)
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes,window", WINDOW_SHAPES)
+def test_attention_window_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes, window):
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    out, stats, att = windowed(qkv, slopes, NH, NKV, window)
+    dinp = windowed_backward(dout, qkv, stats, slopes, NH, NKV, window)
+
+    qkv_t = t64(qkv, grad=True)
+    slopes_t = None if slopes is None else t64(slopes)
+    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, slopes_t, window)
+    (ref_out * t64(dout)).sum().backward()
+    ref_stats = ref_attention_gqa_stats(t64(qkv), NH, NKV, slopes_t, window)
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("att", att, ref_att, tol["fwd"])
+    assert not att[..., outside_window(T, window)].any(), "att is not 0 outside the window"
+    assert_close("stats max", stats[..., 0], ref_stats[..., 0], tol["fwd"])
+    assert_close("stats inv", stats[..., 1], ref_stats[..., 1], tol["fwd"])
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
+
+    # the plain twin with the same window
+    naive_out = np.full_like(out, np.nan)
+    naive_att = np.full_like(att, np.nan)
+    K.attention_forward_naive(naive_out, naive_att, qkv, slopes, NH, NKV, window)
+    naive_dinp = np.zeros_like(qkv)
+    K.attention_backward_naive(naive_dinp, dout, qkv, naive_att, NH, NKV, window)
+    assert_close("naive out", naive_out, ref_out, tol["fwd"])
+    assert_close("naive att", naive_att, ref_att, tol["fwd"])
+    assert_close("naive dinp", naive_dinp, qkv_t.grad, tol["bwd"])
+
+    # the row entropies over the window
+    ent = np.full((B, NH, T), np.nan, np.float32)
+    K.attention_gqa_entropy(ent, qkv, stats, slopes, NH, NKV, window)
+    assert_close("entropy", ent, ref_attention_entropy(ref_att.detach()), tol["fwd"])
+
+
+@pytest.mark.parametrize("T,window", [(37, 37), (37, 100), (130, 130)])
+def test_attention_window_of_every_key_is_full_attention_bitwise(rng, T, window):
+    # a window reaching back to key 0 for every row changes nothing, to the bit
+    qkv, dout, slopes = make_gqa_inputs(rng, 2, T, 4, 2, 24, "alibi")
+    out, stats, att = windowed(qkv, slopes, 4, 2, window)
+    full_out, full_stats, full_att = tiled(qkv, slopes, 4, 2)
+    for name, x, y in [("out", out, full_out), ("stats", stats, full_stats), ("att", att, full_att),
+                       ("dinp", windowed_backward(dout, qkv, stats, slopes, 4, 2, window),
+                        gqa_backward(dout, qkv, full_stats, slopes, 4, 2))]:
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), name
+
+
+def test_attention_window_thread_invariant(rng, isa, set_threads):
+    qkv, dout, slopes = make_gqa_inputs(rng, 5, 75, 6, 1, 24, "alibi")
+
+    def run():
+        out, stats, att = windowed(qkv, slopes, 6, 1, 11)
+        return {"out": out, "stats": stats, "att": att,
+                "dinp": windowed_backward(dout, qkv, stats, slopes, 6, 1, 11)}
+    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+def test_attention_window_rejects_a_negative_window(rng):
+    qkv, _, _ = make_gqa_inputs(rng, 1, 3, 2, 1, 8)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        K.attention_gqa_forward(np.zeros((1, 3, 16), np.float32),
+                                np.zeros((1, 2, 3, 2), np.float32), qkv, None, 2, 1, -4)
+
+
+def ring_cache(qkv, NH, NKV, hs, t, window, slots):
+    """The decode inputs of query position t of every row of qkv with a
+    rolling cache of ``slots`` slots: position p in slot p % slots for the
+    window's positions; the other slots hold NaN, which must not be read."""
+    B = qkv.shape[0]
+    k_cache = np.full((B, slots, NKV * hs), np.nan, np.float32)
+    v_cache = np.full_like(k_cache, np.nan)
+    for p in range(max(0, t - window + 1), t + 1):
+        k_cache[:, p % slots] = qkv[:, p, NH * hs:(NH + NKV) * hs]
+        v_cache[:, p % slots] = qkv[:, p, (NH + NKV) * hs:]
+    q = qkv[:, t, :NH * hs].copy()
+    return q, k_cache, v_cache, np.full(B, t + 1, np.int32)
+
+
+@pytest.mark.parametrize("T,NH,NKV,hs,slopes,window,slots", [
+    (40, 4, 2, 24, "alibi", 7, 7),      # the ring of exactly the window wraps
+    (40, 4, 1, 15, None, 16, 16),
+    (45, 6, 2, 64, "steep", 9, 12),     # a ring larger than the window
+    (20, 2, 2, 8, "alibi", 1, 1),       # one slot: each position sees itself
+    (33, 4, 4, 32, None, 40, 40),       # a window longer than the sequence
+])
+def test_attention_decode_with_a_rolling_cache_equals_forward_bitwise(
+        rng, isa, T, NH, NKV, hs, slopes, window, slots):
+    qkv, _, slopes = make_gqa_inputs(rng, 2, T, NH, NKV, hs, slopes)
+    full_out, _, full_att = windowed(qkv, slopes, NH, NKV, window)
+    bits = lambda x: np.ascontiguousarray(x).view(np.uint32)
+    for t in range(T):
+        q, k_cache, v_cache, lengths = ring_cache(qkv, NH, NKV, hs, t, window, slots)
+        out = np.full(q.shape, np.nan, np.float32)
+        att = np.full((2, NH, slots), np.nan, np.float32)
+        K.attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV, window)
+        lo = max(0, t - window + 1)
+        assert np.array_equal(bits(out), bits(full_out[:, t])), f"out at t = {t}"
+        assert np.array_equal(bits(att[:, :, :t + 1 - lo]), bits(full_att[:, :, t, lo:t + 1])), \
+            f"att at t = {t}"
+
+
+def test_attention_decode_rejects_a_window_longer_than_the_ring(rng):
+    qkv, _, _ = make_gqa_inputs(rng, 1, 12, 2, 1, 8)
+    q, k_cache, v_cache, lengths = ring_cache(qkv, 2, 1, 8, 11, 6, 6)
+    out, att = np.zeros_like(q), np.zeros((1, 2, 5), np.float32)
+    with pytest.raises(llmc_py.RangeError, match="attention_decode"):   # 6 keys, 5 slots
+        K.attention_decode(out, att, q, k_cache[:, :5].copy(), v_cache[:, :5].copy(), lengths,
+                           None, 2, 1, 6)

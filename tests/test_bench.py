@@ -31,6 +31,9 @@ def test_bench_attention_verifies_and_times_each_isa(use_isa):
         (f"attention {name}", isa) for name in ("fwd", "bwd") for isa in isas]
     assert all(r["ms"] > 0 and r["naive_ms"] > 0 for r in rows)
     assert llmc_py.get_isa() == isas[0]
+    # a sliding window, verified against the plain twin with that window
+    rows = bench.bench_attention(1, 40, 2, 16, 1, np.random.default_rng(0), isas[:1], window=7)
+    assert [r["kernel"] for r in rows] == ["attention fwd w7", "attention bwd w7"]
 
 
 def test_bench_memory_bound_reports_each_kernel_beside_a_copy():

@@ -59,6 +59,10 @@ _ROPE = dict(optional=frozenset({"pos", "inv_freq"}), valid={"hs": 2, "theta": 1
                   ({"theta": float("inf")}, "LLMC_ERR_VALUE"),
                   ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))
 
+# attention with a sliding window: the window may be 0 (none), not negative
+_WINDOWED = dict(optional=frozenset({"slopes"}), not_sizes=frozenset({"window"}),
+                 bad=_NH_NOT_DIVISIBLE + (({"window": -1}, "LLMC_ERR_SHAPE"),))
+
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
 ROWS = {
@@ -85,15 +89,14 @@ ROWS = {
     "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
-    "attention_gqa_forward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
-    "attention_gqa_backward": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
-    "attention_gqa_probs": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
-    "attention_forward_naive": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
-    "attention_backward_naive": Row(bad=_NH_NOT_DIVISIBLE),
-    "attention_gqa_entropy": Row(optional=frozenset({"slopes"}), bad=_NH_NOT_DIVISIBLE),
+    "attention_gqa_forward": Row(**_WINDOWED),
+    "attention_gqa_backward": Row(**_WINDOWED),
+    "attention_gqa_probs": Row(**_WINDOWED),
+    "attention_forward_naive": Row(**_WINDOWED),
+    "attention_backward_naive": Row(not_sizes=_WINDOWED["not_sizes"], bad=_WINDOWED["bad"]),
+    "attention_gqa_entropy": Row(**_WINDOWED),
     "attention_entropy_naive": Row(),
-    "attention_decode": Row(optional=frozenset({"slopes"}), fill={"len": 1},
-                            bad=_NH_NOT_DIVISIBLE),
+    "attention_decode": Row(fill={"len": 1}, **_WINDOWED),
     "rope_forward": Row(**_ROPE),
     "rope_backward": Row(**_ROPE),
     "swiglu_forward": Row(),

@@ -37,9 +37,15 @@ MODELS = {
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=24, max_position_embeddings=64,
         tie_word_embeddings=True, rope_theta=1e6, **COMMON)),
+    # a sliding window of 7 positions: the 19-token batches and the generation
+    # run past it
+    "mistral-window": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=64, sliding_window=7,
+        tie_word_embeddings=False, **COMMON)),
 }
 ARCHS = {"gpt2": "GPT2LMHeadModel", "llama-gqa-untied": "LlamaForCausalLM",
-         "qwen3-qknorm-tied": "Qwen3ForCausalLM"}
+         "qwen3-qknorm-tied": "Qwen3ForCausalLM", "mistral-window": "MistralForCausalLM"}
 
 
 def make_hf(name, seed=0):
@@ -334,6 +340,11 @@ def test_export_refuses_what_no_architecture_holds(tmp_path):
                                     **{choice: match.split("'")[1]})
         with pytest.raises(UnsupportedError, match=match):
             llmc_py.Llama(other).save_pretrained(tmp_path)
+    # a sliding window is Mistral's, which has neither ALiBi nor qk_norm
+    for choice in (dict(), dict(position="rope", qk_norm=True)):
+        windowed = dataclasses.replace(config, sliding_window=4, **choice)
+        with pytest.raises(UnsupportedError, match="sliding_window=4 is written as Mistral"):
+            llmc_py.Llama(windowed).save_pretrained(tmp_path)
     assert not (tmp_path / "config.json").exists()
 
 

@@ -51,6 +51,10 @@ MODELS = {
                                                             norm="layernorm", bias=True),
                                         seed=12),
     "sinusoidal": lambda: Llama(dataclasses.replace(LLAMA, position="sinusoidal"), seed=13),
+    # a sliding window: a rolling cache of W slots (prompts of 7 and 12 overflow 5)
+    "sliding-window": lambda: Llama(dataclasses.replace(LLAMA, sliding_window=5), seed=14),
+    "sliding-window-alibi-mqa": lambda: Llama(dataclasses.replace(
+        LLAMA, sliding_window=8, position="alibi", num_kv_heads=1), seed=15),
 }
 
 
@@ -135,7 +139,7 @@ def test_learned_positions_refuse_to_go_past_max_seq_len():
         model.generate([1] * 40, 10, temperature=0)
 
 
-@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa", "sinusoidal"])
+@pytest.mark.parametrize("name", ["llama-rope-gqa", "alibi-gqa", "sinusoidal", "sliding-window"])
 def test_rope_alibi_and_sinusoidal_generate_past_max_seq_len(name):
     model = MODELS[name]()
     prompt = [2, 7, 1, 8]
@@ -154,6 +158,23 @@ def test_cache_is_sized_from_its_shape():
     assert cache.nbytes == 2 * 2 * 3 * 50 * 32 * 4
     assert np.shares_memory(cache.k, cache.memory) and np.shares_memory(cache.v, cache.memory)
     assert KVCache(GPT2_SMALL, 2, 10).k.shape == (2, 2, 10, 60)   # GPT-2: every head cached
+
+
+def test_sliding_window_cache_holds_the_window_only():
+    """A window of W positions needs W slots, whatever the length generated:
+    position p is written to slot p % W over the oldest."""
+    config = dataclasses.replace(LLAMA, sliding_window=6)
+    assert KVCache(config, 2, 100).k.shape == (2, 2, 6, 32)
+    assert KVCache(config, 2, 4).k.shape == (2, 2, 4, 32)   # shorter than the window
+    model = Llama(config, seed=16)
+    decoder = Decoder(model, 1, 100)
+    decoder.prefill([list(range(1, 10))])    # 9 positions: 3 .. 8 kept, in slots 3, 4, 5, 0, 1, 2
+    model.forward(np.array([list(range(1, 10))]))
+    qkv = model.acts.qkvr[:, 0]
+    C, kv = config.attn_channels, config.kv_dim
+    for p in range(3, 9):
+        assert np.array_equal(decoder.cache.k[:, 0, p % 6], qkv[:, p, C:C + kv])
+    assert decoder.att.shape == (1, 4, 6)
 
 
 def test_decoder_rejects_bad_prompts_and_a_full_cache():

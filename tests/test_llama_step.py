@@ -55,6 +55,11 @@ CONFIGS = {   # id: the choices, over BASE
     "sinusoidal-original": dict(position="sinusoidal", block="post", norm="layernorm",
                                 mlp="relu", bias=True),
     "sinusoidal-hs15": dict(position="sinusoidal", channels=60),
+    # Mistral's sliding window (T = 13 and 32 run past it), also with ALiBi,
+    # multi-query and post-norm
+    "sliding-window": dict(sliding_window=5),
+    "sliding-window-alibi-mqa-post": dict(sliding_window=3, position="alibi", num_kv_heads=1,
+                                          block="post"),
 }
 
 
@@ -185,6 +190,7 @@ def _corrupt(path, slot, value, floats=False):
     ("qk_norm", LLAMA_FLAG_SLOTS["qk_norm"], 5, "qk_norm is 5, expected 0 or 1"),
     ("rope_scaling", 24, 9, "rope_scaling is 9, expected one of"),
     ("rope_original_max", 25, 0, None),   # llama3 without its context: below
+    ("sliding_window", 19, -2, "sliding_window must be an int >= 0"),
 ])
 def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
     path = tmp_path / "m.bin"

@@ -522,24 +522,26 @@ def _swiglu_dims(inp):
 
 # ---- grouped-query attention (attention.c) ----------------------------------
 
-def attention_gqa_forward(out, stats, inp, slopes, NH, NKV):
+def attention_gqa_forward(out, stats, inp, slopes, NH, NKV, window=0):
     """out[B,T,NH*hs] (written), stats[B,NH,T,2] (written: each query row's score
     max and 1/sum of exponentials, saved for backward) <- inp[B,T,(NH+2*NKV)*hs]
     (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
 
-    Query head h reads kv head h // (NH // NKV); NH % NKV must be 0."""
+    Query head h reads kv head h // (NH // NKV); NH % NKV must be 0. A
+    ``window`` > 0 is a sliding window: query t attends to keys
+    t - window + 1 .. t only (0: all keys up to t)."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_forward(
         fptr(out, "out", (B, T, NH * hs), out=True),
         fptr(stats, "stats", (B, NH, T, 2), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs), "attention_gqa_forward")
+        B, T, NH, NKV, hs, _window(window)), "attention_gqa_forward")
 
 
-def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV):
+def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV, window=0):
     """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
-    slopes[NH] (the forward's) or None."""
+    slopes[NH] (the forward's) or None, the forward's window."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_backward(
         fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
@@ -547,36 +549,36 @@ def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV):
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(stats, "stats", (B, NH, T, 2)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs), "attention_gqa_backward")
+        B, T, NH, NKV, hs, _window(window)), "attention_gqa_backward")
 
 
-def attention_gqa_probs(att, inp, stats, slopes, NH, NKV):
-    """att[B,NH,T,T] (written: the forward's probabilities, 0 above the diagonal,
-    bitwise those its out used) <- inp, stats[B,NH,T,2], slopes[NH] or None, as
-    given to attention_gqa_forward."""
+def attention_gqa_probs(att, inp, stats, slopes, NH, NKV, window=0):
+    """att[B,NH,T,T] (written: the forward's probabilities, 0 outside each row's
+    window, bitwise those its out used) <- inp, stats[B,NH,T,2], slopes[NH] or
+    None, window, as given to attention_gqa_forward."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_probs(
         fptr(att, "att", (B, NH, T, T), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(stats, "stats", (B, NH, T, 2)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs), "attention_gqa_probs")
+        B, T, NH, NKV, hs, _window(window)), "attention_gqa_probs")
 
 
-def attention_gqa_entropy(entropy, inp, stats, slopes, NH, NKV):
+def attention_gqa_entropy(entropy, inp, stats, slopes, NH, NKV, window=0):
     """entropy[B,NH,T] (written: -sum_t2 att ln att of each query row, natural
-    log, without holding att) <- inp, stats[B,NH,T,2], slopes[NH] or None, as
-    given to attention_gqa_forward."""
+    log, without holding att) <- inp, stats[B,NH,T,2], slopes[NH] or None,
+    window, as given to attention_gqa_forward."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_entropy(
         fptr(entropy, "entropy", (B, NH, T), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(stats, "stats", (B, NH, T, 2)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs), "attention_gqa_entropy")
+        B, T, NH, NKV, hs, _window(window)), "attention_gqa_entropy")
 
 
-def attention_forward_naive(out, att, inp, slopes, NH, NKV):
+def attention_forward_naive(out, att, inp, slopes, NH, NKV, window=0):
     """attention_gqa_forward's contract, by plain loops (llm.c's): the reference."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_forward_naive(
@@ -584,10 +586,10 @@ def attention_forward_naive(out, att, inp, slopes, NH, NKV):
         fptr(att, "att", (B, NH, T, T), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs), "attention_forward_naive")
+        B, T, NH, NKV, hs, _window(window)), "attention_forward_naive")
 
 
-def attention_backward_naive(dinp, dout, inp, att, NH, NKV):
+def attention_backward_naive(dinp, dout, inp, att, NH, NKV, window=0):
     """attention_gqa_backward's contract, by plain loops (llm.c's): the reference."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_backward_naive(
@@ -595,7 +597,7 @@ def attention_backward_naive(dinp, dout, inp, att, NH, NKV):
         fptr(dout, "dout", (B, T, NH * hs)),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(att, "att", (B, NH, T, T)),
-        B, T, NH, NKV, hs), "attention_backward_naive")
+        B, T, NH, NKV, hs, _window(window)), "attention_backward_naive")
 
 
 def attention_entropy_naive(entropy, att):
@@ -608,11 +610,13 @@ def attention_entropy_naive(entropy, att):
         B, NH, T), "attention_entropy_naive")
 
 
-def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):
+def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV, window=0):
     """One new position per row against a KV cache: out[B,NH*hs] (written),
-    att[B,NH,maxT] (written for t2 < lengths[b], the rest untouched) <-
-    q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs], lengths int32 [B] with
-    1 <= lengths[b] <= maxT (else RangeError), slopes[NH] float32 or None.
+    att[B,NH,maxT] (written: the probabilities of the row's window of keys,
+    from [0]; the rest untouched) <- q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs]
+    (a ring: position t2 in slot t2 % maxT), lengths int32 [B] (positions so
+    far, >= 1, the window's keys fitting in maxT slots, else RangeError),
+    slopes[NH] float32 or None, window (0: every position).
 
     Row b's query sits at position lengths[b] - 1, as in attention_gqa_forward."""
     B, maxT, kv_width = _dims(k_cache, "k_cache", 3)
@@ -628,7 +632,14 @@ def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV):
         fptr(v_cache, "v_cache", (B, maxT, NKV * hs)),
         iptr(lengths, "lengths", (B,)),
         _optional(slopes, "slopes", (NH,)),
-        B, NH, NKV, hs, maxT), "attention_decode")
+        B, NH, NKV, hs, maxT, _window(window)), "attention_decode")
+
+
+def _window(window):
+    """A sliding window's size: an int >= 0 (0: none)."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    return int(window)
 
 
 def alibi_slopes(n_heads):

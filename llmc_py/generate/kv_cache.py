@@ -9,9 +9,12 @@ allocated per token: the cache and the one-position activations are made
 once per generation.
 
 The cache is one contiguous float32 buffer, ``k`` then ``v``, each
-[L, B, max_len, NKV * hs]: a grouped-query model caches only its NKV heads.
+[L, B, slots, NKV * hs]: a grouped-query model caches only its NKV heads.
 Keys are cached as attention reads them: after qk_norm and RoPE (rotated at
-their own position).
+their own position). The slots are a ring: position p lives in slot
+p % slots. A model with a sliding window of W positions needs only the last
+W, so its cache has min(max_len, W) slots and rolls over the oldest (memory
+O(W), not O(max_len)); for other models slots = max_len and nothing rolls.
 """
 import numpy as np
 
@@ -21,25 +24,34 @@ from ..model.layout import TensorGroup, act_specs, aligned_zeros
 from .sampling import sample_next
 
 
+def cache_slots(config, max_len):
+    """The positions a cache for up to ``max_len`` positions holds at once:
+    max_len, or a sliding window's W if that is fewer."""
+    window = config.sliding_window
+    return min(max_len, window) if window else max_len
+
+
 def kv_cache_floats(config, batch_size, max_len):
-    """Floats a KV cache holds: per position of each row, every layer's key
-    and value (2 * L * NKV * hs)."""
-    return 2 * config.num_layers * batch_size * max_len * config.kv_dim
+    """Floats a KV cache for up to ``max_len`` positions holds: per slot of
+    each row (cache_slots), every layer's key and value (2 * L * NKV * hs)."""
+    return 2 * config.num_layers * batch_size * cache_slots(config, max_len) * config.kv_dim
 
 
 class KVCache:
     """Keys and values of every layer for ``batch_size`` rows of up to
-    ``max_len`` positions; ``lengths[b]`` positions of row b are filled."""
+    ``max_len`` positions, in ``slots`` slots per row (a ring, see the
+    module); ``lengths[b]`` positions of row b have been written."""
 
     def __init__(self, config, batch_size, max_len):
         L, kv_dim = config.num_layers, config.kv_dim
         if batch_size < 1 or max_len < 1:
             raise ShapeError(f"a KV cache needs batch_size, max_len >= 1, got {batch_size}, "
                              f"{max_len}")
-        shape = (L, batch_size, max_len, kv_dim)
+        self.slots = cache_slots(config, max_len)
+        shape = (L, batch_size, self.slots, kv_dim)
         count = kv_cache_floats(config, batch_size, max_len) // 2
         self.memory = aligned_zeros(2 * count, what=f"a KV cache for batch {batch_size} of "
-                                                    f"{max_len} positions")
+                                                    f"{self.slots} positions")
         self.k = self.memory[:count].reshape(shape)
         self.v = self.memory[count:].reshape(shape)
         self.lengths = np.zeros(batch_size, dtype=np.int32)
@@ -71,8 +83,9 @@ class Decoder:
         self.acts = TensorGroup(act_specs(c), c, batch_size, 1)
         self.q = aligned_zeros(batch_size * c.attn_channels).reshape(batch_size,
                                                                       c.attn_channels)
-        self.att = aligned_zeros(batch_size * c.num_heads * max_len).reshape(
-            batch_size, c.num_heads, max_len)   # attention_decode's scores
+        slots = self.cache.slots
+        self.att = aligned_zeros(batch_size * c.num_heads * slots).reshape(
+            batch_size, c.num_heads, slots)   # attention_decode's scores
         self.rows = np.arange(batch_size)
 
     def prefill(self, prompts):
@@ -95,8 +108,9 @@ class Decoder:
         qkv = a.qkvr if "qkvr" in a else a.qkv   # keys after qk_norm and RoPE
         C, kv = c.attn_channels, c.kv_dim
         for b, n in enumerate(lengths):
-            cache.k[:, b, :n] = qkv[:, b, :n, C:C + kv]
-            cache.v[:, b, :n] = qkv[:, b, :n, C + kv:]
+            kept = np.arange(max(0, n - cache.slots), n)   # the positions the ring holds
+            cache.k[:, b, kept % cache.slots] = qkv[:, b, kept, C:C + kv]
+            cache.v[:, b, kept % cache.slots] = qkv[:, b, kept, C + kv:]
         cache.lengths[:] = lengths
         return model.logits[self.rows, lengths - 1, :c.vocab_size]
 
@@ -122,16 +136,17 @@ class Decoder:
         elif c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, pos)
         lengths = pos + 1
+        slot = pos % cache.slots   # over the oldest position a sliding window has left
 
         def attend(l):
             model.position_qkv(a, l, pos)
             row = (a.qkvr[l] if "qkvr" in a else a.qkv[l])[:, 0]
             C, kv = c.attn_channels, c.kv_dim
-            cache.k[l, self.rows, pos] = row[:, C:C + kv]
-            cache.v[l, self.rows, pos] = row[:, C + kv:]
+            cache.k[l, self.rows, slot] = row[:, C:C + kv]
+            cache.v[l, self.rows, slot] = row[:, C + kv:]
             self.q[...] = row[:, :C]
             K.attention_decode(a.atty[l][:, 0], self.att, self.q, cache.k[l], cache.v[l],
-                               lengths, model.slopes, c.NH, c.NKV)
+                               lengths, model.slopes, c.NH, c.NKV, c.sliding_window)
 
         residual = a.encoded
         for l in range(c.num_layers):

@@ -1,21 +1,23 @@
 """Hugging Face model folders, in and out: config.json and model.safetensors
 (or the shards a model.safetensors.index.json lists), for GPT2LMHeadModel,
-LlamaForCausalLM and Qwen3ForCausalLM.
+LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window) and
+Qwen3ForCausalLM.
 
 Reading maps the folder's config onto a TransformerConfig and its tensors
 onto our layout (model.layout.param_specs):
 - GPT-2's Conv1D weights are stored (in, out): they are transposed into
   llm.c's (out, in); c_attn already packs q, k, v as our qkvw does. The
   attention-mask buffers (attn.bias, attn.masked_bias) are dropped.
-- Llama and Qwen3: q_proj, k_proj, v_proj stack into qkvw, gate_proj and
+- Llama, Mistral and Qwen3: q_proj, k_proj, v_proj stack into qkvw, gate_proj and
   up_proj into fcw (gate first), Qwen3's q_norm and k_norm are qnormw and
   knormw. Hugging Face's RoPE is the half-split ("rotate half") layout our
   kernels use, so q and k need no permutation (Meta's original checkpoints,
   interleaved, would; they are not read here).
 - The vocabulary is padded to a multiple of 128 rows, as llm.c does; the
   padding rows are zero.
-Writing does the reverse. A field or tensor we cannot represent (rope
-scaling, sliding windows, a bias on some layers only, an unknown tensor) is
+Writing does the reverse. A field or tensor we cannot represent (NTK rope
+scaling, a sliding window on some layers only, a bias on some layers only,
+an unknown tensor) is
 refused with an UnsupportedError or CheckpointError naming the file and the
 field or tensor; nothing is guessed.
 
@@ -35,7 +37,8 @@ from ..model.layout import checked_params, param_specs
 from .files import atomic_write
 
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
-ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
+                 "Qwen3ForCausalLM")
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", \
     "model.safetensors.index.json"
 DTYPES = {"fp32": np.float32, "bf16": "bfloat16"}   # what write_hf stores
@@ -141,7 +144,7 @@ def _gpt2_config(raw, path):
     return gpt2
 
 
-def _llama_config(raw, path, qwen3):
+def _llama_config(raw, path, qwen3, mistral=False):
     C, NH = _field(raw, path, "hidden_size"), _field(raw, path, "num_attention_heads")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -159,6 +162,7 @@ def _llama_config(raw, path, qwen3):
         _refuse(path, "use_sliding_window" if raw.get("use_sliding_window") else "layer_types",
                 raw.get("use_sliding_window") or raw.get("layer_types"),
                 "sliding-window attention is not supported")
+    window = raw.get("sliding_window") if mistral else None   # Mistral's: every layer
     head_dim = raw.get("head_dim")
     fields = dict(max_seq_len=_field(raw, path, "max_position_embeddings"),
                   vocab_size=_field(raw, path, "vocab_size"),
@@ -169,6 +173,7 @@ def _llama_config(raw, path, qwen3):
                   norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias,
                   tied_embeddings=_field(raw, path, "tie_word_embeddings", False, bool),
                   norm_eps=_field(raw, path, "rms_norm_eps", 1e-6, float), qk_norm=qwen3,
+                  sliding_window=0 if window is None else _field(raw, path, "sliding_window"),
                   **_rope(raw, path))
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     return LlamaConfig(**fields)
@@ -196,7 +201,8 @@ def read_hf_config(folder):
         if arch == "GPT2LMHeadModel":
             config = _gpt2_config(raw, path)
         else:
-            config = _llama_config(raw, path, qwen3=arch == "Qwen3ForCausalLM")
+            config = _llama_config(raw, path, qwen3=arch == "Qwen3ForCausalLM",
+                                   mistral=arch == "MistralForCausalLM")
     except ShapeError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return arch, config
@@ -212,6 +218,15 @@ def architecture(config):
             and config.head_size * config.num_heads == config.channels \
             and config.norm_eps == GPT2_CHOICES["norm_eps"]:
         return "GPT2LMHeadModel"
+    if config.sliding_window:
+        if config.norm == "rmsnorm" and config.position == "rope" and config.mlp == "swiglu" \
+                and not config.qk_norm and not config.bias:
+            return "MistralForCausalLM"
+        raise UnsupportedError(f"sliding_window={config.sliding_window} is written as "
+                               f"MistralForCausalLM, which has rmsnorm, rope, swiglu, no "
+                               f"qk_norm and no biases; this model has norm={config.norm!r}, "
+                               f"position={config.position!r}, mlp={config.mlp!r}, "
+                               f"qk_norm={config.qk_norm}, bias={config.bias}")
     if config.norm == "rmsnorm" and config.position == "rope" and config.mlp == "swiglu":
         return "Qwen3ForCausalLM" if config.qk_norm else "LlamaForCausalLM"
     raise UnsupportedError(
@@ -232,14 +247,17 @@ def hf_config(config):
                     activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
                     tie_word_embeddings=c.tied_embeddings, resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0, torch_dtype="float32")
-    if arch == "LlamaForCausalLM" and c.bias:
+    if arch == "MistralForCausalLM":
+        bias = dict(sliding_window=c.sliding_window)   # Mistral has no bias fields
+    elif arch == "LlamaForCausalLM" and c.bias:
         bias = dict(attention_bias=True, mlp_bias=True)
     elif c.bias:
         raise UnsupportedError("Qwen3ForCausalLM has no biases on its MLP: a qk_norm model "
                                "with bias=True has no Hugging Face architecture")
     else:
         bias = dict(attention_bias=False) | ({} if c.qk_norm else dict(mlp_bias=False))
-    return dict(architectures=[arch], model_type="qwen3" if c.qk_norm else "llama",
+    model_type = {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}.get(arch, "llama")
+    return dict(architectures=[arch], model_type=model_type,
                 max_position_embeddings=c.max_seq_len, vocab_size=c.vocab_size,
                 num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                 num_key_value_heads=c.num_kv_heads, hidden_size=c.channels,

@@ -136,6 +136,7 @@ def write_model(path, config, params, dtype="fp32"):
 #          weights qnormw, knormw [L, hs] follow qkvb in the parameters)
 #     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
 #     [18] block     0 pre, 1 post, 2 parallel (the norms' places)
+#     [19] sliding_window  0 (none) or the keys a query attends to
 #     [24] rope_scaling  0 none, 1 linear, 2 ntk, 3 llama3
 #     [25] rope_original_max  (llama3)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps  [2] rope_factor
@@ -144,7 +145,7 @@ def write_model(path, config, params, dtype="fp32"):
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# to 18, 24, 25 and float slots 2-4 and 8 came later: files from before hold
+# to 19, 24, 25 and float slots 2-4 and 8 came later: files from before hold
 # 0 there, which reads as before. ffn_hidden is always explicit, so the
 # Llama rule's two fields only record how it was chosen.
 MAGIC_LLAMA = 20261122
@@ -159,7 +160,7 @@ LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
 LLAMA_HEAD_DIM_SLOT = 15
 LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 8}
 # later slots, and the value their 0 (a file from before them) stands for
-LLAMA_LATER_INT_SLOTS = {"ffn_multiple_of": (17, FFN_MULTIPLE)}
+LLAMA_LATER_INT_SLOTS = {"ffn_multiple_of": (17, FFN_MULTIPLE), "sliding_window": (19, 0)}
 LLAMA_LATER_FLOAT_SLOTS = {"ffn_dim_multiplier": 1.0}
 # RoPE scaling: its kind and trained context (int slots), its factors (float slots)
 LLAMA_ROPE_SCALING_SLOT, LLAMA_ROPE_ORIGINAL_MAX_SLOT = 24, 25

@@ -19,7 +19,8 @@ norm: layernorm | rmsnorm; position: a learned table, fixed sinusoids added
 to the embedding, RoPE on q and k, or ALiBi biases in the attention; act:
 GELU (tanh or erf) | ReLU, or gated: SwiGLU | GeGLU | ReGLU (act(gate) * up);
 attention: grouped-query (NKV key/value heads; NKV = NH is GPT-2's
-multi-head attention); biases on or off; the head tied to wte or its own
+multi-head attention), over all earlier positions or a sliding window of
+the last W (Mistral's); biases on or off; the head tied to wte or its own
 lm_head. GPT-2 and Llama are presets (model.presets): their forward and
 backward are these.
 
@@ -409,7 +410,7 @@ class Transformer:
         def attend(l):
             self.position_qkv(a, l, None)
             K.attention_gqa_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
-                                    self.slopes, c.NH, c.NKV)
+                                    self.slopes, c.NH, c.NKV, c.sliding_window)
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         if c.position == "sinusoidal":
@@ -771,11 +772,11 @@ class Transformer:
         if not (rope or qk_norm):
             dqkv[...] = 0.0
             K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
-                                     c.NH, c.NKV)
+                                     c.NH, c.NKV, c.sliding_window)
             return
         dqkvr[...] = 0.0
         K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l], self.slopes,
-                                 c.NH, c.NKV)
+                                 c.NH, c.NKV, c.sliding_window)
         dnormed = dqkvr
         if rope:
             dqkvn[...] = 0.0

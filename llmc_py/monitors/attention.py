@@ -16,21 +16,25 @@ def attention_entropy_rows(model, tokens=None, targets=None):
     for l in range(c.L):
         # the model's own choice of what attention read (e.g. qkv after RoPE)
         K.attention_gqa_entropy(rows[l], model._attention_input(a, l), a.att_stats[l],
-                                model.slopes, c.NH, c.NKV)
+                                model.slopes, c.NH, c.NKV, c.sliding_window)
     return rows
 
 
-def mean_entropy(rows, normalized=False):
+def mean_entropy(rows, normalized=False, window=0):
     """(L, NH) float64 means over batch rows and query positions of
     attention_entropy_rows' ``rows``. ``normalized`` divides each row's
-    entropy by its largest possible, ln(t + 1), first (1: uniform over the
-    row's keys, 0: one key), leaving out row 0 (one key; NaN when T = 1)."""
+    entropy by its largest possible, the log of its number of keys (t + 1,
+    at most a sliding ``window``), first (1: uniform over the row's keys, 0:
+    one key), leaving out row 0 (one key; NaN when T = 1)."""
     if not normalized:
         return rows.mean(axis=(1, 3), dtype=np.float64)
     T = rows.shape[-1]
-    if T < 2:
+    if T < 2 or window == 1:
         return np.full(rows.shape[:1] + rows.shape[2:3], np.nan)
-    scaled = rows[..., 1:] / np.log(np.arange(2, T + 1, dtype=np.float64))
+    keys = np.arange(2, T + 1, dtype=np.float64)
+    if window:
+        keys = np.minimum(keys, window)
+    scaled = rows[..., 1:] / np.log(keys)
     return scaled.mean(axis=(1, 3))
 
 
@@ -40,4 +44,5 @@ def attention_entropy(model, tokens=None, targets=None, *, normalized=False):
     (natural log). ``normalized``: each row's entropy divided by ln(t + 1)
     first (see mean_entropy). Runs the forward on ``tokens`` (B, T) first,
     or reads the model's last forward's when tokens is None."""
-    return mean_entropy(attention_entropy_rows(model, tokens, targets), normalized)
+    return mean_entropy(attention_entropy_rows(model, tokens, targets), normalized,
+                        model.config.sliding_window)

@@ -160,7 +160,8 @@ class Monitor:
             "step": result.step, "lr": result.lr, "loss": result.loss, "norm": result.norm,
             "probe_loss": probe_loss,
             "attention_entropy": entropy,
-            "attention_entropy_normalized": mean_entropy(rows, normalized=True),
+            "attention_entropy_normalized": mean_entropy(
+                rows, normalized=True, window=model.config.sliding_window),
             **rep,
             "grad_norm": grad_norms, "grad_norm_layer": layer_totals(grad_norms),
             "update_ratio": ratios, "update_ratio_layer": ratio_layer,

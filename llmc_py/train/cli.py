@@ -173,6 +173,9 @@ def build_parser():
       help="llama: 1 RMS-normalises each q and k head before RoPE (Qwen3)")
     b("--head-dim", type=int, default=0,
       help="llama: channels per attention head (0: channels / heads; Qwen3 sets its own)")
+    b("--sliding-window", type=int, default=0,
+      help="llama: each query attends to its last W positions only (Mistral's sliding "
+           "window; the KV cache keeps W); 0: to every position before it")
     return p
 
 
@@ -199,7 +202,7 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
                            ffn_dim_multiplier=args.ffn_dim_multiplier,
                            bias=bool(args.bias), tied_embeddings=not args.untied,
                            rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
-                           head_dim=args.head_dim)
+                           head_dim=args.head_dim, sliding_window=args.sliding_window)
     except ShapeError as e:
         raise UsageError(f"-e {depth} --arch llama: {e}") from None
 
@@ -212,7 +215,8 @@ def describe(config):
         text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
                  + ("" if c.block == "pre" else f", {c.block} block")
                  + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
-                 + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else ""))
+                 + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else "")
+                 + (f", window {c.sliding_window}" if c.sliding_window else ""))
     return text
 
 
@@ -239,7 +243,7 @@ FLAG_RANGES = {
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
     "ffn_multiple_of": POSITIVE, "ffn_dim_multiplier": POSITIVE,
-    "head_dim": NON_NEGATIVE, "init_std": POSITIVE,
+    "head_dim": NON_NEGATIVE, "init_std": POSITIVE, "sliding_window": NON_NEGATIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
 }
