@@ -107,7 +107,9 @@ def format_summary(config, B, T, precision="fp32", source=None):
               "  of them kept; scratch: estimated for this machine's threads)",
               "", f"KV cache (float32): {kv_cache_bytes(c):,} bytes per token "
                   f"(2 x {c.L} layers x {c.NKV} kv heads x {c.head_size}); "
-                  f"{_bytes(kv_cache_bytes(c, B, T))} for {B} x {T} tokens"]
+                  f"{_bytes(kv_cache_bytes(c, B, T))} for {B} x {T} tokens"
+                  + (f" (a rolling cache of the sliding window's {c.sliding_window} "
+                     f"positions per row)" if c.sliding_window else "")]
     return "\n".join(lines)
 
 
