@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, GPT2Config, LlamaConfig,
-                      padded_vocab)
+from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config,
+                      LlamaConfig, padded_vocab)
 from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
@@ -173,6 +173,13 @@ def build_parser():
       help="llama: 1 RMS-normalises each q and k head before RoPE (Qwen3)")
     b("--head-dim", type=int, default=0,
       help="llama: channels per attention head (0: channels / heads; Qwen3 sets its own)")
+    b("--rope-scaling", choices=ROPE_SCALINGS, default="none",
+      help="llama: RoPE's frequencies for a context --rope-factor times longer: linear "
+           "(position interpolation), ntk (a larger base) or llama3 (Llama 3.1's rule, "
+           "with --rope-original-max)")
+    b("--rope-factor", type=float, default=1.0, help="llama: --rope-scaling's factor")
+    b("--rope-original-max", type=int, default=0,
+      help="llama: --rope-scaling llama3's original context (Llama 3.1: 8192)")
     b("--sliding-window", type=int, default=0,
       help="llama: each query attends to its last W positions only (Mistral's sliding "
            "window; the KV cache keeps W); 0: to every position before it")
@@ -202,7 +209,9 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
                            ffn_dim_multiplier=args.ffn_dim_multiplier,
                            bias=bool(args.bias), tied_embeddings=not args.untied,
                            rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
-                           head_dim=args.head_dim, sliding_window=args.sliding_window)
+                           head_dim=args.head_dim, sliding_window=args.sliding_window,
+                           rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
+                           rope_original_max=args.rope_original_max)
     except ShapeError as e:
         raise UsageError(f"-e {depth} --arch llama: {e}") from None
 
@@ -216,7 +225,9 @@ def describe(config):
                  + ("" if c.block == "pre" else f", {c.block} block")
                  + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
                  + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else "")
-                 + (f", window {c.sliding_window}" if c.sliding_window else ""))
+                 + (f", window {c.sliding_window}" if c.sliding_window else "")
+                 + (f", rope {c.rope_scaling} x{c.rope_factor:g}"
+                    if c.rope_scaling != "none" else ""))
     return text
 
 
@@ -244,6 +255,7 @@ FLAG_RANGES = {
     "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
     "ffn_multiple_of": POSITIVE, "ffn_dim_multiplier": POSITIVE,
     "head_dim": NON_NEGATIVE, "init_std": POSITIVE, "sliding_window": NON_NEGATIVE,
+    "rope_factor": POSITIVE, "rope_original_max": NON_NEGATIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
 }
