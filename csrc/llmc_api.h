@@ -463,6 +463,8 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  * a = p * theta^(-2i/hs) (computed in double):
  *   out[i]        = x[i] cos a - x[i + hs/2] sin a
  *   out[i + hs/2] = x[i + hs/2] cos a + x[i] sin a
+ * With interleaved = 1, Meta's original layout: pair i is channels 2i and
+ * 2i + 1 (out[2i] = x[2i] cos a - x[2i+1] sin a, and so on), same angles.
  * The NKV v heads are copied unchanged.
  *
  *   out [B, T, (NH + 2 NKV) hs]  (written; may be inp) rotated q, rotated k, v
@@ -470,10 +472,11 @@ int attention_decode(float* out, float* att, const float* q, const float* k_cach
  *   pos [B] int32 position of each row's first token, >= 0; or NULL (all 0)
  *   inv_freq [hs/2] float64 each pair's frequency (a scaled RoPE), positive
  *       and finite, else LLMC_ERR_VALUE; or NULL: theta^(-2i/hs)
+ *   interleaved 0 (half-split) or 1 (interleaved pairs), else LLMC_ERR_VALUE
  * hs must be even; theta must be positive and finite, else LLMC_ERR_VALUE.
  */
 int rope_forward(float* out, const float* inp, const int* pos, const double* inv_freq,
-                 int B, int T, int NH, int NKV, int hs, float theta);
+                 int B, int T, int NH, int NKV, int hs, float theta, int interleaved);
 
 /*
  * rope_backward: gradients of rope_forward (the inverse rotation of dout;
@@ -481,10 +484,11 @@ int rope_forward(float* out, const float* inp, const int* pos, const double* inv
  *
  *   dinp [B, T, (NH + 2 NKV) hs]  (+=)
  *   dout [B, T, (NH + 2 NKV) hs]
- *   pos  [B] int32 or NULL, inv_freq [hs/2] or NULL, as in the forward
+ *   pos  [B] int32 or NULL, inv_freq [hs/2] or NULL, interleaved, as in the
+ *        forward
  */
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
-                  int B, int T, int NH, int NKV, int hs, float theta);
+                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved);
 
 /* ---- activations.c ------------------------------------------------------ */
 

@@ -1,9 +1,10 @@
 /*
  * Rotary position embedding (Llama), forward and backward, on packed
- * [q heads | k heads | v heads] rows in the half-split pair layout stated in
- * llmc_api.h.
+ * [q heads | k heads | v heads] rows in either pair layout stated in
+ * llmc_api.h: half-split (Hugging Face's) or interleaved (Meta's original).
  *
- * Each pair (x[i], x[i + hs/2]) turns by the angle a = p * f_i, with the
+ * Each pair (x[i], x[i + hs/2]), or (x[2i], x[2i + 1]) interleaved, turns by
+ * the angle a = p * f_i, with the
  * frequency f_i = theta^(-2i/hs), or inv_freq[i] when the caller gives them
  * (a scaled RoPE: linear interpolation, NTK, Llama 3's rule; see config.py):
  *   forward   R(a)  = [cos a, -sin a; sin a, cos a]
@@ -58,13 +59,37 @@ static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0
 }
 
 /*
+ * Turns n pairs: pair j is (x[j step], x[j step + partner]), step 1 and
+ * partner hs/2 half-split, step 2 and partner 1 interleaved; forward writes
+ * the rotation by +a, backward adds the rotation by -a.
+ */
+static LLMC_ALWAYS_INLINE void turn_pairs(float* y, const float* x, const float* c,
+                                          const float* s, int n, int step, int partner,
+                                          int backward) {
+    if (backward) {
+        for (int j = 0; j < n; j++) {
+            const float a1 = x[j * step], a2 = x[j * step + partner];
+            y[j * step] += a1 * c[j] + a2 * s[j];
+            y[j * step + partner] += a2 * c[j] - a1 * s[j];
+        }
+    } else {
+        for (int j = 0; j < n; j++) {
+            const float a1 = x[j * step], a2 = x[j * step + partner];
+            y[j * step] = a1 * c[j] - a2 * s[j];
+            y[j * step + partner] = a2 * c[j] + a1 * s[j];
+        }
+    }
+}
+
+/*
  * One (b, t) row at position p, the one loop behind both directions: the
  * forward rotates by +a and writes, the backward rotates by -a and
  * accumulates. The v heads are copied or accumulated unchanged.
  */
 static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int64_t p, int NH,
                                              int NKV, int hs, float theta,
-                                             const double* inv_freq, int backward) {
+                                             const double* inv_freq, int interleaved,
+                                             int backward) {
     const int half = hs / 2;
     const int nrot = NH + NKV;                          // heads that turn
     float c[ROPE_CHUNK], s[ROPE_CHUNK];
@@ -72,21 +97,11 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int
         const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
         rope_angles(c, s, p, i0, n, hs, (double)theta, inv_freq);
         for (int h = 0; h < nrot; h++) {
-            const float* x1 = x_bt + (size_t)h * hs + i0;   // first half
-            const float* x2 = x1 + half;                    // its partners
-            float* y1 = y_bt + (size_t)h * hs + i0;
-            float* y2 = y1 + half;
-            if (backward) {
-                for (int j = 0; j < n; j++) {
-                    y1[j] += x1[j] * c[j] + x2[j] * s[j];
-                    y2[j] += x2[j] * c[j] - x1[j] * s[j];
-                }
+            const size_t at = (size_t)h * hs + (size_t)(interleaved ? 2 * i0 : i0);
+            if (interleaved) {   // constant strides in each branch: two specialised loops
+                turn_pairs(y_bt + at, x_bt + at, c, s, n, 2, 1, backward);
             } else {
-                for (int j = 0; j < n; j++) {
-                    const float a1 = x1[j], a2 = x2[j];
-                    y1[j] = a1 * c[j] - a2 * s[j];
-                    y2[j] = a2 * c[j] + a1 * s[j];
-                }
+                turn_pairs(y_bt + at, x_bt + at, c, s, n, 1, half, backward);
             }
         }
     }
@@ -99,38 +114,41 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* y_bt, const float* x_bt, int
     }
 }
 LLMC_ISA_VARIANTS(rope_row, (float* y_bt, const float* x_bt, int64_t p, int NH, int NKV, int hs,
-                             float theta, const double* inv_freq, int backward),
-                  y_bt, x_bt, p, NH, NKV, hs, theta, inv_freq, backward)
+                             float theta, const double* inv_freq, int interleaved, int backward),
+                  y_bt, x_bt, p, NH, NKV, hs, theta, inv_freq, interleaved, backward)
 
 /* Both directions over all rows, in parallel. */
 static void rope_apply(float* out, const float* inp, const int* pos, const double* inv_freq,
-                       int B, int T, int NH, int NKV, int hs, float theta, int backward) {
+                       int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
+                       int backward) {
     const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
     const int64_t BT = (int64_t)B * T;
     void (*const row_fn)(float*, const float*, int64_t, int, int, int, float, const double*,
-                         int) =
+                         int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
 
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         const int64_t p = (pos != NULL ? (int64_t)pos[bt / T] : 0) + bt % T;
         row_fn(out + (size_t)bt * row, inp + (size_t)bt * row, p, NH, NKV, hs, theta, inv_freq,
-               backward);
+               interleaved, backward);
     }
 }
 
 int rope_forward(float* out, const float* inp, const int* pos, const double* inv_freq,
-                 int B, int T, int NH, int NKV, int hs, float theta) {
+                 int B, int T, int NH, int NKV, int hs, float theta, int interleaved) {
     const int status = rope_check(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    rope_apply(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta, 0);
+    LLMC_REQUIRE(interleaved == 0 || interleaved == 1, LLMC_ERR_VALUE);
+    rope_apply(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 0);
     return LLMC_OK;
 }
 
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
-                  int B, int T, int NH, int NKV, int hs, float theta) {
+                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved) {
     const int status = rope_check(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    rope_apply(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta, 1);
+    LLMC_REQUIRE(interleaved == 0 || interleaved == 1, LLMC_ERR_VALUE);
+    rope_apply(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 1);
     return LLMC_OK;
 }

@@ -88,6 +88,8 @@ class TransformerConfig:
     rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max / low
                                          # are divided by the factor
     rope_high_freq_factor: float = 4.0   # llama3: ... below original_max / high kept
+    rope_interleaved: bool = False   # RoPE pairs channels 2i, 2i+1 (Meta's original layout)
+                                     # instead of i, i + hs/2 (Hugging Face's)
     sliding_window: int = 0          # W > 0: each query attends to its last W positions,
                                      # itself included (Mistral's); 0: to all before it
 
@@ -137,7 +139,7 @@ class TransformerConfig:
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("bias", "tied_embeddings", "qk_norm"):
+        for name in ("bias", "tied_embeddings", "qk_norm", "rope_interleaved"):
             if not isinstance(getattr(self, name), bool):
                 raise ShapeError(f"{kind}.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
@@ -163,6 +165,9 @@ class TransformerConfig:
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ShapeError(f"{kind}.rope_scaling must be one of {ROPE_SCALINGS}, got "
                              f"{self.rope_scaling!r}")
+        if self.rope_interleaved and self.position != "rope":
+            raise ShapeError(f"{kind}.rope_interleaved is a RoPE layout; it needs "
+                             f"position='rope', got {self.position!r}")
         if self.rope_scaling != "none" and self.position != "rope":
             raise ShapeError(f"{kind}.rope_scaling={self.rope_scaling!r} needs position='rope'")
         if not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) \
@@ -250,7 +255,7 @@ class TransformerConfig:
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
             and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
             and self.attn_channels == self.channels and not self.qk_norm \
-            and self.block == "pre" and self.sliding_window == 0
+            and self.block == "pre" and self.sliding_window == 0 and not self.rope_interleaved
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property

@@ -111,7 +111,7 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
                                      c.num_kv_heads, c.norm_eps)[0]
             if c.position == "rope":
                 qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
-                             c.rope_inv_freq())
+                             c.rope_inv_freq(), c.rope_interleaved)
             h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes,
                                      c.sliding_window)
             return matmul(h, param("attprojw", l), param("attprojb", l)), att

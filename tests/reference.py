@@ -70,13 +70,15 @@ def _softmax_last(scores):
     return e / e.sum(-1, keepdim=True)
 
 
-def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None):
+def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None, interleaved=False):
     """Rotary embedding of packed rows x [B,T,(NH+2NKV)hs]: the NH q and NKV k
     heads turn, the NKV v heads stay. Half-split pairs: channel i of a head
     pairs with channel i + hs/2, turned by the angle p * theta^(-2i/hs) at
     position p = pos[b] + t (pos a long tensor [B], or None for all 0), or by
     p * inv_freq[i] when given (a scaled RoPE's frequencies):
-      (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)"""
+      (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+    ``interleaved`` (Meta's original): channels 2i and 2i + 1 are the real and
+    imaginary parts of a complex number, multiplied by exp(i angle)."""
     B, T, CH = x.shape
     hs = CH // (NH + 2 * NKV)
     half = hs // 2
@@ -88,6 +90,11 @@ def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None):
     cos, sin = torch.cos(angle), torch.sin(angle)
     nrot = (NH + NKV) * hs
     qk = x[..., :nrot].reshape(B, T, NH + NKV, hs)
+    if interleaved:
+        pairs = torch.view_as_complex(qk.to(torch.float64).reshape(B, T, NH + NKV, half, 2)
+                                      .contiguous())
+        turned = torch.view_as_real(pairs * torch.polar(torch.ones_like(angle), angle))
+        return torch.cat([turned.reshape(B, T, nrot).to(x.dtype), x[..., nrot:]], dim=-1)
     x1, x2 = qk[..., :half], qk[..., half:]
     turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)

@@ -54,9 +54,10 @@ _NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_VALUE"), ({"eps": float("nan")}, "LLM
                  ({"eps": -1.0, "C": 0}, "LLMC_ERR_SHAPE"))   # a bad size is reported first
 # RoPE: an even head size and a positive, finite theta
 _ROPE = dict(optional=frozenset({"pos", "inv_freq"}), valid={"hs": 2, "theta": 10000.0},
-             fill={"inv_freq": 1.0},
+             fill={"inv_freq": 1.0}, not_sizes=frozenset({"interleaved"}),
              bad=(({"hs": 3}, "LLMC_ERR_SHAPE"), ({"theta": 0.0}, "LLMC_ERR_VALUE"),
                   ({"theta": float("inf")}, "LLMC_ERR_VALUE"),
+                  ({"interleaved": 2}, "LLMC_ERR_VALUE"), ({"interleaved": -1}, "LLMC_ERR_VALUE"),
                   ({"B": 2**30, "T": 2**30, "hs": 2}, "LLMC_ERR_SHAPE")))
 
 # attention with a sliding window: the window may be 0 (none), not negative

@@ -348,6 +348,32 @@ def test_export_refuses_what_no_architecture_holds(tmp_path):
     assert not (tmp_path / "config.json").exists()
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_interleaved_rope_exports_as_the_same_model(tmp_path, qk_norm):
+    """A model with Meta's interleaved RoPE is written with its q and k
+    rows (and qk_norm weights) in the half-split order: transformers gives
+    its logits."""
+    config = llmc_py.LlamaConfig(max_seq_len=32, vocab_size=V, padded_vocab_size=384,
+                                 num_layers=2, num_heads=4, num_kv_heads=2, channels=64,
+                                 rope_interleaved=True, qk_norm=qk_norm)
+    model = llmc_py.Llama(config, seed=3)
+    rng = np.random.default_rng(3)
+    for name in model.params.names:   # norm weights away from 1
+        if name.endswith("normw") or name.startswith("ln"):
+            model.params[name][...] += 0.1 * rng.standard_normal(model.params[name].shape)
+    model.save_pretrained(tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = rng.integers(0, V, (2, 19))
+    model.forward(x)
+    with torch.no_grad():
+        ref = hf(torch.tensor(x)).logits.numpy()
+    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
+    back = load_model(tmp_path)   # read back: half-split, the same logits
+    assert not back.config.rope_interleaved
+    back.forward(x)
+    assert rel_to_max(back.logits[..., :V], model.logits[..., :V]) < 1e-5
+
+
 def test_fuzzed_config_fields_raise_our_errors(tmp_path):
     """Every config.json field set to values of the wrong type or range: the
     folder loads (a field that does not matter) or raises an LlmcError

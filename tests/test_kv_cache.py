@@ -51,6 +51,8 @@ MODELS = {
                                                             norm="layernorm", bias=True),
                                         seed=12),
     "sinusoidal": lambda: Llama(dataclasses.replace(LLAMA, position="sinusoidal"), seed=13),
+    "rope-interleaved": lambda: Llama(dataclasses.replace(LLAMA, rope_interleaved=True),
+                                      seed=17),
     # a sliding window: a rolling cache of W slots (prompts of 7 and 12 overflow 5)
     "sliding-window": lambda: Llama(dataclasses.replace(LLAMA, sliding_window=5), seed=14),
     "sliding-window-alibi-mqa": lambda: Llama(dataclasses.replace(

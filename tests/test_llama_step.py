@@ -55,6 +55,10 @@ CONFIGS = {   # id: the choices, over BASE
     "sinusoidal-original": dict(position="sinusoidal", block="post", norm="layernorm",
                                 mlp="relu", bias=True),
     "sinusoidal-hs15": dict(position="sinusoidal", channels=60),
+    # Meta's interleaved RoPE pairs, also with qk_norm and a scaled RoPE
+    "rope-interleaved": dict(rope_interleaved=True),
+    "rope-interleaved-qknorm-linear": dict(rope_interleaved=True, qk_norm=True,
+                                           rope_scaling="linear", rope_factor=2.0),
     # Mistral's sliding window (T = 13 and 32 run past it), also with ALiBi,
     # multi-query and post-norm
     "sliding-window": dict(sliding_window=5),
@@ -191,6 +195,8 @@ def _corrupt(path, slot, value, floats=False):
     ("rope_scaling", 24, 9, "rope_scaling is 9, expected one of"),
     ("rope_original_max", 25, 0, None),   # llama3 without its context: below
     ("sliding_window", 19, -2, "sliding_window must be an int >= 0"),
+    ("rope_interleaved", LLAMA_FLAG_SLOTS["rope_interleaved"], 3,
+     "rope_interleaved is 3, expected 0 or 1"),
 ])
 def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
     path = tmp_path / "m.bin"

@@ -1,5 +1,5 @@
-"""csrc/rope.c: rotary position embedding (half-split pairs) against the
-float64 reference and autograd."""
+"""csrc/rope.c: rotary position embedding (half-split pairs, and Meta's
+interleaved ones) against the float64 reference and autograd."""
 import numpy as np
 import pytest
 import torch
@@ -38,16 +38,16 @@ def make_pos(rng, B, kind):
     return pos
 
 
-def forward(x, pos, NH, NKV, theta=10000.0):
+def forward(x, pos, NH, NKV, theta=10000.0, interleaved=False):
     out = np.full_like(x, np.nan)   # (written): must not be read
-    K.rope_forward(out, x, pos, NH, NKV, theta)
+    K.rope_forward(out, x, pos, NH, NKV, theta, interleaved=interleaved)
     return out
 
 
-def backward(dout, pos, NH, NKV, theta=10000.0, calls=1):
+def backward(dout, pos, NH, NKV, theta=10000.0, calls=1, interleaved=False):
     dinp = np.zeros_like(dout)
     for _ in range(calls):
-        K.rope_backward(dinp, dout, pos, NH, NKV, theta)
+        K.rope_backward(dinp, dout, pos, NH, NKV, theta, interleaved=interleaved)
     return dinp
 
 
@@ -78,6 +78,32 @@ def test_rope_rotates_the_right_pairs():
     out = forward(x, np.array([1], np.int32), 1, 1, theta=1.0)
     c, s = np.cos(1.0), np.sin(1.0)
     expected = [1 * c - 3 * s, 2 * c - 4 * s, 3 * c + 1 * s, 4 * c + 2 * s]
+    assert_close("q head", out[0, 0, :4], expected, TOL["rope"]["fwd"])
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs", SHAPES)
+def test_interleaved_rope_matches_reference(rng, isa, B, T, NH, NKV, hs):
+    # Meta's pairs (2i, 2i + 1), against the reference's complex rotation
+    x, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    pos = make_pos(rng, B, "offset")
+    out = forward(x, pos, NH, NKV, interleaved=True)
+    dinp = backward(dout, pos, NH, NKV, interleaved=True)
+    xt = t64(x, grad=True)
+    ref = ref_rope(xt, t64(pos), NH, NKV, interleaved=True)
+    (ref * t64(dout)).sum().backward()
+    assert_close("out", out, ref, TOL["rope"]["fwd"])
+    assert_close("dinp", dinp, xt.grad, TOL["rope"]["bwd"])
+    if hs > 2:   # with more than one pair per head, the half-split layout differs
+        assert not np.allclose(forward(x, pos, NH, NKV), out)
+
+
+def test_interleaved_rope_rotates_neighbours():
+    # hs = 4, one q head: pairs (0, 1) and (2, 3); at position 1 with theta = 1
+    # the first pair turns by 1 radian, the second by 1 / 1 = 1 as well
+    x = np.array([[[1.0, 2.0, 3.0, 4.0] + [0.0] * 8]], np.float32)
+    out = forward(x, np.array([1], np.int32), 1, 1, theta=1.0, interleaved=True)
+    c, s = np.cos(1.0), np.sin(1.0)
+    expected = [1 * c - 2 * s, 2 * c + 1 * s, 3 * c - 4 * s, 4 * c + 3 * s]
     assert_close("q head", out[0, 0, :4], expected, TOL["rope"]["fwd"])
 
 
@@ -164,17 +190,17 @@ def test_rope_c_rejects_odd_head_size_and_bad_values():
     buf = ffi.new("float[]", 64)
     pos = ffi.new("int[]", [3, -2])
     N = ffi.NULL
-    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 4, 0.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_forward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4) == lib.LLMC_ERR_RANGE
-    assert lib.rope_forward(buf, buf, pos, N, 1, 1, 2, 1, 4, 1e4) == lib.LLMC_OK   # pos[0] only
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4, 0) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4, 0) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 4, 0.0, 0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0, 0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_forward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_RANGE
+    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_RANGE
+    assert lib.rope_forward(buf, buf, pos, N, 1, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_OK   # pos[0] only
     for bad in ([1.0, 0.0], [1.0, -1.0], [float("nan"), 1.0], [float("inf"), 1.0]):
         freq = ffi.new("double[]", bad)
-        assert lib.rope_forward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
-        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4) == lib.LLMC_ERR_VALUE
+        assert lib.rope_forward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_VALUE
+        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_VALUE
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(2, 37, 4, 2, 16), (1, 5, 3, 1, 2)])
@@ -222,16 +248,11 @@ def test_rope_rejects_wrong_dtypes(rng):
         K.rope_backward(np.zeros(dout.shape, np.float64), dout, None, 2, 1)
 
 
-def interleaved_rope(x, heads, hs, theta=1e4):
-    """Meta's layout: channel 2i of a head turns with 2i + 1 (float64 torch)."""
+def interleaved_rope(x, heads, hs):
+    """Meta's layout on one sequence's q or k heads x [T, heads hs] (float64)."""
     T = x.shape[0]
-    freq = theta ** (-2.0 * torch.arange(hs // 2, dtype=torch.float64) / hs)
-    angle = torch.arange(T, dtype=torch.float64)[:, None, None] * freq     # [T, 1, hs/2]
-    pairs = x.reshape(T, heads, hs // 2, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
-    turned = torch.stack([a * torch.cos(angle) - b * torch.sin(angle),
-                          b * torch.cos(angle) + a * torch.sin(angle)], dim=-1)
-    return turned.reshape(T, heads * hs)
+    packed = torch.cat([x, torch.zeros(T, 2 * hs, dtype=x.dtype)], dim=1)   # + a k, a v head
+    return ref_rope(packed[None], None, heads, 1, interleaved=True)[0, :, :heads * hs]
 
 
 def test_interleaved_weights_permuted_give_the_same_scores(rng):
@@ -257,3 +278,9 @@ def test_interleaved_weights_permuted_give_the_same_scores(rng):
     unpermuted = turned[:, :hs] @ turned[:, NH * hs:(NH + 1) * hs].T
     assert not torch.allclose(unpermuted, q[:, 0] @ k[:, 0].T, rtol=1e-3)
     assert np.array_equal(half_split_to_interleaved(ours_q, NH, hs), wq)
+    # and our kernel's interleaved layout on the original weights: the same scores
+    qkv = np.concatenate([x @ wq.T, x @ wk.T, np.zeros((T, NKV * hs))], axis=1)
+    turned = forward(qkv[None].astype(np.float32), None, NH, NKV, interleaved=True)[0]
+    for h in range(NH):
+        ours = turned[:, h * hs:(h + 1) * hs] @ turned[:, NH * hs:(NH + 1) * hs].T
+        assert_close(f"scores head {h}", ours, q[:, h] @ k[:, 0].T, TOL["rope"]["fwd"])

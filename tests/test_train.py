@@ -473,13 +473,14 @@ def test_llama_block_flag_reaches_the_model_file(shards, tmp_path, capsys, block
     assert f"sinusoidal, swiglu 192, {block} block" in capsys.readouterr().out
 
 
-def test_sliding_window_and_rope_scaling_flags_reach_the_model_file(shards, tmp_path, capsys):
+def test_sliding_window_and_rope_flags_reach_the_model_file(shards, tmp_path, capsys):
     out = tmp_path / "out"
     assert run(shards, out, "-x", "2", "-n", "2", "--arch", "llama", "--sliding-window", "5",
-               "--rope-scaling", "linear", "--rope-factor", "2") == 0
+               "--rope-scaling", "linear", "--rope-factor", "2", "--rope-interleaved", "1") == 0
     config = load_model(out / "model_00000002.bin").config
-    assert (config.sliding_window, config.rope_scaling, config.rope_factor) == (5, "linear", 2.0)
-    assert "window 5, rope linear x2" in capsys.readouterr().out
+    assert (config.sliding_window, config.rope_scaling, config.rope_factor,
+            config.rope_interleaved) == (5, "linear", 2.0, True)
+    assert "window 5, rope linear x2, interleaved rope" in capsys.readouterr().out
     # a resume must keep them
     assert run(shards, out, "-x", "3", "-n", "2", "-y", "1", "--arch", "llama",
                "--sliding-window", "6") == 1

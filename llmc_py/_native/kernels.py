@@ -419,11 +419,11 @@ def head_rmsnorm_backward(dinp, dqweight, dkweight, dout, inp, qweight, kweight,
         B, T, NH, NKV, hs), "head_rmsnorm_backward")
 
 
-def rope_forward(out, inp, pos, NH, NKV, theta=10000.0, inv_freq=None):
+def rope_forward(out, inp, pos, NH, NKV, theta=10000.0, inv_freq=None, interleaved=False):
     """out[B,T,(NH+2NKV)hs] (written; may be inp): q and k heads of inp rotated
-    (half-split pairs i, i+hs/2) by (pos[b]+t) * f_i, f_i = theta^(-2i/hs) or
-    inv_freq[i] (float64 [hs/2], a scaled RoPE) when given; v heads copied;
-    pos int32 [B] >= 0 or None."""
+    (half-split pairs i, i+hs/2; ``interleaved``: pairs 2i, 2i+1) by
+    (pos[b]+t) * f_i, f_i = theta^(-2i/hs) or inv_freq[i] (float64 [hs/2], a
+    scaled RoPE) when given; v heads copied; pos int32 [B] >= 0 or None."""
     B, T, CH = _dims(inp, "inp", 3)
     hs = _rope_head_size(CH, NH, NKV)
     check(lib.rope_forward(
@@ -431,10 +431,10 @@ def rope_forward(out, inp, pos, NH, NKV, theta=10000.0, inv_freq=None):
         fptr(inp, "inp", (B, T, CH)),
         ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
         ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
-        B, T, NH, NKV, hs, theta), "rope_forward")
+        B, T, NH, NKV, hs, theta, int(bool(interleaved))), "rope_forward")
 
 
-def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0, inv_freq=None):
+def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0, inv_freq=None, interleaved=False):
     """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through)."""
     B, T, CH = _dims(dout, "dout", 3)
     hs = _rope_head_size(CH, NH, NKV)
@@ -443,7 +443,7 @@ def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0, inv_freq=None):
         fptr(dout, "dout", (B, T, CH)),
         ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
         ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
-        B, T, NH, NKV, hs, theta), "rope_backward")
+        B, T, NH, NKV, hs, theta, int(bool(interleaved))), "rope_backward")
 
 
 def swiglu_forward(out, inp):

@@ -12,7 +12,9 @@ onto our layout (model.layout.param_specs):
   up_proj into fcw (gate first), Qwen3's q_norm and k_norm are qnormw and
   knormw. Hugging Face's RoPE is the half-split ("rotate half") layout our
   kernels use, so q and k need no permutation (Meta's original checkpoints,
-  interleaved, would; they are not read here).
+  interleaved, would; they are not read here). A model of ours with
+  rope_interleaved is written with its q and k rows permuted into the
+  half-split layout (io.rope_layout): the same model, as Hugging Face's.
 - The vocabulary is padded to a multiple of 128 rows, as llm.c does; the
   padding rows are zero.
 Writing does the reverse. A field or tensor we cannot represent (NTK rope
@@ -35,6 +37,7 @@ from ..config import GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
 from ..model.layout import checked_params, param_specs
 from .files import atomic_write
+from .rope_layout import interleaved_to_half_split
 
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
 ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
@@ -346,8 +349,23 @@ def hf_tensors(config, params):
             value = tensor if l is None else tensor[l]
             parts = [value] if rows is None else np.split(value, np.cumsum(rows)[:-1], axis=0)
             for template, part in zip(templates, parts):
-                out[template.format(l=l)] = np.ascontiguousarray(part.T if transposed else part)
+                hf_name = template.format(l=l)
+                if config.rope_interleaved:
+                    part = _as_half_split(config, hf_name, part)
+                out[hf_name] = np.ascontiguousarray(part.T if transposed else part)
     return out
+
+
+def _as_half_split(config, hf_name, tensor):
+    """A q or k tensor (projection rows, bias, qk_norm weight) of a model with
+    Meta's interleaved RoPE, reordered for Hugging Face's half-split RoPE
+    (io.rope_layout): the same model. Other tensors are returned as they are."""
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads, "q_norm": 1,
+             "k_norm": 1}
+    for part, count in heads.items():
+        if f".{part}." in hf_name:
+            return interleaved_to_half_split(tensor, count, config.head_size)
+    return tensor
 
 
 def _open_files(folder):

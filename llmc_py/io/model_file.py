@@ -137,6 +137,7 @@ def write_model(path, config, params, dtype="fp32"):
 #     [17] ffn_multiple_of  the Llama hidden-size rule's rounding (0: 32)
 #     [18] block     0 pre, 1 post, 2 parallel (the norms' places)
 #     [19] sliding_window  0 (none) or the keys a query attends to
+#     [20] rope_interleaved  0 (pairs i, i + hs/2) or 1 (pairs 2i, 2i + 1)
 #     [24] rope_scaling  0 none, 1 linear, 2 ntk, 3 llama3
 #     [25] rope_original_max  (llama3)
 #   256 float32 header slots: [0] rope_theta  [1] norm_eps  [2] rope_factor
@@ -145,7 +146,7 @@ def write_model(path, config, params, dtype="fp32"):
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
 # Unused slots are 0; a reader rejects any field out of its range. Slots 15
-# to 19, 24, 25 and float slots 2-4 and 8 came later: files from before hold
+# to 20, 24, 25 and float slots 2-4 and 8 came later: files from before hold
 # 0 there, which reads as before. ffn_hidden is always explicit, so the
 # Llama rule's two fields only record how it was chosen.
 MAGIC_LLAMA = 20261122
@@ -156,7 +157,7 @@ LLAMA_INT_SLOTS = {"max_seq_len": 2, "vocab_size": 3, "num_layers": 4, "num_head
                    "channels": 6, "padded_vocab_size": 7, "num_kv_heads": 8, "ffn_hidden": 9}
 LLAMA_CHOICE_SLOTS = {"norm": (10, NORMS), "position": (11, POSITIONS), "mlp": (12, MLPS),
                       "block": (18, BLOCKS)}
-LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16}
+LLAMA_FLAG_SLOTS = {"bias": 13, "tied_embeddings": 14, "qk_norm": 16, "rope_interleaved": 20}
 LLAMA_HEAD_DIM_SLOT = 15
 LLAMA_FLOAT_SLOTS = {"rope_theta": 0, "norm_eps": 1, "ffn_dim_multiplier": 8}
 # later slots, and the value their 0 (a file from before them) stands for

@@ -431,7 +431,8 @@ class Transformer:
                                    c.NH, c.NKV, c.norm_eps)
             qkv = a.qkvr[l]   # RoPE turns it in place
         if c.position == "rope":
-            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
+            K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq,
+                           c.rope_interleaved)
 
     @staticmethod
     def _attention_input(a, l):
@@ -780,7 +781,8 @@ class Transformer:
         dnormed = dqkvr
         if rope:
             dqkvn[...] = 0.0
-            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq)
+            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq,
+                            c.rope_interleaved)
             dnormed = dqkvn
         if qk_norm:
             dqkv[...] = 0.0

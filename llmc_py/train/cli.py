@@ -178,6 +178,9 @@ def build_parser():
            "(position interpolation), ntk (a larger base) or llama3 (Llama 3.1's rule, "
            "with --rope-original-max)")
     b("--rope-factor", type=float, default=1.0, help="llama: --rope-scaling's factor")
+    b("--rope-interleaved", type=int, choices=(0, 1), default=0,
+      help="llama: 1 turns RoPE's pairs of neighbouring channels (2i, 2i+1: Meta's original "
+           "layout) instead of i and i + hs/2 (Hugging Face's)")
     b("--rope-original-max", type=int, default=0,
       help="llama: --rope-scaling llama3's original context (Llama 3.1: 8192)")
     b("--sliding-window", type=int, default=0,
@@ -211,7 +214,8 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None)
                            rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
                            head_dim=args.head_dim, sliding_window=args.sliding_window,
                            rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
-                           rope_original_max=args.rope_original_max)
+                           rope_original_max=args.rope_original_max,
+                           rope_interleaved=bool(args.rope_interleaved))
     except ShapeError as e:
         raise UsageError(f"-e {depth} --arch llama: {e}") from None
 
@@ -227,7 +231,8 @@ def describe(config):
                  + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else "")
                  + (f", window {c.sliding_window}" if c.sliding_window else "")
                  + (f", rope {c.rope_scaling} x{c.rope_factor:g}"
-                    if c.rope_scaling != "none" else ""))
+                    if c.rope_scaling != "none" else "")
+                 + (", interleaved rope" if c.rope_interleaved else ""))
     return text
 
 

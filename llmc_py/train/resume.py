@@ -12,7 +12,7 @@ FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", "norm", "position", "mlp", "kv
                      "ffn_hidden", "bias", "untied", "rope_theta", "qk_norm", "head_dim",
                      "init_scheme", "init_std", "block", "ffn_multiple_of",
                      "ffn_dim_multiplier", "sliding_window", "rope_scaling", "rope_factor",
-                     "rope_original_max")
+                     "rope_original_max", "rope_interleaved")
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
