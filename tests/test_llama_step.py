@@ -292,6 +292,10 @@ def test_config_rejects_impossible_choices():
     with pytest.raises(ShapeError, match="norm must be one of"):
         dataclasses.replace(BASE, norm="batchnorm")
     assert dataclasses.replace(BASE, channels=60, position="alibi").head_size == 15
+    with pytest.raises(ShapeError, match="sliding_window must be an int >= 0"):
+        dataclasses.replace(BASE, sliding_window=-1)
+    with pytest.raises(ShapeError, match="rope_interleaved is a RoPE layout"):
+        dataclasses.replace(BASE, position="alibi", rope_interleaved=True)
 
 
 @pytest.mark.parametrize("scheme", ["gpt2", "xavier_normal", "xavier_uniform"])
@@ -321,7 +325,9 @@ def test_initialisation_schemes(scheme):
 
 
 @pytest.mark.parametrize("name", ["relu-layernorm-bias", "gelu_erf-learned", "geglu",
-                                  "post-rope-qknorm", "parallel-gptj", "sinusoidal-original"])
+                                  "post-rope-qknorm", "parallel-gptj", "sinusoidal-original",
+                                  "sliding-window-alibi-mqa-post",
+                                  "rope-interleaved-qknorm-linear"])
 def test_new_variants_do_not_depend_on_thread_count(set_threads, name):
     """Loss and every gradient bitwise equal on 1, 2 and 3 threads."""
     config = dataclasses.replace(BASE, **CONFIGS[name])
