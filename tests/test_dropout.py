@@ -1,13 +1,20 @@
-"""csrc/dropout.c: the masks' rate, scale and determinism; p = 0 the
-identity, bitwise; thread-count invariance; a batch split into row ranges
-drawing the same masks. (The attention kernels' dropout is in
-test_attention.py.)"""
+"""csrc/dropout.c and dropout in training passes (model.dropout): the masks'
+rate, scale and determinism; the model against the PyTorch reference with
+our masks; p = 0 equal to no dropout, bitwise; the same seed bitwise the
+same run; thread-count invariance; a batch split into row ranges drawing the
+same masks; evaluation and decoding never dropping. (The attention kernels'
+dropout is in test_attention.py, the CLI's in test_train.py.)"""
+import dataclasses
+
 import numpy as np
 import pytest
 
 import llmc_py
+from llmc_py import Dropout, LlamaConfig
 from llmc_py import kernels as K
 from helpers import assert_thread_invariant, randn
+from test_gpt2_step import check_against_reference, make_batch
+from test_llama_step import make_model
 
 SHAPES = [(4, 64, 256), (1, 1, 1), (2, 9, 17), (3, 5, 67)]   # B, T, C
 
@@ -96,6 +103,8 @@ def test_dropout_rejects_a_probability_outside_0_1(p):
     x = np.ones((1, 2, 3), np.float32)
     with pytest.raises(llmc_py.InvalidValueError, match="dropout_forward"):
         K.dropout_forward(x, x, p, 0)
+    with pytest.raises(ValueError, match="probability in"):
+        Dropout(attention=p)
 
 
 @pytest.mark.parametrize("seed", [-1, 2**64, 1.5])
@@ -103,6 +112,8 @@ def test_dropout_rejects_a_seed_outside_64_bits(seed):
     x = np.ones((1, 2, 3), np.float32)
     with pytest.raises(ValueError, match="seed"):
         K.dropout_forward(x, x, 0.1, seed)
+    with pytest.raises(ValueError, match="seed"):
+        Dropout(residual=0.1, seed=seed)
 
 
 def test_dropout_rejects_wrong_shape():
@@ -111,3 +122,119 @@ def test_dropout_rejects_wrong_shape():
         K.dropout_forward(np.ones((2, 3, 5), np.float32), x, 0.1, 0)
     with pytest.raises(llmc_py.ShapeError, match="dout"):
         K.dropout_backward(x, np.ones((2, 3), np.float32), 0.1, 0)
+
+
+# ---- dropout in the model -----------------------------------------------------
+
+BASE = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, channels=64)
+CONFIGS = {   # the blocks, positions and buffers dropout touches
+    "gpt2-like": dict(position="learned", norm="layernorm", mlp="gelu", bias=True,
+                      num_kv_heads=4),
+    "llama": {},
+    "qwen3": dict(qk_norm=True, head_dim=24),         # dqkv in d.fch and d.wide
+    "post-sinusoidal": dict(block="post", position="sinusoidal", norm="layernorm",
+                            mlp="relu", bias=True),
+    "parallel-alibi": dict(block="parallel", position="alibi", num_kv_heads=1),
+    # FF and (NH + 2 NKV) hs < C: the gradient buffers wide and fch widen to C
+    "narrow": dict(ffn_hidden=16, mlp="gelu", position="alibi", num_kv_heads=1, head_dim=8),
+}
+DROPOUT = Dropout(embedding=0.1, attention=0.2, residual=0.15, seed=2024, row0=3)
+
+
+@pytest.mark.parametrize("B,T", [(3, 13), (2, 32)])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_dropout_model_matches_torch(name, B, T):
+    config = dataclasses.replace(BASE, **CONFIGS[name])
+    model = make_model(config, seed=B * 100 + T)
+    x, y = make_batch(config, B, T, seed=T)
+    check_against_reference(model, x, y, dropout=DROPOUT)
+
+
+def pass_result(model, x, y, dropout, **kwargs):
+    model.zero_grad()
+    loss = model.forward_backward(x, y, dropout=dropout, **kwargs)
+    return {"loss": np.float64(loss), "grads": model.grads.memory.copy()}
+
+
+def assert_same(a, b):
+    for name in a:
+        assert np.array_equal(a[name], b[name]), name
+
+
+@pytest.fixture(scope="module")
+def trained():
+    config = dataclasses.replace(BASE, **CONFIGS["gpt2-like"])
+    model = make_model(config, seed=5)
+    return model, *make_batch(config, 4, 24, seed=1)
+
+
+def test_dropout_with_every_p_0_is_no_dropout_bitwise(trained):
+    model, x, y = trained
+    assert_same(pass_result(model, x, y, Dropout(seed=77, row0=9)),
+                pass_result(model, x, y, None))
+
+
+def test_dropout_same_seed_same_bits_and_each_site_drops(trained):
+    model, x, y = trained
+    first = pass_result(model, x, y, DROPOUT)
+    assert_same(first, pass_result(model, x, y, DROPOUT))
+    plain = pass_result(model, x, y, None)
+    for other in (dataclasses.replace(DROPOUT, seed=2025), Dropout(embedding=0.1),
+                  Dropout(attention=0.1), Dropout(residual=0.1)):
+        assert pass_result(model, x, y, other)["loss"] != plain["loss"], other
+    assert first["loss"] != pass_result(model, x, y, dataclasses.replace(DROPOUT, seed=1))["loss"]
+
+
+def test_dropout_forward_backward_equals_forward_then_backward(trained):
+    model, x, y = trained
+    model.zero_grad()
+    loss = model.forward(x, y, dropout=DROPOUT)
+    model.backward()
+    assert_same({"loss": np.float64(loss), "grads": model.grads.memory.copy()},
+                pass_result(model, x, y, DROPOUT))
+
+
+def test_dropout_model_thread_invariant(trained, set_threads):
+    model, x, y = trained
+    assert_thread_invariant(set_threads, lambda: pass_result(model, x, y, DROPOUT),
+                            counts=(1, 2))
+
+
+def test_dropout_split_batch_takes_the_whole_batchs_masks(trained):
+    # rows 2, 3 as their own batch with row0 = 2 (another rank's rows, or
+    # another micro-batch's) drop as they do inside the whole batch
+    model, x, y = trained
+    model.forward(x, y, dropout=DROPOUT)
+    whole = model.acts.losses.copy()
+    model.forward(x[2:], y[2:], dropout=dataclasses.replace(DROPOUT, row0=DROPOUT.row0 + 2))
+    np.testing.assert_allclose(model.acts.losses, whole[2:], rtol=1e-6)
+    model.forward(x[2:], y[2:], dropout=DROPOUT)   # rows 0, 1's masks: not the same
+    assert not np.allclose(model.acts.losses, whole[2:], rtol=1e-5)
+
+
+def test_dropout_must_be_a_dropout(trained):
+    model, x, y = trained
+    with pytest.raises(TypeError, match="llmc_py.Dropout"):
+        model.forward_backward(x, y, dropout=0.1)
+
+
+def test_evaluation_and_decoding_never_drop(trained):
+    model, x, y = trained
+    plain = model.forward(x, y)
+    logits = model.logits.copy()
+    greedy = model.generate(x[:1, :5].tolist(), 6, temperature=0)
+    model.forward_backward(x, y, dropout=DROPOUT)   # a training pass between
+    assert model.forward(x, y) == plain and np.array_equal(model.logits, logits)
+    assert model.forward(x, y, keep_logits=False) == plain
+    assert model.generate(x[:1, :5].tolist(), 6, temperature=0) == greedy
+
+
+def test_dropout_in_bf16_runs_near_fp32(trained):
+    model, x, y = trained
+    bf16 = type(model)(model.config, params=model.params.memory.copy(), precision="bf16")
+    ours = pass_result(bf16, x, y, DROPOUT)
+    want = pass_result(model, x, y, DROPOUT)
+    assert abs(ours["loss"] - want["loss"]) <= 2e-2 * abs(want["loss"])
+    assert np.isfinite(ours["grads"]).all()
+    assert_same(ours, pass_result(bf16, x, y, DROPOUT))
