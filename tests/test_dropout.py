@@ -98,7 +98,7 @@ def test_dropout_thread_invariant(rng, isa, set_threads):
                                                   "din": dropped(x, 0.3, 11, backward=True)})
 
 
-@pytest.mark.parametrize("p", [1.0, -0.1, float("nan"), float("inf"), 2.0])
+@pytest.mark.parametrize("p", [1.0, -0.1, float("nan"), float("inf"), 2.0, 0.99999999])
 def test_dropout_rejects_a_probability_outside_0_1(p):
     x = np.ones((1, 2, 3), np.float32)
     with pytest.raises(llmc_py.InvalidValueError, match="dropout_forward"):

@@ -54,10 +54,13 @@ class Dropout:
     def __post_init__(self):
         for name in RATES:
             p = getattr(self, name)
-            if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) \
-                    or not (math.isfinite(p) and 0.0 <= p < 1.0):
-                raise ValueError(f"dropout.{name} is a probability in [0, 1), got {p!r}")
-            object.__setattr__(self, name, float(np.float32(p)))   # as the kernels take it
+            # held as the float32 the kernels take (0.99999999 rounds to 1)
+            p32 = float(np.float32(p)) if isinstance(p, (int, float, np.floating)) else None
+            if isinstance(p, bool) or p32 is None or not (math.isfinite(p32)
+                                                          and 0.0 <= p32 < 1.0):
+                raise ValueError(f"dropout.{name} is a probability in [0, 1), got {p!r}"
+                                 + (" (1 in float32)" if p32 == 1.0 else ""))
+            object.__setattr__(self, name, p32)
         for name, top in (("seed", 2**64), ("row0", 2**63)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
