@@ -75,6 +75,12 @@
  * as attention_decode over a rolling cache of its window. The backward's
  * dk, dv loops start at the block's first key, 16-aligned.
  *
+ * Dropout on the probabilities (training): the forward drops each row of P
+ * after softmax_row, P M / (1 - p) with M a hash of (b, h T + t, t2)
+ * (dropout.h), so stats stay those of P; the backward regenerates the mask
+ * row by row: dP goes through it before dscore_row, and P, once dS is made,
+ * takes it for dv. A row's mask covers its window's keys only.
+ *
  * attention_gqa_probs rebuilds the whole of P [B, NH, T, T] the same way
  * (for tests, the benchmark and viewers): parallel over (b, h), scores by
  * score_tile straight into att, then probs_row; the masked future is 0.
@@ -116,6 +122,7 @@
 #endif
 #include "llmc.h"
 #include "common.h"
+#include "dropout.h"
 #include "isa.h"
 
 #define SCORE_ROWS 8    /* query rows of a score_tile, and of the forward's and
@@ -530,17 +537,23 @@ static float* alloc_scratch(size_t per_thread) {
    into stats_bh [T, 2]), then their rows of out. A group of rows sums
    P v from its first row's first key: the later rows' keys before their
    own first key are set to 0, so they add exactly nothing, and each row
-   sums the same terms in the same order as the decode of its position. */
+   sums the same terms in the same order as the decode of its position.
+   With dropout (drop at the (b, h)), each row's P is dropped after its
+   softmax. */
 static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* stats_bh,
                                        float* s, const float* q, const float* panel,
                                        const float* v, size_t row, int T, int hs, float slope,
-                                       int window, int t0, int R) {
+                                       int window, llmc_dropout drop, int t0, int R) {
     score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
                first_block_key(t0, window));
     for (int r = 0; r < R; r++) {
         const int lo = first_key(t0 + r, window);
         LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T + lo, t0 + r + 1 - lo,
                                           stats_bh + 2 * (size_t)(t0 + r));
+        if (llmc_dropout_on(drop)) {
+            float* p_row = s + (size_t)r * T + lo;
+            llmc_dropout_row(p_row, p_row, lo, t0 + r + 1 - lo, drop, t0 + r);
+        }
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_pv) {
@@ -559,34 +572,36 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
 static ALWAYS_INLINE void forward_head_body(int isa, float* out_bh, float* stats_bh,
                                             const float* q, const float* k, const float* v,
                                             float* panel, float* s, size_t row, size_t C, int T,
-                                            int hs, float slope, float scale, int window) {
+                                            int hs, float slope, float scale, int window,
+                                            llmc_dropout drop) {
     LLMC_ISA_SELECT(isa, build_panel)(panel, k, row, T, hs, scale);
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
-        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, t0,
-                     SCORE_ROWS);
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
+                     t0, SCORE_ROWS);
     }
     for (; t0 < T; t0++) {
-        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, t0,
-                     1);
+        forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
+                     t0, 1);
     }
 }
 LLMC_ISA_VARIANTS_ISA(forward_head, (float* out_bh, float* stats_bh, const float* q,
                                      const float* k, const float* v, float* panel, float* s,
                                      size_t row, size_t C, int T, int hs, float slope,
-                                     float scale, int window),
-                      out_bh, stats_bh, q, k, v, panel, s, row, C, T, hs, slope, scale, window)
+                                     float scale, int window, llmc_dropout drop),
+                      out_bh, stats_bh, q, k, v, panel, s, row, C, T, hs, slope, scale, window,
+                      drop)
 
 /* The forward core; sizes already checked. slopes may be NULL. */
 static int gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                       int B, int T, int NH, int NKV, int hs, int window) {
+                       int B, int T, int NH, int NKV, int hs, int window, llmc_dropout drop) {
     const size_t C = (size_t)NH * hs;                          // q heads, and out's row
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;    // packed q, k, v row
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const head)(float*, float*, const float*, const float*, const float*, float*, float*,
-                       size_t, size_t, int, int, float, float, int) =
+                       size_t, size_t, int, int, float, float, int, llmc_dropout) =
         LLMC_ISA_SELECT(llmc_get_isa(), forward_head);
     // per thread: a key panel, then the scores of one tile of rows
     const size_t panel_len = panel_count(T, hs);
@@ -603,7 +618,7 @@ static int gqa_forward(float* out, float* stats, const float* inp, const float* 
             head(out + (size_t)b * T * C + (size_t)h * hs, stats + ((size_t)b * NH + h) * T * 2,
                  inp_b + (size_t)h * hs, inp_b + C + kv, inp_b + v_start + kv, panel,
                  panel + panel_len, row, C, T, hs, slopes != NULL ? slopes[h] : 0.0f, scale,
-                 window);
+                 window, llmc_dropout_at(drop, b, (int64_t)h * T));
         }
     }
     free(scratch);
@@ -691,13 +706,15 @@ static int backward_block_rows(int T) { return T < BACKWARD_ROWS ? T : BACKWARD_
    (t - t0) T): P recomputed from the scores and the forward's statistics
    stats_bh [T, 2], dP, dS over each row's window, then dq. The block's
    sums read keys from k_block (the first block key of its first row) on:
-   a row's P and dS before its own first key are set to 0. */
+   a row's P and dS before its own first key are set to 0. With dropout
+   (drop at the (b, h)), dP is d(P M / (1 - p)) through the mask, and p then
+   holds P M / (1 - p), what the forward summed v with, for dv. */
 static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
                                         const float* stats_bh, const float* q,
                                         const float* dout_h, size_t C, const float* kpanel,
                                         const float* vpanel, const float* k, size_t row, int T,
                                         int hs, float slope, float scale, int window,
-                                        int k_block, int t0, int t, int R) {
+                                        llmc_dropout drop, int k_block, int t0, int t, int R) {
     float* p_t = p + (size_t)(t - t0) * T;
     float* ds_t = ds + (size_t)(t - t0) * T;
     const int k_first = first_block_key(t, window);
@@ -707,10 +724,11 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     for (int r = 0; r < R; r++) {
         float* p_row = p_t + (size_t)r * T;
         float* ds_row = ds_t + (size_t)r * T;
-        const int lo = first_key(t + r, window);
-        LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, t + r + 1 - lo,
-                                        stats_bh + 2 * (size_t)(t + r));
-        LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, t + r + 1 - lo, scale);
+        const int lo = first_key(t + r, window), n = t + r + 1 - lo;
+        LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n, stats_bh + 2 * (size_t)(t + r));
+        if (llmc_dropout_on(drop)) { llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, drop, t + r); }
+        LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
+        if (llmc_dropout_on(drop)) { llmc_dropout_row(p_row + lo, p_row + lo, lo, n, drop, t + r); }
         zero_keys(p_row, k_block, lo);
         zero_keys(ds_row, k_block, lo);
     }
@@ -727,12 +745,13 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
    floats apart, of dout_b C apart; stats_b is stats[b] [NH, T, 2]; k_head
    and v_head are the offsets of g's k and v in a row. scratch holds a key
    panel and a panel of v (panel_count(T, hs) each), then the blocks of P
-   and dS ([min(T, BACKWARD_ROWS), T] each). */
+   and dS ([min(T, BACKWARD_ROWS), T] each). drop is at batch row b. */
 static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const float* dout_b,
                                               const float* inp_b, const float* stats_b,
                                               const float* slopes, float* scratch, int h0,
                                               int h1, size_t k_head, size_t v_head, size_t row,
-                                              size_t C, int T, int hs, float scale, int window) {
+                                              size_t C, int T, int hs, float scale, int window,
+                                              llmc_dropout drop) {
     const size_t panel_len = panel_count(T, hs);
     float* kpanel = scratch;
     float* vpanel = kpanel + panel_len;
@@ -747,17 +766,19 @@ static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const floa
         const float* dout_h = dout_b + (size_t)h * hs;
         float* dq = dinp_b + (size_t)h * hs;
         const float slope = slopes != NULL ? slopes[h] : 0.0f;
+        llmc_dropout drop_h = drop;   // head h's rows start at h T
+        drop_h.first_row = (int64_t)h * T;
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
             const int k_block = first_block_key(t0, window);
             int t = t0;
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
                 backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, window, k_block, t0, t, SCORE_ROWS);
+                              hs, slope, scale, window, drop_h, k_block, t0, t, SCORE_ROWS);
             }
             for (; t < t1; t++) {
                 backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, window, k_block, t0, t, 1);
+                              hs, slope, scale, window, drop_h, k_block, t0, t, 1);
             }
             // dk += dS^T q and dv += P^T dO over the block's rows, for every
             // key from the block's first (a multiple of 16, so no tile
@@ -781,20 +802,23 @@ static ALWAYS_INLINE void backward_group_body(int isa, float* dinp_b, const floa
 LLMC_ISA_VARIANTS_ISA(backward_group, (float* dinp_b, const float* dout_b, const float* inp_b,
                                        const float* stats_b, const float* slopes, float* scratch,
                                        int h0, int h1, size_t k_head, size_t v_head, size_t row,
-                                       size_t C, int T, int hs, float scale, int window),
+                                       size_t C, int T, int hs, float scale, int window,
+                                       llmc_dropout drop),
                       dinp_b, dout_b, inp_b, stats_b, slopes, scratch, h0, h1, k_head, v_head,
-                      row, C, T, hs, scale, window)
+                      row, C, T, hs, scale, window, drop)
 
 /* The backward core; sizes already checked. slopes may be NULL. */
 static int gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                        const float* slopes, int B, int T, int NH, int NKV, int hs, int window) {
+                        const float* slopes, int B, int T, int NH, int NKV, int hs, int window,
+                        llmc_dropout drop) {
     const size_t C = (size_t)NH * hs;
     const size_t row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const size_t v_start = C + (size_t)NKV * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
     void (*const group)(float*, const float*, const float*, const float*, const float*, float*,
-                        int, int, size_t, size_t, size_t, size_t, int, int, float, int) =
+                        int, int, size_t, size_t, size_t, size_t, int, int, float, int,
+                        llmc_dropout) =
         LLMC_ISA_SELECT(llmc_get_isa(), backward_group);
     // per thread: a key panel, a panel of v, then a block of P and one of dS
     const size_t per_thread = 2 * panel_count(T, hs) + 2 * (size_t)backward_block_rows(T) * T;
@@ -808,7 +832,7 @@ static int gqa_backward(float* dinp, const float* dout, const float* inp, const 
                   stats + (size_t)b * NH * T * 2, slopes,
                   scratch + (size_t)omp_get_thread_num() * per_thread, g * kv_mul,
                   (g + 1) * kv_mul, C + (size_t)g * hs, v_start + (size_t)g * hs, row, C, T, hs,
-                  scale, window);
+                  scale, window, llmc_dropout_at(drop, b, 0));
         }
     }
     free(scratch);
@@ -878,7 +902,7 @@ int attention_forward(float* out, float* stats, const float* inp,
     LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
-    return gqa_forward(out, stats, inp, NULL, B, T, NH, NH, C / NH, 0);
+    return gqa_forward(out, stats, inp, NULL, B, T, NH, NH, C / NH, 0, llmc_dropout_of(0.0f, 0));
 }
 
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
@@ -886,7 +910,8 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, stats, NULL, B, T, NH, NH, C / NH, 0);
+    return gqa_backward(dinp, dout, inp, stats, NULL, B, T, NH, NH, C / NH, 0,
+                        llmc_dropout_of(0.0f, 0));
 }
 
 /* The sizes of a GQA call are positive (the window >= 0), NH % NKV == 0,
@@ -903,18 +928,23 @@ static int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs, int window) {
 }
 
 int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                          int B, int T, int NH, int NKV, int hs, int window) {
+                          int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                          uint64_t seed) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, stats, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
-    return gqa_forward(out, stats, inp, slopes, B, T, NH, NKV, hs, window);
+    LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    return gqa_forward(out, stats, inp, slopes, B, T, NH, NKV, hs, window,
+                       llmc_dropout_of(dropout, seed));
 }
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
-                           int window) {
+                           int window, float dropout, uint64_t seed) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, inp, stats, slopes, B, T, NH, NKV, hs, window);
+    LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    return gqa_backward(dinp, dout, inp, stats, slopes, B, T, NH, NKV, hs, window,
+                        llmc_dropout_of(dropout, seed));
 }
 
 int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
@@ -933,9 +963,12 @@ int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
 }
 
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
-                            int B, int T, int NH, int NKV, int hs, int window) {
+                            int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                            uint64_t seed) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, att, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    const llmc_dropout drop = llmc_dropout_of(dropout, seed);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -972,12 +1005,16 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
                 for (int t2 = 0; t2 < T; t2++) {
                     att_bth[t2] = t2 >= lo && t2 <= t ? att_bth[t2] * expsum_inv : 0.0f;
                 }
-                // pass 4: the weighted sum of the values
+                // pass 4: the weighted sum of the values, each weight
+                // through the dropout (the identity without)
+                const uint32_t bits = llmc_dropout_row_bits(llmc_dropout_at(drop, b, 0),
+                                                            (int64_t)h * T + t);
                 float* out_bth = out + ((size_t)b * T + t) * C + (size_t)h * hs;
                 for (int i = 0; i < hs; i++) { out_bth[i] = 0.0f; }
                 for (int t2 = lo; t2 <= t; t2++) {
                     const float* v = inp_b + (size_t)t2 * row + k_off + (size_t)NKV * hs;
-                    for (int i = 0; i < hs; i++) { out_bth[i] += att_bth[t2] * v[i]; }
+                    const float a = llmc_dropout_one(att_bth[t2], bits, t2, drop);
+                    for (int i = 0; i < hs; i++) { out_bth[i] += a * v[i]; }
                 }
             }
         }
@@ -986,9 +1023,12 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
 }
 
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
-                             int B, int T, int NH, int NKV, int hs, int window) {
+                             int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                             uint64_t seed) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    const llmc_dropout drop = llmc_dropout_of(dropout, seed);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hs);
@@ -1008,14 +1048,17 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
                     const float* q = inp_b + (size_t)t * row + (size_t)h * hs;
                     float* dq = dinp_b + (size_t)t * row + (size_t)h * hs;
                     const int lo = first_key(t, window);
-                    // datt[t2] = dout . v[t2]; through the softmax,
-                    // dpreatt[t2] = att[t2] * (datt[t2] - sum_t3 att[t3] datt[t3])
+                    const uint32_t bits = llmc_dropout_row_bits(llmc_dropout_at(drop, b, 0),
+                                                                (int64_t)h * T + t);
+                    // datt[t2] = dout . v[t2], through the dropout; through
+                    // the softmax, dpreatt[t2] = att[t2] * (datt[t2] - sum_t3
+                    // att[t3] datt[t3])
                     float att_datt = 0.0f;
                     for (int t2 = lo; t2 <= t; t2++) {
                         const float* v = inp_b + (size_t)t2 * row + v_off;
                         float datt = 0.0f;
                         for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
-                        att_datt += att_bth[t2] * datt;
+                        att_datt += att_bth[t2] * llmc_dropout_one(datt, bits, t2, drop);
                     }
                     for (int t2 = lo; t2 <= t; t2++) {
                         const float* k = inp_b + (size_t)t2 * row + k_off;
@@ -1024,9 +1067,11 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
                         float* dv = dinp_b + (size_t)t2 * row + v_off;
                         float datt = 0.0f;
                         for (int i = 0; i < hs; i++) { datt += dout_bth[i] * v[i]; }
+                        datt = llmc_dropout_one(datt, bits, t2, drop);
                         const float dpreatt = att_bth[t2] * (datt - att_datt) * scale;
+                        const float att_dropped = llmc_dropout_one(att_bth[t2], bits, t2, drop);
                         for (int i = 0; i < hs; i++) {
-                            dv[i] += att_bth[t2] * dout_bth[i];
+                            dv[i] += att_dropped * dout_bth[i];
                             dq[i] += dpreatt * k[i];
                             dk[i] += dpreatt * q[i];
                         }

@@ -344,10 +344,15 @@ int attention_backward(float* dinp, const float* dout, const float* inp, const f
  *                                   v heads in each row
  *   slopes [NH] ALiBi slope per head, or NULL (no position bias)
  *   window keys a query attends to, itself included; 0: all before it
+ *   dropout probability in [0, 1) (else LLMC_ERR_VALUE) of dropping each
+ *          att[b,h,t,t2]: out sums att * M / (1 - dropout) * v, M the mask of
+ *          element (b, h T + t, t2) of dropout_forward on [B, NH T, T] with
+ *          seed; stats stay those of att. 0: no dropout (seed unused)
  * NH % NKV must be 0.
  */
 int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
-                          int B, int T, int NH, int NKV, int hs, int window);
+                          int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                          uint64_t seed);
 
 /*
  * attention_gqa_backward: gradients of attention_gqa_forward. It recomputes
@@ -358,15 +363,17 @@ int attention_gqa_forward(float* out, float* stats, const float* inp, const floa
  *   inp    [B, T, (NH + 2 NKV) hs]  forward input
  *   stats  [B, NH, T, 2]            saved by attention_gqa_forward
  *   slopes [NH] the forward's, or NULL
+ *   window, dropout, seed  the forward's
  */
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
-                           int window);
+                           int window, float dropout, uint64_t seed);
 
 /*
  * attention_gqa_probs: the probabilities att of attention_gqa_forward,
  * recomputed from its input and statistics: bitwise the ones its out was
- * computed from (on the same instruction set, see llmc_set_isa).
+ * computed from (on the same instruction set, see llmc_set_isa), before any
+ * dropout.
  *
  *   att    [B, NH, T, T]            (written) att[b,h,t,t2], 0 where t2 > t
  *                                   or t2 < lo(t)
@@ -401,12 +408,15 @@ int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
  * the whole of att [B, NH, T, T] (written by the forward, 0 outside the window;
  * read by the backward, which needs no slopes) where the tiled kernels keep
  * stats; otherwise attention_gqa_forward's / _backward's contracts and
- * checks. They differ from the tiled kernels only in rounding.
+ * checks. They differ from the tiled kernels only in rounding. att holds the
+ * probabilities before any dropout.
  */
 int attention_forward_naive(float* out, float* att, const float* inp, const float* slopes,
-                            int B, int T, int NH, int NKV, int hs, int window);
+                            int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                            uint64_t seed);
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
-                             int B, int T, int NH, int NKV, int hs, int window);
+                             int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                             uint64_t seed);
 
 /*
  * attention_entropy_naive: attention_gqa_entropy's plain twin, from the
@@ -589,6 +599,35 @@ int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N
  *   dout  [N]
  */
 int residual_backward(float* dinp1, float* dinp2, const float* dout, int64_t N);
+
+/* ---- dropout.c ---------------------------------------------------------- */
+
+/*
+ * dropout_forward: inverted dropout with a mask that is a hash of the
+ * element's indices (none is stored; the backward regenerates it):
+ *   out[b,t,c] = inp[b,t,c] * M[b,t,c] / (1 - p)
+ * M[b,t,c] = 1 with probability 1 - p (to 2^-24), else 0, as a function of
+ * (seed, b, t, c) alone: the same for any thread count. Batch row b draws
+ * from seed + b * 0x9E3779B97F4A7C15 (mod 2^64), so rows b0 .. b0+B-1 of a
+ * larger batch have that batch's masks under seed + b0 * 0x9E3779B97F4A7C15.
+ * p == 0 is the identity, bitwise.
+ *
+ *   out  [B, T, C]  (written) may be inp
+ *   inp  [B, T, C]
+ *   p    in [0, 1), else LLMC_ERR_VALUE
+ *   seed any 64-bit value
+ */
+int dropout_forward(float* out, const float* inp, int B, int T, int C, float p, uint64_t seed);
+
+/*
+ * dropout_backward: gradient of dropout_forward with the same p and seed,
+ * the same masking: dinp[b,t,c] = dout[b,t,c] * M[b,t,c] / (1 - p).
+ *
+ *   dinp [B, T, C]  (written, not +=, so that it can run in place) may be dout
+ *   dout [B, T, C]
+ */
+int dropout_backward(float* dinp, const float* dout, int B, int T, int C, float p,
+                     uint64_t seed);
 
 /* ---- softmax_xent.c ----------------------------------------------------- */
 

@@ -21,13 +21,13 @@ from .errors import (CheckpointError, ConcurrentUseError, DataError, InvalidValu
                      NullPointerError, OutOfMemoryError, RangeError, ShapeError,
                      TokenizerUnavailableError, UnsupportedError, UsageError, WriteError)
 from .io.tokens import IGNORE_INDEX
-from .model import GPT2, Llama, Transformer, load_model
+from .model import GPT2, Dropout, Llama, Transformer, load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Transformer", "GPT2", "Llama", "TransformerConfig", "GPT2Config", "LlamaConfig",
-    "load_model", "kernels", "IGNORE_INDEX",
+    "load_model", "Dropout", "kernels", "IGNORE_INDEX",
     "LlmcError", "ShapeError", "RangeError", "CheckpointError", "OutOfMemoryError",
     "NullPointerError", "UnsupportedError", "DataError", "TokenizerUnavailableError",
     "UsageError", "WriteError", "ConcurrentUseError", "InvalidValueError",

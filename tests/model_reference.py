@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import reference as R
+from llmc_py import kernels as K
 from llmc_py.model.layout import param_specs
 
 
@@ -82,11 +83,31 @@ def norm(x, weight, bias, config):
     return R.layernorm(x, weight, bias, config.norm_eps)[0]
 
 
-def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
+def dropout_masks(dropout, config, B, T):
+    """masks(site, layer) for forward: the masks our kernels draw for a
+    model.dropout.Dropout (materialised by dropout_forward on ones: 0 or
+    1 / (1 - p)), float64, [B, T, C] or [B, NH, T, T] (the attention's); None
+    where the site does not drop. The reference then drops what we drop."""
+    def masks(site, layer=0):
+        p, seed = dropout.site(site, layer)
+        if not p:
+            return None
+        attention = site == "attention"
+        ones = np.ones((B, config.num_heads * T, T) if attention else (B, T, config.channels),
+                       np.float32)
+        K.dropout_forward(ones, ones, p, seed)
+        mask = torch.tensor(ones, dtype=torch.float64)
+        return mask.reshape(B, config.num_heads, T, T) if attention else mask
+    return masks
+
+
+def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks=None):
     """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T).
     A dict ``trace`` receives "hidden": the residual stream after the
     embedding and after each block, and "att": each layer's attention
-    probabilities [B, NH, T, T]."""
+    probabilities [B, NH, T, T]. ``masks`` (dropout_masks) drops the
+    embedding's output, the attention probabilities and each branch's
+    output, as a training pass with dropout does."""
     c = config
     matmul = bf16_matmul if precision == "bf16" else R.matmul
     inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
@@ -97,10 +118,18 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
             return None
         return p[name] if l is None else p[name][l]
 
+    def mask(site, l=0):
+        return None if masks is None else masks(site, l)
+
+    def dropped(x, site, l=0):
+        m = mask(site, l)
+        return x if m is None else R.dropout(x, m)
+
     x = R.encoder(p["wte"], param("wpe"), inputs)
     if c.position == "sinusoidal":
         x = x + R.sinusoidal(torch.zeros(inputs.shape[0], dtype=torch.long), inputs.shape[1],
                              c.channels)
+    x = dropped(x, "embedding")
     if trace is not None:
         trace["hidden"], trace["att"] = [x], []
     for l in range(c.num_layers):
@@ -113,12 +142,13 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None):
                 qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
                              c.rope_inv_freq(), c.rope_interleaved)
             h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes,
-                                     c.sliding_window)
-            return matmul(h, param("attprojw", l), param("attprojb", l)), att
+                                     c.sliding_window, mask("attention", l))
+            h = matmul(h, param("attprojw", l), param("attprojb", l))
+            return dropped(h, "attention_output", l), att
 
         def mlp(h):
             h = R.MLP_ACTIVATIONS[c.mlp](matmul(h, param("fcw", l), param("fcb", l)))
-            return matmul(h, param("fcprojw", l), param("fcprojb", l))
+            return dropped(matmul(h, param("fcprojw", l), param("fcprojb", l)), "mlp_output", l)
 
         def norm1(h):
             return norm(h, param("ln1w", l), param("ln1b", l), c)

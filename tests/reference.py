@@ -100,19 +100,23 @@ def rope(x, pos, NH, NKV, theta=ROPE_THETA, inv_freq=None, interleaved=False):
     return torch.cat([turned.reshape(B, T, nrot), x[..., nrot:]], dim=-1)
 
 
-def attention_gqa(qkv, NH, NKV, slopes=None, window=0):
+def attention_gqa(qkv, NH, NKV, slopes=None, window=0, mask=None):
     """Causal grouped-query attention over packed rows [B,T,(NH+2*NKV)*hs]: NH q
     heads, then NKV k heads, then NKV v heads. Each kv head serves NH // NKV
     consecutive query heads (repeat_interleave). With slopes [NH], the ALiBi
     bias -slopes[h] * (t - t2) is added to the scores before the softmax.
     A window > 0 masks keys t2 <= t - window too (Mistral's sliding window).
+    With a dropout mask [B,NH,T,T], the probabilities are dropout(att, mask)
+    where they weigh the values.
 
-    Returns out [B,T,NH*hs] and att [B,NH,T,T], exactly 0 where masked."""
+    Returns out [B,T,NH*hs] and att [B,NH,T,T] (before any dropout), exactly
+    0 where masked."""
     B, T, width = qkv.shape
     hs = width // (NH + 2 * NKV)
     scores, v = _attention_scores(qkv, NH, NKV, slopes, window)
     att = _softmax_last(scores)
-    out = (att @ v).transpose(1, 2).reshape(B, T, NH * hs)
+    weights = att if mask is None else dropout(att, mask)
+    out = (weights @ v).transpose(1, 2).reshape(B, T, NH * hs)
     return out, att
 
 
@@ -189,6 +193,13 @@ def reglu(x):
 # the MLP activations by config.mlp
 MLP_ACTIVATIONS = {"gelu": gelu, "swiglu": swiglu, "relu": relu, "gelu_erf": gelu_erf,
                    "geglu": geglu, "reglu": reglu}
+
+
+def dropout(x, mask):
+    """Inverted dropout with a given mask: x * mask, where mask holds 0 (a
+    dropped element) or 1 / (1 - p) (a kept one), as PyTorch's dropout
+    multiplies by its own mask."""
+    return x * mask
 
 
 def residual(a, b):

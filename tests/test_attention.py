@@ -348,14 +348,14 @@ def test_attention_gqa_c_rejects_heads_not_dividing():
     # the C prologue checks it too, for callers that skip the wrapper
     from llmc_py._native.lib import ffi, lib
     buf = ffi.new("float[]", 1024)
-    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
+    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0, 0.0, 0) \
         == lib.LLMC_ERR_SHAPE
-    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
+    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0, 0.0, 0) \
         == lib.LLMC_ERR_SHAPE
     assert lib.attention_gqa_probs(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
         == lib.LLMC_ERR_SHAPE
     # and a negative sliding window
-    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 2, 1, 2, -1) \
+    assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 2, 1, 2, -1, 0.0, 0) \
         == lib.LLMC_ERR_SHAPE
 
 
@@ -409,6 +409,104 @@ def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
     qkv, _, _ = make_gqa_inputs(rng, 1, 3, 4, 2, 8)
     with pytest.raises(TypeError, match="slopes"):
         gqa_forward(qkv, K.alibi_slopes(4).astype(np.float64), 4, 2)
+
+
+# ---- dropout on the probabilities -------------------------------------------
+
+DROPOUT_SHAPES = [  # B, T, NH, NKV, hs, slopes, p
+    (2, 13, 6, 3, 15, None, 0.1),
+    (3, 35, 4, 1, 24, "alibi", 0.3),
+    (1, 70, 2, 1, 80, "steep", 0.5),    # blocks of 64 and 6 rows in the backward
+    (2, 9, 2, 2, 1, "alibi", 0.2),      # hs = 1
+    (1, 1, 4, 2, 8, None, 0.6),         # one key: it survives or out is 0
+]
+
+
+def attention_mask(p, seed, B, NH, T):
+    """The attention's dropout mask [B, NH, T, T] (0 or 1 / (1 - p)): by the
+    contract, dropout_forward's on [B, NH T, T]."""
+    ones = np.ones((B, NH * T, T), np.float32)
+    K.dropout_forward(ones, ones, p, seed)
+    return ones.reshape(B, NH, T, T)
+
+
+def dropout_run(qkv, dout, slopes, NH, NKV, p, seed, naive_kernels=False):
+    B, T, width = qkv.shape
+    hs = width // (NH + 2 * NKV)
+    out = np.full((B, T, NH * hs), np.nan, np.float32)
+    saved = np.full((B, NH, T, T) if naive_kernels else (B, NH, T, 2), np.nan, np.float32)
+    dinp = np.zeros_like(qkv)
+    if naive_kernels:
+        K.attention_forward_naive(out, saved, qkv, slopes, NH, NKV, dropout=p, seed=seed)
+        K.attention_backward_naive(dinp, dout, qkv, saved, NH, NKV, dropout=p, seed=seed)
+    else:
+        K.attention_gqa_forward(out, saved, qkv, slopes, NH, NKV, dropout=p, seed=seed)
+        K.attention_gqa_backward(dinp, dout, qkv, saved, slopes, NH, NKV, dropout=p, seed=seed)
+    return {"out": out, "saved": saved, "dinp": dinp}
+
+
+@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes,p", DROPOUT_SHAPES)
+def test_attention_dropout_matches_reference_with_its_mask(rng, isa, B, T, NH, NKV, hs, slopes,
+                                                           p):
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
+    seed = 2**63 + 12345
+    ours = dropout_run(qkv, dout, slopes, NH, NKV, p, seed)
+    naive_ours = dropout_run(qkv, dout, slopes, NH, NKV, p, seed, naive_kernels=True)
+
+    qkv_t = t64(qkv, grad=True)
+    ref_out, _ = ref_attention_gqa(qkv_t, NH, NKV, None if slopes is None else t64(slopes),
+                                   mask=t64(attention_mask(p, seed, B, NH, T)))
+    (ref_out * t64(dout)).sum().backward()
+    tol = TOL["attention_gqa"]
+    for name, run in (("tiled", ours), ("naive", naive_ours)):
+        assert_close(f"{name} out", run["out"], ref_out, tol["fwd"])
+        assert_close(f"{name} dinp", run["dinp"], qkv_t.grad, tol["bwd"])
+    # the statistics (and so the probabilities) are those without dropout
+    assert np.array_equal(ours["saved"], gqa_forward(qkv, slopes, NH, NKV)[1])
+    assert np.array_equal(naive_ours["saved"], naive_forward(qkv, slopes, NH, NKV)[1])
+
+
+@pytest.mark.parametrize("naive_kernels", [False, True])
+def test_attention_dropout_0_is_no_dropout_bitwise(rng, naive_kernels):
+    qkv, dout, slopes = make_gqa_inputs(rng, 2, 37, 6, 2, 24, "alibi")
+    plain = dropout_run(qkv, dout, slopes, 6, 2, 0.0, 0, naive_kernels)
+    with_seed = dropout_run(qkv, dout, slopes, 6, 2, 0.0, 987, naive_kernels)
+    if naive_kernels:
+        out, att = naive_forward(qkv, slopes, 6, 2)
+        before = {"out": out, "saved": att, "dinp": naive_backward(dout, qkv, att, None, 6, 2)}
+    else:
+        out, stats = gqa_forward(qkv, slopes, 6, 2)
+        before = {"out": out, "saved": stats,
+                  "dinp": gqa_backward(dout, qkv, stats, slopes, 6, 2)}
+    for name in before:
+        assert np.array_equal(plain[name], before[name]), name
+        assert np.array_equal(with_seed[name], before[name]), name
+
+
+def test_attention_dropout_thread_invariant_and_seeded(rng, isa, set_threads):
+    qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")   # 5 kv heads
+    run = lambda: dropout_run(qkv, dout, slopes, 10, 5, 0.25, 42)   # noqa: E731
+    assert_thread_invariant(set_threads, run)
+    assert not np.array_equal(run()["out"], dropout_run(qkv, dout, slopes, 10, 5, 0.25, 43)["out"])
+
+
+def test_attention_dropout_rows_of_a_larger_batch_take_its_masks(rng):
+    # batch rows b0.. under seed + b0 * DROPOUT_ROW_STEP are those rows of the
+    # whole batch: another rank's or micro-batch's rows drop the same
+    qkv, dout, slopes = make_gqa_inputs(rng, 4, 19, 4, 2, 16, None)
+    whole = dropout_run(qkv, dout, slopes, 4, 2, 0.3, 5)
+    step = K.DROPOUT_ROW_STEP
+    part = dropout_run(qkv[2:].copy(), dout[2:].copy(), slopes, 4, 2, 0.3, (5 + 2 * step) % 2**64)
+    for name in whole:
+        assert np.array_equal(part[name], whole[name][2:]), name
+
+
+@pytest.mark.parametrize("p", [1.0, -0.5, float("nan")])
+def test_attention_dropout_rejects_a_probability_outside_0_1(rng, p):
+    qkv, dout, slopes = make_gqa_inputs(rng, 1, 3, 2, 1, 8)
+    for naive_kernels in (False, True):
+        with pytest.raises(llmc_py.InvalidValueError):
+            dropout_run(qkv, dout, slopes, 2, 1, p, 0, naive_kernels)
 
 
 _ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
@@ -879,3 +977,27 @@ def test_attention_decode_rejects_a_window_longer_than_the_ring(rng):
     with pytest.raises(llmc_py.RangeError, match="attention_decode"):   # 6 keys, 5 slots
         K.attention_decode(out, att, q, k_cache[:, :5].copy(), v_cache[:, :5].copy(), lengths,
                            None, 2, 1, 6)
+
+
+@pytest.mark.parametrize("naive_kernels", [False, True])
+def test_attention_window_with_dropout_matches_reference(rng, isa, naive_kernels):
+    """A sliding window and dropout together: a row's mask covers its
+    window's keys, by their absolute index (the rows start past key 0)."""
+    B, T, NH, NKV, hs, window, p, seed = 2, 70, 4, 2, 16, 13, 0.2, 11
+    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, "alibi")
+    out = np.full((B, T, NH * hs), np.nan, np.float32)
+    saved = np.full((B, NH, T, T) if naive_kernels else (B, NH, T, 2), np.nan, np.float32)
+    dinp = np.zeros_like(qkv)
+    if naive_kernels:
+        K.attention_forward_naive(out, saved, qkv, slopes, NH, NKV, window, p, seed)
+        K.attention_backward_naive(dinp, dout, qkv, saved, NH, NKV, window, p, seed)
+    else:
+        K.attention_gqa_forward(out, saved, qkv, slopes, NH, NKV, window, p, seed)
+        K.attention_gqa_backward(dinp, dout, qkv, saved, slopes, NH, NKV, window, p, seed)
+    qkv_t = t64(qkv, grad=True)
+    ref_out, _ = ref_attention_gqa(qkv_t, NH, NKV, t64(slopes), window,
+                                   mask=t64(attention_mask(p, seed, B, NH, T)))
+    (ref_out * t64(dout)).sum().backward()
+    tol = TOL["attention_gqa"]
+    assert_close("out", out, ref_out, tol["fwd"])
+    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])

@@ -32,7 +32,8 @@ INT_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
 class Row:
     """How to call one kernel with small valid arguments, where that differs
     from the default: every pointer a zeroed 16-element buffer, every int or
-    int64_t argument a size set to 1, every float 0.0.
+    int64_t argument a size set to 1, every float 0.0, every uint64_t (a
+    seed) 0.
 
     optional:  pointers that may be NULL
     not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
@@ -50,6 +51,15 @@ class Row:
 _C_NOT_DIVISIBLE = (({"C": 3, "NH": 2}, "LLMC_ERR_SHAPE"),)
 _V_ABOVE_VP = (({"V": 2}, "LLMC_ERR_SHAPE"),)
 _NH_NOT_DIVISIBLE = (({"NH": 3, "NKV": 2}, "LLMC_ERR_SHAPE"),)
+
+
+def _bad_probability(param):
+    """A dropout probability outside [0, 1) (and one just inside)."""
+    return (({param: 1.0}, "LLMC_ERR_VALUE"), ({param: -0.5}, "LLMC_ERR_VALUE"),
+            ({param: float("nan")}, "LLMC_ERR_VALUE"), ({param: 0.999}, "LLMC_OK"))
+
+
+_BAD_DROPOUT = _bad_probability("dropout")
 _NEGATIVE_EPS = (({"eps": -1.0}, "LLMC_ERR_VALUE"), ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
                  ({"eps": -1.0, "C": 0}, "LLMC_ERR_SHAPE"))   # a bad size is reported first
 # RoPE: an even head size and a positive, finite theta
@@ -63,6 +73,7 @@ _ROPE = dict(optional=frozenset({"pos", "inv_freq"}), valid={"hs": 2, "theta": 1
 # attention with a sliding window: the window may be 0 (none), not negative
 _WINDOWED = dict(optional=frozenset({"slopes"}), not_sizes=frozenset({"window"}),
                  bad=_NH_NOT_DIVISIBLE + (({"window": -1}, "LLMC_ERR_SHAPE"),))
+_WINDOWED_DROPPED = dict(_WINDOWED, bad=_WINDOWED["bad"] + _BAD_DROPOUT)
 
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
@@ -90,11 +101,12 @@ ROWS = {
     "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
-    "attention_gqa_forward": Row(**_WINDOWED),
-    "attention_gqa_backward": Row(**_WINDOWED),
+    "attention_gqa_forward": Row(**_WINDOWED_DROPPED),
+    "attention_gqa_backward": Row(**_WINDOWED_DROPPED),
     "attention_gqa_probs": Row(**_WINDOWED),
-    "attention_forward_naive": Row(**_WINDOWED),
-    "attention_backward_naive": Row(not_sizes=_WINDOWED["not_sizes"], bad=_WINDOWED["bad"]),
+    "attention_forward_naive": Row(**_WINDOWED_DROPPED),
+    "attention_backward_naive": Row(not_sizes=_WINDOWED["not_sizes"],
+                                    bad=_WINDOWED_DROPPED["bad"]),
     "attention_gqa_entropy": Row(**_WINDOWED),
     "attention_entropy_naive": Row(),
     "attention_decode": Row(fill={"len": 1}, **_WINDOWED),
@@ -114,6 +126,8 @@ ROWS = {
     "reglu_backward": Row(),
     "residual_forward": Row(),
     "residual_backward": Row(),
+    "dropout_forward": Row(bad=_bad_probability("p")),
+    "dropout_backward": Row(bad=_bad_probability("p")),
     "softmax_forward": Row(bad=_V_ABOVE_VP),
     "softmax_crossentropy_forward": Row(bad=_V_ABOVE_VP),
     "softmax_crossentropy_backward": Row(bad=_V_ABOVE_VP),
@@ -206,6 +220,8 @@ class Call:
                 self.args[param] = self.buffers[param]
             elif ctype.cname in ("int", "int64_t"):
                 self.args[param] = self.row.valid.get(param, 1)
+            elif ctype.cname == "uint64_t":
+                self.args[param] = self.row.valid.get(param, 0)
             else:
                 self.args[param] = self.row.valid.get(param, 0.0)
 

@@ -57,16 +57,18 @@ def max_rel_error(ours, theirs):
     return float(np.abs(np.asarray(ours, dtype=np.float64) - theirs).max()) / scale
 
 
-def check_against_reference(model, x, y):
+def check_against_reference(model, x, y, dropout=None):
     """Compares loss, logits and every parameter's gradient with the
-    reference model; returns the errors seen and the reference's parameters."""
+    reference model; returns the errors seen and the reference's parameters.
+    With ``dropout`` (model.dropout.Dropout) both drop, with our masks."""
     c = model.config
     p = ref.torch_params(model.params.memory, c)
-    logits, loss = ref.forward(p, c, x, y)
+    masks = None if dropout is None else ref.dropout_masks(dropout, c, *x.shape)
+    logits, loss = ref.forward(p, c, x, y, masks=masks)
     loss.backward()
 
     model.zero_grad()
-    ours = model.forward(x, y)
+    ours = model.forward(x, y, dropout=dropout)
     logits_ours = model.logits[..., :c.vocab_size].copy()   # backward overwrites them
     model.backward()
 

@@ -252,8 +252,8 @@ def test_metrics_jsonl_survives_resume(shards, tmp_path, monkeypatch):
     assert run(shards, straight, *common) == 0
     real = GPT2.forward_backward
 
-    def inf_at_step_8(model, inputs, targets, loss_scale=1.0):
-        loss = real(model, inputs, targets, loss_scale)
+    def inf_at_step_8(model, inputs, targets, loss_scale=1.0, **kwargs):
+        loss = real(model, inputs, targets, loss_scale, **kwargs)
         return float("inf") if len(read_steps(crashed / "main.log")) == 7 else loss
     monkeypatch.setattr(GPT2, "forward_backward", inf_at_step_8)
     assert run(shards, crashed, *common) == 1                      # stops at step 8

@@ -62,8 +62,9 @@ def log_lines(out, kind):
             for line in (Path(out) / "main.log").read_text().splitlines() if f" {kind}:" in line]
 
 
-@pytest.mark.parametrize("extra", [[], ["--zero", "1"], ["-d", str(2 * 4 * 32)]],
-                         ids=["allreduce", "zero1", "accumulation"])
+@pytest.mark.parametrize("extra", [[], ["--zero", "1"], ["-d", str(2 * 4 * 32)],
+                                   ["--dropout", "0.1", "-d", str(2 * 4 * 32)]],
+                         ids=["allreduce", "zero1", "accumulation", "dropout"])
 def test_two_ranks_match_one_process(shards, tmp_path, extra):
     ran = mpirun(tmp_path / "two", *shards, *SMALL, "-b", "2", "-x", "8", *extra)
     assert ran.returncode == 0, ran.stderr

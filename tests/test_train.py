@@ -57,8 +57,8 @@ def bad_loss_at_step(monkeypatch, n, value):
     real = GPT2.forward_backward
     calls = {"n": 0}
 
-    def forward_backward(self, inputs, targets, loss_scale=1.0):
-        loss = real(self, inputs, targets, loss_scale)
+    def forward_backward(self, inputs, targets, loss_scale=1.0, **kwargs):
+        loss = real(self, inputs, targets, loss_scale, **kwargs)
         if self.B == 2:
             calls["n"] += 1
             if calls["n"] == n:
@@ -198,8 +198,8 @@ def bad_gradient_at_step(monkeypatch, n, value):
     real = GPT2.forward_backward
     calls = {"n": 0}
 
-    def forward_backward(self, inputs, targets, loss_scale=1.0):
-        loss = real(self, inputs, targets, loss_scale)
+    def forward_backward(self, inputs, targets, loss_scale=1.0, **kwargs):
+        loss = real(self, inputs, targets, loss_scale, **kwargs)
         calls["n"] += 1
         if calls["n"] == n:
             self.grads.memory[123] = value
@@ -314,6 +314,9 @@ def test_trainer_killed_while_saving_resumes_from_the_last_complete_checkpoint(s
     (["-t", "200"], "fewer than one batch"),
     (["-d", "50"], "not a multiple"),
     (["-b", "0"], "must be positive"),
+    (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+    (["--dropout-attention", "-0.1"], "--dropout-attention must be in [0, 1)"),
+    (["--dropout", "0.99999999"], "1 in float32"),
 ])
 def test_bad_settings_are_one_line_errors(shards, tmp_path, capsys, extra, message):
     assert run(shards, tmp_path / "out", "-x", "2", *extra) == 1
@@ -499,6 +502,43 @@ def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path
     assert train_losses(lean) == train_losses(plain)
     assert (lean / "model_00000004.bin").read_bytes() == \
         (plain / "model_00000004.bin").read_bytes()
+
+
+def test_dropout_run_resumes_bitwise(shards, tmp_path, monkeypatch, capsys):
+    """--dropout: the masks come from --seed, the step and the step's rows,
+    so a run stopped and resumed (with micro-batches: -d) is the
+    uninterrupted run to the bit; it differs from a run without dropout,
+    and a resume must keep the checkpoint's dropout."""
+    straight, resumed, plain = tmp_path / "straight", tmp_path / "resumed", tmp_path / "plain"
+    args = ("-x", "8", "-n", "4", "-d", "64", "--dropout", "0.1", "--dropout-residual", "0.2")
+    assert run(shards, straight, *args) == 0
+    assert "dropout embedding 0.1, attention 0.1, residual 0.2" in capsys.readouterr().out
+    interrupt_at_batch(monkeypatch, 13)            # during step 7: step 6 is the last whole one
+    assert run(shards, resumed, *args) == 130
+    monkeypatch.undo()
+    assert run(shards, resumed, *args, "-y", "1") == 0
+    assert len(train_losses(straight)) == 8
+    assert train_losses(resumed) == train_losses(straight)
+    assert (resumed / "model_00000008.bin").read_bytes() == \
+        (straight / "model_00000008.bin").read_bytes()
+    assert run(shards, plain, "-x", "8", "-n", "4", "-d", "64") == 0
+    assert train_losses(plain) != train_losses(straight)
+    capsys.readouterr()
+    assert run(shards, resumed, "-x", "9", "-n", "4", "-d", "64", "--dropout", "0.1",
+               "-y", "1") == 1
+    assert "made with dropout_residual=0.2" in capsys.readouterr().err
+
+
+def test_dropout_0_is_no_dropout_and_bf16_trains_with_dropout(shards, tmp_path):
+    assert run(shards, tmp_path / "plain", "-x", "2") == 0
+    assert run(shards, tmp_path / "zero", "-x", "2", "--dropout", "0") == 0
+    assert (tmp_path / "zero" / "model_00000002.bin").read_bytes() == \
+        (tmp_path / "plain" / "model_00000002.bin").read_bytes()
+    assert run(shards, tmp_path / "bf16", "-x", "2", "--precision", "bf16", "--dropout",
+               "0.1") == 0
+    losses = [float(x) for _, x in train_losses(tmp_path / "bf16")]
+    plain = [float(x) for _, x in train_losses(tmp_path / "plain")]
+    assert np.isfinite(losses).all() and losses != plain
 
 
 def test_live_progress_line_shows_perplexity():

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
+from llmc_py import GPT2, Dropout, GPT2Config, Llama, LlamaConfig
 from llmc_py import train as train_mod
 from llmc_py.data import DataLoader, write_tokens
 from llmc_py.train import AdamW, LRSchedule, RunFolder, Trainer
@@ -132,6 +132,30 @@ def test_trainer_hooks_see_the_gradients_before_clipping(rng):
         assert seen == [result] and result.finite and result.lr == pytest.approx(1e-4)
         norms[double] = result.norm
     assert norms[True] == pytest.approx(2 * norms[False], rel=1e-6)
+
+
+def test_trainer_dropout_masks_follow_the_steps_rows(rng):
+    """With dropout, a step of 2 micro-batches of 2 rows draws the masks of
+    one batch of 4 (each micro-batch's rows placed by row0), so it has that
+    step's loss and gradient up to float32 sums; another step, other masks."""
+    x, y = batch(rng, TINY, B=4)
+    dropout = Dropout(embedding=0.1, attention=0.2, residual=0.1, seed=7)
+    results = {}
+    for accum in (1, 2):
+        model = GPT2(TINY, seed=1)
+        halves = iter([(x[:2], y[:2]), (x[2:], y[2:])])
+        trainer = Trainer(model, AdamW(model), LRSchedule(1e-3, 10),
+                          (lambda: (x, y)) if accum == 1 else (lambda: next(halves)),
+                          grad_accum=accum, grad_clip=0, dropout=dropout)
+        results[accum] = trainer.train_step(3), model.grads.memory.copy()
+    (one, grads_one), (two, grads_two) = results[1], results[2]
+    assert two.loss == pytest.approx(one.loss, rel=1e-6)
+    np.testing.assert_allclose(grads_two, grads_one, rtol=0,
+                               atol=1e-5 * np.abs(grads_one).max())
+    model = GPT2(TINY, seed=1)
+    other = Trainer(model, AdamW(model), LRSchedule(1e-3, 10), lambda: (x, y), grad_clip=0,
+                    dropout=dropout).train_step(4)
+    assert other.loss != one.loss
 
 
 def test_trainer_skips_the_update_on_a_non_finite_loss(rng):

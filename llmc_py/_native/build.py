@@ -41,6 +41,7 @@ SOURCES = [
     "attention.c",
     "rope.c",
     "activations.c",
+    "dropout.c",
     "softmax_xent.c",
     "adamw.c",
 ]

@@ -239,6 +239,40 @@ def residual_backward(dinp1, dinp2, dout):
                                 dout.size), "residual_backward")
 
 
+# ---- dropout (dropout.c) ------------------------------------------------------
+
+# batch row b of a dropout kernel draws its mask from seed + b * DROPOUT_ROW_STEP
+# (mod 2^64): rows b0 .. of a larger batch pass seed + b0 * DROPOUT_ROW_STEP
+DROPOUT_ROW_STEP = 0x9E3779B97F4A7C15
+
+
+def dropout_forward(out, inp, p, seed):
+    """out[B,T,C] (written; may be inp) = inp * M / (1 - p): M[b,t,c] 1 with
+    probability 1 - p, else 0, a hash of (seed, b, t, c), never stored. p in
+    [0, 1) (else InvalidValueError); p = 0 is the identity. seed: an int in
+    [0, 2^64)."""
+    B, T, C = _dims(inp, "inp", 3)
+    check(lib.dropout_forward(fptr(out, "out", (B, T, C), out=True),
+                              fptr(inp, "inp", (B, T, C)), B, T, C, p, _seed(seed)),
+          "dropout_forward")
+
+
+def dropout_backward(dinp, dout, p, seed):
+    """dinp[B,T,C] (written, not +=; may be dout) = dout * M / (1 - p), the
+    mask of dropout_forward with the same p and seed."""
+    B, T, C = _dims(dout, "dout", 3)
+    check(lib.dropout_backward(fptr(dinp, "dinp", (B, T, C), out=True),
+                               fptr(dout, "dout", (B, T, C)), B, T, C, p, _seed(seed)),
+          "dropout_backward")
+
+
+def _seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"a dropout seed must be an int in [0, 2^64), got {seed!r}")
+    return int(seed)
+
+
 def softmax_forward(probs, logits, V):
     """probs[B,T,Vp] (written) = softmax over the first V columns of logits[B,T,Vp], 0 past V."""
     B, T, Vp = _dims(logits, "logits", 3)
@@ -522,26 +556,29 @@ def _swiglu_dims(inp):
 
 # ---- grouped-query attention (attention.c) ----------------------------------
 
-def attention_gqa_forward(out, stats, inp, slopes, NH, NKV, window=0):
+def attention_gqa_forward(out, stats, inp, slopes, NH, NKV, window=0, dropout=0.0, seed=0):
     """out[B,T,NH*hs] (written), stats[B,NH,T,2] (written: each query row's score
     max and 1/sum of exponentials, saved for backward) <- inp[B,T,(NH+2*NKV)*hs]
     (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
 
     Query head h reads kv head h // (NH // NKV); NH % NKV must be 0. A
     ``window`` > 0 is a sliding window: query t attends to keys
-    t - window + 1 .. t only (0: all keys up to t)."""
+    t - window + 1 .. t only (0: all keys up to t). ``dropout`` in [0, 1)
+    drops probabilities: att[b,h,t,t2] takes the mask of element
+    (b, h*T + t, t2) of dropout_forward on [B, NH*T, T] with ``seed``."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_forward(
         fptr(out, "out", (B, T, NH * hs), out=True),
         fptr(stats, "stats", (B, NH, T, 2), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window)), "attention_gqa_forward")
+        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_gqa_forward")
 
 
-def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV, window=0):
+def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV, window=0, dropout=0.0,
+                           seed=0):
     """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
-    slopes[NH] (the forward's) or None, the forward's window."""
+    slopes[NH] (the forward's) or None, window, dropout and seed (the forward's)."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_gqa_backward(
         fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
@@ -549,7 +586,7 @@ def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV, window=0):
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(stats, "stats", (B, NH, T, 2)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window)), "attention_gqa_backward")
+        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_gqa_backward")
 
 
 def attention_gqa_probs(att, inp, stats, slopes, NH, NKV, window=0):
@@ -578,18 +615,19 @@ def attention_gqa_entropy(entropy, inp, stats, slopes, NH, NKV, window=0):
         B, T, NH, NKV, hs, _window(window)), "attention_gqa_entropy")
 
 
-def attention_forward_naive(out, att, inp, slopes, NH, NKV, window=0):
-    """attention_gqa_forward's contract, by plain loops (llm.c's): the reference."""
+def attention_forward_naive(out, att, inp, slopes, NH, NKV, window=0, dropout=0.0, seed=0):
+    """attention_gqa_forward's contract, by plain loops (llm.c's): the reference.
+    att[B,NH,T,T] (written) holds the probabilities before the dropout."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_forward_naive(
         fptr(out, "out", (B, T, NH * hs), out=True),
         fptr(att, "att", (B, NH, T, T), out=True),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window)), "attention_forward_naive")
+        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_forward_naive")
 
 
-def attention_backward_naive(dinp, dout, inp, att, NH, NKV, window=0):
+def attention_backward_naive(dinp, dout, inp, att, NH, NKV, window=0, dropout=0.0, seed=0):
     """attention_gqa_backward's contract, by plain loops (llm.c's): the reference."""
     B, T, hs = _gqa_dims(inp, NH, NKV)
     check(lib.attention_backward_naive(
@@ -597,7 +635,8 @@ def attention_backward_naive(dinp, dout, inp, att, NH, NKV, window=0):
         fptr(dout, "dout", (B, T, NH * hs)),
         fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
         fptr(att, "att", (B, NH, T, T)),
-        B, T, NH, NKV, hs, _window(window)), "attention_backward_naive")
+        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)),
+        "attention_backward_naive")
 
 
 def attention_entropy_naive(entropy, att):

@@ -1,7 +1,9 @@
 """The model: one transformer (transformer.py) over named tensors carved from
 flat buffers (layout.py), its presets GPT-2 and Llama (presets.py), and the
 memory check every allocation passes (memory.py)."""
+from .dropout import Dropout
 from .presets import GPT2, Llama, load_model
 from .transformer import MATRIX_PARAMS, PRECISIONS, Transformer
 
-__all__ = ["Transformer", "GPT2", "Llama", "load_model", "MATRIX_PARAMS", "PRECISIONS"]
+__all__ = ["Transformer", "GPT2", "Llama", "load_model", "MATRIX_PARAMS", "PRECISIONS",
+           "Dropout"]

@@ -190,15 +190,17 @@ def grad_act_specs(c):
     to layer. The others hold one layer's at a time, each serving in turn
     gradients whose lifetimes do not overlap: ``narrow`` (B, T, C) that of
     lnf, then per layer ln2, atty and ln1; ``wide`` that of the MLP
-    activation (FF), then of qkv (or with qk_norm and RoPE, of qkv between
-    the two); ``fch`` that of fch, then of qkvr (with RoPE or qk_norm), then
-    of qkv (with both); ``losses`` d(loss)/d(losses)."""
+    activation (FF), then of the attention projection's output before its
+    dropout (C), then of qkv (or with qk_norm and RoPE, of qkv between the
+    two); ``fch`` that of the MLP projection's output before its dropout
+    (C), then of fch, then of qkvr (with RoPE or qk_norm), then of qkv (with
+    both); ``losses`` d(loss)/d(losses)."""
     qkvr = c.position == "rope" or c.qk_norm
     specs = [
         ("residual", lambda c, B, T: (B, T, c.C)),
         ("narrow", lambda c, B, T: (B, T, max(c.C, c.attn_channels))),
-        ("wide", lambda c, B, T: (B, T, max(c.FF, c.qkv_channels))),
-        ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if qkvr else 0))),
+        ("wide", lambda c, B, T: (B, T, max(c.FF, c.qkv_channels, c.C))),
+        ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if qkvr else 0, c.C))),
         ("losses", lambda c, B, T: (B, T)),
     ]
     return tuple(specs)

@@ -24,6 +24,13 @@ the last W (Mistral's); biases on or off; the head tied to wte or its own
 lm_head. GPT-2 and Llama are presets (model.presets): their forward and
 backward are these.
 
+Dropout (model.dropout) applies only to the training passes given one:
+forward_backward(..., dropout=...) or forward(..., dropout=...) then
+backward(); evaluation, sampling and KV-cache decoding never drop. It
+drops the embedding's output in place, a branch's projection output (proj)
+in place before its residual add, and the attention probabilities inside
+the attention kernels; backward regenerates the masks from their seeds.
+
 Precision: "fp32" runs every kernel in float32. "bf16" is mixed precision as
 in llm.c's CUDA trainer: the parameters (the master copy), their gradients
 and AdamW's moments stay float32, and ``params_bf16`` holds a bf16 copy of
@@ -66,6 +73,7 @@ from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
 from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
+from .dropout import NO_DROPOUT, Dropout
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, num_parameters, param_specs, specs_bytes)
 from .memory import format_bytes, require
@@ -284,6 +292,7 @@ class Transformer:
         self.inputs = self.targets = None
         self.counted = 0   # the last batch's targets that are not IGNORE_INDEX
         self._logits_state = None
+        self._dropout = NO_DROPOUT   # the last forward's, which backward regenerates
 
     # ---- forward -----------------------------------------------------------
 
@@ -402,23 +411,34 @@ class Transformer:
         Vp = self.config.Vp
         return self._logits_buffer[:rows * Vp].reshape(rows, Vp)
 
-    def _blocks_forward(self, inputs):
-        """The embedding and every block on ``inputs``; the final residual stream."""
+    def _blocks_forward(self, inputs, dropout):
+        """The embedding and every block on ``inputs``, with ``dropout`` (a
+        model.dropout.Dropout); the final residual stream."""
         c = self.config
         p, a = self.params, self.acts
+        self._dropout = dropout
 
         def attend(l):
             self.position_qkv(a, l, None)
             K.attention_gqa_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
-                                    self.slopes, c.NH, c.NKV, c.sliding_window)
+                                    self.slopes, c.NH, c.NKV, c.sliding_window,
+                                    *dropout.site("attention", l))
 
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, None)
+        self._drop(a.encoded, dropout.site("embedding"))
         residual = a.encoded
         for l in range(c.L):
-            residual = self.block_forward(a, l, residual, attend)
+            residual = self.block_forward(a, l, residual, attend, dropout)
         return residual
+
+    @staticmethod
+    def _drop(x, site):
+        """Dropout in place on x (B, T, C) with a site's (p, seed)."""
+        p, seed = site
+        if p:
+            K.dropout_forward(x, x, p, seed)
 
     def position_qkv(self, a, l, pos):
         """Layer l's a.qkv as attention reads it, into a.qkvr: each q and k
@@ -440,20 +460,23 @@ class Transformer:
         return a.qkvr[l] if "qkvr" in a else a.qkv[l]
 
     @_held
-    def forward(self, inputs, targets=None, *, keep_logits=True):
+    def forward(self, inputs, targets=None, *, keep_logits=True, dropout=None):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
         loss as a float when ``targets`` (B, T) are given, else None: the mean
         over the targets that are not IGNORE_INDEX (-1), 0.0 if all are. The
         logits are in ``model.logits`` unless ``keep_logits`` is False (then
         targets are needed, and the classifier runs HEAD_ROWS rows at a time,
         in less memory: evaluation's way). A learned position table limits T
-        to max_seq_len; RoPE, ALiBi and sinusoidal positions extrapolate past it."""
+        to max_seq_len; RoPE, ALiBi and sinusoidal positions extrapolate past it.
+        ``dropout`` (model.dropout.Dropout) makes it a training pass that
+        drops, and backward() then regenerates its masks; None never drops."""
         if not keep_logits and targets is None:
             raise ValueError("forward(..., keep_logits=False) needs targets: without "
                              "logits or a loss it would compute nothing")
+        dropout = _checked_dropout(dropout)
         inputs, targets = self._batch(inputs, targets, keep_logits=keep_logits)
         c, a = self.config, self.acts
-        residual = self._blocks_forward(inputs)
+        residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "the last forward did not keep them (keep_logits=False)"
         if not keep_logits:
             self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
@@ -567,9 +590,10 @@ class Transformer:
         self._mlp_forward(fch_act, a.fch[l])
         return fch_act
 
-    def block_forward(self, a, l, residual, attend):
+    def block_forward(self, a, l, residual, attend, dropout=NO_DROPOUT):
         """Layer l on the residual stream ``residual``; ``attend(l)`` turns
-        a.qkv[l] into a.atty[l]. Returns the layer's output (layer_output).
+        a.qkv[l] into a.atty[l]; ``dropout`` drops each branch's output
+        (training only). Returns the layer's output (layer_output).
 
         By config.block, with attn and mlp the two sublayers:
           pre       r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln2(r2));   out r3
@@ -582,6 +606,7 @@ class Transformer:
         matmul(a.qkv[l], attn_in, w.qkvw[l], self._bias(p, "qkvb", l))
         attend(l)
         matmul(a.proj, a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
+        self._drop(a.proj, dropout.site("attention_output", l))
         K.residual_forward(a.residual2[l], residual, a.proj)
         if c.block == "pre":
             mlp_in = self._norm2(a, l, a.residual2[l])
@@ -591,6 +616,7 @@ class Transformer:
             mlp_in = attn_in
         matmul(a.fch[l], mlp_in, w.fcw[l], self._bias(p, "fcb", l))
         matmul(a.proj, self._mlp_act(a, l), w.fcprojw[l], self._bias(p, "fcprojb", l))
+        self._drop(a.proj, dropout.site("mlp_output", l))
         K.residual_forward(a.residual3[l], mlp_in if post else a.residual2[l], a.proj)
         return self._norm2(a, l, a.residual3[l]) if post else a.residual3[l]
 
@@ -644,10 +670,10 @@ class Transformer:
         self._matmul_backward(self._grads_as(d.narrow, c.C), self._head(self.grads), None,
                               logits, a.lnf,
                               self._head(self._weights))
-        self._blocks_backward(d)
+        self._blocks_backward(d, self._dropout)
 
     @_held
-    def forward_backward(self, inputs, targets, loss_scale=1.0):
+    def forward_backward(self, inputs, targets, loss_scale=1.0, *, dropout=None):
         """A training step's forward and backward in one: the mean loss of
         ``inputs`` against ``targets`` (over those not IGNORE_INDEX, as
         forward's), and its gradients (times
@@ -655,12 +681,13 @@ class Transformer:
         them, to the bit. The classifier runs HEAD_ROWS rows at a time,
         each block's logits turned into their gradient and multiplied back
         at once, so the (B, T, Vp) logits are never held (model.logits is
-        not kept)."""
+        not kept). ``dropout``: a model.dropout.Dropout, or None (no dropout)."""
         if targets is None:
             raise ValueError("forward_backward needs targets")
+        dropout = _checked_dropout(dropout)
         inputs, targets = self._batch(inputs, targets, training=True, keep_logits=False)
         a = self.acts
-        residual = self._blocks_forward(inputs)
+        residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "forward_backward does not keep them"
         self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
                            self.params.lnfw, self._bias(self.params, "lnfb"))
@@ -669,13 +696,14 @@ class Transformer:
         for rows in self._head_blocks():
             self._classifier_rows(rows, targets, d)
         loss = self._mean_loss()
-        self._blocks_backward(d)
+        self._blocks_backward(d, dropout)
         return loss
 
-    def _blocks_backward(self, d):
+    def _blocks_backward(self, d, dropout):
         """Backward from d.narrow = d(lnf) through the final norm, every block
-        and the embedding. d.residual carries the residual stream's gradient
-        from layer to layer; the others hold one layer's (grad_act_specs)."""
+        and the embedding, with the forward's ``dropout``. d.residual carries
+        the residual stream's gradient from layer to layer; the others hold
+        one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
         rope, qk_norm = c.position == "rope", c.qk_norm
         dfch_act = self._grads_as(d.wide, c.FF)
@@ -699,29 +727,37 @@ class Transformer:
                 ln2 = self._norm2(a, l, a.residual2[l]) if self._recompute else a.ln2[l]
                 fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
                 dln[...] = 0.0
-                self._mlp_branch_backward(l, dln, d.residual, ln2, fch_act, dfch_act, dfch)
+                self._mlp_branch_backward(l, dln, d.residual, ln2, fch_act, dfch_act, dfch,
+                                          dropout)
                 self._norm2_backward(d.residual, dln, a.residual2[l], l)
                 # now d(residual2[l])
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, zero=True)
+                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
+                                                zero=True)
                 self._norm1_backward(d.residual, dln, residual, l)
             elif c.block == "parallel":
                 ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
                 fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
                 # d(residual3[l]) = d(residual2[l]): both branches' output's
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, zero=True)
-                self._mlp_branch_backward(l, dln, d.residual, ln1, fch_act, dfch_act, dfch)
+                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
+                                                zero=True)
+                self._mlp_branch_backward(l, dln, d.residual, ln1, fch_act, dfch_act, dfch,
+                                          dropout)
                 self._norm1_backward(d.residual, dln, residual, l)
             else:   # post: dln holds d(residual3[l]), then d(ln1[l])
                 ln1 = self._norm1(a, l, a.residual2[l]) if self._recompute else a.ln1[l]
                 fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
                 dln[...] = 0.0
                 self._norm2_backward(dln, d.residual, a.residual3[l], l)
-                self._mlp_branch_backward(l, dln, dln, ln1, fch_act, dfch_act, dfch)
+                self._mlp_branch_backward(l, dln, dln, ln1, fch_act, dfch_act, dfch, dropout)
                 d.residual[...] = 0.0
                 self._norm1_backward(d.residual, dln, a.residual2[l], l)
                 # now d(residual2[l])
-                self._attention_branch_backward(l, d.residual, d.residual, residual, qkv_grads)
+                self._attention_branch_backward(l, d.residual, d.residual, residual, qkv_grads,
+                                                dropout)
             # now d(layer l - 1's output), or d(encoded)
+        p_embedding, seed = dropout.site("embedding")
+        if p_embedding:   # now d(encoded before its dropout), in place
+            K.dropout_backward(d.residual, d.residual, p_embedding, seed)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
 
@@ -735,11 +771,14 @@ class Transformer:
         self._norm_backward(dinp, g.ln2w[l], self._bias(g, "ln2b", l), dout, inp, p.ln2w[l],
                             self._stat(a, "ln2_mean", l), a.ln2_rstd[l])
 
-    def _mlp_branch_backward(self, l, dinp, dout, mlp_in, fch_act, dfch_act, dfch):
-        """Layer l's MLP back from ``dout`` = d(its output): its weights'
-        gradients, and d(mlp_in) added into ``dinp`` (which may be ``dout``'s
-        buffer: dout is read first, dinp written last)."""
+    def _mlp_branch_backward(self, l, dinp, dout, mlp_in, fch_act, dfch_act, dfch, dropout):
+        """Layer l's MLP back from ``dout`` = d(its output, after ``dropout``):
+        its weights' gradients, and d(mlp_in) added into ``dinp`` (which may
+        be ``dout``'s buffer: dout is read first, dinp written last)."""
         a, g, w = self.acts, self.grads, self._weights
+        # through the dropout into d.fch, which dfch takes only once it is read
+        dout = self._branch_dropout_backward(dout, self.grads_acts.fch,
+                                             dropout.site("mlp_output", l))
         dfch_act[...] = 0.0
         self._matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l), dout,
                               fch_act, w.fcprojw[l])
@@ -747,37 +786,55 @@ class Transformer:
         self._mlp_backward(dfch, dfch_act, a.fch[l])
         self._matmul_backward(dinp, g.fcw[l], self._bias(g, "fcb", l), dfch, mlp_in, w.fcw[l])
 
-    def _attention_branch_backward(self, l, dinp, dout, attn_in, qkv_grads, zero=False):
-        """Layer l's attention back from ``dout`` = d(its projection's output):
-        its weights' gradients, and d(attn_in) added into ``dinp`` (zeroed
-        first with ``zero``, once datty, which shares its buffer, is spent;
-        dinp may be dout's buffer: dout is read first, dinp written last)."""
+    def _attention_branch_backward(self, l, dinp, dout, attn_in, qkv_grads, dropout,
+                                   zero=False):
+        """Layer l's attention back from ``dout`` = d(its projection's output,
+        after ``dropout``): its weights' gradients, and d(attn_in) added into
+        ``dinp`` (zeroed first with ``zero``, once datty, which shares its
+        buffer, is spent; dinp may be dout's buffer: dout is read first, dinp
+        written last)."""
         a, g, w = self.acts, self.grads, self._weights
         dqkv, dqkvn, dqkvr, datty = qkv_grads
+        # through the dropout into d.wide, which the q, k, v gradients take
+        # only once it is read
+        dout = self._branch_dropout_backward(dout, self.grads_acts.wide,
+                                             dropout.site("attention_output", l))
         datty[...] = 0.0
         self._matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l), dout,
                               a.atty[l], w.attprojw[l])
-        self._attention_backward(l, dqkv, dqkvn, dqkvr, datty)
+        self._attention_backward(l, dqkv, dqkvn, dqkvr, datty, dropout.site("attention", l))
         if zero:
             dinp[...] = 0.0
         self._matmul_backward(dinp, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, attn_in,
                               w.qkvw[l])
 
-    def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty):
+    def _branch_dropout_backward(self, dout, buffer, site):
+        """d(a branch's output before its dropout) from ``dout`` = d(after),
+        written into ``buffer``'s first B*T*C floats; without dropout at
+        ``site`` (p, seed), dout itself."""
+        p, seed = site
+        if not p:
+            return dout
+        dbranch = self._grads_as(buffer, self.config.C)
+        K.dropout_backward(dbranch, dout, p, seed)
+        return dbranch
+
+    def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty, dropout_site):
         """dqkv (zeroed here) = d(layer l's qkv) from datty, back through
-        attention, RoPE and qk_norm (position_qkv's steps, undone in reverse).
-        dqkvr and dqkvn are the buffers on the way: with both steps dqkv is
-        dqkvr's buffer, used again once RoPE's backward has read it."""
+        attention (with its dropout's (p, seed)), RoPE and qk_norm
+        (position_qkv's steps, undone in reverse). dqkvr and dqkvn are the
+        buffers on the way: with both steps dqkv is dqkvr's buffer, used
+        again once RoPE's backward has read it."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
         rope, qk_norm = c.position == "rope", c.qk_norm
         if not (rope or qk_norm):
             dqkv[...] = 0.0
             K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
-                                     c.NH, c.NKV, c.sliding_window)
+                                     c.NH, c.NKV, c.sliding_window, *dropout_site)
             return
         dqkvr[...] = 0.0
         K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l], self.slopes,
-                                 c.NH, c.NKV, c.sliding_window)
+                                 c.NH, c.NKV, c.sliding_window, *dropout_site)
         dnormed = dqkvr
         if rope:
             dqkvn[...] = 0.0
@@ -837,6 +894,16 @@ class Transformer:
         self.moments()
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
                    beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
+
+
+def _checked_dropout(dropout):
+    """A pass's Dropout: NO_DROPOUT for None."""
+    if dropout is None:
+        return NO_DROPOUT
+    if not isinstance(dropout, Dropout):
+        raise TypeError(f"dropout must be a llmc_py.Dropout (or None), got "
+                        f"{type(dropout).__name__}")
+    return dropout
 
 
 def _head_rows(B, T, keep_logits):

@@ -30,6 +30,7 @@ from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
+from ..model.dropout import RATES as DROPOUT_SITES, Dropout
 from ..model.transformer import INIT_SCHEMES, INIT_STD
 from ..model.memory import return_freed_scratch
 from ..monitors import Monitor
@@ -119,6 +120,15 @@ def build_parser():
     a("--precision", choices=PRECISIONS, default="fp32",
       help="bf16: mixed precision (bf16 matmuls on a bf16 copy of the weights; float32 "
            "master weights, gradients, optimizer state and statistics)")
+    a("--dropout", type=float, default=0.0,
+      help="dropout probability in training at every site: the embedding's output, the "
+           "attention probabilities and each residual branch's output (0: none; evaluation "
+           "and sampling never drop)")
+    for site, what in zip(DROPOUT_SITES, ("the embedding's output",
+                                          "the attention probabilities",
+                                          "each residual branch's output")):
+        a(f"--dropout-{site}", type=float, default=None,
+          help=f"dropout probability on {what} (default: --dropout's)")
     a("--recompute", type=int, choices=(0, 1), default=0,
       help="1: keep the norm outputs and the MLP activation for one layer only and "
            "recompute them in backward (less memory, the same results, a little slower)")
@@ -236,6 +246,25 @@ def describe(config):
     return text
 
 
+def dropout_from_args(args):
+    """The run's Dropout: --dropout at every site unless a site's own flag
+    says otherwise; its masks come from --seed."""
+    rates = {site: getattr(args, f"dropout_{site}") for site in DROPOUT_SITES}
+    try:
+        return Dropout(**{site: args.dropout if p is None else p for site, p in rates.items()},
+                       seed=args.seed)
+    except ValueError as e:   # a probability that rounds to 1 in float32
+        raise UsageError(f"--dropout: {e}") from None
+
+
+def describe_dropout(dropout):
+    """"dropout P", or each site's when they differ."""
+    rates = [getattr(dropout, site) for site in DROPOUT_SITES]
+    if len(set(rates)) == 1:
+        return f"dropout {rates[0]:g}"
+    return "dropout " + ", ".join(f"{site} {p:g}" for site, p in zip(DROPOUT_SITES, rates))
+
+
 def schedule_from_args(args):
     return LRSchedule(peak=args.learning_rate, total_steps=args.max_steps,
                       warmup_steps=args.warmup_steps, kind=args.schedule,
@@ -247,13 +276,13 @@ def lr_at(step, args):
     return schedule_from_args(args)(step)
 
 
+BELOW_ONE = Range(lo=0, hi=1, hi_open=True, text="in [0, 1)")
 # every numeric flag's allowed values
 FLAG_RANGES = {
     "batch_size": POSITIVE, "seq_len": POSITIVE, "total_batch_tokens": NON_NEGATIVE,
     "max_steps": POSITIVE, "learning_rate": POSITIVE, "warmup_steps": NON_NEGATIVE,
     "final_lr_fraction": FRACTION, "weight_decay": NON_NEGATIVE,
-    "beta1": Range(lo=0, hi=1, hi_open=True, text="in [0, 1)"),
-    "beta2": Range(lo=0, hi=1, hi_open=True, text="in [0, 1)"), "adam_eps": POSITIVE,
+    "beta1": BELOW_ONE, "beta2": BELOW_ONE, "adam_eps": POSITIVE,
     "grad_clip": NON_NEGATIVE, "val_every": NON_NEGATIVE, "val_batches": POSITIVE,
     "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
@@ -263,6 +292,7 @@ FLAG_RANGES = {
     "rope_factor": POSITIVE, "rope_original_max": NON_NEGATIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
+    "dropout": BELOW_ONE, **{f"dropout_{site}": BELOW_ONE for site in DROPOUT_SITES},
 }
 
 
@@ -423,6 +453,7 @@ def _run(args, progress, signals, explicit, world):
 def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, prepare_dataset,
            get_encoding, load_tokenizer, world):
     root, ranks = world.is_root, world.size
+    dropout = dropout_from_args(args)
     # data, in the tokens of the model's tokenizer (GPT-2's unless a
     # Hugging Face folder or --tokenizer gives another)
     source = tokenizer_source(args)
@@ -532,7 +563,9 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
             progress.say("changed on resume: " + ", ".join(changes))
 
     progress.say(f"model: {describe(c)}, {model.num_parameters / 1e6:.1f}M parameters, "
-                 f"{model.precision}; batch {B}x{T}"
+                 f"{model.precision}"
+                 + (f", {describe_dropout(dropout)}" if dropout.active else "")
+                 + f"; batch {B}x{T}"
                  + (f" on each of {ranks} processes" + (" (ZeRO-1)" if sharded else "")
                     if ranks > 1 else "")
                  + f", {grad_accum} micro-batch(es) per step; {args.max_steps} steps")
@@ -593,7 +626,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         next_batch = train_loader.next_batch
     trainer = Trainer(model, optimizer, schedule_from_args(args), next_batch,
                       grad_accum=grad_accum, grad_clip=args.grad_clip,
-                      update_guard=signals.deferred, world=world)
+                      update_guard=signals.deferred, world=world, dropout=dropout)
     if ranks > 1:   # first of all: the gradients averaged over the ranks
         reduce = world.reduce_scatter_mean if sharded else world.average
         trainer.after_backward.append(lambda trainer, step: reduce(model.grads.memory))

@@ -43,15 +43,22 @@ class Trainer:
     ``world`` (train.distributed; default one process): the loss is the mean
     over its ranks, and with an optimizer that updates a shard (``span``,
     ZeRO-1) the gradient norm is the shards' together. Reducing the
-    gradients is an after_backward hook's work."""
+    gradients is an after_backward hook's work.
+
+    ``dropout`` (model.dropout.Dropout; its seed is the run's): the masks of
+    step s are Dropout.at_step(s, row0) with row0 each micro-batch's first
+    row among the step's rows over all ranks, so that a step's masks depend
+    on the step and the rows alone: a resumed run draws the same ones, and
+    so does a run that splits its rows over other ranks or micro-batches."""
 
     def __init__(self, model, optimizer, schedule, next_batch, *, grad_accum=1, grad_clip=1.0,
-                 update_guard=contextlib.nullcontext, world=None):
+                 update_guard=contextlib.nullcontext, world=None, dropout=None):
         self.model, self.optimizer, self.schedule = model, optimizer, schedule
         self.next_batch = next_batch
         self.grad_accum, self.grad_clip = grad_accum, grad_clip
         self.update_guard = update_guard
         self.world = Solo() if world is None else world
+        self.dropout = dropout if dropout is not None and dropout.active else None
         self.after_backward = []
         self.after_step = []
 
@@ -63,9 +70,10 @@ class Trainer:
         t0 = time.perf_counter()
         model.zero_grad()
         loss = 0.0
-        for _ in range(n):
+        for micro in range(n):
             x, y = self.next_batch()
-            loss += model.forward_backward(x, y, loss_scale=1.0 / n) / n
+            loss += model.forward_backward(x, y, loss_scale=1.0 / n,
+                                           dropout=self._dropout_at(step, micro, len(x))) / n
         loss = self.world.mean(loss)
         for hook in self.after_backward:
             hook(self, step)
@@ -80,6 +88,14 @@ class Trainer:
                 hook(self, result)
         return result
 
+
+    def _dropout_at(self, step, micro, B):
+        """The dropout of micro-batch ``micro`` (of B rows on each rank) of
+        step ``step``, or None."""
+        if self.dropout is None:
+            return None
+        world = self.world
+        return self.dropout.at_step(step, row0=(micro * world.size + world.rank) * B)
 
     def _clip_grad_norm(self):
         """The global gradient norm, before clipping the gradients to grad_clip."""

@@ -7,7 +7,8 @@ from ..model import load_model
 # on resume: flags whose change would make a different run (refused), and
 # flags a resumed run may change (each change said in one line)
 FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
-                   "overfit_single_batch", "train_fingerprint")
+                   "overfit_single_batch", "train_fingerprint", "dropout",
+                   "dropout_embedding", "dropout_attention", "dropout_residual")
 FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", "norm", "position", "mlp", "kv_heads",
                      "ffn_hidden", "bias", "untied", "rope_theta", "qk_norm", "head_dim",
                      "init_scheme", "init_std", "block", "ffn_multiple_of",
