@@ -11,6 +11,39 @@
 #include "common.h"
 #include "isa.h"
 
+/* The element-wise kernels' one calling pattern: checks, then each thread
+   runs its share of the N / 16 blocks of 16 elements with the kernel's
+   blocks function for this instruction set. */
+typedef void (*elementwise_forward_fn)(float*, const float*, int64_t, int64_t, int64_t);
+typedef void (*elementwise_backward_fn)(float*, const float*, const float*, int64_t, int64_t,
+                                        int64_t);
+
+static int elementwise_forward(elementwise_forward_fn blocks, float* out, const float* inp,
+                               int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
+    }
+    return LLMC_OK;
+}
+
+static int elementwise_backward(elementwise_backward_fn blocks, float* dinp, const float* dout,
+                                const float* inp, int64_t N) {
+    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    #pragma omp parallel
+    {
+        int64_t blk0, blk1;
+        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
+        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
+    }
+    return LLMC_OK;
+}
+
 #define GELU_SCALE 0.7978845608028654f   /* sqrt(2 / pi) */
 #define GELU_CUBIC 0.044715f
 #define GELU_EXP_BOUND 80.0f   /* |t| of e^t in the sigmoid; see gelu_sigmoid16 */
@@ -58,17 +91,8 @@ LLMC_ISA_VARIANTS(gelu_forward_blocks,
                   out, inp, N, blk0, blk1)
 
 int gelu_forward(float* out, const float* inp, int64_t N) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, int64_t, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks);
-    #pragma omp parallel
-    {
-        int64_t blk0, blk1;
-        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
-    }
-    return LLMC_OK;
+    return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks), out, inp,
+                               N);
 }
 
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
@@ -93,17 +117,8 @@ LLMC_ISA_VARIANTS(gelu_backward_blocks,
                   dinp, dout, inp, N, blk0, blk1)
 
 int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, const float*, int64_t, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), gelu_backward_blocks);
-    #pragma omp parallel
-    {
-        int64_t blk0, blk1;
-        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
-    }
-    return LLMC_OK;
+    return elementwise_backward(LLMC_ISA_SELECT(llmc_get_isa(), gelu_backward_blocks), dinp,
+                                dout, inp, N);
 }
 
 /*
@@ -291,17 +306,8 @@ LLMC_ISA_VARIANTS(relu_forward_blocks,
                   out, inp, N, blk0, blk1)
 
 int relu_forward(float* out, const float* inp, int64_t N) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, int64_t, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), relu_forward_blocks);
-    #pragma omp parallel
-    {
-        int64_t blk0, blk1;
-        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
-    }
-    return LLMC_OK;
+    return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), relu_forward_blocks), out, inp,
+                               N);
 }
 
 static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
@@ -321,17 +327,8 @@ LLMC_ISA_VARIANTS(relu_backward_blocks,
                   dinp, dout, inp, N, blk0, blk1)
 
 int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
-    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
-    void (*const blocks)(float*, const float*, const float*, int64_t, int64_t, int64_t) =
-        LLMC_ISA_SELECT(llmc_get_isa(), relu_backward_blocks);
-    #pragma omp parallel
-    {
-        int64_t blk0, blk1;
-        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
-    }
-    return LLMC_OK;
+    return elementwise_backward(LLMC_ISA_SELECT(llmc_get_isa(), relu_backward_blocks), dinp,
+                                dout, inp, N);
 }
 
 /* Exact GELU, x Phi(x), with Phi(x) = erfc(-x / sqrt 2) / 2: erfc keeps the
