@@ -1,20 +1,23 @@
-"""llmc_py/bench.py: the matmul and attention tables cover every instruction
+"""llmc_py/bench: the matmul and attention tables cover every instruction
 set asked for, verify each before timing it, and leave the chosen one in place."""
 import numpy as np
 import pytest
 
 import llmc_py
-from llmc_py import bench
+from llmc_py.bench.kernels import bench_attention, bench_matmul, bench_memory_bound
+from llmc_py.bench.pytorch import torch_job
+from llmc_py.bench.quality import bench_quality
+from llmc_py.bench.step import own_step_job
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_bench_matmul_times_each_isa_beside_torch(use_isa, precision):
     isas = llmc_py.supported_isas()
     use_isa(isas[0])
-    theirs = bench.torch_job("matmul", shapes=[(7, 67, 45)], repeats=1, dtype=precision)
+    theirs = torch_job("matmul", shapes=[(7, 67, 45)], repeats=1, dtype=precision)
     assert all(theirs["gflops"]["7x67x45"][name] > 0 for name in ("fwd", "dinp", "dW"))
-    rows = bench.bench_matmul(7, 67, 45, 1, np.random.default_rng(0), isas,
-                              theirs["gflops"]["7x67x45"], precision)
+    rows = bench_matmul(7, 67, 45, 1, np.random.default_rng(0), isas,
+                        theirs["gflops"]["7x67x45"], precision)
     suffix = " bf16" if precision == "bf16" else ""
     assert [(r["kernel"], r["isa"]) for r in rows] == [
         (f"matmul {product}{suffix}", isa) for product in ("fwd", "dinp", "dW") for isa in isas]
@@ -26,18 +29,18 @@ def test_bench_matmul_times_each_isa_beside_torch(use_isa, precision):
 def test_bench_attention_verifies_and_times_each_isa(use_isa):
     isas = llmc_py.supported_isas()
     use_isa(isas[0])
-    rows = bench.bench_attention(2, 19, 3, 16, 1, np.random.default_rng(0), isas)
+    rows = bench_attention(2, 19, 3, 16, 1, np.random.default_rng(0), isas)
     assert [(r["kernel"], r["isa"]) for r in rows] == [
         (f"attention {name}", isa) for name in ("fwd", "bwd") for isa in isas]
     assert all(r["ms"] > 0 and r["naive_ms"] > 0 for r in rows)
     assert llmc_py.get_isa() == isas[0]
     # a sliding window, verified against the plain twin with that window
-    rows = bench.bench_attention(1, 40, 2, 16, 1, np.random.default_rng(0), isas[:1], window=7)
+    rows = bench_attention(1, 40, 2, 16, 1, np.random.default_rng(0), isas[:1], window=7)
     assert [r["kernel"] for r in rows] == ["attention fwd w7", "attention bwd w7"]
 
 
 def test_bench_memory_bound_reports_each_kernel_beside_a_copy():
-    rows = bench.bench_memory_bound(4 * 3072 * 2, 1, np.random.default_rng(0), C=48)
+    rows = bench_memory_bound(4 * 3072 * 2, 1, np.random.default_rng(0), C=48)
     assert [r["kernel"] for r in rows] == [
         "gelu_forward", "gelu_backward", "residual_forward", "layernorm_forward",
         "layernorm_backward", "matmul dbias", "adamw_update"]
@@ -50,14 +53,14 @@ TINY = dict(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_layers=1, n
 
 def test_bench_torch_step_runs_in_its_own_process():
     for autocast in (False, True):
-        t = bench.torch_job("step", layers=1, B=2, T=8, repeats=2, autocast=autocast,
-                            config=TINY)
+        t = torch_job("step", layers=1, B=2, T=8, repeats=2, autocast=autocast,
+                      config=TINY)
         assert 0 < t["min"] <= t["median"] <= t["max"] and t["peak_rss_mib"] > 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_bench_own_step_runs_in_its_own_process(precision):
-    t = bench.own_step_job(1, 2, 8, 2, precision, recompute=True, config=TINY)
+    t = own_step_job(1, 2, 8, 2, precision, recompute=True, config=TINY)
     assert 0 < t["min"] <= t["median"] <= t["max"]
     # the process's peak holds the interpreter and numpy besides the model's plan
     assert 0 < t["planned_mib"] < t["peak_rss_mib"]
@@ -65,7 +68,7 @@ def test_bench_own_step_runs_in_its_own_process(precision):
 
 def test_bench_torch_job_failures_raise():
     with pytest.raises(RuntimeError, match="PyTorch step job failed: .*unexpected keyword"):
-        bench.torch_job("step", layers=1, B=2, T=8, repeats=1, no_such_flag=1)
+        torch_job("step", layers=1, B=2, T=8, repeats=1, no_such_flag=1)
 
 
 @pytest.mark.slow
@@ -73,14 +76,14 @@ def test_bench_torch_step_compiled():
     """The torch.compile columns of the step table run (its first, untimed
     step compiles a one-layer model, ~20 s each)."""
     for autocast in (False, True):
-        t = bench.torch_job("step", layers=1, B=2, T=8, repeats=2, compile=True,
+        t = torch_job("step", layers=1, B=2, T=8, repeats=2, compile=True,
                             autocast=autocast, config=TINY)
         assert 0 < t["min"] <= t["median"] <= t["max"]
 
 
 def test_bench_quality_runs_both_precisions(shards, tmp_path):
     train_glob, val_glob = shards
-    results = bench.bench_quality(3, ["-i", train_glob, "-j", val_glob, "-e", "d1", "-b", "2",
+    results = bench_quality(3, ["-i", train_glob, "-j", val_glob, "-e", "d1", "-b", "2",
                                       "-t", "16"], out_dir=str(tmp_path))
     assert set(results) == {"fp32", "bf16"}
     fp32, bf16 = results["fp32"][0], results["bf16"][0]

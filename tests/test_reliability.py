@@ -17,7 +17,7 @@ import pytest
 
 import llmc_py.data.prepare as P
 from llmc_py import GPT2, GPT2Config, sample
-from llmc_py import bench
+from llmc_py.bench import cli as bench
 from llmc_py import train as train_mod
 from llmc_py.data import DataError, DataLoader, write_tokens
 from llmc_py.errors import ConcurrentUseError

@@ -1,26 +1,32 @@
-"""PyTorch's side of the benchmark (bench.py), always in a process of its own:
-two OpenMP runtimes in one process (ours and torch's) each leave worker
-threads spinning that slow the other, so bench.py runs each PyTorch
-configuration as ``python -m llmc_py.bench_torch JOB`` and reads the JSON it
-prints. JOB is a JSON object: {"kind": "matmul" | "step" | "generate",
-"threads": N, ...the job's arguments}. A missing torch prints
-{"missing": true}.
+"""PyTorch's side of the benchmark, always in a process of its own: two
+OpenMP runtimes in one process (ours and torch's) each leave worker threads
+spinning that slow the other, so torch_job runs each PyTorch configuration
+as ``python -m llmc_py.bench.pytorch JOB`` and reads the JSON it prints.
+JOB is a JSON object: {"kind": "matmul" | "step" | "generate", "threads": N,
+...the job's arguments}. A missing torch prints {"missing": true}.
 
 The models are GPT-2 on our initialisation (model.GPT2, seed 0), written as
 an nn.Module would run them: one leaf tensor per layer's weight,
 scaled_dot_product_attention, fused AdamW.
 """
 import json
-import resource
 import sys
 
 import numpy as np
 
-from .bench import timed
-from .config import GPT2Config
-from .model import GPT2
+from .._native.lib import get_num_threads
+from ..config import GPT2Config
+from ..model import GPT2
+from .timing import peak_rss_mib, run_job, timed
 
-DTYPES = ("fp32", "bf16")
+
+def torch_job(kind, **job):
+    """The result of one PyTorch measurement run in a fresh interpreter on
+    this process's thread count; None when torch is not installed. A failing
+    job raises RuntimeError with its last error line."""
+    result = run_job("llmc_py.bench.pytorch", dict(job, kind=kind, threads=get_num_threads()),
+                     f"PyTorch {kind}")
+    return None if result.get("missing") else result
 
 
 def _dtype(torch, name):
@@ -150,21 +156,6 @@ def generate(torch, layers, prompts, new_tokens, repeats, dtype="fp32"):
         result["tokens"] = torch.stack(out, dim=1).tolist()
     result.update(timed(greedy, repeats, warmup=0))
     return result
-
-
-def peak_rss_mib():
-    """This process's peak resident memory in MiB: Linux's VmHWM, which starts
-    anew at exec (getrusage's ru_maxrss keeps the forking parent's peak when
-    that was larger); elsewhere ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    per_mib = 2**20 if sys.platform == "darwin" else 2**10   # macOS reports bytes, others KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
 
 
 JOBS = {"matmul": matmul, "step": step, "generate": generate}

@@ -1,0 +1,32 @@
+"""Benchmarks: ``python -m llmc_py.bench`` (``--help`` for options).
+
+1. matmul: each product of a linear layer at GPT-2 124M's shapes, on each
+   instruction set of the kernel (--isa), verified against the naive kernel,
+   then timed beside numpy's sgemm and torch's matmul for the same product;
+   GFLOP/s. With --precision bf16, the bf16 products beside torch's bf16
+   matmul as well.
+2. attention (forward, backward) at GPT-2 124M's heads, on each instruction
+   set, verified against the plain twin (attention_*_naive), then timed
+   beside that twin.
+3. the memory-bound kernels (GELU, residual, AdamW): GB/s beside a numpy copy
+   of the same bytes.
+4. the training step of GPT-2 124M (random init): forward + backward + AdamW,
+   ms/step and tokens/s, in --precision (fp32, or bf16 mixed precision),
+   beside PyTorch eager on the same model when torch is installed (in bf16:
+   also under torch.autocast; with --compile: torch.compile'd too), and on 1
+   thread with --scaling.
+5. with --generate: greedy generation with GPT-2 124M after a prompt, batch 1
+   and 4: tokens/s with the KV cache, without it (a full forward per token),
+   and PyTorch with a KV cache of its own; the cache's size beside the model's.
+   With --precision bf16: our bf16 decoding beside our fp32 and torch's bf16.
+6. with --quality: the default training run (python -m llmc_py.train: d4 on
+   Shakespeare, 500 steps) in fp32 and in bf16, each in a process of its
+   own; the validation losses side by side.
+Every time is the median of several repeats (min and max shown too). Every
+PyTorch measurement, and our training step, runs in a process of its own.
+
+Modules: cli (flags, threads and instruction set, one mode), kernels (1-3),
+step (4, ours), pytorch (PyTorch's side of 1, 4 and 5), generate (5),
+quality (6), tables (the printed tables), timing (repeats, peak memory and
+the jobs run in processes of their own).
+"""

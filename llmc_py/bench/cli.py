@@ -1,0 +1,124 @@
+"""``python -m llmc_py.bench``: the flags, the threads and instruction set
+every mode runs on, and one mode: the kernels and the training step (the
+default), --generate or --quality."""
+import argparse
+import json
+import os
+import resource
+import sys
+
+import numpy as np
+
+from . import __doc__ as about
+from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
+from ..cli import command
+from ..flags import NON_NEGATIVE, POSITIVE, check_flags
+from ..model import PRECISIONS
+from .generate import measure_generation
+from .kernels import measure_kernels
+from .quality import bench_quality
+from .step import measure_steps
+from .tables import print_generation, print_quality, print_training
+
+# the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+FLAG_RANGES = {"repeats": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
+               "layers": POSITIVE, "gen": POSITIVE, "attention_window": NON_NEGATIVE}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=about.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0,
+                   help="0: OpenMP's default. numpy's BLAS and torch get the same count "
+                        "(from the command line the benchmark restarts itself with "
+                        "OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set, which numpy reads "
+                        "only at import)")
+    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
+    p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
+    p.add_argument("--skip-matmul", action="store_true")
+    p.add_argument("--attention-window", type=int, default=0, metavar="W",
+                   help="also time attention with a sliding window of W keys (on the "
+                        "fastest instruction set), beside full causal attention")
+    p.add_argument("--isa", nargs="+", default=None, metavar="ISA",
+                   help="the matmul kernel's instruction sets to time (avx512bf16, avx512, "
+                        "avx2, portable); default: every one this CPU runs. The training "
+                        "step runs on the first one.")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="bf16: also the bf16 matmul products beside torch's bf16 matmul; the "
+                        "step in bf16 mixed precision beside torch under autocast(bf16); with "
+                        "--generate, bf16 decoding beside fp32's and torch's bf16")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the step under torch.compile (its first step compiles, "
+                        "which takes minutes; untimed)")
+    p.add_argument("--recompute", action="store_true",
+                   help="also time the step with recompute on (model.recompute)")
+    p.add_argument("--scaling", action="store_true",
+                   help="also time the step on 1 thread, for the 1 -> N scaling")
+    p.add_argument("--generate", action="store_true",
+                   help="benchmark generation (KV cache) instead of training")
+    p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
+                   help="--generate: prompt tokens and new tokens")
+    p.add_argument("--quality", type=int, default=0, metavar="STEPS",
+                   help="instead: the default training run for STEPS steps (500 is the "
+                        "default run) in fp32 and in bf16; their validation losses")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead")
+    return p
+
+
+def parse(argv):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_flags(args, FLAG_RANGES)
+    for isa in args.isa or ():
+        if isa not in supported_isas():
+            parser.error(f"--isa {isa}: this CPU or build runs only "
+                         f"{', '.join(supported_isas())}")
+    return args
+
+
+def set_up(args, argv):
+    """Sets --threads (from the command line, first restarting with the BLAS
+    thread variables set, which numpy reads only at import) and the
+    instruction set of the step: the first of the ones to time, which it
+    returns (default: every one this CPU runs, fastest first)."""
+    if args.threads:
+        wanted = str(args.threads)
+        if argv is None and any(os.environ.get(name) != wanted for name in BLAS_THREAD_VARS):
+            env = dict(os.environ, **{name: wanted for name in BLAS_THREAD_VARS})
+            os.execve(sys.executable, [sys.executable, "-m", "llmc_py.bench", *sys.argv[1:]],
+                      env)
+        set_num_threads(args.threads)
+    isas = args.isa or supported_isas()[::-1]
+    set_isa(isas[0])
+    return isas
+
+
+def measure_training(args, isas, rng):
+    """The kernels (unless --skip-matmul), then the training step."""
+    results = {"threads": get_num_threads(), "isa": get_isa(), "precision": args.precision,
+               "matmul": [], "step": {}}
+    if not args.skip_matmul:
+        results.update(measure_kernels(args, isas, rng))
+    results["step"] = measure_steps(args)
+    return results
+
+
+@command
+def main(argv=None):
+    args = parse(argv)
+    isas = set_up(args, argv)
+    if args.quality:
+        print_quality(args, bench_quality(args.quality))
+        return
+    rng = np.random.default_rng(0)
+    if args.generate:
+        results, print_results = measure_generation(args, rng), print_generation
+    else:
+        results, print_results = measure_training(args, isas, rng), print_training
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print_results(args, results)

@@ -1,0 +1,101 @@
+"""Our training step for the benchmark, in a process of its own as each
+PyTorch configuration is (pytorch.py), so that its peak RSS is the step's
+alone: the model, its gradients, AdamW's moments, the activations and the
+kernels' scratch, and nothing the benchmark's other measurements held. Run
+as ``python -m llmc_py.bench.step JOB``, JOB a JSON object {"layers", "B",
+"T", "repeats", "precision", "recompute", "isa", "threads", "config"
+(GPT2Config fields besides num_layers)}; prints the timing as JSON, with
+"peak_rss_mib" and "planned_mib" (the model's own memory plan of the step,
+model.memory_plan).
+"""
+import functools
+import json
+import sys
+
+import numpy as np
+
+from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads
+from ..config import GPT2Config
+from ..model import GPT2
+from ..model.memory import return_freed_scratch
+from .pytorch import torch_job
+from .timing import peak_rss_mib, run_job, timed
+
+
+def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False):
+    """Times forward_backward + AdamW of a fresh GPT-2; with the model's
+    memory plan of the step in MiB ("planned_mib")."""
+    model = GPT2(config, seed=0, precision=precision)
+    model.recompute = recompute
+    planned = sum(model.memory_plan(B, T, training=True).values()) / 2**20
+    tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    state = {"t": 0}
+
+    def step():
+        state["t"] += 1
+        model.zero_grad()
+        model.forward_backward(x, y)
+        model.update(1e-4, 0.9, 0.999, 1e-8, 0.0, state["t"])
+    return dict(timed(step, repeats), planned_mib=planned)
+
+
+def own_step_job(layers, B, T, repeats, precision="fp32", recompute=False, threads=None,
+                 config=None):
+    """bench_step in a fresh interpreter, on this process's instruction set
+    and thread count unless ``threads`` is given: its timing, peak RSS and
+    memory plan. ``config``: GPT2Config fields other than num_layers
+    (default: GPT-2 124M's)."""
+    job = dict(layers=layers, B=B, T=T, repeats=repeats, precision=precision,
+               recompute=recompute, isa=get_isa(),
+               threads=get_num_threads() if threads is None else threads, config=config or {})
+    return run_job("llmc_py.bench.step", job, "llmc_py step")
+
+
+def measure_steps(args):
+    """{name: timing} of the training step at --batch: ours in --precision
+    (with --recompute, also with recompute on; in bf16, also in fp32), then
+    PyTorch's unless --skip-torch (eager; in bf16 also under autocast; with
+    --compile also compiled), and with --scaling ours on 1 thread."""
+    B, T = args.batch
+    bf16 = args.precision == "bf16"
+    steps = {}
+    own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats)
+    steps["llmc_py"] = own_step(args.precision)
+    if args.recompute:
+        steps["llmc_py_recompute"] = own_step(args.precision, recompute=True)
+    if bf16:
+        steps["llmc_py_fp32"] = own_step()
+        if args.recompute:
+            steps["llmc_py_fp32_recompute"] = own_step(recompute=True)
+    if not args.skip_torch:
+        torch_step = functools.partial(torch_job, "step", layers=args.layers, B=B, T=T,
+                                       repeats=args.repeats)
+        steps["torch_eager"] = torch_step()
+        if bf16:
+            steps["torch_eager_autocast_bf16"] = torch_step(autocast=True)
+        if args.compile:
+            steps["torch_compile"] = torch_step(compile=True)
+            if bf16:
+                steps["torch_compile_autocast_bf16"] = torch_step(compile=True, autocast=True)
+    if args.scaling:
+        steps["llmc_py_1_thread"] = own_step(args.precision, threads=1)
+    return steps
+
+
+def main(argv=None):
+    job = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    return_freed_scratch()   # as the trainer does
+    set_num_threads(job["threads"])
+    set_isa(job["isa"])
+    config = GPT2Config(**dict(job["config"], num_layers=job["layers"]))
+    result = bench_step(config, job["B"], job["T"],
+                        job["repeats"], np.random.default_rng(0), job["precision"],
+                        job["recompute"])
+    result["peak_rss_mib"] = peak_rss_mib()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

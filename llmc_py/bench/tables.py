@@ -1,0 +1,89 @@
+"""The benchmark's printed tables, one function per mode (--json prints the
+results themselves instead)."""
+
+
+def print_training(args, results):
+    """The kernel tables (matmul, attention, memory-bound) when measured,
+    then the training step's: each configuration and ours over it."""
+    B, T = args.batch
+    print(f"threads: {results['threads']}; kernels for the step: {results['isa']}, "
+          f"{results['precision']}")
+    if results["matmul"]:
+        print("GFLOP/s; ratio = ours / numpy's sgemm; vs torch = ours / torch's matmul in the "
+              "same dtype (bf16 rows: torch's bf16 matmul); all measured in this run")
+        print(f"{'kernel':<16}{'B*T x C x OC':>16}{'isa':>11}{'ms':>9}{'GFLOP/s':>9}"
+              f"{'numpy':>8}{'torch':>8}{'ratio':>7}{'vs torch':>9}")
+        for r in results["matmul"]:
+            theirs = r["torch_gflops"]
+            torch_cols = (f"{theirs:8.1f}" if theirs else f"{'-':>8}")
+            print(f"{r['kernel']:<16}{r['shape']:>16}{r['isa']:>11}{r['ms']:9.2f}"
+                  f"{r['gflops']:9.1f}{r['numpy_gflops']:8.1f}{torch_cols}"
+                  f"{r['gflops'] / r['numpy_gflops']:7.2f}"
+                  + (f"{r['gflops'] / theirs:9.2f}" if theirs else f"{'-':>9}"))
+    if results.get("attention"):
+        print(f"\n{'kernel':<16}{'B x T x NH x hs':>16}{'isa':>9}{'ms':>9}{'naive ms':>10}"
+              f"{'ratio':>7}")
+        for r in results["attention"]:
+            print(f"{r['kernel']:<16}{r['shape']:>16}{r['isa']:>9}{r['ms']:9.2f}"
+                  f"{r['naive_ms']:10.2f}{r['naive_ms'] / r['ms']:7.2f}")
+    if results.get("memory_bound"):
+        print(f"\n{'kernel':<20}{'elements':>12}{'ms':>9}{'GB/s':>8}{'copy':>8}{'ratio':>7}")
+        for r in results["memory_bound"]:
+            print(f"{r['kernel']:<20}{r['elements']:>12}{r['ms']:9.2f}{r['gbps']:8.1f}"
+                  f"{r['copy_gbps']:8.1f}{r['gbps'] / r['copy_gbps']:7.2f}")
+    print(f"\ntraining step, GPT-2 {args.layers} layers, B={B} T={T} (median, min-max; "
+          f"peak RSS of each one's own process; ours: also the model's memory plan):")
+    for name, t in results["step"].items():
+        if t is None:
+            print(f"  {name:<28} not installed")
+            continue
+        rss = f"  {t['peak_rss_mib']:6.0f} MiB" if "peak_rss_mib" in t else ""
+        rss += f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
+        print(f"  {name:<28} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:8.0f} tok/s{rss}")
+    ours = results["step"]["llmc_py"]
+    for name, t in results["step"].items():
+        if t and name != "llmc_py" and not name.startswith("llmc_py_1"):
+            memory = (f", {ours['peak_rss_mib'] / t['peak_rss_mib']:.2f}x the memory"
+                      if "peak_rss_mib" in t else "")
+            print(f"  llmc_py ({results['precision']}) over {name}: "
+                  f"{t['median'] / ours['median']:.2f}x the speed{memory}")
+    if "llmc_py_1_thread" in results["step"]:
+        one = results["step"]["llmc_py_1_thread"]
+        print(f"  1 -> {results['threads']} threads: {one['median'] / ours['median']:.2f}x")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+def print_generation(args, results):
+    """Per batch: each way of generating, the speed-ups, the cache's size."""
+    prompt_len, new_tokens = results["prompt"], results["new_tokens"]
+    print(f"threads: {results['threads']}; greedy generation, GPT-2 {args.layers} layers, "
+          f"{args.precision}, {new_tokens} new tokens after {prompt_len} (median, min-max; "
+          f"no-cache: 1 run)")
+    for B, rows in results["generate"].items():
+        print(f"batch {B}:")
+        for name in ("cached", "cached_fp32", "no_cache", "torch_kv_cache"):
+            t = rows.get(name)
+            if t is None:
+                continue
+            print(f"  {name:<16} {t['median']:8.2f} s  ({t['min']:.2f}-{t['max']:.2f})  "
+                  f"{B * new_tokens / t['median']:8.1f} tok/s")
+        for name in ("cached_fp32", "torch_kv_cache"):
+            if rows.get(name):
+                print(f"  speed-up over {name}: "
+                      f"{rows[name]['median'] / rows['cached']['median']:.2f}x")
+        if not rows["no_cache_agrees"]:
+            print("  (the no-cache greedy tokens diverged from the cached ones: a near-tie)")
+        if rows.get("torch_agrees") is False:
+            print("  (torch's greedy tokens diverged from ours: a near-tie, or bf16 rounding)")
+        print(f"  KV cache {rows['cache_mib']:.1f} MiB for the model's {rows['model_mib']:.1f} "
+              f"MiB of parameters")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+def print_quality(args, results):
+    """Each precision's validation loss, then bf16's difference."""
+    fp32, bf16 = results["fp32"][0], results["bf16"][0]
+    for precision, (val, seconds) in results.items():
+        print(f"{precision}: val loss {val:.4f} after {args.quality} steps ({seconds:.0f} s)")
+    print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
