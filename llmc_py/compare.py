@@ -22,6 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .cli import command
+from .errors import LlmcError, UsageError
+
 # flags every variant shares unless a suite says otherwise: a d4-sized model
 # on the default Shakespeare set, evaluated at the end
 COMMON = ["-e", "d4", "-b", "8", "-t", "128", "-x", "200", "-v", "50", "-m", "10",
@@ -270,12 +273,7 @@ def evaluate_lengths(args, multiples, scale_rope=None):
     return losses
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    extra = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, extra = argv[:at], argv[at + 1:]
+def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.compare",
                                 description=__doc__.split("\n")[0])
     p.add_argument("suites", nargs="*", help=f"of {', '.join(SUITES)} (default: "
@@ -285,36 +283,53 @@ def main(argv=None):
     p.add_argument("--lengths", type=int, nargs="*", default=(), help=argparse.SUPPRESS)
     p.add_argument("--scale-rope", help=argparse.SUPPRESS)
     p.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        return child(args.child, extra, args.lengths, args.scale_rope, args.decode)
+    return p
+
+
+def parse(argv):
+    """The flags, and the training flags after "--" (given to every variant)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1:]
+    args = build_parser().parse_args(argv)
     unknown = [s for s in args.suites if s not in SUITES]
     if unknown:
-        print(f"error: unknown suite(s) {unknown}; known: {', '.join(SUITES)}", file=sys.stderr)
-        return 1
+        raise UsageError(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")
+    return args, extra
+
+
+def run_suite(suite, out, extra):
+    """Trains each variant of ``suite`` under out/suite, then prints and
+    writes its table and draws its loss curves; the number of runs that failed."""
+    spec = SUITES[suite]
+    folders = {name: out / suite / re.sub(r"\W+", "-", name) for name in spec["variants"]}
+    rows = {}
+    for name, variant in spec["variants"].items():
+        print(f"{suite}: training {name} ...", flush=True)
+        if isinstance(variant, list):
+            variant = {"flags": variant}
+        rows[name] = run_variant(folders[name], COMMON + variant["flags"] + extra,
+                                 spec.get("lengths", ()), variant.get("scale_rope"),
+                                 spec.get("decode", False))
+    text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
+    (out / f"{suite}.md").write_text(text)
+    print(text)
+    if draw(out / f"{suite}.png", spec["about"], folders):
+        print(f"loss curves: {out / f'{suite}.png'}")
+    return sum("error" in row for row in rows.values())
+
+
+@command
+def main(argv=None):
+    args, extra = parse(argv)
+    if args.child:
+        return child(args.child, extra, args.lengths, args.scale_rope, args.decode)
     out = Path(args.out)
-    failed = 0
-    for suite in args.suites or DEFAULT_SUITES:
-        spec = SUITES[suite]
-        folders = {name: out / suite / re.sub(r"\W+", "-", name) for name in spec["variants"]}
-        rows = {}
-        for name, variant in spec["variants"].items():
-            print(f"{suite}: training {name} ...", flush=True)
-            if isinstance(variant, list):
-                variant = {"flags": variant}
-            rows[name] = run_variant(folders[name], COMMON + variant["flags"] + extra,
-                                     spec.get("lengths", ()), variant.get("scale_rope"),
-                                     spec.get("decode", False))
-            failed += "error" in rows[name]
-        text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
-        (out / f"{suite}.md").write_text(text)
-        print(text)
-        if draw(out / f"{suite}.png", spec["about"], folders):
-            print(f"loss curves: {out / f'{suite}.png'}")
+    failed = sum(run_suite(suite, out, extra) for suite in args.suites or DEFAULT_SUITES)
     if failed:
-        print(f"error: {failed} run(s) failed; see their stdout.txt under {out}",
-              file=sys.stderr)
-    return 1 if failed else 0
+        raise LlmcError(f"{failed} run(s) failed; see their stdout.txt under {out}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import LlmcError
+from .cli import command
+from .errors import UsageError
 from .io.hf import write_hf
 from .io.model_file import DTYPES, read_model_file, write_model_file
 
@@ -29,23 +30,26 @@ def build_parser():
     return p
 
 
+def convert(args):
+    """Reads --src and writes --dst in the other format; the config and
+    parameters converted."""
+    config, params = read_model_file(args.src)
+    if Path(args.src).is_dir():
+        if Path(args.dst).is_dir():
+            raise UsageError(f"{args.dst} is a folder: from a Hugging Face folder, give the "
+                             f"model file to write")
+        write_model_file(args.dst, config, params, dtype=args.dtype)
+    else:
+        write_hf(args.dst, config, params, dtype=args.dtype)
+    return config, params
+
+
+@command
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
-        config, params = read_model_file(args.src)
-        if Path(args.src).is_dir():
-            if Path(args.dst).is_dir():
-                raise ValueError(f"{args.dst} is a folder: from a Hugging Face folder, give "
-                                 f"the model file to write")
-            write_model_file(args.dst, config, params, dtype=args.dtype)
-        else:
-            write_hf(args.dst, config, params, dtype=args.dtype)
-        print(f"{args.src} -> {args.dst}: {type(config).__name__}, {params.size:,} parameters "
-              f"({args.dtype})")
-        return 0
-    except (LlmcError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    config, params = convert(args)
+    print(f"{args.src} -> {args.dst}: {type(config).__name__}, {params.size:,} parameters "
+          f"({args.dtype})")
 
 
 if __name__ == "__main__":

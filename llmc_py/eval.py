@@ -22,7 +22,8 @@ import sys
 
 import numpy as np
 
-from .errors import DataError, LlmcError, UsageError
+from .cli import command
+from .errors import DataError, UsageError
 from .io.tokens import IGNORE_INDEX, read_tokens
 from .train.loop import perplexity
 
@@ -115,34 +116,49 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def parse(argv):
     args = build_parser().parse_args(argv)
-    try:
-        if args.batch_size < 1 or args.stride < 0 or args.max_tokens < 0 or \
-                min(args.lengths) < 1:
-            raise UsageError("--lengths and -b must be >= 1, --stride and --max-tokens >= 0")
-        from .model import load_model
-        model = load_model(args.model, precision=args.precision)
-        c = model.config
-        too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
-        if too_long:
-            raise UsageError(f"--lengths {' '.join(map(str, too_long))}: past the model's "
-                             f"learned position table (max_seq_len {c.max_seq_len}); a "
-                             f"learned-position model cannot be evaluated there (RoPE or "
-                             f"ALiBi models can)")
-        tokens = read_text(args.data, c.vocab_size, args.max_tokens)
-        print(f"{args.model} on {len(tokens)} tokens of {args.data}")
-        print(f"{'length':>8} {'stride':>8} {'windows':>8} {'targets':>9} {'loss':>9} "
-              f"{'perplexity':>11}")
+    if args.batch_size < 1 or args.stride < 0 or args.max_tokens < 0 or min(args.lengths) < 1:
+        raise UsageError("--lengths and -b must be >= 1, --stride and --max-tokens >= 0")
+    return args
+
+
+def evaluate(args):
+    """The number of tokens read, and a row (length, stride, windows,
+    targets, loss) per --lengths, each evaluated as it is taken (so that a
+    table shows each as soon as it is known)."""
+    from .model import load_model
+    model = load_model(args.model, precision=args.precision)
+    c = model.config
+    too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
+    if too_long:
+        raise UsageError(f"--lengths {' '.join(map(str, too_long))}: past the model's "
+                         f"learned position table (max_seq_len {c.max_seq_len}); a "
+                         f"learned-position model cannot be evaluated there (RoPE or "
+                         f"ALiBi models can)")
+    tokens = read_text(args.data, c.vocab_size, args.max_tokens)
+
+    def rows():
         for L in args.lengths:
             stride = min(args.stride or L, L)
             loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size)
-            print(f"{L:>8} {stride:>8} {n:>8} {counted:>9} {loss:>9.4f} "
-                  f"{perplexity(loss):>11.3f}")
-    except (UsageError, LlmcError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+            yield L, stride, n, counted, loss
+    return len(tokens), rows()
+
+
+def print_table(args, n_tokens, rows):
+    print(f"{args.model} on {n_tokens} tokens of {args.data}")
+    print(f"{'length':>8} {'stride':>8} {'windows':>8} {'targets':>9} {'loss':>9} "
+          f"{'perplexity':>11}")
+    for L, stride, n, counted, loss in rows:
+        print(f"{L:>8} {stride:>8} {n:>8} {counted:>9} {loss:>9.4f} {perplexity(loss):>11.3f}")
+
+
+@command
+def main(argv=None):
+    args = parse(argv)
+    n_tokens, rows = evaluate(args)
+    print_table(args, n_tokens, rows)
 
 
 if __name__ == "__main__":

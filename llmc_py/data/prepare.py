@@ -7,13 +7,13 @@ training split: for tinyshakespeare this is exactly llm.c's
 dev/data/tinyshakespeare.py.
 """
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError, LlmcError
+from ..cli import command
+from ..errors import DataError
 from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest,
                          read_tokens_header, token_dtype, write_manifest, write_tokens)
 from .shakespeare import SOURCES, shakespeare_text
@@ -192,30 +192,29 @@ def build_parser():
     return p
 
 
-def main(argv=None):
+def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.dataset is None) == (args.text is None):
         parser.error("give a dataset name or --text FILE (exactly one)")
     if args.dataset and (args.name or args.split_blank_lines):
         parser.error("--name and --split-blank-lines go with --text")
-    try:
-        from ..tokenizer import load_tokenizer
-        # GPT-2's is loaded (None) after the text is read, so that a missing
-        # file is said first
-        encoding = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        if args.text:
-            prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines,
-                         encoding=encoding)
-        else:
-            prepare_dataset(args.dataset, args.out, force=True, source=args.source,
-                            encoding=encoding, folder=dataset_name(args.dataset, encoding))
-    except (LlmcError, OSError) as e:
-        print(f"llmc_py.data: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("llmc_py.data: interrupted; a dataset being written is marked incomplete "
-              "(its manifest.json) and is refused until prepared again", file=sys.stderr)
-        return 130
-    return 0
+    return args
+
+
+@command(prefix="llmc_py.data: ",
+         interrupted="llmc_py.data: interrupted; a dataset being written is marked incomplete "
+                     "(its manifest.json) and is refused until prepared again")
+def main(argv=None):
+    args = parse(argv)
+    from ..tokenizer import load_tokenizer
+    # GPT-2's is loaded (None) after the text is read, so that a missing file
+    # is said first
+    encoding = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    if args.text:
+        prepare_text(args.text, args.out, args.name, split_blank_lines=args.split_blank_lines,
+                     encoding=encoding)
+    else:
+        prepare_dataset(args.dataset, args.out, force=True, source=args.source,
+                        encoding=encoding, folder=dataset_name(args.dataset, encoding))
 
