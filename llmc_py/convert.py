@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .errors import LlmcError
 from .io.hf import write_hf
-from .io.model_file import DTYPES, read_model_file, write_model_file
+from .io.load import read_model_file, write_model_file
+from .io.model_file import DTYPES
 
 
 def build_parser():

@@ -6,8 +6,6 @@ then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
 header exactly, before anything is allocated; a failure raises
 CheckpointError naming the file, the field and the value.
 """
-from pathlib import Path
-
 import numpy as np
 
 from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config,
@@ -250,30 +248,3 @@ def write_llama(path, config, params, dtype="fp32"):
     data = _param_bytes(config, params, dtype)
     ints, floats = llama_headers(config, VERSION_LLAMA if dtype == "fp32" else VERSION_LLAMA_BF16)
     atomic_write(path, [ints.tobytes(), floats.tobytes(), data])
-
-
-def model_kind(path):
-    """"gpt2" or "llama", from a model file's magic number."""
-    header, _ = read_header(path, "model")
-    if header[0] == MAGIC_LLAMA:
-        return "llama"
-    if header[0] == MAGIC_MODEL:
-        return "gpt2"
-    raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {MAGIC_MODEL} "
-                          f"(llm.c GPT-2) or {MAGIC_LLAMA} (llmc_py Llama): not a model file")
-
-
-def read_model_file(path):
-    """(config, params) from either model file, a GPT2Config from llm.c's,
-    a LlamaConfig from ours; or from a Hugging Face model folder (io.hf)."""
-    if Path(path).is_dir():
-        from .hf import read_hf   # needs the optional safetensors package
-        return read_hf(path)
-    return (read_llama if model_kind(path) == "llama" else read_model)(path)
-
-
-def write_model_file(path, config, params, dtype="fp32"):
-    """Writes llm.c's file for a GPT2Config, ours for any other config, with
-    fp32 or bf16 parameters (``dtype``)."""
-    write = write_model if isinstance(config, GPT2Config) else write_llama
-    write(path, config, params, dtype)
