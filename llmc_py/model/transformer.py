@@ -69,10 +69,10 @@ import numpy as np
 
 from .._native import kernels as K
 from .._native.lib import get_isa, get_num_threads
+from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.load import read_model_file, write_model_file
-from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from .dropout import NO_DROPOUT, Dropout
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, num_parameters, param_specs, specs_bytes)
