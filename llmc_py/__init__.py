@@ -16,11 +16,11 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 from ._native import kernels
 from ._native.lib import (get_isa, get_num_threads, has_openmp, set_isa, set_num_threads,
                           supported_isas)
+from ._native.tokens import IGNORE_INDEX
 from .config import GPT2Config, LlamaConfig, TransformerConfig
 from .errors import (CheckpointError, ConcurrentUseError, DataError, InvalidValueError, LlmcError,
                      NullPointerError, OutOfMemoryError, RangeError, ShapeError,
                      TokenizerUnavailableError, UnsupportedError, UsageError, WriteError)
-from .io.tokens import IGNORE_INDEX
 from .model import GPT2, Dropout, Llama, Transformer, load_model
 
 __version__ = "0.1.0"

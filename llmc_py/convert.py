@@ -16,7 +16,8 @@ from pathlib import Path
 from .cli import command
 from .errors import UsageError
 from .io.hf import write_hf
-from .io.model_file import DTYPES, read_model_file, write_model_file
+from .io.load import read_model_file, write_model_file
+from .io.model_file import DTYPES
 
 
 def build_parser():

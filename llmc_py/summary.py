@@ -40,15 +40,11 @@ def load_config(source):
     if config is not None:
         return config
     path = Path(source)
-    if path.is_dir() or path.suffix == ".json":
-        from .io.hf import read_hf_config
-        return read_hf_config(path)[1]
-    if not path.is_file():
+    if not (path.is_dir() or path.suffix == ".json" or path.is_file()):
         raise UsageError(f"{source}: no such model file, Hugging Face folder or config.json, "
                          f"and not a depth like d12")
-    from .io.model_file import model_kind, read_llama_header, read_model_header
-    read_header = read_llama_header if model_kind(path) == "llama" else read_model_header
-    return read_header(path)[0]
+    from .io.load import read_config
+    return read_config(path)
 
 
 def parameter_counts(config):

@@ -48,3 +48,36 @@ def test_conversions_check_their_arguments():
         K.float_to_bf16(np.empty(5, np.uint16), x)
     with pytest.raises(TypeError, match="float32"):
         K.bf16_to_float(np.empty(4, np.float64), np.zeros(4, np.uint16))
+
+
+def _bits_formula(x):
+    """The model files' bf16 rounding before they called the kernel: the same
+    bit formula in numpy (NaN: its upper half with the quiet bit set)."""
+    bits = x.view(np.uint32)
+    out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    out[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+def test_conversions_match_the_bit_formula_on_special_values_and_random_bits(rng):
+    """The model files and Hugging Face export round with the kernel; the
+    result is bit for bit the formula they used before: every class of float
+    (NaNs of any payload and sign, infinities, the largest finite, denormals,
+    ties on either side of even) and random bit patterns."""
+    special = np.array([0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000,
+                        0xFFC00000, 0x7F800001, 0xFF800001, 0x7FBFFFFF, 0x7FFFFFFF,
+                        0xFFFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF,
+                        0x00000001, 0x80000001, 0x007FFFFF, 0x00008000, 0x00018000,
+                        0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x00800000],
+                       np.uint32)
+    bits = np.concatenate([special, rng.integers(0, 1 << 32, 200_003, dtype=np.uint32),
+                           # every upper half with a tie below: all signs, exponents
+                           (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000])
+    x = bits.view(np.float32)
+    ours = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(ours, x)
+    assert np.array_equal(ours, _bits_formula(x))
+    back = np.empty(x.shape, np.float32)
+    K.bf16_to_float(back, ours)
+    assert np.array_equal(back.view(np.uint32), ours.astype(np.uint32) << 16)

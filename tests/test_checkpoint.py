@@ -11,8 +11,9 @@ import pytest
 
 import llmc_py
 from llmc_py import GPT2, GPT2Config, CheckpointError
-from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32,
-                                num_parameters, read_debug_state, read_model, write_model)
+from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32, read_debug_state,
+                        read_model, write_model)
+from llmc_py.model.layout import num_parameters
 
 CONFIG = GPT2Config(max_seq_len=8, vocab_size=30, padded_vocab_size=32,
                     num_layers=2, num_heads=2, channels=8)
@@ -160,10 +161,11 @@ import os, sys, time
 import numpy as np
 from llmc_py import io as ckpt
 from llmc_py.config import GPT2Config
+from llmc_py.model.layout import num_parameters
 
 path, where = sys.argv[1], sys.argv[2]
 config = GPT2Config(**eval(sys.argv[3]))
-params = np.full(ckpt.num_parameters(config), 7.0, np.float32)
+params = np.full(num_parameters(config), 7.0, np.float32)
 
 def stop():
     print("stopped", flush=True)

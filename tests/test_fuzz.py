@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmc_py import GPT2Config, LlmcError
-from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, num_parameters,
-                                read_debug_state, read_model, read_state, write_debug_state,
-                                write_model, write_state)
+from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, read_debug_state, read_model,
+                        read_state, write_debug_state, write_model, write_state)
+from llmc_py.model.layout import num_parameters
 from llmc_py.data import DataLoader, read_tokens, write_tokens
 from llmc_py.tokenizer import load_ranks_file, read_tokenizer_file, write_token_table
 from data_helpers import ranks_file_bytes, tiny_ranks

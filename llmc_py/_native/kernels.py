@@ -5,7 +5,7 @@ exception for any status C returns. Outputs are written in place."""
 import numpy as np
 
 from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
-from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
+from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
 

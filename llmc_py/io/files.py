@@ -1,11 +1,13 @@
-"""Generic file helpers: atomic writes, and the 256-int32 header that every
-binary file here (llm.c's and ours) starts with."""
+"""Generic file helpers: atomic writes, the 256-int32 header that every
+binary file here (llm.c's and ours) starts with, and bf16 numbers as files
+store them."""
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from .._native import kernels as K
 from ..errors import CheckpointError, WriteError
 
 HEADER_INTS = 256
@@ -51,6 +53,25 @@ def expect_size(path, size, expected, what):
         kind = "truncated" if size < expected else "has trailing bytes"
         raise CheckpointError(f"{path}: file size is {size} bytes but its header describes "
                               f"{expected} bytes ({what} {kind})")
+
+
+def to_bf16(values):
+    """``values`` rounded to the nearest bf16 as the kernels round them
+    (float_to_bf16: ties to even, a NaN stays a quiet NaN), as uint16."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = np.empty(values.shape, np.uint16)
+    if values.size:   # the kernel takes no empty array
+        K.float_to_bf16(bits, values)
+    return bits
+
+
+def from_bf16(bits):
+    """float32 from bf16 numbers (uint16), exactly (bf16_to_float)."""
+    bits = np.ascontiguousarray(bits, dtype=np.uint16)
+    values = np.empty(bits.shape, np.float32)
+    if bits.size:
+        K.bf16_to_float(values, bits)
+    return values
 
 
 def atomic_write(path, chunks):

@@ -36,7 +36,7 @@ import numpy as np
 from ..config import GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
 from ..model.layout import checked_params, param_specs
-from .files import atomic_write
+from .files import atomic_write, to_bf16
 from .rope_layout import interleaved_to_half_split
 
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
@@ -519,8 +519,7 @@ def write_hf(folder, config, params, dtype="fp32", token_ids=None):
     tensors = hf_tensors(config, params)
     if dtype == "bf16":
         import ml_dtypes
-        from .model_file import round_to_bf16
-        tensors = {n: round_to_bf16(t).view(ml_dtypes.bfloat16) for n, t in tensors.items()}
+        tensors = {n: to_bf16(t).view(ml_dtypes.bfloat16) for n, t in tensors.items()}
         raw["torch_dtype"] = "bfloat16"
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

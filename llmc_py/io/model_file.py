@@ -6,8 +6,6 @@ then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
 header exactly, before anything is allocated; a failure raises
 CheckpointError naming the file, the field and the value.
 """
-from pathlib import Path
-
 import numpy as np
 
 from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config,
@@ -15,7 +13,7 @@ from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALING
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
-                    expect_size, read_header)
+                    expect_size, from_bf16, read_header, to_bf16)
 
 MAGIC_MODEL = 20240326
 VERSION_FP32 = 3
@@ -58,31 +56,22 @@ def read_model_header(path):
 def read_model(path):
     """(GPT2Config, params) from an llm.c model file; params is flat float32."""
     config, version, _ = read_model_header(path)
-    count = num_parameters(config)
+    return config, _read_params(path, HEADER_BYTES, num_parameters(config),
+                                version == VERSION_BF16)
+
+
+def _read_params(path, offset, count, bf16):
+    """The ``count`` parameters at byte ``offset`` of a model file, flat
+    float32, stored as fp32 or (``bf16``) as bf16."""
     with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        if version == VERSION_FP32:
-            params = np.fromfile(f, dtype="<f4", count=count)
-        else:
-            params = _widen_bf16(np.fromfile(f, dtype="<u2", count=count))
-    if params.size != count:   # the file shrank while we read it
-        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
-    return config, params.astype(np.float32, copy=False)
+        f.seek(offset)
+        stored = np.fromfile(f, dtype="<u2" if bf16 else "<f4", count=count)
+    if stored.size != count:   # the file shrank while we read it
+        raise CheckpointError(f"{path}: expected {count} parameters, read {stored.size}")
+    return from_bf16(stored) if bf16 else stored.astype(np.float32, copy=False)
 
 
 DTYPES = ("fp32", "bf16")   # a model file's parameters
-
-
-def round_to_bf16(params):
-    """float32 ``params`` rounded to the nearest bf16, ties to even, as uint16
-    (the top half of a float32); a NaN stays a quiet NaN. The same rounding
-    as the kernels' float_to_bf16."""
-    bits = np.ascontiguousarray(params, dtype=np.float32).view(np.uint32)
-    # no wrap-around in uint32: only NaNs lie within 0x8000 of 2^32
-    out = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
-    nan = np.isnan(params)
-    out[nan] = ((bits[nan] >> 16) | np.uint32(0x40)).astype(np.uint16)
-    return out
 
 
 def _param_bytes(config, params, dtype):
@@ -90,12 +79,7 @@ def _param_bytes(config, params, dtype):
     if dtype not in DTYPES:
         raise ValueError(f"dtype is {dtype!r}, expected one of {DTYPES}")
     params = checked_params(config, params)
-    return params.astype("<f4", copy=False) if dtype == "fp32" else round_to_bf16(params)
-
-
-def _widen_bf16(bits):
-    """float32 from bf16 numbers (uint16): exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    return params.astype("<f4", copy=False) if dtype == "fp32" else to_bf16(params)
 
 
 def model_header(config, version=VERSION_FP32):
@@ -254,16 +238,8 @@ def read_llama_header(path):
 def read_llama(path):
     """(LlamaConfig, params) from a Llama model file; params is flat float32."""
     config, version, _ = read_llama_header(path)
-    count = num_parameters(config)
-    with open(path, "rb") as f:
-        f.seek(LLAMA_HEADER_BYTES)
-        if version == VERSION_LLAMA:
-            params = np.fromfile(f, dtype="<f4", count=count)
-        else:
-            params = _widen_bf16(np.fromfile(f, dtype="<u2", count=count))
-    if params.size != count:   # the file shrank while we read it
-        raise CheckpointError(f"{path}: expected {count} parameters, read {params.size}")
-    return config, params.astype(np.float32, copy=False)
+    return config, _read_params(path, LLAMA_HEADER_BYTES, num_parameters(config),
+                                version == VERSION_LLAMA_BF16)
 
 
 def write_llama(path, config, params, dtype="fp32"):
@@ -272,30 +248,3 @@ def write_llama(path, config, params, dtype="fp32"):
     data = _param_bytes(config, params, dtype)
     ints, floats = llama_headers(config, VERSION_LLAMA if dtype == "fp32" else VERSION_LLAMA_BF16)
     atomic_write(path, [ints.tobytes(), floats.tobytes(), data])
-
-
-def model_kind(path):
-    """"gpt2" or "llama", from a model file's magic number."""
-    header, _ = read_header(path, "model")
-    if header[0] == MAGIC_LLAMA:
-        return "llama"
-    if header[0] == MAGIC_MODEL:
-        return "gpt2"
-    raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {MAGIC_MODEL} "
-                          f"(llm.c GPT-2) or {MAGIC_LLAMA} (llmc_py Llama): not a model file")
-
-
-def read_model_file(path):
-    """(config, params) from either model file, a GPT2Config from llm.c's,
-    a LlamaConfig from ours; or from a Hugging Face model folder (io.hf)."""
-    if Path(path).is_dir():
-        from .hf import read_hf   # needs the optional safetensors package
-        return read_hf(path)
-    return (read_llama if model_kind(path) == "llama" else read_model)(path)
-
-
-def write_model_file(path, config, params, dtype="fp32"):
-    """Writes llm.c's file for a GPT2Config, ours for any other config, with
-    fp32 or bf16 parameters (``dtype``)."""
-    write = write_model if isinstance(config, GPT2Config) else write_llama
-    write(path, config, params, dtype)

@@ -22,6 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+# the token ids' checks live with the kernels, which need them; users and the
+# data loader find them here, beside the files
+from .._native.tokens import IGNORE_INDEX, first_out_of_vocab  # noqa: F401
 from ..errors import DataError
 from .files import HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, read_header
 
@@ -105,24 +108,6 @@ def read_tokens(path):
     if ntok == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
-
-
-# a target equal to this is ignored: no loss, no gradient, not counted in the
-# mean (csrc's LLMC_IGNORE_INDEX; PyTorch's cross_entropy(ignore_index=-1)).
-# Targets only: an input token must be a real token.
-IGNORE_INDEX = -1
-
-
-def first_out_of_vocab(tokens, vocab_size, allow_ignore=False):
-    """The index (a tuple) of the first id in ``tokens`` outside [0, vocab_size),
-    or None if every id is a token; with ``allow_ignore``, IGNORE_INDEX is
-    not an error (targets)."""
-    tokens = np.asarray(tokens)
-    outside = (tokens < 0) | (tokens >= vocab_size)
-    if allow_ignore:
-        outside &= tokens != IGNORE_INDEX
-    bad = np.flatnonzero(outside)
-    return np.unravel_index(bad[0], tokens.shape) if bad.size else None
 
 
 FINGERPRINT_SPAN = 1 << 20   # bytes hashed at each end of a file

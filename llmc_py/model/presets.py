@@ -8,7 +8,8 @@ head, ...), whose model file is ours (io.model_file).
 """
 from ..config import GPT2Config, LlamaConfig
 from ..errors import ShapeError
-from ..io.model_file import read_llama, read_model, read_model_file
+from ..io.load import read_model_file
+from ..io.model_file import read_llama, read_model
 from .transformer import Transformer
 
 

@@ -69,10 +69,10 @@ import numpy as np
 
 from .._native import kernels as K
 from .._native.lib import get_isa, get_num_threads
+from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
-from ..io.model_file import write_model_file
-from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
+from ..io.load import read_model_file, write_model_file
 from .dropout import NO_DROPOUT, Dropout
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, num_parameters, param_specs, specs_bytes)
@@ -230,7 +230,6 @@ class Transformer:
     def from_checkpoint(cls, path, precision="fp32"):
         """The model in a model file (io.model_file: llm.c's GPT-2 file or
         ours, with fp32 or bf16 parameters), in ``precision``."""
-        from ..io.model_file import read_model_file
         config, params = read_model_file(path)
         return cls(config, params=params, precision=precision)
 

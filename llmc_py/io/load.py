@@ -1,0 +1,48 @@
+"""A model from any path: the one place that tells an llm.c GPT-2 file, our
+Llama-family file (io.model_file) and a Hugging Face folder (io.hf) apart
+and hands the path to its reader; the readers never import each other."""
+from pathlib import Path
+
+from ..config import GPT2Config
+from ..errors import CheckpointError
+from .files import read_header
+from .hf import read_hf, read_hf_config
+from .model_file import (MAGIC_LLAMA, MAGIC_MODEL, read_llama, read_llama_header, read_model,
+                         read_model_header, write_llama, write_model)
+
+
+def model_kind(path):
+    """"gpt2" or "llama", from a model file's magic number."""
+    header, _ = read_header(path, "model")
+    if header[0] == MAGIC_LLAMA:
+        return "llama"
+    if header[0] == MAGIC_MODEL:
+        return "gpt2"
+    raise CheckpointError(f"{path}: header field magic is {header[0]}, expected {MAGIC_MODEL} "
+                          f"(llm.c GPT-2) or {MAGIC_LLAMA} (llmc_py Llama): not a model file")
+
+
+def read_model_file(path):
+    """(config, params) from either model file, a GPT2Config from llm.c's,
+    a LlamaConfig from ours; or from a Hugging Face model folder (needs the
+    optional safetensors package)."""
+    if Path(path).is_dir():
+        return read_hf(path)
+    return (read_llama if model_kind(path) == "llama" else read_model)(path)
+
+
+def read_config(path):
+    """The config of a model file (from its header only), of a Hugging Face
+    folder or of its config.json."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".json":
+        return read_hf_config(path)[1]
+    read_header_of = read_llama_header if model_kind(path) == "llama" else read_model_header
+    return read_header_of(path)[0]
+
+
+def write_model_file(path, config, params, dtype="fp32"):
+    """Writes llm.c's file for a GPT2Config, ours for any other config, with
+    fp32 or bf16 parameters (``dtype``)."""
+    write = write_model if isinstance(config, GPT2Config) else write_llama
+    write(path, config, params, dtype)
