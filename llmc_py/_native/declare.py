@@ -27,8 +27,8 @@ The wrapper takes the arrays, the caller's sizes and the scalars in that order
 C twins named <name>_<variant>. It is generated as Python source once, at
 import, so that a call runs just what a hand-written wrapper would, in the
 same order: the size sources' checks, each array's in C order, the C
-function, and its status raised as an exception. Its source shows in
-tracebacks."""
+function, and its status raised as an exception. Its source is kept in
+linecache, so tracebacks printed by the traceback module (and pytest) show it."""
 import linecache
 import re
 from typing import NamedTuple
@@ -82,7 +82,8 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
     kernel, where = "c_function", f'"{name}"'
     if variants:
         params.append('variant=""')
-        kernel, where = "_variant(c_function, variant)", where + ' + (f"_{variant}" if variant else "")'
+        kernel = "_variant(c_function, variant)"
+        where += ' + (f"_{variant}" if variant else "")'
 
     call = [_pointer(a, c_type.cname, name) for a, c_type in zip(arrays.values(), c_args)]
     call += letters + [_CONVERT[s.convert].format(s.name) for s in scalars]
@@ -152,7 +153,7 @@ def _unpack(names):
 def _pointer(array, c_type, name):
     """The expression that passes one array argument."""
     if c_type not in _ADAPTER:
-        raise TypeError(f"{name}: {array.name} is declared an array but C takes a {c_type}")
+        raise TypeError(f"{name}: {array.name} is declared an array but C takes {c_type}")
     if array.out and c_type == "int *":
         raise TypeError(f"{name}: {array.name} is an int array, which is never an output")
     dims = array.dims

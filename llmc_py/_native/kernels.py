@@ -59,7 +59,8 @@ layernorm_backward = _kernel(
 rmsnorm_forward = _kernel(
     "rmsnorm_forward",
     "out[B,T,C] written, rstd[B,T] written, inp[B,T,C], weight[C] | B T C from inp | eps=1e-5",
-    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps).""")
+    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
+)
 
 rmsnorm_backward = _kernel(
     "rmsnorm_backward",
@@ -179,6 +180,13 @@ reglu_forward = _kernel(
 reglu_backward = _kernel(
     "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+
+# the activation of each MLP choice (config.mlp): forward, backward
+MLP_ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward),
+                   "gelu_erf": (gelu_erf_forward, gelu_erf_backward),
+                   "swiglu": (swiglu_forward, swiglu_backward),
+                   "geglu": (geglu_forward, geglu_backward),
+                   "reglu": (reglu_forward, reglu_backward)}
 
 # ---- dropout.c ----------------------------------------------------------------------
 
