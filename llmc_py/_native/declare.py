@@ -75,10 +75,7 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
     body, bound = [], []
     for source in _SOURCE.finditer(sources):
         body += _bind_sizes(source, arrays, letters, bound)
-    params = {a.name: a.name + ("=None" if a.default_none else "") for a in arrays.values()}
-    params.update({s: s for s in letters if s not in bound})
-    params.update({s.name: s.name + (f"={s.default}" if s.default else "") for s in scalars})
-    params = [params[p] for p in args.split()] if args else list(params.values())
+    params = _parameters(arrays, [s for s in letters if s not in bound], scalars, args)
     kernel, where = "c_function", f'"{name}"'
     if variants:
         params.append('variant=""')
@@ -98,6 +95,14 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
         body.append(f"check({status}, {where})")
     return _compile(namespace, name, params, body, c_functions if variants else c_functions[""],
                     doc)
+
+
+def _parameters(arrays, given, scalars, args):
+    """The wrapper's parameters: arrays, the caller's sizes, scalars, or in ``args``'s order."""
+    params = {a.name: a.name + ("=None" if a.default_none else "") for a in arrays.values()}
+    params.update({s: s for s in given})
+    params.update({s.name: s.name + (f"={s.default}" if s.default else "") for s in scalars})
+    return [params[p] for p in args.split()] if args else list(params.values())
 
 
 def _parse_array(match):
@@ -150,6 +155,10 @@ def _unpack(names):
     return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
+def _tuple(items):
+    return f"({_unpack(items)})"
+
+
 def _pointer(array, c_type, name):
     """The expression that passes one array argument."""
     if c_type not in _ADAPTER:
@@ -158,9 +167,9 @@ def _pointer(array, c_type, name):
         raise TypeError(f"{name}: {array.name} is an int array, which is never an output")
     dims = array.dims
     if dims[0] == "...":
-        shape = "lead" + (f" + ({', '.join(dims[1:])},)" if dims[1:] else "")
+        shape = "lead" + (f" + {_tuple(dims[1:])}" if dims[1:] else "")
     else:
-        shape = f"({', '.join(d.removeprefix('>=') for d in dims)},)"
+        shape = _tuple([d.removeprefix(">=") for d in dims])
     value = array.name
     if dims[0].startswith(">="):
         value = f'_first_rows({array.name}, {dims[0][2:]}, "{array.name}")'
