@@ -8,6 +8,7 @@ says how they read); a new kernel is its C function plus one _kernel line."""
 import numpy as np
 
 from .declare import bind
+# the generated wrappers call check, ffi.NULL and the pointer adapters from here
 from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
 from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
