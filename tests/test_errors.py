@@ -344,3 +344,18 @@ def test_wrappers_check_rank_and_type_before_unpacking():
         K.softmax_forward(np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float32), 3)
     with pytest.raises(TypeError, match="inp"):
         K.gelu_forward(np.zeros(3, np.float32), [1.0, 2.0, 3.0])
+
+
+def test_a_declaration_that_disagrees_with_its_c_function_fails_when_built():
+    from llmc_py._native.declare import bind
+    with pytest.raises(TypeError, match="does not match its C arguments"):
+        bind(vars(K), lib, "gelu_forward", "out[...] written | N from out", "")   # no inp
+    with pytest.raises(TypeError, match="declared an array but C takes int64_t"):
+        bind(vars(K), lib, "gelu_forward", "out[...] written, inp[...], n[3]", "")
+    with pytest.raises(ValueError, match="unknown or repeated qualifiers"):
+        bind(vars(K), lib, "gelu_forward", "out[...] writen, inp[...] | N from inp", "")
+    wrapper = bind(vars(K), lib, "gelu_forward", "out[...] written, inp[...] | N from inp", "doc")
+    x = np.array([0.0, 1.0], np.float32)
+    out = np.empty_like(x)
+    wrapper(out, x)
+    assert wrapper.__name__ == "gelu_forward" and wrapper.__doc__ == "doc" and out[0] == 0.0

@@ -1,6 +1,7 @@
 """The C kernels: the cffi build (build.py), the one module that sees cffi
 (lib.py: statuses, pointers, threads, instruction sets) and one thin wrapper
-per kernel (kernels.py)."""
+per kernel (kernels.py), each built from a declaration of its C arguments
+(declare.py)."""
 import pkgutil
 
 # run from a source checkout after `pip install .`, Python imports this folder,

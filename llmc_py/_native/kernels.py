@@ -1,333 +1,254 @@
 """One thin wrapper per C kernel: the same name and argument order as in
 csrc/llmc_api.h, with sizes taken from the array shapes. Each wrapper checks
 dtype, layout and shape before C sees a pointer, and raises the mapped
-exception for any status C returns. Outputs are written in place."""
+exception for any status C returns. Outputs are written in place.
+
+Each wrapper is built from one declaration of its C arguments (declare.py
+says how they read); a new kernel is its C function plus one _kernel line."""
 import numpy as np
 
+from .declare import bind
+# the generated wrappers call check, ffi.NULL and the pointer adapters from here
 from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
 from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
 
-def encoder_forward(out, inp, wte, wpe):
+def _kernel(name, declaration, doc, **options):
+    """The wrapper of C function ``name``, checked and called as ``declaration`` says."""
+    return bind(globals(), lib, name, declaration, doc, **options)
+
+
+# the packed q, k, v heads of a grouped-query attention row
+_QKV = "(NH+2*NKV)*hs"
+
+# ---- encoder.c ------------------------------------------------------------------
+
+encoder_forward = _kernel(
+    "encoder_forward",
+    "out[B,T,C] written, inp[B,T] tokens<V, wte[V,C], wpe[>=T,C] or None | B T C V from inp, wte",
     """out[B,T,C] (written) = wte[inp[b,t]] + wpe[t]; inp int32 [B,T], wte [V,C], wpe [>=T,C].
 
-    ``wpe=None``: no position embedding, out = wte[inp[b,t]]."""
-    B, T = _dims(inp, "inp", 2)
-    V, C = _dims(wte, "wte", 2)
-    _check_tokens(lib.encoder_forward(
-        fptr(out, "out", (B, T, C), out=True),
-        iptr(inp, "inp", (B, T)),
-        fptr(wte, "wte", (V, C)),
-        _optional(None if wpe is None else _first_rows(wpe, T, "wpe"), "wpe", (T, C)),
-        B, T, C, V), "encoder_forward", inp, "inp", V)
+    ``wpe=None``: no position embedding, out = wte[inp[b,t]].""")
 
+encoder_backward = _kernel(
+    "encoder_backward",
+    "dwte[V,C] +=, dwpe[>=T,C] += or None, dout[B,T,C], inp[B,T] tokens<V"
+    " | B T C V from inp, dwte",
+    """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp.""")
 
-def sinusoidal_forward(out, inp, pos=None):
+sinusoidal_forward = _kernel(
+    "sinusoidal_forward",
+    "out[B,T,C] written, inp[B,T,C], pos[B]=None | B T C from inp",
     """out[B,T,C] (written; may be inp) = inp + the sinusoidal position
-    embedding at positions pos[b] + t (pos int32 [B] >= 0, or None: t)."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.sinusoidal_forward(
-        fptr(out, "out", (B, T, C), out=True),
-        fptr(inp, "inp", (B, T, C)),
-        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
-        B, T, C), "sinusoidal_forward")
+    embedding at positions pos[b] + t (pos int32 [B] >= 0, or None: t).""")
 
+# ---- norms.c --------------------------------------------------------------------
 
-def encoder_backward(dwte, dwpe, dout, inp):
-    """dwte[V,C] (+=), dwpe[>=T,C] (+=; None when the forward had no wpe) <- dout[B,T,C], inp."""
-    B, T = _dims(inp, "inp", 2)
-    V, C = _dims(dwte, "dwte", 2)
-    _check_tokens(lib.encoder_backward(
-        fptr(dwte, "dwte", (V, C), out=True),
-        _optional(None if dwpe is None else _first_rows(dwpe, T, "dwpe"), "dwpe", (T, C),
-                  out=True),
-        fptr(dout, "dout", (B, T, C)),
-        iptr(inp, "inp", (B, T)),
-        B, T, C, V), "encoder_backward", inp, "inp", V)
+layernorm_forward = _kernel(
+    "layernorm_forward",
+    "out[B,T,C] written, mean[B,T] written, rstd[B,T] written, inp[B,T,C], weight[C], bias[C]"
+    " | B T C from inp | eps=1e-5",
+    """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C].""")
 
+layernorm_backward = _kernel(
+    "layernorm_backward",
+    "dinp[B,T,C] +=, dweight[C] +=, dbias[C] +=, dout[B,T,C], inp[B,T,C], weight[C], mean[B,T],"
+    " rstd[B,T] | B T C from inp",
+    """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd.""")
 
-def layernorm_forward(out, mean, rstd, inp, weight, bias, eps=1e-5):
-    """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C]."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.layernorm_forward(
-        fptr(out, "out", (B, T, C), out=True),
-        fptr(mean, "mean", (B, T), out=True),
-        fptr(rstd, "rstd", (B, T), out=True),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (C,)),
-        fptr(bias, "bias", (C,)),
-        B, T, C, eps), "layernorm_forward")
+rmsnorm_forward = _kernel(
+    "rmsnorm_forward",
+    "out[B,T,C] written, rstd[B,T] written, inp[B,T,C], weight[C] | B T C from inp | eps=1e-5",
+    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
+)
 
+rmsnorm_backward = _kernel(
+    "rmsnorm_backward",
+    "dinp[B,T,C] +=, dweight[C] +=, dout[B,T,C], inp[B,T,C], weight[C], rstd[B,T]"
+    " | B T C from inp",
+    """dinp[B,T,C] (+=), dweight[C] (+=) <- dout[B,T,C], inp, weight[C], rstd[B,T].""")
 
-def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-    """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.layernorm_backward(
-        fptr(dinp, "dinp", (B, T, C), out=True),
-        fptr(dweight, "dweight", (C,), out=True),
-        fptr(dbias, "dbias", (C,), out=True),
-        fptr(dout, "dout", (B, T, C)),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (C,)),
-        fptr(mean, "mean", (B, T)),
-        fptr(rstd, "rstd", (B, T)),
-        B, T, C), "layernorm_backward")
+head_rmsnorm_forward = _kernel(
+    "head_rmsnorm_forward",
+    f"out[B,T,{_QKV}] written, rstd[B,T,NH+NKV] written, inp[B,T,{_QKV}], qweight[hs], kweight[hs]"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | eps=1e-6",
+    """out[B,T,(NH+2NKV)hs] (written; may be inp): each q head of inp RMS-normed
+    with qweight[hs], each k head with kweight[hs], v heads copied;
+    rstd[B,T,NH+NKV] (written).""")
 
+head_rmsnorm_backward = _kernel(
+    "head_rmsnorm_backward",
+    f"dinp[B,T,{_QKV}] +=, dqweight[hs] +=, dkweight[hs] +=, dout[B,T,{_QKV}], inp[B,T,{_QKV}],"
+    " qweight[hs], kweight[hs], rstd[B,T,NH+NKV] | B T NH NKV hs from heads(inp, NH, NKV)",
+    """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
+    the weights, rstd[B,T,NH+NKV] (the forward's).""")
 
-def matmul_forward(out, inp, weight, bias=None, variant=""):
+# ---- matmul.c, matmul_bf16.c, bf16.c: "naive" runs the plain reference loops ------
+
+matmul_forward = _kernel(
+    "matmul_forward",
+    "out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None | B T C OC from inp, weight",
     """out[B,T,OC] (written) = inp[B,T,C] . weight[OC,C]^T + bias[OC] (bias may be None).
 
-    ``variant="naive"`` runs the plain reference loops."""
-    B, T, C = _dims(inp, "inp", 3)
-    OC = _dims(weight, "weight", 2)[0]
-    fn = _variant(MATMUL_FORWARD, variant)
-    check(fn(
-        fptr(out, "out", (B, T, OC), out=True),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (OC, C)),
-        _optional(bias, "bias", (OC,)),
-        B, T, C, OC), "matmul_forward" + (f"_{variant}" if variant else ""))
+    ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
-
-def matmul_backward(dinp, dweight, dbias, dout, inp, weight, variant=""):
+matmul_backward = _kernel(
+    "matmul_backward",
+    "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight.
-    Any of dinp, dweight and dbias may be None: that product is skipped."""
-    B, T, C = _dims(inp, "inp", 3)
-    OC = _dims(weight, "weight", 2)[0]
-    fn = _variant(MATMUL_BACKWARD, variant)
-    check(fn(
-        _optional(dinp, "dinp", (B, T, C), out=True),
-        _optional(dweight, "dweight", (OC, C), out=True),
-        _optional(dbias, "dbias", (OC,), out=True),
-        fptr(dout, "dout", (B, T, OC)),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (OC, C)),
-        B, T, C, OC), "matmul_backward" + (f"_{variant}" if variant else ""))
+    Any of dinp, dweight and dbias may be None: that product is skipped.""", variants=("naive",))
 
-
-def float_to_bf16(out, inp):
-    """out uint16 [N] (written) = inp float32 [N] rounded to bf16 (ties to even)."""
-    _dims(inp, "inp")
-    check(lib.float_to_bf16(hptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
-                            inp.size), "float_to_bf16")
-
-
-def bf16_to_float(out, inp):
-    """out float32 [N] (written) = inp bf16 (uint16) [N], exactly."""
-    _dims(inp, "inp")
-    check(lib.bf16_to_float(fptr(out, "out", inp.shape, out=True), hptr(inp, "inp", inp.shape),
-                            inp.size), "bf16_to_float")
-
-
-def matmul_forward_bf16(out, inp, weight, bias=None, variant=""):
+matmul_forward_bf16 = _kernel(
+    "matmul_forward_bf16",
+    "out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None | B T C OC from inp, weight",
     """out[B,T,OC] (written) = bf16(inp[B,T,C]) . weight[OC,C]^T + bias[OC], with
     weight bf16 (uint16) and the products summed in float32 (bias may be None).
 
-    ``variant="naive"`` runs the plain reference loops."""
-    B, T, C = _dims(inp, "inp", 3)
-    OC = _dims(weight, "weight", 2)[0]
-    fn = _variant(MATMUL_FORWARD_BF16, variant)
-    check(fn(
-        fptr(out, "out", (B, T, OC), out=True),
-        fptr(inp, "inp", (B, T, C)),
-        hptr(weight, "weight", (OC, C)),
-        _optional(bias, "bias", (OC,)),
-        B, T, C, OC), "matmul_forward_bf16" + (f"_{variant}" if variant else ""))
+    ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
-
-def matmul_backward_bf16(dinp, dweight, dbias, dout, inp, weight, variant=""):
+matmul_backward_bf16 = _kernel(
+    "matmul_backward_bf16",
+    "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight (bf16):
     matmul_backward with dout and inp rounded to bf16 in the products. Any of
-    dinp, dweight and dbias may be None: that product is skipped."""
-    B, T, C = _dims(inp, "inp", 3)
-    OC = _dims(weight, "weight", 2)[0]
-    fn = _variant(MATMUL_BACKWARD_BF16, variant)
-    check(fn(
-        _optional(dinp, "dinp", (B, T, C), out=True),
-        _optional(dweight, "dweight", (OC, C), out=True),
-        _optional(dbias, "dbias", (OC,), out=True),
-        fptr(dout, "dout", (B, T, OC)),
-        fptr(inp, "inp", (B, T, C)),
-        hptr(weight, "weight", (OC, C)),
-        B, T, C, OC), "matmul_backward_bf16" + (f"_{variant}" if variant else ""))
+    dinp, dweight and dbias may be None: that product is skipped.""", variants=("naive",))
 
+float_to_bf16 = _kernel(
+    "float_to_bf16", "out[...] written, inp[...] | N from inp",
+    """out uint16 [N] (written) = inp float32 [N] rounded to bf16 (ties to even).""")
 
-def attention_forward(out, stats, inp, NH):
-    """out[B,T,C] (written), stats[B,NH,T,2] (written: each query row's score max
-    and 1/sum of exponentials, saved for backward) <- inp[B,T,3C] (q, k, v)."""
-    B, T, C3 = _dims(inp, "inp", 3)
-    C = _qkv_channels(C3, NH)
-    check(lib.attention_forward(
-        fptr(out, "out", (B, T, C), out=True),
-        fptr(stats, "stats", (B, NH, T, 2), out=True),
-        fptr(inp, "inp", (B, T, C3)),
-        B, T, C, NH), "attention_forward")
+bf16_to_float = _kernel(
+    "bf16_to_float", "out[...] written, inp[...] | N from inp",
+    """out float32 [N] (written) = inp bf16 (uint16) [N], exactly.""")
 
+# ---- activations.c ----------------------------------------------------------------
 
-def attention_backward(dinp, dout, inp, stats, NH):
-    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], stats[B,NH,T,2]."""
-    B, T, C3 = _dims(inp, "inp", 3)
-    C = _qkv_channels(C3, NH)
-    check(lib.attention_backward(
-        fptr(dinp, "dinp", (B, T, C3), out=True),
-        fptr(dout, "dout", (B, T, C)),
-        fptr(inp, "inp", (B, T, C3)),
-        fptr(stats, "stats", (B, NH, T, 2)),
-        B, T, C, NH), "attention_backward")
+gelu_forward = _kernel(
+    "gelu_forward", "out[...] written, inp[...] | N from inp",
+    """out (written) = gelu_tanh(inp), any shape.""")
 
+gelu_backward = _kernel(
+    "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    """dinp (+=) gelu'(inp) * dout, any shape.""")
 
-def gelu_forward(out, inp):
-    """out (written) = gelu_tanh(inp), any shape."""
-    _dims(inp, "inp")
-    check(lib.gelu_forward(fptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
-                           inp.size), "gelu_forward")
+relu_forward = _kernel(
+    "relu_forward", "out[...] written, inp[...] | N from inp",
+    """out (written) = max(inp, 0), any shape.""")
 
+relu_backward = _kernel(
+    "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    """dinp (+=) (inp > 0) * dout, any shape.""")
 
-def gelu_backward(dinp, dout, inp):
-    """dinp (+=) gelu'(inp) * dout, any shape."""
-    _dims(inp, "inp")
-    check(lib.gelu_backward(fptr(dinp, "dinp", inp.shape, out=True),
-                            fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
-                            inp.size), "gelu_backward")
+gelu_erf_forward = _kernel(
+    "gelu_erf_forward", "out[...] written, inp[...] | N from inp",
+    """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape.""")
 
+gelu_erf_backward = _kernel(
+    "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    """dinp (+=) gelu_erf'(inp) * dout, any shape.""")
 
-def relu_forward(out, inp):
-    """out (written) = max(inp, 0), any shape."""
-    _dims(inp, "inp")
-    check(lib.relu_forward(fptr(out, "out", inp.shape, out=True), fptr(inp, "inp", inp.shape),
-                           inp.size), "relu_forward")
+residual_forward = _kernel(
+    "residual_forward", "out[...] written, inp1[...], inp2[...] | N from inp1",
+    """out (written) = inp1 + inp2, any shape.""")
 
+residual_backward = _kernel(
+    "residual_backward", "dinp1[...] +=, dinp2[...] +=, dout[...] | N from dout",
+    """dinp1, dinp2 (+=) dout, any shape.""")
 
-def relu_backward(dinp, dout, inp):
-    """dinp (+=) (inp > 0) * dout, any shape."""
-    _dims(inp, "inp")
-    check(lib.relu_backward(fptr(dinp, "dinp", inp.shape, out=True),
-                            fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
-                            inp.size), "relu_backward")
+swiglu_forward = _kernel(
+    "swiglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows).""")
 
+swiglu_backward = _kernel(
+    "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
-def gelu_erf_forward(out, inp):
-    """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape."""
-    _dims(inp, "inp")
-    check(lib.gelu_erf_forward(fptr(out, "out", inp.shape, out=True),
-                               fptr(inp, "inp", inp.shape), inp.size), "gelu_erf_forward")
+geglu_forward = _kernel(
+    "geglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form).""")
 
+geglu_backward = _kernel(
+    "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
-def gelu_erf_backward(dinp, dout, inp):
-    """dinp (+=) gelu_erf'(inp) * dout, any shape."""
-    _dims(inp, "inp")
-    check(lib.gelu_erf_backward(fptr(dinp, "dinp", inp.shape, out=True),
-                                fptr(dout, "dout", inp.shape), fptr(inp, "inp", inp.shape),
-                                inp.size), "gelu_erf_backward")
+reglu_forward = _kernel(
+    "reglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:].""")
 
+reglu_backward = _kernel(
+    "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
-def residual_forward(out, inp1, inp2):
-    """out (written) = inp1 + inp2, any shape."""
-    _dims(inp1, "inp1")
-    check(lib.residual_forward(fptr(out, "out", inp1.shape, out=True),
-                               fptr(inp1, "inp1", inp1.shape), fptr(inp2, "inp2", inp1.shape),
-                               inp1.size), "residual_forward")
+# the activation of each MLP choice (config.mlp): forward, backward
+MLP_ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward),
+                   "gelu_erf": (gelu_erf_forward, gelu_erf_backward),
+                   "swiglu": (swiglu_forward, swiglu_backward),
+                   "geglu": (geglu_forward, geglu_backward),
+                   "reglu": (reglu_forward, reglu_backward)}
 
-
-def residual_backward(dinp1, dinp2, dout):
-    """dinp1, dinp2 (+=) dout, any shape."""
-    _dims(dout, "dout")
-    check(lib.residual_backward(fptr(dinp1, "dinp1", dout.shape, out=True),
-                                fptr(dinp2, "dinp2", dout.shape, out=True),
-                                fptr(dout, "dout", dout.shape),
-                                dout.size), "residual_backward")
-
-
-# ---- dropout (dropout.c) ------------------------------------------------------
+# ---- dropout.c ----------------------------------------------------------------------
 
 # batch row b of a dropout kernel draws its mask from seed + b * DROPOUT_ROW_STEP
 # (mod 2^64): rows b0 .. of a larger batch pass seed + b0 * DROPOUT_ROW_STEP
 DROPOUT_ROW_STEP = 0x9E3779B97F4A7C15
 
-
-def dropout_forward(out, inp, p, seed):
+dropout_forward = _kernel(
+    "dropout_forward", "out[B,T,C] written, inp[B,T,C] | B T C from inp | p, seed:seed",
     """out[B,T,C] (written; may be inp) = inp * M / (1 - p): M[b,t,c] 1 with
     probability 1 - p, else 0, a hash of (seed, b, t, c), never stored. p in
     [0, 1) (else InvalidValueError); p = 0 is the identity. seed: an int in
-    [0, 2^64)."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.dropout_forward(fptr(out, "out", (B, T, C), out=True),
-                              fptr(inp, "inp", (B, T, C)), B, T, C, p, _seed(seed)),
-          "dropout_forward")
+    [0, 2^64).""")
 
-
-def dropout_backward(dinp, dout, p, seed):
+dropout_backward = _kernel(
+    "dropout_backward", "dinp[B,T,C] written, dout[B,T,C] | B T C from dout | p, seed:seed",
     """dinp[B,T,C] (written, not +=; may be dout) = dout * M / (1 - p), the
-    mask of dropout_forward with the same p and seed."""
-    B, T, C = _dims(dout, "dout", 3)
-    check(lib.dropout_backward(fptr(dinp, "dinp", (B, T, C), out=True),
-                               fptr(dout, "dout", (B, T, C)), B, T, C, p, _seed(seed)),
-          "dropout_backward")
+    mask of dropout_forward with the same p and seed.""")
 
+# ---- softmax_xent.c -------------------------------------------------------------
 
-def _seed(seed):
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
-            or not 0 <= seed < 2**64:
-        raise ValueError(f"a dropout seed must be an int in [0, 2^64), got {seed!r}")
-    return int(seed)
+softmax_forward = _kernel(
+    "softmax_forward", "probs[B,T,Vp] written, logits[B,T,Vp] | B T V Vp from logits",
+    """probs[B,T,Vp] (written) = softmax over the first V columns of logits[B,T,Vp], 0 past V.""")
 
-
-def softmax_forward(probs, logits, V):
-    """probs[B,T,Vp] (written) = softmax over the first V columns of logits[B,T,Vp], 0 past V."""
-    B, T, Vp = _dims(logits, "logits", 3)
-    check(lib.softmax_forward(fptr(probs, "probs", (B, T, Vp), out=True),
-                              fptr(logits, "logits", (B, T, Vp)),
-                              B, T, V, Vp), "softmax_forward")
-
-
-def softmax_crossentropy_forward(losses, stats, logits, targets, V):
+softmax_crossentropy_forward = _kernel(
+    "softmax_crossentropy_forward",
+    "losses[B,T] written, stats[B,T,2] written, logits[B,T,Vp], targets[B,T] targets<V"
+    " | B T V Vp from logits",
     """losses[B,T] (written) = -log softmax(logits[b,t,:V])[targets[b,t]], and
     stats[B,T,2] (written) = each row's (max, 1/normaliser) for the backward;
     logits[B,T,Vp] are only read; targets int32 in [0, V), or IGNORE_INDEX
-    (-1): that row's loss is 0."""
-    B, T, Vp = _dims(logits, "logits", 3)
-    _check_tokens(lib.softmax_crossentropy_forward(
-        fptr(losses, "losses", (B, T), out=True),
-        fptr(stats, "stats", (B, T, 2), out=True),
-        fptr(logits, "logits", (B, T, Vp)),
-        iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "softmax_crossentropy_forward", targets, "targets", V, allow_ignore=True)
+    (-1): that row's loss is 0.""")
 
-
-def softmax_crossentropy_backward(dlogits, logits, stats, dlosses, targets, V):
+softmax_crossentropy_backward = _kernel(
+    "softmax_crossentropy_backward",
+    "dlogits[B,T,Vp] written, logits[B,T,Vp], stats[B,T,2], dlosses[B,T], targets[B,T] targets<V"
+    " | B T V Vp from logits",
     """dlogits[B,T,Vp] (written) = (softmax - onehot(targets)) * dlosses over the
     first V columns, 0 past V, from the forward's stats; 0 in every column of a
     row whose target is IGNORE_INDEX; dlogits may be logits (the gradient
-    then replaces the logits in place)."""
-    B, T, Vp = _dims(logits, "logits", 3)
-    _check_tokens(lib.softmax_crossentropy_backward(
-        fptr(dlogits, "dlogits", (B, T, Vp), out=True),
-        fptr(logits, "logits", (B, T, Vp)),
-        fptr(stats, "stats", (B, T, 2)),
-        fptr(dlosses, "dlosses", (B, T)),
-        iptr(targets, "targets", (B, T)),
-        B, T, V, Vp), "softmax_crossentropy_backward", targets, "targets", V, allow_ignore=True)
+    then replaces the logits in place).""")
 
+# ---- adamw.c --------------------------------------------------------------------
 
-def adamw_update(params, m, v, grads, learning_rate, beta1, beta2, eps, weight_decay, t,
-                 params_bf16=None):
+adamw_update = _kernel(
+    "adamw_update",
+    "params[N] updated, params_bf16[N]=None written, m[N] updated, v[N] updated, grads[N]"
+    " | N from params | learning_rate, beta1, beta2, eps, weight_decay, t:int",
     """params, m, v [N] (updated in place) by one AdamW step with grads [N]; t >= 1.
-    ``params_bf16`` uint16 [N] (written), if given: the new params in bf16."""
-    _dims(params, "params")
-    N = params.size
-    check(lib.adamw_update(fptr(params, "params", (N,), out=True),
-                           ffi.NULL if params_bf16 is None else hptr(
-                               params_bf16, "params_bf16", (N,), out=True),
-                           fptr(m, "m", (N,), out=True),
-                           fptr(v, "v", (N,), out=True),
-                           fptr(grads, "grads", (N,)),
-                           N, learning_rate, beta1, beta2, eps, weight_decay, int(t)),
-          "adamw_update")
+    ``params_bf16`` uint16 [N] (written), if given: the new params in bf16.""",
+    args="params m v grads learning_rate beta1 beta2 eps weight_decay t params_bf16")
+
+scale_inplace = _kernel(
+    "scale_inplace", "x[N] updated | N from x | scale",
+    """x *= scale over a flat float32 array.""")
 
 
 def global_norm_squared(x):
     """sum(x**2) over a flat float32 array, as a Python float (summed in double)."""
+    # written out: the C output is a one-element buffer this wrapper owns and returns
     _dims(x, "x")
     out = np.zeros(1, np.float64)
     check(lib.global_norm_squared(dptr(out, "out", (1,), out=True),
@@ -335,16 +256,133 @@ def global_norm_squared(x):
     return float(out[0])
 
 
-def scale_inplace(x, scale):
-    """x *= scale over a flat float32 array."""
-    _dims(x, "x")
-    check(lib.scale_inplace(fptr(x, "x", (x.size,), out=True), x.size, scale), "scale_inplace")
+# ---- rope.c ---------------------------------------------------------------------
+
+rope_forward = _kernel(
+    "rope_forward",
+    f"out[B,T,{_QKV}] written, inp[B,T,{_QKV}], pos[B] or None, inv_freq[hs//2]=None"
+    " | B T NH NKV hs from rope_heads(inp, NH, NKV) | theta=10000.0, interleaved:flag=False",
+    """out[B,T,(NH+2NKV)hs] (written; may be inp): q and k heads of inp rotated
+    (half-split pairs i, i+hs/2; ``interleaved``: pairs 2i, 2i+1) by
+    (pos[b]+t) * f_i, f_i = theta^(-2i/hs) or inv_freq[i] (float64 [hs/2], a
+    scaled RoPE) when given; v heads copied; pos int32 [B] >= 0 or None.""",
+    args="out inp pos NH NKV theta inv_freq interleaved")
+
+rope_backward = _kernel(
+    "rope_backward",
+    f"dinp[B,T,{_QKV}] +=, dout[B,T,{_QKV}], pos[B] or None, inv_freq[hs//2]=None"
+    " | B T NH NKV hs from rope_heads(dout, NH, NKV) | theta=10000.0, interleaved:flag=False",
+    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through).""",
+    args="dinp dout pos NH NKV theta inv_freq interleaved")
+
+# ---- attention.c ----------------------------------------------------------------
+
+attention_forward = _kernel(
+    "attention_forward",
+    "out[B,T,C] written, stats[B,NH,T,2] written, inp[B,T,3*C] | B T C NH from qkv(inp, NH)",
+    """out[B,T,C] (written), stats[B,NH,T,2] (written: each query row's score max
+    and 1/sum of exponentials, saved for backward) <- inp[B,T,3C] (q, k, v).""")
+
+attention_backward = _kernel(
+    "attention_backward",
+    "dinp[B,T,3*C] +=, dout[B,T,C], inp[B,T,3*C], stats[B,NH,T,2] | B T C NH from qkv(inp, NH)",
+    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], stats[B,NH,T,2].""")
+
+attention_gqa_forward = _kernel(
+    "attention_gqa_forward",
+    f"out[B,T,NH*hs] written, stats[B,NH,T,2] written, inp[B,T,{_QKV}], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """out[B,T,NH*hs] (written), stats[B,NH,T,2] (written: each query row's score
+    max and 1/sum of exponentials, saved for backward) <- inp[B,T,(NH+2*NKV)*hs]
+    (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
+
+    Query head h reads kv head h // (NH // NKV); NH % NKV must be 0. A
+    ``window`` > 0 is a sliding window: query t attends to keys
+    t - window + 1 .. t only (0: all keys up to t). ``dropout`` in [0, 1)
+    drops probabilities: att[b,h,t,t2] takes the mask of element
+    (b, h*T + t, t2) of dropout_forward on [B, NH*T, T] with ``seed``.""")
+
+attention_gqa_backward = _kernel(
+    "attention_gqa_backward",
+    f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
+    slopes[NH] (the forward's) or None, window, dropout and seed (the forward's).""")
+
+attention_gqa_probs = _kernel(
+    "attention_gqa_probs",
+    f"att[B,NH,T,T] written, inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0",
+    """att[B,NH,T,T] (written: the forward's probabilities, 0 outside each row's
+    window, bitwise those its out used) <- inp, stats[B,NH,T,2], slopes[NH] or
+    None, window, as given to attention_gqa_forward.""")
+
+attention_gqa_entropy = _kernel(
+    "attention_gqa_entropy",
+    f"entropy[B,NH,T] written, inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0",
+    """entropy[B,NH,T] (written: -sum_t2 att ln att of each query row, natural
+    log, without holding att) <- inp, stats[B,NH,T,2], slopes[NH] or None,
+    window, as given to attention_gqa_forward.""")
+
+attention_forward_naive = _kernel(
+    "attention_forward_naive",
+    f"out[B,T,NH*hs] written, att[B,NH,T,T] written, inp[B,T,{_QKV}], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """attention_gqa_forward's contract, by plain loops (llm.c's): the reference.
+    att[B,NH,T,T] (written) holds the probabilities before the dropout.""")
+
+attention_backward_naive = _kernel(
+    "attention_backward_naive",
+    f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], att[B,NH,T,T]"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """attention_gqa_backward's contract, by plain loops (llm.c's): the reference.""")
+
+attention_entropy_naive = _kernel(
+    "attention_entropy_naive", "entropy[B,NH,T] written, att[B,NH,T,T] | B NH T from att",
+    """attention_gqa_entropy's contract from the whole of att[B,NH,T,T], by plain
+    loops: the reference.""")
+
+attention_decode = _kernel(
+    "attention_decode",
+    "out[B,NH*hs] written, att[B,NH,maxT] written, q[B,NH*hs], k_cache[B,maxT,NKV*hs],"
+    " v_cache[B,maxT,NKV*hs], lengths[B], slopes[NH] or None"
+    " | B NH NKV hs maxT from kv_heads(k_cache, NH, NKV) | window:window=0",
+    """One new position per row against a KV cache: out[B,NH*hs] (written),
+    att[B,NH,maxT] (written: the probabilities of the row's window of keys,
+    from [0]; the rest untouched) <- q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs]
+    (a ring: position t2 in slot t2 % maxT), lengths int32 [B] (positions so
+    far, >= 1, the window's keys fitting in maxT slots, else RangeError),
+    slopes[NH] float32 or None, window (0: every position).
+
+    Row b's query sits at position lengths[b] - 1, as in attention_gqa_forward.""")
 
 
-MATMUL_FORWARD = {"": lib.matmul_forward, "naive": lib.matmul_forward_naive}
-MATMUL_BACKWARD = {"": lib.matmul_backward, "naive": lib.matmul_backward_naive}
-MATMUL_FORWARD_BF16 = {"": lib.matmul_forward_bf16, "naive": lib.matmul_forward_bf16_naive}
-MATMUL_BACKWARD_BF16 = {"": lib.matmul_backward_bf16, "naive": lib.matmul_backward_bf16_naive}
+def alibi_slopes(n_heads):
+    """The ALiBi paper's head slopes, float32 [n_heads].
+
+    For a power of two n: 2^(-8i/n), i = 1..n. Otherwise, with m the largest
+    power of two below n: the m slopes for m heads, then the first n - m of
+    the odd-numbered slopes for 2m heads, 2^(-4i/m) for i = 1, 3, 5, ...
+    (the slopes for 2m heads that the m-head sequence does not already hold)."""
+    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    n = int(n_heads)
+    m = 1 << (n.bit_length() - 1)
+    slopes = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)]
+    slopes += [2.0 ** (-4.0 * i / m) for i in range(1, 2 * (n - m), 2)]
+    return np.array(slopes, dtype=np.float32)
+
+
+# ---- what the declarations call: checks of arguments and size rules ---------------
+
+def _dims(arr, name, ndim=None):
+    """arr's shape, after checking it is a numpy array of ``ndim`` dimensions."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
+    if ndim is not None and arr.ndim != ndim:
+        raise ShapeError(f"{name} has shape {arr.shape}, expected {ndim} dimensions")
+    return arr.shape
 
 
 def _check_tokens(status, where, tokens, name, V, allow_ignore=False):
@@ -369,10 +407,6 @@ def _variant(table, variant):
         raise ValueError(f"unknown variant {variant!r}; known: {sorted(table)}") from None
 
 
-def _optional(arr, name, shape, out=False):
-    return ffi.NULL if arr is None else fptr(arr, name, shape, out=out)
-
-
 def _first_rows(table, T, name):
     if not isinstance(table, np.ndarray) or table.ndim != 2 or table.shape[0] < T:
         shape = getattr(table, "shape", None)
@@ -380,298 +414,11 @@ def _first_rows(table, T, name):
     return table[:T]
 
 
-def _qkv_channels(C3, NH):
-    if C3 % 3 != 0 or (C3 // 3) % NH != 0:
-        raise ShapeError(f"inp has {C3} channels: expected 3*C with C divisible by NH={NH}")
-    return C3 // 3
-
-
-def _dims(arr, name, ndim=None):
-    """arr's shape, after checking it is a numpy array of ``ndim`` dimensions."""
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"{name} must be a numpy array, got {type(arr).__name__}")
-    if ndim is not None and arr.ndim != ndim:
-        raise ShapeError(f"{name} has shape {arr.shape}, expected {ndim} dimensions")
-    return arr.shape
-
-
-# ---- Llama kernels: RMSNorm (norms.c), RoPE (rope.c), SwiGLU (activations.c) ----
-
-def rmsnorm_forward(out, rstd, inp, weight, eps=1e-5):
-    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.rmsnorm_forward(
-        fptr(out, "out", (B, T, C), out=True),
-        fptr(rstd, "rstd", (B, T), out=True),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (C,)),
-        B, T, C, eps), "rmsnorm_forward")
-
-
-def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd):
-    """dinp[B,T,C] (+=), dweight[C] (+=) <- dout[B,T,C], inp, weight[C], rstd[B,T]."""
-    B, T, C = _dims(inp, "inp", 3)
-    check(lib.rmsnorm_backward(
-        fptr(dinp, "dinp", (B, T, C), out=True),
-        fptr(dweight, "dweight", (C,), out=True),
-        fptr(dout, "dout", (B, T, C)),
-        fptr(inp, "inp", (B, T, C)),
-        fptr(weight, "weight", (C,)),
-        fptr(rstd, "rstd", (B, T)),
-        B, T, C), "rmsnorm_backward")
-
-
-def head_rmsnorm_forward(out, rstd, inp, qweight, kweight, NH, NKV, eps=1e-6):
-    """out[B,T,(NH+2NKV)hs] (written; may be inp): each q head of inp RMS-normed
-    with qweight[hs], each k head with kweight[hs], v heads copied;
-    rstd[B,T,NH+NKV] (written)."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    CH = (NH + 2 * NKV) * hs
-    check(lib.head_rmsnorm_forward(
-        fptr(out, "out", (B, T, CH), out=True),
-        fptr(rstd, "rstd", (B, T, NH + NKV), out=True),
-        fptr(inp, "inp", (B, T, CH)),
-        fptr(qweight, "qweight", (hs,)),
-        fptr(kweight, "kweight", (hs,)),
-        B, T, NH, NKV, hs, eps), "head_rmsnorm_forward")
-
-
-def head_rmsnorm_backward(dinp, dqweight, dkweight, dout, inp, qweight, kweight, rstd, NH, NKV):
-    """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
-    the weights, rstd[B,T,NH+NKV] (the forward's)."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    CH = (NH + 2 * NKV) * hs
-    check(lib.head_rmsnorm_backward(
-        fptr(dinp, "dinp", (B, T, CH), out=True),
-        fptr(dqweight, "dqweight", (hs,), out=True),
-        fptr(dkweight, "dkweight", (hs,), out=True),
-        fptr(dout, "dout", (B, T, CH)),
-        fptr(inp, "inp", (B, T, CH)),
-        fptr(qweight, "qweight", (hs,)),
-        fptr(kweight, "kweight", (hs,)),
-        fptr(rstd, "rstd", (B, T, NH + NKV)),
-        B, T, NH, NKV, hs), "head_rmsnorm_backward")
-
-
-def rope_forward(out, inp, pos, NH, NKV, theta=10000.0, inv_freq=None, interleaved=False):
-    """out[B,T,(NH+2NKV)hs] (written; may be inp): q and k heads of inp rotated
-    (half-split pairs i, i+hs/2; ``interleaved``: pairs 2i, 2i+1) by
-    (pos[b]+t) * f_i, f_i = theta^(-2i/hs) or inv_freq[i] (float64 [hs/2], a
-    scaled RoPE) when given; v heads copied; pos int32 [B] >= 0 or None."""
-    B, T, CH = _dims(inp, "inp", 3)
-    hs = _rope_head_size(CH, NH, NKV)
-    check(lib.rope_forward(
-        fptr(out, "out", (B, T, CH), out=True),
-        fptr(inp, "inp", (B, T, CH)),
-        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
-        ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
-        B, T, NH, NKV, hs, theta, int(bool(interleaved))), "rope_forward")
-
-
-def rope_backward(dinp, dout, pos, NH, NKV, theta=10000.0, inv_freq=None, interleaved=False):
-    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through)."""
-    B, T, CH = _dims(dout, "dout", 3)
-    hs = _rope_head_size(CH, NH, NKV)
-    check(lib.rope_backward(
-        fptr(dinp, "dinp", (B, T, CH), out=True),
-        fptr(dout, "dout", (B, T, CH)),
-        ffi.NULL if pos is None else iptr(pos, "pos", (B,)),
-        ffi.NULL if inv_freq is None else dptr(inv_freq, "inv_freq", (hs // 2,)),
-        B, T, NH, NKV, hs, theta, int(bool(interleaved))), "rope_backward")
-
-
-def swiglu_forward(out, inp):
-    """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows)."""
-    N, FF = _swiglu_dims(inp)
-    check(lib.swiglu_forward(
-        fptr(out, "out", inp.shape[:-1] + (FF,), out=True),
-        fptr(inp, "inp", inp.shape),
-        N, FF), "swiglu_forward")
-
-
-def swiglu_backward(dinp, dout, inp):
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
-    N, FF = _swiglu_dims(inp)
-    check(lib.swiglu_backward(
-        fptr(dinp, "dinp", inp.shape, out=True),
-        fptr(dout, "dout", inp.shape[:-1] + (FF,)),
-        fptr(inp, "inp", inp.shape),
-        N, FF), "swiglu_backward")
-
-
-def geglu_forward(out, inp):
-    """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form)."""
-    _gated_forward(lib.geglu_forward, "geglu_forward", out, inp)
-
-
-def geglu_backward(dinp, dout, inp):
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
-    _gated_backward(lib.geglu_backward, "geglu_backward", dinp, dout, inp)
-
-
-def reglu_forward(out, inp):
-    """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:]."""
-    _gated_forward(lib.reglu_forward, "reglu_forward", out, inp)
-
-
-def reglu_backward(dinp, dout, inp):
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF]."""
-    _gated_backward(lib.reglu_backward, "reglu_backward", dinp, dout, inp)
-
-
-def _gated_forward(kernel, name, out, inp):
-    N, FF = _swiglu_dims(inp)
-    check(kernel(fptr(out, "out", inp.shape[:-1] + (FF,), out=True), fptr(inp, "inp", inp.shape),
-                 N, FF), name)
-
-
-def _gated_backward(kernel, name, dinp, dout, inp):
-    N, FF = _swiglu_dims(inp)
-    check(kernel(fptr(dinp, "dinp", inp.shape, out=True),
-                 fptr(dout, "dout", inp.shape[:-1] + (FF,)), fptr(inp, "inp", inp.shape),
-                 N, FF), name)
-
-
-def _rope_head_size(CH, NH, NKV):
-    """hs from a packed row of CH = (NH + 2 NKV) hs channels; hs must be even."""
-    for name, value in (("NH", NH), ("NKV", NKV)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value <= 0:
-            raise ShapeError(f"{name}={value} must be positive")
-    heads = NH + 2 * NKV
-    if CH % heads != 0 or (CH // heads) % 2 != 0:
-        raise ShapeError(f"inp has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
-                         f"with an even head size hs")
-    return CH // heads
-
-
-def _swiglu_dims(inp):
-    """(N, FF) for inp of shape (..., 2*FF): N is the product of the leading dims."""
-    shape = _dims(inp, "inp")
-    if len(shape) == 0 or shape[-1] % 2 != 0:
-        raise ShapeError(f"inp has shape {shape}: its last axis must be 2*FF (gate, up)")
-    N = inp.size // shape[-1] if shape[-1] else 0   # a zero size is left to C to reject
-    return N, shape[-1] // 2
-
-# ---- grouped-query attention (attention.c) ----------------------------------
-
-def attention_gqa_forward(out, stats, inp, slopes, NH, NKV, window=0, dropout=0.0, seed=0):
-    """out[B,T,NH*hs] (written), stats[B,NH,T,2] (written: each query row's score
-    max and 1/sum of exponentials, saved for backward) <- inp[B,T,(NH+2*NKV)*hs]
-    (NH q heads, NKV k heads, NKV v heads), slopes[NH] float32 ALiBi slopes or None.
-
-    Query head h reads kv head h // (NH // NKV); NH % NKV must be 0. A
-    ``window`` > 0 is a sliding window: query t attends to keys
-    t - window + 1 .. t only (0: all keys up to t). ``dropout`` in [0, 1)
-    drops probabilities: att[b,h,t,t2] takes the mask of element
-    (b, h*T + t, t2) of dropout_forward on [B, NH*T, T] with ``seed``."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_gqa_forward(
-        fptr(out, "out", (B, T, NH * hs), out=True),
-        fptr(stats, "stats", (B, NH, T, 2), out=True),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_gqa_forward")
-
-
-def attention_gqa_backward(dinp, dout, inp, stats, slopes, NH, NKV, window=0, dropout=0.0,
-                           seed=0):
-    """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
-    slopes[NH] (the forward's) or None, window, dropout and seed (the forward's)."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_gqa_backward(
-        fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
-        fptr(dout, "dout", (B, T, NH * hs)),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        fptr(stats, "stats", (B, NH, T, 2)),
-        _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_gqa_backward")
-
-
-def attention_gqa_probs(att, inp, stats, slopes, NH, NKV, window=0):
-    """att[B,NH,T,T] (written: the forward's probabilities, 0 outside each row's
-    window, bitwise those its out used) <- inp, stats[B,NH,T,2], slopes[NH] or
-    None, window, as given to attention_gqa_forward."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_gqa_probs(
-        fptr(att, "att", (B, NH, T, T), out=True),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        fptr(stats, "stats", (B, NH, T, 2)),
-        _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window)), "attention_gqa_probs")
-
-
-def attention_gqa_entropy(entropy, inp, stats, slopes, NH, NKV, window=0):
-    """entropy[B,NH,T] (written: -sum_t2 att ln att of each query row, natural
-    log, without holding att) <- inp, stats[B,NH,T,2], slopes[NH] or None,
-    window, as given to attention_gqa_forward."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_gqa_entropy(
-        fptr(entropy, "entropy", (B, NH, T), out=True),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        fptr(stats, "stats", (B, NH, T, 2)),
-        _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window)), "attention_gqa_entropy")
-
-
-def attention_forward_naive(out, att, inp, slopes, NH, NKV, window=0, dropout=0.0, seed=0):
-    """attention_gqa_forward's contract, by plain loops (llm.c's): the reference.
-    att[B,NH,T,T] (written) holds the probabilities before the dropout."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_forward_naive(
-        fptr(out, "out", (B, T, NH * hs), out=True),
-        fptr(att, "att", (B, NH, T, T), out=True),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        _optional(slopes, "slopes", (NH,)),
-        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)), "attention_forward_naive")
-
-
-def attention_backward_naive(dinp, dout, inp, att, NH, NKV, window=0, dropout=0.0, seed=0):
-    """attention_gqa_backward's contract, by plain loops (llm.c's): the reference."""
-    B, T, hs = _gqa_dims(inp, NH, NKV)
-    check(lib.attention_backward_naive(
-        fptr(dinp, "dinp", (B, T, (NH + 2 * NKV) * hs), out=True),
-        fptr(dout, "dout", (B, T, NH * hs)),
-        fptr(inp, "inp", (B, T, (NH + 2 * NKV) * hs)),
-        fptr(att, "att", (B, NH, T, T)),
-        B, T, NH, NKV, hs, _window(window), dropout, _seed(seed)),
-        "attention_backward_naive")
-
-
-def attention_entropy_naive(entropy, att):
-    """attention_gqa_entropy's contract from the whole of att[B,NH,T,T], by plain
-    loops: the reference."""
-    B, NH, T, _ = _dims(att, "att", 4)
-    check(lib.attention_entropy_naive(
-        fptr(entropy, "entropy", (B, NH, T), out=True),
-        fptr(att, "att", (B, NH, T, T)),
-        B, NH, T), "attention_entropy_naive")
-
-
-def attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV, window=0):
-    """One new position per row against a KV cache: out[B,NH*hs] (written),
-    att[B,NH,maxT] (written: the probabilities of the row's window of keys,
-    from [0]; the rest untouched) <- q[B,NH*hs], k_cache/v_cache[B,maxT,NKV*hs]
-    (a ring: position t2 in slot t2 % maxT), lengths int32 [B] (positions so
-    far, >= 1, the window's keys fitting in maxT slots, else RangeError),
-    slopes[NH] float32 or None, window (0: every position).
-
-    Row b's query sits at position lengths[b] - 1, as in attention_gqa_forward."""
-    B, maxT, kv_width = _dims(k_cache, "k_cache", 3)
-    _check_heads(NH, NKV)
-    if kv_width % NKV != 0:
-        raise ShapeError(f"k_cache has {kv_width} channels: expected NKV*hs with NKV={NKV}")
-    hs = kv_width // NKV
-    check(lib.attention_decode(
-        fptr(out, "out", (B, NH * hs), out=True),
-        fptr(att, "att", (B, NH, maxT), out=True),
-        fptr(q, "q", (B, NH * hs)),
-        fptr(k_cache, "k_cache", (B, maxT, NKV * hs)),
-        fptr(v_cache, "v_cache", (B, maxT, NKV * hs)),
-        iptr(lengths, "lengths", (B,)),
-        _optional(slopes, "slopes", (NH,)),
-        B, NH, NKV, hs, maxT, _window(window)), "attention_decode")
+def _seed(seed):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"a dropout seed must be an int in [0, 2^64), got {seed!r}")
+    return int(seed)
 
 
 def _window(window):
@@ -681,31 +428,32 @@ def _window(window):
     return int(window)
 
 
-def alibi_slopes(n_heads):
-    """The ALiBi paper's head slopes, float32 [n_heads].
-
-    For a power of two n: 2^(-8i/n), i = 1..n. Otherwise, with m the largest
-    power of two below n: the m slopes for m heads, then the first n - m of
-    the odd-numbered slopes for 2m heads, 2^(-4i/m) for i = 1, 3, 5, ...
-    (the slopes for 2m heads that the m-head sequence does not already hold)."""
-    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
-        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-    n = int(n_heads)
-    m = 1 << (n.bit_length() - 1)
-    slopes = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)]
-    slopes += [2.0 ** (-4.0 * i / m) for i in range(1, 2 * (n - m), 2)]
-    return np.array(slopes, dtype=np.float32)
+def _qkv(inp, name, NH):
+    """B, T, C of inp [B, T, 3C] (q, k, v of NH heads each)."""
+    B, T, C3 = _dims(inp, name, 3)
+    if C3 % 3 != 0 or (C3 // 3) % NH != 0:
+        raise ShapeError(f"{name} has {C3} channels: expected 3*C with C divisible by NH={NH}")
+    return B, T, C3 // 3
 
 
-def _gqa_dims(inp, NH, NKV):
-    """B, T, hs of a packed GQA input, after checking the head counts."""
-    B, T, width = _dims(inp, "inp", 3)
+def _heads(inp, name, NH, NKV):
+    """B, T, hs of a packed GQA input [B, T, (NH + 2 NKV) hs], after checking the head counts."""
+    B, T, width = _dims(inp, name, 3)
     _check_heads(NH, NKV)
     heads = NH + 2 * NKV
     if width % heads != 0:
-        raise ShapeError(f"inp has {width} channels: expected (NH + 2*NKV)*hs "
+        raise ShapeError(f"{name} has {width} channels: expected (NH + 2*NKV)*hs "
                          f"= {heads}*hs with NH={NH}, NKV={NKV}")
     return B, T, width // heads
+
+
+def _kv_heads(k_cache, name, NH, NKV):
+    """B, hs, maxT of a KV cache [B, maxT, NKV hs], after checking the head counts."""
+    B, maxT, kv_width = _dims(k_cache, name, 3)
+    _check_heads(NH, NKV)
+    if kv_width % NKV != 0:
+        raise ShapeError(f"{name} has {kv_width} channels: expected NKV*hs with NKV={NKV}")
+    return B, kv_width // NKV, maxT
 
 
 def _check_heads(NH, NKV):
@@ -715,3 +463,27 @@ def _check_heads(NH, NKV):
     if NH % NKV != 0:
         raise ShapeError(f"NH={NH} is not a multiple of NKV={NKV}")
 
+
+def _rope_heads(inp, name, NH, NKV):
+    """B, T, hs of a packed row [B, T, (NH + 2 NKV) hs]; hs must be even (RoPE
+    rotates pairs), and NH need not be a multiple of NKV."""
+    B, T, CH = _dims(inp, name, 3)
+    for size, value in (("NH", NH), ("NKV", NKV)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"{size} must be an int, got {type(value).__name__}")
+        if value <= 0:
+            raise ShapeError(f"{size}={value} must be positive")
+    heads = NH + 2 * NKV
+    if CH % heads != 0 or (CH // heads) % 2 != 0:
+        raise ShapeError(f"{name} has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
+                         f"with an even head size hs")
+    return B, T, CH // heads
+
+
+def _gated(inp, name):
+    """(N, FF) for inp of shape (..., 2*FF): N is the product of the leading dims."""
+    shape = _dims(inp, name)
+    if len(shape) == 0 or shape[-1] % 2 != 0:
+        raise ShapeError(f"{name} has shape {shape}: its last axis must be 2*FF (gate, up)")
+    N = inp.size // shape[-1] if shape[-1] else 0   # a zero size is left to C to reject
+    return N, shape[-1] // 2

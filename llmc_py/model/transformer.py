@@ -135,10 +135,8 @@ class Transformer:
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
-        # the MLP activation's kernels are named after it (a gated one reads
-        # fch's [gate | up] halves)
-        self._mlp_forward = getattr(K, f"{config.mlp}_forward")
-        self._mlp_backward = getattr(K, f"{config.mlp}_backward")
+        # the MLP activation's kernel pair (a gated one reads fch's [gate | up] halves)
+        self._mlp_forward, self._mlp_backward = K.MLP_ACTIVATIONS[config.mlp]
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._user = threading.RLock()   # held by the thread inside an entry point
