@@ -271,11 +271,11 @@ class TransformerConfig:
                 if self.mlp in GATED_MLPS else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
         # held as the float32 the kernels and file use
-        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor", "ffn_dim_multiplier"):
-            value = getattr(self, name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(np.float32(value)))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type is float and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(np.float32(value)))
         self.validate()
 
     def _validate_ffn_rule(self):
@@ -304,10 +304,10 @@ class TransformerConfig:
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("bias", "tied_embeddings", "qk_norm", "rope_interleaved"):
-            if not isinstance(getattr(self, name), bool):
-                raise ShapeError(f"{kind}.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
+        for f in fields(self):
+            if f.type is bool and not isinstance(getattr(self, f.name), bool):
+                raise ShapeError(f"{kind}.{f.name} must be a bool, got "
+                                 f"{getattr(self, f.name)!r}")
         for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
                      "rope_high_freq_factor"):
             value = getattr(self, name)
@@ -501,16 +501,21 @@ class ModelField:
     shown: str
     always_shown: bool
 
+    @property
+    def flag_default(self):
+        """The flag's default: the field's unless the flag says (a bool's flag
+        is 0 or 1)."""
+        default = self.default if self.flag.default is None else self.flag.default
+        return int(default != self.flag.inverted) if self.type is bool else default
+
     def flag_options(self):
-        """add_argument's keywords for the field's flag: a bool's flag is 0 or 1."""
-        flag = self.flag
-        default = self.default if flag.default is None else flag.default
+        """add_argument's keywords for the field's flag."""
+        options = dict(default=self.flag_default, help=self.flag.help)
         if self.type is bool:
-            return dict(type=int, choices=(0, 1), default=int(default != flag.inverted),
-                        help=flag.help)
+            return options | dict(type=int, choices=(0, 1))
         if self.choices:
-            return dict(choices=self.choices, default=default, help=flag.help)
-        return dict(type=self.type, default=default, help=flag.help)
+            return options | dict(choices=self.choices)
+        return options | dict(type=self.type)
 
     def from_flag(self, value):
         """The field's value for its flag's value."""

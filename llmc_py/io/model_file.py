@@ -137,7 +137,7 @@ VERSION_LLAMA = 1
 VERSION_LLAMA_BF16 = 2
 LLAMA_BYTES_PER_PARAM = {VERSION_LLAMA: 4, VERSION_LLAMA_BF16: 2}
 LLAMA_HEADER_BYTES = 2 * HEADER_BYTES
-# the fields the header holds, in the order they are read
+# the fields the header holds, in the order they are read (a field's only_with first)
 LLAMA_FIELDS = [f for f in MODEL_FIELDS.values() if f.slot]
 
 

@@ -89,7 +89,7 @@ def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, family=Non
                  channels=C)
     if family is None or family.get("arch", "gpt2") == "gpt2":
         return GPT2Config(**sizes)
-    choices = {f.name: f.from_flag(family.get(dest, f.flag_options()["default"]))
+    choices = {f.name: f.from_flag(family.get(dest, f.flag_default))
                for dest, f in MODEL_FLAGS.items()}
     try:
         return LlamaConfig(**sizes, **choices)
