@@ -189,7 +189,6 @@ def _llama_config(raw, path, arch):
         _refuse(path, "use_sliding_window" if raw.get("use_sliding_window") else "layer_types",
                 raw.get("use_sliding_window") or raw.get("layer_types"),
                 "sliding-window attention is not supported")
-    # (Mistral's sliding_window is on every layer)
     fields = _declared_fields(raw, path, arch) | dict(
         norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias, qk_norm=qwen3,
         **_rope(raw, path))
