@@ -1,9 +1,10 @@
 """Model configuration. Defaults are GPT-2 124M, as llm.c's checkpoint has it."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from .errors import ShapeError
+from .flags import NON_NEGATIVE, POSITIVE, Range
 
 # GPT-2's vocabulary padded up to a multiple of this many columns (50257 -> 50304),
 # so the output matmul splits evenly
@@ -46,52 +47,216 @@ def llama_ffn_hidden(channels, multiple_of=FFN_MULTIPLE, ffn_dim_multiplier=1.0)
     return (hidden + multiple_of - 1) // multiple_of * multiple_of
 
 
+# ---- how a field is declared -------------------------------------------------
+#
+# Each field of TransformerConfig declares, beside its default, what the rest
+# of the package needs of it; the flags (train.cli), the range checks, describe
+# and config_from_depth (model.presets), our model file's header (io.model_file),
+# Hugging Face's config.json (io.hf) and the resume check (train.resume) are
+# derived from MODEL_FIELDS below. A field without a flag (a size) is set by
+# the depth or read from a file; every flag is fixed on resume (the model comes
+# from the checkpoint).
+
+@dataclass(frozen=True)
+class Flag:
+    """A field's flag in train's "model family" group."""
+    name: str                # "--kv-heads"; the dest (saved in checkpoints) follows from it
+    help: str
+    range: Range = None      # a number's allowed values (flags.check_flags)
+    default: object = None   # the flag's default when not the field's
+    inverted: bool = False   # a 0/1 flag that sets the field to its negation (--untied)
+
+    @property
+    def dest(self):
+        return self.name[2:].replace("-", "_")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A field's header slot in our model file (io.model_file): an int32
+    slot, or a float32 one for a float field; a choice is held as its index
+    in the choices, a bool as 0 or 1."""
+    index: int
+    range: Range = None          # what a reader accepts (else the config checks it)
+    zero_reads_as: object = None  # a slot that came later: a file from before holds 0
+    only_with: str = None        # read only when that field is not its default
+
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class HFKey:
+    """A field's key in a Hugging Face config.json."""
+    names: tuple             # read from the first, written to all
+    missing: object = REQUIRED   # the value when absent: a constant, or a function
+                                 # of the fields read before it
+    null_is_missing: bool = False
+    written_as: str = None   # the config attribute written (default: the field)
+
+
+def declared(default, *, choices=None, flag=None, slot=None, hf=None, shown=None,
+             always_shown=False):
+    """A TransformerConfig field: ``choices`` (a str field's allowed values),
+    its ``flag``, header ``slot``, ``hf`` keys ({family: HFKey}, families as
+    io.hf.FAMILIES) and ``shown``, describe's text for it (str.format'ed with
+    c, the config), when it is not the default or ``always_shown``."""
+    return field(default=default, metadata=dict(
+        choices=choices, flag=flag, slot=slot, hf=hf or {}, shown=shown,
+        always_shown=always_shown))
+
+
+def same_key(name):
+    """A required config.json key, the same in every family."""
+    return {"gpt2": HFKey((name,)), "llama": HFKey((name,))}
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """One decoder-only transformer, by its sizes and choices. The presets
-    below (LlamaConfig, GPT2Config) are this with other defaults."""
-    max_seq_len: int = 1024          # maxT: rows of wpe (learned positions); for RoPE,
-                                     # ALiBi and sinusoidal only the length trained at,
-                                     # not a limit
-    vocab_size: int = 50257          # V
-    padded_vocab_size: int = 50304   # Vp >= V: rows of wte (and of lm_head when untied)
-    num_layers: int = 12             # L
-    num_heads: int = 12              # NH: query heads; must divide channels unless
-                                     # head_dim is given
-    num_kv_heads: int = 4            # NKV: key/value heads; divides NH (1: MQA, NH: MHA;
-                                     # 0 picks NH)
-    channels: int = 768              # C
-    ffn_hidden: int = 0              # FF: MLP hidden size; 0 picks the default (the Llama
-                                     # rule for a gated MLP, 4C for the others)
-    ffn_multiple_of: int = FFN_MULTIPLE  # the Llama rule rounds FF up to a multiple of this
-    ffn_dim_multiplier: float = 1.0  # the Llama rule scales 2/3 of 4C by this first
-                                     # (Llama 3 70B: 1.3)
-    norm: str = "rmsnorm"            # "rmsnorm" (weight only) | "layernorm" (weight, bias)
-    position: str = "rope"           # "rope" | "alibi" | "learned" (a wpe table, as GPT-2)
-                                     # | "sinusoidal" (fixed sin/cos added to the embedding)
-    mlp: str = "swiglu"              # gated: "swiglu" W2(silu(x W1) * x W3), "geglu" (gelu,
-                                     # tanh form), "reglu" (relu); plain: W2 act(x W1),
-                                     # "gelu" (GPT-2's tanh form), "gelu_erf", "relu"
-    block: str = "pre"               # the norms' places: "pre" | "post" | "parallel"
-    bias: bool = False               # biases on the linear layers
-    tied_embeddings: bool = True     # the output head is wte; False adds lm_head [Vp, C]
-    rope_theta: float = 10000.0      # RoPE base
-    norm_eps: float = 1e-5           # epsilon inside the norms
-    head_dim: int = 0                # hs: channels per attention head; 0 means C / NH
-                                     # (Qwen3 sets its own: attention is NH * hs wide);
-                                     # held as 0 whenever it equals C / NH
-    qk_norm: bool = False            # RMSNorm on each q and k head before RoPE (Qwen3's
-                                     # q_norm, k_norm: weights of hs, norm_eps)
-    rope_scaling: str = "none"       # ROPE_SCALINGS
-    rope_factor: float = 1.0         # how much longer a context it is scaled for
-    rope_original_max: int = 0       # llama3: the context it was trained at (8192)
-    rope_low_freq_factor: float = 1.0    # llama3: wavelengths above original_max / low
-                                         # are divided by the factor
-    rope_high_freq_factor: float = 4.0   # llama3: ... below original_max / high kept
-    rope_interleaved: bool = False   # RoPE pairs channels 2i, 2i+1 (Meta's original layout)
-                                     # instead of i, i + hs/2 (Hugging Face's)
-    sliding_window: int = 0          # W > 0: each query attends to its last W positions,
-                                     # itself included (Mistral's); 0: to all before it
+    below (LlamaConfig, GPT2Config) are this with other defaults. Each field
+    is declared with its flag, header slot, Hugging Face keys and describe
+    text (see declared)."""
+    # maxT: rows of wpe (learned positions); for RoPE, ALiBi and sinusoidal
+    # only the length trained at, not a limit
+    max_seq_len: int = declared(
+        1024, slot=Slot(2, POSITIVE),
+        hf={"gpt2": HFKey(("n_positions", "n_ctx")),
+            "llama": HFKey(("max_position_embeddings",))})
+    # V
+    vocab_size: int = declared(50257, slot=Slot(3, POSITIVE), hf=same_key("vocab_size"))
+    # Vp >= V: rows of wte (and of lm_head when untied)
+    padded_vocab_size: int = declared(50304, slot=Slot(7, POSITIVE))
+    # L
+    num_layers: int = declared(
+        12, slot=Slot(4, POSITIVE),
+        hf={"gpt2": HFKey(("n_layer",)), "llama": HFKey(("num_hidden_layers",))})
+    # NH: query heads; must divide channels unless head_dim is given
+    num_heads: int = declared(
+        12, slot=Slot(5, POSITIVE),
+        hf={"gpt2": HFKey(("n_head",)), "llama": HFKey(("num_attention_heads",))})
+    # NKV: key/value heads; divides NH (1: MQA, NH: MHA; 0 picks NH)
+    num_kv_heads: int = declared(
+        4, slot=Slot(8, POSITIVE),
+        hf={"llama": HFKey(("num_key_value_heads",), lambda fields: fields["num_heads"])},
+        shown=" ({c.num_kv_heads} kv)", always_shown=True,
+        flag=Flag("--kv-heads", "llama: key/value heads, dividing the query heads (1: "
+                  "multi-query; 0: as many as query heads)", NON_NEGATIVE, default=0))
+    # C
+    channels: int = declared(
+        768, slot=Slot(6, POSITIVE),
+        hf={"gpt2": HFKey(("n_embd",)), "llama": HFKey(("hidden_size",))})
+    # FF: MLP hidden size; 0 picks the default (the Llama rule for a gated
+    # MLP, 4C for the others)
+    ffn_hidden: int = declared(
+        0, slot=Slot(9, POSITIVE),
+        hf={"gpt2": HFKey(("n_inner",), lambda fields: 4 * fields["channels"],
+                          null_is_missing=True),
+            "llama": HFKey(("intermediate_size",))},
+        flag=Flag("--ffn-hidden", "llama: MLP hidden size (0: Llama's rule for a gated MLP, "
+                  "2/3 of 4C times --ffn-dim-multiplier rounded up to --ffn-multiple-of; 4C "
+                  "for the others)", NON_NEGATIVE))
+    # the Llama rule rounds FF up to a multiple of this
+    ffn_multiple_of: int = declared(
+        FFN_MULTIPLE, slot=Slot(17, zero_reads_as=FFN_MULTIPLE),
+        flag=Flag("--ffn-multiple-of", "llama: Llama's multiple_of, the hidden-size rule's "
+                  "rounding", POSITIVE))
+    # the Llama rule scales 2/3 of 4C by this first (Llama 3 70B: 1.3)
+    ffn_dim_multiplier: float = declared(
+        1.0, slot=Slot(8, zero_reads_as=1.0),
+        flag=Flag("--ffn-dim-multiplier", "llama: Llama's ffn_dim_multiplier, the "
+                  "hidden-size rule's factor", POSITIVE))
+    # "rmsnorm" (weight only) | "layernorm" (weight, bias)
+    norm: str = declared(
+        "rmsnorm", choices=NORMS, slot=Slot(10), shown=", {c.norm}", always_shown=True,
+        flag=Flag("--norm", "llama: the norm"))
+    # "rope" | "alibi" | "learned" (a wpe table, as GPT-2) | "sinusoidal"
+    # (fixed sin/cos added to the embedding)
+    position: str = declared(
+        "rope", choices=POSITIONS, slot=Slot(11), shown=", {c.position}", always_shown=True,
+        flag=Flag("--position", "llama: rotary (rope), ALiBi biases (alibi), a learned table "
+                  "or fixed sinusoids added to the embedding (sinusoidal)"))
+    # gated: "swiglu" W2(silu(x W1) * x W3), "geglu" (gelu, tanh form),
+    # "reglu" (relu); plain: W2 act(x W1), "gelu" (GPT-2's tanh form),
+    # "gelu_erf", "relu"
+    mlp: str = declared(
+        "swiglu", choices=MLPS, slot=Slot(12), shown=", {c.mlp} {c.ffn_hidden}",
+        always_shown=True,
+        flag=Flag("--mlp", "llama: the MLP; gated (act(x W1) * x W3): swiglu, geglu, reglu; "
+                  "plain: gelu (tanh form), gelu_erf (exact), relu"))
+    # the norms' places: "pre" | "post" | "parallel"
+    block: str = declared(
+        "pre", choices=BLOCKS, slot=Slot(18), shown=", {c.block} block",
+        flag=Flag("--block", "llama: the norms' places: pre (x + f(norm(x))), post "
+                  "(norm(x + f(x)), the original Transformer's) or parallel (x + attn(n) + "
+                  "mlp(n), n = norm(x): GPT-J)"))
+    # biases on the linear layers
+    bias: bool = declared(
+        False, slot=Slot(13), shown=", bias",
+        flag=Flag("--bias", "llama: biases on the linear layers"))
+    # the output head is wte; False adds lm_head [Vp, C]
+    tied_embeddings: bool = declared(
+        True, slot=Slot(14), shown=", untied",
+        hf={"gpt2": HFKey(("tie_word_embeddings",), True),
+            "llama": HFKey(("tie_word_embeddings",), False)},
+        flag=Flag("--untied", "llama: 1 gives the output head its own matrix instead of "
+                  "sharing wte", inverted=True))
+    # RoPE base
+    rope_theta: float = declared(
+        10000.0, slot=Slot(0), flag=Flag("--rope-theta", "llama: the RoPE base", POSITIVE))
+    # epsilon inside the norms
+    norm_eps: float = declared(
+        1e-5, slot=Slot(1),
+        hf={"gpt2": HFKey(("layer_norm_epsilon",), 1e-5),
+            "llama": HFKey(("rms_norm_eps",), 1e-6)})
+    # hs: channels per attention head; 0 means C / NH (Qwen3 sets its own:
+    # attention is NH * hs wide); held as 0 whenever it equals C / NH
+    head_dim: int = declared(
+        0, slot=Slot(15, Range(lo=0, text=">= 0 (0: channels / num_heads)")),
+        hf={"llama": HFKey(("head_dim",), 0, null_is_missing=True, written_as="head_size")},
+        flag=Flag("--head-dim", "llama: channels per attention head (0: channels / heads; "
+                  "Qwen3 sets its own)", NON_NEGATIVE))
+    # RMSNorm on each q and k head before RoPE (Qwen3's q_norm, k_norm:
+    # weights of hs, norm_eps)
+    qk_norm: bool = declared(
+        False, slot=Slot(16), shown=", qk_norm, head_dim {c.head_size}",
+        flag=Flag("--qk-norm", "llama: 1 RMS-normalises each q and k head before RoPE "
+                  "(Qwen3)"))
+    # W > 0: each query attends to its last W positions, itself included
+    # (Mistral's); 0: to all before it
+    sliding_window: int = declared(
+        0, slot=Slot(19), shown=", window {c.sliding_window}",
+        hf={"mistral": HFKey(("sliding_window",), 0, null_is_missing=True)},
+        flag=Flag("--sliding-window", "llama: each query attends to its last W positions only "
+                  "(Mistral's sliding window; the KV cache keeps W); 0: to every position "
+                  "before it", NON_NEGATIVE))
+    # ROPE_SCALINGS
+    rope_scaling: str = declared(
+        "none", choices=ROPE_SCALINGS, slot=Slot(24),
+        shown=", rope {c.rope_scaling} x{c.rope_factor:g}",
+        flag=Flag("--rope-scaling", "llama: RoPE's frequencies for a context --rope-factor "
+                  "times longer: linear (position interpolation), ntk (a larger base) or llama3 "
+                  "(Llama 3.1's rule, with --rope-original-max)"))
+    # how much longer a context it is scaled for
+    rope_factor: float = declared(
+        1.0, slot=Slot(2, only_with="rope_scaling"),
+        flag=Flag("--rope-factor", "llama: --rope-scaling's factor", POSITIVE))
+    # llama3: the context it was trained at (8192)
+    rope_original_max: int = declared(
+        0, slot=Slot(25, only_with="rope_scaling"),
+        flag=Flag("--rope-original-max", "llama: --rope-scaling llama3's original context "
+                  "(Llama 3.1: 8192)", NON_NEGATIVE))
+    # llama3: wavelengths above original_max / low are divided by the factor
+    rope_low_freq_factor: float = declared(1.0, slot=Slot(3, only_with="rope_scaling"))
+    # llama3: ... below original_max / high kept
+    rope_high_freq_factor: float = declared(4.0, slot=Slot(4, only_with="rope_scaling"))
+    # RoPE pairs channels 2i, 2i+1 (Meta's original layout) instead of i,
+    # i + hs/2 (Hugging Face's)
+    rope_interleaved: bool = declared(
+        False, slot=Slot(20), shown=", interleaved rope",
+        flag=Flag("--rope-interleaved", "llama: 1 turns RoPE's pairs of neighbouring channels "
+                  "(2i, 2i+1: Meta's original layout) instead of i and i + hs/2 (Hugging "
+                  "Face's)"))
 
     def __post_init__(self):
         if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
@@ -106,11 +271,11 @@ class TransformerConfig:
                 if self.mlp in GATED_MLPS else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
         # held as the float32 the kernels and file use
-        for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor", "ffn_dim_multiplier"):
-            value = getattr(self, name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                object.__setattr__(self, name, float(np.float32(value)))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type is float and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(np.float32(value)))
         self.validate()
 
     def _validate_ffn_rule(self):
@@ -139,10 +304,10 @@ class TransformerConfig:
             if getattr(self, name) not in allowed:
                 raise ShapeError(f"{kind}.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
-        for name in ("bias", "tied_embeddings", "qk_norm", "rope_interleaved"):
-            if not isinstance(getattr(self, name), bool):
-                raise ShapeError(f"{kind}.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
+        for f in fields(self):
+            if f.type is bool and not isinstance(getattr(self, f.name), bool):
+                raise ShapeError(f"{kind}.{f.name} must be a bool, got "
+                                 f"{getattr(self, f.name)!r}")
         for name in ("rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor",
                      "rope_high_freq_factor"):
             value = getattr(self, name)
@@ -321,3 +486,44 @@ class GPT2Config(TransformerConfig):
                              "norm_eps 1e-5, pre-norm blocks, no sliding window); use "
                              "LlamaConfig or "
                              "TransformerConfig for others")
+
+
+@dataclass(frozen=True)
+class ModelField:
+    """A TransformerConfig field with its declaration (declared)."""
+    name: str
+    type: type
+    default: object
+    choices: tuple
+    flag: Flag
+    slot: Slot
+    hf: dict
+    shown: str
+    always_shown: bool
+
+    @property
+    def flag_default(self):
+        """The flag's default: the field's unless the flag says (a bool's flag
+        is 0 or 1)."""
+        default = self.default if self.flag.default is None else self.flag.default
+        return int(default != self.flag.inverted) if self.type is bool else default
+
+    def flag_options(self):
+        """add_argument's keywords for the field's flag."""
+        options = dict(default=self.flag_default, help=self.flag.help)
+        if self.type is bool:
+            return options | dict(type=int, choices=(0, 1))
+        if self.choices:
+            return options | dict(choices=self.choices)
+        return options | dict(type=self.type)
+
+    def from_flag(self, value):
+        """The field's value for its flag's value."""
+        return bool(value) != self.flag.inverted if self.type is bool else value
+
+
+# every field, in the dataclass's order (describe's and the header reader's)
+MODEL_FIELDS = {f.name: ModelField(f.name, f.type, f.default, **f.metadata)
+                for f in fields(TransformerConfig)}
+# the fields set by a flag, by the flag's dest
+MODEL_FLAGS = {f.flag.dest: f for f in MODEL_FIELDS.values() if f.flag}

@@ -20,6 +20,7 @@ from .errors import UsageError
 from .generate.kv_cache import kv_cache_floats
 from .model.layout import param_specs
 from .model.memory import format_bytes
+from .model.presets import config_from_depth, describe
 from .model.transformer import PRECISIONS, memory_plan
 
 # the parameter tensors of each component
@@ -35,7 +36,6 @@ COMPONENTS = (
 def load_config(source):
     """The config of ``source``: a depth like d12, a Hugging Face folder or
     config.json, or a model file (its header only)."""
-    from .train.cli import config_from_depth
     config = config_from_depth(str(source))
     if config is not None:
         return config
@@ -67,11 +67,6 @@ def memory_table(config, B, T, precision="fp32"):
 def kv_cache_bytes(config, B=1, T=1):
     """Bytes of a KV cache for B rows of T positions (float32)."""
     return 4 * kv_cache_floats(config, B, T)
-
-
-def describe(config):
-    from .train.cli import describe as describe_config
-    return describe_config(config)
 
 
 def format_summary(config, B, T, precision="fp32", source=None):

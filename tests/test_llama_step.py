@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
-from llmc_py.io import LLAMA_CHOICE_SLOTS, LLAMA_FLAG_SLOTS, LLAMA_INT_SLOTS
+from llmc_py.config import MODEL_FIELDS
 from llmc_py.errors import CheckpointError, ShapeError
 from helpers import assert_thread_invariant
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
+
+# the model file's int32 header slot of each field
+SLOT = {name: f.slot.index for name, f in MODEL_FIELDS.items() if f.slot and f.type is not float}
 
 BASE = LlamaConfig(max_seq_len=32, vocab_size=67, padded_vocab_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, channels=64)   # hs 16, FF 192 (Llama rule)
@@ -176,26 +179,26 @@ def _corrupt(path, slot, value, floats=False):
 
 
 @pytest.mark.parametrize("field,slot,value,message", [
-    ("num_kv_heads", LLAMA_INT_SLOTS["num_kv_heads"], 3, "not divisible by num_kv_heads=3"),
-    ("num_kv_heads", LLAMA_INT_SLOTS["num_kv_heads"], 0, "num_kv_heads is 0"),
-    ("ffn_hidden", LLAMA_INT_SLOTS["ffn_hidden"], -5, "ffn_hidden is -5"),
-    ("norm", LLAMA_CHOICE_SLOTS["norm"][0], 7, "norm is 7, expected one of"),
-    ("position", LLAMA_CHOICE_SLOTS["position"][0], -1, "position is -1"),
-    ("position", LLAMA_CHOICE_SLOTS["position"][0], 4, r"position is 4, expected one of "
+    ("num_kv_heads", SLOT["num_kv_heads"], 3, "not divisible by num_kv_heads=3"),
+    ("num_kv_heads", SLOT["num_kv_heads"], 0, "num_kv_heads is 0"),
+    ("ffn_hidden", SLOT["ffn_hidden"], -5, "ffn_hidden is -5"),
+    ("norm", SLOT["norm"], 7, "norm is 7, expected one of"),
+    ("position", SLOT["position"], -1, "position is -1"),
+    ("position", SLOT["position"], 4, r"position is 4, expected one of "
                                                        r"0 \(learned\), 1 \(rope\), "
                                                        r"2 \(alibi\), 3 \(sinusoidal\)"),
-    ("block", LLAMA_CHOICE_SLOTS["block"][0], 3, r"block is 3, expected one of 0 \(pre\), "
+    ("block", SLOT["block"], 3, r"block is 3, expected one of 0 \(pre\), "
                                                  r"1 \(post\), 2 \(parallel\)"),
-    ("bias", LLAMA_FLAG_SLOTS["bias"], 2, "bias is 2, expected 0 or 1"),
-    ("vocab_size", LLAMA_INT_SLOTS["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
-    ("channels", LLAMA_INT_SLOTS["channels"], 128, "file size"),   # a consistent header,
+    ("bias", SLOT["bias"], 2, "bias is 2, expected 0 or 1"),
+    ("vocab_size", SLOT["vocab_size"], 1000, "padded_vocab_size=128 is smaller"),
+    ("channels", SLOT["channels"], 128, "file size"),   # a consistent header,
                                                                      # a file that disagrees
     ("head_dim", 15, -3, "head_dim is -3"),
-    ("qk_norm", LLAMA_FLAG_SLOTS["qk_norm"], 5, "qk_norm is 5, expected 0 or 1"),
+    ("qk_norm", SLOT["qk_norm"], 5, "qk_norm is 5, expected 0 or 1"),
     ("rope_scaling", 24, 9, "rope_scaling is 9, expected one of"),
     ("rope_original_max", 25, 0, None),   # llama3 without its context: below
     ("sliding_window", 19, -2, "sliding_window must be an int >= 0"),
-    ("rope_interleaved", LLAMA_FLAG_SLOTS["rope_interleaved"], 3,
+    ("rope_interleaved", SLOT["rope_interleaved"], 3,
      "rope_interleaved is 3, expected 0 or 1"),
 ])
 def test_model_file_header_is_validated(tmp_path, field, slot, value, message):
@@ -252,7 +255,7 @@ def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
     path = tmp_path / "m.bin"
     Llama(dataclasses.replace(BASE, mlp="geglu")).save_checkpoint(path)
     assert load_model(path).config.mlp == "geglu"
-    _corrupt(path, LLAMA_CHOICE_SLOTS["mlp"][0], 6)
+    _corrupt(path, SLOT["mlp"], 6)
     with pytest.raises(CheckpointError, match=r"mlp is 6, expected one of 0 \(gelu\), "
                                               r"1 \(swiglu\), 2 \(relu\), 3 \(gelu_erf\), "
                                               r"4 \(geglu\), 5 \(reglu\)"):

@@ -33,15 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
+from ..config import GPT2_CHOICES, MODEL_FIELDS, REQUIRED, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
 from ..model.layout import checked_params, param_specs
 from .files import atomic_write, to_bf16
 from .rope_layout import interleaved_to_half_split
 
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
-ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
-                 "Qwen3ForCausalLM")
+# each architecture's families of config.json keys (the fields' HFKey declarations)
+FAMILIES = {"GPT2LMHeadModel": ("gpt2",), "LlamaForCausalLM": ("llama",),
+            "MistralForCausalLM": ("llama", "mistral"), "Qwen3ForCausalLM": ("llama",)}
+ARCHITECTURES = tuple(FAMILIES)
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", \
     "model.safetensors.index.json"
 DTYPES = {"fp32": np.float32, "bf16": "bfloat16"}   # what write_hf stores
@@ -70,6 +72,35 @@ def _field(raw, path, name, default=None, kind=int):
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
         raise CheckpointError(f"{path}: field {name} is {value!r}, expected {kind.__name__}")
     return value
+
+
+def _declared_keys(arch):
+    """(field, HFKey) of each field config.json holds for ``arch``."""
+    for field in MODEL_FIELDS.values():
+        for family in FAMILIES[arch]:
+            if family in field.hf:
+                yield field, field.hf[family]
+
+
+def _declared_fields(raw, path, arch):
+    """The fields read from config.json's declared keys for ``arch``."""
+    fields = {}
+    for field, key in _declared_keys(arch):
+        name = key.names[0]
+        if raw.get(name) is None and key.missing is not REQUIRED and (
+                name not in raw or key.null_is_missing):
+            fields[field.name] = key.missing(fields) if callable(key.missing) else key.missing
+        else:
+            fields[field.name] = _field(raw, path, name, kind=field.type)
+    return fields
+
+
+def _declared_values(config, arch):
+    """config.json's declared keys for ``arch``, with ``config``'s values."""
+    values = {}
+    for field, key in _declared_keys(arch):
+        values.update(dict.fromkeys(key.names, getattr(config, key.written_as or field.name)))
+    return values
 
 
 def _refuse(path, name, value, why):
@@ -124,7 +155,6 @@ def _hf_rope(config):
 
 
 def _gpt2_config(raw, path):
-    C = _field(raw, path, "n_embd")
     act = raw.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
         _refuse(path, "activation_function", act, "GPT-2's GELU here is the tanh "
@@ -133,13 +163,7 @@ def _gpt2_config(raw, path):
                            ("scale_attn_by_inverse_layer_idx", False)):
         if raw.get(name, expected) != expected:
             _refuse(path, name, raw[name], f"only {expected} is supported")
-    inner = raw.get("n_inner")
-    fields = dict(max_seq_len=_field(raw, path, "n_positions"),
-                  vocab_size=_field(raw, path, "vocab_size"),
-                  num_layers=_field(raw, path, "n_layer"), num_heads=_field(raw, path, "n_head"),
-                  channels=C, ffn_hidden=4 * C if inner is None else _field(raw, path, "n_inner"),
-                  norm_eps=_field(raw, path, "layer_norm_epsilon", 1e-5, float),
-                  tied_embeddings=_field(raw, path, "tie_word_embeddings", True, bool))
+    fields = _declared_fields(raw, path, "GPT2LMHeadModel")
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     gpt2 = LlamaConfig(num_kv_heads=fields["num_heads"], **GPT2_CHOICES | fields)
     if gpt2.is_gpt2:   # llm.c's model file can hold it
@@ -147,8 +171,8 @@ def _gpt2_config(raw, path):
     return gpt2
 
 
-def _llama_config(raw, path, qwen3, mistral=False):
-    C, NH = _field(raw, path, "hidden_size"), _field(raw, path, "num_attention_heads")
+def _llama_config(raw, path, arch):
+    qwen3 = arch == "Qwen3ForCausalLM"
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         _refuse(path, "hidden_act", act, "the MLP is SwiGLU (silu)")
@@ -165,19 +189,9 @@ def _llama_config(raw, path, qwen3, mistral=False):
         _refuse(path, "use_sliding_window" if raw.get("use_sliding_window") else "layer_types",
                 raw.get("use_sliding_window") or raw.get("layer_types"),
                 "sliding-window attention is not supported")
-    window = raw.get("sliding_window") if mistral else None   # Mistral's: every layer
-    head_dim = raw.get("head_dim")
-    fields = dict(max_seq_len=_field(raw, path, "max_position_embeddings"),
-                  vocab_size=_field(raw, path, "vocab_size"),
-                  num_layers=_field(raw, path, "num_hidden_layers"), num_heads=NH,
-                  num_kv_heads=_field(raw, path, "num_key_value_heads", NH), channels=C,
-                  ffn_hidden=_field(raw, path, "intermediate_size"),
-                  head_dim=0 if head_dim is None else _field(raw, path, "head_dim"),
-                  norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias,
-                  tied_embeddings=_field(raw, path, "tie_word_embeddings", False, bool),
-                  norm_eps=_field(raw, path, "rms_norm_eps", 1e-6, float), qk_norm=qwen3,
-                  sliding_window=0 if window is None else _field(raw, path, "sliding_window"),
-                  **_rope(raw, path))
+    fields = _declared_fields(raw, path, arch) | dict(
+        norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias, qk_norm=qwen3,
+        **_rope(raw, path))
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     return LlamaConfig(**fields)
 
@@ -204,8 +218,7 @@ def read_hf_config(folder):
         if arch == "GPT2LMHeadModel":
             config = _gpt2_config(raw, path)
         else:
-            config = _llama_config(raw, path, qwen3=arch == "Qwen3ForCausalLM",
-                                   mistral=arch == "MistralForCausalLM")
+            config = _llama_config(raw, path, arch)
     except ShapeError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return arch, config
@@ -244,14 +257,11 @@ def hf_config(config):
     arch = architecture(config)
     c = config
     if arch == "GPT2LMHeadModel":
-        return dict(architectures=[arch], model_type="gpt2", n_positions=c.max_seq_len,
-                    n_ctx=c.max_seq_len, vocab_size=c.vocab_size, n_layer=c.num_layers,
-                    n_head=c.num_heads, n_embd=c.channels, n_inner=c.ffn_hidden,
-                    activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
-                    tie_word_embeddings=c.tied_embeddings, resid_pdrop=0.0, embd_pdrop=0.0,
+        return dict(architectures=[arch], model_type="gpt2", **_declared_values(c, arch),
+                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0, torch_dtype="float32")
     if arch == "MistralForCausalLM":
-        bias = dict(sliding_window=c.sliding_window)   # Mistral has no bias fields
+        bias = {}   # Mistral has no bias fields
     elif arch == "LlamaForCausalLM" and c.bias:
         bias = dict(attention_bias=True, mlp_bias=True)
     elif c.bias:
@@ -260,16 +270,11 @@ def hf_config(config):
     else:
         bias = dict(attention_bias=False) | ({} if c.qk_norm else dict(mlp_bias=False))
     model_type = {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}.get(arch, "llama")
-    return dict(architectures=[arch], model_type=model_type,
-                max_position_embeddings=c.max_seq_len, vocab_size=c.vocab_size,
-                num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                num_key_value_heads=c.num_kv_heads, hidden_size=c.channels,
-                intermediate_size=c.ffn_hidden, head_dim=c.head_size, hidden_act="silu",
-                rms_norm_eps=c.norm_eps, rope_theta=c.rope_theta, rope_scaling=_hf_rope(c),
+    return dict(architectures=[arch], model_type=model_type, **_declared_values(c, arch),
+                hidden_act="silu", rope_theta=c.rope_theta, rope_scaling=_hf_rope(c),
                 rope_parameters=dict(_hf_rope(c) or dict(rope_type="default"),
                                      rope_theta=c.rope_theta),
-                tie_word_embeddings=c.tied_embeddings, attention_dropout=0.0,
-                torch_dtype="float32", **bias)
+                attention_dropout=0.0, torch_dtype="float32", **bias)
 
 
 # ---- the tensors -------------------------------------------------------------

@@ -6,8 +6,10 @@ choices by default (LlamaConfig: RMSNorm, RoPE, SwiGLU, grouped-query
 attention, no biases), any of them changeable (ALiBi, a GELU MLP, an untied
 head, ...), whose model file is ours (io.model_file).
 """
-from ..config import GPT2Config, LlamaConfig
-from ..errors import ShapeError
+import re
+
+from ..config import MODEL_FIELDS, MODEL_FLAGS, GPT2Config, LlamaConfig, padded_vocab
+from ..errors import ShapeError, UsageError
 from ..io.load import read_model_file
 from ..io.model_file import read_llama, read_model
 from .transformer import Transformer
@@ -58,5 +60,49 @@ def load_model(path, precision="fp32"):
     or bf16 parameters), or the Hugging Face model folder at ``path``
     (GPT-2, Llama, Qwen3: io.hf), in ``precision`` "fp32" or "bf16"."""
     config, params = read_model_file(path)
-    model = GPT2 if isinstance(config, GPT2Config) else Llama
-    return model(config, params=params, precision=precision)
+    return preset_for(config)(config, params=params, precision=precision)
+
+
+def preset_for(config):
+    """The class of a model of ``config``: GPT2 for a GPT2Config, else Llama."""
+    return GPT2 if isinstance(config, GPT2Config) else Llama
+
+
+GPT2_VOCAB = 50257
+# the sizes of GPT-2 by depth; other depths get 64 channels per layer, heads of 64
+GPT2_DEPTHS = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
+
+
+def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, family=None):
+    """A GPT2Config from a descriptor like "d6"; None if it is not one. With
+    ``family`` {"arch": "llama", ...} (the model-family flags by dest, e.g.
+    train's parsed flags; a flag left out takes its default), a LlamaConfig
+    of those choices."""
+    match = re.fullmatch(r"d(\d+)", depth)
+    if not match:
+        return None
+    L = int(match.group(1))
+    if L <= 0:
+        raise UsageError(f"-e {depth}: the depth must be positive")
+    C, NH = GPT2_DEPTHS.get(L, (64 * L, L))
+    sizes = dict(max_seq_len=max_seq_len, vocab_size=vocab_size,
+                 padded_vocab_size=padded_vocab(vocab_size), num_layers=L, num_heads=NH,
+                 channels=C)
+    if family is None or family.get("arch", "gpt2") == "gpt2":
+        return GPT2Config(**sizes)
+    choices = {f.name: f.from_flag(family.get(dest, f.flag_default))
+               for dest, f in MODEL_FLAGS.items()}
+    try:
+        return LlamaConfig(**sizes, **choices)
+    except ShapeError as e:
+        raise UsageError(f"-e {depth} --arch llama: {e}") from None
+
+
+def describe(config):
+    """One line naming the model's sizes and, for the Llama family, its choices."""
+    c = config
+    text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
+    if isinstance(c, LlamaConfig):
+        text += "".join(f.shown.format(c=c) for f in MODEL_FIELDS.values() if f.shown and (
+            f.always_shown or getattr(c, f.name) != f.default))
+    return text

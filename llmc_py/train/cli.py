@@ -12,7 +12,6 @@ import argparse
 import hashlib
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -22,14 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..config import (BLOCKS, FFN_MULTIPLE, MLPS, NORMS, POSITIONS, ROPE_SCALINGS, GPT2Config,
-                      LlamaConfig, padded_vocab)
-from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteError
+from ..config import MODEL_FLAGS
+from ..errors import CheckpointError, LlmcError, UsageError, WriteError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from ..generate.kv_cache import stream
-from ..model import GPT2, PRECISIONS, Llama, load_model
+from ..model import PRECISIONS, load_model
+from ..model.presets import GPT2_VOCAB, config_from_depth, describe, preset_for
 from ..model.dropout import RATES as DROPOUT_SITES, Dropout
 from ..model.transformer import INIT_SCHEMES, INIT_STD
 from ..model.memory import return_freed_scratch
@@ -45,9 +44,6 @@ from .schedule import SCHEDULES, LRSchedule
 
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
 DEFAULT_DATASET = "shakespeare"
-GPT2_VOCAB = 50257
-# the sizes of GPT-2 by depth; other depths get 64 channels per layer, heads of 64
-GPT2_DEPTHS = {12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25)}
 
 
 # ---- configuration -----------------------------------------------------------
@@ -152,98 +148,11 @@ def build_parser():
     a("--data-dir", default="data", help="where the default dataset is prepared")
     llama = p.add_argument_group(
         "model family", "for a fresh model (-e dN); a model file carries its own choices")
-    b = llama.add_argument
-    b("--arch", choices=("gpt2", "llama"), default="gpt2",
-      help="gpt2: llm.c's GPT-2; llama: the decoder with the choices below")
-    b("--norm", choices=NORMS, default="rmsnorm", help="llama: the norm")
-    b("--position", choices=POSITIONS, default="rope",
-      help="llama: rotary (rope), ALiBi biases (alibi), a learned table or fixed "
-           "sinusoids added to the embedding (sinusoidal)")
-    b("--block", choices=BLOCKS, default="pre",
-      help="llama: the norms' places: pre (x + f(norm(x))), post (norm(x + f(x)), the "
-           "original Transformer's) or parallel (x + attn(n) + mlp(n), n = norm(x): GPT-J)")
-    b("--mlp", choices=MLPS, default="swiglu",
-      help="llama: the MLP; gated (act(x W1) * x W3): swiglu, geglu, reglu; plain: gelu "
-           "(tanh form), gelu_erf (exact), relu")
-    b("--kv-heads", type=int, default=0,
-      help="llama: key/value heads, dividing the query heads (1: multi-query; 0: as many "
-           "as query heads)")
-    b("--ffn-hidden", type=int, default=0,
-      help="llama: MLP hidden size (0: Llama's rule for a gated MLP, 2/3 of 4C times "
-           "--ffn-dim-multiplier rounded up to --ffn-multiple-of; 4C for the others)")
-    b("--ffn-multiple-of", type=int, default=FFN_MULTIPLE,
-      help="llama: Llama's multiple_of, the hidden-size rule's rounding")
-    b("--ffn-dim-multiplier", type=float, default=1.0,
-      help="llama: Llama's ffn_dim_multiplier, the hidden-size rule's factor")
-    b("--bias", type=int, choices=(0, 1), default=0, help="llama: biases on the linear layers")
-    b("--untied", type=int, choices=(0, 1), default=0,
-      help="llama: 1 gives the output head its own matrix instead of sharing wte")
-    b("--rope-theta", type=float, default=10000.0, help="llama: the RoPE base")
-    b("--qk-norm", type=int, choices=(0, 1), default=0,
-      help="llama: 1 RMS-normalises each q and k head before RoPE (Qwen3)")
-    b("--head-dim", type=int, default=0,
-      help="llama: channels per attention head (0: channels / heads; Qwen3 sets its own)")
-    b("--rope-scaling", choices=ROPE_SCALINGS, default="none",
-      help="llama: RoPE's frequencies for a context --rope-factor times longer: linear "
-           "(position interpolation), ntk (a larger base) or llama3 (Llama 3.1's rule, "
-           "with --rope-original-max)")
-    b("--rope-factor", type=float, default=1.0, help="llama: --rope-scaling's factor")
-    b("--rope-interleaved", type=int, choices=(0, 1), default=0,
-      help="llama: 1 turns RoPE's pairs of neighbouring channels (2i, 2i+1: Meta's original "
-           "layout) instead of i and i + hs/2 (Hugging Face's)")
-    b("--rope-original-max", type=int, default=0,
-      help="llama: --rope-scaling llama3's original context (Llama 3.1: 8192)")
-    b("--sliding-window", type=int, default=0,
-      help="llama: each query attends to its last W positions only (Mistral's sliding "
-           "window; the KV cache keeps W); 0: to every position before it")
+    llama.add_argument("--arch", choices=("gpt2", "llama"), default="gpt2",
+                       help="gpt2: llm.c's GPT-2; llama: the decoder with the choices below")
+    for field in MODEL_FLAGS.values():
+        llama.add_argument(field.flag.name, **field.flag_options())
     return p
-
-
-def config_from_depth(depth, max_seq_len=1024, vocab_size=GPT2_VOCAB, args=None):
-    """A GPT2Config from a descriptor like "d6" (a LlamaConfig with the
-    family's choices when ``args.arch`` is llama); None if it is not one."""
-    match = re.fullmatch(r"d(\d+)", depth)
-    if not match:
-        return None
-    L = int(match.group(1))
-    if L <= 0:
-        raise UsageError(f"-e {depth}: the depth must be positive")
-    C, NH = GPT2_DEPTHS.get(L, (64 * L, L))
-    sizes = dict(max_seq_len=max_seq_len, vocab_size=vocab_size,
-                 padded_vocab_size=padded_vocab(vocab_size), num_layers=L, num_heads=NH,
-                 channels=C)
-    if args is None or args.arch == "gpt2":
-        return GPT2Config(**sizes)
-    try:
-        return LlamaConfig(**sizes, num_kv_heads=args.kv_heads or NH, norm=args.norm,
-                           position=args.position, mlp=args.mlp, block=args.block,
-                           ffn_hidden=args.ffn_hidden,
-                           ffn_multiple_of=args.ffn_multiple_of,
-                           ffn_dim_multiplier=args.ffn_dim_multiplier,
-                           bias=bool(args.bias), tied_embeddings=not args.untied,
-                           rope_theta=args.rope_theta, qk_norm=bool(args.qk_norm),
-                           head_dim=args.head_dim, sliding_window=args.sliding_window,
-                           rope_scaling=args.rope_scaling, rope_factor=args.rope_factor,
-                           rope_original_max=args.rope_original_max,
-                           rope_interleaved=bool(args.rope_interleaved))
-    except ShapeError as e:
-        raise UsageError(f"-e {depth} --arch llama: {e}") from None
-
-
-def describe(config):
-    """One line naming the model's sizes and, for the Llama family, its choices."""
-    c = config
-    text = f"{c.num_layers} layers, {c.channels} channels, {c.num_heads} heads"
-    if isinstance(c, LlamaConfig):
-        text += (f" ({c.num_kv_heads} kv), {c.norm}, {c.position}, {c.mlp} {c.ffn_hidden}"
-                 + ("" if c.block == "pre" else f", {c.block} block")
-                 + (", bias" if c.bias else "") + ("" if c.tied_embeddings else ", untied")
-                 + (f", qk_norm, head_dim {c.head_size}" if c.qk_norm else "")
-                 + (f", window {c.sliding_window}" if c.sliding_window else "")
-                 + (f", rope {c.rope_scaling} x{c.rope_factor:g}"
-                    if c.rope_scaling != "none" else "")
-                 + (", interleaved rope" if c.rope_interleaved else ""))
-    return text
 
 
 def dropout_from_args(args):
@@ -286,10 +195,8 @@ FLAG_RANGES = {
     "grad_clip": NON_NEGATIVE, "val_every": NON_NEGATIVE, "val_batches": POSITIVE,
     "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
-    "kv_heads": NON_NEGATIVE, "ffn_hidden": NON_NEGATIVE, "rope_theta": POSITIVE,
-    "ffn_multiple_of": POSITIVE, "ffn_dim_multiplier": POSITIVE,
-    "head_dim": NON_NEGATIVE, "init_std": POSITIVE, "sliding_window": NON_NEGATIVE,
-    "rope_factor": POSITIVE, "rope_original_max": NON_NEGATIVE,
+    **{dest: f.flag.range for dest, f in MODEL_FLAGS.items() if f.flag.range},
+    "init_std": POSITIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
     "dropout": BELOW_ONE, **{f"dropout_{site}": BELOW_ONE for site in DROPOUT_SITES},
@@ -351,10 +258,9 @@ def format_seconds(seconds):
 
 def build_model(args):
     """A fresh model of the -e depth, or the -e model file's."""
-    config = config_from_depth(args.init, args=args)
+    config = config_from_depth(args.init, family=vars(args))
     if config is not None:
-        model = (Llama if isinstance(config, LlamaConfig) else GPT2)(
-            config, seed=args.seed, precision=args.precision)
+        model = preset_for(config)(config, seed=args.seed, precision=args.precision)
         if (args.init_scheme, args.init_std) != ("gpt2", INIT_STD):
             model.initialize(args.seed, args.init_scheme, args.init_std)
         return model
@@ -483,8 +389,7 @@ def _train(args, progress, signals, explicit, folder, grad_accum, DataLoader, pr
         resume_step, config, extra = world.broadcast_object(
             (resume_step, model.config, extra) if root else None)
         if not root:
-            model = (GPT2 if isinstance(config, GPT2Config) else Llama)(
-                config, precision=args.precision)
+            model = preset_for(config)(config, precision=args.precision)
     else:
         model = build_model(args)
         if ranks > 1:

@@ -1,5 +1,6 @@
 """Resuming a run: the newest checkpoint that loads, and which flags a resumed
 run may change (each change said in one line) or must keep (refused)."""
+from ..config import MODEL_FLAGS
 from ..errors import CheckpointError, UsageError
 from ..model import load_model
 
@@ -9,11 +10,8 @@ from ..model import load_model
 FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
                    "overfit_single_batch", "train_fingerprint", "dropout",
                    "dropout_embedding", "dropout_attention", "dropout_residual")
-FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", "norm", "position", "mlp", "kv_heads",
-                     "ffn_hidden", "bias", "untied", "rope_theta", "qk_norm", "head_dim",
-                     "init_scheme", "init_std", "block", "ffn_multiple_of",
-                     "ffn_dim_multiplier", "sliding_window", "rope_scaling", "rope_factor",
-                     "rope_original_max", "rope_interleaved")
+# (a model flag given on resume must agree: the model comes from the checkpoint)
+FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "init_std")
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
