@@ -52,18 +52,19 @@ static ALWAYS_INLINE void entropy_row_body(float* entropy, const float* s, int n
 LLMC_ISA_VARIANTS(entropy_row, (float* entropy, const float* s, int n, const float* stats),
                   entropy, s, n, stats)
 
-/* The probabilities att[b, h] [T, T] of one (b, h) from its statistics: the
-   scores as the forward computes them, written straight into att's rows,
-   then probs_row over each row's window; the keys outside it (the masked
-   future, and the past before a sliding window) are set to exactly 0.
-   scratch holds the key panel. */
-static ALWAYS_INLINE void probs_head_body(int isa, const attention_call* a, int b, int h,
-                                          float* scratch) {
+/* The probabilities (entropy 0) or the row entropies (entropy 1) of one
+   (b, h), from its statistics: the scores as the forward computes them, a
+   tile of rows at a time, then each row over its window. The probabilities
+   are the scores, written straight into att's rows, through probs_row, with
+   the keys outside the window (the masked future, and the past before a
+   sliding window) set to exactly 0; an entropy is entropy_row of a row of
+   the tile s [SCORE_ROWS, T] after the key panel in scratch. */
+static ALWAYS_INLINE void recompute_head(int isa, const attention_call* a, int b, int h,
+                                         float* scratch, int entropy) {
     const int T = a->T, hs = a->hs, window = a->window;
     const size_t row = a->row, bh = (size_t)b * a->NH + h;
     const float* inp_b = inp_of(a, b);
     const float* q = inp_b + q_offset(a, h);
-    float* att_bh = a->out + bh * T * T;
     const float* stats_bh = a->stats + bh * T * 2;
     const float slope = slope_of(a, h);
     float* panel = scratch;
@@ -71,48 +72,7 @@ static ALWAYS_INLINE void probs_head_body(int isa, const attention_call* a, int 
                                       a->scale);
     for (int t0 = 0; t0 < T;) {
         const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
-        float* att_t = att_bh + (size_t)t0 * T;
-        const int k_first = first_block_key(t0, window);
-        if (R == SCORE_ROWS) {
-            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS,
-                       t0 + 1, slope, k_first);
-        } else {
-            score_tile(att_t, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope,
-                       k_first);
-        }
-        for (int r = 0; r < R; r++) {
-            float* att_row = att_t + (size_t)r * T;
-            const int lo = first_key(t0 + r, window);
-            LLMC_ISA_SELECT(isa, probs_row)(att_row + lo, t0 + r + 1 - lo,
-                                            stats_bh + 2 * (size_t)(t0 + r));
-            zero_keys(att_row, 0, lo);
-            zero_keys(att_row, t0 + r + 1, T);
-        }
-        t0 += R;
-    }
-}
-LLMC_ISA_VARIANTS_ISA(probs_head, (const attention_call* a, int b, int h, float* scratch),
-                      a, b, h, scratch)
-
-/* The row entropies entropy[b, h] [T] of one (b, h) from its statistics:
-   the scores as the forward computes them, a tile of rows at a time in
-   s [SCORE_ROWS, T] after the key panel in scratch, then entropy_row of
-   each. */
-static ALWAYS_INLINE void entropy_head_body(int isa, const attention_call* a, int b, int h,
-                                            float* scratch) {
-    const int T = a->T, hs = a->hs, window = a->window;
-    const size_t row = a->row, bh = (size_t)b * a->NH + h;
-    const float* inp_b = inp_of(a, b);
-    const float* q = inp_b + q_offset(a, h);
-    float* entropy_bh = a->out + bh * T;
-    const float* stats_bh = a->stats + bh * T * 2;
-    const float slope = slope_of(a, h);
-    float* panel = scratch;
-    float* s = panel + panel_count(T, hs);
-    LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, h / a->kv_mul), row, T, hs,
-                                      a->scale);
-    for (int t0 = 0; t0 < T;) {
-        const int R = T - t0 >= SCORE_ROWS ? SCORE_ROWS : 1;
+        float* s = entropy ? panel + panel_count(T, hs) : a->out + (bh * T + t0) * T;
         const int k_first = first_block_key(t0, window);
         if (R == SCORE_ROWS) {
             score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS, t0 + 1,
@@ -122,12 +82,31 @@ static ALWAYS_INLINE void entropy_head_body(int isa, const attention_call* a, in
                        k_first);
         }
         for (int r = 0; r < R; r++) {
-            const int lo = first_key(t0 + r, window);
-            LLMC_ISA_SELECT(isa, entropy_row)(entropy_bh + t0 + r, s + (size_t)r * T + lo,
-                                              t0 + r + 1 - lo, stats_bh + 2 * (size_t)(t0 + r));
+            const int t = t0 + r, lo = first_key(t, window);
+            float* s_row = s + (size_t)r * T;
+            if (entropy) {
+                LLMC_ISA_SELECT(isa, entropy_row)(a->out + bh * T + t, s_row + lo, t + 1 - lo,
+                                                  stats_bh + 2 * (size_t)t);
+            } else {
+                LLMC_ISA_SELECT(isa, probs_row)(s_row + lo, t + 1 - lo, stats_bh + 2 * (size_t)t);
+                zero_keys(s_row, 0, lo);
+                zero_keys(s_row, t + 1, T);
+            }
         }
         t0 += R;
     }
+}
+
+static ALWAYS_INLINE void probs_head_body(int isa, const attention_call* a, int b, int h,
+                                          float* scratch) {
+    recompute_head(isa, a, b, h, scratch, 0);
+}
+LLMC_ISA_VARIANTS_ISA(probs_head, (const attention_call* a, int b, int h, float* scratch),
+                      a, b, h, scratch)
+
+static ALWAYS_INLINE void entropy_head_body(int isa, const attention_call* a, int b, int h,
+                                            float* scratch) {
+    recompute_head(isa, a, b, h, scratch, 1);
 }
 LLMC_ISA_VARIANTS_ISA(entropy_head, (const attention_call* a, int b, int h, float* scratch),
                       a, b, h, scratch)
