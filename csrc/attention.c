@@ -128,6 +128,8 @@ static float* alloc_scratch(size_t per_thread) {
     return malloc(threads * per_thread * sizeof(float));
 }
 
+/* head is a variant already chosen (LLMC_ISA_SELECT): the parallel region
+   is outlined into a function of its own, without a target attribute. */
 int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
                          attention_head_fn head) {
     const int B = a->B;
@@ -177,7 +179,6 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
                   v + (size_t)lo * row, row, R_pv, t0 + r + 1 - lo, hs);
     }
 }
-
 
 /* The forward of one (b, h): its kv head's key panel, then the query rows
    in tiles, their scores in s [SCORE_ROWS, T] after the panel in scratch. */
