@@ -43,8 +43,8 @@ static inline int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs, int wi
    llmc_api.h; a kernel leaves the ones it does not take NULL), its sizes,
    and what follows from them. */
 typedef struct {
-    float* out;            /* what the call writes (or, dinp, adds to): out,
-                              dinp, att or entropy */
+    float* out;            /* what the call writes: out, att or entropy; or
+                              the backward's dinp, which it adds to */
     float* stats_out;      /* the forward's statistics (written) */
     const float* stats;    /* the statistics the others read */
     const float* inp;
