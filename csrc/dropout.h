@@ -1,6 +1,6 @@
 /*
  * Dropout's masks (private), shared by dropout.c's element-wise kernels and
- * attention.c's dropout on the probabilities.
+ * the attention kernels' dropout on the probabilities.
  *
  * No mask is ever stored: whether an element survives is a hash of its
  * indices, so the backward regenerates the forward's mask, and the mask is

@@ -369,6 +369,8 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
                            int window, float dropout, uint64_t seed);
 
+/* ---- attention_probs.c -------------------------------------------------- */
+
 /*
  * attention_gqa_probs: the probabilities att of attention_gqa_forward,
  * recomputed from its input and statistics: bitwise the ones its out was
@@ -402,6 +404,8 @@ int attention_gqa_entropy(float* entropy, const float* inp, const float* stats,
                           const float* slopes, int B, int T, int NH, int NKV, int hs,
                           int window);
 
+/* ---- attention_naive.c -------------------------------------------------- */
+
 /*
  * The plain loops, llm.c's attention_forward / attention_backward with GQA
  * and ALiBi: the reference the tiled kernels are checked against. They keep
@@ -428,6 +432,8 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
  *                          before a sliding window are 0 and add nothing)
  */
 int attention_entropy_naive(float* entropy, const float* att, int B, int NH, int T);
+
+/* ---- attention_decode.c ------------------------------------------------- */
 
 /*
  * attention_decode: one new query position per row, against a KV cache.

@@ -14,6 +14,9 @@ from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
 from reference import attention_gqa as ref_attention_gqa
 from reference import attention_entropy as ref_attention_entropy
 from reference import attention_gqa_stats as ref_attention_gqa_stats
+from attention_helpers import (
+    GQA_SHAPES, make_gqa_inputs, gqa_forward, gqa_backward, TILE_SHAPES, probs, tiled,
+    naive_forward, naive_backward, check_gqa_against_reference, windowed)
 
 SHAPES = [  # B, T, C, NH
     (4, 64, 768, 12),   # GPT-2 124M: hs = 64
@@ -41,14 +44,6 @@ def backward(dout, qkv, stats, NH, calls=1):
     for _ in range(calls):
         K.attention_backward(dinp, dout, qkv, stats, NH)
     return dinp
-
-
-def probs(qkv, stats, slopes, NH, NKV):
-    """The forward's probabilities, recomputed from its statistics."""
-    B, _, T, _ = stats.shape
-    att = np.full((B, NH, T, T), np.nan, np.float32)   # (written): must not be read
-    K.attention_gqa_probs(att, qkv, stats, slopes, NH, NKV)
-    return att
 
 
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
@@ -110,54 +105,6 @@ def test_attention_rejects_wrong_dtype(rng):
 
 # ---- grouped-query attention, optionally with ALiBi -------------------------
 
-GQA_SHAPES = [  # B, T, NH, NKV, hs, slopes
-    (2, 256, 12, 4, 64, None),      # a Llama-like layer: 3 query heads per kv head
-    (2, 256, 12, 4, 64, "alibi"),
-    (1, 1, 4, 2, 8, "alibi"),       # a single position: att == 1 whatever the bias
-    (2, 13, 6, 3, 15, None),        # hs = 15: not a multiple of any vector width
-    (3, 13, 8, 1, 16, "alibi"),     # multi-query: one kv head for all query heads
-    (2, 17, 4, 4, 32, None),        # NKV == NH: plain multi-head
-    (2, 20, 6, 2, 16, "alibi"),     # NH = 6: ALiBi slopes for a non-power of two
-    (2, 40, 4, 2, 16, "steep"),     # slopes up to 4: far keys' weights underflow to 0
-]
-
-
-def make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes=None):
-    qkv, dout = randn(rng, B, T, (NH + 2 * NKV) * hs), randn(rng, B, T, NH * hs)
-    if slopes == "alibi":
-        slopes = K.alibi_slopes(NH)
-    elif slopes == "steep":
-        slopes = rng.uniform(0.5, 4.0, NH).astype(np.float32)
-    return qkv, dout, slopes
-
-
-def gqa_forward(qkv, slopes, NH, NKV):
-    B, T, width = qkv.shape
-    hs = width // (NH + 2 * NKV)
-    out = np.full((B, T, NH * hs), np.nan, np.float32)   # (written): must not be read
-    stats = np.full((B, NH, T, 2), np.nan, np.float32)
-    K.attention_gqa_forward(out, stats, qkv, slopes, NH, NKV)
-    return out, stats
-
-
-def gqa_backward(dout, qkv, stats, slopes, NH, NKV, calls=1):
-    dinp = np.zeros_like(qkv)
-    for _ in range(calls):
-        K.attention_gqa_backward(dinp, dout, qkv, stats, slopes, NH, NKV)
-    return dinp
-
-
-TILE_SHAPES = [  # B, T, NH, NKV, hs, slopes. The kernels tile 8 query rows, 4 keys,
-                 # 32 keys of scores and 64 channels, and the backward recomputes
-                 # blocks of 64 query rows; these shapes hit each remainder
-    (1, 1, 6, 2, 24, "alibi"),      # T = 1: one row, one key
-    (1, 35, 6, 1, 24, "alibi"),     # T = 4 tiles of 8 rows + 3; multi-query
-    (2, 33, 6, 2, 15, None),        # hs = 15: one partial vector
-    (1, 70, 2, 1, 80, "steep"),     # hs = 80: a 64-channel chunk, then 16; blocks 64 + 6
-    (1, 47, 3, 3, 100, None),       # hs = 100: 64, then 36 (a partial vector)
-    (3, 9, 2, 2, 1, "alibi"),       # hs = 1
-    (1, 130, 4, 2, 32, "steep"),    # blocks of 64, 64 and 2 rows
-]
 
 LONG_SHAPES = [  # B, T, NH, NKV, hs, slopes: T = 1, 37, 64, 256, 1024; GPT-2
                  # (NKV = NH), GQA and ALiBi at each length
@@ -175,39 +122,6 @@ LONG_SHAPES = [  # B, T, NH, NKV, hs, slopes: T = 1, 37, 64, 256, 1024; GPT-2
 ]
 
 
-def tiled(qkv, slopes, NH, NKV):
-    """The tiled forward: out, what its backward reads (stats), and att."""
-    out, stats = gqa_forward(qkv, slopes, NH, NKV)
-    return out, stats, probs(qkv, stats, slopes, NH, NKV)
-
-
-def naive(qkv, slopes, NH, NKV):
-    """The plain forward: out, what its backward reads (att), and att."""
-    out, att = naive_forward(qkv, slopes, NH, NKV)
-    return out, att, att
-
-
-def check_gqa_against_reference(rng, forward, backward, B, T, NH, NKV, hs, slopes):
-    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, saved, att = forward(qkv, slopes, NH, NKV)
-    dinp = backward(dout, qkv, saved, slopes, NH, NKV)
-
-    qkv_t = t64(qkv, grad=True)
-    slopes_t = None if slopes is None else t64(slopes)
-    ref_out, ref_att = ref_attention_gqa(qkv_t, NH, NKV, slopes_t)
-    (ref_out * t64(dout)).sum().backward()
-
-    tol = TOL["attention_gqa"]
-    assert_close("out", out, ref_out, tol["fwd"])
-    assert_close("att", att, ref_att, tol["fwd"])
-    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
-    assert_close("dinp", dinp, qkv_t.grad, tol["bwd"])
-    if forward is tiled:
-        ref_stats = ref_attention_gqa_stats(t64(qkv), NH, NKV, slopes_t)
-        assert_close("stats max", saved[..., 0], ref_stats[..., 0], tol["fwd"])
-        assert_close("stats inv", saved[..., 1], ref_stats[..., 1], tol["fwd"])
-
-
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
 def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     check_gqa_against_reference(rng, tiled, gqa_backward, B, T, NH, NKV, hs, slopes)
@@ -216,87 +130,6 @@ def test_attention_gqa_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
 @pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", LONG_SHAPES)
 def test_attention_gqa_long_sequences_match_reference(rng, isa, B, T, NH, NKV, hs, slopes):
     check_gqa_against_reference(rng, tiled, gqa_backward, B, T, NH, NKV, hs, slopes)
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", [
-    (2, 37, 6, 2, 24, "alibi"),
-    (1, 200, 4, 4, 64, None),
-    (1, 150, 4, 1, 15, "steep"),
-])
-def test_attention_gqa_probs_are_the_forwards(rng, isa, B, T, NH, NKV, hs, slopes):
-    # the probabilities recomputed from stats give out back, and each row is
-    # a softmax whose statistics are plausible
-    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, stats, att = tiled(qkv, slopes, NH, NKV)
-    v = qkv[..., (NH + NKV) * hs:].reshape(B, T, NKV, hs).transpose(0, 2, 1, 3)
-    v = np.repeat(v.astype(np.float64), NH // NKV, axis=1)              # [B, NH, T, hs]
-    again = (att.astype(np.float64) @ v).transpose(0, 2, 1, 3).reshape(B, T, NH * hs)
-    assert_close("out from probs", out, again, TOL["attention_variant"]["fwd"])
-    assert not np.triu(att, k=1).any(), "att is not exactly 0 above the diagonal"
-    assert (att >= 0).all() and np.allclose(att.sum(-1, dtype=np.float64), 1.0, atol=1e-5)
-    # each row: its largest probability is exp(0) * inv; inv = 1 / a sum of
-    # t + 1 terms of at most 1, one of them 1
-    maxval, inv = stats[..., 0], stats[..., 1]
-    assert np.isfinite(maxval).all()
-    assert np.array_equal(att.max(-1), inv)
-    count = np.arange(1, T + 1, dtype=np.float64)
-    assert ((inv > 0) & (inv <= 1) & (1.0 / inv.astype(np.float64) <= count * (1 + 1e-6))).all()
-    assert (inv[:, :, 0] == 1).all() and (att[:, :, 0, 0] == 1).all()   # one key: weight 1
-
-
-def test_attention_gqa_probs_thread_invariant(rng, isa, set_threads):
-    qkv, _, slopes = make_gqa_inputs(rng, 3, 29, 4, 2, 24, "alibi")   # 12 (b, h) pairs
-    _, stats = gqa_forward(qkv, slopes, 4, 2)
-    assert_thread_invariant(set_threads, lambda: {"att": probs(qkv, stats, slopes, 4, 2)})
-
-
-def naive_forward(qkv, slopes, NH, NKV):
-    B, T, width = qkv.shape
-    hs = width // (NH + 2 * NKV)
-    out = np.full((B, T, NH * hs), np.nan, np.float32)
-    att = np.full((B, NH, T, T), np.nan, np.float32)
-    K.attention_forward_naive(out, att, qkv, slopes, NH, NKV)
-    return out, att
-
-
-def naive_backward(dout, qkv, att, slopes, NH, NKV, calls=1):
-    # the plain backward reads att, so it needs no slopes
-    dinp = np.zeros_like(qkv)
-    for _ in range(calls):
-        K.attention_backward_naive(dinp, dout, qkv, att, NH, NKV)
-    return dinp
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES)
-def test_attention_naive_matches_reference(rng, B, T, NH, NKV, hs, slopes):
-    # the plain twin itself, against float64
-    check_gqa_against_reference(rng, naive, naive_backward, B, T, NH, NKV, hs, slopes)
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
-def test_attention_tiled_matches_naive(rng, isa, B, T, NH, NKV, hs, slopes):
-    # the tiled kernels against their plain twin, on every instruction set;
-    # each backward reads its own forward's saved tensor
-    qkv, dout, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    out, stats, att = tiled(qkv, slopes, NH, NKV)
-    naive_out, naive_att = naive_forward(qkv, slopes, NH, NKV)
-    tol = TOL["attention_variant"]
-    assert_close("out", out, naive_out, tol["fwd"])
-    assert_close("att", att, naive_att, tol["fwd"])
-    assert_close("dinp", gqa_backward(dout, qkv, stats, slopes, NH, NKV),
-                 naive_backward(dout, qkv, naive_att, None, NH, NKV), tol["bwd"])
-
-
-def test_attention_naive_backward_accumulates_and_is_thread_invariant(rng, set_threads):
-    qkv, dout, slopes = make_gqa_inputs(rng, 1, 21, 10, 5, 16, "alibi")   # 5 kv heads
-    _, att = naive_forward(qkv, slopes, 10, 5)
-    assert_close("dinp", naive_backward(dout, qkv, att, None, 10, 5, calls=2),
-                 2.0 * naive_backward(dout, qkv, att, None, 10, 5), TOL["attention_gqa"]["bwd"])
-
-    def run():
-        out, att = naive_forward(qkv, slopes, 10, 5)
-        return {"out": out, "att": att, "dinp": naive_backward(dout, qkv, att, None, 10, 5)}
-    assert_thread_invariant(set_threads, run)
 
 
 def test_attention_gqa_backward_accumulates(rng):
@@ -394,17 +227,6 @@ def test_attention_gqa_backward_rejects_wrong_shape(rng, bad):
         K.attention_gqa_backward(**args)
 
 
-@pytest.mark.parametrize("bad", ["att", "stats", "slopes"])
-def test_attention_gqa_probs_rejects_wrong_shape(rng, bad):
-    qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
-    _, stats = gqa_forward(qkv, slopes, 4, 2)
-    args = dict(att=np.zeros((2, 4, 3, 3), np.float32), inp=qkv, stats=stats, slopes=slopes,
-                NH=4, NKV=2)
-    args[bad] = args[bad][..., :-1].copy()
-    with pytest.raises(llmc_py.ShapeError, match=bad):
-        K.attention_gqa_probs(**args)
-
-
 def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
     qkv, _, _ = make_gqa_inputs(rng, 1, 3, 4, 2, 8)
     with pytest.raises(TypeError, match="slopes"):
@@ -412,6 +234,7 @@ def test_attention_gqa_rejects_wrong_slopes_dtype(rng):
 
 
 # ---- dropout on the probabilities -------------------------------------------
+
 
 DROPOUT_SHAPES = [  # B, T, NH, NKV, hs, slopes, p
     (2, 13, 6, 3, 15, None, 0.1),
@@ -511,6 +334,7 @@ def test_attention_dropout_rejects_a_probability_outside_0_1(rng, p):
 
 _ASAN = "asan" in os.environ.get("LD_PRELOAD", "")
 
+
 # Runs in a child process: the attention of one head at T = 16384, whose
 # T x T probabilities would be 1 GiB, with the address space capped at what
 # the process already maps plus 256 MiB (unless LLMC_TEST_NO_CAP is set: then
@@ -576,105 +400,8 @@ def test_attention_scratch_grows_with_T_not_T_squared():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
-# ---- decoding one position against a KV cache ---------------------------------
+# ---- ALiBi slopes -----------------------------------------------------------
 
-DECODE_SHAPES = [  # lengths (B = len), maxT, NH, NKV, hs, slopes
-    ([1, 23, 7, 16], 23, 8, 1, 16, None),       # multi-query; len 1 and len maxT
-    ([1, 23, 7, 16], 23, 8, 1, 16, "alibi"),
-    ([5, 64, 33], 64, 12, 4, 64, None),         # a Llama-like layer
-    ([5, 64, 33], 64, 12, 4, 64, "alibi"),
-    ([3, 1, 13], 13, 6, 6, 15, None),           # NKV == NH; hs = 15
-    ([3, 1, 13], 13, 6, 6, 15, "alibi"),        # and NH = 6 slopes
-    ([40, 17], 40, 4, 2, 16, "steep"),          # far keys' weights underflow to 0
-    ([1], 1, 2, 1, 8, "alibi"),                 # maxT = 1
-]
-
-
-def make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes):
-    """Full sequences qkv[B,maxT,...] and the decode inputs for lengths: row b's
-    query at position lengths[b] - 1, its keys and values cached; the cache
-    past lengths[b] holds NaN, which must never be read."""
-    B = len(lengths)
-    qkv, _, slopes = make_gqa_inputs(rng, B, maxT, NH, NKV, hs, slopes)
-    lengths = np.array(lengths, np.int32)
-    q = qkv[np.arange(B), lengths - 1, :NH * hs].copy()
-    k_cache = qkv[:, :, NH * hs:(NH + NKV) * hs].copy()
-    v_cache = qkv[:, :, (NH + NKV) * hs:].copy()
-    for b, n in enumerate(lengths):
-        k_cache[b, n:] = np.nan
-        v_cache[b, n:] = np.nan
-    return qkv, slopes, (q, k_cache, v_cache, lengths)
-
-
-def decode(q, k_cache, v_cache, lengths, slopes, NH, NKV):
-    B, maxT, _ = k_cache.shape
-    out = np.full(q.shape, np.nan, np.float32)   # (written): must not be read
-    att = np.full((B, NH, maxT), np.nan, np.float32)
-    K.attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV)
-    return out, att
-
-
-@pytest.mark.parametrize("lengths,maxT,NH,NKV,hs,slopes", DECODE_SHAPES)
-def test_attention_decode_matches_forward_row(rng, isa, lengths, maxT, NH, NKV, hs, slopes):
-    qkv, slopes, cache = make_decode_case(rng, lengths, maxT, NH, NKV, hs, slopes)
-    out, att = decode(*cache, slopes, NH, NKV)
-    full_out, _, full_att = tiled(qkv, slopes, NH, NKV)
-    ref_out, _ = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
-
-    tol = TOL["attention_decode"]
-    for b, n in enumerate(lengths):
-        assert_close(f"out[{b}]", out[b], full_out[b, n - 1], tol["fwd"])
-        assert_close(f"att[{b}]", att[b, :, :n], full_att[b, :, n - 1, :n], tol["fwd"])
-        assert np.isnan(att[b, :, n:]).all(), f"att[{b}] written past len = {n}"
-        # and on its own against the float64 reference
-        assert_close(f"out[{b}] vs reference", out[b], ref_out[b, n - 1],
-                     TOL["attention_gqa"]["fwd"])
-
-
-def test_attention_decode_thread_invariant(rng, isa, set_threads):
-    # B * NH = 15 (b, h) pairs: uneven over 2 and over 3 threads
-    _, slopes, cache = make_decode_case(rng, [9, 2, 30], 30, 5, 1, 16, "alibi")
-
-    def run():
-        out, att = decode(*cache, slopes, 5, 1)
-        return {"out": out, "att": np.nan_to_num(att)}   # the NaN past len are not written
-    assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
-
-
-@pytest.mark.parametrize("bad_len", [0, -1, 8])
-def test_attention_decode_rejects_length_out_of_range(rng, bad_len):
-    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
-    lengths[1] = bad_len                                      # maxT = 7
-    with pytest.raises(llmc_py.RangeError, match="attention_decode"):
-        decode(q, k_cache, v_cache, lengths, None, 4, 2)
-
-
-def test_attention_decode_rejects_heads_not_dividing(rng):
-    _, _, cache = make_decode_case(rng, [3, 7], 7, 6, 6, 8, None)
-    with pytest.raises(llmc_py.ShapeError, match="NH=6 is not a multiple of NKV=4"):
-        K.attention_decode(np.zeros((2, 48), np.float32), np.zeros((2, 6, 7), np.float32),
-                           cache[0], cache[1][..., :32].copy(), cache[2][..., :32].copy(),
-                           cache[3], None, 6, 4)
-
-
-@pytest.mark.parametrize("bad", ["out", "att", "q", "v_cache", "lengths", "slopes"])
-def test_attention_decode_rejects_wrong_shape(rng, bad):
-    _, slopes, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8,
-                                                                 "alibi")
-    args = dict(out=np.zeros_like(q), att=np.zeros((2, 4, 7), np.float32), q=q,
-                k_cache=k_cache, v_cache=v_cache, lengths=lengths, slopes=slopes, NH=4, NKV=2)
-    args[bad] = args[bad][..., :-1].copy()
-    with pytest.raises(llmc_py.ShapeError, match=bad):
-        K.attention_decode(**args)
-
-
-def test_attention_decode_rejects_wrong_lengths_dtype(rng):
-    _, _, (q, k_cache, v_cache, lengths) = make_decode_case(rng, [3, 7], 7, 4, 2, 8, None)
-    with pytest.raises(TypeError, match="lengths"):
-        decode(q, k_cache, v_cache, lengths.astype(np.int64), None, 4, 2)
-
-
-# ---- ALiBi slopes ------------------------------------------------------------
 
 @pytest.mark.parametrize("n,expected", [
     (1, [1 / 256]),
@@ -698,7 +425,8 @@ def test_alibi_slopes_rejects_non_positive_or_non_int(n):
         K.alibi_slopes(n)
 
 
-# ---- the tiled kernels' edges --------------------------------------------------
+# ---- the tiled kernels' edges -----------------------------------------------
+
 
 def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     # T = 43: 5 tiles of 8 rows and 3 single rows; hs = 24: a partial vector;
@@ -712,123 +440,8 @@ def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
 
 
-@pytest.mark.parametrize("T,NH,NKV,hs,slopes", [
-    (37, 6, 2, 24, "alibi"),   # T not a multiple of any tile; hs = 24
-    (21, 4, 1, 15, "alibi"),   # multi-query; hs = 15
-    (19, 12, 4, 64, None),     # a Llama-like head
-    (40, 4, 2, 16, "steep"),   # far keys' weights underflow to 0
-    (1, 2, 1, 8, "alibi"),     # T = 1
-])
-def test_attention_decode_equals_forward_row_bitwise(rng, isa, T, NH, NKV, hs, slopes):
-    # the first, second, middle and last two positions, each a row of the batch;
-    # att: the decode's softmax against attention_gqa_probs' recomputation
-    positions = sorted({0, 1, T // 2, T - 2, T - 1} & set(range(T)))
-    lengths = [t + 1 for t in positions]
-    qkv, slopes, cache = make_decode_case(rng, lengths, T, NH, NKV, hs, slopes)
-    out, att = decode(*cache, slopes, NH, NKV)
-    full_out, _, full_att = tiled(qkv, slopes, NH, NKV)
-    bits = lambda x: np.ascontiguousarray(x).view(np.uint32)   # -0.0 != 0.0 too
-    for b, n in enumerate(lengths):
-        assert np.array_equal(bits(out[b]), bits(full_out[b, n - 1])), f"out at t = {n - 1}"
-        assert np.array_equal(bits(att[b, :, :n]), bits(full_att[b, :, n - 1, :n])), \
-            f"att at t = {n - 1}"
+# ---- sliding-window attention -----------------------------------------------
 
-
-# ---- row entropies (attention_gqa_entropy) ------------------------------------
-
-def entropy(qkv, stats, slopes, NH, NKV):
-    """Each query row's entropy, from the forward's statistics."""
-    B, _, T, _ = stats.shape
-    out = np.full((B, NH, T), np.nan, np.float32)   # (written): must not be read
-    K.attention_gqa_entropy(out, qkv, stats, slopes, NH, NKV)
-    return out
-
-
-def entropy_naive(att):
-    B, NH, T, _ = att.shape
-    out = np.full((B, NH, T), np.nan, np.float32)
-    K.attention_entropy_naive(out, att)
-    return out
-
-
-ENTROPY_SHAPES = [  # B, T, NH, NKV, hs, slopes; GQA_SHAPES and TILE_SHAPES hit the
-                    # tiles' edges (T = 1, odd T, hs = 1, 15, 80, 100, multi-query)
-    (1, 1024, 2, 1, 64, "alibi"),   # GPT-2's longest context; rows of 1024 keys
-    (1, 1024, 2, 2, 64, "steep"),   # far keys' weights underflow to exactly 0
-    (8, 128, 4, 4, 64, None),       # the default training run's attention (d4)
-    (1, 64, 3, 3, 7, None),         # odd heads and head size
-]
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES + ENTROPY_SHAPES)
-def test_attention_gqa_entropy_matches_reference(rng, isa, B, T, NH, NKV, hs, slopes):
-    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    qkv *= 2.0   # sharper rows than unit scores give: entropies from 0 to near ln(t + 1)
-    _, stats = gqa_forward(qkv, slopes, NH, NKV)
-    ours = entropy(qkv, stats, slopes, NH, NKV)
-    _, ref_att = ref_attention_gqa(t64(qkv), NH, NKV, None if slopes is None else t64(slopes))
-    ref = ref_attention_entropy(ref_att)
-    assert_close("entropy", ours, ref, TOL["attention_entropy"]["fwd"])
-    # between 0 (one key) and ln(t + 1) (uniform), up to rounding
-    bound = np.log(np.arange(1, T + 1, dtype=np.float64))
-    assert (ours >= -1e-6).all() and (ours <= bound + 1e-5).all()
-    assert (ours[:, :, 0] == 0).all(), "a row of one key has entropy 0"
-
-
-@pytest.mark.parametrize("B,T,NH,NKV,hs,slopes", GQA_SHAPES + TILE_SHAPES)
-def test_attention_entropy_naive_matches_reference_and_tiled(rng, isa, B, T, NH, NKV, hs,
-                                                             slopes):
-    qkv, _, slopes = make_gqa_inputs(rng, B, T, NH, NKV, hs, slopes)
-    _, att = naive_forward(qkv, slopes, NH, NKV)
-    ours = entropy_naive(att)
-    assert_close("entropy naive", ours, ref_attention_entropy(t64(att)),
-                 TOL["attention_entropy"]["fwd"])
-    _, stats = gqa_forward(qkv, slopes, NH, NKV)
-    assert_close("entropy tiled vs naive", entropy(qkv, stats, slopes, NH, NKV), ours,
-                 TOL["attention_entropy"]["variant"])
-
-
-def test_attention_gqa_entropy_of_known_rows():
-    # q = 0: every score is 0, each row uniform: entropy ln(t + 1). Then a
-    # steep ALiBi slope: each row all but one-hot on its own key: entropy ~0.
-    B, T, NH, NKV, hs = 2, 70, 2, 1, 16
-    qkv = np.random.default_rng(1).standard_normal((B, T, (NH + 2 * NKV) * hs),
-                                                    dtype=np.float32)
-    qkv[..., :NH * hs] = 0.0
-    _, stats = gqa_forward(qkv, None, NH, NKV)
-    uniform = np.broadcast_to(np.log(np.arange(1, T + 1)), (B, NH, T))
-    assert_close("uniform rows", entropy(qkv, stats, None, NH, NKV), uniform,
-                 TOL["attention_entropy"]["fwd"])
-    steep = np.full(NH, 100.0, np.float32)   # the next key is e^-100 as likely
-    _, stats = gqa_forward(qkv, steep, NH, NKV)
-    assert np.abs(entropy(qkv, stats, steep, NH, NKV)).max() <= 1e-30
-
-
-def test_attention_gqa_entropy_thread_invariant(rng, isa, set_threads):
-    qkv, _, slopes = make_gqa_inputs(rng, 3, 29, 4, 2, 24, "alibi")   # 12 (b, h) pairs
-    _, stats = gqa_forward(qkv, slopes, 4, 2)
-    assert_thread_invariant(set_threads, lambda: {
-        "entropy": entropy(qkv, stats, slopes, 4, 2)})
-
-
-@pytest.mark.parametrize("bad", ["entropy", "stats", "slopes"])
-def test_attention_gqa_entropy_rejects_wrong_shape(rng, bad):
-    qkv, _, slopes = make_gqa_inputs(rng, 2, 3, 4, 2, 8, "alibi")
-    _, stats = gqa_forward(qkv, slopes, 4, 2)
-    args = dict(entropy=np.zeros((2, 4, 3), np.float32), inp=qkv, stats=stats, slopes=slopes,
-                NH=4, NKV=2)
-    args[bad] = args[bad][..., :-1].copy()
-    with pytest.raises(llmc_py.ShapeError, match=bad):
-        K.attention_gqa_entropy(**args)
-
-
-def test_attention_entropy_naive_rejects_wrong_shape():
-    with pytest.raises(llmc_py.ShapeError, match="entropy"):
-        K.attention_entropy_naive(np.zeros((1, 2, 4), np.float32),
-                                  np.zeros((1, 2, 3, 3), np.float32))
-
-
-# ---- sliding-window attention -------------------------------------------------
 
 WINDOW_SHAPES = [  # B, T, NH, NKV, hs, slopes, window. The tiles start at a row's
                    # first key rounded down to 16 keys; windows that are and are
@@ -843,18 +456,6 @@ WINDOW_SHAPES = [  # B, T, NH, NKV, hs, slopes, window. The tiles start at a row
     (1, 130, 2, 2, 16, None, 129),     # only the last row loses a key
     (3, 9, 2, 2, 1, None, 3),          # hs = 1
 ]
-
-
-def windowed(qkv, slopes, NH, NKV, window):
-    """The tiled forward with a window: out, stats, and att from probs."""
-    B, T, width = qkv.shape
-    hs = width // (NH + 2 * NKV)
-    out = np.full((B, T, NH * hs), np.nan, np.float32)
-    stats = np.full((B, NH, T, 2), np.nan, np.float32)
-    K.attention_gqa_forward(out, stats, qkv, slopes, NH, NKV, window)
-    att = np.full((B, NH, T, T), np.nan, np.float32)
-    K.attention_gqa_probs(att, qkv, stats, slopes, NH, NKV, window)
-    return out, stats, att
 
 
 def windowed_backward(dout, qkv, stats, slopes, NH, NKV, window):
@@ -931,52 +532,6 @@ def test_attention_window_rejects_a_negative_window(rng):
     with pytest.raises(ValueError, match="window must be an int >= 0"):
         K.attention_gqa_forward(np.zeros((1, 3, 16), np.float32),
                                 np.zeros((1, 2, 3, 2), np.float32), qkv, None, 2, 1, -4)
-
-
-def ring_cache(qkv, NH, NKV, hs, t, window, slots):
-    """The decode inputs of query position t of every row of qkv with a
-    rolling cache of ``slots`` slots: position p in slot p % slots for the
-    window's positions; the other slots hold NaN, which must not be read."""
-    B = qkv.shape[0]
-    k_cache = np.full((B, slots, NKV * hs), np.nan, np.float32)
-    v_cache = np.full_like(k_cache, np.nan)
-    for p in range(max(0, t - window + 1), t + 1):
-        k_cache[:, p % slots] = qkv[:, p, NH * hs:(NH + NKV) * hs]
-        v_cache[:, p % slots] = qkv[:, p, (NH + NKV) * hs:]
-    q = qkv[:, t, :NH * hs].copy()
-    return q, k_cache, v_cache, np.full(B, t + 1, np.int32)
-
-
-@pytest.mark.parametrize("T,NH,NKV,hs,slopes,window,slots", [
-    (40, 4, 2, 24, "alibi", 7, 7),      # the ring of exactly the window wraps
-    (40, 4, 1, 15, None, 16, 16),
-    (45, 6, 2, 64, "steep", 9, 12),     # a ring larger than the window
-    (20, 2, 2, 8, "alibi", 1, 1),       # one slot: each position sees itself
-    (33, 4, 4, 32, None, 40, 40),       # a window longer than the sequence
-])
-def test_attention_decode_with_a_rolling_cache_equals_forward_bitwise(
-        rng, isa, T, NH, NKV, hs, slopes, window, slots):
-    qkv, _, slopes = make_gqa_inputs(rng, 2, T, NH, NKV, hs, slopes)
-    full_out, _, full_att = windowed(qkv, slopes, NH, NKV, window)
-    bits = lambda x: np.ascontiguousarray(x).view(np.uint32)
-    for t in range(T):
-        q, k_cache, v_cache, lengths = ring_cache(qkv, NH, NKV, hs, t, window, slots)
-        out = np.full(q.shape, np.nan, np.float32)
-        att = np.full((2, NH, slots), np.nan, np.float32)
-        K.attention_decode(out, att, q, k_cache, v_cache, lengths, slopes, NH, NKV, window)
-        lo = max(0, t - window + 1)
-        assert np.array_equal(bits(out), bits(full_out[:, t])), f"out at t = {t}"
-        assert np.array_equal(bits(att[:, :, :t + 1 - lo]), bits(full_att[:, :, t, lo:t + 1])), \
-            f"att at t = {t}"
-
-
-def test_attention_decode_rejects_a_window_longer_than_the_ring(rng):
-    qkv, _, _ = make_gqa_inputs(rng, 1, 12, 2, 1, 8)
-    q, k_cache, v_cache, lengths = ring_cache(qkv, 2, 1, 8, 11, 6, 6)
-    out, att = np.zeros_like(q), np.zeros((1, 2, 5), np.float32)
-    with pytest.raises(llmc_py.RangeError, match="attention_decode"):   # 6 keys, 5 slots
-        K.attention_decode(out, att, q, k_cache[:, :5].copy(), v_cache[:, :5].copy(), lengths,
-                           None, 2, 1, 6)
 
 
 @pytest.mark.parametrize("naive_kernels", [False, True])

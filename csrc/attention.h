@@ -1,0 +1,102 @@
+/*
+ * What the attention files share (private): a sliding window's keys, the
+ * size checks of a grouped-query call, and the tiled kernels' one call
+ * record and per-head driver (llmc_attention_heads, in attention.c), which
+ * the forward, backward, probabilities and entropy all run on.
+ */
+#ifndef LLMC_ATTENTION_H
+#define LLMC_ATTENTION_H
+
+#include "llmc.h"
+#include "common.h"
+#include "dropout.h"
+
+/* The first key of query row t: t - window + 1 in a sliding window of
+   window keys (window > 0), else 0. */
+static inline int first_key(int t, int window) {
+    return window > 0 && t >= window ? t - window + 1 : 0;
+}
+
+/* The first key of the panel block (16 keys) that holds row t's first key. */
+static inline int first_block_key(int t, int window) { return first_key(t, window) / 16 * 16; }
+
+/* Zeroes x[k0 .. k1): the probabilities (and their gradients) of keys
+   outside a row's window that a tile's shared loops still read. */
+static inline void zero_keys(float* x, int k0, int k1) {
+    for (int t2 = k0; t2 < k1; t2++) { x[t2] = 0.0f; }
+}
+
+/* The sizes of a GQA call are positive (the window >= 0), NH % NKV == 0,
+   and its arrays (inp, and stats [B, NH, T, 2]) can exist. */
+static inline int gqa_sizes_ok(int B, int T, int NH, int NKV, int hs, int window) {
+    return B > 0 && T > 0 && NH > 0 && NKV > 0 && hs > 0 && NH % NKV == 0 && window >= 0
+           && llmc_count_fits(B, T, (size_t)NH + 2 * (size_t)NKV, hs)
+           && llmc_count_fits(B, NH, T, 2);
+}
+
+/* As gqa_sizes_ok, for a call with a full att [B, NH, T, T]. */
+static inline int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs, int window) {
+    return gqa_sizes_ok(B, T, NH, NKV, hs, window) && llmc_count_fits(B, NH, T, T);
+}
+
+/* One call of a tiled kernel, sizes already checked: its arrays (as in
+   llmc_api.h; a kernel leaves the ones it does not take NULL), its sizes,
+   and what follows from them. */
+typedef struct {
+    float* out;            /* what the call writes: out, att or entropy; or
+                              the backward's dinp, which it adds to */
+    float* stats_out;      /* the forward's statistics (written) */
+    const float* stats;    /* the statistics the others read */
+    const float* inp;
+    const float* dout;
+    const float* slopes;   /* or NULL: no bias */
+    int B, T, NH, NKV, hs, window;
+    llmc_dropout drop;     /* p = 0 unless the forward or backward drops */
+    size_t C;              /* NH hs: a row of q heads, of out and of dout */
+    size_t row;            /* (NH + 2 NKV) hs: a row of inp */
+    int kv_mul;            /* query heads per kv head */
+    float scale;           /* 1 / sqrt(hs), the scores' scale */
+} attention_call;
+
+/* A call over inp with no arrays to write yet. */
+static inline attention_call attention_call_of(const float* inp, const float* slopes, int B,
+                                               int T, int NH, int NKV, int hs, int window,
+                                               llmc_dropout drop) {
+    const attention_call a = {
+        .inp = inp, .slopes = slopes, .B = B, .T = T, .NH = NH, .NKV = NKV, .hs = hs,
+        .window = window, .drop = drop, .C = (size_t)NH * hs,
+        .row = ((size_t)NH + 2 * (size_t)NKV) * hs, .kv_mul = NH / NKV,
+        .scale = 1.0f / sqrtf((float)hs)};
+    return a;
+}
+
+/* Batch row b's packed rows of inp (a->row floats apart), and the offsets
+   in a row of query head h and of the k and v of kv head g. */
+static inline const float* inp_of(const attention_call* a, int b) {
+    return a->inp + (size_t)b * a->T * a->row;
+}
+static inline size_t q_offset(const attention_call* a, int h) { return (size_t)h * a->hs; }
+static inline size_t k_offset(const attention_call* a, int g) {
+    return a->C + (size_t)g * a->hs;
+}
+static inline size_t v_offset(const attention_call* a, int g) {
+    return a->C + ((size_t)a->NKV + g) * a->hs;
+}
+
+/* Query head h's ALiBi slope (0 without slopes). */
+static inline float slope_of(const attention_call* a, int h) {
+    return a->slopes != NULL ? a->slopes[h] : 0.0f;
+}
+
+/* What runs for one (b, head): a variant chosen by LLMC_ISA_SELECT. */
+typedef void (*attention_head_fn)(const attention_call* a, int b, int h, float* scratch);
+
+/* The per-head driver of the tiled kernels: head(a, b, h, scratch) for every
+   batch row b and head h < heads (query heads; for the backward, kv heads,
+   each with its group of query heads), in parallel over (b, h), each thread
+   with its own per_thread floats of scratch, one allocation per call.
+   LLMC_ERR_NOMEM if that fails, else LLMC_OK. */
+int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
+                         attention_head_fn head);
+
+#endif
