@@ -73,6 +73,7 @@ from ..errors import ConcurrentUseError, RangeError, ShapeError
 from ..generate import kv_cache
 from ..io.model_file import write_model_file
 from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
+from .blocks import BLOCKS, LayerGrads, bias, drop, norm_backward, norm_forward, stat
 from .dropout import NO_DROPOUT, Dropout
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, num_parameters, param_specs, specs_bytes)
@@ -129,16 +130,12 @@ class Transformer:
         self.config = config
         self.precision = precision
         self.param_specs = param_specs(config)
-        self._recompute = False
         self.act_specs = act_specs(config, logits=False)
         self.grad_act_specs = grad_act_specs(config)
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
-        # the MLP activation's kernels are named after it (a gated one reads
-        # fch's [gate | up] halves)
-        self._mlp_forward = getattr(K, f"{config.mlp}_forward")
-        self._mlp_backward = getattr(K, f"{config.mlp}_backward")
+        self._block = BLOCKS[config.block](self)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._user = threading.RLock()   # held by the thread inside an entry point
@@ -274,14 +271,14 @@ class Transformer:
         """True: the norm outputs and the MLP activation are kept for one layer
         only and backward recomputes them (less memory, the same results to
         the bit, a little more time); False (default) keeps them all."""
-        return self._recompute
+        return self._block.recompute
 
     @recompute.setter
     def recompute(self, value):
         with self.exclusive("recompute"):
             value = bool(value)
-            if value != self._recompute:
-                self._recompute = value
+            if value != self._block.recompute:
+                self._block = BLOCKS[self.config.block](self, recompute=value)
                 self.act_specs = act_specs(self.config, recompute=value, logits=False)
                 self._drop_activations()
 
@@ -343,7 +340,7 @@ class Transformer:
         kernels' temporary memory, estimated. This model's memory_plan():
         its precision, recompute and share of the moments."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
-                           precision=self.precision, recompute=self._recompute,
+                           precision=self.precision, recompute=self.recompute,
                            moment_params=self.moment_params)
 
     def _missing_bytes(self, B, T, training, keep_logits):
@@ -427,18 +424,11 @@ class Transformer:
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, None)
-        self._drop(a.encoded, dropout.site("embedding"))
+        drop(a.encoded, dropout.site("embedding"))
         residual = a.encoded
         for l in range(c.L):
             residual = self.block_forward(a, l, residual, attend, dropout)
         return residual
-
-    @staticmethod
-    def _drop(x, site):
-        """Dropout in place on x (B, T, C) with a site's (p, seed)."""
-        p, seed = site
-        if p:
-            K.dropout_forward(x, x, p, seed)
 
     def position_qkv(self, a, l, pos):
         """Layer l's a.qkv as attention reads it, into a.qkvr: each q and k
@@ -479,8 +469,7 @@ class Transformer:
         residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "the last forward did not keep them (keep_logits=False)"
         if not keep_logits:
-            self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
-                               self.params.lnfw, self._bias(self.params, "lnfb"))
+            self._final_norm(a, residual)
             for rows in self._head_blocks():
                 self._classifier_rows(rows, targets)
             return self._mean_loss()
@@ -530,107 +519,34 @@ class Transformer:
     # the block and the head on activations ``a`` laid out by act_specs: the
     # forward above runs them on (B, T), KV-cache decoding on one position
 
-    def _bias(self, group, name, l=None):
-        """Layer l's bias (or the whole tensor) when the model has biases, else None."""
-        if name not in group:
-            return None
-        return group[name] if l is None else group[name][l]
-
     def _head(self, group):
         return group.wte if self.config.tied_embeddings else group.lm_head
-
-    @staticmethod
-    def _stat(a, name, l=None):
-        """A saved norm statistic (the mean exists for layernorm only)."""
-        if name not in a:
-            return None
-        return a[name] if l is None else a[name][l]
 
     def _grads_as(self, buffer, width):
         """The first B * T * width floats of a gradient buffer, as (B, T, width)."""
         return buffer.reshape(-1)[:self.B * self.T * width].reshape(self.B, self.T, width)
 
-    @staticmethod
-    def _held_layer(a, name, l):
-        """Layer l's slot of a tensor that recompute holds for one layer only."""
-        return a[name][l if a[name].shape[0] > 1 else 0]
-
-    def _norm_forward(self, out, mean, rstd, inp, weight, bias):
-        if self.config.norm == "rmsnorm":
-            K.rmsnorm_forward(out, rstd, inp, weight, self.config.norm_eps)
-        else:
-            K.layernorm_forward(out, mean, rstd, inp, weight, bias, self.config.norm_eps)
-
-    def _norm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        if self.config.norm == "rmsnorm":
-            K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
-        else:
-            K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
-
-    def _norm1(self, a, l, residual):
-        """Layer l's first norm of ``residual``: its ln1 slot."""
-        p = self.params
-        ln1 = self._held_layer(a, "ln1", l)
-        self._norm_forward(ln1, self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
-                           p.ln1w[l], self._bias(p, "ln1b", l))
-        return ln1
-
-    def _norm2(self, a, l, inp):
-        """Layer l's second norm of ``inp`` (a.residual2[l] pre-norm,
-        a.residual3[l] post-norm): its ln2 slot."""
-        p = self.params
-        ln2 = self._held_layer(a, "ln2", l)
-        self._norm_forward(ln2, self._stat(a, "ln2_mean", l), a.ln2_rstd[l], inp,
-                           p.ln2w[l], self._bias(p, "ln2b", l))
-        return ln2
-
-    def _mlp_act(self, a, l):
-        """Layer l's MLP activation of a.fch[l] (config.mlp's): its fch_act slot."""
-        fch_act = self._held_layer(a, "fch_act", l)
-        self._mlp_forward(fch_act, a.fch[l])
-        return fch_act
-
     def block_forward(self, a, l, residual, attend, dropout=NO_DROPOUT):
-        """Layer l on the residual stream ``residual``; ``attend(l)`` turns
-        a.qkv[l] into a.atty[l]; ``dropout`` drops each branch's output
-        (training only). Returns the layer's output (layer_output).
-
-        By config.block, with attn and mlp the two sublayers:
-          pre       r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln2(r2));   out r3
-          post      r2 = x + attn(x);          r3 = ln1(r2) + mlp(ln1(r2)); out ln2(r3)
-          parallel  r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln1(x));    out r3"""
-        c, p = self.config, self.params
-        w, matmul = self._weights, self._matmul_forward
-        post = c.block == "post"
-        attn_in = residual if post else self._norm1(a, l, residual)
-        matmul(a.qkv[l], attn_in, w.qkvw[l], self._bias(p, "qkvb", l))
-        attend(l)
-        matmul(a.proj, a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
-        self._drop(a.proj, dropout.site("attention_output", l))
-        K.residual_forward(a.residual2[l], residual, a.proj)
-        if c.block == "pre":
-            mlp_in = self._norm2(a, l, a.residual2[l])
-        elif post:
-            mlp_in = self._norm1(a, l, a.residual2[l])
-        else:   # parallel: the MLP reads the attention's norm
-            mlp_in = attn_in
-        matmul(a.fch[l], mlp_in, w.fcw[l], self._bias(p, "fcb", l))
-        matmul(a.proj, self._mlp_act(a, l), w.fcprojw[l], self._bias(p, "fcprojb", l))
-        self._drop(a.proj, dropout.site("mlp_output", l))
-        K.residual_forward(a.residual3[l], mlp_in if post else a.residual2[l], a.proj)
-        return self._norm2(a, l, a.residual3[l]) if post else a.residual3[l]
+        """Layer l on the residual stream ``residual`` (model.blocks, by
+        config.block); ``attend(l)`` turns a.qkv[l] into a.atty[l];
+        ``dropout`` drops each branch's output (training only). Returns the
+        layer's output (layer_output)."""
+        return self._block.forward(a, l, residual, attend, dropout)
 
     def layer_output(self, a, l):
         """Layer l's output, the next layer's input: a.ln2[l] post-norm,
         a.residual3[l] otherwise."""
-        return a.ln2[l] if self.config.block == "post" else a.residual3[l]
+        return self._block.output(a, l)
+
+    def _final_norm(self, a, residual):
+        p = self.params
+        norm_forward(self.config, a.lnf, stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
+                     bias(p, "lnfb"))
 
     def head_forward(self, a, residual, logits=None):
         """The final norm and the output head: ``logits`` (B, T, Vp), by
         default a.logits."""
-        p = self.params
-        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
-                           self._bias(p, "lnfb"))
+        self._final_norm(a, residual)
         self._matmul_forward(a.logits if logits is None else logits, a.lnf,
                              self._head(self._weights), None)
 
@@ -689,8 +605,7 @@ class Transformer:
         a = self.acts
         residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "forward_backward does not keep them"
-        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
-                           self.params.lnfw, self._bias(self.params, "lnfb"))
+        self._final_norm(a, residual)
         d = self._start_backward(loss_scale)
         d.narrow[...] = 0.0
         for rows in self._head_blocks():
@@ -705,146 +620,19 @@ class Transformer:
         the residual stream's gradient from layer to layer; the others hold
         one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
-        rope, qk_norm = c.position == "rope", c.qk_norm
-        dfch_act = self._grads_as(d.wide, c.FF)
-        dfch = self._grads_as(d.fch, c.fc_channels)
-        # qkv's gradient, and on the way back to it, qkvr's and (with both
-        # qk_norm and RoPE) that of the normed q, k between them
-        dqkvr = self._grads_as(d.fch, c.qkv_channels) if rope or qk_norm else None
-        dqkvn = self._grads_as(d.wide, c.qkv_channels)
-        dqkv = dqkvr if rope and qk_norm else dqkvn
-        dln, datty = self._grads_as(d.narrow, c.C), self._grads_as(d.narrow, c.attn_channels)
+        layer = LayerGrads(c, d, self.B, self.T)
         d.residual[...] = 0.0
-        self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), dln,
-                            self.layer_output(a, c.L - 1), p.lnfw, self._stat(a, "lnf_mean"),
-                            a.lnf_rstd)
-        qkv_grads = (dqkv, dqkvn, dqkvr, datty)
+        norm_backward(c, d.residual, g.lnfw, bias(g, "lnfb"), layer.ln,
+                      self.layer_output(a, c.L - 1), p.lnfw, stat(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
-            # d.residual is d(layer l's output)
-            residual = a.encoded if l == 0 else self.layer_output(a, l - 1)
-            if c.block == "pre":
-                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
-                ln2 = self._norm2(a, l, a.residual2[l]) if self._recompute else a.ln2[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                dln[...] = 0.0
-                self._mlp_branch_backward(l, dln, d.residual, ln2, fch_act, dfch_act, dfch,
-                                          dropout)
-                self._norm2_backward(d.residual, dln, a.residual2[l], l)
-                # now d(residual2[l])
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
-                                                zero=True)
-                self._norm1_backward(d.residual, dln, residual, l)
-            elif c.block == "parallel":
-                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                # d(residual3[l]) = d(residual2[l]): both branches' output's
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
-                                                zero=True)
-                self._mlp_branch_backward(l, dln, d.residual, ln1, fch_act, dfch_act, dfch,
-                                          dropout)
-                self._norm1_backward(d.residual, dln, residual, l)
-            else:   # post: dln holds d(residual3[l]), then d(ln1[l])
-                ln1 = self._norm1(a, l, a.residual2[l]) if self._recompute else a.ln1[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                dln[...] = 0.0
-                self._norm2_backward(dln, d.residual, a.residual3[l], l)
-                self._mlp_branch_backward(l, dln, dln, ln1, fch_act, dfch_act, dfch, dropout)
-                d.residual[...] = 0.0
-                self._norm1_backward(d.residual, dln, a.residual2[l], l)
-                # now d(residual2[l])
-                self._attention_branch_backward(l, d.residual, d.residual, residual, qkv_grads,
-                                                dropout)
-            # now d(layer l - 1's output), or d(encoded)
+            # d.residual is d(layer l's output); after, d(its input)
+            x = a.encoded if l == 0 else self.layer_output(a, l - 1)
+            self._block.backward(a, layer, l, x, dropout)
         p_embedding, seed = dropout.site("embedding")
         if p_embedding:   # now d(encoded before its dropout), in place
             K.dropout_backward(d.residual, d.residual, p_embedding, seed)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
-
-    def _norm1_backward(self, dinp, dout, inp, l):
-        a, p, g = self.acts, self.params, self.grads
-        self._norm_backward(dinp, g.ln1w[l], self._bias(g, "ln1b", l), dout, inp, p.ln1w[l],
-                            self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
-
-    def _norm2_backward(self, dinp, dout, inp, l):
-        a, p, g = self.acts, self.params, self.grads
-        self._norm_backward(dinp, g.ln2w[l], self._bias(g, "ln2b", l), dout, inp, p.ln2w[l],
-                            self._stat(a, "ln2_mean", l), a.ln2_rstd[l])
-
-    def _mlp_branch_backward(self, l, dinp, dout, mlp_in, fch_act, dfch_act, dfch, dropout):
-        """Layer l's MLP back from ``dout`` = d(its output, after ``dropout``):
-        its weights' gradients, and d(mlp_in) added into ``dinp`` (which may
-        be ``dout``'s buffer: dout is read first, dinp written last)."""
-        a, g, w = self.acts, self.grads, self._weights
-        # through the dropout into d.fch, which dfch takes only once it is read
-        dout = self._branch_dropout_backward(dout, self.grads_acts.fch,
-                                             dropout.site("mlp_output", l))
-        dfch_act[...] = 0.0
-        self._matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l), dout,
-                              fch_act, w.fcprojw[l])
-        dfch[...] = 0.0
-        self._mlp_backward(dfch, dfch_act, a.fch[l])
-        self._matmul_backward(dinp, g.fcw[l], self._bias(g, "fcb", l), dfch, mlp_in, w.fcw[l])
-
-    def _attention_branch_backward(self, l, dinp, dout, attn_in, qkv_grads, dropout,
-                                   zero=False):
-        """Layer l's attention back from ``dout`` = d(its projection's output,
-        after ``dropout``): its weights' gradients, and d(attn_in) added into
-        ``dinp`` (zeroed first with ``zero``, once datty, which shares its
-        buffer, is spent; dinp may be dout's buffer: dout is read first, dinp
-        written last)."""
-        a, g, w = self.acts, self.grads, self._weights
-        dqkv, dqkvn, dqkvr, datty = qkv_grads
-        # through the dropout into d.wide, which the q, k, v gradients take
-        # only once it is read
-        dout = self._branch_dropout_backward(dout, self.grads_acts.wide,
-                                             dropout.site("attention_output", l))
-        datty[...] = 0.0
-        self._matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l), dout,
-                              a.atty[l], w.attprojw[l])
-        self._attention_backward(l, dqkv, dqkvn, dqkvr, datty, dropout.site("attention", l))
-        if zero:
-            dinp[...] = 0.0
-        self._matmul_backward(dinp, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, attn_in,
-                              w.qkvw[l])
-
-    def _branch_dropout_backward(self, dout, buffer, site):
-        """d(a branch's output before its dropout) from ``dout`` = d(after),
-        written into ``buffer``'s first B*T*C floats; without dropout at
-        ``site`` (p, seed), dout itself."""
-        p, seed = site
-        if not p:
-            return dout
-        dbranch = self._grads_as(buffer, self.config.C)
-        K.dropout_backward(dbranch, dout, p, seed)
-        return dbranch
-
-    def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty, dropout_site):
-        """dqkv (zeroed here) = d(layer l's qkv) from datty, back through
-        attention (with its dropout's (p, seed)), RoPE and qk_norm
-        (position_qkv's steps, undone in reverse). dqkvr and dqkvn are the
-        buffers on the way: with both steps dqkv is dqkvr's buffer, used
-        again once RoPE's backward has read it."""
-        c, p, a, g = self.config, self.params, self.acts, self.grads
-        rope, qk_norm = c.position == "rope", c.qk_norm
-        if not (rope or qk_norm):
-            dqkv[...] = 0.0
-            K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
-                                     c.NH, c.NKV, c.sliding_window, *dropout_site)
-            return
-        dqkvr[...] = 0.0
-        K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l], self.slopes,
-                                 c.NH, c.NKV, c.sliding_window, *dropout_site)
-        dnormed = dqkvr
-        if rope:
-            dqkvn[...] = 0.0
-            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq,
-                            c.rope_interleaved)
-            dnormed = dqkvn
-        if qk_norm:
-            dqkv[...] = 0.0
-            K.head_rmsnorm_backward(dqkv, g.qnormw[l], g.knormw[l], dnormed, a.qkv[l],
-                                    p.qnormw[l], p.knormw[l], a.qk_rstd[l], c.NH, c.NKV)
 
     # ---- generation --------------------------------------------------------
 
