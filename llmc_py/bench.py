@@ -277,7 +277,7 @@ def bench_generate(config, B, prompt_len, new_tokens, repeats, rng, with_torch,
                    precision="fp32"):
     """Tokens/s of greedy generation, B rows of ``new_tokens`` after a prompt,
     in ``precision``; in bf16 our fp32 model too."""
-    from .generate.kv_cache import KVCache
+    from .generate import KVCache
     model = GPT2(config, seed=0, precision=precision)
     prompts = rng.integers(0, config.vocab_size, size=(B, prompt_len))
     V = config.vocab_size

@@ -8,7 +8,7 @@ folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
 -e). The parameters are counted per component from the layout the model
 allocates (model.layout.param_specs); the memory is the model's own plan
 (model.transformer.memory_plan) for a training step and for a forward that
-keeps its logits, and the KV cache is generate.kv_cache's.
+keeps its logits, and the KV cache is model.kv_cache's.
 """
 import argparse
 import math
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .errors import LlmcError, UsageError
-from .generate.kv_cache import kv_cache_floats
+from .model.kv_cache import kv_cache_floats
 from .model.layout import param_specs
 from .model.memory import format_bytes
 from .model.transformer import PRECISIONS, memory_plan

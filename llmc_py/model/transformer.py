@@ -6,7 +6,8 @@ train_gpt2.c; its choices come from the config (config.TransformerConfig):
                 x = x + fcproj(act(fc(norm2(x))))
     logits = head(normf(x))
 
-That is the pre-norm block; config.block may also place the norms after
+That is the pre-norm block (model.blocks has the three, each a forward and
+a backward, chosen once by config.block); it may also place the norms after
 each residual add (post-norm, the original Transformer's: x = norm1(x +
 attn(x)), x = norm2(x + mlp(x))) or run the two sublayers side by side on
 one norm (the parallel block of GPT-J and Falcon-7B: x = x + attn(norm1(x))
@@ -53,41 +54,32 @@ query row and head, not its probabilities; the classifier keeps no
 probabilities (backward turns the logits into their gradient in place); the
 activation gradients are one layer's, reused by every layer, plus the
 residual stream's; with ``recompute`` the norm outputs and the MLP
-activation are one layer's too, recomputed in backward. memory_plan() sums
-it all, and every allocation is checked against the memory available first.
+activation are one layer's too, recomputed in backward. memory_plan()
+(model.planning) sums it all, and every allocation is checked against the
+memory available first.
 
 Activation buffers are planned for the (B, T) of the first forward. A later
 forward with another (B, T) re-plans them: it reuses the same memory when the
 new shapes fit in it and allocates a larger buffer otherwise.
 """
-import contextlib
-import functools
 import math
-import threading
 
 import numpy as np
 
 from .._native import kernels as K
-from .._native.lib import get_isa, get_num_threads
-from ..errors import ConcurrentUseError, RangeError, ShapeError
-from ..generate import kv_cache
+from ..errors import RangeError, ShapeError
 from ..io.model_file import write_model_file
 from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
+from . import kv_cache
+from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, bias, drop, norm_backward, norm_forward, stat
 from .dropout import NO_DROPOUT, Dropout
+from .guard import ThreadGuard, held
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
-                     grad_act_specs, num_parameters, param_specs, specs_bytes)
-from .memory import format_bytes, require
+                     grad_act_specs, param_specs)
+from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
+                       reusable)
 
-PRECISIONS = ("fp32", "bf16")
-# rows of logits the classifier holds at once when it does not keep them all
-# (forward_backward, forward(keep_logits=False)): 51 MB of GPT-2's. Even, so
-# that the bf16 matmul's k pairs of the head weight's gradient (summed over
-# rows) are the pairs of one whole product; 384 rows measured no faster
-HEAD_ROWS = 256
-# query rows of attention's backward blocks (its scratch: two such blocks of
-# T scores per thread)
-ATTENTION_BLOCK_ROWS = 64
 INIT_STD = 0.02
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
@@ -99,20 +91,11 @@ _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
-def _held(method):
-    """Runs ``method`` holding the model (Transformer.exclusive)."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.exclusive(method.__name__):
-            return method(self, *args, **kwargs)
-    return wrapper
-
-
 class Transformer:
     """The model of a TransformerConfig: forward, backward, zero_grad, the
     AdamW update, ``generate`` and the model file.
 
-    What KV-cache decoding (generate.kv_cache) needs from a model is public:
+    What KV-cache decoding (model.kv_cache) needs from a model is public:
     ``config``, ``params``, ``slopes``, ``token_ids``, ``block_forward`` and
     ``head_forward``.
 
@@ -138,7 +121,7 @@ class Transformer:
         self._block = BLOCKS[config.block](self)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
-        self._user = threading.RLock()   # held by the thread inside an entry point
+        self._guard = ThreadGuard()
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
@@ -201,7 +184,7 @@ class Transformer:
             if name not in self.matrix_params:
                 p[name][...] = 1.0 if name in _NORM_WEIGHTS else 0.0
 
-    @_held
+    @held
     def refresh_bf16(self):
         """Rewrites ``params_bf16`` from ``params`` (bf16 models): update()
         does this itself; call it after writing to ``params`` by hand."""
@@ -210,18 +193,10 @@ class Transformer:
                                "bf16 copy of its parameters")
         K.float_to_bf16(self.params_bf16.memory, self.params.memory)
 
-    @contextlib.contextmanager
     def exclusive(self, what="use"):
         """Holds the model for this thread (re-entrant), or raises
-        ConcurrentUseError if another thread holds it."""
-        if not self._user.acquire(blocking=False):
-            raise ConcurrentUseError(f"model.{what}: the model is in use by another thread; "
-                                     f"a model serves one thread at a time (give each thread "
-                                     f"its own model)")
-        try:
-            yield
-        finally:
-            self._user.release()
+        ConcurrentUseError if another thread holds it (model.guard)."""
+        return self._guard.hold(what)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -343,23 +318,7 @@ class Transformer:
                            precision=self.precision, recompute=self.recompute,
                            moment_params=self.moment_params)
 
-    def _missing_bytes(self, B, T, training, keep_logits):
-        """The bytes of memory_plan(B, T) not allocated yet."""
-        plan = self.memory_plan(B, T, training=training, keep_logits=keep_logits)
-        have = {"parameters": True, "parameters (bf16 copy)": True,
-                "parameter gradients": self._grads is not None,
-                # made by moments(); a shard of them, by its optimizer (ZeRO-1)
-                "AdamW moments": (self.m_memory is not None
-                                  or self.moment_params < self.num_parameters),
-                "activations": self.acts is not None and _fits(self.acts, plan["activations"]),
-                "logits": (self._logits_buffer is not None
-                           and self._logits_buffer.nbytes >= plan["logits"]),
-                "activation gradients": (self.grads_acts is not None and
-                                         _fits(self.grads_acts, plan["activation gradients"])),
-                "scratch": False}
-        return {part: nbytes for part, nbytes in plan.items() if nbytes and not have[part]}
-
-    @_held
+    @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
         """Allocates memory for batches up to (B, T) now, so that later
         forwards of any smaller shape reuse it (e.g. a growing context while
@@ -382,23 +341,19 @@ class Transformer:
         backward and update too) needs, reusing those that are large
         enough; first checks that what is missing fits, all at once."""
         c = self.config
-        missing = self._missing_bytes(B, T, training, keep_logits)
-        if missing:
-            parts = ", ".join(f"{part} {format_bytes(n)}" for part, n in missing.items())
-            require(sum(missing.values()), f"{'training' if training else 'a forward'} at "
-                                           f"B={B}, T={T} ({parts})")
+        require_missing(self, B, T, training, keep_logits)
         if (B, T) != (self.B, self.T) or self.acts is None:
-            memory = _reuse(self.acts, self.act_specs, c, B, T)
+            memory = reusable(self.acts, self.act_specs, c, B, T)
             self.acts = None   # an outgrown buffer is let go before its successor is made
             self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory)
             if self.grads_acts is not None:
-                memory = _reuse(self.grads_acts, self.grad_act_specs, c, B, T)
+                memory = reusable(self.grads_acts, self.grad_act_specs, c, B, T)
                 self.grads_acts = None
                 self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T, memory=memory)
             self.B, self.T = B, T
         if training and self.grads_acts is None:
             self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
-        head = _head_rows(B, T, keep_logits) * c.Vp
+        head = head_rows(B, T, keep_logits) * c.Vp
         if self._logits_buffer is None or self._logits_buffer.size < head:
             self._logits_buffer = None
             self._logits_buffer = aligned_empty(head, what=f"the logits ({head // c.Vp} rows)")
@@ -449,7 +404,7 @@ class Transformer:
         """Layer l's packed q, k, v as attention reads them (after qk_norm, RoPE)."""
         return a.qkvr[l] if "qkvr" in a else a.qkv[l]
 
-    @_held
+    @held
     def forward(self, inputs, targets=None, *, keep_logits=True, dropout=None):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
         loss as a float when ``targets`` (B, T) are given, else None: the mean
@@ -552,7 +507,7 @@ class Transformer:
 
     # ---- backward ----------------------------------------------------------
 
-    @_held
+    @held
     def zero_grad(self):
         """Zeroes the parameter gradients (backward adds into them)."""
         self.grads.zero()
@@ -568,7 +523,7 @@ class Transformer:
         d.losses[...] = loss_scale / self.counted if self.counted else 0.0
         return d
 
-    @_held
+    @held
     def backward(self, loss_scale=1.0):
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches).
@@ -588,7 +543,7 @@ class Transformer:
                               self._head(self._weights))
         self._blocks_backward(d, self._dropout)
 
-    @_held
+    @held
     def forward_backward(self, inputs, targets, loss_scale=1.0, *, dropout=None):
         """A training step's forward and backward in one: the mean loss of
         ``inputs`` against ``targets`` (over those not IGNORE_INDEX, as
@@ -636,7 +591,7 @@ class Transformer:
 
     # ---- generation --------------------------------------------------------
 
-    @_held
+    @held
     def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
                  top_p=None, repetition_penalty=None, seed=None, stop_token=None):
         """New token ids after ``prompt_tokens``, decoded with a KV cache
@@ -670,7 +625,7 @@ class Transformer:
             K.scale_inplace(self.grads.memory, max_norm / norm)
         return norm
 
-    @_held
+    @held
     def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1,
                decay=None):
         """One AdamW step (llm.c's gpt2_update); t >= 1 is the step number.
@@ -678,7 +633,6 @@ class Transformer:
         Weight decay applies to every parameter (llm.c's CPU trainer) unless
         ``decay`` names the tensors to decay, e.g. model.matrix_params for
         weights only; the others then get none."""
-        from ..train.optimizer import adamw_step   # train builds on the model, not back
         self.moments()
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
                    beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
@@ -692,65 +646,3 @@ def _checked_dropout(dropout):
         raise TypeError(f"dropout must be a llmc_py.Dropout (or None), got "
                         f"{type(dropout).__name__}")
     return dropout
-
-
-def _head_rows(B, T, keep_logits):
-    """Rows of logits held at once: all B * T, or a block of HEAD_ROWS."""
-    return B * T if keep_logits else min(HEAD_ROWS, B * T)
-
-
-def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None):
-    """Bytes by part that a model of ``config`` in ``precision`` needs for a
-    forward of (B, T), computed from the config alone (nothing is
-    allocated); with ``training`` a whole step's: the parameter gradients,
-    AdamW's moments (of ``moment_params`` parameters, default all; fewer for
-    a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
-    (default: not when training) counts all (B, T, Vp) logits, else a block
-    of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
-    "scratch" is the kernels' temporary memory, estimated for this process's
-    thread count and instruction set (see _scratch_bytes)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
-    c, f32 = config, 4
-    n = num_parameters(c)
-    moments = n if moment_params is None else moment_params
-    keep = not training if keep_logits is None else keep_logits
-    head_rows = _head_rows(B, T, keep)
-    return {"parameters": f32 * n,
-            "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
-            "parameter gradients": f32 * n if training else 0,
-            "AdamW moments": 2 * f32 * moments if training else 0,
-            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
-            "logits": f32 * head_rows * c.Vp,
-            "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
-            "scratch": _scratch_bytes(c, B, T, head_rows, precision)}
-
-
-def _scratch_bytes(config, B, T, head_rows, precision):
-    """An upper estimate of the kernels' temporary memory at (B, T): per
-    thread, attention's panels and score blocks and a matmul's packed
-    blocks; and, where the bf16 matmul widens its operands to float32
-    (no AVX512_BF16), those copies for its largest product."""
-    c, f32 = config, 4
-    threads = get_num_threads()
-    hs = c.head_size
-    attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
-    matmul = 4 << 20
-    total = threads * (attention + matmul)
-    if precision == "bf16" and get_isa() != "avx512bf16":
-        rows = max(B * T, head_rows)
-        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
-    return total
-
-
-def _fits(group, nbytes):
-    return group.buffer.nbytes >= nbytes
-
-
-def _reuse(group, specs, config, B, T):
-    """The flat buffer of ``group`` if the layout for (B, T) fits in it, else None."""
-    if group is None:
-        return None
-    needed = sum(math.prod(fn(config, B, T)) for _, fn in specs)
-    return group.buffer if needed <= group.buffer.size else None

@@ -28,7 +28,7 @@ from ..errors import CheckpointError, LlmcError, ShapeError, UsageError, WriteEr
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
-from ..generate.kv_cache import stream
+from ..generate import stream
 from ..model import GPT2, PRECISIONS, Llama, load_model
 from ..model.dropout import RATES as DROPOUT_SITES, Dropout
 from ..model.transformer import INIT_SCHEMES, INIT_STD
