@@ -73,6 +73,12 @@ def undrop(dout, dinp, site):
     return dinp
 
 
+def _slot(tensor, l):
+    """Layer l's slot of a per-layer activation: its own, or the one slot
+    of those that recompute holds for one layer at a time."""
+    return tensor[l if tensor.shape[0] > 1 else 0]
+
+
 class LayerGrads:
     """Backward's activation gradients (layout.grad_act_specs) seen as one
     layer's tensors, each (B, T, width). Those that share a buffer are used
@@ -129,7 +135,7 @@ class Block:
     def __init__(self, model, recompute=False):
         self.model = model
         self.config = model.config
-        self.mlp_forward, self.mlp_backward_kernel = mlp_kernels(model.config.mlp)
+        self.act_forward, self.act_backward = mlp_kernels(model.config.mlp)
         self.recompute = recompute
         self.saved = Recomputed(self) if recompute else EveryLayer()
 
@@ -148,16 +154,29 @@ class Block:
         """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot
         (every layer's, or one held for each in turn)."""
         p = self.model.params
-        out = a[name][l if a[name].shape[0] > 1 else 0]
+        out = _slot(a[name], l)
         norm_forward(self.config, out, stat(a, name + "_mean", l), a[name + "_rstd"][l], inp,
                      p[name + "w"][l], bias(p, name + "b", l))
         return out
 
     def mlp_act(self, a, l):
         """Layer l's MLP activation of a.fch[l], into its fch_act slot."""
-        out = a.fch_act[l if a.fch_act.shape[0] > 1 else 0]
-        self.mlp_forward(out, a.fch[l])
+        out = _slot(a.fch_act, l)
+        self.act_forward(out, a.fch[l])
         return out
+
+    def attention(self, a, l, inp, attend, dropout):
+        """a.proj = layer l's attention on ``inp``, projected, after its dropout."""
+        self.linear(a.qkv[l], inp, "qkv", l)
+        attend(l)
+        self.linear(a.proj, a.atty[l], "attproj", l)
+        drop(a.proj, dropout.site("attention_output", l))
+
+    def mlp(self, a, l, inp, dropout):
+        """a.proj = layer l's MLP on ``inp``, after its dropout."""
+        self.linear(a.fch[l], inp, "fc", l)
+        self.linear(a.proj, self.mlp_act(a, l), "fcproj", l)
+        drop(a.proj, dropout.site("mlp_output", l))
 
     # ---- backward pieces ---------------------------------------------------
 
@@ -180,7 +199,7 @@ class Block:
         d.fch_act[...] = 0.0
         self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l)
         d.fch[...] = 0.0
-        self.mlp_backward_kernel(d.fch, d.fch_act, a.fch[l])
+        self.act_backward(d.fch, d.fch_act, a.fch[l])
         return d.fch
 
     def attention_backward(self, a, d, l, dout, dropout):
@@ -218,7 +237,8 @@ class Block:
 
 
 class PreNorm(Block):
-    """GPT-2's and Llama's block, as llm.c's gpt2_forward runs it."""
+    """GPT-2's and Llama's block, kernel by kernel as llm.c's gpt2_forward
+    runs it (the other two blocks say it by sublayer)."""
 
     def forward(self, a, l, x, attend, dropout):
         ln1 = self.norm(a, "ln1", l, x)
@@ -255,15 +275,9 @@ class Parallel(Block):
 
     def forward(self, a, l, x, attend, dropout):
         ln1 = self.norm(a, "ln1", l, x)
-        self.linear(a.qkv[l], ln1, "qkv", l)
-        attend(l)
-        self.linear(a.proj, a.atty[l], "attproj", l)
-        drop(a.proj, dropout.site("attention_output", l))
+        self.attention(a, l, ln1, attend, dropout)
         K.residual_forward(a.residual2[l], x, a.proj)
-        self.linear(a.fch[l], ln1, "fc", l)
-        fch_act = self.mlp_act(a, l)
-        self.linear(a.proj, fch_act, "fcproj", l)
-        drop(a.proj, dropout.site("mlp_output", l))
+        self.mlp(a, l, ln1, dropout)
         K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
 
@@ -284,16 +298,10 @@ class PostNorm(Block):
     ln2 is the layer's output (kept for every layer, also with recompute)."""
 
     def forward(self, a, l, x, attend, dropout):
-        self.linear(a.qkv[l], x, "qkv", l)
-        attend(l)
-        self.linear(a.proj, a.atty[l], "attproj", l)
-        drop(a.proj, dropout.site("attention_output", l))
+        self.attention(a, l, x, attend, dropout)
         K.residual_forward(a.residual2[l], x, a.proj)
         ln1 = self.norm(a, "ln1", l, a.residual2[l])
-        self.linear(a.fch[l], ln1, "fc", l)
-        fch_act = self.mlp_act(a, l)
-        self.linear(a.proj, fch_act, "fcproj", l)
-        drop(a.proj, dropout.site("mlp_output", l))
+        self.mlp(a, l, ln1, dropout)
         K.residual_forward(a.residual3[l], ln1, a.proj)
         return self.norm(a, "ln2", l, a.residual3[l])
 
