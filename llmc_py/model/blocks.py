@@ -14,7 +14,10 @@ into the model's gradients.
 What forward saves for backward is the block's ``saved``: every layer's norm
 outputs and MLP activation (EveryLayer), or, with recompute, one layer's
 slot of each, which backward refills layer by layer (Recomputed)."""
+import weakref
+
 from .._native import kernels as K
+
 
 def mlp_kernels(mlp):
     """config.mlp's activation kernels (forward, backward); a gated one reads
@@ -28,28 +31,22 @@ def mlp_kernels(mlp):
             "reglu": (K.reglu_forward, K.reglu_backward)}[mlp]
 
 
-def bias(group, name, l=None):
-    """Layer l's bias (or the whole tensor) when the model has biases, else None."""
+def optional(group, name, l=None):
+    """Layer l's tensor ``name`` (or the whole tensor), None where the model
+    has none: biases without config.bias, a norm's mean without layernorm."""
     if name not in group:
         return None
     return group[name] if l is None else group[name][l]
 
 
-def stat(a, name, l=None):
-    """A saved norm statistic (the mean exists for layernorm only)."""
-    if name not in a:
-        return None
-    return a[name] if l is None else a[name][l]
-
-
-def norm_forward(config, out, mean, rstd, inp, weight, bias):
+def apply_norm(config, out, mean, rstd, inp, weight, bias):
     if config.norm == "rmsnorm":
         K.rmsnorm_forward(out, rstd, inp, weight, config.norm_eps)
     else:
         K.layernorm_forward(out, mean, rstd, inp, weight, bias, config.norm_eps)
 
 
-def norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+def apply_norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
     if config.norm == "rmsnorm":
         K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
     else:
@@ -133,7 +130,9 @@ class Block:
     call)."""
 
     def __init__(self, model, recompute=False):
-        self.model = model
+        # weak: the model holds its block, and a cycle would keep a dropped
+        # model's buffers until the garbage collector runs
+        self.model = weakref.proxy(model)
         self.config = model.config
         self.act_forward, self.act_backward = mlp_kernels(model.config.mlp)
         self.recompute = recompute
@@ -148,15 +147,15 @@ class Block:
     def linear(self, out, inp, name, l):
         """out = inp W^T + b with layer l's weight ``name``w and bias ``name``b."""
         m = self.model
-        m._matmul_forward(out, inp, m._weights[name + "w"][l], bias(m.params, name + "b", l))
+        m._matmul_forward(out, inp, m._weights[name + "w"][l], optional(m.params, name + "b", l))
 
     def norm(self, a, name, l, inp):
         """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot
         (every layer's, or one held for each in turn)."""
         p = self.model.params
         out = _slot(a[name], l)
-        norm_forward(self.config, out, stat(a, name + "_mean", l), a[name + "_rstd"][l], inp,
-                     p[name + "w"][l], bias(p, name + "b", l))
+        apply_norm(self.config, out, optional(a, name + "_mean", l), a[name + "_rstd"][l],
+                   inp, p[name + "w"][l], optional(p, name + "b", l))
         return out
 
     def mlp_act(self, a, l):
@@ -184,13 +183,14 @@ class Block:
         """Adds into d(inp) and layer l's weight and bias gradients from ``dout``."""
         m = self.model
         g = m.grads
-        m._matmul_backward(dinp, g[name + "w"][l], bias(g, name + "b", l), dout, inp,
+        m._matmul_backward(dinp, g[name + "w"][l], optional(g, name + "b", l), dout, inp,
                            m._weights[name + "w"][l])
 
     def norm_backward(self, a, dinp, dout, inp, name, l):
         p, g = self.model.params, self.model.grads
-        norm_backward(self.config, dinp, g[name + "w"][l], bias(g, name + "b", l), dout, inp,
-                      p[name + "w"][l], stat(a, name + "_mean", l), a[name + "_rstd"][l])
+        apply_norm_backward(self.config, dinp, g[name + "w"][l], optional(g, name + "b", l),
+                            dout, inp, p[name + "w"][l], optional(a, name + "_mean", l),
+                            a[name + "_rstd"][l])
 
     def mlp_backward(self, a, d, l, dout, fch_act, dropout):
         """d.fch = d(layer l's fch) from ``dout`` = d(the MLP's output after

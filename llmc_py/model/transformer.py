@@ -72,7 +72,7 @@ from ..io.model_file import write_model_file
 from ..io.tokens import IGNORE_INDEX, first_out_of_vocab
 from . import kv_cache
 from .adamw import adamw_step
-from .blocks import BLOCKS, LayerGrads, bias, drop, norm_backward, norm_forward, stat
+from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
@@ -495,8 +495,8 @@ class Transformer:
 
     def _final_norm(self, a, residual):
         p = self.params
-        norm_forward(self.config, a.lnf, stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
-                     bias(p, "lnfb"))
+        apply_norm(self.config, a.lnf, optional(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
+                   optional(p, "lnfb"))
 
     def head_forward(self, a, residual, logits=None):
         """The final norm and the output head: ``logits`` (B, T, Vp), by
@@ -577,8 +577,9 @@ class Transformer:
         c, p, a, g = self.config, self.params, self.acts, self.grads
         layer = LayerGrads(c, d, self.B, self.T)
         d.residual[...] = 0.0
-        norm_backward(c, d.residual, g.lnfw, bias(g, "lnfb"), layer.ln,
-                      self.layer_output(a, c.L - 1), p.lnfw, stat(a, "lnf_mean"), a.lnf_rstd)
+        apply_norm_backward(c, d.residual, g.lnfw, optional(g, "lnfb"), layer.ln,
+                            self.layer_output(a, c.L - 1), p.lnfw, optional(a, "lnf_mean"),
+                            a.lnf_rstd)
         for l in reversed(range(c.L)):
             # d.residual is d(layer l's output); after, d(its input)
             x = a.encoded if l == 0 else self.layer_output(a, l - 1)
