@@ -1,8 +1,8 @@
 """llmc_py: llm.c's CPU GPT-2 trainer, with C/OpenMP kernels under Python.
 
 The layout shows the architecture: _native (the C kernels and their
-bindings), model (one transformer; GPT-2 and Llama are presets), generate
-(sampling, KV cache), io (file formats), data (loader, dataset preparation),
+bindings), model (one transformer; GPT-2 and Llama are presets; its
+decoding), generate (generation's public names), io (file formats), data (loader, dataset preparation),
 train (optimizer, schedule, run folder, the loop, the CLI); bench, plot,
 sample and tokenizer are command-line tools.
 """

@@ -14,7 +14,7 @@ import sys
 from .cli import command
 from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from .model import PRECISIONS, load_model
-from .generate.kv_cache import stream
+from .generate import stream
 
 
 FLAG_RANGES = {"gen_tokens": POSITIVE, "temperature": NON_NEGATIVE, "top_k": POSITIVE,

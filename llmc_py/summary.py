@@ -8,7 +8,7 @@ folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
 -e). The parameters are counted per component from the layout the model
 allocates (model.layout.param_specs); the memory is the model's own plan
 (model.transformer.memory_plan) for a training step and for a forward that
-keeps its logits, and the KV cache is generate.kv_cache's.
+keeps its logits, and the KV cache is model.kv_cache's.
 """
 import argparse
 import math
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .cli import command
 from .errors import UsageError
-from .generate.kv_cache import kv_cache_floats
+from .model.kv_cache import kv_cache_floats
 from .model.layout import param_specs
 from .model.memory import format_bytes
 from .model.presets import config_from_depth, describe

@@ -15,8 +15,8 @@ import pytest
 from helpers import FP32_ISAS
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
 from llmc_py.errors import ShapeError
-from llmc_py.generate.kv_cache import Decoder, KVCache, generate
-from llmc_py.generate.sampling import sample_next
+from llmc_py.model.kv_cache import Decoder, KVCache, generate
+from llmc_py.model.sampling import sample_next
 
 GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=67, padded_vocab_size=128, num_layers=2,
                         num_heads=4, channels=60)

@@ -12,7 +12,7 @@ import pytest
 
 from llmc_py import GPT2, Llama
 from llmc_py import summary
-from llmc_py.generate.kv_cache import KVCache
+from llmc_py.model.kv_cache import KVCache
 from llmc_py.io.hf import hf_config
 from test_gpt2_step import SMALL
 from test_llama_step import BASE, CONFIGS

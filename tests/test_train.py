@@ -18,7 +18,7 @@ from llmc_py import train as train_mod
 from llmc_py.train import RunFolder
 from llmc_py.io import read_state
 from llmc_py.data import DataLoader, write_tokens
-from llmc_py.generate.sampling import generate, sample_next
+from llmc_py.model.sampling import generate, sample_next
 
 SMALL = ["-e", "d1", "-b", "2", "-t", "16", "-v", "4", "-m", "2", "-s", "0", "-l", "3e-3",
          "-u", "3"]

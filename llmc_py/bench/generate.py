@@ -4,7 +4,7 @@ import numpy as np
 
 from .._native.lib import get_num_threads
 from ..config import GPT2Config
-from ..generate.kv_cache import KVCache
+from ..generate import KVCache
 from ..model import GPT2
 from .pytorch import torch_job
 from .timing import timed

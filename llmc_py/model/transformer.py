@@ -6,7 +6,8 @@ train_gpt2.c; its choices come from the config (config.TransformerConfig):
                 x = x + fcproj(act(fc(norm2(x))))
     logits = head(normf(x))
 
-That is the pre-norm block; config.block may also place the norms after
+That is the pre-norm block (model.blocks has the three, each a forward and
+a backward, chosen once by config.block); it may also place the norms after
 each residual add (post-norm, the original Transformer's: x = norm1(x +
 attn(x)), x = norm2(x + mlp(x))) or run the two sublayers side by side on
 one norm (the parallel block of GPT-J and Falcon-7B: x = x + attn(norm1(x))
@@ -53,40 +54,32 @@ query row and head, not its probabilities; the classifier keeps no
 probabilities (backward turns the logits into their gradient in place); the
 activation gradients are one layer's, reused by every layer, plus the
 residual stream's; with ``recompute`` the norm outputs and the MLP
-activation are one layer's too, recomputed in backward. memory_plan() sums
-it all, and every allocation is checked against the memory available first.
+activation are one layer's too, recomputed in backward. memory_plan()
+(model.planning) sums it all, and every allocation is checked against the
+memory available first.
 
 Activation buffers are planned for the (B, T) of the first forward. A later
 forward with another (B, T) re-plans them: it reuses the same memory when the
 new shapes fit in it and allocates a larger buffer otherwise.
 """
-import contextlib
-import functools
 import math
-import threading
 
 import numpy as np
 
 from .._native import kernels as K
-from .._native.lib import get_isa, get_num_threads
 from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
-from ..errors import ConcurrentUseError, RangeError, ShapeError
-from ..generate import kv_cache
+from ..errors import RangeError, ShapeError
 from ..io.load import read_model_file, write_model_file
+from . import kv_cache
+from .adamw import adamw_step
+from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
+from .guard import ThreadGuard, held
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
-                     grad_act_specs, num_parameters, param_specs, specs_bytes)
-from .memory import format_bytes, require
+                     grad_act_specs, param_specs)
+from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
+                       reusable)
 
-PRECISIONS = ("fp32", "bf16")
-# rows of logits the classifier holds at once when it does not keep them all
-# (forward_backward, forward(keep_logits=False)): 51 MB of GPT-2's. Even, so
-# that the bf16 matmul's k pairs of the head weight's gradient (summed over
-# rows) are the pairs of one whole product; 384 rows measured no faster
-HEAD_ROWS = 256
-# query rows of attention's backward blocks (its scratch: two such blocks of
-# T scores per thread)
-ATTENTION_BLOCK_ROWS = 64
 INIT_STD = 0.02
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
@@ -98,20 +91,11 @@ _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
 _NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
-def _held(method):
-    """Runs ``method`` holding the model (Transformer.exclusive)."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self.exclusive(method.__name__):
-            return method(self, *args, **kwargs)
-    return wrapper
-
-
 class Transformer:
     """The model of a TransformerConfig: forward, backward, zero_grad, the
     AdamW update, ``generate`` and the model file.
 
-    What KV-cache decoding (generate.kv_cache) needs from a model is public:
+    What KV-cache decoding (model.kv_cache) needs from a model is public:
     ``config``, ``params``, ``slopes``, ``token_ids``, ``block_forward`` and
     ``head_forward``.
 
@@ -129,17 +113,15 @@ class Transformer:
         self.config = config
         self.precision = precision
         self.param_specs = param_specs(config)
-        self._recompute = False
         self.act_specs = act_specs(config, logits=False)
         self.grad_act_specs = grad_act_specs(config)
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
-        # the MLP activation's kernel pair (a gated one reads fch's [gate | up] halves)
-        self._mlp_forward, self._mlp_backward = K.MLP_ACTIVATIONS[config.mlp]
+        self._block = BLOCKS[config.block](self)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
-        self._user = threading.RLock()   # held by the thread inside an entry point
+        self._guard = ThreadGuard()
         self.params = TensorGroup(self.param_specs, self.config)
         self.num_parameters = self.params.size
         if params is None:
@@ -202,7 +184,7 @@ class Transformer:
             if name not in self.matrix_params:
                 p[name][...] = 1.0 if name in _NORM_WEIGHTS else 0.0
 
-    @_held
+    @held
     def refresh_bf16(self):
         """Rewrites ``params_bf16`` from ``params`` (bf16 models): update()
         does this itself; call it after writing to ``params`` by hand."""
@@ -211,18 +193,10 @@ class Transformer:
                                "bf16 copy of its parameters")
         K.float_to_bf16(self.params_bf16.memory, self.params.memory)
 
-    @contextlib.contextmanager
     def exclusive(self, what="use"):
         """Holds the model for this thread (re-entrant), or raises
-        ConcurrentUseError if another thread holds it."""
-        if not self._user.acquire(blocking=False):
-            raise ConcurrentUseError(f"model.{what}: the model is in use by another thread; "
-                                     f"a model serves one thread at a time (give each thread "
-                                     f"its own model)")
-        try:
-            yield
-        finally:
-            self._user.release()
+        ConcurrentUseError if another thread holds it (model.guard)."""
+        return self._guard.hold(what)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -271,14 +245,14 @@ class Transformer:
         """True: the norm outputs and the MLP activation are kept for one layer
         only and backward recomputes them (less memory, the same results to
         the bit, a little more time); False (default) keeps them all."""
-        return self._recompute
+        return self._block.recompute
 
     @recompute.setter
     def recompute(self, value):
         with self.exclusive("recompute"):
             value = bool(value)
-            if value != self._recompute:
-                self._recompute = value
+            if value != self._block.recompute:
+                self._block = BLOCKS[self.config.block](self, recompute=value)
                 self.act_specs = act_specs(self.config, recompute=value, logits=False)
                 self._drop_activations()
 
@@ -340,26 +314,10 @@ class Transformer:
         kernels' temporary memory, estimated. This model's memory_plan():
         its precision, recompute and share of the moments."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
-                           precision=self.precision, recompute=self._recompute,
+                           precision=self.precision, recompute=self.recompute,
                            moment_params=self.moment_params)
 
-    def _missing_bytes(self, B, T, training, keep_logits):
-        """The bytes of memory_plan(B, T) not allocated yet."""
-        plan = self.memory_plan(B, T, training=training, keep_logits=keep_logits)
-        have = {"parameters": True, "parameters (bf16 copy)": True,
-                "parameter gradients": self._grads is not None,
-                # made by moments(); a shard of them, by its optimizer (ZeRO-1)
-                "AdamW moments": (self.m_memory is not None
-                                  or self.moment_params < self.num_parameters),
-                "activations": self.acts is not None and _fits(self.acts, plan["activations"]),
-                "logits": (self._logits_buffer is not None
-                           and self._logits_buffer.nbytes >= plan["logits"]),
-                "activation gradients": (self.grads_acts is not None and
-                                         _fits(self.grads_acts, plan["activation gradients"])),
-                "scratch": False}
-        return {part: nbytes for part, nbytes in plan.items() if nbytes and not have[part]}
-
-    @_held
+    @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
         """Allocates memory for batches up to (B, T) now, so that later
         forwards of any smaller shape reuse it (e.g. a growing context while
@@ -382,23 +340,19 @@ class Transformer:
         backward and update too) needs, reusing those that are large
         enough; first checks that what is missing fits, all at once."""
         c = self.config
-        missing = self._missing_bytes(B, T, training, keep_logits)
-        if missing:
-            parts = ", ".join(f"{part} {format_bytes(n)}" for part, n in missing.items())
-            require(sum(missing.values()), f"{'training' if training else 'a forward'} at "
-                                           f"B={B}, T={T} ({parts})")
+        require_missing(self, B, T, training, keep_logits)
         if (B, T) != (self.B, self.T) or self.acts is None:
-            memory = _reuse(self.acts, self.act_specs, c, B, T)
+            memory = reusable(self.acts, self.act_specs, c, B, T)
             self.acts = None   # an outgrown buffer is let go before its successor is made
             self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory)
             if self.grads_acts is not None:
-                memory = _reuse(self.grads_acts, self.grad_act_specs, c, B, T)
+                memory = reusable(self.grads_acts, self.grad_act_specs, c, B, T)
                 self.grads_acts = None
                 self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T, memory=memory)
             self.B, self.T = B, T
         if training and self.grads_acts is None:
             self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
-        head = _head_rows(B, T, keep_logits) * c.Vp
+        head = head_rows(B, T, keep_logits) * c.Vp
         if self._logits_buffer is None or self._logits_buffer.size < head:
             self._logits_buffer = None
             self._logits_buffer = aligned_empty(head, what=f"the logits ({head // c.Vp} rows)")
@@ -424,18 +378,11 @@ class Transformer:
         K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, None)
-        self._drop(a.encoded, dropout.site("embedding"))
+        drop(a.encoded, dropout.site("embedding"))
         residual = a.encoded
         for l in range(c.L):
             residual = self.block_forward(a, l, residual, attend, dropout)
         return residual
-
-    @staticmethod
-    def _drop(x, site):
-        """Dropout in place on x (B, T, C) with a site's (p, seed)."""
-        p, seed = site
-        if p:
-            K.dropout_forward(x, x, p, seed)
 
     def position_qkv(self, a, l, pos):
         """Layer l's a.qkv as attention reads it, into a.qkvr: each q and k
@@ -456,7 +403,7 @@ class Transformer:
         """Layer l's packed q, k, v as attention reads them (after qk_norm, RoPE)."""
         return a.qkvr[l] if "qkvr" in a else a.qkv[l]
 
-    @_held
+    @held
     def forward(self, inputs, targets=None, *, keep_logits=True, dropout=None):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
         loss as a float when ``targets`` (B, T) are given, else None: the mean
@@ -476,8 +423,7 @@ class Transformer:
         residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "the last forward did not keep them (keep_logits=False)"
         if not keep_logits:
-            self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
-                               self.params.lnfw, self._bias(self.params, "lnfb"))
+            self._final_norm(a, residual)
             for rows in self._head_blocks():
                 self._classifier_rows(rows, targets)
             return self._mean_loss()
@@ -527,113 +473,40 @@ class Transformer:
     # the block and the head on activations ``a`` laid out by act_specs: the
     # forward above runs them on (B, T), KV-cache decoding on one position
 
-    def _bias(self, group, name, l=None):
-        """Layer l's bias (or the whole tensor) when the model has biases, else None."""
-        if name not in group:
-            return None
-        return group[name] if l is None else group[name][l]
-
     def _head(self, group):
         return group.wte if self.config.tied_embeddings else group.lm_head
-
-    @staticmethod
-    def _stat(a, name, l=None):
-        """A saved norm statistic (the mean exists for layernorm only)."""
-        if name not in a:
-            return None
-        return a[name] if l is None else a[name][l]
 
     def _grads_as(self, buffer, width):
         """The first B * T * width floats of a gradient buffer, as (B, T, width)."""
         return buffer.reshape(-1)[:self.B * self.T * width].reshape(self.B, self.T, width)
 
-    @staticmethod
-    def _held_layer(a, name, l):
-        """Layer l's slot of a tensor that recompute holds for one layer only."""
-        return a[name][l if a[name].shape[0] > 1 else 0]
-
-    def _norm_forward(self, out, mean, rstd, inp, weight, bias):
-        if self.config.norm == "rmsnorm":
-            K.rmsnorm_forward(out, rstd, inp, weight, self.config.norm_eps)
-        else:
-            K.layernorm_forward(out, mean, rstd, inp, weight, bias, self.config.norm_eps)
-
-    def _norm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
-        if self.config.norm == "rmsnorm":
-            K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
-        else:
-            K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
-
-    def _norm1(self, a, l, residual):
-        """Layer l's first norm of ``residual``: its ln1 slot."""
-        p = self.params
-        ln1 = self._held_layer(a, "ln1", l)
-        self._norm_forward(ln1, self._stat(a, "ln1_mean", l), a.ln1_rstd[l], residual,
-                           p.ln1w[l], self._bias(p, "ln1b", l))
-        return ln1
-
-    def _norm2(self, a, l, inp):
-        """Layer l's second norm of ``inp`` (a.residual2[l] pre-norm,
-        a.residual3[l] post-norm): its ln2 slot."""
-        p = self.params
-        ln2 = self._held_layer(a, "ln2", l)
-        self._norm_forward(ln2, self._stat(a, "ln2_mean", l), a.ln2_rstd[l], inp,
-                           p.ln2w[l], self._bias(p, "ln2b", l))
-        return ln2
-
-    def _mlp_act(self, a, l):
-        """Layer l's MLP activation of a.fch[l] (config.mlp's): its fch_act slot."""
-        fch_act = self._held_layer(a, "fch_act", l)
-        self._mlp_forward(fch_act, a.fch[l])
-        return fch_act
-
     def block_forward(self, a, l, residual, attend, dropout=NO_DROPOUT):
-        """Layer l on the residual stream ``residual``; ``attend(l)`` turns
-        a.qkv[l] into a.atty[l]; ``dropout`` drops each branch's output
-        (training only). Returns the layer's output (layer_output).
-
-        By config.block, with attn and mlp the two sublayers:
-          pre       r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln2(r2));   out r3
-          post      r2 = x + attn(x);          r3 = ln1(r2) + mlp(ln1(r2)); out ln2(r3)
-          parallel  r2 = x + attn(ln1(x));     r3 = r2 + mlp(ln1(x));    out r3"""
-        c, p = self.config, self.params
-        w, matmul = self._weights, self._matmul_forward
-        post = c.block == "post"
-        attn_in = residual if post else self._norm1(a, l, residual)
-        matmul(a.qkv[l], attn_in, w.qkvw[l], self._bias(p, "qkvb", l))
-        attend(l)
-        matmul(a.proj, a.atty[l], w.attprojw[l], self._bias(p, "attprojb", l))
-        self._drop(a.proj, dropout.site("attention_output", l))
-        K.residual_forward(a.residual2[l], residual, a.proj)
-        if c.block == "pre":
-            mlp_in = self._norm2(a, l, a.residual2[l])
-        elif post:
-            mlp_in = self._norm1(a, l, a.residual2[l])
-        else:   # parallel: the MLP reads the attention's norm
-            mlp_in = attn_in
-        matmul(a.fch[l], mlp_in, w.fcw[l], self._bias(p, "fcb", l))
-        matmul(a.proj, self._mlp_act(a, l), w.fcprojw[l], self._bias(p, "fcprojb", l))
-        self._drop(a.proj, dropout.site("mlp_output", l))
-        K.residual_forward(a.residual3[l], mlp_in if post else a.residual2[l], a.proj)
-        return self._norm2(a, l, a.residual3[l]) if post else a.residual3[l]
+        """Layer l on the residual stream ``residual`` (model.blocks, by
+        config.block); ``attend(l)`` turns a.qkv[l] into a.atty[l];
+        ``dropout`` drops each branch's output (training only). Returns the
+        layer's output (layer_output)."""
+        return self._block.forward(a, l, residual, attend, dropout)
 
     def layer_output(self, a, l):
         """Layer l's output, the next layer's input: a.ln2[l] post-norm,
         a.residual3[l] otherwise."""
-        return a.ln2[l] if self.config.block == "post" else a.residual3[l]
+        return self._block.output(a, l)
+
+    def _final_norm(self, a, residual):
+        p = self.params
+        apply_norm(self.config, a.lnf, optional(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
+                   optional(p, "lnfb"))
 
     def head_forward(self, a, residual, logits=None):
         """The final norm and the output head: ``logits`` (B, T, Vp), by
         default a.logits."""
-        p = self.params
-        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual, p.lnfw,
-                           self._bias(p, "lnfb"))
+        self._final_norm(a, residual)
         self._matmul_forward(a.logits if logits is None else logits, a.lnf,
                              self._head(self._weights), None)
 
     # ---- backward ----------------------------------------------------------
 
-    @_held
+    @held
     def zero_grad(self):
         """Zeroes the parameter gradients (backward adds into them)."""
         self.grads.zero()
@@ -649,7 +522,7 @@ class Transformer:
         d.losses[...] = loss_scale / self.counted if self.counted else 0.0
         return d
 
-    @_held
+    @held
     def backward(self, loss_scale=1.0):
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches).
@@ -669,7 +542,7 @@ class Transformer:
                               self._head(self._weights))
         self._blocks_backward(d, self._dropout)
 
-    @_held
+    @held
     def forward_backward(self, inputs, targets, loss_scale=1.0, *, dropout=None):
         """A training step's forward and backward in one: the mean loss of
         ``inputs`` against ``targets`` (over those not IGNORE_INDEX, as
@@ -686,8 +559,7 @@ class Transformer:
         a = self.acts
         residual = self._blocks_forward(inputs, dropout)
         self._logits_state = "forward_backward does not keep them"
-        self._norm_forward(a.lnf, self._stat(a, "lnf_mean"), a.lnf_rstd, residual,
-                           self.params.lnfw, self._bias(self.params, "lnfb"))
+        self._final_norm(a, residual)
         d = self._start_backward(loss_scale)
         d.narrow[...] = 0.0
         for rows in self._head_blocks():
@@ -702,150 +574,24 @@ class Transformer:
         the residual stream's gradient from layer to layer; the others hold
         one layer's (grad_act_specs)."""
         c, p, a, g = self.config, self.params, self.acts, self.grads
-        rope, qk_norm = c.position == "rope", c.qk_norm
-        dfch_act = self._grads_as(d.wide, c.FF)
-        dfch = self._grads_as(d.fch, c.fc_channels)
-        # qkv's gradient, and on the way back to it, qkvr's and (with both
-        # qk_norm and RoPE) that of the normed q, k between them
-        dqkvr = self._grads_as(d.fch, c.qkv_channels) if rope or qk_norm else None
-        dqkvn = self._grads_as(d.wide, c.qkv_channels)
-        dqkv = dqkvr if rope and qk_norm else dqkvn
-        dln, datty = self._grads_as(d.narrow, c.C), self._grads_as(d.narrow, c.attn_channels)
+        layer = LayerGrads(c, d, self.B, self.T)
         d.residual[...] = 0.0
-        self._norm_backward(d.residual, g.lnfw, self._bias(g, "lnfb"), dln,
-                            self.layer_output(a, c.L - 1), p.lnfw, self._stat(a, "lnf_mean"),
+        apply_norm_backward(c, d.residual, g.lnfw, optional(g, "lnfb"), layer.ln,
+                            self.layer_output(a, c.L - 1), p.lnfw, optional(a, "lnf_mean"),
                             a.lnf_rstd)
-        qkv_grads = (dqkv, dqkvn, dqkvr, datty)
         for l in reversed(range(c.L)):
-            # d.residual is d(layer l's output)
-            residual = a.encoded if l == 0 else self.layer_output(a, l - 1)
-            if c.block == "pre":
-                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
-                ln2 = self._norm2(a, l, a.residual2[l]) if self._recompute else a.ln2[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                dln[...] = 0.0
-                self._mlp_branch_backward(l, dln, d.residual, ln2, fch_act, dfch_act, dfch,
-                                          dropout)
-                self._norm2_backward(d.residual, dln, a.residual2[l], l)
-                # now d(residual2[l])
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
-                                                zero=True)
-                self._norm1_backward(d.residual, dln, residual, l)
-            elif c.block == "parallel":
-                ln1 = self._norm1(a, l, residual) if self._recompute else a.ln1[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                # d(residual3[l]) = d(residual2[l]): both branches' output's
-                self._attention_branch_backward(l, dln, d.residual, ln1, qkv_grads, dropout,
-                                                zero=True)
-                self._mlp_branch_backward(l, dln, d.residual, ln1, fch_act, dfch_act, dfch,
-                                          dropout)
-                self._norm1_backward(d.residual, dln, residual, l)
-            else:   # post: dln holds d(residual3[l]), then d(ln1[l])
-                ln1 = self._norm1(a, l, a.residual2[l]) if self._recompute else a.ln1[l]
-                fch_act = self._mlp_act(a, l) if self._recompute else a.fch_act[l]
-                dln[...] = 0.0
-                self._norm2_backward(dln, d.residual, a.residual3[l], l)
-                self._mlp_branch_backward(l, dln, dln, ln1, fch_act, dfch_act, dfch, dropout)
-                d.residual[...] = 0.0
-                self._norm1_backward(d.residual, dln, a.residual2[l], l)
-                # now d(residual2[l])
-                self._attention_branch_backward(l, d.residual, d.residual, residual, qkv_grads,
-                                                dropout)
-            # now d(layer l - 1's output), or d(encoded)
+            # d.residual is d(layer l's output); after, d(its input)
+            x = a.encoded if l == 0 else self.layer_output(a, l - 1)
+            self._block.backward(a, layer, l, x, dropout)
         p_embedding, seed = dropout.site("embedding")
         if p_embedding:   # now d(encoded before its dropout), in place
             K.dropout_backward(d.residual, d.residual, p_embedding, seed)
         K.encoder_backward(g.wte[:c.V], g.wpe if c.learned_positions else None, d.residual,
                            self.inputs)
 
-    def _norm1_backward(self, dinp, dout, inp, l):
-        a, p, g = self.acts, self.params, self.grads
-        self._norm_backward(dinp, g.ln1w[l], self._bias(g, "ln1b", l), dout, inp, p.ln1w[l],
-                            self._stat(a, "ln1_mean", l), a.ln1_rstd[l])
-
-    def _norm2_backward(self, dinp, dout, inp, l):
-        a, p, g = self.acts, self.params, self.grads
-        self._norm_backward(dinp, g.ln2w[l], self._bias(g, "ln2b", l), dout, inp, p.ln2w[l],
-                            self._stat(a, "ln2_mean", l), a.ln2_rstd[l])
-
-    def _mlp_branch_backward(self, l, dinp, dout, mlp_in, fch_act, dfch_act, dfch, dropout):
-        """Layer l's MLP back from ``dout`` = d(its output, after ``dropout``):
-        its weights' gradients, and d(mlp_in) added into ``dinp`` (which may
-        be ``dout``'s buffer: dout is read first, dinp written last)."""
-        a, g, w = self.acts, self.grads, self._weights
-        # through the dropout into d.fch, which dfch takes only once it is read
-        dout = self._branch_dropout_backward(dout, self.grads_acts.fch,
-                                             dropout.site("mlp_output", l))
-        dfch_act[...] = 0.0
-        self._matmul_backward(dfch_act, g.fcprojw[l], self._bias(g, "fcprojb", l), dout,
-                              fch_act, w.fcprojw[l])
-        dfch[...] = 0.0
-        self._mlp_backward(dfch, dfch_act, a.fch[l])
-        self._matmul_backward(dinp, g.fcw[l], self._bias(g, "fcb", l), dfch, mlp_in, w.fcw[l])
-
-    def _attention_branch_backward(self, l, dinp, dout, attn_in, qkv_grads, dropout,
-                                   zero=False):
-        """Layer l's attention back from ``dout`` = d(its projection's output,
-        after ``dropout``): its weights' gradients, and d(attn_in) added into
-        ``dinp`` (zeroed first with ``zero``, once datty, which shares its
-        buffer, is spent; dinp may be dout's buffer: dout is read first, dinp
-        written last)."""
-        a, g, w = self.acts, self.grads, self._weights
-        dqkv, dqkvn, dqkvr, datty = qkv_grads
-        # through the dropout into d.wide, which the q, k, v gradients take
-        # only once it is read
-        dout = self._branch_dropout_backward(dout, self.grads_acts.wide,
-                                             dropout.site("attention_output", l))
-        datty[...] = 0.0
-        self._matmul_backward(datty, g.attprojw[l], self._bias(g, "attprojb", l), dout,
-                              a.atty[l], w.attprojw[l])
-        self._attention_backward(l, dqkv, dqkvn, dqkvr, datty, dropout.site("attention", l))
-        if zero:
-            dinp[...] = 0.0
-        self._matmul_backward(dinp, g.qkvw[l], self._bias(g, "qkvb", l), dqkv, attn_in,
-                              w.qkvw[l])
-
-    def _branch_dropout_backward(self, dout, buffer, site):
-        """d(a branch's output before its dropout) from ``dout`` = d(after),
-        written into ``buffer``'s first B*T*C floats; without dropout at
-        ``site`` (p, seed), dout itself."""
-        p, seed = site
-        if not p:
-            return dout
-        dbranch = self._grads_as(buffer, self.config.C)
-        K.dropout_backward(dbranch, dout, p, seed)
-        return dbranch
-
-    def _attention_backward(self, l, dqkv, dqkvn, dqkvr, datty, dropout_site):
-        """dqkv (zeroed here) = d(layer l's qkv) from datty, back through
-        attention (with its dropout's (p, seed)), RoPE and qk_norm
-        (position_qkv's steps, undone in reverse). dqkvr and dqkvn are the
-        buffers on the way: with both steps dqkv is dqkvr's buffer, used
-        again once RoPE's backward has read it."""
-        c, p, a, g = self.config, self.params, self.acts, self.grads
-        rope, qk_norm = c.position == "rope", c.qk_norm
-        if not (rope or qk_norm):
-            dqkv[...] = 0.0
-            K.attention_gqa_backward(dqkv, datty, a.qkv[l], a.att_stats[l], self.slopes,
-                                     c.NH, c.NKV, c.sliding_window, *dropout_site)
-            return
-        dqkvr[...] = 0.0
-        K.attention_gqa_backward(dqkvr, datty, a.qkvr[l], a.att_stats[l], self.slopes,
-                                 c.NH, c.NKV, c.sliding_window, *dropout_site)
-        dnormed = dqkvr
-        if rope:
-            dqkvn[...] = 0.0
-            K.rope_backward(dqkvn, dqkvr, None, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq,
-                            c.rope_interleaved)
-            dnormed = dqkvn
-        if qk_norm:
-            dqkv[...] = 0.0
-            K.head_rmsnorm_backward(dqkv, g.qnormw[l], g.knormw[l], dnormed, a.qkv[l],
-                                    p.qnormw[l], p.knormw[l], a.qk_rstd[l], c.NH, c.NKV)
-
     # ---- generation --------------------------------------------------------
 
-    @_held
+    @held
     def generate(self, prompt_tokens, max_new_tokens, *, temperature=1.0, top_k=None,
                  top_p=None, repetition_penalty=None, seed=None, stop_token=None):
         """New token ids after ``prompt_tokens``, decoded with a KV cache
@@ -879,7 +625,7 @@ class Transformer:
             K.scale_inplace(self.grads.memory, max_norm / norm)
         return norm
 
-    @_held
+    @held
     def update(self, learning_rate, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, t=1,
                decay=None):
         """One AdamW step (llm.c's gpt2_update); t >= 1 is the step number.
@@ -887,7 +633,6 @@ class Transformer:
         Weight decay applies to every parameter (llm.c's CPU trainer) unless
         ``decay`` names the tensors to decay, e.g. model.matrix_params for
         weights only; the others then get none."""
-        from ..train.optimizer import adamw_step   # train builds on the model, not back
         self.moments()
         adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
                    beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
@@ -901,65 +646,3 @@ def _checked_dropout(dropout):
         raise TypeError(f"dropout must be a llmc_py.Dropout (or None), got "
                         f"{type(dropout).__name__}")
     return dropout
-
-
-def _head_rows(B, T, keep_logits):
-    """Rows of logits held at once: all B * T, or a block of HEAD_ROWS."""
-    return B * T if keep_logits else min(HEAD_ROWS, B * T)
-
-
-def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None):
-    """Bytes by part that a model of ``config`` in ``precision`` needs for a
-    forward of (B, T), computed from the config alone (nothing is
-    allocated); with ``training`` a whole step's: the parameter gradients,
-    AdamW's moments (of ``moment_params`` parameters, default all; fewer for
-    a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
-    (default: not when training) counts all (B, T, Vp) logits, else a block
-    of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
-    "scratch" is the kernels' temporary memory, estimated for this process's
-    thread count and instruction set (see _scratch_bytes)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
-    c, f32 = config, 4
-    n = num_parameters(c)
-    moments = n if moment_params is None else moment_params
-    keep = not training if keep_logits is None else keep_logits
-    head_rows = _head_rows(B, T, keep)
-    return {"parameters": f32 * n,
-            "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
-            "parameter gradients": f32 * n if training else 0,
-            "AdamW moments": 2 * f32 * moments if training else 0,
-            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
-            "logits": f32 * head_rows * c.Vp,
-            "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
-            "scratch": _scratch_bytes(c, B, T, head_rows, precision)}
-
-
-def _scratch_bytes(config, B, T, head_rows, precision):
-    """An upper estimate of the kernels' temporary memory at (B, T): per
-    thread, attention's panels and score blocks and a matmul's packed
-    blocks; and, where the bf16 matmul widens its operands to float32
-    (no AVX512_BF16), those copies for its largest product."""
-    c, f32 = config, 4
-    threads = get_num_threads()
-    hs = c.head_size
-    attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
-    matmul = 4 << 20
-    total = threads * (attention + matmul)
-    if precision == "bf16" and get_isa() != "avx512bf16":
-        rows = max(B * T, head_rows)
-        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
-    return total
-
-
-def _fits(group, nbytes):
-    return group.buffer.nbytes >= nbytes
-
-
-def _reuse(group, specs, config, B, T):
-    """The flat buffer of ``group`` if the layout for (B, T) fits in it, else None."""
-    if group is None:
-        return None
-    needed = sum(math.prod(fn(config, B, T)) for _, fn in specs)
-    return group.buffer if needed <= group.buffer.size else None

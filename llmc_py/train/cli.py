@@ -26,7 +26,7 @@ from ..errors import CheckpointError, LlmcError, UsageError, WriteError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
-from ..generate.kv_cache import stream
+from ..generate import stream
 from ..model import PRECISIONS, load_model
 from ..model.presets import GPT2_VOCAB, config_from_depth, describe, preset_for
 from ..model.dropout import RATES as DROPOUT_SITES, Dropout

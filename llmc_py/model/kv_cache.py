@@ -20,7 +20,7 @@ import numpy as np
 
 from .._native import kernels as K
 from ..errors import ShapeError
-from ..model.layout import TensorGroup, act_specs, aligned_zeros
+from .layout import TensorGroup, act_specs, aligned_zeros
 from .sampling import sample_next
 
 

@@ -1,0 +1,315 @@
+"""The transformer's three blocks, each a forward and a backward of plain
+kernel calls, chosen once by config.block (BLOCKS):
+
+  pre       r2 = x + attn(ln1(x));   r3 = r2 + mlp(ln2(r2));        out r3
+  post      r2 = x + attn(x);        r3 = ln1(r2) + mlp(ln1(r2));   out ln2(r3)
+  parallel  r2 = x + attn(ln1(x));   r3 = r2 + mlp(ln1(x));         out r3
+
+Forward runs layer l on the activations ``a`` it is given (layout.act_specs):
+the model's for a (B, T) batch, or KV-cache decoding's for one position,
+with ``attend(l)`` turning a.qkv[l] into a.atty[l] either way. Backward
+runs layer l back from d.residual = d(its output) to d(its input), adding
+into the model's gradients.
+
+What forward saves for backward is the block's ``saved``: every layer's norm
+outputs and MLP activation (EveryLayer), or, with recompute, one layer's
+slot of each, which backward refills layer by layer (Recomputed)."""
+import weakref
+
+from .._native import kernels as K
+
+
+def optional(group, name, l=None):
+    """Layer l's tensor ``name`` (or the whole tensor), None where the model
+    has none: biases without config.bias, a norm's mean without layernorm."""
+    if name not in group:
+        return None
+    return group[name] if l is None else group[name][l]
+
+
+def apply_norm(config, out, mean, rstd, inp, weight, bias):
+    if config.norm == "rmsnorm":
+        K.rmsnorm_forward(out, rstd, inp, weight, config.norm_eps)
+    else:
+        K.layernorm_forward(out, mean, rstd, inp, weight, bias, config.norm_eps)
+
+
+def apply_norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+    if config.norm == "rmsnorm":
+        K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
+    else:
+        K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+
+
+def drop(x, site):
+    """Dropout in place on x (B, T, C) with a site's (p, seed)."""
+    p, seed = site
+    if p:
+        K.dropout_forward(x, x, p, seed)
+
+
+def undrop(dout, dinp, site):
+    """d(before a dropout at ``site`` (p, seed)) from ``dout`` = d(after),
+    written into ``dinp``; without dropout there, dout itself."""
+    p, seed = site
+    if not p:
+        return dout
+    K.dropout_backward(dinp, dout, p, seed)
+    return dinp
+
+
+def _slot(tensor, l):
+    """Layer l's slot of a per-layer activation: its own, or the one slot
+    of those that recompute holds for one layer at a time."""
+    return tensor[l if tensor.shape[0] > 1 else 0]
+
+
+class LayerGrads:
+    """Backward's activation gradients (layout.grad_act_specs) seen as one
+    layer's tensors, each (B, T, width). Those that share a buffer are used
+    one after another, as grad_act_specs lists them."""
+
+    def __init__(self, config, d, B, T):
+        c = config
+        rope, qk_norm = c.position == "rope", c.qk_norm
+
+        def view(buffer, width):
+            return buffer.reshape(-1)[:B * T * width].reshape(B, T, width)
+
+        self.residual = d.residual       # the residual stream's, carried through the layers
+        self.ln = view(d.narrow, c.C)    # of a norm's output
+        self.atty = view(d.narrow, c.attn_channels)
+        self.fch_act = view(d.wide, c.FF)
+        self.fch = view(d.fch, c.fc_channels)
+        # a branch's projection output before its dropout
+        self.attention_output = view(d.wide, c.C)
+        self.mlp_output = view(d.fch, c.C)
+        # qkv's, and on the way back to it, qkvr's and (with both qk_norm
+        # and RoPE) that of the normed q, k between them
+        self.qkvr = view(d.fch, c.qkv_channels) if rope or qk_norm else None
+        self.qkvn = view(d.wide, c.qkv_channels)
+        self.qkv = self.qkvr if rope and qk_norm else self.qkvn
+
+
+class EveryLayer:
+    """Forward keeps every layer's norm outputs and MLP activation; backward reads them."""
+
+    @staticmethod
+    def norm(a, name, l, inp):
+        return a[name][l]
+
+    @staticmethod
+    def mlp_act(a, l):
+        return a.fch_act[l]
+
+
+class Recomputed:
+    """Forward keeps one layer's norm outputs and MLP activation (act_specs'
+    recompute layout); backward recomputes each layer's into that slot, the
+    same bits."""
+
+    def __init__(self, block):
+        self.norm, self.mlp_act = block.norm, block.mlp_act
+
+
+class Block:
+    """What the three blocks share: their sublayers' kernels on a model's
+    parameters, and its matmuls (fp32 or bf16, read from the model at each
+    call)."""
+
+    def __init__(self, model, recompute=False):
+        # weak: the model holds its block, and a cycle would keep a dropped
+        # model's buffers until the garbage collector runs
+        self.model = weakref.proxy(model)
+        self.config = model.config
+        self.act_forward, self.act_backward = K.MLP_ACTIVATIONS[model.config.mlp]
+        self.recompute = recompute
+        self.saved = Recomputed(self) if recompute else EveryLayer()
+
+    def output(self, a, l):
+        """Layer l's output, the next layer's input."""
+        return a.residual3[l]
+
+    # ---- forward pieces ----------------------------------------------------
+
+    def linear(self, out, inp, name, l):
+        """out = inp W^T + b with layer l's weight ``name``w and bias ``name``b."""
+        m = self.model
+        m._matmul_forward(out, inp, m._weights[name + "w"][l], optional(m.params, name + "b", l))
+
+    def norm(self, a, name, l, inp):
+        """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot
+        (every layer's, or one held for each in turn)."""
+        p = self.model.params
+        out = _slot(a[name], l)
+        apply_norm(self.config, out, optional(a, name + "_mean", l), a[name + "_rstd"][l],
+                   inp, p[name + "w"][l], optional(p, name + "b", l))
+        return out
+
+    def mlp_act(self, a, l):
+        """Layer l's MLP activation of a.fch[l], into its fch_act slot."""
+        out = _slot(a.fch_act, l)
+        self.act_forward(out, a.fch[l])
+        return out
+
+    def attention(self, a, l, inp, attend, dropout):
+        """a.proj = layer l's attention on ``inp``, projected, after its dropout."""
+        self.linear(a.qkv[l], inp, "qkv", l)
+        attend(l)
+        self.linear(a.proj, a.atty[l], "attproj", l)
+        drop(a.proj, dropout.site("attention_output", l))
+
+    def mlp(self, a, l, inp, dropout):
+        """a.proj = layer l's MLP on ``inp``, after its dropout."""
+        self.linear(a.fch[l], inp, "fc", l)
+        self.linear(a.proj, self.mlp_act(a, l), "fcproj", l)
+        drop(a.proj, dropout.site("mlp_output", l))
+
+    # ---- backward pieces ---------------------------------------------------
+
+    def linear_backward(self, dinp, dout, inp, name, l):
+        """Adds into d(inp) and layer l's weight and bias gradients from ``dout``."""
+        m = self.model
+        g = m.grads
+        m._matmul_backward(dinp, g[name + "w"][l], optional(g, name + "b", l), dout, inp,
+                           m._weights[name + "w"][l])
+
+    def norm_backward(self, a, dinp, dout, inp, name, l):
+        p, g = self.model.params, self.model.grads
+        apply_norm_backward(self.config, dinp, g[name + "w"][l], optional(g, name + "b", l),
+                            dout, inp, p[name + "w"][l], optional(a, name + "_mean", l),
+                            a[name + "_rstd"][l])
+
+    def mlp_backward(self, a, d, l, dout, fch_act, dropout):
+        """d.fch = d(layer l's fch) from ``dout`` = d(the MLP's output after
+        its dropout); adds into fcproj's gradients."""
+        dout = undrop(dout, d.mlp_output, dropout.site("mlp_output", l))
+        d.fch_act[...] = 0.0
+        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l)
+        d.fch[...] = 0.0
+        self.act_backward(d.fch, d.fch_act, a.fch[l])
+        return d.fch
+
+    def attention_backward(self, a, d, l, dout, dropout):
+        """d.qkv = d(layer l's qkv) from ``dout`` = d(the attention
+        projection's output after its dropout): back through attproj,
+        attention (with its dropout), RoPE and qk_norm (model.position_qkv's
+        steps, undone in reverse); adds into their gradients."""
+        c, m = self.config, self.model
+        p, g = m.params, m.grads
+        dout = undrop(dout, d.attention_output, dropout.site("attention_output", l))
+        d.atty[...] = 0.0
+        self.linear_backward(d.atty, dout, a.atty[l], "attproj", l)
+        site = dropout.site("attention", l)
+        rope, qk_norm = c.position == "rope", c.qk_norm
+        if not (rope or qk_norm):
+            d.qkv[...] = 0.0
+            K.attention_gqa_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], m.slopes,
+                                     c.NH, c.NKV, c.sliding_window, *site)
+            return d.qkv
+        # with both steps d.qkv is d.qkvr's buffer, used again once RoPE's backward has read it
+        d.qkvr[...] = 0.0
+        K.attention_gqa_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l], m.slopes,
+                                 c.NH, c.NKV, c.sliding_window, *site)
+        dnormed = d.qkvr
+        if rope:
+            d.qkvn[...] = 0.0
+            K.rope_backward(d.qkvn, d.qkvr, None, c.NH, c.NKV, c.rope_theta, m.rope_inv_freq,
+                            c.rope_interleaved)
+            dnormed = d.qkvn
+        if qk_norm:
+            d.qkv[...] = 0.0
+            K.head_rmsnorm_backward(d.qkv, g.qnormw[l], g.knormw[l], dnormed, a.qkv[l],
+                                    p.qnormw[l], p.knormw[l], a.qk_rstd[l], c.NH, c.NKV)
+        return d.qkv
+
+
+class PreNorm(Block):
+    """GPT-2's and Llama's block, kernel by kernel as llm.c's gpt2_forward
+    runs it (the other two blocks say it by sublayer)."""
+
+    def forward(self, a, l, x, attend, dropout):
+        ln1 = self.norm(a, "ln1", l, x)
+        self.linear(a.qkv[l], ln1, "qkv", l)
+        attend(l)
+        self.linear(a.proj, a.atty[l], "attproj", l)
+        drop(a.proj, dropout.site("attention_output", l))
+        K.residual_forward(a.residual2[l], x, a.proj)
+        ln2 = self.norm(a, "ln2", l, a.residual2[l])
+        self.linear(a.fch[l], ln2, "fc", l)
+        fch_act = self.mlp_act(a, l)
+        self.linear(a.proj, fch_act, "fcproj", l)
+        drop(a.proj, dropout.site("mlp_output", l))
+        K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
+        return a.residual3[l]
+
+    def backward(self, a, d, l, x, dropout):
+        ln1 = self.saved.norm(a, "ln1", l, x)
+        ln2 = self.saved.norm(a, "ln2", l, a.residual2[l])
+        fch_act = self.saved.mlp_act(a, l)
+        d.ln[...] = 0.0
+        dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
+        self.linear_backward(d.ln, dfch, ln2, "fc", l)
+        self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln2", l)
+        # now d(residual2[l])
+        dqkv = self.attention_backward(a, d, l, d.residual, dropout)
+        d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l)
+        self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
+
+
+class Parallel(Block):
+    """GPT-J's and Falcon-7B's block: attention and the MLP side by side on ln1(x)."""
+
+    def forward(self, a, l, x, attend, dropout):
+        ln1 = self.norm(a, "ln1", l, x)
+        self.attention(a, l, ln1, attend, dropout)
+        K.residual_forward(a.residual2[l], x, a.proj)
+        self.mlp(a, l, ln1, dropout)
+        K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
+        return a.residual3[l]
+
+    def backward(self, a, d, l, x, dropout):
+        ln1 = self.saved.norm(a, "ln1", l, x)
+        fch_act = self.saved.mlp_act(a, l)
+        # d.residual = d(residual3[l]) = d(residual2[l]): both branches' output's
+        dqkv = self.attention_backward(a, d, l, d.residual, dropout)
+        d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l)
+        dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
+        self.linear_backward(d.ln, dfch, ln1, "fc", l)
+        self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
+
+
+class PostNorm(Block):
+    """The original Transformer's block: each norm after its residual add;
+    ln2 is the layer's output (kept for every layer, also with recompute)."""
+
+    def forward(self, a, l, x, attend, dropout):
+        self.attention(a, l, x, attend, dropout)
+        K.residual_forward(a.residual2[l], x, a.proj)
+        ln1 = self.norm(a, "ln1", l, a.residual2[l])
+        self.mlp(a, l, ln1, dropout)
+        K.residual_forward(a.residual3[l], ln1, a.proj)
+        return self.norm(a, "ln2", l, a.residual3[l])
+
+    def output(self, a, l):
+        return a.ln2[l]
+
+    def backward(self, a, d, l, x, dropout):
+        ln1 = self.saved.norm(a, "ln1", l, a.residual2[l])
+        fch_act = self.saved.mlp_act(a, l)
+        d.ln[...] = 0.0
+        self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l)
+        # now d(residual3[l]); the MLP's input gradient adds into it
+        dfch = self.mlp_backward(a, d, l, d.ln, fch_act, dropout)
+        self.linear_backward(d.ln, dfch, ln1, "fc", l)
+        # now d(ln1[l])
+        d.residual[...] = 0.0
+        self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l)
+        # now d(residual2[l]); attention's input gradient adds into it
+        dqkv = self.attention_backward(a, d, l, d.residual, dropout)
+        self.linear_backward(d.residual, dqkv, x, "qkv", l)
+
+
+BLOCKS = {"pre": PreNorm, "parallel": Parallel, "post": PostNorm}

@@ -1,0 +1,101 @@
+"""A model's memory by part, from its config alone (memory_plan), and the
+check a model runs before it allocates what it lacks (require_missing), so
+that a step that cannot fit fails at once, saying what needs how much."""
+import math
+
+from .._native.lib import get_isa, get_num_threads
+from .layout import act_specs, grad_act_specs, num_parameters, specs_bytes
+from .memory import format_bytes, require
+
+PRECISIONS = ("fp32", "bf16")
+# rows of logits the classifier holds at once when it does not keep them all
+# (forward_backward, forward(keep_logits=False)): 51 MB of GPT-2's. Even, so
+# that the bf16 matmul's k pairs of the head weight's gradient (summed over
+# rows) are the pairs of one whole product; 384 rows measured no faster
+HEAD_ROWS = 256
+# query rows of attention's backward blocks (its scratch: two such blocks of
+# T scores per thread)
+ATTENTION_BLOCK_ROWS = 64
+
+
+def head_rows(B, T, keep_logits):
+    """Rows of logits held at once: all B * T, or a block of HEAD_ROWS."""
+    return B * T if keep_logits else min(HEAD_ROWS, B * T)
+
+
+def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
+                recompute=False, moment_params=None):
+    """Bytes by part that a model of ``config`` in ``precision`` needs for a
+    forward of (B, T), computed from the config alone (nothing is
+    allocated); with ``training`` a whole step's: the parameter gradients,
+    AdamW's moments (of ``moment_params`` parameters, default all; fewer for
+    a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
+    (default: not when training) counts all (B, T, Vp) logits, else a block
+    of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
+    "scratch" is the kernels' temporary memory, estimated for this process's
+    thread count and instruction set (see scratch_bytes)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
+    c, f32 = config, 4
+    n = num_parameters(c)
+    moments = n if moment_params is None else moment_params
+    keep = not training if keep_logits is None else keep_logits
+    rows = head_rows(B, T, keep)
+    return {"parameters": f32 * n,
+            "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
+            "parameter gradients": f32 * n if training else 0,
+            "AdamW moments": 2 * f32 * moments if training else 0,
+            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
+            "logits": f32 * rows * c.Vp,
+            "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
+            "scratch": scratch_bytes(c, B, T, rows, precision)}
+
+
+def scratch_bytes(config, B, T, head_rows, precision):
+    """An upper estimate of the kernels' temporary memory at (B, T): per
+    thread, attention's panels and score blocks and a matmul's packed
+    blocks; and, where the bf16 matmul widens its operands to float32
+    (no AVX512_BF16), those copies for its largest product."""
+    c, f32 = config, 4
+    threads = get_num_threads()
+    hs = c.head_size
+    attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
+    matmul = 4 << 20
+    total = threads * (attention + matmul)
+    if precision == "bf16" and get_isa() != "avx512bf16":
+        rows = max(B * T, head_rows)
+        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+    return total
+
+
+def require_missing(model, B, T, training, keep_logits):
+    """Raises OutOfMemoryError, naming each part, if the parts of
+    model.memory_plan(B, T) it has not allocated yet do not fit, all at once."""
+    plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits)
+    have = {"parameters": True, "parameters (bf16 copy)": True,
+            "parameter gradients": model._grads is not None,
+            # made by moments(); a shard of them, by its optimizer (ZeRO-1)
+            "AdamW moments": (model.m_memory is not None
+                              or model.moment_params < model.num_parameters),
+            "activations": _fits(model.acts, plan["activations"]),
+            "logits": (model._logits_buffer is not None
+                       and model._logits_buffer.nbytes >= plan["logits"]),
+            "activation gradients": _fits(model.grads_acts, plan["activation gradients"]),
+            "scratch": False}
+    missing = {part: nbytes for part, nbytes in plan.items() if nbytes and not have[part]}
+    if missing:
+        parts = ", ".join(f"{part} {format_bytes(n)}" for part, n in missing.items())
+        require(sum(missing.values()), f"{'training' if training else 'a forward'} at "
+                                       f"B={B}, T={T} ({parts})")
+
+
+def _fits(group, nbytes):
+    return group is not None and group.buffer.nbytes >= nbytes
+
+
+def reusable(group, specs, config, B, T):
+    """The flat buffer of ``group`` if the layout for (B, T) fits in it, else None."""
+    if group is None:
+        return None
+    needed = sum(math.prod(fn(config, B, T)) for _, fn in specs)
+    return group.buffer if needed <= group.buffer.size else None
