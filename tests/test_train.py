@@ -543,7 +543,7 @@ def test_dropout_0_is_no_dropout_and_bf16_trains_with_dropout(shards, tmp_path):
 
 def test_live_progress_line_shows_perplexity():
     import io
-    from llmc_py.train.cli import Progress
+    from llmc_py.train.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -555,13 +555,13 @@ def test_live_progress_line_shows_perplexity():
 
 def scripted_val_losses(monkeypatch, losses):
     """Makes the evaluations return ``losses`` in turn (the real one runs too)."""
-    from llmc_py.train import cli, loop
+    from llmc_py.train import hooks, loop
     real, script = loop.evaluate, iter(losses)
 
     def evaluate(model, loader, batches):
         real(model, loader, batches)
         return next(script)
-    monkeypatch.setattr(cli, "evaluate", evaluate)
+    monkeypatch.setattr(hooks, "evaluate", evaluate)
 
 
 def best_info(out_dir):
