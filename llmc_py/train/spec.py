@@ -22,7 +22,8 @@ from .schedule import LRSchedule
 DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
 
 
-# ---- the model family: the flags of the parser's "model family" group --------
+# ---- the model family: the flags of the parser's "model family" group, which
+# the run reads through these three only
 
 def family_defaults():
     """{dest: default} of the model-family flags, as the parser declares them."""
@@ -50,8 +51,8 @@ def describe(config):
 class RunSpec:
     """A training run; each field is the flag of the same name (``--help``
     says what it does). Read, never changed, by the run."""
-    train_data: str | None = None            # -i; None: the Shakespeare set, prepared if missing
-    val_data: str | None = None              # -j
+    train_data: str | None = None     # -i; None: the Shakespeare set, prepared if missing
+    val_data: str | None = None       # -j
     init: str = DEFAULT_MODEL         # -e: a depth (d4), an llm.c model file or an HF folder
     tokenizer: str | None = None
     export_hf: str | None = None
@@ -96,10 +97,19 @@ class RunSpec:
     monitor_entropy_min: float = 0.1
     monitor_cosine_max: float = 0.99
     data_dir: str = "data"
-    family: dict = field(default_factory=family_defaults)   # the model-family flags
+    # the model-family flags {dest: value}; those left out take their defaults
+    family: dict = field(default_factory=dict)
     # the flags given on the command line: on resume, a model-family flag
     # not given is not compared (the model comes from the checkpoint)
     explicit: frozenset = frozenset()
+
+    def __post_init__(self):
+        defaults = family_defaults()
+        unknown = sorted(set(self.family) - set(defaults))
+        if unknown:
+            raise UsageError(f"family: {', '.join(unknown)} is not a model-family flag (those "
+                             f"are {', '.join(defaults)})")
+        object.__setattr__(self, "family", {**defaults, **self.family})
 
     def flags(self):
         """{dest: value} of every flag, the model family's too: what the
