@@ -13,6 +13,7 @@ model, sample and checkpoint. What it says goes to ``out`` (stdout).
 """
 import contextlib
 import hashlib
+import math
 import os
 import signal
 import time
@@ -149,6 +150,12 @@ class Run:
         if self.resume_step:
             self._restore(*moments, extra)
         self._say_model()
+        self.keep_best = None
+        if spec.keep_best and world.is_root:
+            measured_on = {"val_data": self.settings["val_fingerprint"],
+                           "val_batches": self.val_batches}
+            self.keep_best = KeepBest(self.folder, self.model, measured_on, self.signals,
+                                      self.progress, resumed=bool(self.resume_step))
 
     def _data(self):
         """(train, val) token file globs, in the tokens of the model's
@@ -315,18 +322,11 @@ class Run:
 
     def _trainer(self, log, metrics):
         """The Trainer with the run's hooks, in the order of a step's work."""
-        spec, world, root = self.spec, self.world, self.world.is_root
-        progress, last = self.progress, spec.max_steps
-        keep_best = None
-        if spec.keep_best and root:
-            measured_on = {"val_data": self.settings["val_fingerprint"],
-                           "val_batches": self.val_batches}
-            keep_best = KeepBest(self.folder, self.model, measured_on, self.signals, progress,
-                                 resumed=bool(self.resume_step))
+        spec, world = self.spec, self.world
         self.checkpoints = Checkpoints(
             self.folder, self.model, self.optimizer, self._state_extra, spec.checkpoint_every,
-            last, spec.keep_checkpoints, self.resume_step, world, self.signals, progress,
-            self.sharded)
+            spec.max_steps, spec.keep_checkpoints, self.resume_step, world, self.signals,
+            self.progress, self.sharded)
         next_batch = self.train_loader.next_batch
         if spec.overfit_single_batch:
             fixed_batch = next_batch()
@@ -338,28 +338,33 @@ class Run:
             reduce = world.reduce_scatter_mean if self.sharded else world.average
             trainer.after_backward.append(lambda trainer, step: reduce(self.model.grads.memory))
         trainer.after_step.append(self.checkpoints.step_finished)
-        if self.probe is not None and root:
+        if self.probe is not None and world.is_root:
             monitor = Monitor(self.model, *self.probe, spec.monitor_every, metrics,
                               entropy_min=spec.monitor_entropy_min or None,
                               cosine_max=spec.monitor_cosine_max
-                              if spec.monitor_cosine_max < 1 else None, say=progress.say)
+                              if spec.monitor_cosine_max < 1 else None, say=self.progress.say)
             trainer.after_backward.append(monitor.after_backward)
             trainer.after_step.append(monitor.after_step)
+        trainer.end_of_step += self._end_of_step_hooks(log)
+        return trainer
+
+    def _end_of_step_hooks(self, log):
+        """The log, the evaluation (offering the best model to --keep-best),
+        the sample and the checkpoint."""
+        spec, world, progress, last = self.spec, self.world, self.progress, self.spec.max_steps
         tokens_per_step = self.grad_accum * spec.batch_size * spec.seq_len * world.size
         self.step_log = StepLog(log, progress, self.resume_step, last, tokens_per_step)
-        trainer.end_of_step += [self.step_log,
-                                lambda trainer, r: raise_injected_fault(world.rank, r.step)]
+        hooks = [self.step_log, lambda trainer, r: raise_injected_fault(world.rank, r.step)]
         self.evaluation = None
         if self.val_loader is not None:
             self.evaluation = Evaluation(self.model, self.val_loader, self.val_batches,
-                                         spec.val_every, last, world, log, progress, keep_best)
-            trainer.end_of_step.append(self.evaluation)
-        if spec.sample_every and root:
-            trainer.end_of_step.append(Sampling(self.model, self.encoding, spec.gen_tokens,
-                                                spec.sample_every, last, self.sample_rng,
-                                                progress, self.checkpoints.refresh))
-        trainer.end_of_step.append(self.checkpoints)
-        return trainer
+                                         spec.val_every, last, world, log, progress,
+                                         self.keep_best)
+            hooks.append(self.evaluation)
+        if spec.sample_every and world.is_root:
+            hooks.append(Sampling(self.model, self.encoding, spec.gen_tokens, spec.sample_every,
+                                  last, self.sample_rng, progress, self.checkpoints.refresh))
+        return hooks + [self.checkpoints]
 
     def _steps(self):
         """Steps resume_step + 1 .. max_steps, then the summary and the export."""
@@ -402,8 +407,8 @@ class Run:
                         f"{perplexity(losses[0]):.2f} -> {perplexity(losses[-1]):.2f})")
         if val_loss is not None:
             summary += f", val loss {val_loss:.4f} (perplexity {perplexity(val_loss):.2f})"
-        keep_best = self.evaluation.keep_best if self.evaluation is not None else None
-        if keep_best is not None and keep_best.best is not None and keep_best.loss < float("inf"):
+        keep_best = self.keep_best
+        if keep_best is not None and keep_best.best is not None and keep_best.loss < math.inf:
             summary += (f", best val loss {keep_best.loss:.4f} at step {keep_best.best['step']} "
                         f"({self.folder.best_path})")
         say(summary + f"; checkpoint {self.folder.checkpoint_paths(spec.max_steps)[0]}")
