@@ -1,6 +1,6 @@
 """A run's work between steps, as train.loop.Trainer hooks: each is a
 callable f(trainer, result) for ``end_of_step`` (Checkpoints also has one
-for ``after_step``). Run (train.run) adds them in the order a step's lines
+for ``after_step``). Run (train.runner) adds them in the order a step's lines
 come: the log, the evaluation (and with it the best model), the sample,
 the checkpoint."""
 import math
@@ -10,8 +10,8 @@ import types
 from ..errors import LlmcError, UsageError, WriteError
 from ..generate.kv_cache import stream
 from .loop import evaluate, perplexity
-from .signals import Stopped
 from .progress import signal_name
+from .signals import Stopped
 
 
 def due(step, every, last_step):
@@ -21,7 +21,8 @@ def due(step, every, last_step):
 
 class StepLog:
     """Each step's line in main.log (llm.c's format) and on the progress
-    display; the losses, for the summary."""
+    display, for steps after ``start_step`` (0, or the resumed checkpoint's)
+    up to ``last_step``; the losses, for the summary."""
 
     def __init__(self, log, progress, start_step, last_step, tokens_per_step):
         self.log, self.progress = log, progress
@@ -129,7 +130,7 @@ class Sampling:
 class Checkpoints:
     """Rank 0 writes a checkpoint every ``every`` steps (0: none) and at the
     last, keeping the newest ``keep`` (0: all); on a stop signal, one of the
-    last step whose update finished. ``state_extra()``: the run's state
+    last step whose update finished (``start_step`` until one does). ``state_extra()``: the run's state
     beside the model and moments (data loader, RNG, settings)."""
 
     def __init__(self, folder, model, optimizer, state_extra, every, last_step, keep,
