@@ -139,12 +139,12 @@ class Run:
             from ..tokenizer import get_encoding
             self.encoding = get_encoding()
         self.sample_rng = np.random.default_rng(spec.seed)
+        self.tokens_per_step = self.grad_accum * spec.batch_size * spec.seq_len * world.size
         # what a resumed run must share with this one, saved in every state file
-        ranks = world.size
         self.settings = dict(
             spec.flags(), train_data=train_data, val_data=val_data,
-            total_batch_tokens=self.grad_accum * spec.batch_size * spec.seq_len * ranks,
-            grad_accum=self.grad_accum, world_size=ranks, val_batches=self.val_batches,
+            total_batch_tokens=self.tokens_per_step, grad_accum=self.grad_accum,
+            world_size=world.size, val_batches=self.val_batches,
             train_fingerprint=fingerprint(self.train_loader.files),
             val_fingerprint=fingerprint(self.val_loader.files) if self.val_loader else None)
         if self.resume_step:
@@ -352,8 +352,7 @@ class Run:
         """The log, the evaluation (offering the best model to --keep-best),
         the sample and the checkpoint."""
         spec, world, progress, last = self.spec, self.world, self.progress, self.spec.max_steps
-        tokens_per_step = self.grad_accum * spec.batch_size * spec.seq_len * world.size
-        self.step_log = StepLog(log, progress, self.resume_step, last, tokens_per_step)
+        self.step_log = StepLog(log, progress, self.resume_step, last, self.tokens_per_step)
         hooks = [self.step_log, lambda trainer, r: raise_injected_fault(world.rank, r.step)]
         self.evaluation = None
         if self.val_loader is not None:
