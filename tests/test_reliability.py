@@ -183,7 +183,7 @@ def test_a_failing_sample_is_a_warning_and_costs_no_progress(shards, tmp_path, m
     def broken(*args, **kwargs):
         raise ValueError("the sampler broke")
         yield
-    monkeypatch.setattr(train_mod.cli, "stream", broken)
+    monkeypatch.setattr(train_mod.hooks, "stream", broken)
     out = tmp_path / "out"
     assert run(shards, out, "-x", "4", "-s", "2", "-g", "3", "-n", "2") == 0
     assert "step 2: warning: sampling failed (ValueError: the sampler broke)" in \

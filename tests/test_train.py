@@ -352,6 +352,32 @@ def test_out_of_vocab_tokens_in_data(tmp_path, capsys):
     assert code == 1 and "50260" in capsys.readouterr().err
 
 
+def test_a_run_from_python_is_the_cli_run(shards, tmp_path):
+    """llmc_py.train.run(RunSpec(...)) with the CLI's settings writes the same
+    main.log and checkpoints as the command line."""
+    from llmc_py.train import RunSpec
+    assert run(shards, tmp_path / "cli", "-x", "6", "-n", "3") == 0
+    train_glob, val_glob = shards
+    spec = RunSpec(train_data=train_glob, val_data=val_glob, output_dir=str(tmp_path / "py"),
+                   init="d1", batch_size=2, seq_len=16, val_every=4, val_batches=2,
+                   sample_every=0, learning_rate=3e-3, warmup_steps=3, max_steps=6,
+                   checkpoint_every=3)
+    assert train_mod.run(spec) == 0
+    for name in ("main.log", "model_00000003.bin", "model_00000006.bin"):
+        assert (tmp_path / "py" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes()
+
+
+def test_run_spec_has_the_command_lines_defaults():
+    from llmc_py.errors import UsageError
+    from llmc_py.train import RunSpec
+    from llmc_py.train.cli import parse
+    assert RunSpec() == parse([])
+    llama = RunSpec(family={"arch": "llama", "kv_heads": 1})
+    assert llama.flags() == parse(["--arch", "llama", "--kv-heads", "1"]).flags()
+    with pytest.raises(UsageError, match="kv_head is not a model-family flag"):
+        RunSpec(family={"kv_head": 1})
+
+
 def test_learning_rate_schedules():
     parser = train_mod.build_parser()
     args = parser.parse_args(["-l", "1.0", "-u", "10", "-x", "110", "-q", "0.1"])
@@ -543,7 +569,7 @@ def test_dropout_0_is_no_dropout_and_bf16_trains_with_dropout(shards, tmp_path):
 
 def test_live_progress_line_shows_perplexity():
     import io
-    from llmc_py.train.cli import Progress
+    from llmc_py.train.progress import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -555,13 +581,13 @@ def test_live_progress_line_shows_perplexity():
 
 def scripted_val_losses(monkeypatch, losses):
     """Makes the evaluations return ``losses`` in turn (the real one runs too)."""
-    from llmc_py.train import cli, loop
+    from llmc_py.train import hooks, loop
     real, script = loop.evaluate, iter(losses)
 
     def evaluate(model, loader, batches):
         real(model, loader, batches)
         return next(script)
-    monkeypatch.setattr(cli, "evaluate", evaluate)
+    monkeypatch.setattr(hooks, "evaluate", evaluate)
 
 
 def best_info(out_dir):

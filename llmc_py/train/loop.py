@@ -37,8 +37,10 @@ class Trainer:
     gradients are complete, before the norm is taken. ``after_step``:
     callables f(trainer, result), run after each step that was applied.
     ``update_guard``: a context manager factory around the update and the
-    after_step hooks, so that they run whole or not at all (the CLI holds
-    stop signals there).
+    after_step hooks, so that they run whole or not at all (a run holds
+    stop signals there). ``end_of_step``: callables f(trainer, result), run
+    after that guard for each step that was applied (a run's log, its
+    evaluations, samples and checkpoints, which a stop signal may cut short).
 
     ``world`` (train.distributed; default one process): the loss is the mean
     over its ranks, and with an optimizer that updates a shard (``span``,
@@ -61,6 +63,7 @@ class Trainer:
         self.dropout = dropout if dropout is not None and dropout.active else None
         self.after_backward = []
         self.after_step = []
+        self.end_of_step = []
 
     def train_step(self, step):
         """Optimizer step ``step`` (1-based); returns its StepResult. A step
@@ -86,6 +89,8 @@ class Trainer:
             result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True)
             for hook in self.after_step:
                 hook(self, result)
+        for hook in self.end_of_step:
+            hook(self, result)
         return result
 
 

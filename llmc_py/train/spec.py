@@ -1,0 +1,159 @@
+"""What a training run is asked to do: ``RunSpec``, one field per flag of
+``python -m llmc_py.train`` with the same default (the parser takes its
+defaults from here), the model-family flags together in ``family``.
+
+The CLI parses its command line into a RunSpec once; from Python, give the
+fields that differ: ``RunSpec(train_data="data/*.bin", max_steps=20)``.
+Every state file saves ``flags()`` (with what the run derived from them):
+resuming compares them with the new run's (train.resume).
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ..config import MODEL_FLAGS
+from ..errors import UsageError
+from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
+from ..model.dropout import RATES as DROPOUT_SITES, Dropout
+from ..model.transformer import INIT_STD
+from .schedule import LRSchedule
+
+DEFAULT_MODEL = "d4"            # 4 layers, 256 channels, 4 heads: 16.3M parameters
+
+
+# ---- the model family: the flags of the parser's "model family" group, each
+# declared once with its config field (config.MODEL_FLAGS), and --arch
+
+def family_defaults():
+    """{dest: default} of the model-family flags."""
+    return {"arch": "gpt2", **{dest: f.flag_default for dest, f in MODEL_FLAGS.items()}}
+
+
+# ---- the specification ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A training run; each field is the flag of the same name (``--help``
+    says what it does). Read, never changed, by the run."""
+    train_data: str | None = None     # -i; None: the Shakespeare set, prepared if missing
+    val_data: str | None = None       # -j
+    init: str = DEFAULT_MODEL         # -e: a depth (d4), an llm.c model file or an HF folder
+    tokenizer: str | None = None
+    export_hf: str | None = None
+    output_dir: str = "out"           # -o
+    batch_size: int = 8               # -b: B, per process
+    seq_len: int = 128                # -t: T
+    total_batch_tokens: int = 0       # -d; 0: B*T (times the processes)
+    max_steps: int = 500              # -x
+    learning_rate: float = 1e-3       # -l
+    warmup_steps: int = 25            # -u
+    final_lr_fraction: float = 0.1    # -q
+    schedule: str = "cosine"          # -k: train.schedule.SCHEDULES
+    weight_decay: float = 0.1         # -c
+    decay_on: str = "matrices"        # train.optimizer.DECAY_ON
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0            # 0: no clipping
+    val_every: int = 50               # -v; 0: never
+    val_batches: int = 10             # -m
+    sample_every: int = 100           # -s; 0: never
+    gen_tokens: int = 64              # -g
+    checkpoint_every: int = 100       # -n; 0: only at the end
+    keep_checkpoints: int = 0         # -nk; 0: all
+    keep_best: int = 0
+    resume: int = 0                   # -y
+    overwrite: bool = False
+    overfit_single_batch: int = 0     # -a
+    shuffle: int = 0
+    seed: int = 1337
+    precision: str = "fp32"           # model.PRECISIONS
+    dropout: float = 0.0
+    dropout_embedding: float | None = None   # None: dropout's
+    dropout_attention: float | None = None
+    dropout_residual: float | None = None
+    recompute: int = 0
+    threads: int = 0                  # 0: OpenMP's default
+    init_scheme: str = "gpt2"         # model.transformer.INIT_SCHEMES
+    init_std: float = INIT_STD
+    zero: int = 0
+    monitor_every: int = 0
+    monitor_entropy_min: float = 0.1
+    monitor_cosine_max: float = 0.99
+    data_dir: str = "data"
+    # the model-family flags {dest: value}; those left out take their defaults
+    family: dict = field(default_factory=dict)
+    # the flags given on the command line: on resume, a model-family flag
+    # not given is not compared (the model comes from the checkpoint)
+    explicit: frozenset = frozenset()
+
+    def __post_init__(self):
+        defaults = family_defaults()
+        unknown = sorted(set(self.family) - set(defaults))
+        if unknown:
+            raise UsageError(f"family: {', '.join(unknown)} is not a model-family flag (those "
+                             f"are {', '.join(defaults)})")
+        object.__setattr__(self, "family", {**defaults, **self.family})
+
+    def flags(self):
+        """{dest: value} of every flag, the model family's too: what the
+        parser's namespace holds."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)
+                  if f.name not in ("family", "explicit")}
+        return {**values, **self.family}
+
+    def check(self):
+        """Raises UsageError naming the first flag outside its range."""
+        check_flags(types.SimpleNamespace(**self.flags()), FLAG_RANGES)
+
+    def grad_accum(self, ranks=1):
+        """Micro-batches per optimizer step, from -d (0: one), the tokens of a
+        step over all ``ranks`` processes (llm.c's convention: -b is per process)."""
+        bt = self.batch_size * self.seq_len * ranks
+        total = self.total_batch_tokens or bt
+        if total % bt:
+            raise UsageError(f"-d {total} is not a multiple of B*T*processes = "
+                             f"{self.batch_size}*{self.seq_len}*{ranks} = {bt}")
+        return total // bt
+
+    def lr_schedule(self):
+        return LRSchedule(peak=self.learning_rate, total_steps=self.max_steps,
+                          warmup_steps=self.warmup_steps, kind=self.schedule,
+                          final_fraction=self.final_lr_fraction)
+
+    def dropout_masks(self):
+        """The run's Dropout: --dropout at every site unless a site's own flag
+        says otherwise; its masks come from --seed."""
+        rates = {site: getattr(self, f"dropout_{site}") for site in DROPOUT_SITES}
+        try:
+            return Dropout(**{site: self.dropout if p is None else p
+                              for site, p in rates.items()}, seed=self.seed)
+        except ValueError as e:   # a probability that rounds to 1 in float32
+            raise UsageError(f"--dropout: {e}") from None
+
+    def tokenizer_source(self):
+        """Where the run's tokenizer comes from: --tokenizer, else -e when it
+        is a folder (a Hugging Face model's); None for GPT-2's."""
+        if self.tokenizer:
+            return self.tokenizer
+        return self.init if Path(self.init).is_dir() else None
+
+
+BELOW_ONE = Range(lo=0, hi=1, hi_open=True, text="in [0, 1)")
+# every numeric flag's allowed values
+FLAG_RANGES = {
+    "batch_size": POSITIVE, "seq_len": POSITIVE, "total_batch_tokens": NON_NEGATIVE,
+    "max_steps": POSITIVE, "learning_rate": POSITIVE, "warmup_steps": NON_NEGATIVE,
+    "final_lr_fraction": FRACTION, "weight_decay": NON_NEGATIVE,
+    "beta1": BELOW_ONE, "beta2": BELOW_ONE, "adam_eps": POSITIVE,
+    "grad_clip": NON_NEGATIVE, "val_every": NON_NEGATIVE, "val_batches": POSITIVE,
+    "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
+    "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
+    **{dest: f.flag.range for dest, f in MODEL_FLAGS.items() if f.flag.range},
+    "init_std": POSITIVE,
+    "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
+    "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
+    "dropout": BELOW_ONE, **{f"dropout_{site}": BELOW_ONE for site in DROPOUT_SITES},
+}
