@@ -14,8 +14,8 @@ import os
 import sys
 import time
 
+from ..cli import command
 from ..config import MODEL_FLAGS
-from ..errors import LlmcError, UsageError
 from ..model import PRECISIONS
 from ..model.dropout import RATES as DROPOUT_SITES
 from ..model.memory import return_freed_scratch
@@ -171,17 +171,14 @@ def explicit_flags(argv):
     return set(vars(parser.parse_args(argv)))
 
 
+@command
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     spec = parse(argv)
     return_freed_scratch()
-    try:
-        world = distributed.world()
-        if world.size == 1:
-            return run(spec)
-    except (UsageError, LlmcError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    world = distributed.world()
+    if world.size == 1:
+        return run(spec)
     return run_ranks(spec, world)
 
 
