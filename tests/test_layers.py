@@ -68,3 +68,10 @@ def test_the_model_file_readers_do_not_import_each_other():
     readers = {"llmc_py.io.model_file", "llmc_py.io.hf"}
     for reader in readers:
         assert not graph[reader] & (readers | {"llmc_py.io.load", "llmc_py.io"}), reader
+
+
+def test_the_model_imports_nothing_from_training_or_generation():
+    upper = ("llmc_py.train", "llmc_py.generate")
+    wrong = {m: sorted(t for t in targets if t.startswith(upper))
+             for m, targets in import_graph().items() if m.startswith("llmc_py.model")}
+    assert {m: t for m, t in wrong.items() if t} == {}
