@@ -1,6 +1,7 @@
 """The one error handler of every command line (``python -m llmc_py.X``):
 each tool's ``main`` reads its flags, runs, prints, and leaves what can go
 wrong for a user to this decorator, which says it in one line."""
+import argparse
 import functools
 import sys
 
@@ -10,6 +11,16 @@ from .errors import LlmcError
 # values (most LlmcErrors are ValueErrors too) and files that cannot be read
 # or written
 REPORTED = (LlmcError, ValueError, OSError)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's, which appends "(default: X)" to every flag's help, except
+    where the help already says its default or there is none to say (None, "")."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def command(main=None, *, prefix="", interrupted=None):

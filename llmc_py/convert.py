@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .cli import command
+from .cli import DefaultsHelpFormatter, command
 from .errors import UsageError
 from .io.hf import write_hf
 from .io.load import read_model_file, write_model_file
@@ -23,7 +23,7 @@ from .io.model_file import DTYPES
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.convert",
                                 description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("src", help="a Hugging Face model folder, or a model file")
     p.add_argument("dst", help="the model file to write (from a folder), or the folder "
                                "to write (from a model file)")

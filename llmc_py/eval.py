@@ -112,7 +112,8 @@ def build_parser():
     p.add_argument("-b", "--batch-size", type=int, default=1, help="windows per forward")
     p.add_argument("--max-tokens", type=int, default=0,
                    help="evaluate on the first N tokens only (0: all)")
-    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: the matmuls on a bf16 copy of the weights (mixed precision)")
     return p
 
 

@@ -11,7 +11,7 @@ used when they have one (``pip install "llmc_py[hf]"``); otherwise GPT-2's.
 import argparse
 import sys
 
-from .cli import command
+from .cli import DefaultsHelpFormatter, command
 from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
 from .model import PRECISIONS, load_model
 from .generate import stream
@@ -25,7 +25,7 @@ FLAG_RANGES = {"gen_tokens": POSITIVE, "temperature": NON_NEGATIVE, "top_k": POS
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.sample",
                                 description="Sample text from an llm.c model file.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("-e", "--checkpoint", required=True,
                    help="a model file, or a Hugging Face model folder")
     p.add_argument("--tokenizer", default=None,
@@ -39,7 +39,8 @@ def build_parser():
                    help="keep the likeliest tokens up to this total probability")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="> 1 makes tokens already in the text less likely (e.g. 1.2)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, default=1337,
+                   help="the sampling's random seed: the same seed, the same text")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: decode with a bf16 copy of the weights (half the bytes per "
                         "token)")

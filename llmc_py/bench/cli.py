@@ -28,15 +28,22 @@ FLAG_RANGES = {"repeats": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m llmc_py.bench", description=about.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs of each measurement (after its warm-up), of which the "
+                        "median, min and max are shown (default 5; --quality ignores it)")
     p.add_argument("--threads", type=int, default=0,
                    help="0: OpenMP's default. numpy's BLAS and torch get the same count "
                         "(from the command line the benchmark restarts itself with "
                         "OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set, which numpy reads "
                         "only at import)")
-    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"))
+    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"),
+                   help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
+                        "and of the training step (default 4 64; --generate uses --gen, at "
+                        "batches 1 and 4)")
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
-    p.add_argument("--skip-matmul", action="store_true")
+    p.add_argument("--skip-matmul", action="store_true",
+                   help="skip the kernels (matmul, attention, memory-bound): time only the "
+                        "training step")
     p.add_argument("--attention-window", type=int, default=0, metavar="W",
                    help="also time attention with a sliding window of W keys (on the "
                         "fastest instruction set), beside full causal attention")
@@ -48,7 +55,9 @@ def build_parser():
                    help="bf16: also the bf16 matmul products beside torch's bf16 matmul; the "
                         "step in bf16 mixed precision beside torch under autocast(bf16); with "
                         "--generate, bf16 decoding beside fp32's and torch's bf16")
-    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--skip-torch", action="store_true",
+                   help="leave PyTorch out: no torch matmul, step or generation beside ours "
+                        "(they are also left out when torch is not installed)")
     p.add_argument("--compile", action="store_true",
                    help="also time the step under torch.compile (its first step compiles, "
                         "which takes minutes; untimed)")

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from ..cli import command
+from ..cli import DefaultsHelpFormatter, command
 from ..config import MODEL_FLAGS
 from ..model import PRECISIONS
 from ..model.dropout import RATES as DROPOUT_SITES
@@ -34,7 +34,7 @@ def build_parser():
         prog="python -m llmc_py.train",
         description="Train a GPT-2 or a Llama-style model on token files (llm.c's format) "
                     "with the C kernels.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     a = p.add_argument
     a("-i", "--train-data", default=RunSpec.train_data,
       help="glob of training token files (default: the Shakespeare set, prepared if missing)")
