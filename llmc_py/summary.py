@@ -2,13 +2,16 @@
 allocated, so any size works, Qwen3-8B or GPT-2 XL included):
 
     python -m llmc_py.summary MODEL_OR_CONFIG [-b B] [-t T] [--precision fp32|bf16]
+    python -m llmc_py.summary MODEL_OR_CONFIG --tensors [--precision fp32|bf16]
 
 MODEL_OR_CONFIG is a model file (only its header is read), a Hugging Face
 folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
 -e). The parameters are counted per component from the layout the model
 allocates (model.layout.param_specs); the memory is the model's own plan
 (model.transformer.memory_plan) for a training step and for a forward that
-keeps its logits, and the KV cache is model.kv_cache's.
+keeps its logits, and the KV cache is model.kv_cache's. --tensors shows
+instead llm.c's table of the parameter tensors, one row per tensor of that
+layout (GPT-2's are llm.c's 16), per-layer ones with L first.
 """
 import argparse
 import math
@@ -57,6 +60,44 @@ def parameter_counts(config):
     return counts
 
 
+# bytes of a parameter as the matmuls read it, per --precision
+PARAM_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def tensor_table(config):
+    """(name, shape, parameters) per parameter tensor, in the model's (and
+    llm.c's checkpoint) order; per-layer shapes have L first."""
+    return [(name, tuple(fn(config)), math.prod(fn(config))) for name, fn in param_specs(config)]
+
+
+def format_tensors(config, precision="fp32", source=None):
+    """The tensor table as text, with a total row: the model's parameters."""
+    c, size = config, PARAM_BYTES[precision]
+    rows = tensor_table(c)
+    total = sum(n for _, _, n in rows)
+    lines = [f"{source + ': ' if source else ''}{describe(c)}", "",
+             f"{'tensor':<12}{'shape':<24}{'parameters':>16}{f'bytes ({precision})':>18}"]
+    for name, shape, n in rows:
+        lines.append(f"  {name:<10}{str(shape):<24}{n:>16,}{n * size:>18,}")
+    lines.append(f"  {'total':<34}{total:>16,}{total * size:>18,}")
+    lines += parameter_notes(c)
+    if precision == "bf16":
+        lines.append("  (bf16: the copy the matmuls read; the float32 master weights take "
+                     "twice these bytes)")
+    return "\n".join(lines)
+
+
+def parameter_notes(c):
+    """The lines under a parameter table: wte's padding rows, a tied head."""
+    notes = []
+    if c.Vp > c.V:
+        notes.append(f"wte has {c.Vp - c.V} padding rows (Vp {c.Vp} - V {c.V}): "
+                     f"{(c.Vp - c.V) * c.C:,} of the embeddings' parameters")
+    if c.tied_embeddings:
+        notes.append("the head is tied to wte: it adds no parameters")
+    return [f"  ({note})" for note in notes]
+
+
 def memory_table(config, B, T, precision="fp32"):
     """({part: bytes} of a training step, {part: bytes} of a forward that
     keeps its (B, T, Vp) logits), as the model plans them."""
@@ -80,13 +121,7 @@ def format_summary(config, B, T, precision="fp32", source=None):
     for part, n in counts.items():
         lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
     lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
-    notes = []
-    if c.Vp > c.V:
-        notes.append(f"wte has {c.Vp - c.V} padding rows (Vp {c.Vp} - V {c.V}): "
-                     f"{(c.Vp - c.V) * c.C:,} of the embeddings' parameters")
-    if c.tied_embeddings:
-        notes.append("the head is tied to wte: it adds no parameters")
-    lines += [f"  ({note})" for note in notes]
+    lines += parameter_notes(c)
     train, forward = memory_table(c, B, T, precision)
     lines += ["", f"{f'memory at B={B}, T={T}, {precision}':<30}{'training step':>20}"
                   f"{'forward':>20}"]
@@ -112,8 +147,9 @@ def _bytes(n):
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m llmc_py.summary",
-        description="Parameters per component and memory per part of a model, from its "
-                    "config alone (nothing is allocated).")
+        description="Parameters per component and memory per part of a model, or its "
+                    "parameter tensors (--tensors), from its config alone (nothing is "
+                    "allocated).")
     p.add_argument("model", metavar="MODEL_OR_CONFIG",
                    help="a model file, a Hugging Face folder or its config.json, or a depth "
                         "like d12")
@@ -121,7 +157,11 @@ def build_parser():
     p.add_argument("-t", "--seq-len", type=int, default=0,
                    help="T: tokens per sequence (0: the model's max_seq_len)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="bf16 adds the bf16 copy of the weights (mixed precision)")
+                   help="bf16 adds the bf16 copy of the weights (mixed precision); with "
+                        "--tensors, the bytes are the bf16 copy's")
+    p.add_argument("--tensors", action="store_true",
+                   help="instead: llm.c's table of the parameter tensors (name, shape, "
+                        "parameters, bytes), per-layer ones with L first")
     return p
 
 
@@ -132,7 +172,10 @@ def main(argv=None):
         raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and T >= 0")
     config = load_config(args.model)
     T = args.seq_len or config.max_seq_len
-    print(format_summary(config, args.batch_size, T, args.precision, args.model))
+    if args.tensors:
+        print(format_tensors(config, args.precision, args.model))
+    else:
+        print(format_summary(config, args.batch_size, T, args.precision, args.model))
 
 
 if __name__ == "__main__":

@@ -130,3 +130,57 @@ def test_bad_source_is_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{not json")
     assert summary.main([str(tmp_path / "config.json")]) == 1
     assert "not valid JSON" in capsys.readouterr().err
+
+
+GPT2_TENSORS = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb", "ln2w",
+                "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")   # llm.c's 16
+
+
+def tensor_rows(out):
+    """{name: (shape, parameters, bytes)} of --tensors' output, and its total row."""
+    rows = {m[1]: (m[2], int(m[3].replace(",", "")), int(m[4].replace(",", "")))
+            for m in re.finditer(r"^  (\w+) +(\([\d, ]*\)) +([\d,]+) +([\d,]+)$", out, re.M)}
+    total = re.search(r"^  total +([\d,]+) +([\d,]+)$", out, re.M)
+    return rows, tuple(int(x.replace(",", "")) for x in total.groups())
+
+
+def test_tensors_of_gpt2_124m_are_llm_cs(capsys):
+    assert summary.main(["d12", "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  qkvw +\(12, 2304, 768\) +21,233,664 +84,934,656$", out, re.M)
+    rows, total = tensor_rows(out)
+    assert tuple(rows) == GPT2_TENSORS
+    assert rows["wte"] == ("(50304, 768)", 50304 * 768, 4 * 50304 * 768)   # the padded vocab
+    assert rows["lnfb"] == ("(768,)", 768, 4 * 768)
+    assert total == (124475904, 4 * 124475904)   # llm.c's count, with the padded vocab
+    assert "47 padding rows" in out and "tied to wte" in out
+    # the default view is unchanged: components, not tensors
+    assert summary.main(["d12"]) == 0
+    assert "qkvw" not in capsys.readouterr().out
+
+
+def test_tensors_of_a_llama_with_qk_norm_untied_head_and_biases(tmp_path, capsys):
+    model = Llama(dataclasses.replace(BASE, qk_norm=True, tied_embeddings=False, bias=True))
+    model.save_checkpoint(tmp_path / "llama.bin")
+    assert summary.main([str(tmp_path / "llama.bin"), "--tensors", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    rows, total = tensor_rows(out)
+    # every tensor the model allocates, in its order, with its shape
+    assert {name: shape for name, (shape, _, _) in rows.items()} == \
+        {name: str(shape) for name, shape in model.params.shapes.items()}
+    assert {"qnormw", "knormw", "lm_head", "qkvb", "fcb"} <= set(rows)
+    assert "ln1b" not in rows and "wpe" not in rows   # rmsnorm, rope
+    assert all(b == 2 * n for _, n, b in rows.values())   # bf16: 2 bytes a parameter
+    assert total == (model.num_parameters, 2 * model.num_parameters)
+    assert "tied to wte" not in out and "float32 master weights" in out
+
+
+def test_tensors_of_qwen3_8b_without_allocating(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    assert summary.main([str(tmp_path / "config.json"), "--tensors"]) == 0
+    rows, total = tensor_rows(capsys.readouterr().out)
+    assert rows["qnormw"] == rows["knormw"] == ("(36, 128)", 36 * 128, 4 * 36 * 128)
+    assert rows["qkvw"][0] == f"(36, {(32 + 2 * 8) * 128}, 4096)"
+    assert rows["fcw"][0] == "(36, 24576, 4096)"   # swiglu: the gate's rows, then up's
+    assert rows["lm_head"][0] == "(151936, 4096)"
+    assert total[0] == sum(summary.parameter_counts(summary.load_config(tmp_path)).values())
