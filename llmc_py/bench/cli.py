@@ -38,8 +38,8 @@ def build_parser():
                         "only at import)")
     p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
-                        "and of the training step (default 4 64; --generate uses --gen, at "
-                        "batches 1 and 4)")
+                        "and of the training step (default 4 64; --generate ignores it: it "
+                        "runs batches of 1 and 4 at --gen's lengths)")
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
