@@ -101,3 +101,11 @@ def test_loss_figure_title_and_ticks():
     fig = plot.plot_loss(plot.pyplot("test"), {1: 10.5, 2: 9.25}, {2: 9.75}, "runs/d2")
     assert fig.axes[0].get_title() == "train and val loss: runs/d2"
     assert_whole_step_ticks(fig)
+
+
+def test_layer_colours_are_distinct_and_never_the_non_layer_ones():
+    import matplotlib.colors
+    for L in (1, 9, 12, 48):
+        colours = [matplotlib.colors.to_hex(c) for c in plot.layer_colors(L)]
+        assert len(set(colours)) == L
+        assert not {"#000000", "#808080", "#7f7f7f"} & set(colours)   # black, grey: non-layers
