@@ -208,7 +208,7 @@ def plot_monitors(plt, records, train_loss, title):
     key = [Line2D([], [], color=c, label=f"layer {l}") for l, c in enumerate(colors)]
     key.append(Line2D([], [], label="embedding", **EMBEDDING_STYLE))
     key.append(Line2D([], [], color="black", linestyle="--", label="min over heads"))
-    key += [line for line in axes[0].get_lines()]
+    key += axes[0].get_lines()                  # train and probe loss
     fig.suptitle(title)
     fig.tight_layout()
     fig.legend(handles=key, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=9,
