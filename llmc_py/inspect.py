@@ -6,11 +6,13 @@ tokens, prints every head's attention entropy (its mean over the prompt's
 positions, in nats, and normalised by ln(t + 1): 1 is uniform over the
 keys, 0 one key), and draws the attention maps of every head of one layer as
 a grid of heatmaps, the tokens as tick labels (rows: queries, columns:
-keys), into a PNG. Needs matplotlib (``pip install "llmc_py[plot]"``).
+keys), into a PNG beside the model file (or -o). Needs matplotlib
+(``pip install "llmc_py[plot]"``).
 """
 import argparse
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -58,12 +60,13 @@ def entropy_table(entropy, normalized, layer):
 
 
 def draw(plt, maps, labels, entropy_row, title):
-    """The figure: one heatmap per head in a near-square grid."""
+    """The figure: one heatmap per head in a near-square grid, and a colour bar."""
     NH, T, _ = maps.shape
     cols = math.ceil(math.sqrt(NH))
     rows = math.ceil(NH / cols)
     size = min(max(3.0, 0.22 * T + 1.5), 9.0)
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * size, rows * size), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * size, rows * size), squeeze=False,
+                             layout="constrained")     # leaves room for the colour bar
     every = max(1, math.ceil(T / MAX_LABELS))
     ticks = list(range(0, T, every))
     font = 8 if T <= 24 else 6
@@ -71,7 +74,7 @@ def draw(plt, maps, labels, entropy_row, title):
         if h >= NH:
             ax.axis("off")
             continue
-        ax.imshow(maps[h], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+        image = ax.imshow(maps[h], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
         ax.set_title(f"head {h}: entropy {entropy_row[h]:.2f}", fontsize=10)
         ax.set_xticks(ticks)
         ax.set_xticklabels([labels[t] for t in ticks], rotation=90, fontsize=font)
@@ -80,7 +83,8 @@ def draw(plt, maps, labels, entropy_row, title):
         ax.set_xlabel("key")
         ax.set_ylabel("query")
     fig.suptitle(title)
-    fig.tight_layout()
+    # every head shares the 0..1 scale, so one bar serves them all
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention probability")
     return fig
 
 
@@ -91,7 +95,7 @@ def build_parser():
     p.add_argument("--prompt", required=True, help="the text to run the model on")
     p.add_argument("--layer", type=int, default=0, help="the layer whose heads are drawn")
     p.add_argument("-o", "--output", default=None,
-                   help="image path (default attention_layer{L}.png)")
+                   help="image path (default attention_layer{L}.png beside MODEL)")
     return p
 
 
@@ -121,13 +125,18 @@ def attention_on_prompt(args):
     return token_labels(encoding, ids), entropy, normalized, attention_maps(model, args.layer)
 
 
+def default_output(model, layer):
+    """attention_layer{layer}.png in the model file's folder."""
+    return Path(model).with_name(f"attention_layer{layer}.png")
+
+
 def show(args, labels, entropy, normalized, maps):
     """Prints the entropy table and draws --layer's maps into --output."""
     L, NH = entropy.shape
     print(f"{len(labels)} tokens, {L} layers x {NH} heads")
     print(entropy_table(entropy, normalized, args.layer))
     plt = pyplot("drawing")
-    output = args.output or f"attention_layer{args.layer}.png"
+    output = args.output or default_output(args.model, args.layer)
     fig = draw(plt, maps, labels, entropy[args.layer], f"{args.model}: layer {args.layer}")
     fig.savefig(output, dpi=100, bbox_inches="tight")
     print(f"wrote {output}")

@@ -59,18 +59,8 @@ def draw(args, train, val):
     """Writes the loss curves and, when the run has metrics.jsonl, the
     monitors figure; says where."""
     plt = pyplot("plotting")
-    fig, ax = plt.subplots(figsize=(8, 5))
-    if train:
-        ax.plot(list(train), list(train.values()), label="train", linewidth=1)
-    if val:
-        ax.plot(list(val), list(val.values()), "o-", label="val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(str(Path(args.out_dir)))
-    ax.grid(alpha=0.3)
-    ax.legend()
     output = Path(args.output) if args.output else Path(args.out_dir) / "loss.png"
-    fig.savefig(output, dpi=100, bbox_inches="tight")
+    plot_loss(plt, train, val, args.out_dir).savefig(output, dpi=100, bbox_inches="tight")
     print(f"wrote {output}")
     metrics = Path(args.out_dir) / METRICS_FILE
     if metrics.exists():
@@ -78,9 +68,31 @@ def draw(args, train, val):
         records = read_metrics(metrics)
         if records:
             output = output.with_name("monitors.png")
-            plot_monitors(plt, records, train, str(Path(args.out_dir))).savefig(
+            plot_monitors(plt, records, train, f"monitors: {args.out_dir}").savefig(
                 output, dpi=100, bbox_inches="tight")
             print(f"wrote {output}")
+
+
+def plot_loss(plt, train, val, out_dir):
+    """The loss figure of main.log's {step: loss} curves."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if train:
+        ax.plot(list(train), list(train.values()), label="train", linewidth=1)
+    if val:
+        ax.plot(list(val), list(val.values()), "o-", label="val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    integer_steps(ax)
+    ax.set_title(f"train and val loss: {out_dir}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def integer_steps(ax):
+    """Step ticks at whole steps only (a short run would get 1.5, 2.5, ...)."""
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def build_parser():
@@ -111,68 +123,96 @@ def _series(records, field, reduce=None):
     return steps, values
 
 
-def _layer_lines(ax, steps, values, labels, style="-", legend=False):
+# Series that are not layers: drawn in black or grey, which no layer's colour is.
+EMBEDDING_STYLE = dict(color="black", linestyle=":")
+TRAIN_STYLE = dict(color="black", linestyle="-")
+PROBE_STYLE = dict(color="grey", linestyle="-", marker="o", markersize=2)
+
+
+def layer_colors(L):
+    """One colour per layer, the same in every panel: tab10 without its grey
+    for up to 9 layers (easy to tell apart), else a sweep of turbo."""
     import matplotlib
-    cmap = matplotlib.colormaps["viridis"]
+    if L <= 9:
+        tab10 = matplotlib.colormaps["tab10"].colors
+        return [c for i, c in enumerate(tab10) if i != 7][:L]
+    turbo = matplotlib.colormaps["turbo"]
+    return [turbo(0.05 + 0.9 * l / (L - 1)) for l in range(L)]
+
+
+def _layer_lines(ax, steps, values, colors, linestyle="-", suffix=""):
+    """One line per layer; a stream of L + 1 values (the representation
+    measures) starts with the embedding's."""
     count = len(values[0]) if values else 0
+    offset = count - len(colors)                # 1 when the first value is the embedding
     for i in range(count):
-        ax.plot(steps, [row[i] for row in values], style, color=cmap(i / max(count - 1, 1)),
-                linewidth=1, label=labels[i] if legend else None)
+        column = [row[i] for row in values]
+        if i < offset:
+            ax.plot(steps, column, linewidth=1, label="embedding" + suffix, **EMBEDDING_STYLE)
+        else:
+            l = i - offset
+            ax.plot(steps, column, linestyle, color=colors[l], linewidth=1,
+                    label=f"layer {l}{suffix}")
 
 
 def plot_monitors(plt, records, train_loss, title):
     """The monitors figure of metrics.jsonl's ``records`` (and main.log's
-    train loss {step: loss}, which is drawn at every step)."""
+    train loss {step: loss}, which is drawn at every step), with one legend
+    for all its panels."""
+    from matplotlib.lines import Line2D
     fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
     axes = axes.ravel()
-    L = len(records[0]["attention_entropy"])
-    layers = [f"layer {l}" for l in range(L)]
-    stream = ["embedding"] + layers      # the representation lists start at the embedding
+    colors = layer_colors(len(records[0]["attention_entropy"]))
 
     ax = axes[0]
     if train_loss:
-        ax.plot(list(train_loss), list(train_loss.values()), linewidth=1, label="train")
+        ax.plot(list(train_loss), list(train_loss.values()), linewidth=1, label="train loss",
+                **TRAIN_STYLE)
     probe = [(r["step"], r["probe_loss"]) for r in records if r.get("probe_loss") is not None]
     if probe:
-        ax.plot(*zip(*probe), "o-", markersize=2, linewidth=1, label="probe batch")
+        ax.plot(*zip(*probe), linewidth=1, label="probe batch loss", **PROBE_STYLE)
     ax.set_title("loss")
-    ax.legend()
 
     ax = axes[1]
     def finite(row):
         return [v for v in row if v is not None] or [float("nan")]
     steps, mean = _series(records, "attention_entropy", lambda heads: sum(
         finite(heads)) / len(finite(heads)))
-    _layer_lines(ax, steps, mean, layers, "-", legend=True)
+    _layer_lines(ax, steps, mean, colors)
     steps, low = _series(records, "attention_entropy", lambda heads: min(finite(heads)))
-    _layer_lines(ax, steps, low, layers, "--")
+    _layer_lines(ax, steps, low, colors, "--", suffix=", min over heads")
     ax.set_title("attention entropy (nats): mean over heads, -- min")
-    ax.legend(fontsize=8)
 
     panels = [
-        ("attention_entropy_normalized", "normalised entropy (/ ln(t+1)): min over heads",
-         min, layers, False),
-        ("mean_cosine", "mean cosine between token vectors", None, stream, False),
-        ("residual_ratio", "residual ratio ||X - 1 mean|| / ||X||", None, stream, False),
-        ("effective_rank", "effective rank of the tokens", None, stream, True),
-        ("grad_norm_layer", "gradient norm per layer (before clipping)", None, layers, False),
-        ("update_ratio_layer", "update / weight norm per layer", None, layers, False),
+        ("attention_entropy_normalized", "normalised entropy (/ ln(t+1)): min over heads", min),
+        ("mean_cosine", "mean cosine between token vectors", None),
+        ("residual_ratio", "residual ratio ||X - 1 mean|| / ||X||", None),
+        ("effective_rank", "effective rank of the tokens", None),
+        ("grad_norm_layer", "gradient norm per layer (before clipping)", None),
+        ("update_ratio_layer", "update / weight norm per layer", None),
     ]
-    for ax, (field, name, reduce, labels, legend) in zip(axes[2:], panels):
+    for ax, (field, name, reduce) in zip(axes[2:], panels):
         steps, values = _series(records, field,
                                 (lambda row: min(finite(row))) if reduce else None)
         if steps:
-            _layer_lines(ax, steps, values, labels, legend=legend)
+            _layer_lines(ax, steps, values, colors)
         ax.set_title(name)
-        if legend:
-            ax.legend(fontsize=8)
     for ax in axes[6:]:
         ax.set_yscale("log")
     for ax in axes:
         ax.set_xlabel("step")
+        integer_steps(ax)
         ax.grid(alpha=0.3)
+
+    # the shared legend: one entry per series, whatever panels it appears in
+    key = [Line2D([], [], color=c, label=f"layer {l}") for l, c in enumerate(colors)]
+    key.append(Line2D([], [], label="embedding", **EMBEDDING_STYLE))
+    key.append(Line2D([], [], color="black", linestyle="--", label="min over heads"))
+    key += axes[0].get_lines()                  # train and probe loss
     fig.suptitle(title)
     fig.tight_layout()
+    fig.legend(handles=key, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=9,
+               ncol=1 + len(key) // 30)
     return fig
 
 

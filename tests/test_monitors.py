@@ -323,6 +323,26 @@ def test_inspect_draws_every_head_and_prints_entropies(shards, tmp_path, monkeyp
     assert maps.shape == (6, T, T) and np.allclose(maps.sum(-1), 1, atol=1e-5)
     assert inspect.main([str(path), "--prompt", prompt, "--layer", "3"]) == 1
     assert "--layer 3" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere"                      # without -o: beside the model
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert inspect.main([str(path), "--prompt", prompt, "--layer", "1"]) == 0
+    beside = tmp_path / "attention_layer1.png"
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {beside}"
+    assert beside.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not any(elsewhere.iterdir())
+
+
+def test_attention_maps_have_a_colour_bar():
+    from llmc_py import inspect
+    from llmc_py.plot import pyplot
+    maps = np.tril(np.ones((3, 4, 4), np.float32))
+    maps /= maps.sum(-1, keepdims=True)
+    fig = inspect.draw(pyplot("test"), maps, list("abcd"), [0.5, 0.6, 0.7], "model: layer 0")
+    heatmaps = [ax.images[0] for ax in fig.axes if ax.images]
+    assert len(heatmaps) == 3                               # one per head, sharing one bar
+    bar = heatmaps[-1].colorbar
+    assert bar is not None and bar.ax in fig.axes and bar.ax.get_ylabel() == "attention probability"
+    assert bar.vmin == 0.0 and bar.vmax == 1.0
 
 
 def test_a_failing_measurement_is_a_warning(shards, tmp_path, monkeypatch, capsys):
