@@ -149,7 +149,7 @@ class Run:
             self._restore(*moments, extra)
         self._say_model()
         self.keep_best = None
-        if spec.keep_best and world.is_root:
+        if self.keeps_best and world.is_root:
             measured_on = {"val_data": self.settings["val_fingerprint"],
                            "val_batches": self.val_batches}
             self.keep_best = KeepBest(self.folder, self.model, measured_on, self.signals,
@@ -257,7 +257,10 @@ class Run:
                                        world)
             self.val_batches = min(self.val_batches, self.val_loader.num_batches)
         world.same_on_every_rank("training data (-i)", fingerprint(self.train_loader.files))
-        if spec.keep_best and self.val_loader is None:
+        # --keep-best is on by default: without validation data it keeps
+        # nothing, unless the user asked for it by name
+        self.keeps_best = bool(spec.keep_best) and self.val_loader is not None
+        if spec.keep_best and self.val_loader is None and "keep_best" in spec.explicit:
             raise UsageError("--keep-best 1 keeps the model with the best validation loss: it "
                              "needs validation data (-j) and evaluations (-v > 0)")
         self.probe = None
@@ -357,8 +360,9 @@ class Run:
                                          self.keep_best)
             hooks.append(self.evaluation)
         if spec.sample_every and world.is_root:
-            hooks.append(Sampling(self.model, self.encoding, spec.gen_tokens, spec.sample_every,
-                                  last, self.sample_rng, progress, self.checkpoints.refresh))
+            hooks.append(Sampling(self.model, self.encoding, spec.gen_tokens, spec.sample_top_k,
+                                  spec.sample_every, last, self.sample_rng, progress,
+                                  self.checkpoints.refresh))
         return hooks + [self.checkpoints]
 
     def _steps(self):
