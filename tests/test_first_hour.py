@@ -126,3 +126,20 @@ def test_eta_is_hours_minutes_seconds_in_both_progress_lines():
         shown.isatty = lambda: live
         Progress(shown).step(5, 500, 5.0, 1.0, 1e-3, 100.0, 10000.0, 1257.4)
         assert "eta 0:20:57" in shown.getvalue() and " s)" not in shown.getvalue()
+
+
+def test_resume_on_a_folder_without_a_checkpoint_starts_afresh(shards, tmp_path, capsys):
+    new, killed = tmp_path / "new", tmp_path / "killed"
+    assert run(shards, new, "-x", "4", "-n", "2", "-y", "1") == 0   # a job's first start
+    assert f"-y 1: no checkpoint in {new} yet; starting a fresh run" in capsys.readouterr().out
+    assert RunFolder(new).completed_steps() == [2, 4]
+    assert run(shards, new, "-x", "6", "-n", "2", "-y", "1") == 0   # its restart resumes
+    assert "resumed from step 4" in capsys.readouterr().out
+    # killed before its first checkpoint: only a main.log; without -y 1 it is refused
+    killed.mkdir()
+    (killed / "main.log").write_text("s:1 trl:10.000000 lr:1.000000e-04 norm:1.000000\n")
+    assert run(shards, killed, "-x", "2") == 1
+    assert run(shards, killed, "-x", "2", "-y", "1") == 0
+    assert "starting a fresh run" in capsys.readouterr().out
+    log = (killed / "main.log").read_text()
+    assert log.startswith("s:1 trl:") and "trl:10.000000" not in log and "s:2 trl:" in log

@@ -96,7 +96,8 @@ def build_parser():
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
-      help="1: resume from the newest complete checkpoint in the output folder")
+      help="1: resume from the newest complete checkpoint in the output folder; with "
+           "none there yet, start a fresh run (so one command serves every restart)")
     a("--overwrite", action="store_true",
       help="start a new run in an output folder that holds another run's checkpoints, "
            "removing them (without it such a folder is refused)")

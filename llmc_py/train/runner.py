@@ -186,7 +186,14 @@ class Run:
         extra) when resuming."""
         spec, world, root = self.spec, self.world, self.world.is_root
         self.resume_step, moments, extra = 0, (None, None), None
-        if spec.resume:
+        # -y 1 on a folder without a checkpoint (new, or killed before the
+        # first) starts afresh: one job line serves the first start and every restart
+        resuming = bool(spec.resume) and world.broadcast_object(
+            bool(self.folder.completed_steps()) if root else None)
+        if spec.resume and not resuming:
+            self.progress.say(f"-y 1: no checkpoint in {self.folder.path} yet; starting a "
+                              f"fresh run")
+        if resuming:
             if root:
                 self.resume_step, self.model, m, v, extra = usable_checkpoint(
                     self.folder, self.progress, spec.precision)
