@@ -3,6 +3,7 @@ best model, samples that read, the ETA, the offline fallback lines, and
 -y 1 on a fresh folder."""
 import io
 import re
+import sys
 import types
 
 import numpy as np
@@ -143,3 +144,13 @@ def test_resume_on_a_folder_without_a_checkpoint_starts_afresh(shards, tmp_path,
     assert "starting a fresh run" in capsys.readouterr().out
     log = (killed / "main.log").read_text()
     assert log.startswith("s:1 trl:") and "trl:10.000000" not in log and "s:2 trl:" in log
+
+
+def test_export_hf_without_the_hf_extra_is_refused_before_step_1(shards, tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)   # as if not installed
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "2", "--export-hf", str(tmp_path / "hf")) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--export-hf" in err and 'pip install "llmc_py[hf]"' in err
+    assert not (out / "main.log").exists() and not RunFolder(out).completed_steps()

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UnsupportedError, UsageError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..model import load_model
@@ -120,6 +120,7 @@ class Run:
         """Everything before step 1, each setting checked on the way."""
         spec, world = self.spec, self.world
         self.dropout = spec.dropout_masks()
+        self._check_extras()
         train_data, val_data = self._data()
         moments, extra = self._model()
         self._check_model_fits()
@@ -154,6 +155,16 @@ class Run:
                            "val_batches": self.val_batches}
             self.keep_best = KeepBest(self.folder, self.model, measured_on, self.signals,
                                       self.progress, resumed=bool(self.resume_step))
+
+    def _check_extras(self):
+        """The optional packages a flag needs at the end of the run, checked
+        before its first step."""
+        if self.spec.export_hf:
+            from ..io.hf import require_packages
+            try:
+                require_packages()
+            except UnsupportedError as e:
+                raise UsageError(f"--export-hf {self.spec.export_hf}: {e}") from None
 
     def _data(self):
         """(train, val) token file globs, in the tokens of the model's
