@@ -44,7 +44,7 @@ def build_parser():
                    help="bf16: decode with a bf16 copy of the weights (half the bytes per "
                         "token)")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
-                   help="1: stop at the end-of-text token")
+                   help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
 
 
