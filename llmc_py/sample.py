@@ -45,7 +45,7 @@ def build_parser():
                    help="bf16: decode with a bf16 copy of the weights (half the bytes per "
                         "token)")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
-                   help="1: stop at the end-of-text token")
+                   help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
 
 
@@ -81,12 +81,15 @@ def write_sample(args, model, encoding, out):
     out.write(args.prompt)
     ids = prompt[1:]
     shown = encoding.decode(ids)   # the text so far; each new token shows what it adds
-    for new in stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p,
-                      repetition_penalty=args.repetition_penalty, seed=args.seed,
-                      stop_token=EOT if args.stop_at_eot else None):
+    tokens = stream(model, [prompt], args.gen_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty, seed=args.seed,
+                    stop_token=EOT if args.stop_at_eot else None)
+    stopped_after = None   # tokens sampled, the end-of-text one included, if it stopped early
+    for n, new in enumerate(tokens, 1):
         token = int(new[0])
         if token == EOT and args.stop_at_eot:
+            stopped_after = n
             break
         ids.append(token)
         text = encoding.decode(ids)
@@ -99,6 +102,10 @@ def write_sample(args, model, encoding, out):
     if text != shown:
         out.write(text[len(shown):] if text.startswith(shown) else text)
     out.write("\n")
+    out.flush()
+    if stopped_after is not None:
+        print(f"(stopped at the end-of-text token after {stopped_after} of the -g "
+              f"{args.gen_tokens} tokens; --stop-at-eot 0 goes on past it)", file=sys.stderr)
 
 
 @command(interrupted="\ninterrupted")

@@ -183,7 +183,7 @@ def get_encoding():
             import tiktoken
             return tiktoken.get_encoding("gpt2")
         except Exception as e:   # tiktoken raises whatever its HTTP client raises
-            reasons.append(f"tiktoken: {type(e).__name__}")
+            reasons.append(f"tiktoken: {type(e).__name__}: {e}")
     ranks = _cached_ranks(path)
     if ranks is not None:
         return encoding_from_ranks(ranks)
@@ -201,8 +201,9 @@ def get_encoding():
             f"cannot load GPT-2's BPE ranks ({'; '.join(reasons)}). Connect to the "
             f"network once (tiktoken or PyPI), or place gpt2.tiktoken (sha256 "
             f"{GPT2_RANKS_SHA256}) at {path}") from None
-    print(f"llmc_py: GPT-2 BPE ranks taken from PyPI's {WHISPER_SDIST} sdist "
-          f"({reasons[0]}), cached at {path}", file=sys.stderr)
+    # the fallback working: information, not an error
+    print(f"llmc_py: tiktoken's GPT-2 files are not reachable (offline?); using the copy in "
+          f"PyPI's {WHISPER_SDIST} sdist, checked and cached at {path} (fine)", file=sys.stderr)
     return encoding_from_ranks(ranks)
 
 

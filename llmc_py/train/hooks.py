@@ -13,6 +13,9 @@ from .loop import evaluate, perplexity
 from .progress import signal_name
 from .signals import Stopped
 
+# an end-of-text token in a sample, shown on a line of its own
+END_OF_TEXT = "--- end of text ---"
+
 
 def due(step, every, last_step):
     """Whether work done every ``every`` steps (0: never) and at the last is due."""
@@ -105,12 +108,17 @@ class KeepBest:
 
 
 class Sampling:
-    """A sample of ``tokens`` tokens after the end-of-text token, every
-    ``every`` steps and at the last; a failure is a warning. ``rng_moved()``
-    is called after each, as the sampler's RNG is part of the run's state."""
+    """A sample of ``tokens`` tokens after the end-of-text token, from the
+    ``top_k`` likeliest tokens (0: all) at temperature 1, every ``every``
+    steps and at the last; an end-of-text token sampled on the way is shown
+    as a separator line (the sample goes on with a new text). A failure is a
+    warning. ``rng_moved()`` is called after each, as the sampler's RNG is
+    part of the run's state."""
 
-    def __init__(self, model, encoding, tokens, every, last_step, rng, progress, rng_moved):
+    def __init__(self, model, encoding, tokens, top_k, every, last_step, rng, progress,
+                 rng_moved):
         self.model, self.encoding, self.tokens = model, encoding, tokens
+        self.top_k = top_k or None
         self.prompt = [[encoding.eot_token]]
         self.every, self.last_step = every, last_step
         self.rng, self.progress, self.rng_moved = rng, progress, rng_moved
@@ -119,12 +127,25 @@ class Sampling:
         if not due(r.step, self.every, self.last_step):
             return
         try:
-            ids = [int(new[0]) for new in stream(self.model, self.prompt,
-                                                 self.tokens, temperature=1.0, rng=self.rng)]
-            self.progress.say(f"step {r.step}: sample:\n---\n{self.encoding.decode(ids)}\n---")
+            ids = [int(new[0]) for new in stream(self.model, self.prompt, self.tokens,
+                                                 temperature=1.0, top_k=self.top_k,
+                                                 rng=self.rng)]
+            how = f"top-k {self.top_k}" if self.top_k else "the whole vocabulary"
+            self.progress.say(f"step {r.step}: sample of {self.tokens} tokens after an "
+                              f"end-of-text token, temperature 1, {how}:\n---\n"
+                              f"{self.text(ids)}\n---")
         except (LlmcError, ValueError) as e:
             self.progress.warn("sampling", r.step, e)
         self.rng_moved()
+
+    def text(self, ids):
+        """The decoded ``ids``, each end-of-text token a line of its own."""
+        eot, texts, start = self.encoding.eot_token, [], 0
+        for i, token in enumerate(ids + [eot]):
+            if token == eot:
+                texts.append(self.encoding.decode(ids[start:i]).strip("\n"))
+                start = i + 1
+        return f"\n{END_OF_TEXT}\n".join(texts)
 
 
 class Checkpoints:

@@ -19,13 +19,13 @@ class Progress:
             self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | "
                               f"ppl {perplexity(loss):.2f} | norm {norm:.3f} | "
                               f"lr {lr:.2e} | {ms:6.0f} ms | {tokens_per_s:7.0f} tok/s | "
-                              f"eta {format_seconds(eta_s)}  ")
+                              f"eta {hours_minutes_seconds(eta_s)}  ")
             self.open_line = True
         else:
             self.stream.write(f"step {step}/{total}: train loss {loss:.6f} "
                               f"ppl {perplexity(loss):.4f} norm {norm:.4f} "
                               f"lr {lr:.3e} (took {ms:.1f} ms, {tokens_per_s:.0f} tok/s, "
-                              f"eta {eta_s:.0f} s)\n")
+                              f"eta {hours_minutes_seconds(eta_s)})\n")
         self.stream.flush()
 
     def say(self, text):
@@ -44,6 +44,13 @@ class Progress:
 def format_seconds(seconds):
     seconds = int(round(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def hours_minutes_seconds(seconds):
+    """h:mm:ss, as "0:20:57"."""
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 def signal_name(signum):

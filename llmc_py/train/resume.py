@@ -15,7 +15,8 @@ FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
-                        "sample_every", "gen_tokens", "checkpoint_every", "keep_checkpoints", "keep_best",
+                        "sample_every", "gen_tokens", "sample_top_k", "checkpoint_every",
+                        "keep_checkpoints", "keep_best",
                         "precision", "recompute", "world_size", "zero", "total_batch_tokens",
                         "monitor_every", "monitor_entropy_min",
                         "monitor_cosine_max")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .._native.lib import set_num_threads
-from ..errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UnsupportedError, UsageError
 from ..io.files import atomic_write
 from ..io.tokens import fingerprint
 from ..model import load_model
@@ -120,6 +120,7 @@ class Run:
         """Everything before step 1, each setting checked on the way."""
         spec, world = self.spec, self.world
         self.dropout = spec.dropout_masks()
+        self._check_extras()
         train_data, val_data = self._data()
         moments, extra = self._model()
         self._check_model_fits()
@@ -149,11 +150,21 @@ class Run:
             self._restore(*moments, extra)
         self._say_model()
         self.keep_best = None
-        if spec.keep_best and world.is_root:
+        if self.keeps_best and world.is_root:
             measured_on = {"val_data": self.settings["val_fingerprint"],
                            "val_batches": self.val_batches}
             self.keep_best = KeepBest(self.folder, self.model, measured_on, self.signals,
                                       self.progress, resumed=bool(self.resume_step))
+
+    def _check_extras(self):
+        """The optional packages a flag needs at the end of the run, checked
+        before its first step."""
+        if self.spec.export_hf:
+            from ..io.hf import require_packages
+            try:
+                require_packages()
+            except UnsupportedError as e:
+                raise UsageError(f"--export-hf {self.spec.export_hf}: {e}") from None
 
     def _data(self):
         """(train, val) token file globs, in the tokens of the model's
@@ -186,7 +197,14 @@ class Run:
         extra) when resuming."""
         spec, world, root = self.spec, self.world, self.world.is_root
         self.resume_step, moments, extra = 0, (None, None), None
-        if spec.resume:
+        # -y 1 on a folder without a checkpoint (new, or killed before the
+        # first) starts afresh: one job line serves the first start and every restart
+        resuming = bool(spec.resume) and world.broadcast_object(
+            bool(self.folder.completed_steps()) if root else None)
+        if spec.resume and not resuming:
+            self.progress.say(f"-y 1: no checkpoint in {self.folder.path} yet; starting a "
+                              f"fresh run")
+        if resuming:
             if root:
                 self.resume_step, self.model, m, v, extra = usable_checkpoint(
                     self.folder, self.progress, spec.precision)
@@ -257,7 +275,10 @@ class Run:
                                        world)
             self.val_batches = min(self.val_batches, self.val_loader.num_batches)
         world.same_on_every_rank("training data (-i)", fingerprint(self.train_loader.files))
-        if spec.keep_best and self.val_loader is None:
+        # --keep-best is on by default: without validation data it keeps
+        # nothing, unless the user asked for it by name
+        self.keeps_best = bool(spec.keep_best) and self.val_loader is not None
+        if spec.keep_best and self.val_loader is None and "keep_best" in spec.explicit:
             raise UsageError("--keep-best 1 keeps the model with the best validation loss: it "
                              "needs validation data (-j) and evaluations (-v > 0)")
         self.probe = None
@@ -357,8 +378,9 @@ class Run:
                                          self.keep_best)
             hooks.append(self.evaluation)
         if spec.sample_every and world.is_root:
-            hooks.append(Sampling(self.model, self.encoding, spec.gen_tokens, spec.sample_every,
-                                  last, self.sample_rng, progress, self.checkpoints.refresh))
+            hooks.append(Sampling(self.model, self.encoding, spec.gen_tokens, spec.sample_top_k,
+                                  spec.sample_every, last, self.sample_rng, progress,
+                                  self.checkpoints.refresh))
         return hooks + [self.checkpoints]
 
     def _steps(self):

@@ -61,9 +61,10 @@ class RunSpec:
     val_batches: int = 10             # -m
     sample_every: int = 100           # -s; 0: never
     gen_tokens: int = 64              # -g
+    sample_top_k: int = 40            # 0: the whole vocabulary
     checkpoint_every: int = 100       # -n; 0: only at the end
-    keep_checkpoints: int = 0         # -nk; 0: all
-    keep_best: int = 0
+    keep_checkpoints: int = 2         # -nk; 0: all (llm.c's)
+    keep_best: int = 1                # kept when there is validation data
     resume: int = 0                   # -y
     overwrite: bool = False
     overfit_single_batch: int = 0     # -a
@@ -149,7 +150,8 @@ FLAG_RANGES = {
     "final_lr_fraction": FRACTION, "weight_decay": NON_NEGATIVE,
     "beta1": BELOW_ONE, "beta2": BELOW_ONE, "adam_eps": POSITIVE,
     "grad_clip": NON_NEGATIVE, "val_every": NON_NEGATIVE, "val_batches": POSITIVE,
-    "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE, "checkpoint_every": NON_NEGATIVE,
+    "sample_every": NON_NEGATIVE, "gen_tokens": POSITIVE,
+    "sample_top_k": NON_NEGATIVE, "checkpoint_every": NON_NEGATIVE,
     "keep_checkpoints": NON_NEGATIVE, "seed": SEED, "threads": NON_NEGATIVE,
     **{dest: f.flag.range for dest, f in MODEL_FLAGS.items() if f.flag.range},
     "init_std": POSITIVE,
