@@ -229,6 +229,19 @@ def test_an_unsupported_architecture_is_named(gpt2_folder, archs):
         load_model(gpt2_folder)
 
 
+def test_a_model_type_other_than_the_architectures_is_named(gpt2_folder):
+    edit_config(gpt2_folder, model_type="bert")
+    with pytest.raises(UnsupportedError,
+                       match="field model_type is 'bert': GPT2LMHeadModel's is 'gpt2'"):
+        load_model(gpt2_folder)
+
+
+def test_gpt2_heads_that_do_not_divide_the_width_are_blamed_on_n_head(gpt2_folder):
+    edit_config(gpt2_folder, n_head=5)   # n_embd 64
+    with pytest.raises(UnsupportedError, match="field n_head is 5: it must divide n_embd = 64"):
+        load_model(gpt2_folder)
+
+
 @pytest.mark.parametrize("field,value", [
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}),
     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),

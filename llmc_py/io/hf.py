@@ -44,6 +44,9 @@ INSTALL_HINT = 'pip install "llmc_py[hf]"'
 FAMILIES = {"GPT2LMHeadModel": ("gpt2",), "LlamaForCausalLM": ("llama",),
             "MistralForCausalLM": ("llama", "mistral"), "Qwen3ForCausalLM": ("llama",)}
 ARCHITECTURES = tuple(FAMILIES)
+# each architecture's model_type in config.json (transformers picks its class by it)
+MODEL_TYPES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+               "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3"}
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", \
     "model.safetensors.index.json"
 DTYPES = {"fp32": np.float32, "bf16": "bfloat16"}   # what write_hf stores
@@ -170,6 +173,9 @@ def _gpt2_config(raw, path):
         if raw.get(name, expected) != expected:
             _refuse(path, name, raw[name], f"only {expected} is supported")
     fields = _declared_fields(raw, path, "GPT2LMHeadModel")
+    if fields["num_heads"] > 0 and fields["channels"] % fields["num_heads"]:
+        _refuse(path, "n_head", fields["num_heads"], f"it must divide n_embd = "
+                f"{fields['channels']}")
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     gpt2 = LlamaConfig(num_kv_heads=fields["num_heads"], **GPT2_CHOICES | fields)
     if gpt2.is_gpt2:   # llm.c's model file can hold it
@@ -220,6 +226,9 @@ def read_hf_config(folder):
         raise UnsupportedError(f"{path}: field architectures is {archs!r}; supported: one of "
                                f"{', '.join(ARCHITECTURES)}")
     arch = archs[0]
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type != MODEL_TYPES[arch]:
+        _refuse(path, "model_type", model_type, f"{arch}'s is {MODEL_TYPES[arch]!r}")
     try:
         if arch == "GPT2LMHeadModel":
             config = _gpt2_config(raw, path)
@@ -263,9 +272,9 @@ def hf_config(config):
     arch = architecture(config)
     c = config
     if arch == "GPT2LMHeadModel":
-        return dict(architectures=[arch], model_type="gpt2", **_declared_values(c, arch),
-                    activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0,
-                    attn_pdrop=0.0, torch_dtype="float32")
+        return dict(architectures=[arch], model_type=MODEL_TYPES[arch],
+                    **_declared_values(c, arch), activation_function="gelu_new",
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, torch_dtype="float32")
     if arch == "MistralForCausalLM":
         bias = {}   # Mistral has no bias fields
     elif arch == "LlamaForCausalLM" and c.bias:
@@ -275,9 +284,9 @@ def hf_config(config):
                                "with bias=True has no Hugging Face architecture")
     else:
         bias = dict(attention_bias=False) | ({} if c.qk_norm else dict(mlp_bias=False))
-    model_type = {"Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}.get(arch, "llama")
-    return dict(architectures=[arch], model_type=model_type, **_declared_values(c, arch),
-                hidden_act="silu", rope_theta=c.rope_theta, rope_scaling=_hf_rope(c),
+    return dict(architectures=[arch], model_type=MODEL_TYPES[arch],
+                **_declared_values(c, arch), hidden_act="silu", rope_theta=c.rope_theta,
+                rope_scaling=_hf_rope(c),
                 rope_parameters=dict(_hf_rope(c) or dict(rope_type="default"),
                                      rope_theta=c.rope_theta),
                 attention_dropout=0.0, torch_dtype="float32", **bias)
