@@ -25,20 +25,19 @@ def run(shards, out_dir, *extra):
     return train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out_dir), *SMALL, *extra])
 
 
-def test_default_run_keeps_the_last_two_checkpoints_and_the_best():
-    assert (RunSpec.keep_checkpoints, RunSpec.keep_best) == (2, 1)
+def test_default_run_keeps_the_last_checkpoint_and_the_best():
+    assert (RunSpec.keep_checkpoints, RunSpec.keep_best) == (1, 1)
     args = build_parser().parse_args([])
-    assert (args.keep_checkpoints, args.keep_best) == (2, 1)
+    assert (args.keep_checkpoints, args.keep_best) == (1, 1)
 
 
 def test_files_left_by_a_default_run_and_the_done_line(shards, tmp_path, capsys):
     out = tmp_path / "out"
     assert run(shards, out, "-x", "8", "-n", "2") == 0
-    assert RunFolder(out).completed_steps() == [6, 8]
+    assert RunFolder(out).completed_steps() == [8]
     names = sorted(p.name for p in out.iterdir() if p.name != ".lock")
-    assert names == ["DONE_00000006", "DONE_00000008", "best.json", "main.log",
-                     "model_00000006.bin", "model_00000008.bin", "model_best.bin",
-                     "state_00000006.bin", "state_00000008.bin"]
+    assert names == ["DONE_00000008", "best.json", "main.log", "model_00000008.bin",
+                     "model_best.bin", "state_00000008.bin"]
     done = capsys.readouterr().out.strip().splitlines()[-1]
     best_step = re.search(r"best val loss \S+ at step (\d+) \((\S+)\)", done)
     assert done.startswith("done: ") and best_step, done
@@ -133,7 +132,7 @@ def test_resume_on_a_folder_without_a_checkpoint_starts_afresh(shards, tmp_path,
     new, killed = tmp_path / "new", tmp_path / "killed"
     assert run(shards, new, "-x", "4", "-n", "2", "-y", "1") == 0   # a job's first start
     assert f"-y 1: no checkpoint in {new} yet; starting a fresh run" in capsys.readouterr().out
-    assert RunFolder(new).completed_steps() == [2, 4]
+    assert RunFolder(new).completed_steps() == [4]
     assert run(shards, new, "-x", "6", "-n", "2", "-y", "1") == 0   # its restart resumes
     assert "resumed from step 4" in capsys.readouterr().out
     # killed before its first checkpoint: only a main.log; without -y 1 it is refused

@@ -96,7 +96,8 @@ def files_of(out):
 @pytest.mark.parametrize("extra", [[], ["--zero", "1"]], ids=["allreduce", "zero1"])
 def test_runs_are_bitwise_identical_and_resume_bitwise(shards, tmp_path, extra):
     # a constant rate: a run of -x 4 is the first half of one of -x 8
-    args = [*shards, *SMALL, "-b", "2", "-n", "4", "-k", "constant", "--keep-best", "0", *extra]
+    args = [*shards, *SMALL, "-b", "2", "-n", "4", "-nk", "2", "-k", "constant", "--keep-best", "0",
+            *extra]
     for name in ("a", "b"):
         ran = mpirun(tmp_path / name, *args, "-x", "8")
         assert ran.returncode == 0, ran.stderr

@@ -154,7 +154,7 @@ def test_a_second_trainer_on_the_same_folder_is_refused(shards, tmp_path, capsys
 
 def test_a_folder_with_another_run_needs_overwrite(shards, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    assert run(shards, out, "-x", "6", "-n", "3", "-nk", "2") == 0
     log = (out / "main.log").read_text()
     capsys.readouterr()
     assert run(shards, out, "-x", "4", "-n", "2") == 1
@@ -162,7 +162,7 @@ def test_a_folder_with_another_run_needs_overwrite(shards, tmp_path, capsys):
     assert "holds another run" in err and "--overwrite" in err and err.count("\n") == 1
     assert (out / "main.log").read_text() == log and RunFolder(out).completed_steps() == [3, 6]
 
-    assert run(shards, out, "-x", "4", "-n", "2", "--overwrite") == 0
+    assert run(shards, out, "-x", "4", "-n", "2", "-nk", "2", "--overwrite") == 0
     assert RunFolder(out).completed_steps() == [2, 4]
     assert not (out / "model_00000006.bin").exists()
     assert [s for s, _ in train_losses(out)] == ["1", "2", "3", "4"]
@@ -185,7 +185,7 @@ def test_a_failing_sample_is_a_warning_and_costs_no_progress(shards, tmp_path, m
         yield
     monkeypatch.setattr(train_mod.hooks, "stream", broken)
     out = tmp_path / "out"
-    assert run(shards, out, "-x", "4", "-s", "2", "-g", "3", "-n", "2") == 0
+    assert run(shards, out, "-x", "4", "-s", "2", "-g", "3", "-n", "2", "-nk", "2") == 0
     assert "step 2: warning: sampling failed (ValueError: the sampler broke)" in \
         capsys.readouterr().out
     assert RunFolder(out).completed_steps() == [2, 4]
@@ -311,7 +311,7 @@ def test_resume_refuses_what_would_change_the_run_and_reports_the_rest(shards, t
     assert run(shards, out, "-x", "8", "-n", "3", "-l", "1e-3", "-y", "1") == 0
     assert "changed on resume: max_steps 6 -> 8, learning_rate 0.003 -> 0.001" in \
         capsys.readouterr().out
-    assert RunFolder(out).completed_steps() == [6, 8]   # -nk 2: the default keeps two
+    assert RunFolder(out).completed_steps() == [8]   # -nk 1: the default keeps one
 
 
 # ---- 8. a full disk, a file where a folder should be ---------------------------------------
@@ -409,7 +409,7 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, monkeypatch, capsys):
 
 def test_resume_falls_back_past_a_corrupt_checkpoint(shards, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    assert run(shards, out, "-x", "6", "-n", "3", "-nk", "2") == 0
     newest = out / "model_00000006.bin"
     newest.write_bytes(newest.read_bytes()[:5000])   # truncated
     capsys.readouterr()

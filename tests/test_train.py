@@ -70,14 +70,15 @@ def bad_loss_at_step(monkeypatch, n, value):
 @pytest.mark.parametrize("shuffle", ["0", "1"])
 def test_resume_after_ctrl_c_is_bitwise_exact(shards, tmp_path, monkeypatch, capsys, shuffle):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert run(shards, straight, "-x", "20", "-n", "5", "--shuffle", shuffle) == 0
+    assert run(shards, straight, "-x", "20", "-n", "5", "-nk", "2", "--shuffle", shuffle) == 0
 
     interrupt_at_batch(monkeypatch, 11)            # during step 11: step 10 is the last whole one
-    assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle) == 130
+    assert run(shards, resumed, "-x", "20", "-n", "5", "-nk", "2", "--shuffle", shuffle) == 130
     assert "checkpoint of step 10" in capsys.readouterr().out
     assert completed_steps(resumed) == [5, 10]
     monkeypatch.undo()
-    assert run(shards, resumed, "-x", "20", "-n", "5", "--shuffle", shuffle, "-y", "1") == 0
+    assert run(shards, resumed, "-x", "20", "-n", "5", "-nk", "2", "--shuffle", shuffle,
+               "-y", "1") == 0
 
     assert train_losses(resumed) == train_losses(straight)
     assert len(train_losses(straight)) == 20
@@ -354,12 +355,12 @@ def test_a_run_from_python_is_the_cli_run(shards, tmp_path):
     """llmc_py.train.run(RunSpec(...)) with the CLI's settings writes the same
     main.log and checkpoints as the command line."""
     from llmc_py.train import RunSpec
-    assert run(shards, tmp_path / "cli", "-x", "6", "-n", "3") == 0
+    assert run(shards, tmp_path / "cli", "-x", "6", "-n", "3", "-nk", "2") == 0
     train_glob, val_glob = shards
     spec = RunSpec(train_data=train_glob, val_data=val_glob, output_dir=str(tmp_path / "py"),
                    init="d1", batch_size=2, seq_len=16, val_every=4, val_batches=2,
                    sample_every=0, learning_rate=3e-3, warmup_steps=3, max_steps=6,
-                   checkpoint_every=3)
+                   checkpoint_every=3, keep_checkpoints=2)
     assert train_mod.run(spec) == 0
     for name in ("main.log", "model_00000003.bin", "model_00000006.bin"):
         assert (tmp_path / "py" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes()

@@ -63,7 +63,7 @@ class RunSpec:
     gen_tokens: int = 64              # -g
     sample_top_k: int = 40            # 0: the whole vocabulary
     checkpoint_every: int = 100       # -n; 0: only at the end
-    keep_checkpoints: int = 2         # -nk; 0: all (llm.c's)
+    keep_checkpoints: int = 1         # -nk; 0: all (llm.c's)
     keep_best: int = 1                # kept when there is validation data
     resume: int = 0                   # -y
     overwrite: bool = False
