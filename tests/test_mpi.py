@@ -1,7 +1,7 @@
 """Data-parallel training under mpiexec (train.distributed): 2 ranks of one
 thread each against one process, bitwise determinism, resume, ZeRO-1,
-gradient accumulation, a rank that fails, and another number of processes
-on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
+gradient accumulation, a rank that fails, a stop signal to one rank or to
+the launcher, and another number of processes on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
 processes (the [mpi] extra's mpich, which the test extra installs).
 
 Tolerance against one process: 1e-5 relative on every step's loss (the two
@@ -23,6 +23,7 @@ from llmc_py.data import DataLoader, write_tokens
 from llmc_py.errors import UsageError
 from llmc_py.io import read_state
 from llmc_py.train import distributed
+from llmc_py.train.signals import StopSignals, Stopped
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["-e", "d1", "-t", "32", "-s", "0", "-v", "4", "-m", "2", "-u", "2", "-l", "1e-3"]
@@ -248,6 +249,27 @@ def test_shards_cover_the_buffer_in_order():
         bounds = distributed.shard_bounds(n, size)
         assert bounds[0][0] == 0 and bounds[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_held_signals_stop_where_the_ranks_agree():
+    """Under mpiexec a signal is only recorded; agree() raises Stopped once
+    any rank has one, this rank's or another's (the highest number)."""
+    class OtherRankHasSIGTERM(distributed.Solo):
+        def max(self, value):
+            return max(value, signal.SIGTERM)
+
+    with StopSignals(held=True) as signals:
+        signals.agree(distributed.Solo())   # no signal anywhere: goes on
+        os.kill(os.getpid(), signal.SIGINT)   # recorded, not raised
+        with pytest.raises(Stopped) as stop:
+            signals.agree(distributed.Solo())
+        assert stop.value.signum == signal.SIGINT
+        with pytest.raises(Stopped) as stop:
+            signals.agree(OtherRankHasSIGTERM())
+        assert stop.value.signum == signal.SIGTERM
+    with StopSignals(held=True) as signals, pytest.raises(Stopped) as stop:
+        signals.agree(OtherRankHasSIGTERM())
+    assert stop.value.signum == signal.SIGTERM
 
 
 def test_launched_without_mpi4py_is_refused(monkeypatch):
