@@ -6,6 +6,7 @@ processes (the [mpi] extra's mpich, which the test extra installs).
 
 Tolerance against one process: 1e-5 relative on every step's loss (the two
 sum a step's rows in other groupings; seen: equal to the printed digits)."""
+import contextlib
 import os
 import shutil
 import signal
@@ -163,9 +164,10 @@ TRAIN_SAYING_EXIT = ("import sys; from llmc_py.train.cli import main; code = mai
 def start(out, *args):
     """`mpiexec -n 2` of a training run in the background, its stdout and
     stderr in files beside ``out``."""
-    return subprocess.Popen([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
-                             TRAIN_SAYING_EXIT, "-o", str(out), *args], env=env(),
-                            stdout=open(f"{out}.stdout", "w"), stderr=open(f"{out}.stderr", "w"))
+    with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
+        return subprocess.Popen([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
+                                 TRAIN_SAYING_EXIT, "-o", str(out), *args], env=env(),
+                                stdout=stdout, stderr=stderr)
 
 
 def wait_for_steps(job, out, steps, timeout=120):
@@ -205,7 +207,8 @@ def end(job):
     """Kills what is left of a job (a test that failed)."""
     if job.poll() is None:
         for pid in rank_pids(job.pid).values():
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):   # ended meanwhile
+                os.kill(pid, signal.SIGKILL)
         job.kill()
         job.wait()
 
