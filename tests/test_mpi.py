@@ -24,7 +24,7 @@ from llmc_py.data import DataLoader, write_tokens
 from llmc_py.errors import UsageError
 from llmc_py.io import read_state
 from llmc_py.train import distributed
-from llmc_py.train.signals import StopSignals, Stopped
+from llmc_py.train.signals import Stopped, StopSignals
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["-e", "d1", "-t", "32", "-s", "0", "-v", "4", "-m", "2", "-u", "2", "-l", "1e-3"]
