@@ -1,13 +1,15 @@
 """Data-parallel training under mpiexec (train.distributed): 2 ranks of one
 thread each against one process, bitwise determinism, resume, ZeRO-1,
-gradient accumulation, a rank that fails, and another number of processes
-on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
+gradient accumulation, a rank that fails, a stop signal to one rank or to
+the launcher, and another number of processes on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
 processes (the [mpi] extra's mpich, which the test extra installs).
 
 Tolerance against one process: 1e-5 relative on every step's loss (the two
 sum a step's rows in other groupings; seen: equal to the printed digits)."""
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ from llmc_py.data import DataLoader, write_tokens
 from llmc_py.errors import UsageError
 from llmc_py.io import read_state
 from llmc_py.train import distributed
+from llmc_py.train.signals import Stopped, StopSignals
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["-e", "d1", "-t", "32", "-s", "0", "-v", "4", "-m", "2", "-u", "2", "-l", "1e-3"]
@@ -152,6 +155,97 @@ def test_resume_with_another_number_of_processes(shards, tmp_path, capsys):
     assert len(losses) == 8 and all(np.isfinite(losses))
 
 
+# ---- a stop signal ---------------------------------------------------------------
+
+# `python -m llmc_py.train` that also says its exit code (mpiexec's is one for all ranks)
+TRAIN_SAYING_EXIT = ("import sys; from llmc_py.train.cli import main; code = main(sys.argv[1:]); "
+                     "sys.stderr.write(f'exit code {code}\\n'); sys.exit(code)")
+
+
+def start(out, *args):
+    """`mpiexec -n 2` of a training run in the background, its stdout and
+    stderr in files beside ``out``."""
+    with open(f"{out}.stdout", "w") as stdout, open(f"{out}.stderr", "w") as stderr:
+        return subprocess.Popen([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
+                                 TRAIN_SAYING_EXIT, "-o", str(out), *args], env=env(),
+                                stdout=stdout, stderr=stderr)
+
+
+def wait_for_steps(job, out, steps, timeout=120):
+    """Until rank 0 has logged ``steps`` steps."""
+    deadline = time.monotonic() + timeout
+    log = Path(out) / "main.log"
+    while not (log.exists() and log.read_text().count(" trl:") >= steps):
+        assert job.poll() is None, Path(f"{out}.stderr").read_text()
+        assert time.monotonic() < deadline, f"{steps} steps not logged in {timeout} s"
+        time.sleep(0.05)
+
+
+def rank_pids(launcher):
+    """{rank: pid} of the processes under ``launcher`` that an MPI launcher
+    gave a rank (MPICH's PMI_RANK, Open MPI's OMPI_COMM_WORLD_RANK)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:   # "pid (command) state ppid ..."
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):   # a process that just ended
+            continue
+        children.setdefault(ppid, []).append(pid)
+    ranks, todo = {}, [launcher]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for name in (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK="):
+                ranks.update({int(v[len(name):]): pid for v in environ if v.startswith(name)})
+    return ranks
+
+
+def end(job):
+    """Kills what is left of a job (a test that failed)."""
+    if job.poll() is None:
+        for pid in rank_pids(job.pid).values():
+            with contextlib.suppress(ProcessLookupError):   # ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.parametrize("target, extra", [(0, []), (1, ["--zero", "1"]), ("launcher", [])],
+                         ids=["rank0", "rank1-zero1", "launcher"])
+def test_a_stop_signal_stops_every_rank_after_the_same_step(shards, tmp_path, target, extra):
+    """SIGTERM to one rank, or to mpiexec (which forwards it to every rank):
+    the ranks agree on the last finished step, save it once and exit with
+    143 (so does mpiexec); the resume is bitwise the run not stopped."""
+    args = [*shards, *SMALL, "-b", "2", "-n", "0", "-k", "constant", "--keep-best", "0", *extra]
+    out = tmp_path / "stopped"
+    job = start(out, *args, "-x", "100000")
+    try:
+        wait_for_steps(job, out, 3)
+        pids = rank_pids(job.pid)
+        assert sorted(pids) == [0, 1]
+        os.kill(job.pid if target == "launcher" else pids[target], signal.SIGTERM)
+        job.wait(timeout=30)   # a hang fails here
+    finally:
+        end(job)
+    stdout, stderr = (Path(f"{out}.{name}").read_text() for name in ("stdout", "stderr"))
+    assert job.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.count("exit code 143") == 2, stderr
+    step = int(stdout.split("stopped by SIGTERM: checkpoint of step ")[1].split()[0])
+    assert files_of(out) == [f"DONE_{step:08d}", "main.log", f"model_{step:08d}.bin",
+                             f"state_{step:08d}.bin"]
+    assert len(log_lines(out, "trl")) == step >= 3
+    # two steps more, resumed, against a run that was not stopped
+    ran = mpirun(out, *args, "-x", str(step + 2), "-y", "1")
+    assert ran.returncode == 0, ran.stderr
+    assert mpirun(tmp_path / "whole", *args, "-x", str(step + 2)).returncode == 0
+    assert_same_checkpoint(tmp_path / "whole", out, step + 2)
+    assert (out / "main.log").read_bytes() == (tmp_path / "whole" / "main.log").read_bytes()
+
+
 # ---- the pieces, in one process ---------------------------------------------------
 
 def test_shards_cover_the_buffer_in_order():
@@ -159,6 +253,27 @@ def test_shards_cover_the_buffer_in_order():
         bounds = distributed.shard_bounds(n, size)
         assert bounds[0][0] == 0 and bounds[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+def test_held_signals_stop_where_the_ranks_agree():
+    """Under mpiexec a signal is only recorded; agree() raises Stopped once
+    any rank has one, this rank's or another's (the highest number)."""
+    class OtherRankHasSIGTERM(distributed.Solo):
+        def max(self, value):
+            return max(value, signal.SIGTERM)
+
+    with StopSignals(held=True) as signals:
+        signals.agree(distributed.Solo())   # no signal anywhere: goes on
+        os.kill(os.getpid(), signal.SIGINT)   # recorded, not raised
+        with pytest.raises(Stopped) as stop:
+            signals.agree(distributed.Solo())
+        assert stop.value.signum == signal.SIGINT
+        with pytest.raises(Stopped) as stop:
+            signals.agree(OtherRankHasSIGTERM())
+        assert stop.value.signum == signal.SIGTERM
+    with StopSignals(held=True) as signals, pytest.raises(Stopped) as stop:
+        signals.agree(OtherRankHasSIGTERM())
+    assert stop.value.signum == signal.SIGTERM
 
 
 def test_launched_without_mpi4py_is_refused(monkeypatch):

@@ -76,6 +76,9 @@ class Solo:
     def sum(self, value):
         return float(value)
 
+    def max(self, value):
+        return value
+
     def average(self, buf):
         pass
 
@@ -129,6 +132,10 @@ class MPIWorld:
 
     def mean(self, value):
         return self.sum(value) / self.size
+
+    def max(self, value):
+        """The largest over ranks of an int (exact, whatever MPI's algorithm)."""
+        return self.comm.allreduce(int(value), op=self.MPI.MAX)
 
     def broadcast_object(self, obj):
         return self.comm.bcast(obj, root=0)

@@ -67,7 +67,8 @@ class Run:
 
     def train(self):
         """The run, start to end; returns the exit code (``run``'s)."""
-        with StopSignals() as self.signals:
+        # several ranks only record a signal until they agree to stop (_steps)
+        with StopSignals(held=self.world.size > 1) as self.signals:
             try:
                 return self._train()
             except KeyboardInterrupt as stop:   # Stopped, or Ctrl-C before the handlers were in
@@ -391,6 +392,9 @@ class Run:
                    if self.probe is not None and root else None)
         trainer = self._trainer(log, metrics)
         try:
+            # a signal on any rank stops every rank after the same step (one
+            # small allreduce per step)
+            self.signals.agree(self.world)
             for step in range(self.resume_step + 1, spec.max_steps + 1):
                 r = trainer.train_step(step)
                 if not r.finite:
@@ -400,6 +404,7 @@ class Run:
                         f"finite; stopping. The last good checkpoint is step {last_good}"
                         + ("" if last_good else " (none written)") + f" in {folder.path}")
                     return 1
+                self.signals.agree(self.world)
         except KeyboardInterrupt as stop:
             self.checkpoints.stopped(getattr(stop, "signum", signal.SIGINT))
         finally:

@@ -24,11 +24,16 @@ class StopSignals:
     """While entered (in the main thread), a stop signal raises Stopped where
     the program is, except inside ``deferred()``: there it is held and
     raised when the block ends, so a save or an optimizer update is never
-    cut short. A second signal while one is held changes nothing."""
+    cut short. A second signal while one is held changes nothing.
 
-    def __init__(self):
+    ``held``: signals are only recorded, from the start (the ranks of a run
+    under mpiexec, which must all stop after the same step: a rank that
+    stopped on its own would leave the others waiting in a collective).
+    ``agree(world)`` at a step boundary then stops every rank together."""
+
+    def __init__(self, held=False):
         self.received = None
-        self._depth = 0
+        self._depth = 1 if held else 0
         self._previous = {}
 
     def __enter__(self):
@@ -52,6 +57,14 @@ class StopSignals:
             self.received = signum
         if self._depth == 0:
             raise Stopped(self.received)
+
+    def agree(self, world):
+        """Raises Stopped on every rank of ``world`` (train.distributed) once
+        any rank has received a signal (the highest signal number among
+        them, so that all exit alike); a collective: every rank calls it."""
+        signum = world.max(self.received or 0)
+        if signum:
+            raise Stopped(signum)
 
     @contextmanager
     def deferred(self):
