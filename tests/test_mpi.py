@@ -6,6 +6,7 @@ processes (the [mpi] extra's mpich, which the test extra installs).
 
 Tolerance against one process: 1e-5 relative on every step's loss (the two
 sum a step's rows in other groupings; seen: equal to the printed digits)."""
+import json
 import os
 import shutil
 import subprocess
@@ -87,6 +88,40 @@ def test_zero1_in_bf16_matches_the_all_reduce(shards, tmp_path):
         assert ran.returncode == 0, ran.stderr
     np.testing.assert_allclose(log_lines(tmp_path / "zero", "trl"),
                                log_lines(tmp_path / "plain", "trl"), rtol=1e-5)
+
+
+def test_monitors_with_zero1_write_what_they_write_without(shards, tmp_path):
+    """--monitor-every with --zero 1: rank 0 gathers the averaged gradient
+    shards on measured steps, so the records are those of --zero 0. Step 1's
+    gradients are bitwise the same in both; after it, the two trainings
+    differ only in how the global norm's squares are summed (``norm``,
+    1e-15 relative), which may move a clipped step's scale by an ulp: the
+    rest within the records' 7 significant digits."""
+    records = {}
+    for zero in ("0", "1"):
+        ran = mpirun(tmp_path / zero, *shards, *SMALL, "-b", "2", "-x", "4",
+                     "--monitor-every", "1", "--zero", zero)
+        assert ran.returncode == 0, ran.stderr
+        records[zero] = [json.loads(line)
+                         for line in (tmp_path / zero / "metrics.jsonl").read_text().splitlines()]
+    plain, zero = records["0"], records["1"]
+    assert [r["step"] for r in zero] == [r["step"] for r in plain] == [1, 2, 3, 4]
+    for field in ("grad_norm", "grad_norm_layer"):
+        assert zero[0][field] == plain[0][field], field
+    for z, p in zip(zero, plain):
+        assert z.keys() == p.keys()
+        for field in set(p) - {"step", "monitor_ms", "warnings"}:
+            np.testing.assert_allclose(flat(z[field]), flat(p[field]), rtol=1e-6,
+                                       err_msg=f"step {p['step']} {field}")
+
+
+def flat(value):
+    """The numbers of a record's field, in order (None as NaN)."""
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in flat(value[k])]
+    if isinstance(value, list):
+        return [x for v in value for x in flat(v)]
+    return [np.nan if value is None else value]
 
 
 def files_of(out):
