@@ -124,6 +124,37 @@ def flat(value):
     return [np.nan if value is None else value]
 
 
+VALIDATION_ON_RANKS = """
+import sys
+from llmc_py import GPT2
+from llmc_py.train import distributed
+from llmc_py.train.loop import evaluate
+from test_eval import Batches, masked_batches
+from test_gpt2_step import SMALL
+world = distributed.world()
+loader = distributed.RankRows(Batches(masked_batches(SMALL, 3, 4, 8, seed=8)), world)
+loss = evaluate(GPT2(SMALL, seed=8), loader, 3, world)
+if world.is_root:
+    print(repr(loss))
+"""
+
+
+def test_validation_loss_on_two_ranks_is_the_one_process_mean():
+    """Masked targets, unequally counted on each rank: the ranks add their
+    sums and counts, so two ranks give the one process's mean over targets
+    (added in another grouping: to 1e-12), not the mean of the ranks' means."""
+    from llmc_py import GPT2
+    from llmc_py.train.loop import evaluate
+    from test_eval import Batches, masked_batches
+    from test_gpt2_step import SMALL
+    ran = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
+                          VALIDATION_ON_RANKS], env=env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}"),
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    one = evaluate(GPT2(SMALL, seed=8), Batches(masked_batches(SMALL, 3, 4, 8, seed=8)), 3)
+    assert abs(float(ran.stdout) - one) <= 1e-12 * one
+
+
 def files_of(out):
     return sorted(p.name for p in Path(out).iterdir() if not p.name.startswith("."))
 

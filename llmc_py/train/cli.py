@@ -79,7 +79,8 @@ def build_parser():
       help="clip the global gradient norm to this (0: no clipping)")
     a("-v", "--val-every", type=int, default=RunSpec.val_every,
       help="evaluate every N steps (0: never)")
-    a("-m", "--val-batches", type=int, default=RunSpec.val_batches, help="batches per evaluation")
+    a("-m", "--val-batches", type=int, default=RunSpec.val_batches,
+      help="batches per evaluation; the val loss is the mean over their counted targets")
     a("-s", "--sample-every", type=int, default=RunSpec.sample_every,
       help="print a sample every N steps (0: never)")
     a("-g", "--gen-tokens", type=int, default=RunSpec.gen_tokens, help="tokens per sample")
