@@ -96,14 +96,19 @@ def test_monitors_with_zero1_write_what_they_write_without(shards, tmp_path):
     gradients are bitwise the same in both; after it, the two trainings
     differ only in how the global norm's squares are summed (``norm``,
     1e-15 relative), which may move a clipped step's scale by an ulp: the
-    rest within the records' 7 significant digits."""
+    rest within the records' 7 significant digits. The gather leaves
+    training as it was."""
+    args = [*shards, *SMALL, "-b", "2", "-x", "4", "--keep-best", "0"]
     records = {}
     for zero in ("0", "1"):
-        ran = mpirun(tmp_path / zero, *shards, *SMALL, "-b", "2", "-x", "4",
-                     "--monitor-every", "1", "--zero", zero)
+        ran = mpirun(tmp_path / zero, *args, "--monitor-every", "1", "--zero", zero)
         assert ran.returncode == 0, ran.stderr
         records[zero] = [json.loads(line)
                          for line in (tmp_path / zero / "metrics.jsonl").read_text().splitlines()]
+    assert mpirun(tmp_path / "unmonitored", *args, "--zero", "1").returncode == 0
+    for name in ("main.log", "model_00000004.bin"):
+        assert (tmp_path / "1" / name).read_bytes() == \
+            (tmp_path / "unmonitored" / name).read_bytes(), name
     plain, zero = records["0"], records["1"]
     assert [r["step"] for r in zero] == [r["step"] for r in plain] == [1, 2, 3, 4]
     for field in ("grad_norm", "grad_norm_layer"):
