@@ -67,7 +67,7 @@ def evaluate_length(model, tokens, length, stride=None, batch_size=1):
 
 def window_batches(tokens, length, spans, batch_size):
     """(inputs, targets) of ``batch_size`` windows at a time of ``spans``
-    (windows()), each window's targets before its ``first`` IGNORE_INDEX."""
+    (windows()), the targets before each window's ``first`` IGNORE_INDEX."""
     for b0 in range(0, len(spans), batch_size):
         batch = spans[b0:b0 + batch_size]
         x = np.stack([tokens[begin:begin + length] for begin, _ in batch]).astype(np.int32)
