@@ -11,7 +11,8 @@ of the text is scored exactly once: a window scores the targets that no
 earlier window scored (the others are masked, IGNORE_INDEX), so with S < L
 each target after the first window has at least L - S tokens of context
 (sliding-window evaluation). The last window ends at the text's end. The loss
-is the mean over all targets scored; the perplexity its exp. A model with a
+is the mean over all targets scored (train.loop.validation_loss, as
+training's validation loss); the perplexity its exp. A model with a
 learned position table cannot go past its max_seq_len: asking is a clear
 error, not a crash; RoPE, ALiBi and other position schemes can.
 """
@@ -25,7 +26,7 @@ import numpy as np
 from .cli import command
 from .errors import DataError, UsageError
 from .io.tokens import IGNORE_INDEX, read_tokens
-from .train.loop import perplexity
+from .train.loop import perplexity, validation_loss
 
 
 def windows(n_tokens, length, stride):
@@ -60,7 +61,13 @@ def evaluate_length(model, tokens, length, stride=None, batch_size=1):
                          f"(max_seq_len {c.max_seq_len}): a learned-position model cannot be "
                          f"evaluated there; RoPE or ALiBi models can")
     spans = windows(len(tokens), length, stride or length)
-    total, counted = 0.0, 0
+    loss, counted = validation_loss(model, window_batches(tokens, length, spans, batch_size))
+    return loss, counted, len(spans)
+
+
+def window_batches(tokens, length, spans, batch_size):
+    """(inputs, targets) of ``batch_size`` windows at a time of ``spans``
+    (windows()), the targets before each window's ``first`` IGNORE_INDEX."""
     for b0 in range(0, len(spans), batch_size):
         batch = spans[b0:b0 + batch_size]
         x = np.stack([tokens[begin:begin + length] for begin, _ in batch]).astype(np.int32)
@@ -68,10 +75,7 @@ def evaluate_length(model, tokens, length, stride=None, batch_size=1):
             np.int32)
         for row, (_, first) in enumerate(batch):
             y[row, :first] = IGNORE_INDEX
-        loss = model.forward(x, y, keep_logits=False)
-        total += loss * model.counted   # the batch's sum, from its mean over counted targets
-        counted += model.counted
-    return total / counted, counted, len(spans)
+        yield x, y
 
 
 def read_text(pattern, vocab_size, max_tokens=0):

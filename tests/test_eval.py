@@ -1,15 +1,22 @@
 """python -m llmc_py.eval: loss and perplexity at several context lengths,
 with sliding windows that score every target once; a learned-position model
-asked past its table is a clear error."""
+asked past its table is a clear error. Its loss and training's validation
+loss are one mean over the counted targets (train.loop.validation_loss)."""
 import dataclasses
+import io
 import re
+import types
 
 import numpy as np
 import pytest
 
-from llmc_py import GPT2, Llama, UsageError
+import torch
+
+from llmc_py import GPT2, IGNORE_INDEX, Llama, UsageError
 from llmc_py import eval as evaluation
 from llmc_py.data import write_tokens
+from llmc_py.train.distributed import Solo
+from llmc_py.train.hooks import Evaluation
 from test_gpt2_step import SMALL
 from test_llama_step import BASE
 
@@ -114,3 +121,93 @@ def test_learned_positions_past_their_table_is_a_clear_error(tmp_path, capsys):
     data, _ = write_text(tmp_path, ROPE.vocab_size, 200)
     assert evaluation.main([str(tmp_path / "rope.bin"), data, "--lengths", "250"]) == 1
     assert "the text has 200 tokens; a window of 250 needs 251" in capsys.readouterr().err
+
+
+# ---- one validation mean, in training and in eval ----------------------------------
+
+class Batches:
+    """A validation loader over fixed (inputs, targets) batches of B rows."""
+
+    def __init__(self, batches):
+        self.batches, self.B, self.files = batches, len(batches[0][0]), []
+        self.num_batches, self.position = len(batches), 0
+
+    def reset(self):
+        self.position = 0
+
+    def next_batch(self):
+        self.position += 1
+        return self.batches[self.position - 1]
+
+
+def masked_batches(config, n, B, T, seed):
+    """n batches of (inputs, targets) whose rows count from T targets down to
+    one (the others IGNORE_INDEX): batches and rows of unequal weight."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(n):
+        tokens = rng.integers(0, config.vocab_size, (B, T + 1)).astype(np.int32)
+        y = tokens[:, 1:].copy()
+        for row in range(B):
+            y[row, rng.permutation(T)[:rng.integers(0, T)]] = IGNORE_INDEX
+        batches.append((tokens[:, :-1].copy(), y))
+    return batches
+
+
+def reference_mean(model, batches):
+    """torch: the sum of every counted target's cross-entropy (from the
+    model's logits) over their number."""
+    total, counted = 0.0, 0
+    for x, y in batches:
+        model.forward(x, y)
+        logits = torch.from_numpy(np.array(model.logits[..., :model.config.vocab_size]))
+        losses = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).double(), torch.from_numpy(y).long().reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="none")
+        total += float(losses.sum())
+        counted += int((torch.from_numpy(y) != IGNORE_INDEX).sum())
+    return total / counted
+
+
+def training_evaluation(model, batches):
+    """The loss the training run's Evaluation hook logs for ``batches``."""
+    log = io.StringIO()
+    quiet = types.SimpleNamespace(say=lambda text: None, warn=pytest.fail)
+    hook = Evaluation(model, Batches(batches), len(batches), 1, 1, Solo(), log, quiet)
+    hook(None, types.SimpleNamespace(step=1))
+    assert log.getvalue() == f"s:1 tel:{hook.loss:.6f}\n"
+    return hook.loss
+
+
+def test_training_and_eval_take_one_mean_over_counted_targets():
+    """A validation set with masked targets: the training run's evaluation
+    and eval's give the same number, the mean over the counted targets
+    (not the mean of batch means, which is further from it than rounding)."""
+    model = GPT2(SMALL, seed=8)
+    batches = masked_batches(SMALL, 3, 2, 8, seed=8)
+    reference = reference_mean(model, batches)
+    in_training = training_evaluation(model, batches)
+    assert abs(in_training - reference) <= 1e-6 * reference
+    batch_means = np.mean([model.forward(x, y) for x, y in batches])
+    assert abs(batch_means - reference) > 1e-4 * reference   # the masks do weigh
+    # eval's windows with a stride below their length mask the targets scored before
+    tokens = np.random.default_rng(9).integers(0, SMALL.vocab_size, 40).astype(np.int32)
+    spans = evaluation.windows(len(tokens), 8, 3)
+    windows = list(evaluation.window_batches(tokens, 8, spans, 2))
+    assert any((y == IGNORE_INDEX).any() for _, y in windows)
+    loss, counted, _ = evaluation.evaluate_length(model, tokens, 8, 3, batch_size=2)
+    assert counted == len(tokens) - 1
+    assert loss == training_evaluation(model, windows)
+    assert abs(loss - reference_mean(model, windows)) <= 1e-6 * loss
+
+
+def test_every_target_ignored_is_a_warning_not_a_number():
+    model = GPT2(SMALL, seed=8)
+    x, y = masked_batches(SMALL, 1, 2, 8, seed=8)[0]
+    said = []
+    hook = Evaluation(model, Batches([(x, np.full_like(y, IGNORE_INDEX))]), 1, 1, 1, Solo(),
+                      io.StringIO(), types.SimpleNamespace(
+                          say=pytest.fail, warn=lambda what, step, e: said.append(str(e))))
+    hook(None, types.SimpleNamespace(step=1))
+    assert hook.loss is None and said == ["every validation target is IGNORE_INDEX: no loss "
+                                          "to average"]

@@ -1,12 +1,14 @@
 """Data-parallel training under mpiexec (train.distributed): 2 ranks of one
 thread each against one process, bitwise determinism, resume, ZeRO-1,
 gradient accumulation, a rank that fails, a stop signal to one rank or to
-the launcher, and another number of processes on resume. The runs are real `mpiexec -n 2 python -m llmc_py.train`
-processes (the [mpi] extra's mpich, which the test extra installs).
+the launcher, monitors with ZeRO-1, and another number of processes on
+resume. The runs are real `mpiexec -n 2 python -m llmc_py.train` processes
+(the [mpi] extra's mpich, which the test extra installs).
 
 Tolerance against one process: 1e-5 relative on every step's loss (the two
 sum a step's rows in other groupings; seen: equal to the printed digits)."""
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -90,6 +92,76 @@ def test_zero1_in_bf16_matches_the_all_reduce(shards, tmp_path):
         assert ran.returncode == 0, ran.stderr
     np.testing.assert_allclose(log_lines(tmp_path / "zero", "trl"),
                                log_lines(tmp_path / "plain", "trl"), rtol=1e-5)
+
+
+def test_monitors_with_zero1_write_what_they_write_without(shards, tmp_path):
+    """--monitor-every with --zero 1: rank 0 gathers the averaged gradient
+    shards on measured steps, so the records are those of --zero 0. Step 1's
+    gradients are bitwise the same in both; after it, the two trainings
+    differ only in how the global norm's squares are summed (``norm``,
+    1e-15 relative), which may move a clipped step's scale by an ulp: the
+    rest within the records' 7 significant digits. The gather leaves
+    training as it was."""
+    args = [*shards, *SMALL, "-b", "2", "-x", "4", "--keep-best", "0"]
+    records = {}
+    for zero in ("0", "1"):
+        ran = mpirun(tmp_path / zero, *args, "--monitor-every", "1", "--zero", zero)
+        assert ran.returncode == 0, ran.stderr
+        records[zero] = [json.loads(line)
+                         for line in (tmp_path / zero / "metrics.jsonl").read_text().splitlines()]
+    assert mpirun(tmp_path / "unmonitored", *args, "--zero", "1").returncode == 0
+    for name in ("main.log", "model_00000004.bin"):
+        assert (tmp_path / "1" / name).read_bytes() == \
+            (tmp_path / "unmonitored" / name).read_bytes(), name
+    plain, zero = records["0"], records["1"]
+    assert [r["step"] for r in zero] == [r["step"] for r in plain] == [1, 2, 3, 4]
+    for field in ("grad_norm", "grad_norm_layer"):
+        assert zero[0][field] == plain[0][field], field
+    for z, p in zip(zero, plain):
+        assert z.keys() == p.keys()
+        for field in set(p) - {"step", "monitor_ms", "warnings"}:
+            np.testing.assert_allclose(flat(z[field]), flat(p[field]), rtol=1e-6,
+                                       err_msg=f"step {p['step']} {field}")
+
+
+def flat(value):
+    """The numbers of a record's field, in order (None as NaN)."""
+    if isinstance(value, dict):
+        return [x for k in sorted(value) for x in flat(value[k])]
+    if isinstance(value, list):
+        return [x for v in value for x in flat(v)]
+    return [np.nan if value is None else value]
+
+
+VALIDATION_ON_RANKS = """
+import sys
+from llmc_py import GPT2
+from llmc_py.train import distributed
+from llmc_py.train.loop import evaluate
+from test_eval import Batches, masked_batches
+from test_gpt2_step import SMALL
+world = distributed.world()
+loader = distributed.RankRows(Batches(masked_batches(SMALL, 3, 4, 8, seed=8)), world)
+loss = evaluate(GPT2(SMALL, seed=8), loader, 3, world)
+if world.is_root:
+    print(repr(loss))
+"""
+
+
+def test_validation_loss_on_two_ranks_is_the_one_process_mean():
+    """Masked targets, unequally counted on each rank: the ranks add their
+    sums and counts, so two ranks give the one process's mean over targets
+    (added in another grouping: to 1e-12), not the mean of the ranks' means."""
+    from llmc_py import GPT2
+    from llmc_py.train.loop import evaluate
+    from test_eval import Batches, masked_batches
+    from test_gpt2_step import SMALL
+    ran = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
+                          VALIDATION_ON_RANKS], env=env(PYTHONPATH=f"{REPO}:{REPO / 'tests'}"),
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    one = evaluate(GPT2(SMALL, seed=8), Batches(masked_batches(SMALL, 3, 4, 8, seed=8)), 3)
+    assert abs(float(ran.stdout) - one) <= 1e-12 * one
 
 
 def files_of(out):

@@ -79,7 +79,8 @@ def build_parser():
       help="clip the global gradient norm to this (0: no clipping)")
     a("-v", "--val-every", type=int, default=RunSpec.val_every,
       help="evaluate every N steps (0: never)")
-    a("-m", "--val-batches", type=int, default=RunSpec.val_batches, help="batches per evaluation")
+    a("-m", "--val-batches", type=int, default=RunSpec.val_batches,
+      help="batches per evaluation; the val loss is the mean over their counted targets")
     a("-s", "--sample-every", type=int, default=RunSpec.sample_every,
       help="print a sample every N steps (0: never)")
     a("-g", "--gen-tokens", type=int, default=RunSpec.gen_tokens, help="tokens per sample")
@@ -129,7 +130,8 @@ def build_parser():
            "/ sqrt(2L)), xavier_normal or xavier_uniform")
     a("--init-std", type=float, default=RunSpec.init_std, help="gpt2 scheme: the std")
     a("--zero", type=int, choices=(0, 1), default=RunSpec.zero,
-      help="under mpiexec: 1 keeps each rank's shard of AdamW's moments only (ZeRO-1)")
+      help="under mpiexec: 1 keeps each rank's shard of AdamW's moments only (ZeRO-1; "
+           "with --monitor-every, rank 0 gathers the gradients on measured steps)")
     a("--monitor-every", type=int, default=RunSpec.monitor_every,
       help="every N steps, measure attention entropy, representation collapse, per-layer "
            "gradient norms and update ratios on a fixed validation batch and append them "

@@ -17,7 +17,8 @@ CHUNK floats per shard at a time, so its scratch is N * CHUNK floats.
 ZeRO-1 (``zero=1``): each rank keeps AdamW's moments for its shard only,
 updates its shard of the parameters, and the all-gather moves parameters
 instead of gradients; the global gradient norm is the square root of the
-shards' squared norms added in rank order.
+shards' squared norms added in rank order. A monitored step's gradients are
+gathered to rank 0 (gather_shards), which measures them.
 """
 import os
 import time
@@ -86,6 +87,9 @@ class Solo:
         return 0, buf.size
 
     def all_gather(self, buf):
+        pass
+
+    def gather_shards(self, buf):
         pass
 
     def broadcast(self, buf):
@@ -208,6 +212,20 @@ class MPIWorld:
         displs = [a for a, _ in bounds]
         self.comm.Allgatherv(self.MPI.IN_PLACE, [buf, counts, displs, self.MPI.FLOAT])
         self.bytes_sent += 4 * counts[self.rank] * (self.size - 1)
+        self.seconds += time.perf_counter() - t0
+
+    def gather_shards(self, buf):
+        """Every rank's shard of ``buf`` into rank 0's buf (the others' are
+        left as they were): all_gather's copy, for rank 0 alone."""
+        t0 = time.perf_counter()
+        bounds = shard_bounds(buf.size, self.size)
+        start, stop = bounds[self.rank]
+        if self.is_root:
+            spec = [buf, [b - a for a, b in bounds], [a for a, _ in bounds], self.MPI.FLOAT]
+            self.comm.Gatherv(self.MPI.IN_PLACE, spec, root=0)
+        else:
+            self.comm.Gatherv(buf[start:stop], None, root=0)
+            self.bytes_sent += 4 * (stop - start)
         self.seconds += time.perf_counter() - t0
 
     def gather(self, shard, n, out=None):

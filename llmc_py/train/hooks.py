@@ -45,7 +45,8 @@ class StepLog:
 
 
 class Evaluation:
-    """The mean loss of ``batches`` validation batches every ``every`` steps
+    """The mean loss over the counted targets of ``batches`` validation
+    batches (on every rank together) every ``every`` steps
     and at the last, in main.log and said, and offered to ``keep_best``; a
     failure is a warning. ``loss``: the latest."""
 
@@ -61,7 +62,7 @@ class Evaluation:
         if not due(r.step, self.every, self.last_step):
             return
         try:
-            self.loss = self.world.mean(evaluate(self.model, self.loader, self.batches))
+            self.loss = evaluate(self.model, self.loader, self.batches, self.world)
             self.log.write(f"s:{r.step} tel:{self.loss:.6f}\n")
             self.log.flush()
             self.progress.say(f"step {r.step}: val loss {self.loss:.6f} "

@@ -124,8 +124,26 @@ def perplexity(loss):
         return math.inf
 
 
-def evaluate(model, loader, batches):
-    """The mean loss over the first ``batches`` batches of ``loader``."""
+def validation_loss(model, batches, world=None):
+    """(mean loss, targets counted) of ``model`` over the counted targets
+    (not IGNORE_INDEX) of ``batches``, (inputs, targets) pairs, on every rank
+    of ``world`` together: the sum of their losses over their number, each
+    summed over the ranks (not a mean of batch means, which would weigh a
+    target by how many others its batch counts). ValueError if none counts."""
+    world = Solo() if world is None else world
+    sums, counted = [], 0
+    for inputs, targets in batches:
+        loss = model.forward(inputs, targets, keep_logits=False)
+        sums.append(loss * model.counted)   # the batch's sum, from its mean over counted targets
+        counted += model.counted
+    total, counted = world.sum(np.sum(sums)), round(world.sum(counted))
+    if not counted:
+        raise ValueError("every validation target is IGNORE_INDEX: no loss to average")
+    return total / counted, counted
+
+
+def evaluate(model, loader, batches, world=None):
+    """The mean loss over the counted targets of the first ``batches``
+    batches of ``loader`` (validation_loss), over the ranks of ``world``."""
     loader.reset()
-    losses = [model.forward(*loader.next_batch(), keep_logits=False) for _ in range(batches)]
-    return float(np.mean(losses))
+    return validation_loss(model, (loader.next_batch() for _ in range(batches)), world)[0]

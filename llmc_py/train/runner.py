@@ -287,9 +287,6 @@ class Run:
             if not val_data:
                 raise UsageError("--monitor-every measures on a validation batch: give -j "
                                  "(the default dataset has one)")
-            if self.sharded:
-                raise UsageError("--monitor-every reads every gradient, which --zero 1 leaves "
-                                 "reduced on their own rank only: use one or the other")
             self.probe = DataLoader(val_data, B, T, vocab_size=V).next_batch()
 
     def _restore(self, m, v, extra):
@@ -356,6 +353,10 @@ class Run:
             reduce = world.reduce_scatter_mean if self.sharded else world.average
             trainer.after_backward.append(lambda trainer, step: reduce(self.model.grads.memory))
         trainer.after_step.append(self.checkpoints.step_finished)
+        if self.probe is not None and self.sharded:
+            # ZeRO-1 averages each rank's shard of the gradients only; the
+            # monitor reads them all: rank 0 gathers them on measured steps
+            trainer.after_backward.append(self._gather_measured_gradients)
         if self.probe is not None and world.is_root:
             monitor = Monitor(self.model, *self.probe, spec.monitor_every, metrics,
                               entropy_min=spec.monitor_entropy_min or None,
@@ -365,6 +366,10 @@ class Run:
             trainer.after_step.append(monitor.after_step)
         trainer.end_of_step += self._end_of_step_hooks(log)
         return trainer
+
+    def _gather_measured_gradients(self, trainer, step):
+        if step % self.spec.monitor_every == 0:
+            self.world.gather_shards(self.model.grads.memory)
 
     def _end_of_step_hooks(self, log):
         """The log, the evaluation (offering the best model to --keep-best),
