@@ -5,7 +5,8 @@ import os
 import numpy as np
 
 from ..errors import DataError, ShapeError
-from ..io.tokens import check_manifest, first_out_of_vocab, read_tokens, read_tokens_header
+from ..io.tokens import (IGNORE_INDEX, check_manifest, first_out_of_vocab, mask_path, read_mask,
+                         read_tokens, read_tokens_header)
 
 
 class DataLoader:
@@ -23,6 +24,9 @@ class DataLoader:
     from one running stream, so the position (epoch, shard_pos, batch_pos) is
     the whole state: ``state_dict()`` is a small dict of ints that
     ``load_state_dict`` restores exactly.
+
+    A shard with a loss mask beside it (NAME.mask, io.tokens) has its
+    untrained targets set to IGNORE_INDEX, which the loss skips.
 
     Every shard's header and size, and its folder's manifest if it has one
     (io.tokens), are checked here; with ``vocab_size`` the token ids of a
@@ -56,7 +60,7 @@ class DataLoader:
         # windows per shard, as llm.c: (ntok - 1) // (B*T)
         self.shard_batches = [(n - 1) // (self.B * self.T) for n in self.shard_tokens]
         self._checked = set()     # shards whose token ids were checked
-        self._open_index, self._open_tokens = None, None
+        self._open_index, self._open_tokens, self._open_mask = None, None, None
         self._shard_order_epoch, self._shard_order = None, None
         self._window_order_key, self._window_order = None, None
         self.reset()
@@ -115,7 +119,19 @@ class DataLoader:
                 self._check_vocab(path, tokens)
             self._checked.add(shard)
             self._open_index, self._open_tokens = shard, tokens
+            self._open_mask = self._mask(path, tokens.size)
         return self._open_tokens
+
+    @staticmethod
+    def _mask(path, ntok):
+        """The shard's loss mask, or None if it has none."""
+        path = mask_path(path)
+        if not path.exists():
+            return None
+        mask = read_mask(path)
+        if mask.size != ntok:
+            raise DataError(f"{path}: masks {mask.size} tokens, but its token file holds {ntok}")
+        return mask
 
     def _check_vocab(self, path, tokens):
         bad = first_out_of_vocab(tokens, self.vocab_size)
@@ -134,6 +150,9 @@ class DataLoader:
         buf = np.array(self._tokens(shard)[start:start + B * T + 1], dtype=np.int32)
         inputs = buf[:-1].reshape(B, T)
         targets = buf[1:].reshape(B, T).copy()
+        if self._open_mask is not None:
+            trained = self._open_mask[start + 1:start + B * T + 1].reshape(B, T)
+            targets[trained == 0] = IGNORE_INDEX
         self.batch_pos += 1
         if self.batch_pos == self.shard_batches[shard]:
             self.batch_pos = 0
