@@ -168,6 +168,8 @@ class ChatEncoder:
                             f"({e})") from None
         source, self.special_tokens = read_chat_template(folder)
         self._template = compile_template(source)
+        # what a template's refusal or a message it cannot render raises
+        self._refusals = (_jinja().exceptions.TemplateError, TypeError, ValueError)
         self.n_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.dtype = token_dtype(self.n_vocab)
 
@@ -178,10 +180,10 @@ class ChatEncoder:
                                      **self.special_tokens)
 
     def _try_render(self, messages, add_generation_prompt):
-        jinja2 = _jinja()
+        """The text, or the exception the template raised."""
         try:
             return self.render(messages, add_generation_prompt)
-        except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
+        except self._refusals as e:
             return e
 
     def assistant_spans(self, messages):

@@ -249,7 +249,8 @@ def prepare_dataset(name="shakespeare", out_dir="data", *, force=False, source="
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m llmc_py.data",
-        description="Prepare llm.c token files: OUT/NAME/{train,val}.bin. The first "
+        description="Prepare llm.c token files: OUT/NAME/{train,val}.bin (with --chat "
+                    "also {train,val}.mask, the loss mask). The first "
                     f"min({VAL_TOKENS}, ntok/{VAL_FRACTION_DIVISOR}) tokens are the "
                     "validation split.")
     p.add_argument("dataset", nargs="?", choices=DATASETS,
