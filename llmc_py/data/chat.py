@@ -151,21 +151,12 @@ class ChatEncoder:
     and its loss mask."""
 
     def __init__(self, folder):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise TokenizerUnavailableError(f"{folder}: reading a tokenizer.json needs the "
-                                            f'tokenizers package: pip install "llmc_py[hf]" '
-                                            f"({e})") from None
+        from ..tokenizer import HF_TOKENIZER_FILE, read_tokenizer_json
         folder = Path(folder)
         if not folder.is_dir():
             raise DataError(f"{folder}: not a folder (--chat needs a Hugging Face tokenizer "
                             f"folder with tokenizer.json and a chat template)")
-        try:
-            self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:   # the tokenizers package raises its own Exception types
-            raise DataError(f"{folder / 'tokenizer.json'}: not a readable tokenizer.json "
-                            f"({e})") from None
+        self._tokenizer = read_tokenizer_json(folder / HF_TOKENIZER_FILE)
         source, self.special_tokens = read_chat_template(folder)
         self._template = compile_template(source)
         # what a template's refusal or a message it cannot render raises
