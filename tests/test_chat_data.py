@@ -188,6 +188,14 @@ def test_a_turn_the_template_renders_otherwise_later_is_untrained(folders):
     assert texts == ["<think>\n\n</think>\n\nhello, world<|im_end|>\n"] and untrained == 1
 
 
+def test_the_summary_counts_the_turns_left_untrained(folders, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHATS[1]}] * 10)
+    P.prepare_jsonl(src, tmp_path / "out", tokenizer=folders["thinking"], chat=True)
+    out = capsys.readouterr().out
+    assert "10 records, 0 lines skipped" in out
+    assert "10 assistant turns the template renders otherwise left untrained" in out
+
+
 def test_mask_file_round_trip_and_refusals(tmp_path):
     path = tmp_path / "train.mask"
     write_mask(path, np.array([0, 1, 1, 0], dtype=np.uint8))

@@ -183,36 +183,33 @@ def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False
     elif encoding is None:
         from ..tokenizer import load_tokenizer
         encoding = load_tokenizer(tokenizer)
-    pieces, masks, skipped, untrained = [], [], 0, 0
+    pieces, skipped = [], 0
     for number, value, reason in jsonl_field(path, "messages" if chat else "text",
                                              list if chat else str):
         if reason is None and chat:
             try:
-                ids, mask, turns_left = encoder.encode(value)
+                value = encoder.encode(value)   # (ids, mask, untrained turns)
             except ChatRecordError as e:
                 reason = e
-            else:
-                pieces.append(ids)
-                masks.append(mask)
-                untrained += turns_left
-        elif reason is None:
+        if reason is None:
             pieces.append(value)
-        if reason is not None:
+        else:
             _skip(path, number, reason)
             skipped += 1
     if not pieces:
         raise DataError(f"{path}: no record to prepare ({skipped} lines skipped)")
     if chat:
-        tokens, mask = np.concatenate(pieces).astype(encoder.dtype), np.concatenate(masks)
+        ids, masks, turns_left = zip(*pieces)
+        tokens, mask = np.concatenate(ids).astype(encoder.dtype), np.concatenate(masks)
     else:
-        tokens, mask = tokenize_documents(pieces, encoding), None
+        tokens, mask, turns_left = tokenize_documents(pieces, encoding), None, ()
     train_path, val_path, n_train, n_val = write_dataset(tokens, name, out_dir, mask=mask)
     _report(name, path, train_path, val_path, n_train, n_val, time.perf_counter() - t0, quiet)
     if not quiet:
         trained = "" if mask is None else \
             f", {int(mask.sum()):,} of {mask.size:,} tokens trained (the assistant's)"
-        left = f", {untrained} assistant turns the template renders otherwise left " \
-               f"untrained" if untrained else ""
+        left = f", {sum(turns_left)} assistant turns the template renders otherwise left " \
+               f"untrained" if sum(turns_left) else ""
         print(f"{name}: {len(pieces)} records, {skipped} lines skipped{trained}{left}")
     return train_path, val_path
 
