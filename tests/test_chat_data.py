@@ -58,14 +58,37 @@ CHATML_MARKED = (
     "{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}"
     "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# like Qwen3's: only the last turn carries an (empty) thinking block, so an
-# earlier turn reads otherwise once later ones follow
-THINKING = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{% if message['role'] == 'assistant' and loop.last %}{{ '<think>\n\n</think>\n\n' }}"
-    "{% endif %}{{ message['content'] | tojson if message['content'] is mapping "
-    "else message['content'] }}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Qwen3's, without tools: the turns after the last user query carry their
+# reasoning (the last one at least an empty block), so an earlier turn reads
+# otherwise once later ones follow
+THINKING = """{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.role == "user" or message.role == "system" %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') +
+                '\n</think>\n\n' + content.lstrip('\n') }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
 TEMPLATES = {"chatml": CHATML, "llama2": LLAMA2, "chatml-marked": CHATML_MARKED,
              "thinking": THINKING}
 
@@ -76,7 +99,7 @@ CHATS = [
      {"role": "user", "content": "the quick brown fox"},
      {"role": "assistant", "content": " jumps over the lazy dog "},
      {"role": "user", "content": "and then? é ü 日本"},
-     {"role": "assistant", "content": "hello, world"}],
+     {"role": "assistant", "content": "hello, world", "thinking": "\nhow are you?"}],
     [{"role": "user", "content": "how are you?", "name": None},
      {"role": "assistant", "content": "quick\n\nbrown"}],
 ]
@@ -185,7 +208,9 @@ def test_mask_equals_transformers_assistant_mask(folders, chat, monkeypatch):
 
 def test_a_turn_the_template_renders_otherwise_later_is_untrained(folders):
     texts, untrained = trained_text(ChatEncoder(folders["thinking"]), CHATS[1])
-    assert texts == ["<think>\n\n</think>\n\nhello, world<|im_end|>\n"] and untrained == 1
+    # (the reasoning, given as "thinking", is the template's reasoning_content)
+    assert texts == ["<think>\nhow are you?\n</think>\n\nhello, world<|im_end|>\n"]
+    assert untrained == 1
 
 
 def test_the_summary_counts_the_turns_left_untrained(folders, tmp_path, capsys):
