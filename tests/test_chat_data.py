@@ -279,19 +279,24 @@ def test_bad_lines_are_said_with_their_numbers_and_the_rest_is_written(folders, 
              "",
              "[1, 2]",                                                                # 8
              {"messages": "hello"},                                                   # 9
-             good[2]]
+             good[2],
+             {"messages": [{"content": "x"}, {"role": "assistant", "content": "y"}]}]  # 11
     src = write_jsonl(tmp_path / "mixed.jsonl", lines)
+    with open(src, "ab") as f:
+        f.write(b'{"messages": "\xff"}\n')                                              # 12
     out = tmp_path / "out"
     assert P.main(["--jsonl", str(src), "--tokenizer", str(folders["chatml"]), "--chat",
                    "--out", str(out), "--name", "chats"]) == 0
     captured = capsys.readouterr()
     said = captured.err.splitlines()
     assert [line.split(": skipped: ")[0] for line in said] == \
-        [f"{src}:{n}" for n in (2, 3, 4, 6, 8, 9)]
+        [f"{src}:{n}" for n in (2, 3, 4, 6, 8, 9, 11, 12)]
     assert "not JSON" in said[0] and "no assistant turn" in said[1]
     assert "Unknown role: robot" in said[2] and 'no "messages" field' in said[3]
     assert "not a JSON object" in said[4] and '"messages" is a str, not a list' in said[5]
-    assert "3 records, 6 lines skipped" in captured.out
+    assert "message 0 is not an object with a string role" in said[6]
+    assert "not utf-8 (invalid start byte at byte 14)" in said[7]
+    assert "3 records, 8 lines skipped" in captured.out
     encoder = ChatEncoder(folders["chatml"])
     tokens, mask = prepared(out)
     assert tokens.tolist() == np.concatenate([encoder.encode(g["messages"])[0]

@@ -113,9 +113,8 @@ def read_chat_template(folder):
     if not isinstance(template, str):
         raise DataError(f"{folder}: no chat template (neither {CHAT_TEMPLATE_FILE} nor a "
                         f"chat_template string in {TOKENIZER_CONFIG})")
-    specials = {name: _token_text(config[name]) for name in SPECIAL_TOKENS
-                if _token_text(config.get(name)) is not None}
-    return template, {name: str(text) for name, text in specials.items()}
+    specials = {name: _token_text(config.get(name)) for name in SPECIAL_TOKENS}
+    return template, {name: str(text) for name, text in specials.items() if text is not None}
 
 
 def _as_template_messages(messages):
