@@ -419,10 +419,12 @@ def test_the_loader_ignores_the_untrained_targets(chat_data):
 
 def test_a_mask_of_another_length_is_refused(chat_data):
     train_path, _ = chat_data
-    write_mask(mask_path(train_path), np.ones(5, dtype=np.uint8))
     loader = D.DataLoader(str(train_path), 2, 16)
-    with pytest.raises(DataError, match="masks 5 tokens, but its token file holds"):
+    write_mask(mask_path(train_path), np.ones(5, dtype=np.uint8))
+    with pytest.raises(DataError, match="now masks 5 tokens, its token file holds"):
         loader.next_batch()
+    with pytest.raises(DataError, match="masks 5 tokens, but its token file holds"):
+        D.DataLoader(str(train_path), 2, 16)
 
 
 def test_masked_targets_add_no_loss_and_no_gradient(chat_data):

@@ -6,7 +6,7 @@ import numpy as np
 
 from ..errors import DataError, ShapeError
 from ..io.tokens import (IGNORE_INDEX, check_manifest, first_out_of_vocab, mask_path, read_mask,
-                         read_tokens, read_tokens_header)
+                         read_mask_header, read_tokens, read_tokens_header)
 
 
 class DataLoader:
@@ -56,6 +56,10 @@ class DataLoader:
                 raise DataError(f"{path}: has {ntok} tokens, fewer than one batch needs "
                                 f"(B*T+1 = {self.B}*{self.T}+1 = {window}); use a smaller "
                                 f"batch or sequence length")
+            mask = mask_path(path)
+            masked = read_mask_header(mask) if mask.exists() else ntok
+            if masked != ntok:
+                raise DataError(f"{mask}: masks {masked} tokens, but its token file holds {ntok}")
             self.shard_tokens.append(ntok)
         # windows per shard, as llm.c: (ntok - 1) // (B*T)
         self.shard_batches = [(n - 1) // (self.B * self.T) for n in self.shard_tokens]
@@ -119,19 +123,12 @@ class DataLoader:
                 self._check_vocab(path, tokens)
             self._checked.add(shard)
             self._open_index, self._open_tokens = shard, tokens
-            self._open_mask = self._mask(path, tokens.size)
+            mask = mask_path(path)
+            self._open_mask = read_mask(mask) if mask.exists() else None
+            if self._open_mask is not None and self._open_mask.size != tokens.size:
+                raise DataError(f"{mask}: now masks {self._open_mask.size} tokens, its token "
+                                f"file holds {tokens.size}")
         return self._open_tokens
-
-    @staticmethod
-    def _mask(path, ntok):
-        """The shard's loss mask, or None if it has none."""
-        path = mask_path(path)
-        if not path.exists():
-            return None
-        mask = read_mask(path)
-        if mask.size != ntok:
-            raise DataError(f"{path}: masks {mask.size} tokens, but its token file holds {ntok}")
-        return mask
 
     def _check_vocab(self, path, tokens):
         bad = first_out_of_vocab(tokens, self.vocab_size)

@@ -143,8 +143,8 @@ def write_mask(path, mask):
     atomic_write(path, [header.tobytes(), mask.astype(np.uint8)])
 
 
-def read_mask(path):
-    """The loss mask of a validated mask file, as uint8 0s and 1s."""
+def read_mask_header(path):
+    """The token count of a loss mask file, after checking its header and size."""
     header, size = read_header(path, "loss mask", DataError)
     for slot, field, expected in ((0, "magic", MAGIC_MASK), (1, "version", VERSION_MASK)):
         if header[slot] != expected:
@@ -154,8 +154,17 @@ def read_mask(path):
     if ntok < 0 or size != HEADER_BYTES + ntok:
         raise DataError(f"{path}: file size is {size} bytes but header field ntok={ntok} "
                         f"describes {HEADER_BYTES + max(ntok, 0)} bytes")
-    mask = np.fromfile(path, dtype=np.uint8, offset=HEADER_BYTES)
-    if mask.size and mask.max() > 1:
+    return ntok
+
+
+def read_mask(path):
+    """The loss mask of a validated mask file, as a read-only uint8 np.memmap
+    of 0s and 1s (an empty array for 0 tokens)."""
+    ntok = read_mask_header(path)
+    if ntok == 0:
+        return np.zeros(0, dtype=np.uint8)
+    mask = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+    if mask.max() > 1:
         pos = int(np.argmax(mask > 1))
         raise DataError(f"{path}: entry {pos} is {int(mask[pos])}, a loss mask holds 0 or 1")
     return mask
