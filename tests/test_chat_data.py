@@ -9,6 +9,8 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import llmc_py.data as D
 import llmc_py.data.prepare as P
@@ -20,9 +22,6 @@ from llmc_py.errors import DataError
 from llmc_py.io.tokens import mask_path, read_mask, write_mask
 from data_helpers import no_network, tiny_encoding  # noqa: F401
 from test_gpt2_step import SMALL, check_against_reference, make_model
-
-tokenizers = pytest.importorskip("tokenizers")
-transformers = pytest.importorskip("transformers")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 # ChatML over several lines, so that trim_blocks and lstrip_blocks matter
@@ -109,7 +108,6 @@ def make_tokenizer_folder(folder, template, *, config=None):
     """A byte-level BPE tokenizer.json learnt from a few sentences, with
     ChatML's and Llama 2's special tokens, and a tokenizer_config.json
     holding ``template``; with ``config`` a config.json too."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
