@@ -1,8 +1,9 @@
 from setuptools import find_packages, setup
 
 # Hugging Face folders (llmc_py.io.hf) and tokenizer.json files: safetensors
-# reads and writes the weights, ml_dtypes gives numpy their bf16 type
-HF = ["safetensors>=0.4", "ml_dtypes>=0.3", "tokenizers>=0.15"]
+# reads and writes the weights, ml_dtypes gives numpy their bf16 type, jinja2 renders
+# chat templates (llmc_py.data.chat)
+HF = ["safetensors>=0.4", "ml_dtypes>=0.3", "tokenizers>=0.15", "jinja2>=3.1.6"]
 # data-parallel training under mpiexec (llmc_py.train.distributed): mpi4py and
 # an MPI runtime from PyPI (mpich's wheel brings mpiexec; a system MPI works too)
 MPI = ["mpi4py>=4.0", "mpich"]

@@ -212,6 +212,20 @@ def get_encoding():
 HF_TOKENIZER_FILE = "tokenizer.json"
 
 
+def read_tokenizer_json(path):
+    """The ``tokenizers`` package's Tokenizer of a tokenizer.json."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise TokenizerUnavailableError(f"{path}: reading a tokenizer.json needs the "
+                                        f'tokenizers package: pip install "llmc_py[hf]" '
+                                        f"({e})") from None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:   # the tokenizers package raises its own Exception types
+        raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (through the ``tokenizers`` package,
     ``pip install "llmc_py[hf]"``) with what data and sample use of
@@ -221,17 +235,8 @@ class HFTokenizer:
     GPT-2's <|endoftext|>), from the folder's config.json."""
 
     def __init__(self, path, eot_token=None):
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError as e:
-            raise TokenizerUnavailableError(f"{path}: reading a tokenizer.json needs the "
-                                            f"tokenizers package: pip install "
-                                            f'"llmc_py[hf]" ({e})') from None
         path = Path(path)
-        try:
-            self._tokenizer = _Tokenizer.from_file(str(path))
-        except Exception as e:   # the tokenizers package raises its own Exception types
-            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
+        self._tokenizer = read_tokenizer_json(path)
         self.path = path
         self.n_vocab = self._tokenizer.get_vocab_size(with_added_tokens=True)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:10]

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from llmc_py import GPT2Config, LlmcError
 from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, read_debug_state, read_model,
                         read_state, write_debug_state, write_model, write_state)
+from llmc_py.io.tokens import read_mask, write_mask
 from llmc_py.model.layout import num_parameters
 from llmc_py.data import DataLoader, read_tokens, write_tokens
 from llmc_py.tokenizer import load_ranks_file, read_tokenizer_file, write_token_table
@@ -157,6 +158,12 @@ def shard(folder):
 
 
 @pytest.fixture(scope="module")
+def loss_mask(folder):
+    write_mask(folder / "valid.mask", np.random.default_rng(5).integers(0, 2, size=64))
+    return (folder / "valid.mask").read_bytes()
+
+
+@pytest.fixture(scope="module")
 def tokenizer_file(folder):
     rng = np.random.default_rng(2)
     tokens = [rng.integers(0, 256, size=rng.integers(1, 6)).astype(np.uint8).tobytes()
@@ -211,6 +218,12 @@ def check_tokens(path):
     assert x.shape == y.shape == (1, 8) and 0 <= x.min() and x.max() < SHARD_VOCAB
 
 
+def check_mask(path):
+    mask = read_mask(path)
+    assert mask.dtype == np.uint8 and path.stat().st_size == HEADER_BYTES + mask.size
+    assert mask.size == 0 or mask.max() <= 1
+
+
 def check_tokenizer(path):
     tok = read_tokenizer_file(path)
     assert tok.vocab_size >= 1 and 0 <= tok.eot < tok.vocab_size
@@ -254,6 +267,13 @@ def test_fuzz_model_v5(folder, model_v5, data):
 def test_fuzz_token_shard(folder, shard, data):
     run_reader("token shard", folder / "case.bin", data.draw(files(shard, [0, 1, 2])),
                check_tokens)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_loss_mask(folder, loss_mask, data):
+    run_reader("loss mask", folder / "case.mask", data.draw(files(loss_mask, [0, 1, 2])),
+               check_mask)
 
 
 @FUZZ
@@ -324,10 +344,11 @@ def test_fuzz_bpe_ranks_file(folder, data):
 
 
 def test_the_valid_files_are_accepted(folder, model_v3, model_v5, shard, tokenizer_file,
-                                      debug_state):
+                                      debug_state, loss_mask):
     """The unmutated files pass their readers' checks: the properties start
     from files that parse."""
     for data, check in [(model_v3, check_model), (model_v5, check_model), (shard, check_tokens),
+                        (loss_mask, check_mask),
                         (tokenizer_file, check_tokenizer), (debug_state, check_debug_state),
                         (state_bytes(folder), check_state),
                         (state_bytes(folder, b'{"a": [1, 2]}'), check_state),

@@ -5,7 +5,8 @@ import os
 import numpy as np
 
 from ..errors import DataError, ShapeError
-from ..io.tokens import check_manifest, first_out_of_vocab, read_tokens, read_tokens_header
+from ..io.tokens import (IGNORE_INDEX, check_manifest, first_out_of_vocab, mask_path, read_mask,
+                         read_mask_header, read_tokens, read_tokens_header)
 
 
 class DataLoader:
@@ -23,6 +24,9 @@ class DataLoader:
     from one running stream, so the position (epoch, shard_pos, batch_pos) is
     the whole state: ``state_dict()`` is a small dict of ints that
     ``load_state_dict`` restores exactly.
+
+    A shard with a loss mask beside it (NAME.mask, io.tokens) has its
+    untrained targets set to IGNORE_INDEX, which the loss skips.
 
     Every shard's header and size, and its folder's manifest if it has one
     (io.tokens), are checked here; with ``vocab_size`` the token ids of a
@@ -52,11 +56,15 @@ class DataLoader:
                 raise DataError(f"{path}: has {ntok} tokens, fewer than one batch needs "
                                 f"(B*T+1 = {self.B}*{self.T}+1 = {window}); use a smaller "
                                 f"batch or sequence length")
+            mask = mask_path(path)
+            masked = read_mask_header(mask) if mask.exists() else ntok
+            if masked != ntok:
+                raise DataError(f"{mask}: masks {masked} tokens, but its token file holds {ntok}")
             self.shard_tokens.append(ntok)
         # windows per shard, as llm.c: (ntok - 1) // (B*T)
         self.shard_batches = [(n - 1) // (self.B * self.T) for n in self.shard_tokens]
         self._checked = set()     # shards whose token ids were checked
-        self._open_index, self._open_tokens = None, None
+        self._open_index, self._open_tokens, self._open_mask = None, None, None
         self._shard_order_epoch, self._shard_order = None, None
         self._window_order_key, self._window_order = None, None
         self.reset()
@@ -115,6 +123,11 @@ class DataLoader:
                 self._check_vocab(path, tokens)
             self._checked.add(shard)
             self._open_index, self._open_tokens = shard, tokens
+            mask = mask_path(path)
+            self._open_mask = read_mask(mask) if mask.exists() else None
+            if self._open_mask is not None and self._open_mask.size != tokens.size:
+                raise DataError(f"{mask}: now masks {self._open_mask.size} tokens, its token "
+                                f"file holds {tokens.size}")
         return self._open_tokens
 
     def _check_vocab(self, path, tokens):
@@ -134,6 +147,9 @@ class DataLoader:
         buf = np.array(self._tokens(shard)[start:start + B * T + 1], dtype=np.int32)
         inputs = buf[:-1].reshape(B, T)
         targets = buf[1:].reshape(B, T).copy()
+        if self._open_mask is not None:
+            trained = self._open_mask[start + 1:start + B * T + 1].reshape(B, T)
+            targets[trained == 0] = IGNORE_INDEX
         self.batch_pos += 1
         if self.batch_pos == self.shard_batches[shard]:
             self.batch_pos = 0

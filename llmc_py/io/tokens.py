@@ -14,6 +14,14 @@ being written, then ``{"complete": true, "files": {name: {"tokens": n,
 "fingerprint": f}}}`` once every file is in place. A loader refuses a file
 of a folder whose manifest is incomplete or lists it with another
 fingerprint: a preparation that was cut short never passes for a whole set.
+
+A loss mask (ours, not llm.c's) may sit beside a token file: ``NAME.mask``
+beside ``NAME.bin`` (another suffix, so no ``*.bin`` pattern takes it for a
+shard). 256 little-endian int32 header slots [0] MAGIC_MASK, [1]
+VERSION_MASK, [2] number of tokens (the token file's); then one uint8 per
+token, 1 where that token is trained when it is a target, 0 where it is not
+(a chat's prompt: the data loader makes such targets IGNORE_INDEX). A token
+file without a mask trains every token.
 """
 import hashlib
 import json
@@ -108,6 +116,58 @@ def read_tokens(path):
     if ntok == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+MAGIC_MASK = 20261125
+VERSION_MASK = 1
+MASK_SUFFIX = ".mask"
+
+
+def mask_path(token_path):
+    """Where the loss mask of the token file ``token_path`` is: NAME.mask."""
+    return Path(token_path).with_suffix(MASK_SUFFIX)
+
+
+def write_mask(path, mask):
+    """Writes the loss mask file ``path`` for the 1-D ``mask`` of 0s and 1s
+    (one per token), atomically."""
+    mask = np.asarray(mask)
+    if mask.ndim != 1 or (mask.size and (mask.dtype.kind not in "biu" or mask.max() > 1
+                                         or mask.min() < 0)):
+        raise DataError(f"{path}: a loss mask is 1-D 0s and 1s, got shape {mask.shape} "
+                        f"dtype {mask.dtype}")
+    if mask.size > INT32_MAX:
+        raise DataError(f"{path}: {mask.size} tokens do not fit the int32 header")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC_MASK, VERSION_MASK, mask.size)
+    atomic_write(path, [header.tobytes(), mask.astype(np.uint8)])
+
+
+def read_mask_header(path):
+    """The token count of a loss mask file, after checking its header and size."""
+    header, size = read_header(path, "loss mask", DataError)
+    for slot, field, expected in ((0, "magic", MAGIC_MASK), (1, "version", VERSION_MASK)):
+        if header[slot] != expected:
+            raise DataError(f"{path}: header field {field} is {header[slot]}, expected "
+                            f"{expected} (not a loss mask file)")
+    ntok = int(header[NTOK_SLOT])
+    if ntok < 0 or size != HEADER_BYTES + ntok:
+        raise DataError(f"{path}: file size is {size} bytes but header field ntok={ntok} "
+                        f"describes {HEADER_BYTES + max(ntok, 0)} bytes")
+    return ntok
+
+
+def read_mask(path):
+    """The loss mask of a validated mask file, as a read-only uint8 np.memmap
+    of 0s and 1s (an empty array for 0 tokens)."""
+    ntok = read_mask_header(path)
+    if ntok == 0:
+        return np.zeros(0, dtype=np.uint8)
+    mask = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(ntok,))
+    if mask.max() > 1:
+        pos = int(np.argmax(mask > 1))
+        raise DataError(f"{path}: entry {pos} is {int(mask[pos])}, a loss mask holds 0 or 1")
+    return mask
 
 
 FINGERPRINT_SPAN = 1 << 20   # bytes hashed at each end of a file
