@@ -257,7 +257,8 @@ def evaluate_lengths(args, multiples, scale_rope=None):
     from .train.run_folder import RunFolder
     folder = RunFolder(args.output_dir)
     model = load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
-    tokens = read_text(args.val_data or "data/shakespeare/val.bin", model.config.vocab_size)
+    tokens, trained = read_text(args.val_data or "data/shakespeare/val.bin",
+                                model.config.vocab_size)
     losses = {}
     for multiple in multiples:
         length = multiple * args.seq_len
@@ -267,7 +268,7 @@ def evaluate_lengths(args, multiples, scale_rope=None):
                                          rope_factor=float(multiple))
             scaled = type(model)(config, params=model.params.memory)
         try:
-            losses[multiple] = evaluate_length(scaled, tokens, length)[0]
+            losses[multiple] = evaluate_length(scaled, tokens, length, trained=trained)[0]
         except UsageError:
             losses[multiple] = None   # past a learned position table
     return losses

@@ -4,6 +4,8 @@
 
 MODEL is a model file or a Hugging Face folder; DATA a glob of llm.c token
 files, read as one long text (the files in sorted order, one after another).
+A token file with a loss mask beside it (NAME.mask, from `llmc_py.data
+--jsonl`) is scored only where the mask trains, as training scores it.
 
 At each length L the text is cut into windows of L tokens that start every
 S tokens (S = L by default: windows side by side). Every next-token target
@@ -25,7 +27,7 @@ import numpy as np
 
 from .cli import command
 from .errors import DataError, UsageError
-from .io.tokens import IGNORE_INDEX, read_tokens
+from .io.tokens import IGNORE_INDEX, mask_path, read_mask, read_tokens
 from .train.loop import perplexity, validation_loss
 
 
@@ -51,53 +53,65 @@ def windows(n_tokens, length, stride):
         begin += stride
 
 
-def evaluate_length(model, tokens, length, stride=None, batch_size=1):
+def evaluate_length(model, tokens, length, stride=None, batch_size=1, trained=None):
     """(mean loss, targets scored, windows) of ``model`` on the 1-D
     ``tokens`` at context ``length`` with windows every ``stride`` tokens
-    (default: ``length``), ``batch_size`` windows per forward."""
+    (default: ``length``), ``batch_size`` windows per forward; ``trained``
+    (0 or 1 per token, as read_text gives) leaves the 0s' targets unscored."""
     c = model.config
     if c.learned_positions and length > c.max_seq_len:
         raise UsageError(f"length {length} is past the model's learned position table "
                          f"(max_seq_len {c.max_seq_len}): a learned-position model cannot be "
                          f"evaluated there; RoPE or ALiBi models can")
     spans = windows(len(tokens), length, stride or length)
-    loss, counted = validation_loss(model, window_batches(tokens, length, spans, batch_size))
+    loss, counted = validation_loss(model, window_batches(tokens, length, spans, batch_size,
+                                                          trained))
     return loss, counted, len(spans)
 
 
-def window_batches(tokens, length, spans, batch_size):
+def window_batches(tokens, length, spans, batch_size, trained=None):
     """(inputs, targets) of ``batch_size`` windows at a time of ``spans``
-    (windows()), the targets before each window's ``first`` IGNORE_INDEX."""
+    (windows()), the targets before each window's ``first`` IGNORE_INDEX, and
+    those whose ``trained`` entry is 0."""
     for b0 in range(0, len(spans), batch_size):
         batch = spans[b0:b0 + batch_size]
         x = np.stack([tokens[begin:begin + length] for begin, _ in batch]).astype(np.int32)
         y = np.stack([tokens[begin + 1:begin + length + 1] for begin, _ in batch]).astype(
             np.int32)
-        for row, (_, first) in enumerate(batch):
+        for row, (begin, first) in enumerate(batch):
             y[row, :first] = IGNORE_INDEX
+            if trained is not None:
+                y[row, trained[begin + 1:begin + length + 1] == 0] = IGNORE_INDEX
         yield x, y
 
 
 def read_text(pattern, vocab_size, max_tokens=0):
     """The tokens of the files matching ``pattern``, in sorted order, one
-    after another (the first ``max_tokens`` of them if > 0), as int32."""
+    after another (the first ``max_tokens`` of them if > 0), as int32, and
+    their loss mask (uint8, 1: scored), or None when no file has one."""
     files = sorted(glob.glob(os.path.expanduser(pattern)))
     if not files:
         raise DataError(f"no token files match {pattern!r}")
-    parts, have = [], 0
+    parts, masks, have = [], [], 0
     for path in files:
         part = np.asarray(read_tokens(path))
+        mask = mask_path(path)
+        mask = read_mask(mask) if mask.exists() else np.ones(part.size, np.uint8)
+        if mask.size != part.size:
+            raise DataError(f"{mask_path(path)}: masks {mask.size} tokens, but {path} holds "
+                            f"{part.size}")
         parts.append(part)
+        masks.append(mask)
         have += part.size
         if max_tokens and have >= max_tokens:
             break
-    tokens = np.concatenate(parts)
+    tokens, trained = np.concatenate(parts), np.concatenate(masks)
     if max_tokens:
-        tokens = tokens[:max_tokens]
+        tokens, trained = tokens[:max_tokens], trained[:max_tokens]
     if tokens.size and int(tokens.max()) >= vocab_size:
         raise DataError(f"{pattern}: token id {int(tokens.max())} is outside the model's "
                         f"vocabulary of {vocab_size}")
-    return tokens.astype(np.int32)
+    return tokens.astype(np.int32), (None if trained.all() else trained)
 
 
 def build_parser():
@@ -141,12 +155,13 @@ def evaluate(args):
                          f"learned position table (max_seq_len {c.max_seq_len}); a "
                          f"learned-position model cannot be evaluated there (RoPE or "
                          f"ALiBi models can)")
-    tokens = read_text(args.data, c.vocab_size, args.max_tokens)
+    tokens, trained = read_text(args.data, c.vocab_size, args.max_tokens)
 
     def rows():
         for L in args.lengths:
             stride = min(args.stride or L, L)
-            loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size)
+            loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size,
+                                               trained)
             yield L, stride, n, counted, loss
     return len(tokens), rows()
 

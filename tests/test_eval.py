@@ -15,6 +15,7 @@ import torch
 from llmc_py import GPT2, IGNORE_INDEX, Llama, UsageError
 from llmc_py import eval as evaluation
 from llmc_py.data import write_tokens
+from llmc_py.io.tokens import write_mask
 from llmc_py.train.distributed import Solo
 from llmc_py.train.hooks import Evaluation
 from test_gpt2_step import SMALL
@@ -138,6 +139,25 @@ class Batches:
     def next_batch(self):
         self.position += 1
         return self.batches[self.position - 1]
+
+
+def test_a_loss_mask_beside_the_tokens_leaves_its_targets_unscored(tmp_path, capsys):
+    """Token files with NAME.mask beside them (llmc_py.data --jsonl): eval
+    scores only the targets the mask trains, as the training loader does."""
+    model = Llama(ROPE, seed=10)
+    model.save_checkpoint(tmp_path / "rope.bin")
+    data, tokens = write_text(tmp_path, ROPE.vocab_size, 61)
+    trained = np.random.default_rng(10).integers(0, 2, 61).astype(np.uint8)
+    write_mask(tmp_path / "val_000.mask", trained[:30])
+    write_mask(tmp_path / "val_001.mask", trained[30:])
+    assert evaluation.main([str(tmp_path / "rope.bin"), data, "--lengths", "12"]) == 0
+    row = re.search(r"^ +12 +12 +(\d+) +(\d+) +(\S+) ", capsys.readouterr().out, re.M)
+    assert int(row.group(2)) == int(trained[1:].sum())
+    tokens = tokens.astype(np.int32)
+    x = np.stack([tokens[b:b + 12] for b in range(0, 60, 12)])
+    y = np.stack([tokens[b + 1:b + 13] for b in range(0, 60, 12)])
+    y[np.stack([trained[b + 1:b + 13] for b in range(0, 60, 12)]) == 0] = IGNORE_INDEX
+    assert abs(float(row.group(3)) - reference_mean(model, [(x, y)])) <= 1e-4
 
 
 def masked_batches(config, n, B, T, seed):
