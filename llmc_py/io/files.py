@@ -23,9 +23,9 @@ INT32_MAX = 2**31 - 1
 # otherwise (llm.c reads slots 0-7 of its model file and writes 0 in the rest):
 #   [254] CHECKSUM_MARKER: a checksum is recorded (0: none, as in llm.c's files)
 #   [255] the CRC-32 (zlib.crc32, as uint32) of the whole file read with this
-#         slot as 0: the header too, since a flipped header field that still
-#         passes its range check (a Llama norm, a float, a state's step) would
-#         otherwise load a different model silently
+#         slot as 0: the header too, since a changed header field that still
+#         passes its checks (a Llama model's RoPE pairing or base, a state's
+#         step) would otherwise load silently as something else
 CHECKSUM_MARKER_SLOT = 254
 CHECKSUM_SLOT = 255
 CHECKSUM_MARKER = 20261125

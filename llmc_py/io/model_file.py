@@ -6,7 +6,7 @@ then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
 header exactly, before anything is allocated; a failure raises
 CheckpointError naming the file, the field and the value. The files we write
 also record a checksum in slots 254-255 (io.files.CHECKSUM_SLOT), which
-llm.c does not read; one read without it (llm.c's) is accepted.
+llm.c does not read; a file without one (llm.c's) loads unverified.
 """
 import numpy as np
 
