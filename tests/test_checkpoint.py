@@ -1,9 +1,11 @@
 """llm.c's model file: reading both versions, writing atomically, and a
 clear CheckpointError (a ValueError) for every malformed file."""
 import os
+import re
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import llmc_py
 from llmc_py import GPT2, GPT2Config, CheckpointError
 from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, VERSION_FP32, read_debug_state,
                         read_model, write_model)
+from llmc_py.io.files import CHECKSUM_MARKER, to_bf16
 from llmc_py.model.layout import num_parameters
 
 CONFIG = GPT2Config(max_seq_len=8, vocab_size=30, padded_vocab_size=32,
@@ -39,12 +42,76 @@ def write_raw(path, head, body):
 
 
 def test_header_layout_is_llm_c(tmp_path, params):
+    """llm.c's slots and data, and our checksum in slots 254-255: the CRC-32
+    of the whole file read with slot 255 as 0."""
     path = tmp_path / "model.bin"
     write_model(path, CONFIG, params)
     raw = np.fromfile(path, dtype="<i4", count=256)
-    assert list(raw[:8]) == [20240326, 3, 8, 30, 2, 2, 8, 32] and not raw[8:].any()
+    assert list(raw[:8]) == [20240326, 3, 8, 30, 2, 2, 8, 32] and not raw[8:254].any()
+    assert raw[254] == CHECKSUM_MARKER
+    data = bytearray(path.read_bytes())
+    data[4 * 255:4 * 256] = bytes(4)
+    assert raw.view("<u4")[255] == zlib.crc32(data)
     assert path.stat().st_size == HEADER_BYTES + 4 * params.size
     assert np.array_equal(np.fromfile(path, dtype="<f4", offset=HEADER_BYTES), params)
+
+
+def llm_c_file(path, version, body):
+    """The model file llm.c's train_gpt2.py writes for CONFIG: its 8 slots, 0 in the rest."""
+    return write_raw(path, header(s1=version), body)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_bytes_llm_c_reads_are_llm_c_s(tmp_path, params, dtype):
+    """Our file differs from llm.c's only in the checksum slots, which llm.c
+    does not read; llm.c's file, without a checksum, loads the same."""
+    ours = tmp_path / "ours.bin"
+    write_model(ours, CONFIG, params, dtype=dtype)
+    body = params.tobytes() if dtype == "fp32" else to_bf16(params).tobytes()
+    theirs = llm_c_file(tmp_path / "theirs.bin", {"fp32": VERSION_FP32, "bf16": VERSION_BF16}[dtype],
+                        body)
+    a, b = ours.read_bytes(), theirs.read_bytes()
+    assert len(a) == len(b)
+    assert a[:4 * 254] == b[:4 * 254] and a[HEADER_BYTES:] == b[HEADER_BYTES:]
+    assert np.array_equal(read_model(theirs)[1], read_model(ours)[1])
+
+
+def flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("offset", [HEADER_BYTES + 37, 4 * 100, 4 * 255 + 2, -1])
+def test_a_flipped_byte_fails_the_checksum(tmp_path, params, offset):
+    """In the data, in an unused header slot, in the checksum itself: the
+    load names the file and both checksums."""
+    path = tmp_path / "model.bin"
+    write_model(path, CONFIG, params)
+    flip(path, offset)
+    for load in (GPT2.from_checkpoint, llmc_py.load_model, read_model):
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(path))}: checksum does not "
+                                                  rf"match: the header records CRC-32 0x[0-9a-f]{{8}}, "
+                                                  rf"the contents give 0x[0-9a-f]{{8}} "):
+            load(path)
+
+
+def test_a_file_without_a_checksum_loads(tmp_path, params):
+    """As llm.c writes it (tested above), or ours with the marker zeroed;
+    a marker that is neither 0 nor ours is refused."""
+    path = tmp_path / "model.bin"
+    write_model(path, CONFIG, params)
+    flip(path, HEADER_BYTES + 37)
+    data = bytearray(path.read_bytes())
+    data[4 * 254:4 * 255] = bytes(4)
+    path.write_bytes(bytes(data))
+    config, loaded = read_model(path)
+    assert config == CONFIG and np.sum(loaded != params) == 1   # unverified: the flip loads
+    data[4 * 254:4 * 255] = (7).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.bin: header slot 254 is 7, expected 0 "
+                                              r"\(no checksum\) or 20261125"):
+        read_model(path)
 
 
 def test_bf16_version_is_widened(tmp_path, params):
@@ -144,13 +211,27 @@ def test_state_file_round_trip_and_bad_files(tmp_path):
     with pytest.raises(CheckpointError, match="num_parameters is 100, but the model has 99"):
         read_state(path, 99)
     raw = path.read_bytes()
+    unchecked = raw[:4 * 254] + bytes(4) + raw[4 * 255:]   # no checksum recorded
     cases = [(raw[:-1], "truncated"), (raw + b" ", "trailing"),
              (b"\0" * 4 + raw[4:], "magic is 0"),
-             (raw[:-2] + b"@@", "JSON block is not valid")]
+             (unchecked[:-2] + b"@@", "JSON block is not valid")]
     for data, message in cases:
         path.write_bytes(data)
         with pytest.raises(CheckpointError, match=message):
             read_state(path, 100)
+
+
+@pytest.mark.parametrize("offset,what", [(HEADER_BYTES + 5, "m"), (HEADER_BYTES + 400 + 5, "v"),
+                                         (-3, "JSON"), (4 * 2, "the step")])
+def test_a_flipped_byte_in_a_state_file_fails_the_checksum(tmp_path, offset, what):
+    from llmc_py.io import read_state, write_state
+    m, v = np.arange(100, dtype=np.float32), np.ones(100, np.float32)
+    path = tmp_path / "state.bin"
+    write_state(path, 42, m, v, {"loader": {"epoch": 1234}})
+    flip(path, offset)
+    with pytest.raises(CheckpointError, match=rf"state\.bin: checksum does not match: the header "
+                                              rf"records CRC-32 0x[0-9a-f]{{8}}, the contents"):
+        read_state(path, 100)
 
 
 # A child process that writes a new model over model.bin and stops (sleeps)

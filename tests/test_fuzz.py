@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from llmc_py import GPT2Config, LlmcError
 from llmc_py.io import (HEADER_BYTES, MAGIC_MODEL, VERSION_BF16, read_debug_state, read_model,
                         read_state, write_debug_state, write_model, write_state)
+from llmc_py.io.files import CHECKSUM_MARKER_SLOT
 from llmc_py.io.tokens import read_mask, write_mask
 from llmc_py.model.layout import num_parameters
 from llmc_py.data import DataLoader, read_tokens, write_tokens
@@ -144,8 +145,11 @@ def model_v3(folder):
 
 @pytest.fixture(scope="module")
 def model_v5(model_v3):
+    """A bf16 file as llm.c writes it: no checksum recorded, so the mutations
+    reach the reader's other checks."""
     header = bytearray(model_v3[:HEADER_BYTES])
     header[4:8] = struct.pack("<i", VERSION_BF16)
+    header[4 * CHECKSUM_MARKER_SLOT:4 * CHECKSUM_MARKER_SLOT + 4] = bytes(4)
     bf16 = (_params().view(np.uint32) >> 16).astype("<u2")
     return bytes(header) + bf16.tobytes()
 
@@ -198,6 +202,7 @@ def state_bytes(folder, blob=None):
         return data
     head = bytearray(data[:HEADER_BYTES])
     head[20:24] = struct.pack("<i", len(blob))
+    head[4 * CHECKSUM_MARKER_SLOT:4 * CHECKSUM_MARKER_SLOT + 4] = bytes(4)   # none recorded
     return bytes(head) + data[HEADER_BYTES:HEADER_BYTES + 8 * STATE_PARAMS] + blob
 
 

@@ -10,6 +10,7 @@ import pytest
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig, load_model
 from llmc_py.config import MODEL_FIELDS
 from llmc_py.errors import CheckpointError, ShapeError
+from llmc_py.io.files import CHECKSUM_MARKER_SLOT
 from helpers import assert_thread_invariant
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
 
@@ -224,6 +225,23 @@ def test_model_file_float_header_is_validated(tmp_path, name, value):
         load_model(path)
 
 
+def test_a_changed_header_field_fails_the_checksum(tmp_path):
+    """A change the header's checks cannot see (interleaved RoPE pairs, another
+    RoPE base) would load another model: the checksum covers the header."""
+    path = tmp_path / "m.bin"
+    Llama(BASE).save_checkpoint(path)
+    pristine = path.read_bytes()
+    for slot, value, floats in ((SLOT["rope_interleaved"], 1, False), (0, 20000.0, True)):
+        path.write_bytes(pristine)
+        _corrupt(path, slot, value, floats)
+        with pytest.raises(CheckpointError, match=r"m\.bin: checksum does not match"):
+            load_model(path)
+
+
+def test_no_field_uses_the_checksum_slots():
+    assert all(f.slot.index < CHECKSUM_MARKER_SLOT for f in MODEL_FIELDS.values() if f.slot)
+
+
 def test_truncated_model_file_is_refused(tmp_path):
     path = tmp_path / "m.bin"
     Llama(BASE).save_checkpoint(path)
@@ -260,8 +278,10 @@ def test_model_file_refuses_an_unknown_mlp_and_reads_old_ffn_slots(tmp_path):
                                               r"1 \(swiglu\), 2 \(relu\), 3 \(gelu_erf\), "
                                               r"4 \(geglu\), 5 \(reglu\)"):
         load_model(path)
-    # a file from before the rule's slots holds 0 in them: read as 32 and 1
+    # a file from before the rule's slots (and before checksums) holds 0 in
+    # them: read as 32 and 1
     Llama(BASE).save_checkpoint(path)
+    _corrupt(path, CHECKSUM_MARKER_SLOT, 0)
     _corrupt(path, 17, 0)
     _corrupt(path, 8, 0.0, floats=True)
     assert load_model(path).config == BASE

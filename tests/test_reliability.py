@@ -6,6 +6,7 @@ threads, changed flags on resume, a full disk, unchecked values, a corrupt
 newest checkpoint."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from llmc_py.bench import cli as bench
 from llmc_py import train as train_mod
 from llmc_py.data import DataError, DataLoader, write_tokens
 from llmc_py.errors import ConcurrentUseError
+from llmc_py.io import HEADER_BYTES
 from llmc_py.train import RunFolder
 from test_train import run, train_losses
 
@@ -419,3 +421,52 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(shards, tmp_path, capsys):
                      said)
     assert "resumed from step 3" in said
     assert [s for s, _ in train_losses(out)] == [str(i) for i in range(1, 9)]
+
+
+@pytest.mark.parametrize("victim", ["model", "state"])
+def test_resume_passes_over_a_checkpoint_that_fails_its_checksum(shards, tmp_path, capsys,
+                                                                 victim):
+    """A byte flipped inside the newest checkpoint's data (the size and header
+    still right): passed over with a line naming the file, and the run goes
+    on bitwise as from the older checkpoint."""
+    out, older = tmp_path / "out", tmp_path / "older"
+    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    shutil.copytree(out, older)
+    for path in reversed(RunFolder(older).checkpoint_paths(6)):
+        path.unlink()
+    corrupted = out / f"{victim}_00000006.bin"
+    data = bytearray(corrupted.read_bytes())
+    data[HEADER_BYTES + 1001] ^= 0x01
+    corrupted.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert run(shards, out, "-x", "8", "-n", "3", "-y", "1") == 0
+    said = capsys.readouterr().out
+    assert re.search(rf"checkpoint of step 6 is unusable \({re.escape(str(corrupted))}: checksum "
+                     rf"does not match: .*\); trying an older one\n", said), said
+    assert "resumed from step 3" in said
+    assert run(shards, older, "-x", "8", "-n", "3", "-y", "1") == 0
+    for name in ("main.log", "model_00000008.bin"):
+        assert (out / name).read_bytes() == (older / name).read_bytes(), name
+    num_params = GPT2.from_checkpoint(out / "model_00000008.bin").num_parameters
+    (m, v, extra), (m_older, v_older, extra_older) = (
+        RunFolder(folder).read_state(8, num_params) for folder in (out, older))
+    assert np.array_equal(m, m_older) and np.array_equal(v, v_older)
+    del extra["args"]["output_dir"], extra_older["args"]["output_dir"]   # the one difference
+    assert extra == extra_older
+
+
+def test_resume_refuses_when_every_checkpoint_fails_its_checksum(shards, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    for step in (3, 6):
+        path = out / f"model_{step:08d}.bin"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01
+        path.write_bytes(bytes(data))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert run(shards, out, "-x", "8", "-n", "3", "-y", "1") != 0
+    captured = capsys.readouterr()
+    assert captured.out.count("checksum does not match") == 2
+    assert f"no checkpoint in {out} loads" in captured.err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before   # no fresh start

@@ -244,7 +244,7 @@ def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys)
     real = io_state.atomic_write
     fired = []
 
-    def atomic_write(path, chunks):
+    def atomic_write(path, chunks, **kwargs):
         if Path(path).name == "state_00000005.bin" and not fired:
             fired.append(path)
 
@@ -252,8 +252,8 @@ def test_ctrl_c_while_saving_a_checkpoint(shards, tmp_path, monkeypatch, capsys)
                 chunks_list = list(chunks)
                 yield chunks_list[0]
                 raise KeyboardInterrupt
-            return real(path, interrupted())
-        return real(path, chunks)
+            return real(path, interrupted(), **kwargs)
+        return real(path, chunks, **kwargs)
     monkeypatch.setattr(io_state, "atomic_write", atomic_write)
     assert run(shards, out, "-x", "10", "-n", "5", "-v", "0") == 130
     assert fired and "checkpoint of step 5" in capsys.readouterr().out

@@ -1,8 +1,10 @@
 """Generic file helpers: atomic writes, the 256-int32 header that every
-binary file here (llm.c's and ours) starts with, and bf16 numbers as files
-store them."""
+binary file here (llm.c's and ours) starts with, its checksum slots, and bf16
+numbers as files store them."""
 import os
+import struct
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,18 @@ HEADER_BYTES = HEADER_INTS * 4
 
 # no header field may exceed what the C kernels take as an int
 INT32_MAX = 2**31 - 1
+
+# The checkpoints we write (both model files and the training state) record a
+# checksum in the last two int32 header slots, which no format here uses
+# otherwise (llm.c reads slots 0-7 of its model file and writes 0 in the rest):
+#   [254] CHECKSUM_MARKER: a checksum is recorded (0: none, as in llm.c's files)
+#   [255] the CRC-32 (zlib.crc32, as uint32) of the whole file read with this
+#         slot as 0: the header too, since a changed header field that still
+#         passes its checks (a Llama model's RoPE pairing or base, a state's
+#         step) would otherwise load silently as something else
+CHECKSUM_MARKER_SLOT = 254
+CHECKSUM_SLOT = 255
+CHECKSUM_MARKER = 20261125
 
 
 def read_header(path, what, error=CheckpointError):
@@ -74,11 +88,38 @@ def from_bf16(bits):
     return values
 
 
-def atomic_write(path, chunks):
+def verify_checksum(path, head, data):
+    """Raises CheckpointError unless the CRC-32 recorded in the file's header
+    matches its contents: ``head``, its bytes up to the data (the int32
+    header first), then ``data``, the rest as read (buffers or arrays), so the
+    data are not read twice. A file with none recorded (llm.c's) passes."""
+    header = np.frombuffer(head, dtype="<i4", count=HEADER_INTS)
+    marker = int(header[CHECKSUM_MARKER_SLOT])
+    if marker == 0:
+        return
+    if marker != CHECKSUM_MARKER:
+        raise CheckpointError(f"{path}: header slot {CHECKSUM_MARKER_SLOT} is {marker}, expected "
+                              f"0 (no checksum) or {CHECKSUM_MARKER} (checksum recorded)")
+    recorded = int(header.view("<u4")[CHECKSUM_SLOT])
+    as_written = header.copy()
+    as_written[CHECKSUM_SLOT] = 0
+    found = zlib.crc32(head[HEADER_BYTES:], zlib.crc32(as_written))
+    for chunk in data:
+        found = zlib.crc32(chunk, found)
+    if found != recorded:
+        raise CheckpointError(f"{path}: checksum does not match: the header records CRC-32 "
+                              f"{recorded:#010x}, the contents give {found:#010x} (the file is "
+                              f"corrupted)")
+
+
+def atomic_write(path, chunks, checksummed=False):
     """Writes ``chunks`` (bytes or arrays) to a temporary file in the same
     folder, fsyncs it, then renames it over ``path``: a reader sees the old
     file or the new one, never a partial one. A failure removes the
-    temporary file and raises WriteError naming ``path`` and the reason."""
+    temporary file and raises WriteError naming ``path`` and the reason.
+    With ``checksummed`` the first chunk is the file's int32 header, written
+    with the checksum slots filled in: the CRC-32 is accumulated as the
+    chunks are written and put in its slot last, so nothing is read back."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     tmp = None
@@ -86,10 +127,19 @@ def atomic_write(path, chunks):
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
         os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
         with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
+            crc = 0
+            for i, chunk in enumerate(chunks):
+                if checksummed and i == 0:
+                    chunk = np.array(chunk, dtype="<i4")
+                    chunk[CHECKSUM_MARKER_SLOT], chunk[CHECKSUM_SLOT] = CHECKSUM_MARKER, 0
                 if isinstance(chunk, np.ndarray):   # its bytes, uncopied (a full disk
                     chunk = np.ascontiguousarray(chunk).data   # then raises ENOSPC)
                 f.write(chunk)
+                if checksummed:
+                    crc = zlib.crc32(chunk, crc)
+            if checksummed:
+                f.seek(4 * CHECKSUM_SLOT)
+                f.write(struct.pack("<I", crc))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -4,7 +4,9 @@ llm.c's model file (``gpt2_124M.bin``): 256 little-endian int32 header slots,
 then every parameter in llm.c's order (model.layout), fp32 (version 3) or bf16
 (version 5). Every header field is checked, and the file size must match the
 header exactly, before anything is allocated; a failure raises
-CheckpointError naming the file, the field and the value.
+CheckpointError naming the file, the field and the value. The files we write
+also record a checksum in slots 254-255 (io.files.CHECKSUM_SLOT), which
+llm.c does not read; a file without one (llm.c's) loads unverified.
 """
 import numpy as np
 
@@ -12,7 +14,7 @@ from ..config import MODEL_FIELDS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
 from ..model.layout import checked_params, num_parameters
 from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
-                    expect_size, from_bf16, read_header, to_bf16)
+                    expect_size, from_bf16, read_header, to_bf16, verify_checksum)
 
 MAGIC_MODEL = 20240326
 VERSION_FP32 = 3
@@ -61,12 +63,13 @@ def read_model(path):
 
 def _read_params(path, offset, count, bf16):
     """The ``count`` parameters at byte ``offset`` of a model file, flat
-    float32, stored as fp32 or (``bf16``) as bf16."""
+    float32, stored as fp32 or (``bf16``) as bf16; its checksum verified."""
     with open(path, "rb") as f:
-        f.seek(offset)
+        head = f.read(offset)
         stored = np.fromfile(f, dtype="<u2" if bf16 else "<f4", count=count)
     if stored.size != count:   # the file shrank while we read it
         raise CheckpointError(f"{path}: expected {count} parameters, read {stored.size}")
+    verify_checksum(path, head, [stored])
     return from_bf16(stored) if bf16 else stored.astype(np.float32, copy=False)
 
 
@@ -98,7 +101,7 @@ def write_model(path, config, params, dtype="fp32"):
     ``dtype="bf16"`` version 5 (each parameter rounded to the nearest bf16)."""
     data = _param_bytes(config, params, dtype)
     version = VERSION_FP32 if dtype == "fp32" else VERSION_BF16
-    atomic_write(path, [model_header(config, version).tobytes(), data])
+    atomic_write(path, [model_header(config, version), data], checksummed=True)
 
 
 # ---- the Llama family's model file ------------------------------------------
@@ -111,6 +114,7 @@ def write_model(path, config, params, dtype="fp32"):
 #   256 float32 header slots: the float fields
 #   every parameter in layout.param_specs order: fp32 (version 1) or bf16
 #   (version 2)
+# and int32 slots 254-255 hold the checksum (io.files.CHECKSUM_SLOT).
 # Unused slots are 0; a reader rejects any field out of its range. Slots that
 # came later hold 0 in files from before, which reads as before (a Slot's
 # zero_reads_as); the RoPE scaling's factors and context are read only when
@@ -209,4 +213,4 @@ def write_llama(path, config, params, dtype="fp32"):
     ``dtype="bf16"`` version 2 (each parameter rounded to the nearest bf16)."""
     data = _param_bytes(config, params, dtype)
     ints, floats = llama_headers(config, VERSION_LLAMA if dtype == "fp32" else VERSION_LLAMA_BF16)
-    atomic_write(path, [ints.tobytes(), floats.tobytes(), data])
+    atomic_write(path, [ints, floats, data], checksummed=True)

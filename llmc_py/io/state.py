@@ -5,7 +5,8 @@ import json
 import numpy as np
 
 from ..errors import CheckpointError, ShapeError
-from .files import HEADER_BYTES, HEADER_INTS, atomic_write, expect_magic_version, expect_size, read_header
+from .files import (HEADER_BYTES, HEADER_INTS, atomic_write, expect_magic_version, expect_size,
+                    read_header, verify_checksum)
 
 # ---- training state ---------------------------------------------------------
 #
@@ -13,7 +14,8 @@ from .files import HEADER_BYTES, HEADER_INTS, atomic_write, expect_magic_version
 # run needs besides the parameters. Our own format:
 #   256 int32 header: [0] MAGIC_STATE, [1] VERSION_STATE, [2] step,
 #                     [3] num_parameters (low 31 bits), [4] num_parameters >> 31,
-#                     [5] byte length of the JSON block
+#                     [5] byte length of the JSON block,
+#                     [254] [255] the checksum (io.files.CHECKSUM_SLOT)
 #   m   fp32 [num_parameters]   AdamW first moment
 #   v   fp32 [num_parameters]   AdamW second moment
 #   JSON (utf-8): data loader position and shuffle state, every RNG state,
@@ -36,8 +38,8 @@ def write_state(path, step, m, v, extra):
     header[STATE_SLOTS["nparams_low"]] = m.size & 0x7FFFFFFF
     header[STATE_SLOTS["nparams_high"]] = m.size >> 31
     header[STATE_SLOTS["json_bytes"]] = len(blob)
-    atomic_write(path, [header.tobytes(), m.astype("<f4", copy=False),
-                        v.astype("<f4", copy=False), blob])
+    atomic_write(path, [header, m.astype("<f4", copy=False), v.astype("<f4", copy=False), blob],
+                 checksummed=True)
 
 
 def read_state(path, num_params):
@@ -57,10 +59,11 @@ def read_state(path, num_params):
                               f"model has {num_params} (a state file from another model)")
     expect_size(path, size, HEADER_BYTES + 8 * count + json_bytes, "training-state file")
     with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        m = np.fromfile(f, dtype="<f4", count=count).astype(np.float32)
-        v = np.fromfile(f, dtype="<f4", count=count).astype(np.float32)
+        head = f.read(HEADER_BYTES)
+        m = np.fromfile(f, dtype="<f4", count=count).astype(np.float32, copy=False)
+        v = np.fromfile(f, dtype="<f4", count=count).astype(np.float32, copy=False)
         blob = f.read(json_bytes)
+    verify_checksum(path, head, [m, v, blob])
     try:
         extra = json.loads(blob.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:

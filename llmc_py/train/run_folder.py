@@ -5,7 +5,9 @@
   metrics.jsonl     with --monitor-every: one JSON object per measurement,
                     its "step" first (llmc_py.monitors.run lists the fields)
   model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
-  state_%08d.bin    the training state (io.state)
+  state_%08d.bin    the training state (io.state); both record a checksum
+                    (io.files.CHECKSUM_SLOT), and a checkpoint that fails it
+                    is passed over on resume (train.resume)
   DONE_%08d         empty; written last, marks a complete checkpoint
   model_best.bin    with --keep-best 1: the model file of the step with the
                     lowest validation loss so far, never removed by -nk
