@@ -430,7 +430,7 @@ def test_resume_passes_over_a_checkpoint_that_fails_its_checksum(shards, tmp_pat
     still right): passed over with a line naming the file, and the run goes
     on bitwise as from the older checkpoint."""
     out, older = tmp_path / "out", tmp_path / "older"
-    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    assert run(shards, out, "-x", "6", "-n", "3", "-nk", "2") == 0
     shutil.copytree(out, older)
     for path in reversed(RunFolder(older).checkpoint_paths(6)):
         path.unlink()
@@ -457,7 +457,7 @@ def test_resume_passes_over_a_checkpoint_that_fails_its_checksum(shards, tmp_pat
 
 def test_resume_refuses_when_every_checkpoint_fails_its_checksum(shards, tmp_path, capsys):
     out = tmp_path / "out"
-    assert run(shards, out, "-x", "6", "-n", "3") == 0
+    assert run(shards, out, "-x", "6", "-n", "3", "-nk", "2") == 0
     for step in (3, 6):
         path = out / f"model_{step:08d}.bin"
         data = bytearray(path.read_bytes())
