@@ -14,6 +14,7 @@ import numpy as np
 
 from ..cli import command
 from ..errors import DataError
+from ..io.files import remove_temporaries
 from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest,
                          read_tokens_header, token_dtype, write_manifest, write_tokens)
 from .shakespeare import SOURCES, shakespeare_text
@@ -101,6 +102,8 @@ def write_dataset(tokens, name, out_dir="data", *, val_tokens=None):
     train_path, val_path = dataset_paths(name, out_dir)
     folder = train_path.parent
     folder.mkdir(parents=True, exist_ok=True)
+    # those an earlier, killed preparation left
+    remove_temporaries(folder, [val_path.name, train_path.name, MANIFEST])
     write_manifest(folder)
     dtype = tokens.dtype if tokens.dtype in (TOKEN_DTYPE, TOKEN_DTYPE_32) else TOKEN_DTYPE
     write_tokens(val_path, val, dtype)
@@ -203,8 +206,9 @@ def parse(argv):
 
 
 @command(prefix="llmc_py.data: ",
-         interrupted="llmc_py.data: interrupted; a dataset being written is marked incomplete "
-                     "(its manifest.json) and is refused until prepared again")
+         interrupted="llmc_py.data: interrupted by {signal}: no dataset was written (one being "
+                     "written is marked incomplete in its manifest.json, and refused until "
+                     "prepared again); no temporary file is left")
 def main(argv=None):
     args = parse(argv)
     from ..tokenizer import load_tokenizer
