@@ -150,17 +150,27 @@ def build_parser():
     return p
 
 
-def spec_of(args, explicit=()):
+def spec_of(args, explicit=None, names=None):
     """The RunSpec of the parser's namespace ``args``; ``explicit``: the
-    flags given."""
+    flags given (None: those not at their defaults); ``names``: how the
+    command line names each flag (option_names)."""
     flags = dict(vars(args))
     family = {dest: flags.pop(dest) for dest in family_defaults()}
-    return RunSpec(**flags, family=family, explicit=frozenset(explicit))
+    return RunSpec(**flags, family=family,
+                   explicit=None if explicit is None else frozenset(explicit),
+                   flag_names=names or {})
 
 
 def parse(argv):
     """The RunSpec of the command line ``argv``."""
-    return spec_of(build_parser().parse_args(argv), explicit_flags(argv))
+    parser = build_parser()
+    return spec_of(parser.parse_args(argv), explicit_flags(argv), option_names(parser))
+
+
+def option_names(parser):
+    """{dest: "-b/--batch-size"}: every flag of ``parser`` by its options."""
+    return {action.dest: "/".join(action.option_strings) for action in parser._actions
+            if action.option_strings}
 
 
 def lr_at(step, args):
