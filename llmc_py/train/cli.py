@@ -44,8 +44,7 @@ def build_parser():
            "from (fine-tune), or a depth like d6 for a fresh model (d12 is GPT-2 124M's shape)")
     a("--tokenizer", default=RunSpec.tokenizer,
       help="a tokenizer.json, or a folder holding one, for the default dataset and samples "
-           "(default: -e's when it is a Hugging Face folder with one, else GPT-2's); give "
-           "it (or the same -e) again when resuming")
+           "(default: -e's when it is a Hugging Face folder with one, else GPT-2's)")
     a("--export-hf", metavar="DIR", default=RunSpec.export_hf,
       help="at the end, also write the model as a Hugging Face folder (config.json, "
            "model.safetensors and -e's tokenizer files)")
@@ -96,8 +95,9 @@ def build_parser():
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
-      help="1: resume from the newest complete checkpoint in the output folder; with "
-           "none there yet, start a fresh run (so one command serves every restart)")
+      help="1: resume from the newest complete checkpoint in the output folder, taking "
+           "every flag not given (but -o, --threads, --data-dir) from the run; with none "
+           "there yet, start a fresh run (so one command serves every restart)")
     a("--overwrite", action="store_true",
       help="start a new run in an output folder that holds another run's checkpoints, "
            "removing them (without it such a folder is refused)")
