@@ -47,12 +47,13 @@ def flag_name(dest):
     return "--" + dest.replace("_", "-")
 
 
-def check_flags(args, table):
+def check_flags(args, table, name=flag_name):
     """Raises UsageError for the first flag in ``table`` ({dest: Range})
-    whose value in ``args`` is outside its range; None values are skipped
-    (an unset optional flag). A pair of values (nargs=2) checks each."""
+    whose value in ``args`` is outside its range, naming it ``name(dest)``;
+    None values are skipped (an unset optional flag). A pair of values
+    (nargs=2) checks each."""
     for dest, allowed in table.items():
         value = getattr(args, dest)
         for x in (value if isinstance(value, (list, tuple)) else [value]):
             if x is not None and not allowed.holds(x):
-                raise UsageError(f"{flag_name(dest)} must be {allowed.describe()}, got {x}")
+                raise UsageError(f"{name(dest)} must be {allowed.describe()}, got {x}")

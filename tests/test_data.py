@@ -2,9 +2,12 @@
 dataset preparation, all on tiny data in tmp_path; nothing downloads."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -387,3 +390,63 @@ def test_cli_text_end_to_end_with_gpt2(tmp_path):
     tokens = np.concatenate([D.read_tokens(val_path), D.read_tokens(train_path)])
     assert tokens[:4].tolist() == [50256, 2484, 439, 314]       # EOT "Sh" "all" " I"
     assert (tokens == 50256).sum() == 21                         # 20 blank lines: 21 documents
+
+
+# a preparation in a child process whose token-file writes hang in fsync,
+# after the temporary file is made and filled, until a signal comes
+HANGING_PREPARATION = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from data_helpers import tiny_encoding
+import llmc_py.tokenizer as tok
+import llmc_py.data.prepare as P
+tok.get_encoding = tiny_encoding
+real_fsync = os.fsync
+def fsync(fd):
+    name = os.path.basename(os.readlink(f"/proc/self/fd/{{fd}}"))
+    if name.startswith((".train.bin.", ".val.bin.")):
+        time.sleep(60)
+    real_fsync(fd)
+os.fsync = fsync
+sys.exit(P.main(["--text", {text!r}, "--out", {out!r}]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_preparation_says_so_and_leaves_no_temporaries(tmp_path, signum):
+    text, out = tmp_path / "story.txt", tmp_path / "out"
+    text.write_text("hello world\n" * 2000)
+    script = HANGING_PREPARATION.format(tests=str(Path(__file__).parent), text=str(text),
+                                        out=str(out))
+    child = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "LLMC_OFFLINE": "1"})
+    deadline = time.monotonic() + 60
+    while not list(out.glob("story/.*.bin.*.tmp")):   # a token file is being written
+        assert child.poll() is None and time.monotonic() < deadline, child.stderr.read()
+        time.sleep(0.05)
+    child.send_signal(signum)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 128 + signum, err
+    name = signal.Signals(signum).name
+    assert err == (f"llmc_py.data: interrupted by {name}: no dataset was written (one being "
+                   f"written is marked incomplete in its manifest.json, and refused until "
+                   f"prepared again); no temporary file is left\n")
+    assert list((out / "story").glob("*.tmp")) + list((out / "story").glob(".*.tmp")) == []
+    with pytest.raises(D.DataError, match="did not finish"):
+        P.check_manifest(out / "story" / "val.bin")
+
+
+def test_preparation_removes_the_temporaries_of_an_interrupted_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(tok, "get_encoding", tiny_encoding)
+    src, folder = tmp_path / "story.txt", tmp_path / "out" / "story"
+    src.write_text("hello world\n" * 50)
+    folder.mkdir(parents=True)
+    stale = [folder / ".train.bin.k2x_9abc.tmp", folder / ".manifest.json.0a1b2c3d.tmp"]
+    others = [folder / ".notes.txt.k2x_9abc.tmp", folder / "train.bin.tmp",
+              folder / ".train.bin.mine.tmp"]
+    for path in stale + others:
+        path.write_bytes(b"x")
+    assert P.main(["--text", str(src), "--out", str(tmp_path / "out")]) == 0
+    assert not any(path.exists() for path in stale)
+    assert all(path.exists() for path in others)   # not ours: left alone

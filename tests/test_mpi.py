@@ -222,7 +222,16 @@ def test_resume_with_another_number_of_processes(shards, tmp_path, capsys):
     args = [*shards, *SMALL, "-b", "2", "-n", "4"]
     assert mpirun(tmp_path / "r", *args, "-x", "4").returncode == 0
     assert solo(tmp_path / "r", *args, "-x", "8", "-y", "1") == 0
-    assert "world_size 2 -> 1" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "world_size 2 -> 1" in said
+    # the run's tokens per step (-d, taken from it), in two micro-batches
+    assert "batch 2x32, 2 micro-batch(es) per step" in said
+    # -m 2 batches of B=2 rows on each process: 8 rows on two, 4 on one
+    assert ("resume: the run had 2 process(es), this one 1: -m/--val-batches counts batches "
+            "of B rows on each process, so an evaluation reads 4 rows (the run read 8) and "
+            "its loss is not comparable with the run's; -m/--val-batches 4 reads the run's "
+            "rows") in said
+    assert "was measured on other validation data or batches" in said   # --keep-best's
     losses = log_lines(tmp_path / "r", "trl")
     assert len(losses) == 8 and all(np.isfinite(losses))
 

@@ -290,10 +290,11 @@ def test_resume_refuses_what_would_change_the_run_and_reports_the_rest(shards, t
         write_tokens(other / name, rng.integers(0, 50257, size=n))
     _, val_glob = shards
     refused = [
-        (["-i", str(other / "train_*.bin"), "-j", val_glob], "training data differ"),
-        (["--seed", "7"], "seed=1337"),
-        (["--arch", "llama"], "arch=gpt2"),
-        (["-b", "1"], "batch_size=2"),
+        (["-i", str(other / "train_*.bin"), "-j", val_glob],
+         f"the training data of -i/--train-data {other / 'train_*.bin'} differ from the run's"),
+        (["--seed", "7"], "the run was made with --seed 1337, this resume gives 7"),
+        (["--arch", "llama"], "the run was made with --arch gpt2, this resume gives llama"),
+        (["-b", "1"], "the run was made with -b/--batch-size 2, this resume gives 1"),
     ]
     for extra, message in refused:
         args = ["-o", str(out), "-e", "d1", "-t", "16", "-v", "0", "-s", "0", "-x", "8",
@@ -308,7 +309,7 @@ def test_resume_refuses_what_would_change_the_run_and_reports_the_rest(shards, t
         assert message in err and err.count("\n") == 1, (extra, err)
 
     assert run(shards, out, "-x", "4", "-y", "1") == 1
-    assert "-x 4 is below the checkpoint's step 6" in capsys.readouterr().err
+    assert "-x/--max-steps 4 is below the checkpoint's step 6" in capsys.readouterr().err
 
     assert run(shards, out, "-x", "8", "-n", "3", "-l", "1e-3", "-y", "1") == 0
     assert "changed on resume: max_steps 6 -> 8, learning_rate 0.003 -> 0.001" in \

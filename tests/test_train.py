@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from data_helpers import REAL_RANKS, require_real_ranks
-from llmc_py import GPT2, GPT2Config, Llama, load_model
+from llmc_py import GPT2, GPT2Config, Llama, UsageError, load_model
 from llmc_py.config import GATED_MLPS, llama_ffn_hidden
 from llmc_py.io import state as io_state
 from llmc_py import train as train_mod
@@ -85,6 +85,69 @@ def test_resume_after_ctrl_c_is_bitwise_exact(shards, tmp_path, monkeypatch, cap
     for step in (15, 20):
         name = f"model_{step:08d}.bin"
         assert (resumed / name).read_bytes() == (straight / name).read_bytes()
+
+
+def test_a_resume_needs_only_the_output_folder_and_y_1(shards, tmp_path, monkeypatch, capsys):
+    """A resume takes every flag it is not given from the run's state file,
+    names in one line those whose value that sets, and is the uninterrupted
+    run to the bit; a fixed flag given with another value is refused, named
+    as the command line names it."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ("-x", "6", "-n", "3", "-d", "64", "--seed", "7", "--dropout", "0.1",
+            "--precision", "bf16")
+    assert run(shards, straight, *args) == 0
+    interrupt_at_batch(monkeypatch, 9)   # during step 5 (2 micro-batches a step): 4 is saved
+    assert run(shards, resumed, *args) == 130
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert train_mod.main(["-o", str(resumed), "-y", "1"]) == 0
+    said = capsys.readouterr().out
+    took = [line for line in said.splitlines() if line.startswith("resume: took ")]
+    assert len(took) == 1 and took[0].endswith(" from the run"), said
+    for flag in ("-b/--batch-size 2", "-t/--seq-len 16", "-d/--total-batch-tokens 64",
+                 "-x/--max-steps 6", "-l/--learning-rate 0.003", "--seed 7", "--dropout 0.1",
+                 "--precision bf16"):
+        assert flag in took[0], flag
+    assert "resumed from step 4" in said and "changed on resume" not in said
+    assert train_losses(resumed) == train_losses(straight)
+    assert (resumed / "model_00000006.bin").read_bytes() == \
+        (straight / "model_00000006.bin").read_bytes()
+
+    assert train_mod.main(["-o", str(resumed), "-y", "1", "-x", "8", "--seed", "8"]) == 1
+    assert capsys.readouterr().err == (
+        "error: -y 1: the run was made with --seed 7, this resume gives 8; a resumed run must "
+        "keep it (start a new run in another -o to change it)\n")
+    assert train_mod.main(["-o", str(resumed), "-y", "1", "-x", "8", "-d", "32"]) == 1
+    assert ("the run was made with -d/--total-batch-tokens 64 (2 micro-batch(es) per step), "
+            "this resume gives 32 (1)") in capsys.readouterr().err
+    assert completed_steps(resumed) == [4, 6]   # refused before anything was written
+
+
+def test_a_resume_takes_only_the_flags_it_was_not_given():
+    from llmc_py.train.cli import parse
+    from llmc_py.train.resume import take_run_flags
+    from llmc_py.train import RunSpec
+    saved = {"learning_rate": 1e-3, "seed": 7, "kv_heads": 2, "output_dir": "there",
+             "threads": 3, "world_size": 2, "batch_size": 8}
+    # from Python, a field given is one not at its default
+    spec, said = take_run_flags(RunSpec(learning_rate=5e-4, output_dir="here", resume=1), saved)
+    assert (spec.learning_rate, spec.seed, spec.family["kv_heads"]) == (5e-4, 7, 2)
+    assert (spec.output_dir, spec.threads) == ("here", 0)   # this command line's own
+    assert said == ["--seed 7", "--kv-heads 2"]   # batch_size 8 is the default: not said
+    # from the command line, a flag typed is given, even with its default value
+    spec, said = take_run_flags(parse(["--seed", "1337", "-y", "1"]), saved)
+    assert spec.seed == 1337 and said == ["--kv-heads 2"]
+
+
+def test_flag_errors_name_the_flag_as_the_command_line_does():
+    from llmc_py.train.cli import parse
+    from llmc_py.train import RunSpec
+    with pytest.raises(UsageError, match="^-b/--batch-size must be positive, got 0$"):
+        parse(["-b", "0"]).check()
+    with pytest.raises(UsageError, match="^--batch-size must be positive"):
+        RunSpec(batch_size=0).check()   # from Python: the long name
+    with pytest.raises(UsageError, match=r"^-d/--total-batch-tokens 100 is not a "):
+        parse(["-d", "100"]).grad_accum()
 
 
 def test_resume_with_gradient_accumulation_and_constant_schedule(shards, tmp_path):
@@ -512,7 +575,8 @@ def test_sliding_window_and_rope_flags_reach_the_model_file(shards, tmp_path, ca
     # a resume must keep them
     assert run(shards, out, "-x", "3", "-n", "2", "-y", "1", "--arch", "llama",
                "--sliding-window", "6") == 1
-    assert "sliding_window=5" in capsys.readouterr().err
+    assert ("the run was made with --sliding-window 5, this resume gives 6"
+            in capsys.readouterr().err)
 
 
 def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):
@@ -521,7 +585,7 @@ def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path
     plain, lean = tmp_path / "plain", tmp_path / "lean"
     assert run(shards, plain, "-x", "4", "-n", "2", "-v", "2") == 0
     assert run(shards, lean, "-x", "2", "-n", "2", "-v", "2", "--recompute", "1") == 0
-    assert run(shards, lean, "-x", "4", "-n", "2", "-v", "2", "-y", "1") == 0
+    assert run(shards, lean, "-x", "4", "-n", "2", "-v", "2", "--recompute", "0", "-y", "1") == 0
     said = capsys.readouterr()
     assert "recompute 1 -> 0" in said.out + said.err
     assert train_losses(lean) == train_losses(plain)
@@ -550,8 +614,9 @@ def test_dropout_run_resumes_bitwise(shards, tmp_path, monkeypatch, capsys):
     assert train_losses(plain) != train_losses(straight)
     capsys.readouterr()
     assert run(shards, resumed, "-x", "9", "-n", "4", "-d", "64", "--dropout", "0.1",
-               "-y", "1") == 1
-    assert "made with dropout_residual=0.2" in capsys.readouterr().err
+               "--dropout-residual", "0.1", "-y", "1") == 1
+    assert ("the run was made with --dropout-residual 0.2, this resume gives 0.1"
+            in capsys.readouterr().err)
 
 
 def test_dropout_0_is_no_dropout_and_bf16_trains_with_dropout(shards, tmp_path):

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..cli import command
 from ..errors import DataError
+from ..io.files import remove_temporaries
 from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest, mask_path,
                          read_tokens_header, token_dtype, write_manifest, write_mask,
                          write_tokens)
@@ -115,6 +116,9 @@ def write_dataset(tokens, name, out_dir="data", *, val_tokens=None, mask=None):
     train_path, val_path = dataset_paths(name, out_dir)
     folder = train_path.parent
     folder.mkdir(parents=True, exist_ok=True)
+    # those an earlier, killed preparation left
+    remove_temporaries(folder, [val_path.name, train_path.name, MANIFEST,
+                                mask_path(val_path).name, mask_path(train_path).name])
     write_manifest(folder)
     dtype = tokens.dtype if tokens.dtype in (TOKEN_DTYPE, TOKEN_DTYPE_32) else TOKEN_DTYPE
     for path, part in ((val_path, slice(0, len(val))), (train_path, slice(len(val), None))):
@@ -295,8 +299,9 @@ def parse(argv):
 
 
 @command(prefix="llmc_py.data: ",
-         interrupted="llmc_py.data: interrupted; a dataset being written is marked incomplete "
-                     "(its manifest.json) and is refused until prepared again")
+         interrupted="llmc_py.data: interrupted by {signal}: no dataset was written (one being "
+                     "written is marked incomplete in its manifest.json, and refused until "
+                     "prepared again); no temporary file is left")
 def main(argv=None):
     args = parse(argv)
     if args.jsonl:

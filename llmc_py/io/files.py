@@ -2,6 +2,7 @@
 binary file here (llm.c's and ours) starts with, its checksum slots, and bf16
 numbers as files store them."""
 import os
+import re
 import struct
 import tempfile
 import zlib
@@ -162,6 +163,17 @@ def atomic_write(path, chunks, checksummed=False):
         pass
     finally:
         os.close(dir_fd)
+
+
+def remove_temporaries(folder, names):
+    """Deletes atomic_write's temporary files for the files ``names`` in
+    ``folder`` (".NAME.<mkstemp's 8 characters>.tmp"), which stay behind only
+    when a writer was killed; returns how many."""
+    ours = re.compile(r"\.(" + "|".join(map(re.escape, names)) + r")\.[a-z0-9_]{8}\.tmp")
+    stale = [path for path in Path(folder).iterdir() if ours.fullmatch(path.name)]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
 
 
 def _umask():

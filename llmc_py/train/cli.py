@@ -44,8 +44,7 @@ def build_parser():
            "from (fine-tune), or a depth like d6 for a fresh model (d12 is GPT-2 124M's shape)")
     a("--tokenizer", default=RunSpec.tokenizer,
       help="a tokenizer.json, or a folder holding one, for the default dataset and samples "
-           "(default: -e's when it is a Hugging Face folder with one, else GPT-2's); give "
-           "it (or the same -e) again when resuming")
+           "(default: -e's when it is a Hugging Face folder with one, else GPT-2's)")
     a("--export-hf", metavar="DIR", default=RunSpec.export_hf,
       help="at the end, also write the model as a Hugging Face folder (config.json, "
            "model.safetensors and -e's tokenizer files)")
@@ -97,8 +96,9 @@ def build_parser():
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
-      help="1: resume from the newest complete checkpoint in the output folder; with "
-           "none there yet, start a fresh run (so one command serves every restart)")
+      help="1: resume from the newest complete checkpoint in the output folder, taking "
+           "every flag not given (but -o, --threads, --data-dir) from the run; with none "
+           "there yet, start a fresh run (so one command serves every restart)")
     a("--overwrite", action="store_true",
       help="start a new run in an output folder that holds another run's checkpoints, "
            "removing them (without it such a folder is refused)")
@@ -152,17 +152,27 @@ def build_parser():
     return p
 
 
-def spec_of(args, explicit=()):
+def spec_of(args, explicit=None, names=None):
     """The RunSpec of the parser's namespace ``args``; ``explicit``: the
-    flags given."""
+    flags given (None: those not at their defaults); ``names``: how the
+    command line names each flag (option_names)."""
     flags = dict(vars(args))
     family = {dest: flags.pop(dest) for dest in family_defaults()}
-    return RunSpec(**flags, family=family, explicit=frozenset(explicit))
+    return RunSpec(**flags, family=family,
+                   explicit=None if explicit is None else frozenset(explicit),
+                   flag_names=names or {})
 
 
 def parse(argv):
     """The RunSpec of the command line ``argv``."""
-    return spec_of(build_parser().parse_args(argv), explicit_flags(argv))
+    parser = build_parser()
+    return spec_of(parser.parse_args(argv), explicit_flags(argv), option_names(parser))
+
+
+def option_names(parser):
+    """{dest: "-b/--batch-size"}: every flag of ``parser`` by its options."""
+    return {action.dest: "/".join(action.option_strings) for action in parser._actions
+            if action.option_strings}
 
 
 def lr_at(step, args):

@@ -1,5 +1,8 @@
-"""Resuming a run: the newest checkpoint that loads, and which flags a resumed
-run may change (each change said in one line) or must keep (refused)."""
+"""Resuming a run: the newest checkpoint that loads, the flags a resume takes
+from it (those it was not given), and which flags a resumed run may change
+(each change said in one line) or must keep (refused)."""
+import dataclasses
+
 from ..config import MODEL_FLAGS
 from ..errors import CheckpointError, UsageError
 from ..model import load_model
@@ -10,7 +13,7 @@ from ..model import load_model
 FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
                    "overfit_single_batch", "train_fingerprint", "dropout",
                    "dropout_embedding", "dropout_attention", "dropout_residual")
-# (a model flag given on resume must agree: the model comes from the checkpoint)
+# (the model comes from the checkpoint: a model flag given must agree)
 FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "init_std")
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
@@ -20,27 +23,58 @@ CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_
                         "precision", "recompute", "world_size", "zero", "total_batch_tokens",
                         "monitor_every", "monitor_entropy_min",
                         "monitor_cosine_max")
+# flags of this command line alone, never taken from the run
+OWN_FLAGS = ("output_dir", "resume", "overwrite", "threads", "data_dir")
 
 
-def resume_changes(saved, settings, explicit):
-    """The changeable settings that differ from the checkpoint's, as text;
-    raises UsageError for one that must not change. ``explicit`` names the
-    flags given on this command line (a model flag left at its default is
-    not a change: the model comes from the checkpoint). Another number of
-    processes (world_size) may change the micro-batches per step too."""
-    fixed = FIXED_ON_RESUME
-    if saved.get("world_size", 1) != settings.get("world_size", 1):
-        fixed = tuple(k for k in fixed if k != "grad_accum")
-    for key in fixed + tuple(k for k in FIXED_MODEL_FLAGS if k in explicit):
-        if key in saved and saved[key] != settings[key]:
-            what = ("the training data differ from the checkpoint's"
-                    if key == "train_fingerprint" else
-                    f"the checkpoint was made with {key}={saved[key]}, this run has "
-                    f"{settings[key]}")
-            raise UsageError(f"-y 1: {what}; a resumed run must keep it (start a new run "
-                             f"in another -o to change it)")
+def take_run_flags(spec, saved):
+    """``spec`` with every flag it was not given (but OWN_FLAGS) set to the
+    resumed run's, from ``saved`` (the settings in its state file), and the
+    taken flags whose value that changes, as text ("--seed 7")."""
+    flags = spec.flags()
+    taken = {dest: saved[dest] for dest in flags
+             if dest in saved and dest not in spec.explicit and dest not in OWN_FLAGS}
+    family = {dest: taken.get(dest, value) for dest, value in spec.family.items()}
+    adopted = dataclasses.replace(
+        spec, **{dest: value for dest, value in taken.items() if dest not in family},
+        family=family)
+    return adopted, [f"{spec.flag(dest)} {value}" for dest, value in taken.items()
+                     if value != flags[dest]]
+
+
+def resume_changes(saved, settings, spec):
+    """The changeable settings that differ from the checkpoint's, as text,
+    after refuse_changes."""
+    refuse_changes(saved, settings, spec)
     return [f"{key} {saved[key]} -> {settings[key]}" for key in CHANGEABLE_ON_RESUME
             if key in saved and saved[key] != settings[key]]
+
+
+def refuse_changes(saved, settings, spec):
+    """Raises UsageError for a setting in both the run's ``saved`` and this
+    resume's ``settings`` that must not change, naming its flag as ``spec``
+    (the resume's RunSpec) does. Another number of processes (world_size)
+    may change the micro-batches per step."""
+    fixed = FIXED_ON_RESUME + FIXED_MODEL_FLAGS
+    if saved.get("world_size", 1) != settings.get("world_size", 1):
+        fixed = tuple(k for k in fixed if k != "grad_accum")
+    for key in fixed:
+        if key in saved and key in settings and saved[key] != settings[key]:
+            raise UsageError(f"-y 1: {refusal(key, saved, settings, spec)}; a resumed run must "
+                             f"keep it (start a new run in another -o to change it)")
+
+
+def refusal(key, saved, settings, spec):
+    """What differs in ``key`` between the run (``saved``) and this resume
+    (``settings``), said with the flag that sets it."""
+    if key == "train_fingerprint":
+        return (f"the training data of {spec.flag('train_data')} {settings['train_data']} "
+                f"differ from the run's")
+    if key == "grad_accum":   # B and T agree (compared first): -d differs
+        return (f"the run was made with {spec.flag('total_batch_tokens')} "
+                f"{saved.get('total_batch_tokens')} ({saved[key]} micro-batch(es) per step), "
+                f"this resume gives {settings['total_batch_tokens']} ({settings[key]})")
+    return f"the run was made with {spec.flag(key)} {saved[key]}, this resume gives {settings[key]}"
 
 
 def usable_checkpoint(folder, progress, precision="fp32"):

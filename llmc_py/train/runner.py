@@ -36,7 +36,7 @@ from .hooks import Checkpoints, Evaluation, KeepBest, Sampling, StepLog
 from .loop import Trainer, perplexity
 from .optimizer import AdamW
 from .progress import Progress, format_seconds, signal_name
-from .resume import resume_changes, usable_checkpoint
+from .resume import refuse_changes, resume_changes, take_run_flags, usable_checkpoint
 from .run_folder import RunFolder
 from .signals import StopSignals
 
@@ -81,7 +81,6 @@ class Run:
     def _train(self):
         spec = self.spec
         spec.check()
-        self.grad_accum = spec.grad_accum(self.world.size)
         if spec.threads:
             set_num_threads(spec.threads)
         self.folder = RunFolder(spec.output_dir)
@@ -119,11 +118,13 @@ class Run:
 
     def _build(self):
         """Everything before step 1, each setting checked on the way."""
+        checkpoint = self._checkpoint()   # a resume's flags not given: the run's
         spec, world = self.spec, self.world
+        self.grad_accum = spec.grad_accum(world.size)
         self.dropout = spec.dropout_masks()
         self._check_extras()
         train_data, val_data = self._data()
-        moments, extra = self._model()
+        moments, extra = self._model(checkpoint)
         self._check_model_fits()
         self.sharded = bool(spec.zero) and world.size > 1
         shard = distributed.shard_bounds(self.model.num_parameters, world.size)[world.rank]
@@ -153,7 +154,7 @@ class Run:
         self.keep_best = None
         if self.keeps_best and world.is_root:
             measured_on = {"val_data": self.settings["val_fingerprint"],
-                           "val_batches": self.val_batches}
+                           "val_batches": self.val_batches, "processes": world.size}
             self.keep_best = KeepBest(self.folder, self.model, measured_on, self.signals,
                                       self.progress, resumed=bool(self.resume_step))
 
@@ -191,33 +192,50 @@ class Run:
                 val_data = str(val_path)
         return train_data, val_data
 
-    def _model(self):
-        """The model: the newest usable checkpoint's when resuming (rank 0
-        reads it; the others get it from rank 0), else -e's. Every rank
-        starts from rank 0's parameters. Returns the checkpoint's ((m, v),
-        extra) when resuming."""
-        spec, world, root = self.spec, self.world, self.world.is_root
-        self.resume_step, moments, extra = 0, (None, None), None
+    def _checkpoint(self):
+        """When resuming, the newest usable checkpoint (step, model, config,
+        (m, v), extra), read by rank 0 (the others get its step, config and
+        extra: model, m and v None); its run's flags replace those not given
+        (said in one line). None for a fresh run."""
+        spec, world, root, say = self.spec, self.world, self.world.is_root, self.progress.say
         # -y 1 on a folder without a checkpoint (new, or killed before the
         # first) starts afresh: one job line serves the first start and every restart
         resuming = bool(spec.resume) and world.broadcast_object(
             bool(self.folder.completed_steps()) if root else None)
         if spec.resume and not resuming:
-            self.progress.say(f"-y 1: no checkpoint in {self.folder.path} yet; starting a "
-                              f"fresh run")
-        if resuming:
-            if root:
-                self.resume_step, self.model, m, v, extra = usable_checkpoint(
-                    self.folder, self.progress, spec.precision)
-                moments = (m, v)
-                if spec.max_steps < self.resume_step:
-                    raise UsageError(f"-x {spec.max_steps} is below the checkpoint's step "
-                                     f"{self.resume_step} in {self.folder.path}")
-            # the other ranks need no access to -o
-            self.resume_step, config, extra = world.broadcast_object(
-                (self.resume_step, self.model.config, extra) if root else None)
-            if not root:
-                self.model = preset_for(config)(config, precision=spec.precision)
+            say(f"-y 1: no checkpoint in {self.folder.path} yet; starting a fresh run")
+        if not resuming:
+            return None
+        step, model, m, v, extra = (usable_checkpoint(self.folder, self.progress, spec.precision)
+                                    if root else (None,) * 5)
+        # the other ranks need no access to -o
+        step, config, extra = world.broadcast_object(
+            (step, model.config, extra) if root else None)
+        saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
+        self.spec, taken = take_run_flags(spec, saved)
+        self.spec.check()
+        refuse_changes(saved, self.spec.flags(), self.spec)   # the flags given; derived: _restore
+        if taken:
+            say("resume: took " + ", ".join(taken) + " from the run")
+        return step, model, config, (m, v), extra
+
+    def _model(self, checkpoint):
+        """The model: the resumed ``checkpoint``'s (in the run's precision),
+        else -e's. Every rank starts from rank 0's parameters. Returns the
+        checkpoint's ((m, v), extra) when resuming."""
+        spec, world, root = self.spec, self.world, self.world.is_root
+        self.resume_step, moments, extra = 0, (None, None), None
+        if checkpoint is not None:
+            self.resume_step, model, config, moments, extra = checkpoint
+            if root and spec.max_steps < self.resume_step:
+                raise UsageError(f"{spec.flag('max_steps')} {spec.max_steps} is below the "
+                                 f"checkpoint's step {self.resume_step} in {self.folder.path}")
+            if root and model.precision == spec.precision:
+                self.model = model
+            else:   # another rank's, or another precision than the one it was read in
+                self.model = preset_for(config)(
+                    config, params=model.params.memory if root else None,
+                    precision=spec.precision)
         else:
             self.model = self._initial_model()
             if world.size > 1:
@@ -294,7 +312,7 @@ class Run:
         settings it shares with this run are compared first."""
         folder, world, step = self.folder, self.world, self.resume_step
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
-        changes = resume_changes(saved, self.settings, self.spec.explicit)
+        changes = resume_changes(saved, self.settings, self.spec)
         try:
             self.train_loader.load_state_dict(
                 extra["train_loader"], other_batch=saved.get("world_size", 1) != world.size)
@@ -315,6 +333,23 @@ class Run:
         self.progress.say(f"resumed from step {step} in {folder.path}")
         if changes:
             self.progress.say("changed on resume: " + ", ".join(changes))
+        ranks = saved.get("world_size", 1)
+        if ranks != world.size and self.val_loader is not None:
+            self._say_other_validation_rows(ranks)
+
+    def _say_other_validation_rows(self, ranks):
+        """A resume on another number of processes than the run's ``ranks``
+        evaluates on other rows: -m counts batches of B rows per process."""
+        spec, now = self.spec, self.world.size
+        rows = self.val_batches * spec.batch_size
+        same = ranks * self.val_batches
+        hint = (f"; {spec.flag('val_batches')} {same // now} reads the run's rows"
+                if same % now == 0 else "")
+        self.progress.say(
+            f"resume: the run had {ranks} process(es), this one {now}: "
+            f"{spec.flag('val_batches')} counts batches of B rows on each process, so an "
+            f"evaluation reads {rows * now} rows (the run read {rows * ranks}) and its loss "
+            f"is not comparable with the run's" + hint)
 
     def _say_model(self):
         spec, model, ranks = self.spec, self.model, self.world.size

@@ -5,7 +5,7 @@ defaults from here), the model-family flags together in ``family``.
 The CLI parses its command line into a RunSpec once; from Python, give the
 fields that differ: ``RunSpec(train_data="data/*.bin", max_steps=20)``.
 Every state file saves ``flags()`` (with what the run derived from them):
-resuming compares them with the new run's (train.resume).
+a resume takes those it was not given and compares the rest (train.resume).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import MODEL_FLAGS
 from ..errors import UsageError
-from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
+from ..flags import FRACTION, NON_NEGATIVE, POSITIVE, SEED, Range, check_flags, flag_name
 from ..model.dropout import RATES as DROPOUT_SITES, Dropout
 from ..model.transformer import INIT_STD
 from .schedule import LRSchedule
@@ -86,9 +86,12 @@ class RunSpec:
     data_dir: str = "data"
     # the model-family flags {dest: value}; those left out take their defaults
     family: dict = field(default_factory=dict)
-    # the flags given on the command line: on resume, a model-family flag
-    # not given is not compared (the model comes from the checkpoint)
-    explicit: frozenset = frozenset()
+    # the flags given on the command line (None: the fields not at their
+    # defaults); a resume takes the others from the run (train.resume)
+    explicit: frozenset | None = None
+    # how the command line names each flag {dest: "-b/--batch-size"}, for
+    # messages (a flag not in it: its long name)
+    flag_names: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         defaults = family_defaults()
@@ -97,17 +100,24 @@ class RunSpec:
             raise UsageError(f"family: {', '.join(unknown)} is not a model-family flag (those "
                              f"are {', '.join(defaults)})")
         object.__setattr__(self, "family", {**defaults, **self.family})
+        if self.explicit is None:
+            given = {dest for dest, value in self.flags().items() if value != DEFAULTS[dest]}
+            object.__setattr__(self, "explicit", frozenset(given))
+
+    def flag(self, dest):
+        """How the command line names the flag of field ``dest``: "-b/--batch-size"."""
+        return self.flag_names.get(dest) or flag_name(dest)
 
     def flags(self):
         """{dest: value} of every flag, the model family's too: what the
         parser's namespace holds."""
         values = {f.name: getattr(self, f.name) for f in fields(self)
-                  if f.name not in ("family", "explicit")}
+                  if f.name not in ("family", "explicit", "flag_names")}
         return {**values, **self.family}
 
     def check(self):
         """Raises UsageError naming the first flag outside its range."""
-        check_flags(types.SimpleNamespace(**self.flags()), FLAG_RANGES)
+        check_flags(types.SimpleNamespace(**self.flags()), FLAG_RANGES, self.flag)
 
     def grad_accum(self, ranks=1):
         """Micro-batches per optimizer step, from -d (0: one), the tokens of a
@@ -115,8 +125,10 @@ class RunSpec:
         bt = self.batch_size * self.seq_len * ranks
         total = self.total_batch_tokens or bt
         if total % bt:
-            raise UsageError(f"-d {total} is not a multiple of B*T*processes = "
-                             f"{self.batch_size}*{self.seq_len}*{ranks} = {bt}")
+            whose = "" if "total_batch_tokens" in self.explicit else " (the resumed run's)"
+            raise UsageError(f"{self.flag('total_batch_tokens')} {total}{whose} is not a "
+                             f"multiple of B*T*processes = {self.batch_size}*{self.seq_len}*"
+                             f"{ranks} = {bt}")
         return total // bt
 
     def lr_schedule(self):
@@ -132,7 +144,7 @@ class RunSpec:
             return Dropout(**{site: self.dropout if p is None else p
                               for site, p in rates.items()}, seed=self.seed)
         except ValueError as e:   # a probability that rounds to 1 in float32
-            raise UsageError(f"--dropout: {e}") from None
+            raise UsageError(f"{self.flag('dropout')}: {e}") from None
 
     def tokenizer_source(self):
         """Where the run's tokenizer comes from: --tokenizer, else -e when it
@@ -141,6 +153,9 @@ class RunSpec:
             return self.tokenizer
         return self.init if Path(self.init).is_dir() else None
 
+
+# every flag's default, the model family's too
+DEFAULTS = RunSpec(explicit=frozenset()).flags()
 
 BELOW_ONE = Range(lo=0, hi=1, hi_open=True, text="in [0, 1)")
 # every numeric flag's allowed values
