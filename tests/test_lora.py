@@ -28,6 +28,7 @@ from llmc_py import CheckpointError, Dropout, UnsupportedError, load_model
 from llmc_py._native import kernels as K
 from llmc_py.io.hf import hf_tensors
 from llmc_py.io.peft import _key, _tensors
+from llmc_py.model.lora import adapter_parameters
 from test_hf import V, batch, make_hf, rel_to_max
 
 ALL_TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"],
@@ -458,3 +459,23 @@ def test_a_model_no_hugging_face_class_holds_has_no_peft_folder(tmp_path):
     model.add_lora(2, 4)   # our own layers take adapters all the same
     with pytest.raises(UnsupportedError, match="block='post'"):
         model.save_lora(tmp_path / "a")
+
+
+def test_the_memory_plan_counts_the_adapters_and_no_base_gradients(llama):
+    model = with_lora(llama[2], 4, 8, ["q_proj", "down_proj"])
+    count = adapter_parameters(model.config, 4, ["q_proj", "down_proj"])
+    assert count == model.lora.params.size == 2 * 4 * ((64 + 64) + (96 + 64))
+    B, T = 2, 9
+    plan = model.memory_plan(B, T, training=True)
+    full = load_model(llama[2]).memory_plan(B, T, training=True)
+    assert plan["LoRA adapters"] == plan["parameter gradients"] == 4 * count
+    assert plan["AdamW moments"] == 8 * count
+    assert {part: n for part, n in plan.items() if part != "LoRA adapters"} == {
+        **full, "parameter gradients": 4 * count, "AdamW moments": 8 * count}
+    model.reserve(B, T, training=True)
+    lora = model.lora
+    assert model._grads is None and model.m_memory is None
+    assert (lora.params.memory.nbytes, lora.grads.memory.nbytes,
+            lora.m.nbytes + lora.v.nbytes) == (plan["LoRA adapters"],
+                                               plan["parameter gradients"],
+                                               plan["AdamW moments"])

@@ -69,8 +69,8 @@ def targets(config):
 
 
 def _is_gpt2(config):
-    from ..io.hf import architecture   # io.hf reads model.layout: imported when used
     from ..errors import UnsupportedError
+    from ..io.hf import architecture   # io.hf reads model.layout: imported when used
     try:
         return architecture(config) == "GPT2LMHeadModel"
     except UnsupportedError:
@@ -103,6 +103,13 @@ def select(config, names):
     return tuple(t for t in every if t.name in chosen)
 
 
+def adapter_parameters(config, rank, names=None):
+    """The parameters of rank-``rank`` adapters on the targets ``names``
+    (default: every one) of a model of ``config``, without making them."""
+    chosen = targets(config) if names is None else select(config, names)
+    return sum(config.L * rank * (t.in_features + t.out_features) for t in chosen)
+
+
 class Lora:
     """A model's adapters: ``params`` and ``grads`` (TensorGroups of one
     float32 buffer each), AdamW's moments ``m`` and ``v`` (made by the
@@ -111,7 +118,7 @@ class Lora:
 
     def __init__(self, config, rank, alpha, names, dropout, rslora):
         self.config = config
-        self.targets = select(config, names)
+        self.targets = targets(config) if names is None else select(config, names)
         self.rank = _checked_rank(rank, self.targets)
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) \
                 or not (math.isfinite(alpha) and alpha > 0):

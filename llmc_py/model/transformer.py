@@ -75,10 +75,9 @@ from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
-from .lora import Lora
-from .lora import targets as lora_targets
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, param_specs)
+from .lora import Lora
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
                        reusable)
 
@@ -335,10 +334,11 @@ class Transformer:
         ``keep_logits`` (default: not when training) counts all (B, T, Vp)
         logits, else a block of HEAD_ROWS rows of them. "scratch" is the
         kernels' temporary memory, estimated. This model's memory_plan():
-        its precision, recompute and share of the moments."""
+        its precision, recompute, share of the moments and LoRA adapters."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
                            precision=self.precision, recompute=self.recompute,
-                           moment_params=self.moment_params)
+                           moment_params=self.moment_params if self.lora is None else None,
+                           adapter_params=0 if self.lora is None else self.lora.params.size)
 
     @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
@@ -645,9 +645,7 @@ class Transformer:
         zero_grad, backward, update, grad_norm and clip_grad_norm act on the
         adapters alone."""
         self._refuse_adapters("add_lora")
-        lora = Lora(self.config, rank, alpha,
-                    [t.name for t in lora_targets(self.config)] if targets is None else targets,
-                    dropout, rslora)
+        lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
         lora.initialize(seed)
         self._freeze(lora)
 
