@@ -346,6 +346,37 @@ def test_bf16_merge_refreshes_the_bf16_copy(llama):
     assert np.array_equal(again.params_bf16.memory, model.params_bf16.memory)
 
 
+@pytest.mark.parametrize("choices", [dict(block="post"), dict(block="parallel"),
+                                     dict(mlp="gelu", bias=True, norm="layernorm")])
+def test_adapter_gradients_are_the_merged_models_weight_gradients(choices):
+    """Blocks and choices no Hugging Face class has, so no peft: the merged
+    model (W' = W + s B A) computes the same function, so dL/dB = s dW'[rows] A^T
+    and dL/dA = s B^T dW'[rows], with dW' the merged model's weight gradient."""
+    config = llmc_py.LlamaConfig(num_layers=2, channels=32, num_heads=4, num_kv_heads=2,
+                                 vocab_size=64, padded_vocab_size=64, max_seq_len=16, **choices)
+    model = llmc_py.Llama(config, seed=3)
+    model.add_lora(3, 6, seed=4)
+    random_b(model)
+    merged = llmc_py.Llama(config, params=model.params.memory.copy())
+    merged.add_lora(3, 6)
+    merged.lora.params.memory[...] = model.lora.params.memory
+    merged.merge_lora()
+    rng = np.random.default_rng(5)
+    x, y = rng.integers(0, 64, (2, 11)), rng.integers(0, 64, (2, 11))
+    losses = []
+    for m in (model, merged):
+        m.zero_grad()
+        losses.append(m.forward_backward(x, y))
+    assert abs(losses[0] - losses[1]) < 1e-6 * losses[1]
+    lora, s = model.lora, np.float32(model.lora.scale)
+    for t in lora.targets:
+        for l in range(config.L):
+            dW = merged.grads[t.linear + "w"][l][t.rows]
+            A, B = lora.params[t.name + ".A"][l], lora.params[t.name + ".B"][l]
+            assert rel_to_max(lora.grads[t.name + ".B"][l], s * dW @ A.T) < 1e-4, t.name
+            assert rel_to_max(lora.grads[t.name + ".A"][l], s * B.T @ dW) < 1e-4, t.name
+
+
 # ---- refusals: one clear error, nothing changed --------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
