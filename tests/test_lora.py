@@ -38,21 +38,21 @@ ALL_TARGETS["qwen3-qknorm-tied"] = ALL_TARGETS["llama-gqa-untied"]
 ADAMW = dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
 
+def save_hf(name, tmp_path_factory):
+    """(name, test_hf's transformers model ``name``, its save_pretrained folder)."""
+    model, folder = make_hf(name), tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return name, model, folder
+
+
 @pytest.fixture(scope="module", params=list(ALL_TARGETS))
 def saved(request, tmp_path_factory):
-    """(name, transformers model, its save_pretrained folder)."""
-    folder = tmp_path_factory.mktemp(request.param)
-    model = make_hf(request.param)
-    model.save_pretrained(folder)
-    return request.param, model, folder
+    return save_hf(request.param, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("llama")
-    model = make_hf("llama-gqa-untied")
-    model.save_pretrained(folder)
-    return "llama-gqa-untied", model, folder
+    return save_hf("llama-gqa-untied", tmp_path_factory)
 
 
 def random_b(model, seed=0):
@@ -105,12 +105,12 @@ def adapter_grads(model):
     return out
 
 
-def assert_matches_peft(name, hf, model, targets=None, x_y=None):
-    """Logits, loss and every adapter gradient of ``model`` as peft's."""
-    twin, trained = peft_twin(name, hf, model, targets)
-    x, y = batch() if x_y is None else x_y
+def assert_step_matches(model, twin, trained, dropout=None):
+    """Logits, loss and every adapter gradient of ``model`` (a pass with
+    ``dropout``) as those of ``twin``, peft's, with its ``trained`` parameters."""
+    x, y = batch()
     model.zero_grad()
-    loss = model.forward(x, y)
+    loss = model.forward(x, y, dropout=dropout)
     logits = model.logits[..., :V].copy()
     model.backward()
     ref_logits, ref_loss = torch_loss(twin, x, y)
@@ -119,7 +119,22 @@ def assert_matches_peft(name, hf, model, targets=None, x_y=None):
     assert abs(loss - ref_loss.item()) < 1e-6 * ref_loss.item()
     for n, grad in adapter_grads(model).items():
         assert rel_to_max(grad, trained[n].grad.numpy()) < 2e-5, n
+    return logits
+
+
+def assert_matches_peft(name, hf, model, targets=None):
+    """A step of ``model`` as peft's with the same adapters; peft's model."""
+    twin, trained = peft_twin(name, hf, model, targets)
+    assert_step_matches(model, twin, trained)
     return twin
+
+
+def assert_same_logits(model, twin, x):
+    """``model``'s logits of ``x`` as ``twin``'s (a torch model)."""
+    model.forward(x)
+    with torch.no_grad():
+        ref = twin(torch.tensor(x)).logits.numpy()
+    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
 
 
 def test_logits_gradients_and_adamw_match_peft_and_the_base_never_changes(saved):
@@ -148,15 +163,11 @@ def test_logits_gradients_and_adamw_match_peft_and_the_base_never_changes(saved)
 
 
 def test_save_lora_loads_in_peft_with_our_logits(saved, tmp_path):
-    name, hf, folder = saved
+    _, hf, folder = saved
     model = with_lora(folder)
     model.save_lora(tmp_path / "adapter")
     twin = peft.PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").eval()
-    x, _ = batch()
-    model.forward(x)
-    with torch.no_grad():
-        ref = twin(torch.tensor(x)).logits.numpy()
-    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
+    assert_same_logits(model, twin, batch()[0])
     # decoding with a KV cache goes through the adapters too
     prompt = [5, 17, 200, 3, 99]
     ours = model.generate(prompt, 8, temperature=0)
@@ -178,11 +189,7 @@ def test_peft_adapters_load_with_peft_logits(saved, tmp_path):
     model = load_model(folder)
     model.load_lora(tmp_path / "adapter")
     assert model.lora.rank == 3 and model.lora.scale == 5 / 3
-    x, _ = batch()
-    model.forward(x)
-    with torch.no_grad():
-        ref = twin(torch.tensor(x)).logits.numpy()
-    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
+    assert_same_logits(model, twin, batch()[0])
 
 
 def test_merge_lora_equals_peft_merge_and_unload(saved, tmp_path):
@@ -238,7 +245,7 @@ def test_lora_dropout_drops_each_adapters_input_with_its_own_masks(llama):
     p = 0.25
     model = with_lora(folder, dropout=p)
     twin, trained = peft_twin(name, hf, model)
-    x, y = batch()
+    x, _ = batch()
     dropout = Dropout(seed=7)
     modules = dict(twin.named_modules())
     prefix = "base_model.model.model.layers.{l}."
@@ -248,25 +255,13 @@ def test_lora_dropout_drops_each_adapters_input_with_its_own_masks(llama):
             K.dropout_forward(ones, ones, *dropout.adapter_site(p, l, index))
             layer = modules[prefix.format(l=l) + t.module]
             layer.lora_dropout["default"] = MaskedDropout(torch.from_numpy(ones))
-    model.zero_grad()
-    loss = model.forward(x, y, dropout=dropout)
-    logits = model.logits[..., :V].copy()
-    model.backward()
-    ref_logits, ref_loss = torch_loss(twin, x, y)
-    ref_loss.backward()
-    assert rel_to_max(logits, ref_logits.detach().numpy()) < 1e-5
-    assert abs(loss - ref_loss.item()) < 1e-6 * ref_loss.item()
-    for n, grad in adapter_grads(model).items():
-        assert rel_to_max(grad, trained[n].grad.numpy()) < 2e-5, n
+    dropped = assert_step_matches(model, twin, trained, dropout)
     # a pass given no Dropout (evaluation) never drops
-    model.forward(x)
-    assert not np.array_equal(model.logits[..., :V], logits)
-    with_peft = twin.eval()
     for module in modules.values():
         if hasattr(module, "lora_dropout"):
             module.lora_dropout["default"] = torch.nn.Identity()
-    with torch.no_grad():
-        assert rel_to_max(model.logits[..., :V], with_peft(torch.tensor(x)).logits.numpy()) < 1e-5
+    assert_same_logits(model, twin, x)
+    assert not np.array_equal(model.logits[..., :V], dropped)
 
 
 def step_results(model, dropout=None, steps=2):
@@ -285,7 +280,7 @@ def step_results(model, dropout=None, steps=2):
 
 
 def test_recompute_gives_the_same_bits(saved):
-    name, hf, folder = saved
+    folder = saved[2]
     runs = []
     for recompute in (False, True):
         model = with_lora(folder, dropout=0.1)
@@ -296,7 +291,7 @@ def test_recompute_gives_the_same_bits(saved):
 
 
 def test_results_do_not_depend_on_the_thread_count(saved, set_threads):
-    name, hf, folder = saved
+    folder = saved[2]
     runs = []
     for threads in (1, 2):
         set_threads(threads)
@@ -309,7 +304,7 @@ def test_results_do_not_depend_on_the_thread_count(saved, set_threads):
 
 
 def test_bf16_base_with_fp32_adapters(saved):
-    name, hf, folder = saved
+    folder = saved[2]
     # zero adapters add exactly nothing to the bf16 base's outputs
     plain = load_model(folder, precision="bf16")
     model = load_model(folder, precision="bf16")
@@ -337,7 +332,7 @@ def test_bf16_base_with_fp32_adapters(saved):
 
 
 def test_bf16_merge_refreshes_the_bf16_copy(llama):
-    name, hf, folder = llama
+    folder = llama[2]
     model = with_lora(folder, precision="bf16")
     model.merge_lora()
     again = load_model(folder, precision="bf16")
