@@ -162,6 +162,20 @@ def test_logits_gradients_and_adamw_match_peft_and_the_base_never_changes(saved)
     assert model._grads is None   # the base never had gradients
 
 
+def test_zero_grad_grad_norm_and_clipping_act_on_the_adapters(llama):
+    model = with_lora(llama[2])
+    grads = model.lora.grads.memory
+    model.zero_grad()
+    model.forward_backward(*batch())
+    norm = model.grad_norm()
+    assert norm == pytest.approx(np.linalg.norm(grads.astype(np.float64)), rel=1e-6)
+    before = grads.copy()
+    assert model.clip_grad_norm(norm / 4) == norm
+    np.testing.assert_allclose(grads, before / 4, rtol=1e-6)
+    model.zero_grad()
+    assert not grads.any() and model._grads is None
+
+
 def test_save_lora_loads_in_peft_with_our_logits(saved, tmp_path):
     _, hf, folder = saved
     model = with_lora(folder)
@@ -379,7 +393,8 @@ def test_adapter_gradients_are_the_merged_models_weight_gradients(choices):
     (dict(rank=4, alpha=8, targets=["lm_head"]), "no module 'lm_head'"),
     (dict(rank=4, alpha=8, targets=[]), "at least one"),
     (dict(rank=0, alpha=8), "rank 0 is outside"),
-    (dict(rank=49, alpha=8, targets=["k_proj"]), r"rank 49 is outside \[1, 32\]: k_proj is 32 x 64"),
+    (dict(rank=49, alpha=8, targets=["k_proj"]),
+     r"rank 49 is outside \[1, 32\]: k_proj is 32 x 64"),
     (dict(rank=2.0, alpha=8), "rank must be an int"),
     (dict(rank=4, alpha=0), "alpha must be a positive number"),
     (dict(rank=4, alpha=float("nan")), "alpha must be a positive number"),

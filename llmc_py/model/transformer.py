@@ -41,6 +41,12 @@ float32 output gradient rounded to bf16) and sums in float32. Norm
 statistics, attention, softmax, the loss and the gradient norm stay float32.
 update() rewrites the bf16 copy as it updates the parameters.
 
+LoRA (model.lora): add_lora or load_lora freeze the parameters and add
+adapters to the linear layers; the gradients, AdamW's moments and the
+update are then the adapters' alone (``trained``), and backward skips the
+frozen tensors' gradient products (base_grad is None), computing only the
+input gradients the adapters below need.
+
 Parameters, their gradients, the activations and the activation gradients
 each live in one contiguous float32 buffer; ``params``, ``grads``, ``acts``
 and ``grads_acts`` are TensorGroups of named views into them
@@ -601,9 +607,9 @@ class Transformer:
         c, p, a = self.config, self.params, self.acts
         layer = LayerGrads(c, d, self.B, self.T)
         d.residual[...] = 0.0
-        apply_norm_backward(c, d.residual, self.base_grad("lnfw"), self.base_grad("lnfb"), layer.ln,
-                            self.layer_output(a, c.L - 1), p.lnfw, optional(a, "lnf_mean"),
-                            a.lnf_rstd)
+        apply_norm_backward(c, d.residual, self.base_grad("lnfw"), self.base_grad("lnfb"),
+                            layer.ln, self.layer_output(a, c.L - 1), p.lnfw,
+                            optional(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
             # d.residual is d(layer l's output); after, d(its input)
             x = a.encoded if l == 0 else self.layer_output(a, l - 1)
@@ -692,9 +698,10 @@ class Transformer:
 
     def _refuse_adapters(self, what):
         if self.lora is not None:
+            names = ", ".join(t.name for t in self.lora.targets)
             raise RuntimeError(f"{what}: this model has LoRA adapters already (rank "
-                               f"{self.lora.rank} on {', '.join(t.name for t in self.lora.targets)})"
-                               f"; merge_lora() folds them into the base, save_lora() writes them")
+                               f"{self.lora.rank} on {names}); merge_lora() folds them into "
+                               f"the base, save_lora() writes them")
 
     # ---- update ------------------------------------------------------------
 
