@@ -162,6 +162,19 @@ def test_logits_gradients_and_adamw_match_peft_and_the_base_never_changes(saved)
     assert model._grads is None   # the base never had gradients
 
 
+def test_the_frozen_base_gets_no_weight_gradient_products(saved):
+    model = with_lora(saved[2])
+    calls, matmul_backward = [], model._matmul_backward
+
+    def spy(dinp, dweight, dbias, *rest):
+        calls.append((dinp is not None, dweight, dbias))
+        return matmul_backward(dinp, dweight, dbias, *rest)
+    model._matmul_backward = spy   # the base's linear layers and head
+    model.forward_backward(*batch())
+    assert len(calls) == 4 * model.config.L + 1
+    assert all(dinp and dweight is None and dbias is None for dinp, dweight, dbias in calls)
+
+
 def test_zero_grad_grad_norm_and_clipping_act_on_the_adapters(llama):
     model = with_lora(llama[2])
     grads = model.lora.grads.memory
