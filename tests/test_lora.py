@@ -202,6 +202,21 @@ def test_save_lora_loads_in_peft_with_our_logits(saved, tmp_path):
                                  do_sample=False, min_new_tokens=8)[0, len(prompt):].tolist()
 
 
+def test_save_lora_then_load_lora_gives_the_same_adapters(llama, tmp_path):
+    model = with_lora(llama[2], 2, 3, ["v_proj", "gate_proj"], rslora=True, dropout=0.05)
+    model.save_lora(tmp_path)
+    raw = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert {k: raw[k] for k in ("r", "lora_alpha", "lora_dropout", "use_rslora",
+                                "target_modules", "task_type")} == dict(
+        r=2, lora_alpha=3, lora_dropout=0.05, use_rslora=True,
+        target_modules=["v_proj", "gate_proj"], task_type="CAUSAL_LM")
+    again = load_model(llama[2])
+    again.load_lora(tmp_path)
+    lora = again.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.scale) == (2, 3, 0.05, 3 / 2 ** 0.5)
+    assert np.array_equal(lora.params.memory, model.lora.params.memory)
+
+
 def test_peft_adapters_load_with_peft_logits(saved, tmp_path):
     name, hf, folder = saved
     config = peft.LoraConfig(r=3, lora_alpha=5, target_modules=ALL_TARGETS[name],
