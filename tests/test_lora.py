@@ -162,6 +162,24 @@ def test_logits_gradients_and_adamw_match_peft_and_the_base_never_changes(saved)
     assert model._grads is None   # the base never had gradients
 
 
+def test_initialisation_is_peft_s(llama):
+    """A: torch's kaiming_uniform_(a=sqrt(5)) bounds, drawn from the seed; B: zero."""
+    model = load_model(llama[2])
+    model.add_lora(8, 16, seed=3)
+    for t in model.lora.targets:
+        A = model.lora.params[t.name + ".A"]
+        gain = torch.nn.init.calculate_gain("leaky_relu", 5 ** 0.5)
+        bound = 3 ** 0.5 * gain / t.in_features ** 0.5
+        assert 0.9 * bound < np.abs(A).max() <= bound, t.name
+        assert not model.lora.params[t.name + ".B"].any()
+    again = load_model(llama[2])
+    again.add_lora(8, 16, seed=3)
+    assert np.array_equal(again.lora.params.memory, model.lora.params.memory)
+    other = load_model(llama[2])
+    other.add_lora(8, 16, seed=4)
+    assert not np.array_equal(other.lora.params.memory, model.lora.params.memory)
+
+
 def test_the_frozen_base_gets_no_weight_gradient_products(saved):
     model = with_lora(saved[2])
     calls, matmul_backward = [], model._matmul_backward

@@ -117,6 +117,9 @@ class Lora:
     ``alpha``, ``scale``, ``dropout`` (a probability), ``rslora``."""
 
     def __init__(self, config, rank, alpha, names, dropout, rslora):
+        """Zeroed adapters of ``rank`` on the targets ``names`` (select();
+        None: every one) of a model of ``config``; ValueError names a bad
+        argument before anything is made."""
         self.config = config
         self.targets = targets(config) if names is None else select(config, names)
         self.rank = _checked_rank(rank, self.targets)
