@@ -205,6 +205,8 @@ def test_zero_grad_grad_norm_and_clipping_act_on_the_adapters(llama):
     np.testing.assert_allclose(grads, before / 4, rtol=1e-6)
     model.zero_grad()
     assert not grads.any() and model._grads is None
+    with pytest.raises(RuntimeError, match="model.grads: the base is frozen"):
+        model.grads   # noqa: B018
 
 
 def test_save_lora_loads_in_peft_with_our_logits(saved, tmp_path):

@@ -232,7 +232,12 @@ class Transformer:
 
     @property
     def grads(self):
-        """Parameter gradients, same layout as params; zero until a backward."""
+        """Parameter gradients, same layout as params; zero until a backward.
+        A frozen base (after add_lora) has none: ``trained`` gives the
+        adapters' gradients."""
+        if self.lora is not None:
+            raise RuntimeError("model.grads: the base is frozen (LoRA) and has no gradients; "
+                               "model.trained or model.lora.grads are the adapters'")
         if self._grads is None:
             self._grads = TensorGroup(self.param_specs, self.config)
         return self._grads
