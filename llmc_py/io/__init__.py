@@ -1,5 +1,6 @@
 """Files: llm.c's model, debug-state and token files, our Llama-family model
-file and training state, Hugging Face folders (hf, needs safetensors), the
+file and training state, Hugging Face folders and PEFT's LoRA folders (hf,
+peft; need safetensors), the
 loader that tells them apart (load), and the helpers they share (atomic
 writes, headers, bf16 numbers, fetching into the cache)."""
 from .debug_state import read_debug_state, write_debug_state

@@ -1,6 +1,6 @@
 """The model: one transformer (transformer.py) of blocks (blocks.py) over
 named tensors carved from flat buffers (layout.py), its presets GPT-2 and
-Llama (presets.py), its memory plan (planning.py) and the memory check
+Llama (presets.py), LoRA adapters on a frozen base (lora.py), its memory plan (planning.py) and the memory check
 every allocation passes (memory.py), the AdamW step (adamw.py), and
 decoding with a KV cache (kv_cache.py, sampling.py)."""
 from .dropout import Dropout
