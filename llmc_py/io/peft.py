@@ -22,13 +22,16 @@ from .hf import _as_float32, _safetensors, architecture
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # options that change the adapted model, each with the value that leaves it
-# as model.lora computes it (peft's default); other values are refused
-NEUTRAL = {"use_dora": False, "bias": "none", "modules_to_save": None, "lora_bias": False,
+# as model.lora computes it (peft's default); other values are refused. The
+# first ones are written too (older peft versions know them all)
+WRITTEN = {"use_dora": False, "bias": "none", "modules_to_save": None,
            "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-           "alpha_pattern": {}, "layer_replication": None, "trainable_token_indices": None,
-           "target_parameters": None, "exclude_modules": None, "use_qalora": False,
-           "alora_invocation_tokens": None, "use_bdlora": None, "arrow_config": None,
-           "kasa_config": None, "monteclora_config": None, "velora_config": None}
+           "alpha_pattern": {}}
+NEUTRAL = {**WRITTEN, "lora_bias": False, "layer_replication": None,
+           "trainable_token_indices": None, "target_parameters": None, "exclude_modules": None,
+           "use_qalora": False, "alora_invocation_tokens": None, "use_bdlora": None,
+           "arrow_config": None, "kasa_config": None, "monteclora_config": None,
+           "velora_config": None}
 TASK_TYPES = ("CAUSAL_LM", None)   # None: a PeftModel without a task's head
 
 
@@ -63,7 +66,7 @@ def write_peft(folder, lora):
            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
            "use_rslora": lora.rslora, "target_modules": [t.name for t in lora.targets],
            "fan_in_fan_out": arch == "GPT2LMHeadModel", "init_lora_weights": True,
-           "inference_mode": True, **NEUTRAL}
+           "inference_mode": True, **WRITTEN}
     tensors = {name: view.copy() for name, view in _tensors(lora).items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
