@@ -17,7 +17,7 @@ setup(
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy>=1.22", "tiktoken>=0.5"],
     extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6",
-                             "transformers>=4.51", *HF, *MPI],
+                             "transformers>=4.51", "peft>=0.13", *HF, *MPI],
                     "plot": ["matplotlib"],
                     "hf": HF,
                     "mpi": MPI},

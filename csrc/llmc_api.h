@@ -132,8 +132,8 @@ int layernorm_forward(float* out, float* mean, float* rstd,
  * layernorm_backward: gradients of layernorm_forward.
  *
  *   dinp    [B, T, C]  (+=)
- *   dweight [C]        (+=)
- *   dbias   [C]        (+=)
+ *   dweight [C]        (+=) or NULL (a frozen weight)
+ *   dbias   [C]        (+=) or NULL (a frozen bias)
  *   dout    [B, T, C]
  *   inp     [B, T, C]  forward input
  *   weight  [C]
@@ -162,7 +162,7 @@ int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weig
  * rmsnorm_backward: gradients of rmsnorm_forward.
  *
  *   dinp    [B, T, C]  (+=)
- *   dweight [C]        (+=)
+ *   dweight [C]        (+=) or NULL (a frozen weight)
  *   dout    [B, T, C]
  *   inp     [B, T, C]  forward input
  *   weight  [C]
@@ -193,8 +193,8 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
  * head_rmsnorm_backward: gradients of head_rmsnorm_forward.
  *
  *   dinp     [B, T, (NH + 2 NKV) hs]  (+=; the v heads' is dout's)
- *   dqweight [hs]                     (+=)
- *   dkweight [hs]                     (+=)
+ *   dqweight [hs]                     (+=) or NULL (frozen: then dkweight too)
+ *   dkweight [hs]                     (+=) or NULL
  *   dout     [B, T, (NH + 2 NKV) hs]
  *   inp      [B, T, (NH + 2 NKV) hs]  forward input
  *   qweight, kweight [hs]

@@ -84,7 +84,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
                        int B, int T, int C) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dbias) && LLMC_NONNULL3(dout, inp, weight)
+    LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL2(inp, weight)
                  && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
@@ -99,7 +99,7 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
             mean[bt], rstd[bt], C);
     }
 
-    // pass 2, the parameter gradients: sums over rows
+    // pass 2, the parameter gradients (those asked for): sums over rows
     return llmc_column_sums(dweight, dbias, dout, inp, mean, rstd, BT, C);
 }
 
@@ -166,8 +166,7 @@ LLMC_ISA_VARIANTS(rmsnorm_backward_row, (float* dx, const float* dy, const float
 int rmsnorm_backward(float* dinp, float* dweight,
                      const float* dout, const float* inp, const float* weight,
                      const float* rstd, int B, int T, int C) {
-    LLMC_REQUIRE(LLMC_NONNULL3(dinp, dweight, dout) && LLMC_NONNULL3(inp, weight, rstd),
-                 LLMC_ERR_NULL);
+    LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL3(inp, weight, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
@@ -181,7 +180,7 @@ int rmsnorm_backward(float* dinp, float* dweight,
             rstd[bt], C);
     }
 
-    // pass 2, dweight: sums over rows
+    // pass 2, dweight (unless frozen): sums over rows
     return llmc_column_sums(dweight, NULL, dout, inp, NULL, rstd, BT, C);
 }
 
@@ -252,7 +251,7 @@ int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const f
                           const float* rstd, int B, int T, int NH, int NKV, int hs) {
     const int status = head_rmsnorm_check(dinp, rstd, inp, qweight, kweight, B, T, NH, NKV, hs);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    LLMC_REQUIRE(LLMC_NONNULL3(dqweight, dkweight, dout), LLMC_ERR_NULL);
+    LLMC_REQUIRE(dout != NULL && (dqweight == NULL) == (dkweight == NULL), LLMC_ERR_NULL);
     const int nnorm = NH + NKV;
     const size_t row = (size_t)(NH + 2 * NKV) * hs;
     const int64_t BT = (int64_t)B * T;
@@ -273,7 +272,8 @@ int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const f
         }
     }
 
-    // pass 2, the weights' gradients: the q heads' rows, then the k heads'
+    // pass 2, the weights' gradients (unless frozen): the q heads' rows, then the k heads'
+    if (dqweight == NULL) { return LLMC_OK; }
     head_weight_grads(dqweight, dout, inp, rstd, BT, nnorm, row, 0, NH, hs);
     head_weight_grads(dkweight, dout, inp, rstd, BT, nnorm, row, NH, NKV, hs);
     return LLMC_OK;

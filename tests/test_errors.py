@@ -82,9 +82,9 @@ ROWS = {
     "encoder_backward": Row(optional=frozenset({"dwpe"})),
     "sinusoidal_forward": Row(optional=frozenset({"pos"})),
     "layernorm_forward": Row(bad=_NEGATIVE_EPS),
-    "layernorm_backward": Row(),
+    "layernorm_backward": Row(optional=frozenset({"dweight", "dbias"})),   # frozen norms
     "rmsnorm_forward": Row(bad=_NEGATIVE_EPS),
-    "rmsnorm_backward": Row(),
+    "rmsnorm_backward": Row(optional=frozenset({"dweight"})),
     "head_rmsnorm_forward": Row(bad=(({"eps": -1.0}, "LLMC_ERR_VALUE"),
                                      ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
                                      ({"eps": -1.0, "hs": 0}, "LLMC_ERR_SHAPE"))),

@@ -297,3 +297,24 @@ def test_head_rmsnorm_rejects_wrong_shape(rng, bad):
     with pytest.raises(llmc_py.InvalidValueError, match="outside its domain"):
         K.head_rmsnorm_forward(np.empty_like(x), np.empty((2, 3, 6), np.float32), x, qw, kw,
                                4, 2, eps=np.nan)
+
+
+def test_frozen_norms_skip_their_weight_gradients_and_keep_dinp(rng):
+    """dweight (and dbias) None: the same dinp to the bit, no sums (LoRA's frozen base)."""
+    x, w, b, dout = make_inputs(rng, 2, 37, 67)
+    _, mean, rstd = forward(x, w, b)
+    dinp = np.zeros_like(x)
+    K.layernorm_backward(dinp, None, None, dout, x, w, mean, rstd)
+    assert np.array_equal(dinp, backward(dout, x, w, mean, rstd)[0])
+    _, rstd = rms_forward(x, w)
+    dinp = np.zeros_like(x)
+    K.rmsnorm_backward(dinp, None, dout, x, w, rstd)
+    assert np.array_equal(dinp, rms_backward(dout, x, w, rstd)[0])
+    NH, NKV, hs = 4, 2, 16
+    x, qw, kw, dout = head_inputs(rng, 2, 5, NH, NKV, hs)
+    _, rstd = head_forward(x, qw, kw, NH, NKV)
+    dinp = np.zeros_like(x)
+    K.head_rmsnorm_backward(dinp, None, None, dout, x, qw, kw, rstd, NH, NKV)
+    assert np.array_equal(dinp, head_backward(dout, x, qw, kw, rstd, NH, NKV)[0])
+    with pytest.raises(llmc_py.NullPointerError):   # one of the two alone
+        K.head_rmsnorm_backward(dinp, qw.copy(), None, dout, x, qw, kw, rstd, NH, NKV)

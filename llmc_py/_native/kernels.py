@@ -53,9 +53,10 @@ layernorm_forward = _kernel(
 
 layernorm_backward = _kernel(
     "layernorm_backward",
-    "dinp[B,T,C] +=, dweight[C] +=, dbias[C] +=, dout[B,T,C], inp[B,T,C], weight[C], mean[B,T],"
-    " rstd[B,T] | B T C from inp",
-    """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd.""")
+    "dinp[B,T,C] +=, dweight[C] += or None, dbias[C] += or None, dout[B,T,C], inp[B,T,C],"
+    " weight[C], mean[B,T], rstd[B,T] | B T C from inp",
+    """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd.
+    dweight and dbias may be None (frozen): that sum is skipped.""")
 
 rmsnorm_forward = _kernel(
     "rmsnorm_forward",
@@ -65,9 +66,10 @@ rmsnorm_forward = _kernel(
 
 rmsnorm_backward = _kernel(
     "rmsnorm_backward",
-    "dinp[B,T,C] +=, dweight[C] +=, dout[B,T,C], inp[B,T,C], weight[C], rstd[B,T]"
+    "dinp[B,T,C] +=, dweight[C] += or None, dout[B,T,C], inp[B,T,C], weight[C], rstd[B,T]"
     " | B T C from inp",
-    """dinp[B,T,C] (+=), dweight[C] (+=) <- dout[B,T,C], inp, weight[C], rstd[B,T].""")
+    """dinp[B,T,C] (+=), dweight[C] (+=; None: frozen, skipped) <- dout[B,T,C], inp,
+    weight[C], rstd[B,T].""")
 
 head_rmsnorm_forward = _kernel(
     "head_rmsnorm_forward",
@@ -79,10 +81,12 @@ head_rmsnorm_forward = _kernel(
 
 head_rmsnorm_backward = _kernel(
     "head_rmsnorm_backward",
-    f"dinp[B,T,{_QKV}] +=, dqweight[hs] +=, dkweight[hs] +=, dout[B,T,{_QKV}], inp[B,T,{_QKV}],"
-    " qweight[hs], kweight[hs], rstd[B,T,NH+NKV] | B T NH NKV hs from heads(inp, NH, NKV)",
+    f"dinp[B,T,{_QKV}] +=, dqweight[hs] += or None, dkweight[hs] += or None, dout[B,T,{_QKV}],"
+    f" inp[B,T,{_QKV}], qweight[hs], kweight[hs], rstd[B,T,NH+NKV]"
+    " | B T NH NKV hs from heads(inp, NH, NKV)",
     """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
-    the weights, rstd[B,T,NH+NKV] (the forward's).""")
+    the weights, rstd[B,T,NH+NKV] (the forward's). dqweight and dkweight may
+    both be None (frozen): their sums are skipped.""")
 
 # ---- matmul.c, matmul_bf16.c, bf16.c: "naive" runs the plain reference loops ------
 

@@ -1,7 +1,8 @@
 """Files: llm.c's model, debug-state and token files, our Llama-family model
-file and training state, Hugging Face folders (hf, needs safetensors), the
-loader that tells them apart (load), and the helpers they share (atomic
-writes, headers, bf16 numbers, fetching into the cache)."""
+file and training state, Hugging Face folders and PEFT's LoRA folders (hf,
+peft; they need safetensors), the loader that tells them apart (load), and
+the helpers they share (atomic writes, headers, bf16 numbers, fetching into
+the cache)."""
 from .debug_state import read_debug_state, write_debug_state
 from .files import HEADER_BYTES, HEADER_INTS, atomic_write, read_header
 from .load import model_kind, read_config, read_model_file, write_model_file

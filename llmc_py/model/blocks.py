@@ -132,10 +132,13 @@ class Block:
 
     # ---- forward pieces ----------------------------------------------------
 
-    def linear(self, out, inp, name, l):
-        """out = inp W^T + b with layer l's weight ``name``w and bias ``name``b."""
+    def linear(self, out, inp, name, l, dropout):
+        """out = inp W^T + b with layer l's weight ``name``w and bias
+        ``name``b, plus its LoRA adapters' output (model.lora), if any."""
         m = self.model
         m._matmul_forward(out, inp, m._weights[name + "w"][l], optional(m.params, name + "b", l))
+        if m.lora is not None:
+            m.lora.forward(out, inp, name, l, dropout)
 
     def norm(self, a, name, l, inp):
         """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot
@@ -154,38 +157,41 @@ class Block:
 
     def attention(self, a, l, inp, attend, dropout):
         """a.proj = layer l's attention on ``inp``, projected, after its dropout."""
-        self.linear(a.qkv[l], inp, "qkv", l)
+        self.linear(a.qkv[l], inp, "qkv", l, dropout)
         attend(l)
-        self.linear(a.proj, a.atty[l], "attproj", l)
+        self.linear(a.proj, a.atty[l], "attproj", l, dropout)
         drop(a.proj, dropout.site("attention_output", l))
 
     def mlp(self, a, l, inp, dropout):
         """a.proj = layer l's MLP on ``inp``, after its dropout."""
-        self.linear(a.fch[l], inp, "fc", l)
-        self.linear(a.proj, self.mlp_act(a, l), "fcproj", l)
+        self.linear(a.fch[l], inp, "fc", l, dropout)
+        self.linear(a.proj, self.mlp_act(a, l), "fcproj", l, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
 
     # ---- backward pieces ---------------------------------------------------
 
-    def linear_backward(self, dinp, dout, inp, name, l):
-        """Adds into d(inp) and layer l's weight and bias gradients from ``dout``."""
+    def linear_backward(self, dinp, dout, inp, name, l, dropout):
+        """Adds into d(inp) and layer l's weight and bias gradients (none for
+        a frozen base: those products are skipped) and its adapters' from
+        ``dout``."""
         m = self.model
-        g = m.grads
-        m._matmul_backward(dinp, g[name + "w"][l], optional(g, name + "b", l), dout, inp,
-                           m._weights[name + "w"][l])
+        m._matmul_backward(dinp, m.base_grad(name + "w", l), m.base_grad(name + "b", l), dout,
+                           inp, m._weights[name + "w"][l])
+        if m.lora is not None:
+            m.lora.backward(dinp, dout, inp, name, l, dropout)
 
     def norm_backward(self, a, dinp, dout, inp, name, l):
-        p, g = self.model.params, self.model.grads
-        apply_norm_backward(self.config, dinp, g[name + "w"][l], optional(g, name + "b", l),
-                            dout, inp, p[name + "w"][l], optional(a, name + "_mean", l),
-                            a[name + "_rstd"][l])
+        m = self.model
+        apply_norm_backward(self.config, dinp, m.base_grad(name + "w", l),
+                            m.base_grad(name + "b", l), dout, inp, m.params[name + "w"][l],
+                            optional(a, name + "_mean", l), a[name + "_rstd"][l])
 
     def mlp_backward(self, a, d, l, dout, fch_act, dropout):
         """d.fch = d(layer l's fch) from ``dout`` = d(the MLP's output after
         its dropout); adds into fcproj's gradients."""
         dout = undrop(dout, d.mlp_output, dropout.site("mlp_output", l))
         d.fch_act[...] = 0.0
-        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l)
+        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l, dropout)
         d.fch[...] = 0.0
         self.act_backward(d.fch, d.fch_act, a.fch[l])
         return d.fch
@@ -196,10 +202,10 @@ class Block:
         attention (with its dropout), RoPE and qk_norm (model.position_qkv's
         steps, undone in reverse); adds into their gradients."""
         c, m = self.config, self.model
-        p, g = m.params, m.grads
+        p = m.params
         dout = undrop(dout, d.attention_output, dropout.site("attention_output", l))
         d.atty[...] = 0.0
-        self.linear_backward(d.atty, dout, a.atty[l], "attproj", l)
+        self.linear_backward(d.atty, dout, a.atty[l], "attproj", l, dropout)
         site = dropout.site("attention", l)
         rope, qk_norm = c.position == "rope", c.qk_norm
         if not (rope or qk_norm):
@@ -219,8 +225,9 @@ class Block:
             dnormed = d.qkvn
         if qk_norm:
             d.qkv[...] = 0.0
-            K.head_rmsnorm_backward(d.qkv, g.qnormw[l], g.knormw[l], dnormed, a.qkv[l],
-                                    p.qnormw[l], p.knormw[l], a.qk_rstd[l], c.NH, c.NKV)
+            K.head_rmsnorm_backward(d.qkv, m.base_grad("qnormw", l), m.base_grad("knormw", l),
+                                    dnormed, a.qkv[l], p.qnormw[l], p.knormw[l], a.qk_rstd[l],
+                                    c.NH, c.NKV)
         return d.qkv
 
 
@@ -230,15 +237,15 @@ class PreNorm(Block):
 
     def forward(self, a, l, x, attend, dropout):
         ln1 = self.norm(a, "ln1", l, x)
-        self.linear(a.qkv[l], ln1, "qkv", l)
+        self.linear(a.qkv[l], ln1, "qkv", l, dropout)
         attend(l)
-        self.linear(a.proj, a.atty[l], "attproj", l)
+        self.linear(a.proj, a.atty[l], "attproj", l, dropout)
         drop(a.proj, dropout.site("attention_output", l))
         K.residual_forward(a.residual2[l], x, a.proj)
         ln2 = self.norm(a, "ln2", l, a.residual2[l])
-        self.linear(a.fch[l], ln2, "fc", l)
+        self.linear(a.fch[l], ln2, "fc", l, dropout)
         fch_act = self.mlp_act(a, l)
-        self.linear(a.proj, fch_act, "fcproj", l)
+        self.linear(a.proj, fch_act, "fcproj", l, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
         K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
@@ -249,12 +256,12 @@ class PreNorm(Block):
         fch_act = self.saved.mlp_act(a, l)
         d.ln[...] = 0.0
         dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln2, "fc", l)
+        self.linear_backward(d.ln, dfch, ln2, "fc", l, dropout)
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln2", l)
         # now d(residual2[l])
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
         d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
-        self.linear_backward(d.ln, dqkv, ln1, "qkv", l)
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
 
 
@@ -275,9 +282,9 @@ class Parallel(Block):
         # d.residual = d(residual3[l]) = d(residual2[l]): both branches' output's
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
         d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
-        self.linear_backward(d.ln, dqkv, ln1, "qkv", l)
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
         dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln1, "fc", l)
+        self.linear_backward(d.ln, dfch, ln1, "fc", l, dropout)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
 
 
@@ -303,13 +310,13 @@ class PostNorm(Block):
         self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l)
         # now d(residual3[l]); the MLP's input gradient adds into it
         dfch = self.mlp_backward(a, d, l, d.ln, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln1, "fc", l)
+        self.linear_backward(d.ln, dfch, ln1, "fc", l, dropout)
         # now d(ln1[l])
         d.residual[...] = 0.0
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l)
         # now d(residual2[l]); attention's input gradient adds into it
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
-        self.linear_backward(d.residual, dqkv, x, "qkv", l)
+        self.linear_backward(d.residual, dqkv, x, "qkv", l, dropout)
 
 
 BLOCKS = {"pre": PreNorm, "parallel": Parallel, "post": PostNorm}

@@ -31,7 +31,8 @@ SITE_RATES = {"embedding": "embedding", "attention": "attention",
               "attention_output": "residual", "mlp_output": "residual"}
 # each site's place in its seed (new sites go at the end: the masks of the
 # others then stay)
-SITE_CODES = {"embedding": 0, "attention": 1, "attention_output": 2, "mlp_output": 3}
+SITE_CODES = {"embedding": 0, "attention": 1, "attention_output": 2, "mlp_output": 3,
+              "adapter_input": 4}
 _MASK64 = 2**64 - 1
 
 
@@ -85,8 +86,17 @@ class Dropout:
         p = getattr(self, SITE_RATES[name])
         if not p:
             return 0.0, 0
-        seed = _seed_of(self.seed, SITE_CODES[name], layer)
-        return p, (seed + self.row0 * K.DROPOUT_ROW_STEP) & _MASK64
+        return p, self._masks(SITE_CODES[name], layer)
+
+    def adapter_site(self, p, layer, adapter):
+        """(p, seed) of LoRA dropout ``p`` (model.lora) on the input of
+        adapter number ``adapter`` of ``layer``."""
+        return p, self._masks(SITE_CODES["adapter_input"], layer, adapter)
+
+    def _masks(self, *where):
+        """The seed of a site's masks: this pass's, placed at row0."""
+        seed = _seed_of(self.seed, *where)
+        return (seed + self.row0 * K.DROPOUT_ROW_STEP) & _MASK64
 
 
 NO_DROPOUT = Dropout()

@@ -24,7 +24,7 @@ def head_rows(B, T, keep_logits):
 
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None):
+                recompute=False, moment_params=None, adapter_params=0):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -33,17 +33,23 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     (default: not when training) counts all (B, T, Vp) logits, else a block
     of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
     "scratch" is the kernels' temporary memory, estimated for this process's
-    thread count and instruction set (see scratch_bytes)."""
+    thread count and instruction set (see scratch_bytes). ``adapter_params``
+    > 0: LoRA adapters of that many parameters (model.lora.adapter_parameters)
+    on a frozen base, whose gradients and moments are then the adapters'
+    alone."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
     c, f32 = config, 4
     n = num_parameters(c)
-    moments = n if moment_params is None else moment_params
+    trained = adapter_params or n
+    moments = trained if moment_params is None else moment_params
     keep = not training if keep_logits is None else keep_logits
     rows = head_rows(B, T, keep)
+    adapters = {"LoRA adapters": f32 * adapter_params} if adapter_params else {}
     return {"parameters": f32 * n,
             "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
-            "parameter gradients": f32 * n if training else 0,
+            **adapters,
+            "parameter gradients": f32 * trained if training else 0,
             "AdamW moments": 2 * f32 * moments if training else 0,
             "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
             "logits": f32 * rows * c.Vp,
@@ -72,11 +78,14 @@ def require_missing(model, B, T, training, keep_logits):
     """Raises OutOfMemoryError, naming each part, if the parts of
     model.memory_plan(B, T) it has not allocated yet do not fit, all at once."""
     plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits)
-    have = {"parameters": True, "parameters (bf16 copy)": True,
-            "parameter gradients": model._grads is not None,
+    lora = model.lora
+    have = {"parameters": True, "parameters (bf16 copy)": True, "LoRA adapters": True,
+            # the adapters' are made with them
+            "parameter gradients": model._grads is not None or lora is not None,
             # made by moments(); a shard of them, by its optimizer (ZeRO-1)
             "AdamW moments": (model.m_memory is not None
-                              or model.moment_params < model.num_parameters),
+                              or model.moment_params < model.num_parameters
+                              or (lora is not None and lora.m is not None)),
             "activations": _fits(model.acts, plan["activations"]),
             "logits": (model._logits_buffer is not None
                        and model._logits_buffer.nbytes >= plan["logits"]),

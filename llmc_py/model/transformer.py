@@ -41,6 +41,12 @@ float32 output gradient rounded to bf16) and sums in float32. Norm
 statistics, attention, softmax, the loss and the gradient norm stay float32.
 update() rewrites the bf16 copy as it updates the parameters.
 
+LoRA (model.lora): add_lora or load_lora freeze the parameters and add
+adapters to the linear layers; the gradients, AdamW's moments and the
+update are then the adapters' alone (``trained``), and backward skips the
+frozen tensors' gradient products (base_grad is None), computing only the
+input gradients the adapters below need.
+
 Parameters, their gradients, the activations and the activation gradients
 each live in one contiguous float32 buffer; ``params``, ``grads``, ``acts``
 and ``grads_acts`` are TensorGroups of named views into them
@@ -77,6 +83,7 @@ from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, param_specs)
+from .lora import Lora
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
                        reusable)
 
@@ -143,6 +150,7 @@ class Transformer:
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
         self.moment_params = self.num_parameters   # parameters whose moments we keep
+        self.lora = None   # the LoRA adapters (model.lora) of a frozen base: add_lora, load_lora
         self.mean_loss = None
         self._drop_activations()   # made by the first forward, for its (B, T)
 
@@ -210,6 +218,7 @@ class Transformer:
         (version 3, fp32 parameters; ``dtype="bf16"``: version 5, each
         parameter rounded to the nearest bf16, as llm.c's train_gpt2.py
         writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
+        self._refuse_adapters("save_checkpoint")
         write_model_file(path, self.config, self.params.memory, dtype=dtype)
 
     def save_pretrained(self, folder, dtype="fp32", token_ids=None):
@@ -218,14 +227,38 @@ class Transformer:
         GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config.
         ``token_ids`` adds config.json's bos/eos/pad ids (io.hf.token_ids)."""
         from ..io.hf import write_hf   # needs the optional safetensors package
+        self._refuse_adapters("save_pretrained")
         write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
 
     @property
     def grads(self):
-        """Parameter gradients, same layout as params; zero until a backward."""
+        """Parameter gradients, same layout as params; zero until a backward.
+        A frozen base (after add_lora) has none: ``trained`` gives the
+        adapters' gradients."""
+        if self.lora is not None:
+            raise RuntimeError("model.grads: the base is frozen (LoRA) and has no gradients; "
+                               "model.trained or model.lora.grads are the adapters'")
         if self._grads is None:
             self._grads = TensorGroup(self.param_specs, self.config)
         return self._grads
+
+    @property
+    def trained(self):
+        """(parameters, gradients) that training changes, as TensorGroups:
+        the model's (params, grads), or after add_lora or load_lora the
+        adapters' (lora.params, lora.grads)."""
+        if self.lora is not None:
+            return self.lora.params, self.lora.grads
+        return self.params, self.grads
+
+    def base_grad(self, name, l=None):
+        """The gradient of parameter ``name`` (of layer l), where backward
+        adds it; None where it has none: a frozen base (LoRA), whose
+        weight-gradient products backward skips, or a tensor the config
+        lacks."""
+        if self.lora is not None or name not in self.params:
+            return None
+        return self.grads[name] if l is None else self.grads[name][l]
 
     @property
     def logits(self):
@@ -312,10 +345,11 @@ class Transformer:
         ``keep_logits`` (default: not when training) counts all (B, T, Vp)
         logits, else a block of HEAD_ROWS rows of them. "scratch" is the
         kernels' temporary memory, estimated. This model's memory_plan():
-        its precision, recompute and share of the moments."""
+        its precision, recompute, share of the moments and LoRA adapters."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
                            precision=self.precision, recompute=self.recompute,
-                           moment_params=self.moment_params)
+                           moment_params=self.moment_params if self.lora is None else None,
+                           adapter_params=0 if self.lora is None else self.lora.params.size)
 
     @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
@@ -331,7 +365,7 @@ class Transformer:
             self.moment_params = moment_params
         self._plan(B, T, training=training, keep_logits=keep)
         if training:
-            self.grads   # noqa: B018  (made on first use)
+            self.trained   # noqa: B018  (the gradients, made on first use)
             if self.moment_params == self.num_parameters:
                 self.moments()
 
@@ -467,14 +501,16 @@ class Transformer:
             K.softmax_crossentropy_backward(logits, logits, stats,
                                             d.losses.reshape(1, -1)[:, rows], row_targets, c.V)
             self._matmul_backward(self._grads_as(d.narrow, c.C).reshape(1, -1, c.C)[:, rows],
-                                  self._head(self.grads),
-                                  None, logits, lnf, head)
+                                  self._head_grad(), None, logits, lnf, head)
 
     # the block and the head on activations ``a`` laid out by act_specs: the
     # forward above runs them on (B, T), KV-cache decoding on one position
 
     def _head(self, group):
         return group.wte if self.config.tied_embeddings else group.lm_head
+
+    def _head_grad(self):
+        return self.base_grad("wte" if self.config.tied_embeddings else "lm_head")
 
     def _grads_as(self, buffer, width):
         """The first B * T * width floats of a gradient buffer, as (B, T, width)."""
@@ -508,8 +544,9 @@ class Transformer:
 
     @held
     def zero_grad(self):
-        """Zeroes the parameter gradients (backward adds into them)."""
-        self.grads.zero()
+        """Zeroes the gradients of what is trained (backward adds into them):
+        the parameters', or the adapters' (trained)."""
+        self.trained[1].zero()
 
     def _start_backward(self, loss_scale):
         """Backward's activation gradients, with d(scaled mean loss)/d(loss[b, t])
@@ -537,9 +574,8 @@ class Transformer:
                                         c.V)
         self._logits_state = "backward replaced them by their gradient"
         d.narrow[...] = 0.0
-        self._matmul_backward(self._grads_as(d.narrow, c.C), self._head(self.grads), None,
-                              logits, a.lnf,
-                              self._head(self._weights))
+        self._matmul_backward(self._grads_as(d.narrow, c.C), self._head_grad(), None, logits,
+                              a.lnf, self._head(self._weights))
         self._blocks_backward(d, self._dropout)
 
     @held
@@ -573,16 +609,19 @@ class Transformer:
         and the embedding, with the forward's ``dropout``. d.residual carries
         the residual stream's gradient from layer to layer; the others hold
         one layer's (grad_act_specs)."""
-        c, p, a, g = self.config, self.params, self.acts, self.grads
+        c, p, a = self.config, self.params, self.acts
         layer = LayerGrads(c, d, self.B, self.T)
         d.residual[...] = 0.0
-        apply_norm_backward(c, d.residual, g.lnfw, optional(g, "lnfb"), layer.ln,
-                            self.layer_output(a, c.L - 1), p.lnfw, optional(a, "lnf_mean"),
-                            a.lnf_rstd)
+        apply_norm_backward(c, d.residual, self.base_grad("lnfw"), self.base_grad("lnfb"),
+                            layer.ln, self.layer_output(a, c.L - 1), p.lnfw,
+                            optional(a, "lnf_mean"), a.lnf_rstd)
         for l in reversed(range(c.L)):
             # d.residual is d(layer l's output); after, d(its input)
             x = a.encoded if l == 0 else self.layer_output(a, l - 1)
             self._block.backward(a, layer, l, x, dropout)
+        if self.lora is not None:
+            return   # a frozen embedding: nothing below needs the input gradient
+        g = self.grads
         p_embedding, seed = dropout.site("embedding")
         if p_embedding:   # now d(encoded before its dropout), in place
             K.dropout_backward(d.residual, d.residual, p_embedding, seed)
@@ -603,26 +642,99 @@ class Transformer:
                                  repetition_penalty=repetition_penalty, seed=seed,
                                  stop_token=stop_token)
 
+    # ---- LoRA --------------------------------------------------------------
+
+    @held
+    def add_lora(self, rank, alpha, targets=None, dropout=0.0, seed=0, rslora=False):
+        """Freezes the base and adds LoRA adapters (model.lora) of ``rank``
+        on the Hugging Face modules ``targets`` (default: every one the model
+        has: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+        GPT-2's c_attn, attn.c_proj, c_fc, mlp.c_proj), scaled by alpha / rank
+        (alpha / sqrt(rank) with ``rslora``), initialised as peft does from
+        ``seed`` (A Kaiming-uniform, B zero). ``dropout`` drops each
+        adapter's input in the passes given a Dropout. From then on
+        zero_grad, backward, update, grad_norm and clip_grad_norm act on the
+        adapters alone."""
+        self._refuse_adapters("add_lora")
+        lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
+        lora.initialize(seed)
+        self._freeze(lora)
+
+    def _freeze(self, lora):
+        """Trains ``lora`` from now on; the base's gradients and moments go."""
+        self.lora = lora
+        self._grads = None
+        self.m_memory = self.v_memory = None
+
+    @held
+    def merge_lora(self):
+        """Folds the adapters into the base, W += scale * B A (float32, as
+        peft's merge_and_unload), and removes them: the model is a plain one
+        again, which save_pretrained and save_checkpoint write."""
+        lora = self._adapters("merge_lora")
+        for t in lora.targets:
+            weight = self.params[t.linear + "w"]
+            for l in range(self.config.L):
+                weight[l, t.rows] += lora.delta(t, l)
+        self.lora = None
+        if self.params_bf16 is not None:
+            self.refresh_bf16()
+
+    def save_lora(self, folder):
+        """Writes the adapters as a PEFT folder (io.peft: adapter_config.json,
+        adapter_model.safetensors), which peft.PeftModel.from_pretrained
+        loads onto the Hugging Face model of this base."""
+        from ..io.peft import write_peft   # needs the optional safetensors package
+        write_peft(folder, self._adapters("save_lora"))
+
+    @held
+    def load_lora(self, folder):
+        """Freezes the base and adds the adapters of a PEFT folder (io.peft),
+        as add_lora does; options we do not support are refused by name."""
+        from ..io.peft import read_peft
+        self._refuse_adapters("load_lora")
+        self._freeze(read_peft(folder, self.config))
+
+    def _adapters(self, what):
+        if self.lora is None:
+            raise RuntimeError(f"{what}: this model has no LoRA adapters; add_lora or "
+                               f"load_lora first")
+        return self.lora
+
+    def _refuse_adapters(self, what):
+        if self.lora is not None:
+            names = ", ".join(t.name for t in self.lora.targets)
+            raise RuntimeError(f"{what}: this model has LoRA adapters already (rank "
+                               f"{self.lora.rank} on {names}); merge_lora() folds them into "
+                               f"the base, save_lora() writes them")
+
     # ---- update ------------------------------------------------------------
 
     def moments(self):
-        """AdamW's moments (m, v), flat float32, one value per parameter: made
-        (zero) on first use, by this, update() or reserve(training=True)."""
+        """AdamW's moments (m, v), flat float32, one value per parameter
+        trained (the adapters' after add_lora): made (zero) on first use, by
+        this, update() or reserve(training=True)."""
+        lora = self.lora
+        if lora is not None:
+            if lora.m is None:
+                lora.m = aligned_zeros(lora.params.size, what="the adapters' first moments")
+                lora.v = aligned_zeros(lora.params.size, what="the adapters' second moments")
+            return lora.m, lora.v
         if self.m_memory is None:
             self.m_memory = aligned_zeros(self.num_parameters, what="AdamW's first moments")
             self.v_memory = aligned_zeros(self.num_parameters, what="AdamW's second moments")
         return self.m_memory, self.v_memory
 
     def grad_norm(self):
-        """The global L2 norm of all parameter gradients."""
-        return math.sqrt(K.global_norm_squared(self.grads.memory))
+        """The global L2 norm of all gradients of what is trained (trained)."""
+        return math.sqrt(K.global_norm_squared(self.trained[1].memory))
 
     def clip_grad_norm(self, max_norm):
         """Scales the gradients so their global norm is at most ``max_norm``;
         returns the norm before clipping."""
         norm = self.grad_norm()
         if max_norm > 0 and norm > max_norm:
-            K.scale_inplace(self.grads.memory, max_norm / norm)
+            K.scale_inplace(self.trained[1].memory, max_norm / norm)
         return norm
 
     @held
@@ -632,10 +744,13 @@ class Transformer:
 
         Weight decay applies to every parameter (llm.c's CPU trainer) unless
         ``decay`` names the tensors to decay, e.g. model.matrix_params for
-        weights only; the others then get none."""
-        self.moments()
-        adamw_step(self.params, self.grads, self.m_memory, self.v_memory, learning_rate, beta1,
-                   beta2, eps, weight_decay, t, decay, params_bf16=self.params_bf16)
+        weights only; the others then get none. After add_lora it updates
+        the adapters alone (``decay`` then names adapter tensors, as
+        lora.params does) and the base never changes."""
+        m, v = self.moments()
+        params, grads = self.trained
+        adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, decay,
+                   params_bf16=None if self.lora is not None else self.params_bf16)
 
 
 def _checked_dropout(dropout):

@@ -1,0 +1,216 @@
+"""LoRA adapters on a frozen model (Hu et al., 2021), as peft's LoraLayer has
+them: a target linear layer's output gains scale * (drop(x) A^T) B^T, with
+A (r, in) and B (out, r) trained and the layer's weight W frozen; scale is
+alpha / r, or alpha / sqrt(r) with rsLoRA.
+
+Targets are Hugging Face's module names (targets()), mapped onto our fused
+weights: Llama's q_proj, k_proj and v_proj adapt row blocks of qkvw's
+output, gate_proj and up_proj those of fcw; GPT-2's c_attn adapts all of
+qkvw. A name matches as peft matches it, by its dotted suffix ("c_proj" is
+GPT-2's attn.c_proj and mlp.c_proj).
+
+Every adapter of every layer lives in one contiguous float32 buffer
+(``params``; ``grads`` and AdamW's moments alike), laid out by target:
+"<target>.A" (L, r, in), then "<target>.B" (L, out, r). The adapters'
+matmuls are float32 also in a bf16 model (whose base layers read bf16
+weights): x (float32) times A, then times B, the products summed in
+float32; scale multiplies B's output, which is then added to the base
+layer's float32 output (peft's order).
+
+LoRA dropout drops an adapter's input in the training passes, the ones
+given a Dropout (model.dropout): each adapter of each layer has its own
+masks, from that pass's seed; backward regenerates them.
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._native import kernels as K
+from .dropout import NO_DROPOUT
+from .layout import TensorGroup
+
+
+@dataclass(frozen=True)
+class Target:
+    """One adaptable linear layer, per layer of the model."""
+    name: str           # Hugging Face's module name: "q_proj", "attn.c_proj"
+    module: str         # its path in a layer, as peft names it: "self_attn.q_proj"
+    linear: str         # our linear layer ("qkv" is qkvw and qkvb)
+    rows: slice         # the rows of our weight's output it adapts
+    in_features: int
+
+    @property
+    def out_features(self):
+        return self.rows.stop - self.rows.start
+
+
+def targets(config):
+    """Every Target a model of ``config`` has, in layer order: GPT-2's for
+    a GPT2LMHeadModel, Llama's names otherwise."""
+    c = config
+    if _is_gpt2(c):
+        return (Target("c_attn", "attn.c_attn", "qkv", slice(0, c.qkv_channels), c.C),
+                Target("attn.c_proj", "attn.c_proj", "attproj", slice(0, c.C), c.attn_channels),
+                Target("c_fc", "mlp.c_fc", "fc", slice(0, c.fc_channels), c.C),
+                Target("mlp.c_proj", "mlp.c_proj", "fcproj", slice(0, c.C), c.FF))
+    q, kv = c.attn_channels, c.kv_dim
+    if c.fc_channels == 2 * c.FF:   # gated: the gate's rows, then up's
+        mlp = (Target("gate_proj", "mlp.gate_proj", "fc", slice(0, c.FF), c.C),
+               Target("up_proj", "mlp.up_proj", "fc", slice(c.FF, 2 * c.FF), c.C))
+    else:
+        mlp = (Target("up_proj", "mlp.up_proj", "fc", slice(0, c.FF), c.C),)
+    return (Target("q_proj", "self_attn.q_proj", "qkv", slice(0, q), c.C),
+            Target("k_proj", "self_attn.k_proj", "qkv", slice(q, q + kv), c.C),
+            Target("v_proj", "self_attn.v_proj", "qkv", slice(q + kv, q + 2 * kv), c.C),
+            Target("o_proj", "self_attn.o_proj", "attproj", slice(0, c.C), c.attn_channels),
+            *mlp,
+            Target("down_proj", "mlp.down_proj", "fcproj", slice(0, c.C), c.FF))
+
+
+def _is_gpt2(config):
+    from ..errors import UnsupportedError
+    from ..io.hf import architecture   # io.hf reads model.layout: imported when used
+    try:
+        return architecture(config) == "GPT2LMHeadModel"
+    except UnsupportedError:
+        return False
+
+
+def layer_prefix(config):
+    """peft's module path of layer {l} of a model of ``config``."""
+    return "transformer.h.{l}." if _is_gpt2(config) else "model.layers.{l}."
+
+
+def select(config, names):
+    """The model's Targets that ``names`` match (peft's way: a name matches a
+    module whose dotted path ends in it), in layer order. ValueError names a
+    name that matches none, with the targets the model has."""
+    every = targets(config)
+    if isinstance(names, str):
+        names = (names,)
+    chosen = set()
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(f"targets: {name!r} is not a module name")
+        matched = {t.name for t in every if ("." + t.module).endswith("." + name)}
+        if not matched:
+            raise ValueError(f"targets: this model has no module {name!r}; its targets are "
+                             f"{', '.join(t.name for t in every)}")
+        chosen |= matched
+    if not chosen:
+        raise ValueError("targets: at least one module name is needed")
+    return tuple(t for t in every if t.name in chosen)
+
+
+def adapter_parameters(config, rank, names=None):
+    """The parameters of rank-``rank`` adapters on the targets ``names``
+    (default: every one) of a model of ``config``, without making them."""
+    chosen = targets(config) if names is None else select(config, names)
+    return sum(config.L * rank * (t.in_features + t.out_features) for t in chosen)
+
+
+class Lora:
+    """A model's adapters: ``params`` and ``grads`` (TensorGroups of one
+    float32 buffer each), AdamW's moments ``m`` and ``v`` (made by the
+    model's moments()), and what they adapt: ``targets`` (Targets), ``rank``,
+    ``alpha``, ``scale``, ``dropout`` (a probability), ``rslora``."""
+
+    def __init__(self, config, rank, alpha, names, dropout, rslora):
+        """Zeroed adapters of ``rank`` on the targets ``names`` (select();
+        None: every one) of a model of ``config``; ValueError names a bad
+        argument before anything is made."""
+        self.config = config
+        self.targets = targets(config) if names is None else select(config, names)
+        self.rank = _checked_rank(rank, self.targets)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) \
+                or not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"alpha must be a positive number, got {alpha!r}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) \
+                or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout is a probability in [0, 1), got {dropout!r}")
+        self.alpha, self.dropout, self.rslora = alpha, float(dropout), bool(rslora)
+        self.scale = alpha / (math.sqrt(rank) if rslora else rank)
+        r = self.rank
+        specs = []
+        for t in self.targets:
+            specs.append((t.name + ".A", lambda c, t=t: (c.L, r, t.in_features)))
+            specs.append((t.name + ".B", lambda c, t=t: (c.L, t.out_features, r)))
+        self.params = TensorGroup(specs, config)
+        self.grads = TensorGroup(specs, config)
+        self.m = self.v = None
+        self._by_linear = {}
+        for index, t in enumerate(self.targets):
+            self._by_linear.setdefault(t.linear, []).append((index, t))
+
+    def initialize(self, seed):
+        """peft's initialisation: A Kaiming-uniform as torch's nn.Linear
+        (a = sqrt(5): U(-1/sqrt(in), 1/sqrt(in))), drawn from ``seed``; B zero."""
+        rng = np.random.default_rng(seed)
+        for t in self.targets:
+            bound = 1.0 / math.sqrt(t.in_features)
+            A = self.params[t.name + ".A"]
+            A[...] = rng.uniform(-bound, bound, A.shape).astype(np.float32)
+            self.params[t.name + ".B"][...] = 0.0
+
+    def _input(self, inp, dropout, l, index):
+        """An adapter's input: ``inp``, or a dropped copy of it in a training
+        pass; with the (p, seed) of its masks."""
+        if dropout is NO_DROPOUT or not self.dropout:
+            return inp, (0.0, 0)
+        site = dropout.adapter_site(self.dropout, l, index)
+        out = np.empty_like(inp)
+        K.dropout_forward(out, inp, *site)
+        return out, site
+
+    def _down(self, x, t, l):
+        """x A^T: (B, T, r)."""
+        h = np.empty(x.shape[:-1] + (self.rank,), np.float32)
+        K.matmul_forward(h, x, self.params[t.name + ".A"][l], None)
+        return h
+
+    def forward(self, out, inp, linear, l, dropout):
+        """Adds layer l's adapters of ``linear`` into its output ``out``
+        (the base layer's, of ``inp``)."""
+        for index, t in self._by_linear.get(linear, ()):
+            x, _ = self._input(inp, dropout, l, index)
+            up = np.empty(x.shape[:-1] + (t.out_features,), np.float32)
+            K.matmul_forward(up, self._down(x, t, l), self.params[t.name + ".B"][l], None)
+            up *= np.float32(self.scale)
+            out[..., t.rows] += up
+
+    def backward(self, dinp, dout, inp, linear, l, dropout):
+        """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
+        layer's output); x A^T is recomputed (r numbers a row)."""
+        for index, t in self._by_linear.get(linear, ()):
+            x, (p, seed) = self._input(inp, dropout, l, index)
+            dup = dout[..., t.rows] * np.float32(self.scale)
+            dh = np.zeros(x.shape[:-1] + (self.rank,), np.float32)
+            K.matmul_backward(dh, self.grads[t.name + ".B"][l], None, dup, self._down(x, t, l),
+                              self.params[t.name + ".B"][l])
+            A, dA = self.params[t.name + ".A"][l], self.grads[t.name + ".A"][l]
+            if not p:
+                K.matmul_backward(dinp, dA, None, dh, x, A)
+                continue
+            dx = np.zeros_like(x)
+            K.matmul_backward(dx, dA, None, dh, x, A)
+            K.dropout_backward(dx, dx, p, seed)
+            dinp += dx
+
+    def delta(self, t, l):
+        """scale * B A of target ``t`` in layer l: (out, in), float32."""
+        A, B = self.params[t.name + ".A"][l], self.params[t.name + ".B"][l]
+        product = np.empty((1, t.out_features, t.in_features), np.float32)
+        K.matmul_forward(product, B[None], np.ascontiguousarray(A.T), None)
+        return product[0] * np.float32(self.scale)
+
+
+def _checked_rank(rank, chosen):
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise ValueError(f"rank must be an int, got {rank!r}")
+    for t in chosen:
+        top = min(t.in_features, t.out_features)
+        if not 1 <= rank <= top:
+            raise ValueError(f"rank {rank} is outside [1, {top}]: {t.name} is "
+                             f"{t.out_features} x {t.in_features}")
+    return int(rank)
