@@ -443,3 +443,48 @@ def test_without_the_gguf_package_the_error_names_the_extra(small, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "gguf", None)
     with pytest.raises(UnsupportedError, match=r'pip install "llmc_py\[gguf\]"'):
         load_model(small)
+
+
+# ---- RoPE variants -------------------------------------------------------------
+
+def llama_of(tmp_path, **choices):
+    """Our Llama of ``choices`` saved as f32 GGUF with the test tokenizer."""
+    from llmc_py.config import LlamaConfig
+    from llmc_py.model.presets import Llama
+    config = LlamaConfig(max_seq_len=32, vocab_size=V, padded_vocab_size=384, num_layers=2,
+                         num_heads=4, num_kv_heads=2, channels=64, **choices)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    model = Llama(config, seed=3)
+    path = tmp_path / "model.gguf"
+    model.save_gguf(path, tokenizer=folder)
+    return model, path
+
+
+def test_linear_rope_scaling_round_trips(tmp_path):
+    model, path = llama_of(tmp_path, rope_scaling="linear", rope_factor=2.0)
+    fields = gguf.GGUFReader(path).fields
+    assert fields["llama.rope.scaling.type"].contents() == "linear"
+    assert fields["llama.rope.scaling.factor"].contents() == 2.0
+    back = load_model(path)
+    assert (back.config.rope_scaling, back.config.rope_factor) == ("linear", 2.0)
+    x, _ = batch()
+    assert np.array_equal(logits_of(back, x), logits_of(model, x))
+
+
+def test_llama3_rope_scaling_is_refused_by_name(tmp_path):
+    with pytest.raises(UnsupportedError, match="rope_scaling='llama3'"):
+        llama_of(tmp_path, rope_scaling="llama3", rope_factor=8.0, rope_original_max=16)
+
+
+def test_interleaved_rope_model_reads_back_as_the_same_model(tmp_path):
+    """A model of ours with Meta's interleaved pairs: written as llama.cpp's
+    (interleaved) rows, read back half-split: the same logits, summed in
+    another order."""
+    model, path = llama_of(tmp_path, rope_interleaved=True)
+    back = load_model(path)
+    assert not back.config.rope_interleaved
+    x, _ = batch()
+    assert rel_to_max(logits_of(back, x), logits_of(model, x)) < 1e-5
