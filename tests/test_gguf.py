@@ -429,14 +429,35 @@ def test_vocabulary_disagreeing_with_the_embedding_is_refused(small, tmp_path):
         load_model(bad)
 
 
-def test_writing_a_tokenizer_larger_than_the_embedding_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("vocab_size", [1000, 60000])
+def test_writing_gpt2s_tokenizer_for_another_vocabulary_is_refused(tmp_path, monkeypatch,
+                                                                    vocab_size):
+    """Larger or smaller than GPT-2's 50257: the model had another tokenizer."""
     monkeypatch.setenv(OFFLINE_ENV, "1")
-    model = GPT2(GPT2Config(max_seq_len=16, vocab_size=1000, padded_vocab_size=1024,
+    model = GPT2(GPT2Config(max_seq_len=16, vocab_size=vocab_size,
+                            padded_vocab_size=vocab_size + 128 - vocab_size % 128,
                             num_layers=1, num_heads=2, channels=32))
-    with pytest.raises(ShapeError, match="the tokenizer has 50257 tokens but the embedding "
-                                         "has 1000 rows"):
+    with pytest.raises(ShapeError, match=f"the tokenizer has 50257 tokens but the embedding "
+                                         f"has {vocab_size} rows"):
         model.save_gguf(tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())   # nothing half-written
+
+
+def test_a_tokenizer_json_is_padded_to_the_embedding(tmp_path):
+    """As convert_hf_to_gguf pads (Qwen3's 151669 tokens, 151936 rows)."""
+    from llmc_py.config import LlamaConfig
+    from llmc_py.model.presets import Llama
+    config = LlamaConfig(max_seq_len=16, vocab_size=V + 20, padded_vocab_size=384,
+                         num_layers=1, num_heads=2, num_kv_heads=2, channels=32)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    Llama(config).save_gguf(tmp_path / "m.gguf", tokenizer=folder)
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.tokens"].contents()[V:] == [f"[PAD{i}]" for i in
+                                                               range(V, V + 20)]
+    assert set(fields["tokenizer.ggml.token_type"].contents()[V:]) == {gguf.TokenType.UNUSED}
 
 
 def test_without_the_gguf_package_the_error_names_the_extra(small, monkeypatch):

@@ -165,6 +165,7 @@ class Vocab(NamedTuple):
     bos: int = None
     eos: int = None
     pre: str = None   # llama.cpp's pre-tokenizer name, when known
+    pads: bool = False   # padded to the embedding's rows, as the converter pads tokenizer.json's
 
 
 def _byte_chars():
@@ -239,24 +240,26 @@ def tokenizer_json_vocab(path, bos=None, eos=None):
     pad = lambda i: (f"[PAD{i}]", gguf.TokenType.UNUSED)
     tokens, types = zip(*[by_id.get(i) or pad(i) for i in range(count)]) if count else ((), ())
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return Vocab(list(tokens), list(types), merges, bos, eos)
+    return Vocab(list(tokens), list(types), merges, bos, eos, pads=True)
 
 
 def _fit_vocab(vocab, vocab_size, source):
     """``vocab`` padded with [PAD<i>] tokens to the embedding's ``vocab_size``
-    rows (convert_hf_to_gguf pads the same way); more tokens than rows is a
+    rows if it ``pads``; more tokens than rows, or fewer without padding (a
+    model of another vocabulary was trained with another tokenizer), is a
     ShapeError naming ``source``."""
-    if len(vocab.tokens) > vocab_size:
-        raise ShapeError(f"{source}: the tokenizer has {len(vocab.tokens)} tokens but the "
-                         f"embedding has {vocab_size} rows (vocab_size)")
-    extra = range(len(vocab.tokens), vocab_size)
+    count = len(vocab.tokens)
+    if count > vocab_size or (not vocab.pads and count != vocab_size):
+        raise ShapeError(f"{source}: the tokenizer has {count} tokens but the embedding has "
+                         f"{vocab_size} rows (vocab_size): give the model's own tokenizer")
+    extra = range(count, vocab_size)
     return vocab._replace(tokens=vocab.tokens + [f"[PAD{i}]" for i in extra],
                           types=vocab.types + [_gguf().TokenType.UNUSED] * len(extra))
 
 
 def tokenizer_vocab(tokenizer):
-    """The Vocab of a tokenizer from tokenizer.load_tokenizer: an HFTokenizer's tokenizer.json, or GPT-2's
-    tiktoken Encoding."""
+    """The Vocab of a tokenizer from tokenizer.load_tokenizer: an
+    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding."""
     if hasattr(tokenizer, "path"):   # an HFTokenizer: its bos is its document separator
         return tokenizer_json_vocab(tokenizer.path, tokenizer.eot_token, tokenizer.eot_token)
     return tiktoken_vocab(tokenizer)
@@ -321,10 +324,11 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
     vocab = _fit_vocab(tokenizer_vocab(tokenizer), config.vocab_size, source or "tokenizer")
     hf = hf_tensors(config, params)
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                               prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
+                                   prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
         writer = gguf.GGUFWriter(tmp, arch)
         _add_metadata(gguf, writer, metadata, dtype)
         _add_vocab(writer, vocab)
@@ -344,7 +348,8 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
         writer.close()
         os.replace(tmp, path)
     except BaseException as e:
-        os.unlink(tmp)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
         if isinstance(e, OSError):
             raise WriteError(e.errno, f"{path}: cannot write ({e.strerror or e})") from e
         raise
