@@ -346,6 +346,8 @@ def rewrite(src, dst, arch=None, tensor=None, fields=None):
             continue
         value = field.contents()
         value = fields(key, value) if fields else value
+        if value is None:   # dropped
+            continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, field.types[0], sub_type=sub)
     for t in reader.tensors:
@@ -509,3 +511,17 @@ def test_interleaved_rope_model_reads_back_as_the_same_model(tmp_path):
     assert not back.config.rope_interleaved
     x, _ = batch()
     assert rel_to_max(logits_of(back, x), logits_of(model, x)) < 1e-5
+
+
+def test_missing_metadata_is_refused_by_name(small, tmp_path):
+    bad = rewrite(small, tmp_path / "nolayers.gguf",
+                  fields=lambda k, v: None if k == "llama.block_count" else v)
+    with pytest.raises(CheckpointError, match="metadata key llama.block_count is missing"):
+        load_model(bad)
+
+
+def test_writing_into_a_missing_folder_is_a_write_error(small, tmp_path):
+    from llmc_py.errors import WriteError
+    model = load_model(small)
+    with pytest.raises(WriteError, match="nowhere/m.gguf: cannot write"):
+        model.save_gguf(tmp_path / "nowhere" / "m.gguf", tokenizer=small.parent)

@@ -111,6 +111,9 @@ def _config(fields, path, gguf_arch, tensor_shapes):
     """The config of a GGUF file from its metadata ``fields``
     (GGUFReader.fields) and {tensor name: numpy shape}."""
     def value(name, kind):
+        if name not in fields:
+            raise CheckpointError(f"{path}: metadata key {name} is missing (needed for a "
+                                  f"{gguf_arch} model)")
         v = fields[name].contents()
         if kind is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)
@@ -122,11 +125,8 @@ def _config(fields, path, gguf_arch, tensor_shapes):
     config = {}
     for field, key in _declared_keys(_families(gguf_arch)):
         name = key.names[0].format(arch=gguf_arch)
-        if name in fields:
+        if name in fields or key.missing is REQUIRED:
             config[field.name] = value(name, field.type)
-        elif key.missing is REQUIRED:
-            raise CheckpointError(f"{path}: metadata key {name} is missing (needed for a "
-                                  f"{gguf_arch} model)")
         else:
             config[field.name] = key.missing
     scaling = f"{gguf_arch}.rope.scaling.type"
