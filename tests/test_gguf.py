@@ -252,9 +252,9 @@ def converter_tensors(name, config, params):
     for hf_name, data in hf_tensors(config, params).items():
         if hf_name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
             data = data.T
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             data = converter_permute(data, config.num_heads, config.num_heads)
-        if arch == "llama" and hf_name.endswith("k_proj.weight"):
+        if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = converter_permute(data, config.num_heads, config.num_kv_heads)
         out[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))] = data
     return out

@@ -276,7 +276,7 @@ def _qtype(gguf, name, shape, dtype):
     return gguf.GGMLQuantizationType[dtype.upper()]
 
 
-def _quantized(gguf, name, data, qtype):
+def _quantized(gguf, data, qtype):
     """(bytes or array, type) of ``data`` as ``qtype``; a row length that is
     no whole number of blocks falls back to F16, as the converter does."""
     try:
@@ -340,7 +340,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                 data = half_split_to_interleaved(data, _rope_rows(config, name),
                                                  config.head_size)
             data = np.ascontiguousarray(data, dtype=np.float32)
-            raw, qtype = _quantized(gguf, name, data, _qtype(gguf, name, data.shape, dtype))
+            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype))
             writer.add_tensor(name, raw, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
