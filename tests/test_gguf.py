@@ -525,3 +525,17 @@ def test_writing_into_a_missing_folder_is_a_write_error(small, tmp_path):
     model = load_model(small)
     with pytest.raises(WriteError, match="nowhere/m.gguf: cannot write"):
         model.save_gguf(tmp_path / "nowhere" / "m.gguf", tokenizer=small.parent)
+
+
+def test_llama_with_biases_round_trips_bitwise(tmp_path):
+    """q and k biases are permuted with their rows."""
+    model, path = llama_of(tmp_path, bias=True)
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.ffn_gate.bias"} <= names
+    back = load_model(path)
+    assert back.config.bias and np.array_equal(back.params.memory, model.params.memory)
+
+
+def test_read_config_reads_the_metadata(small):
+    from llmc_py.io import read_config
+    assert read_config(small) == load_model(small).config
