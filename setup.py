@@ -7,6 +7,8 @@ HF = ["safetensors>=0.4", "ml_dtypes>=0.3", "tokenizers>=0.15", "jinja2>=3.1.6"]
 # data-parallel training under mpiexec (llmc_py.train.distributed): mpi4py and
 # an MPI runtime from PyPI (mpich's wheel brings mpiexec; a system MPI works too)
 MPI = ["mpi4py>=4.0", "mpich"]
+# GGUF files (llmc_py.io.gguf): llama.cpp's own reader, writer and quantizers
+GGUF = ["gguf>=0.17"]
 
 setup(
     name="llmc_py",
@@ -17,9 +19,10 @@ setup(
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy>=1.22", "tiktoken>=0.5"],
     extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6",
-                             "transformers>=4.51", "peft>=0.13", *HF, *MPI],
+                             "transformers>=4.51", "peft>=0.13", *HF, *MPI, *GGUF],
                     "plot": ["matplotlib"],
                     "hf": HF,
+                    "gguf": GGUF,
                     "mpi": MPI},
     cffi_modules=["llmc_py/_native/build.py:ffibuilder"],
     zip_safe=False,

@@ -95,20 +95,35 @@ class HFKey:
     written_as: str = None   # the config attribute written (default: the field)
 
 
-def declared(default, *, choices=None, flag=None, slot=None, hf=None, shown=None,
+@dataclass(frozen=True)
+class GGUFKey:
+    """A field's metadata keys in a GGUF file (io.gguf), as gguf.Keys spells
+    them ({arch} is general.architecture)."""
+    names: tuple             # read from the first, written to all
+    missing: object = REQUIRED   # the value when absent (a constant)
+    written_as: str = None   # the config attribute written (default: the field)
+
+
+def declared(default, *, choices=None, flag=None, slot=None, hf=None, gguf=None, shown=None,
              always_shown=False):
     """A TransformerConfig field: ``choices`` (a str field's allowed values),
     its ``flag``, header ``slot``, ``hf`` keys ({family: HFKey}, families as
-    io.hf.FAMILIES) and ``shown``, describe's text for it (str.format'ed with
-    c, the config), when it is not the default or ``always_shown``."""
+    io.hf.FAMILIES), ``gguf`` keys ({family: GGUFKey}, the same families) and
+    ``shown``, describe's text for it (str.format'ed with c, the config), when
+    it is not the default or ``always_shown``."""
     return field(default=default, metadata=dict(
-        choices=choices, flag=flag, slot=slot, hf=hf or {}, shown=shown,
+        choices=choices, flag=flag, slot=slot, hf=hf or {}, gguf=gguf or {}, shown=shown,
         always_shown=always_shown))
 
 
 def same_key(name):
     """A required config.json key, the same in every family."""
     return {"gpt2": HFKey((name,)), "llama": HFKey((name,))}
+
+
+def same_gguf_key(*names):
+    """Required GGUF keys, the same in every family."""
+    return {"gpt2": GGUFKey(names), "llama": GGUFKey(names)}
 
 
 @dataclass(frozen=True)
@@ -122,7 +137,8 @@ class TransformerConfig:
     max_seq_len: int = declared(
         1024, slot=Slot(2, POSITIVE),
         hf={"gpt2": HFKey(("n_positions", "n_ctx")),
-            "llama": HFKey(("max_position_embeddings",))})
+            "llama": HFKey(("max_position_embeddings",))},
+        gguf=same_gguf_key("{arch}.context_length"))
     # V
     vocab_size: int = declared(50257, slot=Slot(3, POSITIVE), hf=same_key("vocab_size"))
     # Vp >= V: rows of wte (and of lm_head when untied)
@@ -130,22 +146,26 @@ class TransformerConfig:
     # L
     num_layers: int = declared(
         12, slot=Slot(4, POSITIVE),
-        hf={"gpt2": HFKey(("n_layer",)), "llama": HFKey(("num_hidden_layers",))})
+        hf={"gpt2": HFKey(("n_layer",)), "llama": HFKey(("num_hidden_layers",))},
+        gguf=same_gguf_key("{arch}.block_count"))
     # NH: query heads; must divide channels unless head_dim is given
     num_heads: int = declared(
         12, slot=Slot(5, POSITIVE),
-        hf={"gpt2": HFKey(("n_head",)), "llama": HFKey(("num_attention_heads",))})
+        hf={"gpt2": HFKey(("n_head",)), "llama": HFKey(("num_attention_heads",))},
+        gguf=same_gguf_key("{arch}.attention.head_count"))
     # NKV: key/value heads; divides NH (1: MQA, NH: MHA; 0 picks NH)
     num_kv_heads: int = declared(
         4, slot=Slot(8, POSITIVE),
         hf={"llama": HFKey(("num_key_value_heads",), lambda fields: fields["num_heads"])},
+        gguf={"llama": GGUFKey(("{arch}.attention.head_count_kv",))},
         shown=" ({c.num_kv_heads} kv)", always_shown=True,
         flag=Flag("--kv-heads", "llama: key/value heads, dividing the query heads (1: "
                   "multi-query; 0: as many as query heads)", NON_NEGATIVE, default=0))
     # C
     channels: int = declared(
         768, slot=Slot(6, POSITIVE),
-        hf={"gpt2": HFKey(("n_embd",)), "llama": HFKey(("hidden_size",))})
+        hf={"gpt2": HFKey(("n_embd",)), "llama": HFKey(("hidden_size",))},
+        gguf=same_gguf_key("{arch}.embedding_length"))
     # FF: MLP hidden size; 0 picks the default (the Llama rule for a gated
     # MLP, 4C for the others)
     ffn_hidden: int = declared(
@@ -153,6 +173,7 @@ class TransformerConfig:
         hf={"gpt2": HFKey(("n_inner",), lambda fields: 4 * fields["channels"],
                           null_is_missing=True),
             "llama": HFKey(("intermediate_size",))},
+        gguf=same_gguf_key("{arch}.feed_forward_length"),
         flag=Flag("--ffn-hidden", "llama: MLP hidden size (0: Llama's rule for a gated MLP, "
                   "2/3 of 4C times --ffn-dim-multiplier rounded up to --ffn-multiple-of; 4C "
                   "for the others)", NON_NEGATIVE))
@@ -203,17 +224,22 @@ class TransformerConfig:
                   "sharing wte", inverted=True))
     # RoPE base
     rope_theta: float = declared(
-        10000.0, slot=Slot(0), flag=Flag("--rope-theta", "llama: the RoPE base", POSITIVE))
+        10000.0, slot=Slot(0), gguf={"llama": GGUFKey(("{arch}.rope.freq_base",), 10000.0)},
+        flag=Flag("--rope-theta", "llama: the RoPE base", POSITIVE))
     # epsilon inside the norms
     norm_eps: float = declared(
         1e-5, slot=Slot(1),
         hf={"gpt2": HFKey(("layer_norm_epsilon",), 1e-5),
-            "llama": HFKey(("rms_norm_eps",), 1e-6)})
+            "llama": HFKey(("rms_norm_eps",), 1e-6)},
+        gguf={"gpt2": GGUFKey(("{arch}.attention.layer_norm_epsilon",)),
+              "llama": GGUFKey(("{arch}.attention.layer_norm_rms_epsilon",))})
     # hs: channels per attention head; 0 means C / NH (Qwen3 sets its own:
     # attention is NH * hs wide); held as 0 whenever it equals C / NH
     head_dim: int = declared(
         0, slot=Slot(15, Range(lo=0, text=">= 0 (0: channels / num_heads)")),
         hf={"llama": HFKey(("head_dim",), 0, null_is_missing=True, written_as="head_size")},
+        gguf={"llama": GGUFKey(("{arch}.attention.key_length", "{arch}.attention.value_length",
+                                "{arch}.rope.dimension_count"), 0, written_as="head_size")},
         flag=Flag("--head-dim", "llama: channels per attention head (0: channels / heads; "
                   "Qwen3 sets its own)", NON_NEGATIVE))
     # RMSNorm on each q and k head before RoPE (Qwen3's q_norm, k_norm:
@@ -227,6 +253,7 @@ class TransformerConfig:
     sliding_window: int = declared(
         0, slot=Slot(19), shown=", window {c.sliding_window}",
         hf={"mistral": HFKey(("sliding_window",), 0, null_is_missing=True)},
+        gguf={"mistral": GGUFKey(("{arch}.attention.sliding_window",), 0)},
         flag=Flag("--sliding-window", "llama: each query attends to its last W positions only "
                   "(Mistral's sliding window; the KV cache keeps W); 0: to every position "
                   "before it", NON_NEGATIVE))
@@ -498,6 +525,7 @@ class ModelField:
     flag: Flag
     slot: Slot
     hf: dict
+    gguf: dict
     shown: str
     always_shown: bool
 

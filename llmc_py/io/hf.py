@@ -457,13 +457,23 @@ def read_hf(folder):
     float32 in our layout."""
     arch, config = read_hf_config(folder)
     tensors = _read_all(folder)
-    names = _tensor_map(arch)
     # a GPT-2 folder written by an older transformers has no "transformer." prefix
     if arch == "GPT2LMHeadModel" and "transformer.wte.weight" not in tensors:
         tensors = {(n if n == "lm_head.weight" else "transformer." + n): t
                    for n, t in tensors.items()}
     if config.tied_embeddings:
         tensors.pop("lm_head.weight", None)   # the same numbers as the embedding
+    return config, params_from_tensors(arch, config, tensors, folder, "config.json")
+
+
+def params_from_tensors(arch, config, tensors, source, config_source):
+    """Flat float32 params in our layout from {Hugging Face name: float32
+    array} of an ``arch`` (io.gguf reads a GGUF file into these names too);
+    a tensor missing, of the wrong shape or left over is a CheckpointError
+    naming ``source`` and the tensor, its shape checked against
+    ``config_source``."""
+    names = _tensor_map(arch)
+    folder = source   # the name the messages below give the file
     params = []
     used = set()
     for name, fn in param_specs(config):
@@ -478,7 +488,7 @@ def read_hf(folder):
                 hf_name = template.format(l=l)
                 if hf_name not in tensors:
                     raise CheckpointError(f"{folder}: tensor {hf_name} is missing (needed for "
-                                          f"{name} of a {arch} with this config.json)")
+                                          f"{name} of a {arch} with this {config_source})")
                 value = tensors[hf_name]
                 used.add(hf_name)
                 value = value.T if transposed else value
@@ -487,7 +497,7 @@ def read_hf(folder):
                     stored = tuple(reversed(expected)) if transposed else expected
                     raise CheckpointError(f"{folder}: tensor {hf_name} has shape "
                                           f"{list(tensors[hf_name].shape)}, expected "
-                                          f"{list(stored)} (from config.json)")
+                                          f"{list(stored)} (from {config_source})")
                 parts.append(value)
             per_layer.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
         tensor = per_layer[0] if name in _WHOLE else np.stack(per_layer)
@@ -498,9 +508,19 @@ def read_hf(folder):
     unused = sorted(set(tensors) - used)
     if unused:
         raise CheckpointError(f"{folder}: tensor {unused[0]} is not part of a {arch} with this "
-                              f"config.json ({len(unused)} such tensors): an option llmc_py "
+                              f"{config_source} ({len(unused)} such tensors): an option llmc_py "
                               f"does not support?")
-    return config, np.concatenate(params)
+    return np.concatenate(params)
+
+
+def hf_names(config):
+    """The Hugging Face names of a model of ``config``'s tensors, in our
+    parameters' order."""
+    names = _tensor_map(architecture(config))
+    for name, _ in param_specs(config):
+        for l in [None] if name in _WHOLE else range(config.num_layers):
+            for template in names[name][0]:
+                yield template.format(l=l)
 
 
 def _hf_shape(config, name, shape, per_layer, rows, part):

@@ -1,11 +1,13 @@
 """A model from any path: the one place that tells an llm.c GPT-2 file, our
-Llama-family file (io.model_file) and a Hugging Face folder (io.hf) apart
-and hands the path to its reader; the readers never import each other."""
+Llama-family file (io.model_file), a Hugging Face folder (io.hf) and a GGUF
+file (io.gguf) apart and hands the path to its reader; the readers never
+import each other (io.gguf builds on io.hf's Hugging Face names)."""
 from pathlib import Path
 
 from ..config import GPT2Config
 from ..errors import CheckpointError
 from .files import read_header
+from .gguf import is_gguf, read_gguf, read_gguf_config
 from .hf import read_hf, read_hf_config
 from .model_file import (MAGIC_LLAMA, MAGIC_MODEL, read_llama, read_llama_header, read_model,
                          read_model_header, write_llama, write_model)
@@ -24,19 +26,24 @@ def model_kind(path):
 
 def read_model_file(path):
     """(config, params) from either model file, a GPT2Config from llm.c's,
-    a LlamaConfig from ours; or from a Hugging Face model folder (needs the
-    optional safetensors package)."""
+    a LlamaConfig from ours; from a Hugging Face model folder (needs the
+    optional safetensors package); or from a GGUF file (needs the optional
+    gguf package), dequantised."""
     if Path(path).is_dir():
         return read_hf(path)
+    if is_gguf(path):
+        return read_gguf(path)
     return (read_llama if model_kind(path) == "llama" else read_model)(path)
 
 
 def read_config(path):
     """The config of a model file (from its header only), of a Hugging Face
-    folder or of its config.json."""
+    folder or of its config.json, or of a GGUF file (its metadata)."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".json":
         return read_hf_config(path)[1]
+    if is_gguf(path):
+        return read_gguf_config(path)
     read_header_of = read_llama_header if model_kind(path) == "llama" else read_model_header
     return read_header_of(path)[0]
 

@@ -69,6 +69,7 @@ forward with another (B, T) re-plans them: it reuses the same memory when the
 new shapes fit in it and allocates a larger buffer otherwise.
 """
 import math
+import os
 
 import numpy as np
 
@@ -229,6 +230,21 @@ class Transformer:
         from ..io.hf import write_hf   # needs the optional safetensors package
         self._refuse_adapters("save_pretrained")
         write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
+
+    def save_gguf(self, path, dtype="f32", tokenizer=None):
+        """Writes a GGUF file (io.gguf) that llama.cpp loads: weights as
+        ``dtype`` "f32", "f16", "bf16", "q8_0" or "q4_0" (norms, biases and
+        position embeddings stay f32), with ``tokenizer``'s vocabulary: a Hugging
+        Face folder or tokenizer.json path, a tokenizer from
+        tokenizer.load_tokenizer, or None for GPT-2's (whose 50257 tokens must
+        fit the embedding)."""
+        from ..io.gguf import write_gguf   # needs the optional gguf package
+        from ..tokenizer import load_tokenizer
+        source = tokenizer
+        if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = load_tokenizer(tokenizer)
+        write_gguf(path, self.config, self.params.memory, dtype=dtype, tokenizer=tokenizer,
+                   source=source)
 
     @property
     def grads(self):

@@ -1,0 +1,463 @@
+"""GGUF files (llama.cpp's format), in and out, through the ``gguf`` package
+(llama.cpp's own reader, writer, name tables and quantizers; ``pip install
+"llmc_py[gguf]"``), for GPT-2, Llama, Mistral and Qwen3.
+
+Writing follows llama.cpp's convert_hf_to_gguf.py on the Hugging Face model
+of the same config (io.hf.hf_tensors):
+- general.architecture "gpt2", "llama" (Llama and Mistral, as the converter
+  writes Mistral) or "qwen3"; the hyperparameters are the config fields'
+  declared GGUF keys (config.GGUFKey), the only place they are named.
+- Tensor names are gguf.tensor_mapping's for the Hugging Face names; GPT-2's
+  Conv1D weights are stored (out, in) like every other weight, its q, k, v
+  stay fused (attn_qkv). A tied head writes no output tensor.
+- For "llama" the q and k rows are permuted from Hugging Face's half-split
+  RoPE pairs into the interleaved pairs llama.cpp's llama rope uses, as the
+  converter's LlamaModel.permute does; "qwen3" (NEOX rope) keeps them.
+- Which tensors are quantised is the converter's rule: 1-D tensors, norms,
+  biases and position_embd stay F32; every other weight gets ``dtype``. A
+  weight whose input dimension is not a multiple of the 32-wide Q8_0/Q4_0
+  block falls back to F16, as the converter does. The bytes are
+  gguf.quants.quantize's.
+- The tokenizer ("gpt2" BPE): GPT-2's tiktoken ranks, written as byte-level
+  tokens with the merges the ranks imply, or a Hugging Face tokenizer.json
+  (a BPE model: its vocabulary, added tokens and merges; shorter than the
+  embedding, it is padded with [PAD<i>] tokens as the converter does).
+  A tokenizer with more tokens than the embedding has rows is refused.
+
+Reading inverts all of it: the config from the declared keys, every tensor
+dequantised (gguf.quants.dequantize) to float32, q and k permuted back, and
+the tensors checked by io.hf.params_from_tensors as a folder's are. Tensors
+in F32, F16, BF16, Q8_0 and Q4_0 are read; other types are refused by name.
+"""
+import os
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import MODEL_FIELDS, REQUIRED, GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
+from ..errors import CheckpointError, ShapeError, UnsupportedError, WriteError
+from .hf import FAMILIES, architecture, hf_names, hf_tensors, params_from_tensors
+from .rope_layout import half_split_to_interleaved, interleaved_to_half_split
+
+INSTALL_HINT = 'pip install "llmc_py[gguf]"'
+MAGIC = b"GGUF"
+# the GGUF architecture of each Hugging Face one (llama.cpp's converter
+# writes MistralForCausalLM as "llama"), and back
+GGUF_ARCHS = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+              "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+HF_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+# GPT-2's Conv1D weights, which Hugging Face stores (in, out)
+CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+
+
+def _gguf():
+    """The gguf package; UnsupportedError with the install line if missing."""
+    try:
+        import gguf
+    except ImportError as e:
+        raise UnsupportedError(f"GGUF files need the gguf package: {INSTALL_HINT} ({e})") \
+            from None
+    return gguf
+
+
+def is_gguf(path):
+    """Whether the file at ``path`` starts with GGUF's magic."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:
+        return False
+
+
+# ---- the hyperparameters -----------------------------------------------------
+
+def _families(gguf_arch):
+    """The config field families a GGUF architecture's keys come from."""
+    return ("gpt2",) if gguf_arch == "gpt2" else ("llama", "mistral")
+
+
+def _declared_keys(families):
+    """(field, GGUFKey) of each field with a GGUF key in ``families``."""
+    for field in MODEL_FIELDS.values():
+        for family in families:
+            if family in field.gguf:
+                yield field, field.gguf[family]
+
+
+def _metadata(config, hf_arch, gguf_arch):
+    """{key: value} of the hyperparameters of ``config``."""
+    c = config
+    values = {}
+    for field, key in _declared_keys(FAMILIES[hf_arch]):
+        value = getattr(c, key.written_as or field.name)
+        values.update({name.format(arch=gguf_arch): value for name in key.names})
+    if gguf_arch != "gpt2":
+        values[f"{gguf_arch}.vocab_size"] = c.vocab_size
+    if c.rope_scaling == "linear":
+        values.update({f"{gguf_arch}.rope.scaling.type": "linear",
+                       f"{gguf_arch}.rope.scaling.factor": c.rope_factor})
+    elif c.rope_scaling != "none":
+        raise UnsupportedError(f"rope_scaling={c.rope_scaling!r}: GGUF export writes plain or "
+                               f"linear RoPE only (llama3 needs llama.cpp's rope_freqs tensor, "
+                               f"not written yet)")
+    return values
+
+
+def _config(fields, path, gguf_arch, tensor_shapes):
+    """The config of a GGUF file from its metadata ``fields``
+    (GGUFReader.fields) and {tensor name: numpy shape}."""
+    def value(name, kind):
+        if name not in fields:
+            raise CheckpointError(f"{path}: metadata key {name} is missing (needed for a "
+                                  f"{gguf_arch} model)")
+        v = fields[name].contents()
+        if kind is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, bool) != (kind is bool) or not isinstance(v, kind):
+            raise CheckpointError(f"{path}: metadata key {name} is {v!r}, expected "
+                                  f"{kind.__name__}")
+        return v
+
+    config = {}
+    for field, key in _declared_keys(_families(gguf_arch)):
+        name = key.names[0].format(arch=gguf_arch)
+        if name in fields or key.missing is REQUIRED:
+            config[field.name] = value(name, field.type)
+        else:
+            config[field.name] = key.missing
+    scaling = f"{gguf_arch}.rope.scaling.type"
+    if scaling in fields and value(scaling, str) not in ("none", "linear"):
+        raise UnsupportedError(f"{path}: metadata key {scaling} is {value(scaling, str)!r}; "
+                               f"supported: none, linear")
+    if scaling in fields and value(scaling, str) == "linear":
+        config.update(rope_scaling="linear",
+                      rope_factor=value(f"{gguf_arch}.rope.scaling.factor", float))
+    if "token_embd.weight" not in tensor_shapes:
+        raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
+    vocab = tensor_shapes["token_embd.weight"][0]
+    config.update(vocab_size=vocab, padded_vocab_size=padded_vocab(vocab),
+                  tied_embeddings="output.weight" not in tensor_shapes)
+    config["bias"] = any(name.endswith(".bias") and "_norm." not in name
+                         for name in tensor_shapes)
+    try:
+        if gguf_arch == "gpt2":
+            gpt2 = LlamaConfig(num_kv_heads=config["num_heads"], **GPT2_CHOICES | config)
+            if gpt2.is_gpt2:
+                return GPT2Config(**{k: v for k, v in config.items() if k not in GPT2_CHOICES})
+            return gpt2
+        return LlamaConfig(norm="rmsnorm", position="rope", mlp="swiglu",
+                           qk_norm=gguf_arch == "qwen3", **config)
+    except ShapeError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+# ---- the tokenizer -----------------------------------------------------------
+
+class Vocab(NamedTuple):
+    """A "gpt2" (byte-level BPE) tokenizer as GGUF's tokenizer.ggml keys hold it."""
+    tokens: list
+    types: list     # gguf.TokenType of each token
+    merges: list    # "left right", in merge order
+    bos: int = None
+    eos: int = None
+    pre: str = None   # llama.cpp's pre-tokenizer name, when known
+    pads: bool = False   # padded to the embedding's rows, as the converter pads tokenizer.json's
+
+
+def _byte_chars():
+    """GPT-2's printable stand-in for each byte (its bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _split(ranks, token):
+    """The two tokens BPE merges into ``token``: its bytes merged by rank,
+    every merge ranked below the token's own."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, len(ranks)), i) for i, (a, b) in
+                 enumerate(zip(parts[:-1], parts[1:]))]
+        rank, i = min(pairs)
+        if rank >= ranks[token]:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def tiktoken_vocab(encoding):
+    """The Vocab of a tiktoken Encoding (GPT-2's): its ranks as byte-level
+    strings, then its special tokens; <|endoftext|> is bos and eos."""
+    gguf = _gguf()
+    ranks = encoding._mergeable_ranks   # tiktoken has no public accessor for the ranks
+    chars = _byte_chars()
+    text = lambda token: "".join(chars[b] for b in token)
+    by_rank = sorted(ranks, key=ranks.get)
+    tokens = [text(t) for t in by_rank]
+    merges = [" ".join(text(part) for part in _split(ranks, t)) for t in by_rank if len(t) > 1]
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    for special, i in sorted(encoding._special_tokens.items(), key=lambda kv: kv[1]):
+        if i != len(tokens):
+            raise UnsupportedError(f"tokenizer {encoding.name}: special token {special} has id "
+                                   f"{i}, expected {len(tokens)} (right after the ranks)")
+        tokens.append(special)
+        types.append(gguf.TokenType.CONTROL)
+    return Vocab(tokens, types, merges, encoding.eot_token, encoding.eot_token, "gpt-2")
+
+
+def tokenizer_json_vocab(path, bos=None, eos=None):
+    """The Vocab of a Hugging Face tokenizer.json with a BPE model (ids
+    without a token are [PAD<id>]); llama.cpp's pre-tokenizer name is left
+    out (convert_hf_to_gguf finds it by hashing the tokenizer's output)."""
+    import json
+    gguf = _gguf()
+    try:
+        raw = json.loads(Path(path).read_text())
+        model = raw["model"]
+        kind = model.get("type")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a readable tokenizer.json ({type(e).__name__}: "
+                              f"{e})") from None
+    if kind != "BPE":
+        raise UnsupportedError(f"{path}: field model.type is {kind!r}; GGUF export writes BPE "
+                               f"tokenizers only")
+    by_id = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
+    for added in raw.get("added_tokens") or []:
+        by_id[added["id"]] = (added["content"], gguf.TokenType.CONTROL if added.get("special")
+                              else gguf.TokenType.USER_DEFINED)
+    count = max(by_id) + 1 if by_id else 0
+    pad = lambda i: (f"[PAD{i}]", gguf.TokenType.UNUSED)
+    tokens, types = zip(*[by_id.get(i) or pad(i) for i in range(count)]) if count else ((), ())
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    return Vocab(list(tokens), list(types), merges, bos, eos, pads=True)
+
+
+def _fit_vocab(vocab, vocab_size, source):
+    """``vocab`` padded with [PAD<i>] tokens to the embedding's ``vocab_size``
+    rows if it ``pads``; more tokens than rows, or fewer without padding (a
+    model of another vocabulary was trained with another tokenizer), is a
+    ShapeError naming ``source``."""
+    count = len(vocab.tokens)
+    if count > vocab_size or (not vocab.pads and count != vocab_size):
+        raise ShapeError(f"{source}: the tokenizer has {count} tokens but the embedding has "
+                         f"{vocab_size} rows (vocab_size): give the model's own tokenizer")
+    extra = range(count, vocab_size)
+    return vocab._replace(tokens=vocab.tokens + [f"[PAD{i}]" for i in extra],
+                          types=vocab.types + [_gguf().TokenType.UNUSED] * len(extra))
+
+
+def tokenizer_vocab(tokenizer):
+    """The Vocab of a tokenizer from tokenizer.load_tokenizer: an
+    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding."""
+    if hasattr(tokenizer, "path"):   # an HFTokenizer: its bos is its document separator
+        return tokenizer_json_vocab(tokenizer.path, tokenizer.eot_token, tokenizer.eot_token)
+    return tiktoken_vocab(tokenizer)
+
+
+# ---- writing -----------------------------------------------------------------
+
+def _qtype(gguf, name, shape, dtype):
+    """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
+    norms, biases and position_embd; ``dtype`` for the other weights."""
+    if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
+            or name == "position_embd.weight":
+        return gguf.GGMLQuantizationType.F32
+    return gguf.GGMLQuantizationType[dtype.upper()]
+
+
+def _quantized(gguf, data, qtype):
+    """(bytes or array, type) of ``data`` as ``qtype``; a row length that is
+    no whole number of blocks falls back to F16, as the converter does."""
+    try:
+        return gguf.quants.quantize(data, qtype), qtype
+    except gguf.QuantError:
+        f16 = gguf.GGMLQuantizationType.F16
+        return gguf.quants.quantize(data, f16), f16
+
+
+def gguf_tensors(config):
+    """[(GGUF name, Hugging Face name)] of a model of ``config``'s tensors."""
+    gguf = _gguf()
+    hf_arch = architecture(config)
+    arch = gguf.MODEL_ARCH[GGUF_ARCHS[hf_arch].upper()]
+    names = gguf.get_tensor_name_map(arch, config.num_layers)
+    pairs = []
+    for hf_name in hf_names(config):
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise UnsupportedError(f"tensor {hf_name}: gguf.tensor_mapping has no GGUF name for "
+                                   f"it in a {GGUF_ARCHS[hf_arch]} model")
+        pairs.append((name, hf_name))
+    return pairs
+
+
+def _rope_rows(config, name):
+    """The heads of a q or k tensor (weight or bias) whose rows the llama
+    architecture permutes; None for the others."""
+    if name.startswith("blk.") and name.split(".")[2] in ("attn_q", "attn_k"):
+        return config.num_heads if name.split(".")[2] == "attn_q" else config.num_kv_heads
+    return None
+
+
+def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
+    """Writes a GGUF file of a model of ``config`` with flat ``params``,
+    weights as ``dtype`` (DTYPES), with ``tokenizer``'s vocabulary
+    (tokenizer_vocab; ``source`` names it in errors), atomically."""
+    gguf = _gguf()
+    if dtype not in DTYPES:
+        raise UnsupportedError(f"dtype is {dtype!r}; GGUF export writes one of "
+                               f"{', '.join(DTYPES)}")
+    hf_arch = architecture(config)
+    arch = GGUF_ARCHS[hf_arch]
+    metadata = _metadata(config, hf_arch, arch)
+    vocab = _fit_vocab(tokenizer_vocab(tokenizer), config.vocab_size, source or "tokenizer")
+    hf = hf_tensors(config, params)
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
+                                   prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        writer = gguf.GGUFWriter(tmp, arch)
+        _add_metadata(gguf, writer, metadata, dtype)
+        _add_vocab(writer, vocab)
+        for name, hf_name in gguf_tensors(config):
+            data = hf[hf_name]
+            if hf_name.endswith(CONV1D) and arch == "gpt2":
+                data = data.T
+            if arch == "llama" and _rope_rows(config, name):
+                data = half_split_to_interleaved(data, _rope_rows(config, name),
+                                                 config.head_size)
+            data = np.ascontiguousarray(data, dtype=np.float32)
+            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype))
+            writer.add_tensor(name, raw, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise WriteError(e.errno, f"{path}: cannot write ({e.strerror or e})") from e
+        raise
+
+
+FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16",
+              "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
+
+
+def _add_metadata(gguf, writer, metadata, dtype):
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[dtype]])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, value in metadata.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+
+def _add_vocab(writer, vocab):
+    writer.add_tokenizer_model("gpt2")
+    if vocab.pre is not None:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.types)
+    writer.add_token_merges(vocab.merges)
+    if vocab.bos is not None:
+        writer.add_bos_token_id(vocab.bos)
+    if vocab.eos is not None:
+        writer.add_eos_token_id(vocab.eos)
+
+
+# ---- reading -----------------------------------------------------------------
+
+def _open(path):
+    """(gguf, reader, GGUF architecture, config) of a GGUF file."""
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:   # the reader raises ValueError, struct and numpy errors alike
+        raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
+                              f"{e})") from None
+    fields = reader.fields
+    key = gguf.Keys.General.ARCHITECTURE
+    arch = fields[key].contents() if key in fields else None
+    if arch not in HF_ARCHS:
+        raise UnsupportedError(f"{path}: metadata key {key} is {arch!r}; supported: "
+                               f"{', '.join(HF_ARCHS)}")
+    _check_extents(path, reader)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    config = _config(fields, path, arch, shapes)
+    tokens = fields.get(gguf.Keys.Tokenizer.LIST)
+    if tokens is not None and len(tokens.data) != config.vocab_size:
+        raise CheckpointError(f"{path}: metadata key {gguf.Keys.Tokenizer.LIST} has "
+                              f"{len(tokens.data)} tokens but tensor token_embd.weight has "
+                              f"{config.vocab_size} rows")
+    return gguf, reader, arch, config
+
+
+def read_gguf_config(path):
+    """The config of a GGUF file (its metadata and tensor shapes)."""
+    return _open(path)[3]
+
+
+def read_gguf(path):
+    """(config, params) from a GGUF file; params is flat float32 in our
+    layout, every tensor dequantised."""
+    gguf, reader, arch, config = _open(path)
+    hf_arch = HF_ARCHS[arch]
+    if config.sliding_window:
+        hf_arch = "MistralForCausalLM"
+    to_hf = dict(gguf_tensors(config))
+    tensors = {}
+    for t in reader.tensors:
+        if t.name not in to_hf:
+            raise CheckpointError(f"{path}: tensor {t.name} is not part of a {arch} model with "
+                                  f"this metadata")
+        data = _dequantized(gguf, path, t)
+        heads = _rope_rows(config, t.name) if arch == "llama" else None
+        if heads and len(data) == heads * config.head_size:   # else refused below by shape
+            data = interleaved_to_half_split(data, heads, config.head_size)
+        hf_name = to_hf[t.name]
+        tensors[hf_name] = data.T if arch == "gpt2" and hf_name.endswith(CONV1D) else data
+    return config, params_from_tensors(hf_arch, config, tensors, path, "metadata")
+
+
+def _check_extents(path, reader):
+    """CheckpointError unless each tensor's bytes (by its shape and type)
+    end before the next tensor's start and the file's end (the reader
+    trusts the shapes)."""
+    tensors = sorted(reader.tensors, key=lambda t: t.data_offset)
+    ends = [t.data_offset for t in tensors[1:]] + [len(reader.data)]
+    for tensor, end in zip(tensors, ends):
+        if tensor.data_offset + tensor.n_bytes > end:
+            shape = [int(n) for n in reversed(tensor.shape)]
+            raise CheckpointError(f"{path}: tensor {tensor.name} of shape {shape} "
+                                  f"({tensor.tensor_type.name}) needs {tensor.n_bytes} bytes but "
+                                  f"{end - tensor.data_offset} are stored for it")
+
+
+def _dequantized(gguf, path, tensor):
+    """A tensor of the file as float32 in numpy's order."""
+    kind = tensor.tensor_type.name
+    if kind not in READ_TYPES:
+        raise UnsupportedError(f"{path}: tensor {tensor.name} has type {kind}; supported: "
+                               f"{', '.join(READ_TYPES)}")
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    values = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return values.reshape(shape).astype(np.float32, copy=False)
