@@ -187,3 +187,42 @@ def test_matmul_quant_refuses_bad_shapes_and_types(rng):
         K.matmul_forward_quant(out, x, wq.view(np.int8), None, K.QUANT_TYPES["q8_0"])
     with pytest.raises(ValueError, match="unknown variant"):
         K.matmul_forward_quant(out, x, wq, None, K.QUANT_TYPES["q8_0"], variant="sse")
+
+
+# ---- llmc_py/model/quantized.py: the holder the model decodes with ---------------
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_linear_is_the_kernels(rng, qtype):
+    from llmc_py.model.quantized import QuantizedLinear
+    w = rng.standard_normal((19, 96)).astype(np.float32)
+    x = rng.standard_normal((2, 3, 96)).astype(np.float32)
+    bias = rng.standard_normal(19).astype(np.float32)
+    layer = QuantizedLinear.quantize(w, qtype, name="blocks.0.fc")
+    assert layer.shape == (19, 96) and layer.nbytes == 19 * 3 * (34 if qtype == "q8_0" else 18)
+    np.testing.assert_array_equal(layer.blocks, gguf.quants.quantize(w, GGML[qtype]))
+    np.testing.assert_array_equal(layer.dequantize(),
+                                  gguf.quants.dequantize(layer.blocks, GGML[qtype]))
+    out = np.full((2, 3, 19), np.nan, np.float32)
+    layer(out, x, bias)
+    np.testing.assert_array_equal(out.reshape(6, 19),
+                                  matmul(x.reshape(6, 96), layer.blocks, bias, qtype))
+    # made again from its bytes (as a GGUF tensor is), the same layer
+    again = QuantizedLinear(layer.blocks.copy(), 96, qtype)
+    out2 = np.empty_like(out)
+    again(out2, x, bias)
+    np.testing.assert_array_equal(out2, out)
+
+
+def test_quantized_linear_names_the_tensor_it_refuses(rng):
+    from llmc_py.model.quantized import QuantizedLinear
+    with pytest.raises(ShapeError, match=r"blocks\.0\.fc has shape \(4, 40\): its input "
+                                         r"dimension 40 is not a multiple of 32"):
+        QuantizedLinear.quantize(np.zeros((4, 40), np.float32), "q8_0", name="blocks.0.fc")
+    with pytest.raises(ValueError, match="unknown quantisation type 'q5_1'"):
+        QuantizedLinear.quantize(np.zeros((4, 32), np.float32), "q5_1")
+    with pytest.raises(ShapeError, match=r"lm_head: blocks of uint8 \(4, 18\), expected uint8 "
+                                         r"\[OC, 34\]"):
+        QuantizedLinear(np.zeros((4, 18), np.uint8), 32, "q8_0", name="lm_head")
+    layer = QuantizedLinear.quantize(np.ones((4, 32), np.float32), "q4_0", name="attn.c_proj")
+    with pytest.raises(ShapeError, match=r"attn\.c_proj \[4, 32\]: input \(1, 33\)"):
+        layer(np.empty((1, 4), np.float32), np.empty((1, 33), np.float32))
