@@ -9,8 +9,9 @@
  * with ggml-quants.c's rounding (quantize_row_q8_0_ref, _q4_0_ref), which
  * gguf.quants reproduces in numpy.
  *
- * variants of matmul_forward_quant (one body per instruction set; the
- * unsuffixed function picks the best this CPU has under llmc_get_isa()):
+ * paths of matmul_forward_quant (a lane-sums function per instruction set
+ * under one shared loop; the unsuffixed function picks the best this CPU
+ * has under llmc_get_isa(), each suffixed one forces its path):
  *   portable    plain C
  *   avx2        AVX2: maddubs + madd (Haswell, Zen)
  *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
@@ -131,68 +132,7 @@ static void quantize_block_q4_0(uint8_t* block, const float* x) {
     }
 }
 
-static int check_quant(int rows, int IC, int qtype) {
-    if (block_bytes(qtype) == 0) { return LLMC_ERR_VALUE; }
-    if (rows <= 0 || IC <= 0 || IC % QK != 0) { return LLMC_ERR_SHAPE; }
-    if (!llmc_count_fits((size_t)rows, (size_t)IC, 1, 1)) { return LLMC_ERR_SHAPE; }
-    return LLMC_OK;
-}
-
-int quantize_rows(uint8_t* out, const float* inp, int rows, int IC, int qtype) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    const int status = check_quant(rows, IC, qtype);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    const int64_t nblocks = (int64_t)rows * (IC / QK);
-    const size_t bb = block_bytes(qtype);
-    #pragma omp parallel for
-    for (int64_t b = 0; b < nblocks; b++) {
-        if (qtype == LLMC_QUANT_Q8_0) { quantize_block_q8_0(out + (size_t)b * bb, inp + (size_t)b * QK); }
-        else { quantize_block_q4_0(out + (size_t)b * bb, inp + (size_t)b * QK); }
-    }
-    return LLMC_OK;
-}
-
-int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype) {
-    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
-    const int status = check_quant(rows, IC, qtype);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    const int64_t nblocks = (int64_t)rows * (IC / QK);
-    const size_t bb = block_bytes(qtype);
-    #pragma omp parallel for
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint8_t* block = inp + (size_t)b * bb;
-        float* y = out + (size_t)b * QK;
-        const float d = block_scale(block);
-        if (qtype == LLMC_QUANT_Q8_0) {
-            for (int i = 0; i < QK; i++) { y[i] = (float)(int8_t)block[2 + i] * d; }
-        } else {
-            for (int j = 0; j < QK / 2; j++) {
-                y[j] = (float)((block[2 + j] & 0x0f) - 8) * d;
-                y[j + QK / 2] = (float)((block[2 + j] >> 4) - 8) * d;
-            }
-        }
-    }
-    return LLMC_OK;
-}
-
-/* ---- the decoding matmul ------------------------------------------------- */
-
-/* One input row quantized to Q8_0, unpacked: int8 q [IC] and float scales
-   [IC/32] (the fp16 scales, widened). */
-typedef struct {
-    const int8_t* q;
-    const float* d;
-} qrow;
-
-/* out[o] for one (row, output) pair from the 8 per-lane double sums: the
-   lanes in a fixed tree, then the bias, rounded once to float. */
-static LLMC_ALWAYS_INLINE float finish(const double lane[8], const float* bias, int o) {
-    const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3]))
-                       + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    return (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
-}
-
-/* The 32 int8 weights of a block, in order (Q4_0's nibbles unpacked, minus 8). */
+/* The 32 int8s of a block, in order (Q4_0's nibbles unpacked, minus 8). */
 static LLMC_ALWAYS_INLINE void unpack_block(int8_t w[QK], const uint8_t* block, int qtype) {
     if (qtype == LLMC_QUANT_Q8_0) {
         memcpy(w, block + 2, QK);
@@ -204,28 +144,69 @@ static LLMC_ALWAYS_INLINE void unpack_block(int8_t w[QK], const uint8_t* block, 
     }
 }
 
-/* the plain twin: out[n, o] for o in [o0, o1) */
-static void dot_rows_portable(float* out, const qrow* x, const uint8_t* weight,
-                              const float* bias, int N, int IC, int OC, int qtype,
-                              int o0, int o1) {
-    const int nb = IC / QK;
-    const size_t bb = block_bytes(qtype), row_bytes = (size_t)nb * bb;
-    for (int o = o0; o < o1; o++) {
-        const uint8_t* wrow = weight + (size_t)o * row_bytes;
-        for (int n = 0; n < N; n++) {
-            double lane[8] = {0};
-            for (int b = 0; b < nb; b++) {
-                int8_t w[QK];
-                unpack_block(w, wrow + (size_t)b * bb, qtype);
-                const int8_t* q = x[n].q + (size_t)b * QK;
-                const float d = block_scale(wrow + (size_t)b * bb) * x[n].d[b];
-                for (int j = 0; j < 8; j++) {
-                    int32_t s = 0;
-                    for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * q[i]; }
-                    lane[j] += (double)s * (double)d;
-                }
-            }
-            out[(size_t)n * OC + o] = finish(lane, bias, o);
+/* the status of quantize_rows' and dequantize_rows' arguments */
+static int check_quant(const void* out, const void* inp, int rows, int IC, int qtype) {
+    if (!LLMC_NONNULL2(out, inp)) { return LLMC_ERR_NULL; }
+    if (block_bytes(qtype) == 0) { return LLMC_ERR_VALUE; }
+    if (rows <= 0 || IC <= 0 || IC % QK != 0) { return LLMC_ERR_SHAPE; }
+    if (!llmc_count_fits((size_t)rows, (size_t)IC, 1, 1)) { return LLMC_ERR_SHAPE; }
+    return LLMC_OK;
+}
+
+int quantize_rows(uint8_t* out, const float* inp, int rows, int IC, int qtype) {
+    const int status = check_quant(out, inp, rows, IC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    const int64_t nblocks = (int64_t)rows * (IC / QK);
+    const size_t bb = block_bytes(qtype);
+    #pragma omp parallel for
+    for (int64_t b = 0; b < nblocks; b++) {
+        uint8_t* block = out + (size_t)b * bb;
+        if (qtype == LLMC_QUANT_Q8_0) { quantize_block_q8_0(block, inp + (size_t)b * QK); }
+        else { quantize_block_q4_0(block, inp + (size_t)b * QK); }
+    }
+    return LLMC_OK;
+}
+
+int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype) {
+    const int status = check_quant(out, inp, rows, IC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    const int64_t nblocks = (int64_t)rows * (IC / QK);
+    #pragma omp parallel for
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t* block = inp + (size_t)b * block_bytes(qtype);
+        int8_t q[QK];
+        unpack_block(q, block, qtype);
+        const float d = block_scale(block);
+        for (int i = 0; i < QK; i++) { out[(size_t)b * QK + i] = (float)q[i] * d; }
+    }
+    return LLMC_OK;
+}
+
+/* ---- the decoding matmul ------------------------------------------------- */
+
+/*
+ * A path's kernel: lane[j] (written) = sum over the nb blocks, in order, of
+ * (int32 sum of w[i] * q[i] for i = 4j .. 4j+3 of the block) * (d_w * d_x),
+ * each term exact in double. wrow is one weight row's blocks; q, d the
+ * input row's int8s and scales.
+ */
+typedef void (*lane_sums_fn)(double lane[8], const uint8_t* wrow, const int8_t* q,
+                             const float* d, int nb, int qtype);
+
+/* the plain twin */
+static void lane_sums_portable(double lane[8], const uint8_t* wrow, const int8_t* q,
+                               const float* d, int nb, int qtype) {
+    const size_t bb = block_bytes(qtype);
+    for (int j = 0; j < 8; j++) { lane[j] = 0.0; }
+    for (int b = 0; b < nb; b++) {
+        int8_t w[QK];
+        unpack_block(w, wrow + (size_t)b * bb, qtype);
+        const int8_t* qb = q + (size_t)b * QK;
+        const float scale = block_scale(wrow + (size_t)b * bb) * d[b];
+        for (int j = 0; j < 8; j++) {
+            int32_t s = 0;
+            for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * qb[i]; }
+            lane[j] += (double)s * (double)scale;
         }
     }
 }
@@ -245,98 +226,73 @@ static void dot_rows_portable(float* out, const qrow* x, const uint8_t* weight,
 
 #define SCALE_F16C(block) _cvtsh_ss((unsigned short)((block)[0] | ((block)[1] << 8)))
 
-/* The AVX2 and AVX-VNNI paths: one block a time, 8 int32 lane sums from
-   |x| (unsigned) times w with x's sign, then the lanes into 2 x 4 doubles. */
-#define DOT_ROWS_256(NAME, TARGET, LANE_SUMS)                                             \
-TARGET static void NAME(float* out, const qrow* x, const uint8_t* weight,                \
-                        const float* bias, int N, int IC, int OC, int qtype,             \
-                        int o0, int o1) {                                                 \
-    const int nb = IC / QK;                                                               \
-    const size_t bb = block_bytes(qtype), row_bytes = (size_t)nb * bb;                    \
-    for (int o = o0; o < o1; o++) {                                                       \
-        const uint8_t* wrow = weight + (size_t)o * row_bytes;                             \
-        for (int n = 0; n < N; n++) {                                                     \
-            __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();           \
-            for (int b = 0; b < nb; b++) {                                                \
-                const uint8_t* block = wrow + (size_t)b * bb;                             \
-                const __m256i w = LOAD_WEIGHTS_256(block, qtype);                         \
-                const __m256i q = _mm256_loadu_si256((const __m256i*)(x[n].q + (size_t)b * QK)); \
-                const __m256i s = LANE_SUMS(_mm256_sign_epi8(q, q), _mm256_sign_epi8(w, q)); \
-                const __m256d d = _mm256_set1_pd((double)(SCALE_F16C(block) * x[n].d[b])); \
-                acc_lo = _mm256_add_pd(acc_lo,                                            \
-                                       _mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), d)); \
-                acc_hi = _mm256_add_pd(acc_hi,                                            \
-                                       _mm256_mul_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), d)); \
-            }                                                                             \
-            double lane[8];                                                               \
-            _mm256_storeu_pd(lane, acc_lo);                                               \
-            _mm256_storeu_pd(lane + 4, acc_hi);                                           \
-            out[(size_t)n * OC + o] = finish(lane, bias, o);                              \
-        }                                                                                 \
+/* The AVX2 and AVX-VNNI paths: one block a time, 8 int32 lane sums of |x|
+   (unsigned) times w with x's sign, then the lanes into 2 x 4 doubles. */
+#define LANE_SUMS_256(NAME, TARGET, DOT4)                                                 \
+TARGET static void NAME(double lane[8], const uint8_t* wrow, const int8_t* q,            \
+                        const float* d, int nb, int qtype) {                             \
+    const size_t bb = block_bytes(qtype);                                                 \
+    __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();                   \
+    for (int b = 0; b < nb; b++) {                                                        \
+        const uint8_t* block = wrow + (size_t)b * bb;                                     \
+        const __m256i w = LOAD_WEIGHTS_256(block, qtype);                                 \
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));       \
+        const __m256i s = DOT4(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));           \
+        const __m256d scale = _mm256_set1_pd((double)(SCALE_F16C(block) * d[b]));         \
+        acc_lo = _mm256_add_pd(acc_lo, _mm256_mul_pd(                                     \
+            _mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), scale));                       \
+        acc_hi = _mm256_add_pd(acc_hi, _mm256_mul_pd(                                     \
+            _mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), scale));                  \
     }                                                                                     \
+    _mm256_storeu_pd(lane, acc_lo);                                                       \
+    _mm256_storeu_pd(lane + 4, acc_hi);                                                   \
 }
 
 /* maddubs sums pairs into int16 (|x| <= 127 and |w| <= 127: no saturation),
    madd with ones pairs those into int32 */
-#define LANE_SUMS_AVX2(ux, sw) \
-    _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sw), _mm256_set1_epi16(1))
-#define LANE_SUMS_AVXVNNI(ux, sw) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ux, sw)
+#define DOT4_AVX2(ux, sw) _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sw), _mm256_set1_epi16(1))
+#define DOT4_AVXVNNI(ux, sw) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ux, sw)
 
-DOT_ROWS_256(dot_rows_avx2, TARGET_AVX2, LANE_SUMS_AVX2)
-DOT_ROWS_256(dot_rows_avxvnni, TARGET_AVXVNNI, LANE_SUMS_AVXVNNI)
+LANE_SUMS_256(lane_sums_avx2, TARGET_AVX2, DOT4_AVX2)
+LANE_SUMS_256(lane_sums_avxvnni, TARGET_AVXVNNI, DOT4_AVXVNNI)
 
 /* AVX512-VNNI: two blocks per vpdpbusd (lanes 0-7 block b, 8-15 block
    b+1), each half into the same 8 double lanes in block order; an odd last
    block on 256 bits. */
 TARGET_AVX512VNNI
-static void dot_rows_avx512vnni(float* out, const qrow* x, const uint8_t* weight,
-                                const float* bias, int N, int IC, int OC, int qtype,
-                                int o0, int o1) {
-    const int nb = IC / QK;
-    const size_t bb = block_bytes(qtype), row_bytes = (size_t)nb * bb;
-    for (int o = o0; o < o1; o++) {
-        const uint8_t* wrow = weight + (size_t)o * row_bytes;
-        for (int n = 0; n < N; n++) {
-            __m512d acc = _mm512_setzero_pd();
-            int b = 0;
-            for (; b + 2 <= nb; b += 2) {
-                const uint8_t* b0 = wrow + (size_t)b * bb;
-                const uint8_t* b1 = b0 + bb;
-                const __m512i w = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(LOAD_WEIGHTS_256(b0, qtype)),
-                    LOAD_WEIGHTS_256(b1, qtype), 1);
-                const __m512i q = _mm512_loadu_si512((const void*)(x[n].q + (size_t)b * QK));
-                const __mmask64 negative = _mm512_movepi8_mask(q);
-                const __m512i sw = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
-                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                      _mm512_abs_epi8(q), sw);
-                const double d0 = (double)(SCALE_F16C(b0) * x[n].d[b]);
-                const double d1 = (double)(SCALE_F16C(b1) * x[n].d[b + 1]);
-                acc = _mm512_add_pd(acc, _mm512_mul_pd(
-                    _mm512_cvtepi32_pd(_mm512_castsi512_si256(s)), _mm512_set1_pd(d0)));
-                acc = _mm512_add_pd(acc, _mm512_mul_pd(
-                    _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(s, 1)), _mm512_set1_pd(d1)));
-            }
-            if (b < nb) {
-                const uint8_t* block = wrow + (size_t)b * bb;
-                const __m256i w = LOAD_WEIGHTS_256(block, qtype);
-                const __m256i q = _mm256_loadu_si256((const __m256i*)(x[n].q + (size_t)b * QK));
-                const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                                      _mm256_abs_epi8(q), _mm256_sign_epi8(w, q));
-                const double d = (double)(SCALE_F16C(block) * x[n].d[b]);
-                acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(d)));
-            }
-            double lane[8];
-            _mm512_storeu_pd(lane, acc);
-            out[(size_t)n * OC + o] = finish(lane, bias, o);
-        }
+static void lane_sums_avx512vnni(double lane[8], const uint8_t* wrow, const int8_t* q,
+                                 const float* d, int nb, int qtype) {
+    const size_t bb = block_bytes(qtype);
+    __m512d acc = _mm512_setzero_pd();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t* b0 = wrow + (size_t)b * bb;
+        const uint8_t* b1 = b0 + bb;
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(LOAD_WEIGHTS_256(b0, qtype)),
+                                             LOAD_WEIGHTS_256(b1, qtype), 1);
+        const __m512i x = _mm512_loadu_si512((const void*)(q + (size_t)b * QK));
+        const __mmask64 negative = _mm512_movepi8_mask(x);
+        const __m512i sw = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), sw);
+        const double scale0 = (double)(SCALE_F16C(b0) * d[b]);
+        const double scale1 = (double)(SCALE_F16C(b1) * d[b + 1]);
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(s)),
+                                               _mm512_set1_pd(scale0)));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(s, 1)),
+                                               _mm512_set1_pd(scale1)));
     }
+    if (b < nb) {
+        const uint8_t* block = wrow + (size_t)b * bb;
+        const __m256i w = LOAD_WEIGHTS_256(block, qtype);
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(x),
+                                              _mm256_sign_epi8(w, x));
+        const double scale = (double)(SCALE_F16C(block) * d[b]);
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(scale)));
+    }
+    _mm512_storeu_pd(lane, acc);
 }
 #endif
-
-typedef void (*dot_rows_fn)(float* out, const qrow* x, const uint8_t* weight,
-                            const float* bias, int N, int IC, int OC, int qtype,
-                            int o0, int o1);
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
 
@@ -367,17 +323,17 @@ static int path_supported(int path) {
     }
 }
 
-static dot_rows_fn path_function(int path) {
+static lane_sums_fn path_function(int path) {
 #ifdef LLMC_X86_DISPATCH
     switch (path) {
-        case PATH_AVX2: return dot_rows_avx2;
-        case PATH_AVXVNNI: return dot_rows_avxvnni;
-        case PATH_AVX512VNNI: return dot_rows_avx512vnni;
+        case PATH_AVX2: return lane_sums_avx2;
+        case PATH_AVXVNNI: return lane_sums_avxvnni;
+        case PATH_AVX512VNNI: return lane_sums_avx512vnni;
         default: break;
     }
 #endif
     (void)path;
-    return dot_rows_portable;
+    return lane_sums_portable;
 }
 
 /* The best path under the chosen instruction set: AVX-512 may use
@@ -399,16 +355,15 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
                  && llmc_count_fits((size_t)OC, (size_t)IC, 1, 1)
                  && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
-    const dot_rows_fn dot_rows = path_function(path);
+    const lane_sums_fn lane_sums = path_function(path);
 
     // the input rows as Q8_0 (llama.cpp's vec_dot_type of both formats),
     // unpacked: the int8s contiguous, one float scale a block
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
     float* xd = malloc((size_t)N * nb * sizeof(float));
-    qrow* rows = malloc((size_t)N * sizeof(qrow));
-    if (xq == NULL || xd == NULL || rows == NULL) {
-        free(xq); free(xd); free(rows);
+    if (xq == NULL || xd == NULL) {
+        free(xq); free(xd);
         return LLMC_ERR_NOMEM;
     }
     for (int n = 0; n < N; n++) {
@@ -419,42 +374,36 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
             xd[(size_t)n * nb + b] = block_scale(block);
             memcpy(xq + at, block + 2, QK);
         }
-        rows[n] = (qrow){xq + (size_t)n * IC, xd + (size_t)n * nb};
     }
 
-    // each thread a contiguous run of output rows o; every out[n, o] is
-    // summed by one thread in block order
-    #pragma omp parallel
-    {
-        int64_t lo, hi;
-        llmc_thread_share(OC, &lo, &hi);
-        if (lo < hi) { dot_rows(out, rows, weight, bias, N, IC, OC, qtype, (int)lo, (int)hi); }
+    // each thread a contiguous run of output rows o (a weight row is read
+    // once from memory, then from cache for the other input rows); every
+    // out[n, o] is summed by one thread: the lanes in block order, then the
+    // lanes in a fixed tree and the bias, rounded once to float
+    const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    #pragma omp parallel for schedule(static)
+    for (int o = 0; o < OC; o++) {
+        for (int n = 0; n < N; n++) {
+            double lane[8];
+            lane_sums(lane, weight + (size_t)o * row_bytes, xq + (size_t)n * IC,
+                      xd + (size_t)n * nb, nb, qtype);
+            const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3]))
+                               + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+            out[(size_t)n * OC + o] = (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
+        }
     }
-    free(xq); free(xd); free(rows);
+    free(xq); free(xd);
     return LLMC_OK;
 }
 
-int matmul_forward_quant(float* out, const float* inp, const uint8_t* weight, const float* bias,
-                         int N, int IC, int OC, int qtype) {
-    return matmul_quant(best_path(), out, inp, weight, bias, N, IC, OC, qtype);
-}
-
-int matmul_forward_quant_portable(float* out, const float* inp, const uint8_t* weight,
-                                  const float* bias, int N, int IC, int OC, int qtype) {
-    return matmul_quant(PATH_PORTABLE, out, inp, weight, bias, N, IC, OC, qtype);
-}
-
-int matmul_forward_quant_avx2(float* out, const float* inp, const uint8_t* weight,
-                              const float* bias, int N, int IC, int OC, int qtype) {
-    return matmul_quant(PATH_AVX2, out, inp, weight, bias, N, IC, OC, qtype);
-}
-
-int matmul_forward_quant_avxvnni(float* out, const float* inp, const uint8_t* weight,
-                                 const float* bias, int N, int IC, int OC, int qtype) {
-    return matmul_quant(PATH_AVXVNNI, out, inp, weight, bias, N, IC, OC, qtype);
-}
-
-int matmul_forward_quant_avx512vnni(float* out, const float* inp, const uint8_t* weight,
-                                    const float* bias, int N, int IC, int OC, int qtype) {
-    return matmul_quant(PATH_AVX512VNNI, out, inp, weight, bias, N, IC, OC, qtype);
-}
+/* the exported entry points: the best path, then each path forced */
+#define MATMUL_QUANT(name, path)                                                         \
+    int name(float* out, const float* inp, const uint8_t* weight, const float* bias,     \
+             int N, int IC, int OC, int qtype) {                                         \
+        return matmul_quant(path, out, inp, weight, bias, N, IC, OC, qtype);             \
+    }
+MATMUL_QUANT(matmul_forward_quant, best_path())
+MATMUL_QUANT(matmul_forward_quant_portable, PATH_PORTABLE)
+MATMUL_QUANT(matmul_forward_quant_avx2, PATH_AVX2)
+MATMUL_QUANT(matmul_forward_quant_avxvnni, PATH_AVXVNNI)
+MATMUL_QUANT(matmul_forward_quant_avx512vnni, PATH_AVX512VNNI)
