@@ -293,6 +293,65 @@ int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
                                const float* dout, const float* inp, const uint16_t* weight,
                                int B, int T, int C, int OC);
 
+/* ---- quant.c ------------------------------------------------------------ */
+
+/*
+ * Weights in llama.cpp's quantized blocks of 32 along the input dimension,
+ * byte for byte as GGUF stores them (the values are GGML's type numbers):
+ *   Q8_0  34 bytes a block: fp16 scale d, 32 int8 q;          w = d*q
+ *   Q4_0  18 bytes a block: fp16 scale d, 16 bytes, byte j = q[j] | q[j+16] << 4;
+ *                                                             w = d*(q - 8)
+ * An unknown qtype is LLMC_ERR_VALUE; IC not a multiple of 32 LLMC_ERR_SHAPE.
+ */
+typedef enum {
+    LLMC_QUANT_Q4_0 = 2,
+    LLMC_QUANT_Q8_0 = 8
+} llmc_quant_type;
+
+/*
+ * quantize_rows: each row of inp in blocks of 32, rounded as llama.cpp's
+ * quantize_row_q8_0_ref / quantize_row_q4_0_ref (= gguf.quants.quantize).
+ *
+ *   out [rows, IC/32 * block bytes]  (written)
+ *   inp [rows, IC]
+ */
+int quantize_rows(uint8_t* out, const float* inp, int rows, int IC, int qtype);
+
+/*
+ * dequantize_rows: the inverse, out = d * q (= gguf.quants.dequantize).
+ *
+ *   out [rows, IC]                   (written)
+ *   inp [rows, IC/32 * block bytes]
+ */
+int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype);
+
+/*
+ * matmul_forward_quant: out[n,o] = bias[o] + sum_i x[n,i] * w[o,i], for few
+ * rows (decoding), with each row x[n] first quantized to Q8_0 blocks (as
+ * llama.cpp does) and w dequantized from weight's blocks: per block an
+ * integer dot product times both scales, added in block order (8 partial
+ * lanes in double, then the lanes and bias in a fixed order, rounded once).
+ *
+ *   out    [N, OC]                        (written)
+ *   inp    [N, IC]
+ *   weight [OC, IC/32 * block bytes]      Q8_0 int8s in [-127, 127]
+ *   bias   [OC] or NULL
+ * Variants _portable, _avx2, _avxvnni, _avx512vnni force a path
+ * (LLMC_ERR_UNSUPPORTED where the CPU or build lacks it); all give the same
+ * bits. The unsuffixed one picks the best under llmc_get_isa(). Returns
+ * LLMC_ERR_NOMEM if the quantized rows' scratch cannot be allocated.
+ */
+int matmul_forward_quant(float* out, const float* inp, const uint8_t* weight, const float* bias,
+                         int N, int IC, int OC, int qtype);
+int matmul_forward_quant_portable(float* out, const float* inp, const uint8_t* weight,
+                                  const float* bias, int N, int IC, int OC, int qtype);
+int matmul_forward_quant_avx2(float* out, const float* inp, const uint8_t* weight,
+                              const float* bias, int N, int IC, int OC, int qtype);
+int matmul_forward_quant_avxvnni(float* out, const float* inp, const uint8_t* weight,
+                                 const float* bias, int N, int IC, int OC, int qtype);
+int matmul_forward_quant_avx512vnni(float* out, const float* inp, const uint8_t* weight,
+                                    const float* bias, int N, int IC, int OC, int qtype);
+
 /* ---- attention.c -------------------------------------------------------- */
 
 /*

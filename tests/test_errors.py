@@ -40,12 +40,17 @@ class Row:
     valid:     {argument: value} where 1 is not valid
     fill:      {array: value} where zeroes are not valid (lengths >= 1, frequencies > 0)
     bad:       extra ({argument: value, ...}, expected status name) cases
+    elements:  the length of every buffer, where 16 elements are too few
+    cpu_path:  a path forced onto an instruction set: LLMC_ERR_UNSUPPORTED
+               instead of LLMC_OK where this CPU or build lacks it
     """
     optional: frozenset = frozenset()
     not_sizes: frozenset = frozenset()
     valid: dict = field(default_factory=dict)
     fill: dict = field(default_factory=dict)
     bad: tuple = ()
+    elements: int = 16
+    cpu_path: bool = False
 
 
 _C_NOT_DIVISIBLE = (({"C": 3, "NH": 2}, "LLMC_ERR_SHAPE"),)
@@ -75,6 +80,13 @@ _WINDOWED = dict(optional=frozenset({"slopes"}), not_sizes=frozenset({"window"})
                  bad=_NH_NOT_DIVISIBLE + (({"window": -1}, "LLMC_ERR_SHAPE"),))
 _WINDOWED_DROPPED = dict(_WINDOWED, bad=_WINDOWED["bad"] + _BAD_DROPOUT)
 
+# quantized blocks: one block of 32 inputs (Q8_0's 34 bytes fit 64), a known type
+# (Q4_0, 2, is valid too: tests/test_quant.py)
+_QUANT = dict(valid={"IC": 32, "qtype": 8}, not_sizes=frozenset({"qtype"}), elements=64,
+              bad=(({"IC": 33}, "LLMC_ERR_SHAPE"), ({"IC": 16}, "LLMC_ERR_SHAPE"),
+                   ({"qtype": 3}, "LLMC_ERR_VALUE")))
+_QUANT_MATMUL = dict(_QUANT, optional=frozenset({"bias"}))
+
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
 ROWS = {
@@ -99,6 +111,11 @@ ROWS = {
     "matmul_backward_bf16": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "matmul_forward_bf16_naive": Row(optional=frozenset({"bias"})),
     "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "quantize_rows": Row(**_QUANT),
+    "dequantize_rows": Row(**_QUANT),
+    "matmul_forward_quant": Row(**_QUANT_MATMUL),
+    **{f"matmul_forward_quant_{path}": Row(**_QUANT_MATMUL, cpu_path=path != "portable")
+       for path in ("portable", "avx2", "avxvnni", "avx512vnni")},
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(**_WINDOWED_DROPPED),
@@ -215,8 +232,9 @@ class Call:
         self.args, self.buffers = {}, {}
         for param, ctype in self.types.items():
             if ctype.kind == "pointer":
-                fill = [self.row.fill[param]] * 16 if param in self.row.fill else None
-                self.buffers[param] = ffi.new(f"{ctype.item.cname}[16]", fill)
+                fill = [self.row.fill[param]] * self.row.elements if param in self.row.fill \
+                    else None
+                self.buffers[param] = ffi.new(f"{ctype.item.cname}[{self.row.elements}]", fill)
                 self.args[param] = self.buffers[param]
             elif ctype.cname in ("int", "int64_t"):
                 self.args[param] = self.row.valid.get(param, 1)
@@ -248,7 +266,10 @@ def _expect(call, status, changes, what):
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_kernel_accepts_its_small_valid_arguments(name):
-    _expect(Call(name), lib.LLMC_OK, {}, "valid arguments")
+    call = Call(name)
+    if call.row.cpu_path and call() == lib.LLMC_ERR_UNSUPPORTED:
+        pytest.skip(f"this CPU or build cannot run {name}")
+    _expect(call, lib.LLMC_OK, {}, "valid arguments")
 
 
 @pytest.mark.parametrize("name", KERNELS)

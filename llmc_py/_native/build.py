@@ -38,6 +38,7 @@ SOURCES = [
     "matmul.c",
     "bf16.c",
     "matmul_bf16.c",
+    "quant.c",
     "attention.c",
     "attention_probs.c",
     "attention_naive.c",

@@ -12,7 +12,7 @@ arrays   name[dims], the dims Python expressions of size letters; then
          its position) or "targets<V" (the same, or IGNORE_INDEX). A dim
          "..." is any leading dims, the size source's; ">=T" is at least T
          rows, of which the first T are passed. The dtype is the C type's
-         (float*, int*, uint16_t*, double*).
+         (float*, int*, uint16_t*, double*, uint8_t*).
 sizes    the C size arguments in order, "from" the arrays that give them, in
          the order they are checked. A plain source is unpacked by its dims
          (x[N] and x[...] give their size). A rule such as heads(inp, NH, NKV)
@@ -35,7 +35,8 @@ from typing import NamedTuple
 
 from .lib import ffi
 
-_ADAPTER = {"float *": "fptr", "int *": "iptr", "uint16_t *": "hptr", "double *": "dptr"}
+_ADAPTER = {"float *": "fptr", "int *": "iptr", "uint16_t *": "hptr", "double *": "dptr",
+            "uint8_t *": "bptr"}
 _CONVERT = {"": "{}", "seed": "_seed({})", "window": "_window({})", "int": "int({})",
             "flag": "int(bool({}))"}
 _ARRAY = re.compile(r"\s*(\w+)\[([^\]]*)\](=None)?([^,]*)(,|$)")

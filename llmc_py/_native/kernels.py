@@ -9,7 +9,7 @@ import numpy as np
 
 from .declare import bind
 # the generated wrappers call check, ffi.NULL and the pointer adapters from here
-from .lib import check, dptr, ffi, fptr, hptr, iptr, lib
+from .lib import bptr, check, dptr, ffi, fptr, hptr, iptr, lib
 from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
@@ -279,6 +279,37 @@ rope_backward = _kernel(
     """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through).""",
     args="dinp dout pos NH NKV theta inv_freq interleaved")
 
+# ---- quant.c: llama.cpp's blocks of 32 weights; qtype is GGML's type number --------
+
+QUANT_TYPES = {"q8_0": lib.LLMC_QUANT_Q8_0, "q4_0": lib.LLMC_QUANT_Q4_0}
+QUANT_BLOCK = 32
+_BLOCK_BYTES = {lib.LLMC_QUANT_Q8_0: 34, lib.LLMC_QUANT_Q4_0: 18}
+
+quantize_rows = _kernel(
+    "quantize_rows",
+    "out[R,IC//32*_block_bytes(qtype)] written, inp[R,IC] | R IC from quant_rows(inp, qtype)"
+    " | qtype:int",
+    """out[R, IC/32 * block bytes] (written, uint8) = inp[R, IC] in blocks of 32,
+    qtype QUANT_TYPES["q8_0"] or ["q4_0"]: bytes equal to gguf.quants.quantize.""")
+
+dequantize_rows = _kernel(
+    "dequantize_rows",
+    "out[R,IC] written, inp[R,IC//32*_block_bytes(qtype)] | R IC from quant_rows(out, qtype)"
+    " | qtype:int",
+    """out[R, IC] (written) = the weights of inp's blocks (= gguf.quants.dequantize).""")
+
+matmul_forward_quant = _kernel(
+    "matmul_forward_quant",
+    "out[N,OC] written, inp[N,IC], weight[OC,IC//32*_block_bytes(qtype)], bias[OC] or None"
+    " | N IC OC from weight, quant_rows(inp, qtype) | qtype:int",
+    """out[N,OC] (written) = inp[N,IC] . W^T + bias[OC] (or None), W [OC, IC] in
+    quantize_rows' blocks, each row of inp quantized to Q8_0 on the fly.
+
+    ``variant`` forces a path: "portable", "avx2", "avxvnni", "avx512vnni"
+    (UnsupportedError where this CPU lacks it); every path gives the same bits.""",
+    variants=("portable", "avx2", "avxvnni", "avx512vnni"))
+
+
 # ---- attention.c ----------------------------------------------------------------
 
 attention_forward = _kernel(
@@ -449,6 +480,23 @@ def _heads(inp, name, NH, NKV):
         raise ShapeError(f"{name} has {width} channels: expected (NH + 2*NKV)*hs "
                          f"= {heads}*hs with NH={NH}, NKV={NKV}")
     return B, T, width // heads
+
+
+def _block_bytes(qtype):
+    return _BLOCK_BYTES[qtype]
+
+
+def _quant_rows(arr, name, qtype):
+    """rows, IC of a float [rows, IC] beside quantized blocks of qtype, after
+    checking that qtype is known and IC a whole number of blocks."""
+    if qtype not in _BLOCK_BYTES:
+        known = ", ".join(f"{k} ({v})" for k, v in QUANT_TYPES.items())
+        raise ValueError(f"unknown quantisation type {qtype!r}; known: {known}")
+    rows, IC = _dims(arr, name, 2)
+    if IC % QUANT_BLOCK != 0:
+        raise ShapeError(f"{name} has shape {arr.shape}: its input dimension {IC} is not a "
+                         f"multiple of {QUANT_BLOCK}, the quantisation block")
+    return rows, IC
 
 
 def _kv_heads(k_cache, name, NH, NKV):

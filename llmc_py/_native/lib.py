@@ -62,6 +62,12 @@ def hptr(arr, name, shape, *, out=False):
     return _pointer(arr, name, shape, np.uint16, "uint16_t[]", out)
 
 
+def bptr(arr, name, shape, *, out=False):
+    """A uint8_t* into a uint8 C-contiguous array of exactly ``shape``: quantized
+    blocks (no copy)."""
+    return _pointer(arr, name, shape, np.uint8, "uint8_t[]", out)
+
+
 def dptr(arr, name, shape, *, out=False):
     """A double* into a float64 C-contiguous array of exactly ``shape`` (no copy)."""
     return _pointer(arr, name, shape, np.float64, "double[]", out)

@@ -1,0 +1,409 @@
+/*
+ * Quantized weights in llama.cpp's Q8_0 and Q4_0 blocks, and the decoding
+ * matmul on them (few rows: token-by-token generation).
+ *
+ * A block is 32 consecutive weights along the input dimension IC:
+ *   Q8_0  34 bytes: fp16 scale d (little-endian), then 32 int8 q;  x = d*q
+ *   Q4_0  18 bytes: fp16 scale d, then 16 bytes; byte j holds q[j] in its
+ *         low nibble and q[j+16] in its high one;  x = d*(q - 8)
+ * with ggml-quants.c's rounding (quantize_row_q8_0_ref, _q4_0_ref), which
+ * gguf.quants reproduces in numpy.
+ *
+ * paths of matmul_forward_quant (a lane-sums function per instruction set
+ * under one shared loop; the unsuffixed function picks the best this CPU
+ * has under llmc_get_isa(), each suffixed one forces its path):
+ *   portable    plain C
+ *   avx2        AVX2: maddubs + madd (Haswell, Zen)
+ *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
+ *   avx512vnni  AVX512-VNNI vpdpbusd on 512 bits, two blocks a time
+ *               (Ice Lake, Sapphire Rapids, Zen 4)
+ * As llama.cpp does, each input row is first quantized to Q8_0 blocks; then
+ * per block an integer dot product. Every path splits a block's dot product
+ * into the same 8 int32 lane sums (lane j: elements 4j..4j+3, vpdpbusd's and
+ * maddubs+madd's grouping), which are exact. Each lane sum times the float
+ * d_w*d_x is exact in double (17 + 24 bits), and each lane accumulates its
+ * products in double in block order, so no fusing of multiply and add can
+ * change the result: all paths agree bitwise, for any thread count.
+ */
+#include "llmc.h"
+#include "common.h"
+#include "isa.h"
+
+#ifdef LLMC_X86_DISPATCH
+#include <cpuid.h>
+#include <immintrin.h>
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVXVNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
+#define TARGET_AVX512VNNI \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#endif
+
+#define QK 32   /* weights per block */
+
+/* bytes of one block of qtype, or 0 for a type this file does not know */
+static size_t block_bytes(int qtype) {
+    switch (qtype) {
+        case LLMC_QUANT_Q8_0: return 2 + QK;
+        case LLMC_QUANT_Q4_0: return 2 + QK / 2;
+        default: return 0;
+    }
+}
+
+/* x rounded to the nearest fp16, ties to even (numpy's astype(float16));
+   overflow gives infinity, a NaN stays a NaN. */
+static uint16_t fp16_from_float(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    const uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) { return sign | 0x7e00u; }
+    if (a >= 0x477ff000u) { return sign | 0x7c00u; }   // rounds to >= 65520: inf
+    if (a < 0x38800000u) {   // below 2^-14: a subnormal fp16 (or 0)
+        // value m * 2^(e - 150), in units of 2^-24: m >> (126 - e), rounded
+        const int drop = 126 - (int)(a >> 23);
+        if (drop > 24) { return sign; }   // below 2^-25 (or exactly: a tie to 0)
+        const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+        const uint32_t half = 1u << (drop - 1), rest = m & ((1u << drop) - 1);
+        uint32_t h = m >> drop;
+        if (rest > half || (rest == half && (h & 1u))) { h++; }
+        return sign | (uint16_t)h;
+    }
+    // normal: rebias the exponent, round the 13 dropped bits to even
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return sign | (uint16_t)((r - 0x38000000u) >> 13);
+}
+
+/* The float of an fp16 number (exact). */
+static LLMC_ALWAYS_INLINE float fp16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f) { u = sign | 0x7f800000u | (m << 13); }
+    else if (e != 0) { u = sign | ((e + 112) << 23) | (m << 13); }
+    else if (m == 0) { u = sign; }
+    else {   // subnormal: m * 2^-24
+        float f = (float)m * 0x1p-24f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static LLMC_ALWAYS_INLINE float block_scale(const uint8_t* block) {
+    return fp16_to_float((uint16_t)(block[0] | (block[1] << 8)));
+}
+
+static void store_scale(uint8_t* block, float d) {
+    const uint16_t h = fp16_from_float(d);
+    block[0] = (uint8_t)(h & 0xff);
+    block[1] = (uint8_t)(h >> 8);
+}
+
+/* quantize_row_q8_0_ref: d = max|x| / 127, q = round(x / d) (half away from 0) */
+static void quantize_block_q8_0(uint8_t* block, const float* x) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; i++) { amax = fmaxf(amax, fabsf(x[i])); }
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_scale(block, d);
+    for (int i = 0; i < QK; i++) { block[2 + i] = (uint8_t)(int8_t)roundf(x[i] * id); }
+}
+
+/* quantize_row_q4_0_ref: d = (the x of largest magnitude) / -8,
+   q = min(15, trunc(x / d + 8.5)) */
+static void quantize_block_q4_0(uint8_t* block, const float* x) {
+    float amax = 0.0f, max = 0.0f;
+    for (int i = 0; i < QK; i++) {
+        if (fabsf(x[i]) > amax) { amax = fabsf(x[i]); max = x[i]; }
+    }
+    const float d = max / -8.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    store_scale(block, d);
+    for (int j = 0; j < QK / 2; j++) {
+        // volatile: the product rounds before the add, as in llama.cpp (a
+        // fused multiply-add would round once and could move a tie)
+        volatile float p0 = x[j] * id, p1 = x[j + QK / 2] * id;
+        int q0 = (int)(p0 + 8.5f), q1 = (int)(p1 + 8.5f);
+        q0 = q0 > 15 ? 15 : q0;
+        q1 = q1 > 15 ? 15 : q1;
+        block[2 + j] = (uint8_t)(q0 | (q1 << 4));
+    }
+}
+
+/* The 32 int8s of a block, in order (Q4_0's nibbles unpacked, minus 8). */
+static LLMC_ALWAYS_INLINE void unpack_block(int8_t w[QK], const uint8_t* block, int qtype) {
+    if (qtype == LLMC_QUANT_Q8_0) {
+        memcpy(w, block + 2, QK);
+    } else {
+        for (int j = 0; j < QK / 2; j++) {
+            w[j] = (int8_t)((block[2 + j] & 0x0f) - 8);
+            w[j + QK / 2] = (int8_t)((block[2 + j] >> 4) - 8);
+        }
+    }
+}
+
+/* the status of quantize_rows' and dequantize_rows' arguments */
+static int check_quant(const void* out, const void* inp, int rows, int IC, int qtype) {
+    if (!LLMC_NONNULL2(out, inp)) { return LLMC_ERR_NULL; }
+    if (block_bytes(qtype) == 0) { return LLMC_ERR_VALUE; }
+    if (rows <= 0 || IC <= 0 || IC % QK != 0) { return LLMC_ERR_SHAPE; }
+    if (!llmc_count_fits((size_t)rows, (size_t)IC, 1, 1)) { return LLMC_ERR_SHAPE; }
+    return LLMC_OK;
+}
+
+int quantize_rows(uint8_t* out, const float* inp, int rows, int IC, int qtype) {
+    const int status = check_quant(out, inp, rows, IC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    const int64_t nblocks = (int64_t)rows * (IC / QK);
+    const size_t bb = block_bytes(qtype);
+    #pragma omp parallel for
+    for (int64_t b = 0; b < nblocks; b++) {
+        uint8_t* block = out + (size_t)b * bb;
+        if (qtype == LLMC_QUANT_Q8_0) { quantize_block_q8_0(block, inp + (size_t)b * QK); }
+        else { quantize_block_q4_0(block, inp + (size_t)b * QK); }
+    }
+    return LLMC_OK;
+}
+
+int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype) {
+    const int status = check_quant(out, inp, rows, IC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    const int64_t nblocks = (int64_t)rows * (IC / QK);
+    #pragma omp parallel for
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t* block = inp + (size_t)b * block_bytes(qtype);
+        int8_t q[QK];
+        unpack_block(q, block, qtype);
+        const float d = block_scale(block);
+        for (int i = 0; i < QK; i++) { out[(size_t)b * QK + i] = (float)q[i] * d; }
+    }
+    return LLMC_OK;
+}
+
+/* ---- the decoding matmul ------------------------------------------------- */
+
+/*
+ * A path's kernel: lane[j] (written) = sum over the nb blocks, in order, of
+ * (int32 sum of w[i] * q[i] for i = 4j .. 4j+3 of the block) * (d_w * d_x),
+ * each term exact in double. wrow is one weight row's blocks; q, d the
+ * input row's int8s and scales.
+ */
+typedef void (*lane_sums_fn)(double lane[8], const uint8_t* wrow, const int8_t* q,
+                             const float* d, int nb, int qtype);
+
+/* the plain twin */
+static void lane_sums_portable(double lane[8], const uint8_t* wrow, const int8_t* q,
+                               const float* d, int nb, int qtype) {
+    const size_t bb = block_bytes(qtype);
+    for (int j = 0; j < 8; j++) { lane[j] = 0.0; }
+    for (int b = 0; b < nb; b++) {
+        int8_t w[QK];
+        unpack_block(w, wrow + (size_t)b * bb, qtype);
+        const int8_t* qb = q + (size_t)b * QK;
+        const float scale = block_scale(wrow + (size_t)b * bb) * d[b];
+        for (int j = 0; j < 8; j++) {
+            int32_t s = 0;
+            for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * qb[i]; }
+            lane[j] += (double)s * (double)scale;
+        }
+    }
+}
+
+#ifdef LLMC_X86_DISPATCH
+
+/* A block's 32 weights as int8 in one ymm (Q4_0: low nibbles are elements
+   0..15, high nibbles 16..31). */
+#define LOAD_WEIGHTS_256(block, qtype)                                                   \
+    ((qtype) == LLMC_QUANT_Q8_0                                                          \
+         ? _mm256_loadu_si256((const __m256i*)((block) + 2))                              \
+         : _mm256_sub_epi8(_mm256_and_si256(                                              \
+               _mm256_set_m128i(                                                          \
+                   _mm_srli_epi16(_mm_loadu_si128((const __m128i*)((block) + 2)), 4),    \
+                   _mm_loadu_si128((const __m128i*)((block) + 2))),                      \
+               _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8)))
+
+#define SCALE_F16C(block) _cvtsh_ss((unsigned short)((block)[0] | ((block)[1] << 8)))
+
+/* The AVX2 and AVX-VNNI paths: one block a time, 8 int32 lane sums of |x|
+   (unsigned) times w with x's sign, then the lanes into 2 x 4 doubles. */
+#define LANE_SUMS_256(NAME, TARGET, DOT4)                                                 \
+TARGET static void NAME(double lane[8], const uint8_t* wrow, const int8_t* q,            \
+                        const float* d, int nb, int qtype) {                             \
+    const size_t bb = block_bytes(qtype);                                                 \
+    __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();                   \
+    for (int b = 0; b < nb; b++) {                                                        \
+        const uint8_t* block = wrow + (size_t)b * bb;                                     \
+        const __m256i w = LOAD_WEIGHTS_256(block, qtype);                                 \
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));       \
+        const __m256i s = DOT4(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));           \
+        const __m256d scale = _mm256_set1_pd((double)(SCALE_F16C(block) * d[b]));         \
+        acc_lo = _mm256_add_pd(acc_lo, _mm256_mul_pd(                                     \
+            _mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), scale));                       \
+        acc_hi = _mm256_add_pd(acc_hi, _mm256_mul_pd(                                     \
+            _mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), scale));                  \
+    }                                                                                     \
+    _mm256_storeu_pd(lane, acc_lo);                                                       \
+    _mm256_storeu_pd(lane + 4, acc_hi);                                                   \
+}
+
+/* maddubs sums pairs into int16 (|x| <= 127 and |w| <= 127: no saturation),
+   madd with ones pairs those into int32 */
+#define DOT4_AVX2(ux, sw) _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sw), _mm256_set1_epi16(1))
+#define DOT4_AVXVNNI(ux, sw) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ux, sw)
+
+LANE_SUMS_256(lane_sums_avx2, TARGET_AVX2, DOT4_AVX2)
+LANE_SUMS_256(lane_sums_avxvnni, TARGET_AVXVNNI, DOT4_AVXVNNI)
+
+/* AVX512-VNNI: two blocks per vpdpbusd (lanes 0-7 block b, 8-15 block
+   b+1), each half into the same 8 double lanes in block order; an odd last
+   block on 256 bits. */
+TARGET_AVX512VNNI
+static void lane_sums_avx512vnni(double lane[8], const uint8_t* wrow, const int8_t* q,
+                                 const float* d, int nb, int qtype) {
+    const size_t bb = block_bytes(qtype);
+    __m512d acc = _mm512_setzero_pd();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t* b0 = wrow + (size_t)b * bb;
+        const uint8_t* b1 = b0 + bb;
+        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(LOAD_WEIGHTS_256(b0, qtype)),
+                                             LOAD_WEIGHTS_256(b1, qtype), 1);
+        const __m512i x = _mm512_loadu_si512((const void*)(q + (size_t)b * QK));
+        const __mmask64 negative = _mm512_movepi8_mask(x);
+        const __m512i sw = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), sw);
+        const double scale0 = (double)(SCALE_F16C(b0) * d[b]);
+        const double scale1 = (double)(SCALE_F16C(b1) * d[b + 1]);
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(s)),
+                                               _mm512_set1_pd(scale0)));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(s, 1)),
+                                               _mm512_set1_pd(scale1)));
+    }
+    if (b < nb) {
+        const uint8_t* block = wrow + (size_t)b * bb;
+        const __m256i w = LOAD_WEIGHTS_256(block, qtype);
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));
+        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(x),
+                                              _mm256_sign_epi8(w, x));
+        const double scale = (double)(SCALE_F16C(block) * d[b]);
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(scale)));
+    }
+    _mm512_storeu_pd(lane, acc);
+}
+#endif
+
+enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
+
+#ifdef LLMC_X86_DISPATCH
+/* bit of CPUID leaf.subleaf's register (0 eax, 2 ecx); clang 14's
+   __builtin_cpu_supports knows neither f16c nor avxvnni */
+static int cpuid_bit(unsigned leaf, unsigned subleaf, int reg, int bit) {
+    unsigned r[4];
+    if (!__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3])) { return 0; }
+    return (r[reg] >> bit) & 1u;
+}
+#endif
+
+static int path_supported(int path) {
+    switch (path) {
+        case PATH_PORTABLE: return 1;
+#ifdef LLMC_X86_DISPATCH
+        case PATH_AVX2:
+            return llmc_isa_supported(LLMC_ISA_AVX2) && cpuid_bit(1, 0, 2, 29);
+        case PATH_AVXVNNI:
+            return path_supported(PATH_AVX2) && cpuid_bit(7, 1, 0, 4);
+        case PATH_AVX512VNNI:
+            return path_supported(PATH_AVX2) && llmc_isa_supported(LLMC_ISA_AVX512)
+                   && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+                   && __builtin_cpu_supports("avx512vnni");
+#endif
+        default: return 0;
+    }
+}
+
+static lane_sums_fn path_function(int path) {
+#ifdef LLMC_X86_DISPATCH
+    switch (path) {
+        case PATH_AVX2: return lane_sums_avx2;
+        case PATH_AVXVNNI: return lane_sums_avxvnni;
+        case PATH_AVX512VNNI: return lane_sums_avx512vnni;
+        default: break;
+    }
+#endif
+    (void)path;
+    return lane_sums_portable;
+}
+
+/* The best path under the chosen instruction set: AVX-512 may use
+   AVX512-VNNI, AVX2 (or AVX-512 without VNNI) AVX-VNNI or else AVX2. */
+static int best_path(void) {
+    const int isa = llmc_get_isa();
+    if (isa >= LLMC_ISA_AVX512 && path_supported(PATH_AVX512VNNI)) { return PATH_AVX512VNNI; }
+    if (isa >= LLMC_ISA_AVX2 && path_supported(PATH_AVXVNNI)) { return PATH_AVXVNNI; }
+    if (isa >= LLMC_ISA_AVX2 && path_supported(PATH_AVX2)) { return PATH_AVX2; }
+    return PATH_PORTABLE;
+}
+
+static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
+                        const float* bias, int N, int IC, int OC, int qtype) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
+    LLMC_REQUIRE(block_bytes(qtype) != 0, LLMC_ERR_VALUE);
+    LLMC_REQUIRE(N > 0 && IC > 0 && OC > 0 && IC % QK == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits((size_t)N, (size_t)IC, 1, 1)
+                 && llmc_count_fits((size_t)OC, (size_t)IC, 1, 1)
+                 && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
+    const lane_sums_fn lane_sums = path_function(path);
+
+    // the input rows as Q8_0 (llama.cpp's vec_dot_type of both formats),
+    // unpacked: the int8s contiguous, one float scale a block
+    const int nb = IC / QK;
+    int8_t* xq = malloc((size_t)N * IC);
+    float* xd = malloc((size_t)N * nb * sizeof(float));
+    if (xq == NULL || xd == NULL) {
+        free(xq); free(xd);
+        return LLMC_ERR_NOMEM;
+    }
+    for (int n = 0; n < N; n++) {
+        for (int b = 0; b < nb; b++) {
+            uint8_t block[2 + QK];
+            const size_t at = (size_t)n * IC + (size_t)b * QK;
+            quantize_block_q8_0(block, inp + at);
+            xd[(size_t)n * nb + b] = block_scale(block);
+            memcpy(xq + at, block + 2, QK);
+        }
+    }
+
+    // each thread a contiguous run of output rows o (a weight row is read
+    // once from memory, then from cache for the other input rows); every
+    // out[n, o] is summed by one thread: the lanes in block order, then the
+    // lanes in a fixed tree and the bias, rounded once to float
+    const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    #pragma omp parallel for schedule(static)
+    for (int o = 0; o < OC; o++) {
+        for (int n = 0; n < N; n++) {
+            double lane[8];
+            lane_sums(lane, weight + (size_t)o * row_bytes, xq + (size_t)n * IC,
+                      xd + (size_t)n * nb, nb, qtype);
+            const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3]))
+                               + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+            out[(size_t)n * OC + o] = (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
+        }
+    }
+    free(xq); free(xd);
+    return LLMC_OK;
+}
+
+/* the exported entry points: the best path, then each path forced */
+#define MATMUL_QUANT(name, path)                                                         \
+    int name(float* out, const float* inp, const uint8_t* weight, const float* bias,     \
+             int N, int IC, int OC, int qtype) {                                         \
+        return matmul_quant(path, out, inp, weight, bias, N, IC, OC, qtype);             \
+    }
+MATMUL_QUANT(matmul_forward_quant, best_path())
+MATMUL_QUANT(matmul_forward_quant_portable, PATH_PORTABLE)
+MATMUL_QUANT(matmul_forward_quant_avx2, PATH_AVX2)
+MATMUL_QUANT(matmul_forward_quant_avxvnni, PATH_AVXVNNI)
+MATMUL_QUANT(matmul_forward_quant_avx512vnni, PATH_AVX512VNNI)
