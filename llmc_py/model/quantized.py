@@ -15,6 +15,11 @@ def _quant_type(qtype):
     return K.QUANT_TYPES[qtype]
 
 
+def check_weights_type(qtype):
+    """ValueError naming ``qtype`` unless it is "q8_0" or "q4_0"."""
+    _quant_type(qtype)
+
+
 def _check_input_dim(name, shape, qtype):
     if shape[-1] % K.QUANT_BLOCK != 0:
         raise ShapeError(f"{name} has shape {tuple(shape)}: its input dimension {shape[-1]} is "

@@ -85,6 +85,7 @@ from .guard import ThreadGuard, held
 from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
                      grad_act_specs, param_specs)
 from .lora import Lora
+from .quantized import QuantizedLinear, check_weights_type
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
                        reusable)
 
@@ -152,6 +153,7 @@ class Transformer:
         self.v_memory = None
         self.moment_params = self.num_parameters   # parameters whose moments we keep
         self.lora = None   # the LoRA adapters (model.lora) of a frozen base: add_lora, load_lora
+        self.quantized = None   # "q8_0" or "q4_0" after quantize()
         self.mean_loss = None
         self._drop_activations()   # made by the first forward, for its (B, T)
 
@@ -219,6 +221,7 @@ class Transformer:
         (version 3, fp32 parameters; ``dtype="bf16"``: version 5, each
         parameter rounded to the nearest bf16, as llm.c's train_gpt2.py
         writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
+        self._refuse_quantized("save_checkpoint")
         self._refuse_adapters("save_checkpoint")
         write_model_file(path, self.config, self.params.memory, dtype=dtype)
 
@@ -228,6 +231,7 @@ class Transformer:
         GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config.
         ``token_ids`` adds config.json's bos/eos/pad ids (io.hf.token_ids)."""
         from ..io.hf import write_hf   # needs the optional safetensors package
+        self._refuse_quantized("save_pretrained")
         self._refuse_adapters("save_pretrained")
         write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
 
@@ -238,6 +242,7 @@ class Transformer:
         Face folder or tokenizer.json path, a tokenizer from
         tokenizer.load_tokenizer, or None for GPT-2's (whose 50257 tokens must
         fit the embedding)."""
+        self._refuse_quantized("save_gguf")
         from ..io.gguf import write_gguf   # needs the optional gguf package
         from ..tokenizer import load_tokenizer
         source = tokenizer
@@ -580,6 +585,7 @@ class Transformer:
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches).
         The logits' gradient replaces the logits (model.logits is then gone)."""
+        self._refuse_quantized("backward")
         if self.targets is None or self._logits_state != "logits":
             raise RuntimeError("backward needs a forward with targets that kept its logits "
                                "first: call model.forward(inputs, targets)")
@@ -604,6 +610,7 @@ class Transformer:
         each block's logits turned into their gradient and multiplied back
         at once, so the (B, T, Vp) logits are never held (model.logits is
         not kept). ``dropout``: a model.dropout.Dropout, or None (no dropout)."""
+        self._refuse_quantized("forward_backward")
         if targets is None:
             raise ValueError("forward_backward needs targets")
         dropout = _checked_dropout(dropout)
@@ -658,6 +665,54 @@ class Transformer:
                                  repetition_penalty=repetition_penalty, seed=seed,
                                  stop_token=stop_token)
 
+    # ---- quantized weights -------------------------------------------------
+
+    @held
+    def quantize(self, qtype, blocks=None):
+        """Replaces the linear layers' weights (qkv, attention projection,
+        MLP) by llama.cpp's ``qtype`` blocks ("q8_0" or "q4_0") and the
+        output head by Q8_0 blocks (as llama.cpp keeps its output tensor at
+        8 bits or more); their float32 copies are released. The embedding's
+        gather reads wte in float32 (a tied head is then a Q8_0 copy of it);
+        norms and biases stay float32. ``blocks`` {name: [QuantizedLinear per
+        layer] or QuantizedLinear (the head)} gives some of them already
+        quantized (a GGUF file's bytes). Every linear layer then runs
+        matmul_forward_quant, for one row (decoding) or many (prefill):
+        forward, evaluation, generate; training and saving are refused."""
+        check_weights_type(qtype)
+        self._refuse_adapters("quantize")
+        if self.quantized is not None:
+            raise RuntimeError(f"quantize: this model is quantized ({self.quantized}) already")
+        blocks = dict(blocks or {})
+        head = "wte" if self.config.tied_embeddings else "lm_head"
+        weights = {}
+        for name in QUANTIZED_LINEARS + (head,):
+            if name not in blocks:
+                kind = "q8_0" if name == head else qtype
+                w = self.params[name]
+                blocks[name] = (QuantizedLinear.quantize(w, kind, name) if name == head else
+                                [QuantizedLinear.quantize(w[l], kind, f"{name}[{l}]")
+                                 for l in range(self.config.L)])
+            weights[name] = blocks[name]
+        # keep only the tensors still read in float32: a smaller params buffer
+        kept = [(n, fn) for n, fn in self.param_specs
+                if n not in QUANTIZED_LINEARS and n != "lm_head"]
+        params = TensorGroup(kept, self.config)
+        for name in params.names:
+            params[name][...] = self.params[name]
+        self.params = params
+        self.params_bf16 = None
+        self._weights = QuantizedWeights(weights)
+        self._matmul_forward = _quantized_matmul
+        self._matmul_backward = None
+        self.quantized = qtype
+
+    def _refuse_quantized(self, what):
+        if self.quantized is not None:
+            raise RuntimeError(f"{what}: this model's weights are quantized ({self.quantized}), "
+                               f"for generation and evaluation only; load the model unquantized "
+                               f"to train or save it")
+
     # ---- LoRA --------------------------------------------------------------
 
     @held
@@ -671,6 +726,7 @@ class Transformer:
         adapter's input in the passes given a Dropout. From then on
         zero_grad, backward, update, grad_norm and clip_grad_norm act on the
         adapters alone."""
+        self._refuse_quantized("add_lora")
         self._refuse_adapters("add_lora")
         lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
         lora.initialize(seed)
@@ -708,6 +764,7 @@ class Transformer:
         """Freezes the base and adds the adapters of a PEFT folder (io.peft),
         as add_lora does; options we do not support are refused by name."""
         from ..io.peft import read_peft
+        self._refuse_quantized("load_lora")
         self._refuse_adapters("load_lora")
         self._freeze(read_peft(folder, self.config))
 
@@ -763,10 +820,37 @@ class Transformer:
         weights only; the others then get none. After add_lora it updates
         the adapters alone (``decay`` then names adapter tensors, as
         lora.params does) and the base never changes."""
+        self._refuse_quantized("update")
         m, v = self.moments()
         params, grads = self.trained
         adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, decay,
                    params_bf16=None if self.lora is not None else self.params_bf16)
+
+
+# the linear layers' weights that quantize() replaces (the head besides)
+QUANTIZED_LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
+
+
+class QuantizedWeights:
+    """A quantized model's ``_weights``: weights["qkvw"][l] and the head
+    (.wte or .lm_head) as QuantizedLinear blocks."""
+
+    def __init__(self, weights):
+        self._weights = weights
+
+    def __getitem__(self, name):
+        return self._weights[name]
+
+    def __getattr__(self, name):
+        weights = self.__dict__.get("_weights")
+        if weights is not None and name in weights:
+            return weights[name]
+        raise AttributeError(name)
+
+
+def _quantized_matmul(out, inp, weight, bias):
+    """matmul_forward's call on a QuantizedLinear weight."""
+    weight(out, inp, bias)
 
 
 def _checked_dropout(dropout):

@@ -1,0 +1,149 @@
+"""A model whose linear layers run on llama.cpp's Q8_0 / Q4_0 blocks
+(model.quantize): its logits against a float64 reference of the same
+arithmetic, KV-cache decoding against its own full forward, the float32
+weights released, and what it refuses."""
+import dataclasses
+
+import gguf
+import numpy as np
+import pytest
+
+from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
+
+GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                        num_heads=4, channels=64)
+LLAMA = LlamaConfig(max_seq_len=24, vocab_size=67, padded_vocab_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, channels=64)
+MODELS = {
+    "gpt2": lambda: GPT2(GPT2_SMALL, seed=1),
+    "llama-gqa-untied": lambda: Llama(dataclasses.replace(LLAMA, tied_embeddings=False), seed=2),
+    "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=32,
+                                                      rope_theta=1e6), seed=3),
+}
+GGML = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
+
+
+def tokens(B, T, seed=0):
+    return np.random.default_rng(seed).integers(0, 67, (B, T))
+
+
+def round_trip(w, qtype):
+    """w as gguf's blocks of qtype would give it back."""
+    kind = GGML[qtype]
+    return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).reshape(w.shape)
+
+
+def reference(make, qtype):
+    """The float32 model with each linear weight replaced by its dequantised
+    blocks (the head's Q8_0), whose matmuls take each input row through
+    Q8_0 as the kernel does and sum in float64."""
+    model = make()
+    p, c = model.params, model.config
+    for name in LINEARS:
+        p[name][...] = round_trip(p[name].reshape(-1, p[name].shape[-1]),
+                                  qtype).reshape(p[name].shape)
+    head = "wte" if c.tied_embeddings else "lm_head"
+    dequantised_head = round_trip(p[head], "q8_0")
+
+    def matmul(out, inp, weight, bias):
+        if weight is model._head(model.params):
+            weight = dequantised_head
+        x = round_trip(np.ascontiguousarray(inp).reshape(-1, inp.shape[-1]), "q8_0")
+        y = x.astype(np.float64) @ weight.astype(np.float64).T
+        if bias is not None:
+            y += bias
+        out[...] = y.reshape(out.shape)
+
+    model._matmul_forward = matmul
+    return model
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype):
+    model = MODELS[name]()
+    model.quantize(qtype)
+    x = tokens(2, 9)
+    model.forward(x)
+    ref = reference(MODELS[name], qtype)
+    ref.forward(x)
+    got, want = model.logits[..., :67], ref.logits[..., :67]
+    # float32 sums in another order; an activation on a rounding boundary may
+    # move one Q8_0 step (1/127 of its block's largest value)
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", MODELS)
+def test_kv_cache_decoding_equals_its_own_full_forward(name, qtype):
+    model = MODELS[name]()
+    model.quantize(qtype)
+    prompt = [3, 14, 15, 9, 2]
+    new = model.generate(prompt, 10, temperature=0)
+    # greedy by full forwards of the quantized model
+    seq = list(prompt)
+    for _ in range(10):
+        model.forward(np.array([seq]))
+        seq.append(int(np.argmax(model.logits[0, -1, :67])))
+    assert new == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_float32_weights_are_released(name):
+    model = MODELS[name]()
+    before = model.params.memory.nbytes
+    model.quantize("q4_0")
+    for n in LINEARS + ("lm_head",):
+        assert n not in model.params
+    c = model.config
+    linear_floats = sum(np.prod(s) for n, s in MODELS[name]().params.shapes.items()
+                        if n in LINEARS or n == "lm_head")
+    assert model.params.memory.nbytes == before - 4 * linear_floats
+    assert model.params_bf16 is None
+    # Q4_0: 18 bytes per 32 weights
+    assert model._weights["fcw"][0].nbytes * 32 == 18 * np.prod(model._weights["fcw"][0].shape)
+    assert "wte" in model.params and model.params.wte.shape == (c.Vp, c.C)
+
+
+def test_a_quantized_bf16_model_releases_its_bf16_copy():
+    model = Llama(LLAMA, seed=2, precision="bf16")
+    model.quantize("q8_0")
+    assert model.params_bf16 is None
+    model.forward(tokens(1, 4))
+
+
+def test_loss_with_targets(tmp_path):
+    model = MODELS["gpt2"]()
+    x = tokens(2, 8)
+    ref = model.forward(x[:, :-1], x[:, 1:])
+    model.quantize("q8_0")
+    loss = model.forward(x[:, :-1], x[:, 1:])
+    assert abs(loss - ref) < 0.01 * ref
+    assert model.forward(x[:, :-1], x[:, 1:], keep_logits=False) == pytest.approx(loss, 1e-6)
+
+
+@pytest.mark.parametrize("call", ["backward", "forward_backward", "update", "save_checkpoint",
+                                  "add_lora", "quantize"])
+def test_training_and_saving_are_refused(tmp_path, call):
+    model = MODELS["gpt2"]()
+    model.quantize("q8_0")
+    x = tokens(1, 4)
+    model.forward(x, x)
+    calls = {"backward": lambda: model.backward(),
+             "forward_backward": lambda: model.forward_backward(x, x),
+             "update": lambda: model.update(1e-3),
+             "save_checkpoint": lambda: model.save_checkpoint(tmp_path / "m.bin"),
+             "add_lora": lambda: model.add_lora(2, 4),
+             "quantize": lambda: model.quantize("q4_0")}
+    with pytest.raises(RuntimeError, match=f"{call}: this model.* quantized"):
+        calls[call]()
+
+
+def test_unknown_type_and_partial_blocks_are_named():
+    with pytest.raises(ValueError, match="'q5_1'"):
+        MODELS["gpt2"]().quantize("q5_1")
+    odd = GPT2(GPT2Config(max_seq_len=8, vocab_size=67, padded_vocab_size=128, num_layers=1,
+                          num_heads=4, channels=60), seed=1)
+    with pytest.raises(Exception, match=r"qkvw\[0\].*60.*not a multiple of 32"):
+        odd.quantize("q8_0")
