@@ -10,9 +10,10 @@ import pytest
 
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
 
-GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=67, padded_vocab_size=128, num_layers=2,
+V = 300   # a tokenizer.json of the 256 bytes and <|endoftext|> fits it, padded
+GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=V, padded_vocab_size=320, num_layers=2,
                         num_heads=4, channels=64)
-LLAMA = LlamaConfig(max_seq_len=24, vocab_size=67, padded_vocab_size=128, num_layers=2,
+LLAMA = LlamaConfig(max_seq_len=24, vocab_size=V, padded_vocab_size=320, num_layers=2,
                     num_heads=4, num_kv_heads=2, channels=64)
 MODELS = {
     "gpt2": lambda: GPT2(GPT2_SMALL, seed=1),
@@ -25,7 +26,18 @@ LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
 
 
 def tokens(B, T, seed=0):
-    return np.random.default_rng(seed).integers(0, 67, (B, T))
+    return np.random.default_rng(seed).integers(0, V, (B, T))
+
+
+def write_tokenizer(folder):
+    """A byte-level tokenizer.json of the 256 bytes and <|endoftext|>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text('{"eos_token_id": 256}')
+    return folder / "tokenizer.json"
 
 
 def round_trip(w, qtype):
@@ -68,7 +80,7 @@ def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype):
     model.forward(x)
     ref = reference(MODELS[name], qtype)
     ref.forward(x)
-    got, want = model.logits[..., :67], ref.logits[..., :67]
+    got, want = model.logits[..., :V], ref.logits[..., :V]
     # float32 sums in another order; an activation on a rounding boundary may
     # move one Q8_0 step (1/127 of its block's largest value)
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
@@ -85,7 +97,7 @@ def test_kv_cache_decoding_equals_its_own_full_forward(name, qtype):
     seq = list(prompt)
     for _ in range(10):
         model.forward(np.array([seq]))
-        seq.append(int(np.argmax(model.logits[0, -1, :67])))
+        seq.append(int(np.argmax(model.logits[0, -1, :V])))
     assert new == seq[len(prompt):]
 
 
@@ -147,3 +159,33 @@ def test_unknown_type_and_partial_blocks_are_named():
                           num_heads=4, channels=60), seed=1)
     with pytest.raises(Exception, match=r"qkvw\[0\].*60.*not a multiple of 32"):
         odd.quantize("q8_0")
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "qwen3-qknorm"])
+def test_a_gguf_file_keeps_its_blocks(tmp_path, monkeypatch, name, qtype):
+    from llmc_py import load_model
+    from llmc_py.model.quantized import QuantizedLinear
+    path = tmp_path / "m.gguf"
+    MODELS[name]().save_gguf(path, dtype=qtype, tokenizer=write_tokenizer(tmp_path))
+    want = load_model(path)   # dequantised, then quantized again
+    want.quantize(qtype)
+    quantized = []
+    original = QuantizedLinear.quantize.__func__
+    monkeypatch.setattr(QuantizedLinear, "quantize", classmethod(
+        lambda cls, w, kind, n="weight": quantized.append(n) or original(cls, w, kind, n)))
+    model = load_model(path, weights=qtype)
+    assert quantized == ["lm_head" if "untied" in name else "wte"]   # only the head is re-made
+    for n in LINEARS:
+        for got, same in zip(model._weights[n], want._weights[n]):
+            assert np.array_equal(got.blocks, same.blocks)
+    x = tokens(2, 7)
+    model.forward(x)
+    want.forward(x)
+    assert np.array_equal(model.logits, want.logits)
+
+
+def test_load_model_names_an_unknown_weights_type(tmp_path):
+    from llmc_py import load_model
+    with pytest.raises(ValueError, match="'q6_k'"):
+        load_model(tmp_path / "absent.bin", weights="q6_k")

@@ -38,7 +38,8 @@ import numpy as np
 
 from ..config import MODEL_FIELDS, REQUIRED, GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError, WriteError
-from .hf import FAMILIES, architecture, hf_names, hf_tensors, params_from_tensors
+from .hf import (FAMILIES, _tensor_map, architecture, hf_names, hf_tensors,
+                 params_from_tensors)
 from .rope_layout import half_split_to_interleaved, interleaved_to_half_split
 
 INSTALL_HINT = 'pip install "llmc_py[gguf]"'
@@ -436,6 +437,39 @@ def read_gguf(path):
         hf_name = to_hf[t.name]
         tensors[hf_name] = data.T if arch == "gpt2" and hf_name.endswith(CONV1D) else data
     return config, params_from_tensors(hf_arch, config, tensors, path, "metadata")
+
+
+def read_gguf_blocks(path, qtype):
+    """{our weight name: [QuantizedLinear per layer]} of the linear layers
+    (qkvw, attprojw, fcw, fcprojw) whose every GGUF tensor is stored as
+    ``qtype`` ("q8_0", "q4_0"): the file's blocks themselves, rows stacked
+    and q, k rows permuted as read_gguf does to the floats (a block is a
+    piece of one row, so rows move whole)."""
+    from ..model.quantized import QuantizedLinear
+    gguf, reader, arch, config = _open(path)
+    hf_arch = "MistralForCausalLM" if config.sliding_window else HF_ARCHS[arch]
+    stored = {t.name: t for t in reader.tensors}
+    gguf_name = {hf: name for name, hf in gguf_tensors(config)}
+    kind = gguf.GGMLQuantizationType[qtype.upper()]
+    blocks = {}
+    for name in ("qkvw", "attprojw", "fcw", "fcprojw"):
+        templates, _ = _tensor_map(hf_arch)[name]
+        layers = []
+        for l in range(config.num_layers):
+            parts = [stored.get(gguf_name.get(t.format(l=l))) for t in templates]
+            if any(t is None or t.tensor_type != kind for t in parts):
+                break   # read_gguf's floats serve it (or name what is missing)
+            rows = []
+            for t in parts:
+                data = np.asarray(t.data)
+                heads = _rope_rows(config, t.name) if arch == "llama" else None
+                rows.append(interleaved_to_half_split(data, heads, config.head_size)
+                            if heads else data)
+            layers.append(QuantizedLinear(np.concatenate(rows), int(parts[0].shape[0]), qtype,
+                                          f"{path}: {name}[{l}]"))
+        else:
+            blocks[name] = layers
+    return blocks
 
 
 def _check_extents(path, reader):

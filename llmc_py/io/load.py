@@ -7,7 +7,7 @@ from pathlib import Path
 from ..config import GPT2Config
 from ..errors import CheckpointError
 from .files import read_header
-from .gguf import is_gguf, read_gguf, read_gguf_config
+from .gguf import is_gguf, read_gguf, read_gguf_blocks, read_gguf_config
 from .hf import read_hf, read_hf_config
 from .model_file import (MAGIC_LLAMA, MAGIC_MODEL, read_llama, read_llama_header, read_model,
                          read_model_header, write_llama, write_model)
@@ -34,6 +34,12 @@ def read_model_file(path):
     if is_gguf(path):
         return read_gguf(path)
     return (read_llama if model_kind(path) == "llama" else read_model)(path)
+
+
+def read_quantized_blocks(path, qtype):
+    """The linear layers a GGUF file stores as ``qtype``, as its blocks
+    (io.gguf.read_gguf_blocks); {} for every other model file."""
+    return read_gguf_blocks(path, qtype) if is_gguf(path) else {}
 
 
 def read_config(path):

@@ -10,8 +10,9 @@ import re
 
 from ..config import MODEL_FIELDS, MODEL_FLAGS, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import ShapeError, UsageError
-from ..io.load import read_model_file
+from ..io.load import read_model_file, read_quantized_blocks
 from ..io.model_file import read_llama, read_model
+from .quantized import check_weights_type
 from .transformer import Transformer
 
 
@@ -55,12 +56,20 @@ class Llama(Transformer):
         return cls(config, params=params, precision=precision)
 
 
-def load_model(path, precision="fp32"):
+def load_model(path, precision="fp32", weights=None):
     """A GPT2 or a Llama, whichever the model file at ``path`` holds (fp32
-    or bf16 parameters), or the Hugging Face model folder at ``path``
-    (GPT-2, Llama, Qwen3: io.hf), in ``precision`` "fp32" or "bf16"."""
+    or bf16 parameters), or the Hugging Face model folder or GGUF file at
+    ``path`` (io.hf, io.gguf), in ``precision`` "fp32" or "bf16". With
+    ``weights`` "q8_0" or "q4_0" it is then quantized (Transformer.quantize)
+    for generation; a GGUF file's tensors stored in that type keep their
+    bytes."""
+    if weights is not None:
+        check_weights_type(weights)
     config, params = read_model_file(path)
-    return preset_for(config)(config, params=params, precision=precision)
+    model = preset_for(config)(config, params=params, precision=precision)
+    if weights is not None:
+        model.quantize(weights, blocks=read_quantized_blocks(path, weights))
+    return model
 
 
 def preset_for(config):
