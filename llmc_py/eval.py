@@ -25,6 +25,7 @@ import sys
 
 import numpy as np
 
+from ._native.kernels import QUANT_TYPES
 from .cli import command
 from .errors import DataError, UsageError
 from .io.tokens import IGNORE_INDEX, mask_path, read_mask, read_tokens
@@ -132,6 +133,9 @@ def build_parser():
                    help="evaluate on the first N tokens only (0: all)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: the matmuls on a bf16 copy of the weights (mixed precision)")
+    p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
+                   help="evaluate on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
+                        "weights (the head at q8_0)")
     return p
 
 
@@ -147,7 +151,7 @@ def evaluate(args):
     targets, loss) per --lengths, each evaluated as it is taken (so that a
     table shows each as soon as it is known)."""
     from .model import load_model
-    model = load_model(args.model, precision=args.precision)
+    model = load_model(args.model, precision=args.precision, weights=args.weights)
     c = model.config
     too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
     if too_long:

@@ -13,6 +13,7 @@ import sys
 
 from .cli import DefaultsHelpFormatter, command
 from .flags import NON_NEGATIVE, POSITIVE, SEED, Range, check_flags
+from ._native.kernels import QUANT_TYPES
 from .model import PRECISIONS, load_model
 from .generate import stream
 
@@ -44,6 +45,10 @@ def build_parser():
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: decode with a bf16 copy of the weights (half the bytes per "
                         "token)")
+    p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
+                   help="decode on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
+                        "weights (the head at q8_0; a GGUF file's blocks of that type are "
+                        "used as they are)")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
@@ -68,7 +73,7 @@ def load(args):
     """The model and its tokenizer: --tokenizer's, else the model folder's
     own or GPT-2's."""
     from .tokenizer import load_tokenizer
-    model = load_model(args.checkpoint, precision=args.precision)
+    model = load_model(args.checkpoint, precision=args.precision, weights=args.weights)
     encoding = load_tokenizer(args.tokenizer or args.checkpoint)
     check_vocab(model.config, encoding, args.checkpoint)
     return model, encoding

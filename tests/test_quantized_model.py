@@ -3,6 +3,7 @@
 arithmetic, KV-cache decoding against its own full forward, the float32
 weights released, and what it refuses."""
 import dataclasses
+import io
 
 import gguf
 import numpy as np
@@ -189,3 +190,28 @@ def test_load_model_names_an_unknown_weights_type(tmp_path):
     from llmc_py import load_model
     with pytest.raises(ValueError, match="'q6_k'"):
         load_model(tmp_path / "absent.bin", weights="q6_k")
+
+
+def test_sample_and_eval_take_weights(tmp_path, capsys):
+    from llmc_py import eval as evaluation
+    from llmc_py import load_model, sample
+    path = tmp_path / "model.bin"
+    MODELS["llama-gqa-untied"]().save_checkpoint(path)
+    folder = write_tokenizer(tmp_path)
+    args = ["-e", str(path), "--tokenizer", str(folder), "--prompt", "ab", "-g", "6",
+            "--temperature", "0", "--stop-at-eot", "0", "--weights", "q4_0"]
+    model, encoding = sample.load(sample.parse(args))
+    assert model.quantized == "q4_0"
+    assert sample.main(args) == 0
+    text = {weights: io.StringIO() for weights in ("q4_0", None)}
+    for weights, out in text.items():
+        sample.write_sample(sample.parse(args), load_model(path, weights=weights), encoding, out)
+    assert capsys.readouterr().out == text["q4_0"].getvalue() != text[None].getvalue()
+    data = tmp_path / "val.bin"
+    from llmc_py.io.tokens import write_tokens
+    write_tokens(data, tokens(1, 60)[0])
+    losses = {}
+    for weights in ([], ["--weights", "q8_0"]):
+        assert evaluation.main([str(path), str(data), "--lengths", "8"] + weights) == 0
+        losses[len(weights)] = float(capsys.readouterr().out.split()[-2])
+    assert losses[2] != losses[0] and abs(losses[2] - losses[0]) < 0.01 * losses[0]
