@@ -137,7 +137,7 @@ def test_loss_with_targets(tmp_path):
 
 
 @pytest.mark.parametrize("call", ["backward", "forward_backward", "update", "save_checkpoint",
-                                  "add_lora", "quantize"])
+                                  "add_lora", "quantize", "initialize"])
 def test_training_and_saving_are_refused(tmp_path, call):
     model = MODELS["gpt2"]()
     model.quantize("q8_0")
@@ -148,7 +148,8 @@ def test_training_and_saving_are_refused(tmp_path, call):
              "update": lambda: model.update(1e-3),
              "save_checkpoint": lambda: model.save_checkpoint(tmp_path / "m.bin"),
              "add_lora": lambda: model.add_lora(2, 4),
-             "quantize": lambda: model.quantize("q4_0")}
+             "quantize": lambda: model.quantize("q4_0"),
+             "initialize": lambda: model.initialize(1)}
     with pytest.raises(RuntimeError, match=f"{call}: this model.* quantized"):
         calls[call]()
 

@@ -170,6 +170,7 @@ class Transformer:
             raise ValueError(f"scheme is {scheme!r}, expected one of {INIT_SCHEMES}")
         if not std > 0:
             raise ValueError(f"std must be positive, got {std!r}")
+        self._refuse_quantized("initialize")
         with self.exclusive("initialize"):
             self._init_params(seed, scheme, std)
             if self.params_bf16 is not None:
