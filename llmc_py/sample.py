@@ -42,8 +42,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=1337,
                    help="the sampling's random seed: the same seed, the same text")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="bf16: decode with a bf16 copy of the weights (half the bytes per "
-                        "token)")
+                   help="bf16: decode with the weights in bf16 alone (a frozen bf16 base, "
+                        "no float32 copy: half the memory and bytes per token)")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
@@ -68,7 +68,8 @@ def load(args):
     """The model and its tokenizer: --tokenizer's, else the model folder's
     own or GPT-2's."""
     from .tokenizer import load_tokenizer
-    model = load_model(args.checkpoint, precision=args.precision)
+    model = load_model(args.checkpoint, precision=args.precision,
+                       frozen=args.precision == "bf16")
     encoding = load_tokenizer(args.tokenizer or args.checkpoint)
     check_vocab(model.config, encoding, args.checkpoint)
     return model, encoding
