@@ -133,3 +133,22 @@ def test_memory_plan_counts_bf16_alone(bf16_folder):
     frozen.forward_backward(*batch())   # fits its plan: allocated buffers as planned
     assert frozen.acts.buffer.nbytes == plan["activations"]
     assert frozen.grads_acts.buffer.nbytes == plan["activation gradients"]
+
+
+@pytest.mark.parametrize("cli", ["eval", "sample"])
+def test_sample_and_eval_load_a_frozen_bf16_base(cli, tmp_path, monkeypatch):
+    """--precision bf16: they never train the base, so it is held in bf16 alone."""
+    import importlib
+    module = importlib.import_module(f"llmc_py.{cli}")
+    seen = []
+
+    def spy(path, **options):
+        seen.append(options)
+        raise RuntimeError("stop here")   # only how the model is loaded matters
+
+    monkeypatch.setattr(module if cli == "sample" else llmc_py.model, "load_model", spy)
+    args = ["-e", "m.bin"] if cli == "sample" else ["m.bin", "tokens.bin", "--lengths", "8"]
+    for extra in (["--precision", "bf16"], []):
+        with pytest.raises(RuntimeError, match="stop here"):
+            module.main(args + extra)
+    assert seen == [dict(precision="bf16", frozen=True), dict(precision="fp32", frozen=False)]
