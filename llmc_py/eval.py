@@ -132,7 +132,8 @@ def build_parser():
     p.add_argument("--max-tokens", type=int, default=0,
                    help="evaluate on the first N tokens only (0: all)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: the matmuls on a bf16 copy of the weights (mixed precision)")
+                   help="bf16: the matmuls on the weights in bf16 alone (a frozen bf16 "
+                        "base, no float32 copy)")
     p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
                    help="evaluate on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
                         "weights (the head at q8_0)")
@@ -151,7 +152,8 @@ def evaluate(args):
     targets, loss) per --lengths, each evaluated as it is taken (so that a
     table shows each as soon as it is known)."""
     from .model import load_model
-    model = load_model(args.model, precision=args.precision, weights=args.weights)
+    model = load_model(args.model, precision=args.precision, weights=args.weights,
+                       frozen=args.precision == "bf16" and args.weights is None)
     c = model.config
     too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
     if too_long:

@@ -43,8 +43,8 @@ def build_parser():
     p.add_argument("--seed", type=int, default=1337,
                    help="the sampling's random seed: the same seed, the same text")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="bf16: decode with a bf16 copy of the weights (half the bytes per "
-                        "token)")
+                   help="bf16: decode with the weights in bf16 alone (a frozen bf16 base, "
+                        "no float32 copy: half the memory and bytes per token)")
     p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
                    help="decode on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
                         "weights (the head at q8_0; a GGUF file's blocks of that type are "
@@ -73,7 +73,8 @@ def load(args):
     """The model and its tokenizer: --tokenizer's, else the model folder's
     own or GPT-2's."""
     from .tokenizer import load_tokenizer
-    model = load_model(args.checkpoint, precision=args.precision, weights=args.weights)
+    model = load_model(args.checkpoint, precision=args.precision, weights=args.weights,
+                       frozen=args.precision == "bf16" and args.weights is None)
     encoding = load_tokenizer(args.tokenizer or args.checkpoint)
     check_vocab(model.config, encoding, args.checkpoint)
     return model, encoding

@@ -2,6 +2,7 @@
 allocated, so any size works, Qwen3-8B or GPT-2 XL included):
 
     python -m llmc_py.summary MODEL_OR_CONFIG [-b B] [-t T] [--precision fp32|bf16]
+                              [--recompute] [--lora-rank R [--lora-targets q,k,...]]
     python -m llmc_py.summary MODEL_OR_CONFIG --tensors [--precision fp32|bf16]
 
 MODEL_OR_CONFIG is a model file (only its header is read), a Hugging Face
@@ -9,7 +10,11 @@ folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
 -e). The parameters are counted per component from the layout the model
 allocates (model.layout.param_specs); the memory is the model's own plan
 (model.transformer.memory_plan) for a training step and for a forward that
-keeps its logits, and the KV cache is model.kv_cache's. --tensors shows
+keeps its logits, and the KV cache is model.kv_cache's. With --precision
+bf16 the forward is a frozen bf16 base's (the matrices in bf16 alone, as
+sample and eval load it); with --lora-rank the training step is a LoRA
+step's: the frozen base (bf16 alone with --precision bf16), the adapters,
+their gradients and moments, and the activations it keeps. --tensors shows
 instead llm.c's table of the parameter tensors, one row per tensor of that
 layout (GPT-2's are llm.c's 16), per-layer ones with L first.
 """
@@ -22,6 +27,7 @@ from .cli import command
 from .errors import UsageError
 from .model.kv_cache import kv_cache_floats
 from .model.layout import param_specs
+from .model.lora import adapter_parameters
 from .model.memory import format_bytes
 from .model.presets import config_from_depth, describe
 from .model.transformer import PRECISIONS, memory_plan
@@ -98,11 +104,23 @@ def parameter_notes(c):
     return [f"  ({note})" for note in notes]
 
 
-def memory_table(config, B, T, precision="fp32"):
+def memory_table(config, B, T, precision="fp32", recompute=False, lora_rank=0,
+                 lora_targets=None):
     """({part: bytes} of a training step, {part: bytes} of a forward that
-    keeps its (B, T, Vp) logits), as the model plans them."""
-    return (memory_plan(config, B, T, training=True, precision=precision),
-            memory_plan(config, B, T, training=False, keep_logits=True, precision=precision))
+    keeps its (B, T, Vp) logits), as the model plans them: with
+    ``lora_rank`` a LoRA step on ``lora_targets`` (default all); a bf16
+    forward, and a bf16 LoRA step, on a frozen bf16 base."""
+    frozen = precision == "bf16"
+    if lora_rank:
+        train = memory_plan(config, B, T, training=True, precision=precision,
+                            recompute=recompute, frozen=frozen,
+                            adapter_params=adapter_parameters(config, lora_rank, lora_targets))
+    else:
+        train = memory_plan(config, B, T, training=True, precision=precision,
+                            recompute=recompute)
+    forward = memory_plan(config, B, T, training=False, keep_logits=True, precision=precision,
+                          recompute=recompute, frozen=frozen)
+    return train, forward
 
 
 def kv_cache_bytes(config, B=1, T=1):
@@ -110,7 +128,8 @@ def kv_cache_bytes(config, B=1, T=1):
     return 4 * kv_cache_floats(config, B, T)
 
 
-def format_summary(config, B, T, precision="fp32", source=None):
+def format_summary(config, B, T, precision="fp32", source=None, recompute=False, lora_rank=0,
+                   lora_targets=None):
     """The tables as text."""
     c = config
     counts = parameter_counts(c)
@@ -122,11 +141,13 @@ def format_summary(config, B, T, precision="fp32", source=None):
         lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
     lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
     lines += parameter_notes(c)
-    train, forward = memory_table(c, B, T, precision)
-    lines += ["", f"{f'memory at B={B}, T={T}, {precision}':<30}{'training step':>20}"
+    train, forward = memory_table(c, B, T, precision, recompute, lora_rank, lora_targets)
+    step = f"LoRA step, r={lora_rank}" if lora_rank else "training step"
+    lines += ["", f"{f'memory at B={B}, T={T}, {precision}':<30}{step:>20}"
                   f"{'forward':>20}"]
-    for part in train:
-        lines.append(f"  {part:<28}{_bytes(train[part]):>20}{_bytes(forward[part]):>20}")
+    for part in {**train, **forward}:   # a part of either, in order
+        lines.append(f"  {part:<28}{_bytes(train.get(part, 0)):>20}"
+                     f"{_bytes(forward.get(part, 0)):>20}")
     lines.append(f"  {'total':<28}{_bytes(sum(train.values())):>20}"
                  f"{_bytes(sum(forward.values())):>20}")
     lines += ["  (training: forward_backward's logits, a block of rows at a time; "
@@ -159,6 +180,13 @@ def build_parser():
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16 adds the bf16 copy of the weights (mixed precision); with "
                         "--tensors, the bytes are the bf16 copy's")
+    p.add_argument("--recompute", action="store_true",
+                   help="plan with recompute on (train's --recompute 1)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="R > 0: the training step is a LoRA step of rank R on a frozen base")
+    p.add_argument("--lora-targets", default=None,
+                   help="the adapted modules, comma-separated Hugging Face names (q_proj, "
+                        "...; default all the model has)")
     p.add_argument("--tensors", action="store_true",
                    help="instead: llm.c's table of the parameter tensors (name, shape, "
                         "parameters, bytes), per-layer ones with L first")
@@ -168,6 +196,8 @@ def build_parser():
 @command
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.lora_rank < 0:
+        raise UsageError(f"--lora-rank {args.lora_rank}: must be >= 0")
     if args.batch_size < 1 or args.seq_len < 0:
         raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and T >= 0")
     config = load_config(args.model)
@@ -175,7 +205,14 @@ def main(argv=None):
     if args.tensors:
         print(format_tensors(config, args.precision, args.model))
     else:
-        print(format_summary(config, args.batch_size, T, args.precision, args.model))
+        targets = args.lora_targets.split(",") if args.lora_targets else None
+        try:
+            text = format_summary(config, args.batch_size, T, args.precision, args.model,
+                                  args.recompute, args.lora_rank, targets)
+        except ValueError as e:   # a target the model lacks, a rank it cannot have
+            raise UsageError(f"--lora-rank {args.lora_rank} --lora-targets "
+                             f"{args.lora_targets}: {e}") from None
+        print(text)
 
 
 if __name__ == "__main__":

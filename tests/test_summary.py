@@ -47,7 +47,10 @@ def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
 
     train, forward = summary.memory_table(c, B, T, precision)
     assert train == model.memory_plan(B, T, training=True)
-    assert forward == model.memory_plan(B, T, training=False, keep_logits=True)
+    # a bf16 forward is a frozen bf16 base's (sample, eval load it so)
+    frozen = (model if precision == "fp32" else
+              type(model)(c, params=model.params.memory, precision="bf16", frozen=True))
+    assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True)
     # and what a training step really allocates
     model.reserve(B, T, training=True)
     allocated = {"parameters": model.params.memory.nbytes,
@@ -184,3 +187,31 @@ def test_tensors_of_qwen3_8b_without_allocating(tmp_path, capsys):
     assert rows["fcw"][0] == "(36, 24576, 4096)"   # swiglu: the gate's rows, then up's
     assert rows["lm_head"][0] == "(151936, 4096)"
     assert total[0] == sum(summary.parameter_counts(summary.load_config(tmp_path)).values())
+
+
+def test_qwen3_8b_lora_step_and_bf16_forward_plans(tmp_path, capsys):
+    """The issue's floors: a rank-16 LoRA step on all seven projections of a
+    frozen bf16 Qwen3-8B at B=1, T=512 with recompute plans at most 20 GiB;
+    its bf16 forward holds 2 bytes a matrix parameter, not 6."""
+    folder = tmp_path / "Qwen3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(QWEN3_8B))
+    assert summary.main([str(folder), "-b", "1", "-t", "512", "--precision", "bf16",
+                         "--recompute", "--lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    config = summary.load_config(folder)
+    lora, forward = summary.memory_table(config, 1, 512, "bf16", True, 16)
+    assert sum(lora.values()) <= 20 << 30
+    adapters = 36 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 12288))
+    assert lora["LoRA adapters"] == lora["parameter gradients"] == 4 * adapters
+    assert lora["AdamW moments"] == 8 * adapters
+    assert lora["parameters (bf16)"] == forward["parameters (bf16)"] == 2 * (
+        8_190_735_360 - 36 * 2 * 4096 - 4096 - 36 * 2 * 128)
+    assert lora["parameters"] == 4 * (36 * 2 * 4096 + 4096 + 36 * 2 * 128)   # the norms
+    assert "parameters (bf16 copy)" not in forward
+    assert "LoRA step, r=16" in out and "15.26 GiB" in out
+    full, _ = summary.memory_table(config, 1, 512, "bf16", True)
+    assert sum(full.values()) > 7 * sum(lora.values())
+    assert summary.main([str(folder), "--lora-rank", "4", "--lora-targets", "c_fc"]) == 1
+    assert "--lora-targets c_fc: targets: this model has no module 'c_fc'" in (
+        capsys.readouterr().err)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..config import GPT2_CHOICES, MODEL_FIELDS, REQUIRED, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
-from ..model.layout import checked_params, param_specs
+from ..model.layout import TensorGroup, checked_params, param_specs
 from .files import atomic_write, to_bf16
 from .rope_layout import interleaved_to_half_split
 
@@ -413,76 +413,128 @@ def _open_files(folder):
     return None, single
 
 
-def _read_all(folder):
-    """{name: float32 array} of every tensor in the folder's safetensors file(s)."""
-    safe_open, _ = _safetensors()
-    files, source = _open_files(folder)
-    by_file = {}
-    if files is None:
-        by_file[source] = None   # every tensor in it
-    else:
-        for name, file in files.items():
-            by_file.setdefault(file, []).append(name)
-    tensors = {}
-    for file, wanted in by_file.items():
-        if not file.is_file():
-            raise CheckpointError(f"{source}: lists {file.name}, which is missing")
+class _Tensors:
+    """{name: array} of every tensor in a folder's safetensors file(s), read
+    one at a time when asked for (in the file's dtype), so that a reader
+    never holds more than the tensor it is copying; ``rename`` maps a
+    stored name to the one asked for."""
+
+    def __init__(self, folder):
+        safe_open, _ = _safetensors()
+        self._safe_open = safe_open
+        files, self.source = _open_files(folder)
+        self.files = {}   # name: file
+        for file in ([self.source] if files is None else sorted(set(files.values()))):
+            if not file.is_file():
+                raise CheckpointError(f"{self.source}: lists {file.name}, which is missing")
+            with self._open(file) as f:
+                keys = set(f.keys())
+            wanted = keys if files is None else [n for n, f_ in files.items() if f_ == file]
+            for name in wanted:
+                if name not in keys:
+                    raise CheckpointError(f"{file}: tensor {name} (listed in "
+                                          f"{self.source.name}) is not in the file")
+                if not name.endswith(_IGNORED):
+                    self.files[name] = file
+        self.stored = {name: name for name in self.files}   # asked-for name: stored name
+
+    def _open(self, file):
         try:
-            with safe_open(str(file), framework="numpy") as f:
-                names = f.keys() if wanted is None else wanted
-                for name in names:
-                    if wanted is not None and name not in f.keys():
-                        raise CheckpointError(f"{file}: tensor {name} (listed in {source.name}) "
-                                              f"is not in the file")
-                    if name.endswith(_IGNORED):
-                        continue
-                    tensors[name] = _as_float32(f.get_tensor(name), file, name)
-        except CheckpointError:
-            raise
-        except Exception as e:   # safetensors' own errors: a bad header, offsets, dtypes
+            return self._safe_open(str(file), framework="numpy")
+        except Exception as e:   # safetensors' own errors: a bad header, offsets
             raise CheckpointError(f"{file}: not a readable safetensors file "
                                   f"({type(e).__name__}: {e})") from None
-    return tensors
+
+    def rename(self, fn):
+        self.stored = {fn(name): stored for name, stored in self.stored.items()}
+
+    def pop(self, name, default=None):
+        self.stored.pop(name, default)
+
+    def __contains__(self, name):
+        return name in self.stored
+
+    def __iter__(self):
+        return iter(self.stored)
+
+    def __getitem__(self, name):
+        stored = self.stored[name]
+        file = self.files[stored]
+        with self._open(file) as f:
+            try:
+                array = f.get_tensor(stored)
+            except Exception as e:
+                raise CheckpointError(f"{file}: tensor {stored} cannot be read "
+                                      f"({type(e).__name__}: {e})") from None
+        return _checked_float(array, file, stored)
 
 
-def _as_float32(array, file, name):
+def _checked_float(array, file, name):
     if array.dtype.name not in ("float32", "float16", "bfloat16", "float64"):
         raise CheckpointError(f"{file}: tensor {name} has dtype {array.dtype.name}; expected "
                               f"a float type")
-    return np.asarray(array, dtype=np.float32)
+    return array
+
+
+def _as_float32(array, file, name):
+    return np.asarray(_checked_float(array, file, name), dtype=np.float32)
+
+
+def _folder_tensors(folder):
+    """(arch, config, _Tensors) of a Hugging Face model folder, named as
+    _tensor_map names them."""
+    arch, config = read_hf_config(folder)
+    tensors = _Tensors(folder)
+    # a GPT-2 folder written by an older transformers has no "transformer." prefix
+    if arch == "GPT2LMHeadModel" and "transformer.wte.weight" not in tensors:
+        tensors.rename(lambda n: n if n == "lm_head.weight" else "transformer." + n)
+    if config.tied_embeddings:
+        tensors.pop("lm_head.weight")   # the same numbers as the embedding
+    return arch, config, tensors
 
 
 def read_hf(folder):
     """(config, params) from a Hugging Face model folder; params is flat
     float32 in our layout."""
-    arch, config = read_hf_config(folder)
-    tensors = _read_all(folder)
-    # a GPT-2 folder written by an older transformers has no "transformer." prefix
-    if arch == "GPT2LMHeadModel" and "transformer.wte.weight" not in tensors:
-        tensors = {(n if n == "lm_head.weight" else "transformer." + n): t
-                   for n, t in tensors.items()}
-    if config.tied_embeddings:
-        tensors.pop("lm_head.weight", None)   # the same numbers as the embedding
+    arch, config, tensors = _folder_tensors(folder)
     return config, params_from_tensors(arch, config, tensors, folder, "config.json")
 
 
+def read_hf_into(folder, config, put):
+    """Reads a Hugging Face model folder of ``config`` (read_hf_config's)
+    tensor by tensor: put(name, l, array) gets each of our tensors (layer l,
+    None for a whole one) in the file's dtype, without the vocabulary's
+    padding rows; nothing else of the model is held at once."""
+    arch, _, tensors = _folder_tensors(folder)
+    for name, l, value in our_tensors(arch, config, tensors, folder, "config.json"):
+        put(name, l, value)
+
+
 def params_from_tensors(arch, config, tensors, source, config_source):
-    """Flat float32 params in our layout from {Hugging Face name: float32
-    array} of an ``arch`` (io.gguf reads a GGUF file into these names too);
-    a tensor missing, of the wrong shape or left over is a CheckpointError
-    naming ``source`` and the tensor, its shape checked against
-    ``config_source``."""
+    """Flat float32 params in our layout from {Hugging Face name: array} of
+    an ``arch`` (io.gguf reads a GGUF file into these names too); see
+    our_tensors for the checks."""
+    group = TensorGroup(param_specs(config), config)
+    for name, l, value in our_tensors(arch, config, tensors, source, config_source):
+        view = group[name] if l is None else group[name][l]
+        view[:len(value)] = value   # wte, lm_head: the padding rows stay zero
+    return group.memory
+
+
+def our_tensors(arch, config, tensors, source, config_source):
+    """(our name, layer or None, array) for each of our tensors of a model of
+    ``config`` from {Hugging Face name: array} of an ``arch``, in the
+    arrays' dtype, the embedding without its padding rows; a tensor
+    missing, of the wrong shape or left over is a CheckpointError naming
+    ``source`` and the tensor, its shape checked against ``config_source``."""
     names = _tensor_map(arch)
     folder = source   # the name the messages below give the file
-    params = []
     used = set()
     for name, fn in param_specs(config):
         shape = tuple(fn(config))
         templates, transposed = names[name]
         rows = _part_rows(config, name, templates)
-        layers = [None] if name in _WHOLE else range(config.num_layers)
-        per_layer = []
-        for l in layers:
+        for l in [None] if name in _WHOLE else range(config.num_layers):
             parts = []
             for i, template in enumerate(templates):
                 hf_name = template.format(l=l)
@@ -496,21 +548,15 @@ def params_from_tensors(arch, config, tensors, source, config_source):
                 if value.shape != expected:
                     stored = tuple(reversed(expected)) if transposed else expected
                     raise CheckpointError(f"{folder}: tensor {hf_name} has shape "
-                                          f"{list(tensors[hf_name].shape)}, expected "
-                                          f"{list(stored)} (from {config_source})")
+                                          f"{list(value.T.shape if transposed else value.shape)}"
+                                          f", expected {list(stored)} (from {config_source})")
                 parts.append(value)
-            per_layer.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
-        tensor = per_layer[0] if name in _WHOLE else np.stack(per_layer)
-        if name in ("wte", "lm_head"):   # pad the vocabulary with zero rows
-            tensor = np.concatenate([tensor, np.zeros((config.Vp - config.V, config.C),
-                                                      np.float32)])
-        params.append(tensor.reshape(-1))
+            yield name, l, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     unused = sorted(set(tensors) - used)
     if unused:
         raise CheckpointError(f"{folder}: tensor {unused[0]} is not part of a {arch} with this "
                               f"{config_source} ({len(unused)} such tensors): an option llmc_py "
                               f"does not support?")
-    return np.concatenate(params)
 
 
 def hf_names(config):

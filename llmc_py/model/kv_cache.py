@@ -66,7 +66,7 @@ class Decoder:
     """Incremental decoding for one model: ``prefill(prompts)`` then
     ``step(tokens)`` per position; both return the (B, V) logits of each
     row's newest position. What it uses of the model is its decoding
-    interface (model.transformer.Transformer): config, params, slopes,
+    interface (model.transformer.Transformer): config, params, embed, slopes,
     token_ids, position_qkv, block_forward and head_forward, and forward for
     the prefill."""
 
@@ -123,17 +123,13 @@ class Decoder:
     def _step(self, tokens):
         model, cache, a = self.model, self.cache, self.acts
         c = model.config
-        p = model.params
         pos = cache.lengths.copy()   # the new token's position in each row
         if pos.max() >= cache.max_len:
             raise ShapeError(f"the KV cache holds {cache.max_len} positions and is full")
         tokens = model.token_ids(np.asarray(tokens).reshape(-1, 1))[:, 0]
 
-        x = a.encoded[:, 0]
-        np.take(p.wte, tokens, axis=0, out=x)
-        if c.learned_positions:
-            x += p.wpe[pos]
-        elif c.position == "sinusoidal":
+        model.embed(a.encoded, tokens[:, None], pos)
+        if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, pos)
         lengths = pos + 1
         slot = pos % cache.slots   # over the oldest position a sliding window has left

@@ -206,6 +206,17 @@ def grad_act_specs(c):
     return tuple(specs)
 
 
+# a frozen bf16 base's tensors held in bf16 alone (model.transformer): what
+# the matmuls (and the embedding's gather) read
+FROZEN_BF16 = ("wte", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
+
+
+def frozen_bf16_parameters(config):
+    """How many of a model's parameters a frozen bf16 base holds in bf16."""
+    return sum(math.prod(fn(config)) for name, fn in param_specs(config)
+               if name in FROZEN_BF16)
+
+
 def num_parameters(config):
     """Total parameter count of a model of ``config``, as an exact Python int."""
     return sum(math.prod(fn(config)) for _, fn in param_specs(config))

@@ -4,7 +4,8 @@ that a step that cannot fit fails at once, saying what needs how much."""
 import math
 
 from .._native.lib import get_isa, get_num_threads
-from .layout import act_specs, grad_act_specs, num_parameters, specs_bytes
+from .layout import (act_specs, frozen_bf16_parameters, grad_act_specs, num_parameters,
+                     specs_bytes)
 from .memory import format_bytes, require
 
 PRECISIONS = ("fp32", "bf16")
@@ -24,7 +25,7 @@ def head_rows(B, T, keep_logits):
 
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None, adapter_params=0):
+                recompute=False, moment_params=None, adapter_params=0, frozen=False):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -36,7 +37,11 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     thread count and instruction set (see scratch_bytes). ``adapter_params``
     > 0: LoRA adapters of that many parameters (model.lora.adapter_parameters)
     on a frozen base, whose gradients and moments are then the adapters'
-    alone."""
+    alone. ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
+    alone ("parameters (bf16)"), the rest float32; training it needs
+    adapters. The activations are those a full step keeps: a LoRA step
+    keeps the same (its adapters need the linear layers' inputs, as
+    weight gradients would)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
     c, f32 = config, 4
@@ -46,8 +51,16 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     keep = not training if keep_logits is None else keep_logits
     rows = head_rows(B, T, keep)
     adapters = {"LoRA adapters": f32 * adapter_params} if adapter_params else {}
-    return {"parameters": f32 * n,
-            "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0,
+    if frozen:
+        if precision != "bf16":
+            raise ValueError(f"frozen is a base held in bf16 alone: precision must be 'bf16', "
+                             f"got {precision!r}")
+        in_bf16 = frozen_bf16_parameters(c)
+        weights = {"parameters": f32 * (n - in_bf16), "parameters (bf16)": 2 * in_bf16}
+    else:
+        weights = {"parameters": f32 * n,
+                   "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0}
+    return {**weights,
             **adapters,
             "parameter gradients": f32 * trained if training else 0,
             "AdamW moments": 2 * f32 * moments if training else 0,
@@ -79,7 +92,8 @@ def require_missing(model, B, T, training, keep_logits):
     model.memory_plan(B, T) it has not allocated yet do not fit, all at once."""
     plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits)
     lora = model.lora
-    have = {"parameters": True, "parameters (bf16 copy)": True, "LoRA adapters": True,
+    have = {"parameters": True, "parameters (bf16 copy)": True, "parameters (bf16)": True,
+            "LoRA adapters": True,
             # the adapters' are made with them
             "parameter gradients": model._grads is not None or lora is not None,
             # made by moments(); a shard of them, by its optimizer (ZeRO-1)

@@ -41,6 +41,16 @@ float32 output gradient rounded to bf16) and sums in float32. Norm
 statistics, attention, softmax, the loss and the gradient norm stay float32.
 update() rewrites the bf16 copy as it updates the parameters.
 
+A frozen bf16 base (``frozen=True``, load_model(path, precision="bf16",
+frozen=True)) holds its matrices (FROZEN_BF16: the embedding, the head and
+the linear layers' weights) in bf16 alone, in ``params_bf16``, with no
+float32 master: 2 bytes a parameter. ``params`` holds the rest in float32
+(norm weights, biases, a learned position table: small). It forwards,
+generates and evaluates, and trains LoRA adapters (add_lora, load_lora),
+which read the same bf16 weights as a bf16 model's; anything that needs the
+base's float32 weights (update or gradients without adapters, saving it,
+merge_lora) is refused.
+
 LoRA (model.lora): add_lora or load_lora freeze the parameters and add
 adapters to the linear layers; the gradients, AdamW's moments and the
 update are then the adapters' alone (``trained``), and backward skips the
@@ -76,14 +86,15 @@ import numpy as np
 from .._native import kernels as K
 from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
+from ..io.files import to_bf16
 from ..io.load import read_model_file, write_model_file
 from . import kv_cache
 from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
-from .layout import (TensorGroup, act_specs, aligned_empty, aligned_zeros, checked_params,
-                     grad_act_specs, param_specs)
+from .layout import (FROZEN_BF16, TensorGroup, act_specs, aligned_empty, aligned_zeros,
+                     checked_params, grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
 from .quantized import QuantizedLinear, check_weights_type
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
@@ -113,14 +124,21 @@ class Transformer:
     another thread is inside one of them raise ConcurrentUseError at once,
     rather than compute a wrong result. Two models in two threads are fine."""
 
-    def __init__(self, config, seed=0, *, params=None, precision="fp32"):
+    def __init__(self, config, seed=0, *, params=None, precision="fp32", frozen=False):
         """A model of ``config`` with GPT-2's initialisation from ``seed``, or
         with the given flat float32 ``params`` (in layout.param_specs order);
-        ``precision`` "fp32" or "bf16" (mixed precision, see the module)."""
+        ``precision`` "fp32" or "bf16" (mixed precision, see the module).
+        ``frozen`` (bf16 only): a frozen bf16 base (see the module), its
+        matrices ``params`` rounded to bf16, or zero without ``params`` (for
+        a loader to fill, as load_model does)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
+        if frozen and precision != "bf16":
+            raise ValueError(f"frozen=True is a base held in bf16 alone: precision must be "
+                             f"'bf16', got {precision!r}")
         self.config = config
         self.precision = precision
+        self.frozen = frozen
         self.param_specs = param_specs(config)
         self.act_specs = act_specs(config, logits=False)
         self.grad_act_specs = grad_act_specs(config)
@@ -131,14 +149,21 @@ class Transformer:
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
         self._guard = ThreadGuard()
-        self.params = TensorGroup(self.param_specs, self.config)
-        self.num_parameters = self.params.size
-        if params is None:
-            self._init_params(seed, "gpt2", INIT_STD)
+        if frozen:
+            self._init_frozen(params)
         else:
-            self.params.memory[...] = checked_params(config, params)
+            self.params = TensorGroup(self.param_specs, self.config)
+            if params is None:
+                self._init_params(seed, "gpt2", INIT_STD)
+            else:
+                self.params.memory[...] = checked_params(config, params)
+        self.num_parameters = num_parameters(config)
         # what the linear layers read: the float32 parameters, or their bf16 copy
-        if precision == "bf16":
+        if frozen:
+            self._weights = self.params_bf16
+            self._matmul_forward, self._matmul_backward = (K.matmul_forward_bf16,
+                                                           K.matmul_backward_bf16)
+        elif precision == "bf16":
             self.params_bf16 = TensorGroup(self.param_specs, self.config, dtype=np.uint16)
             self.refresh_bf16()
             self._weights = self.params_bf16
@@ -171,10 +196,59 @@ class Transformer:
         if not std > 0:
             raise ValueError(f"std must be positive, got {std!r}")
         self._refuse_quantized("initialize")
+        self._refuse_frozen("initialize")
         with self.exclusive("initialize"):
             self._init_params(seed, scheme, std)
             if self.params_bf16 is not None:
                 self.refresh_bf16()
+
+    def _init_frozen(self, params):
+        """A frozen bf16 base's two groups: the FROZEN_BF16 tensors in bf16
+        (``params_bf16``), the others in float32 (``params``), from flat
+        float32 ``params`` or zero."""
+        specs = self.param_specs
+        self.params_bf16 = TensorGroup([s for s in specs if s[0] in FROZEN_BF16], self.config,
+                                       dtype=np.uint16)
+        self.params = TensorGroup([s for s in specs if s[0] not in FROZEN_BF16], self.config)
+        if params is None:
+            return
+        whole = TensorGroup(specs, self.config, memory=checked_params(self.config, params))
+        for name in whole.names:
+            if name in FROZEN_BF16:
+                self.params_bf16[name][...] = to_bf16(whole[name])
+            else:
+                self.params[name][...] = whole[name]
+
+    def put_frozen(self, name, l, values):
+        """Writes tensor ``name`` (of layer l; None: a whole one) of a frozen
+        bf16 base from ``values`` (float32, float16 or bf16, e.g. read_hf_into's;
+        fewer rows than the tensor for the unpadded vocabulary): bf16 as
+        given, others rounded to nearest even."""
+        if name not in FROZEN_BF16:
+            view = self.params[name] if l is None else self.params[name][l]
+            view[:len(values)] = values
+            return
+        view = self.params_bf16[name] if l is None else self.params_bf16[name][l]
+        if values.dtype.name == "bfloat16":
+            view[:len(values)] = values.view(np.uint16)
+        else:
+            view[:len(values)] = to_bf16(values)
+
+    def embed(self, out, tokens, pos=None):
+        """out (B, T, C) = the embedding of int32 ``tokens`` (B, T), plus the
+        learned position table's rows (t, or pos[b] + t); a frozen bf16 base
+        gathers its bf16 rows, widened exactly."""
+        c, p = self.config, self.params
+        if self.frozen:
+            out[...] = (self.params_bf16.wte[tokens].astype(np.uint32) << 16).view(np.float32)
+        elif pos is None:
+            K.encoder_forward(out, tokens, p.wte[:c.V], p.wpe if c.learned_positions else None)
+            return
+        else:
+            np.take(p.wte, tokens, axis=0, out=out)
+        if c.learned_positions:
+            T = tokens.shape[1]
+            out += p.wpe[np.arange(T) if pos is None else pos[:, None] + np.arange(T)]
 
     def _init_params(self, seed, scheme, std):
         c, p = self.config, self.params
@@ -200,6 +274,7 @@ class Transformer:
     def refresh_bf16(self):
         """Rewrites ``params_bf16`` from ``params`` (bf16 models): update()
         does this itself; call it after writing to ``params`` by hand."""
+        self._refuse_frozen("refresh_bf16")
         if self.params_bf16 is None:
             raise RuntimeError("refresh_bf16: this model's precision is fp32; it has no "
                                "bf16 copy of its parameters")
@@ -224,6 +299,7 @@ class Transformer:
         writes it), our Llama-family file otherwise (fp32 or bf16 likewise)."""
         self._refuse_quantized("save_checkpoint")
         self._refuse_adapters("save_checkpoint")
+        self._refuse_frozen("save_checkpoint")
         write_model_file(path, self.config, self.params.memory, dtype=dtype)
 
     def save_pretrained(self, folder, dtype="fp32", token_ids=None):
@@ -234,6 +310,7 @@ class Transformer:
         from ..io.hf import write_hf   # needs the optional safetensors package
         self._refuse_quantized("save_pretrained")
         self._refuse_adapters("save_pretrained")
+        self._refuse_frozen("save_pretrained")
         write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
 
     def save_gguf(self, path, dtype="f32", tokenizer=None):
@@ -246,6 +323,7 @@ class Transformer:
         self._refuse_quantized("save_gguf")
         from ..io.gguf import write_gguf   # needs the optional gguf package
         from ..tokenizer import load_tokenizer
+        self._refuse_frozen("save_gguf")
         source = tokenizer
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer)
@@ -260,6 +338,7 @@ class Transformer:
         if self.lora is not None:
             raise RuntimeError("model.grads: the base is frozen (LoRA) and has no gradients; "
                                "model.trained or model.lora.grads are the adapters'")
+        self._refuse_frozen("gradients of the base")
         if self._grads is None:
             self._grads = TensorGroup(self.param_specs, self.config)
         return self._grads
@@ -278,7 +357,7 @@ class Transformer:
         adds it; None where it has none: a frozen base (LoRA), whose
         weight-gradient products backward skips, or a tensor the config
         lacks."""
-        if self.lora is not None or name not in self.params:
+        if self.lora is not None or self.frozen or name not in self.params:
             return None
         return self.grads[name] if l is None else self.grads[name][l]
 
@@ -370,6 +449,7 @@ class Transformer:
         its precision, recompute, share of the moments and LoRA adapters."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
                            precision=self.precision, recompute=self.recompute,
+                           frozen=self.frozen,
                            moment_params=self.moment_params if self.lora is None else None,
                            adapter_params=0 if self.lora is None else self.lora.params.size)
 
@@ -431,7 +511,7 @@ class Transformer:
                                     self.slopes, c.NH, c.NKV, c.sliding_window,
                                     *dropout.site("attention", l))
 
-        K.encoder_forward(a.encoded, inputs, p.wte[:c.V], p.wpe if c.learned_positions else None)
+        self.embed(a.encoded, inputs)
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, None)
         drop(a.encoded, dropout.site("embedding"))
@@ -682,6 +762,7 @@ class Transformer:
         forward, evaluation, generate; training and saving are refused."""
         check_weights_type(qtype)
         self._refuse_adapters("quantize")
+        self._refuse_frozen("quantize")
         if self.quantized is not None:
             raise RuntimeError(f"quantize: this model is quantized ({self.quantized}) already")
         blocks = dict(blocks or {})
@@ -745,6 +826,7 @@ class Transformer:
         peft's merge_and_unload), and removes them: the model is a plain one
         again, which save_pretrained and save_checkpoint write."""
         lora = self._adapters("merge_lora")
+        self._refuse_frozen("merge_lora")
         for t in lora.targets:
             weight = self.params[t.linear + "w"]
             for l in range(self.config.L):
@@ -781,6 +863,13 @@ class Transformer:
             raise RuntimeError(f"{what}: this model has LoRA adapters already (rank "
                                f"{self.lora.rank} on {names}); merge_lora() folds them into "
                                f"the base, save_lora() writes them")
+
+    def _refuse_frozen(self, what):
+        if self.frozen:
+            raise RuntimeError(f"{what}: this model is a frozen bf16 base (frozen=True): its "
+                               f"weights are bf16 alone, with no float32 master to change, "
+                               f"save or fold adapters into; load it without frozen=True for "
+                               f"that")
 
     # ---- update ------------------------------------------------------------
 
