@@ -151,4 +151,5 @@ def test_sample_and_eval_load_a_frozen_bf16_base(cli, tmp_path, monkeypatch):
     for extra in (["--precision", "bf16"], []):
         with pytest.raises(RuntimeError, match="stop here"):
             module.main(args + extra)
-    assert seen == [dict(precision="bf16", frozen=True), dict(precision="fp32", frozen=False)]
+    assert seen == [dict(precision="bf16", weights=None, frozen=True),
+                    dict(precision="fp32", weights=None, frozen=False)]
