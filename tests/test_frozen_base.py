@@ -153,3 +153,10 @@ def test_sample_and_eval_load_a_frozen_bf16_base(cli, tmp_path, monkeypatch):
             module.main(args + extra)
     assert seen == [dict(precision="bf16", weights=None, frozen=True),
                     dict(precision="fp32", weights=None, frozen=False)]
+
+
+def test_quantized_weights_and_a_frozen_base_are_one_choice():
+    """weights= (llama.cpp's blocks) and frozen=True (bf16 alone) both say how
+    the weights are held: asking for both is refused before any file is read."""
+    with pytest.raises(llmc_py.UsageError, match="weights='q8_0' and frozen=True"):
+        llmc_py.load_model("no-such-model.bin", precision="bf16", weights="q8_0", frozen=True)
