@@ -143,6 +143,20 @@ def build_parser():
       help="with --monitor-every: warn when a layer's mean cosine between token vectors "
            "rises above this (1: never)")
     a("--data-dir", default=RunSpec.data_dir, help="where the default dataset is prepared")
+    lora = p.add_argument_group(
+        "LoRA", "train low-rank adapters on a frozen base (-e) instead of every parameter")
+    lora.add_argument("--lora-rank", type=int, default=RunSpec.lora_rank,
+                      help="R: adapters of rank R (0: full fine-tuning)")
+    lora.add_argument("--lora-alpha", type=float, default=RunSpec.lora_alpha,
+                      help="the adapters' scale is alpha / R (default: 2R, a scale of 2)")
+    lora.add_argument("--lora-targets", default=RunSpec.lora_targets,
+                      help="comma-separated modules to adapt: q,k,v,o,gate,up,down (short for "
+                           "q_proj, ...) or Hugging Face's names (GPT-2's c_attn, c_proj, c_fc, "
+                           "mlp.c_proj) (default: every one the model has)")
+    lora.add_argument("--lora-dropout", type=float, default=RunSpec.lora_dropout,
+                      help="dropout probability on the adapters' input in training")
+    lora.add_argument("--lora-rslora", type=int, choices=(0, 1), default=RunSpec.lora_rslora,
+                      help="1: scale by alpha / sqrt(R) (rsLoRA)")
     llama = p.add_argument_group(
         "model family", "for a fresh model (-e dN); a model file carries its own choices")
     llama.add_argument("--arch", choices=("gpt2", "llama"), default=family_defaults()["arch"],

@@ -126,6 +126,7 @@ class Run:
         train_data, val_data = self._data()
         moments, extra = self._model(checkpoint)
         self._check_model_fits()
+        self._add_lora()
         self.sharded = bool(spec.zero) and world.size > 1
         shard = distributed.shard_bounds(self.model.num_parameters, world.size)[world.rank]
         # fails now if a step cannot fit in memory
@@ -214,6 +215,9 @@ class Run:
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         self.spec, taken = take_run_flags(spec, saved)
         self.spec.check()
+        if self.spec.lora_rank:
+            raise UsageError(f"-y 1: {self.folder.path} is a LoRA run; resuming one is not "
+                             f"supported yet")
         refuse_changes(saved, self.spec.flags(), self.spec)   # the flags given; derived: _restore
         if taken:
             say("resume: took " + ", ".join(taken) + " from the run")
@@ -246,6 +250,27 @@ class Run:
                 self.model.refresh_bf16()
         self.model.recompute = bool(spec.recompute)
         return moments, extra
+
+    def _add_lora(self):
+        """With --lora-rank: freezes the model and adds its adapters."""
+        spec, options = self.spec, self.spec.lora_options()
+        if options is None:
+            given = sorted(spec.explicit & {"lora_alpha", "lora_targets", "lora_dropout",
+                                            "lora_rslora"})
+            if given:
+                raise UsageError(f"{spec.flag(given[0])} needs --lora-rank")
+            return
+        if spec.zero and self.world.size > 1:
+            raise UsageError("--zero 1 with --lora-rank: ZeRO-1 shards the full model's "
+                             "moments; a LoRA run's are small, run without --zero")
+        if spec.monitor_every:
+            raise UsageError("--monitor-every with --lora-rank: the monitors read the full "
+                             "model's gradients, which a LoRA run has not")
+        try:
+            self.model.add_lora(**options)
+        except ValueError as e:
+            flag = spec.flag("lora_targets" if "targets" in str(e) else "lora_rank")
+            raise UsageError(f"{flag}: {e}") from None
 
     def _initial_model(self):
         """A fresh model of the -e depth, or the -e model file's or folder's."""
@@ -386,7 +411,8 @@ class Run:
                           update_guard=self.signals.deferred, world=world, dropout=self.dropout)
         if world.size > 1:   # first of all: the gradients averaged over the ranks
             reduce = world.reduce_scatter_mean if self.sharded else world.average
-            trainer.after_backward.append(lambda trainer, step: reduce(self.model.grads.memory))
+            trainer.after_backward.append(
+                lambda trainer, step: reduce(self.model.trained[1].memory))
         trainer.after_step.append(self.checkpoints.step_finished)
         if self.probe is not None and self.sharded:
             # ZeRO-1 averages each rank's shard of the gradients only; the
@@ -472,8 +498,8 @@ class Run:
         keep_best = self.keep_best
         if keep_best is not None and keep_best.best is not None and keep_best.loss < math.inf:
             summary += (f", best val loss {keep_best.loss:.4f} at step {keep_best.best['step']} "
-                        f"({self.folder.best_path})")
-        say(summary + f"; checkpoint {self.folder.checkpoint_paths(spec.max_steps)[0]}")
+                        f"({self.folder.best_of(self.model)})")
+        say(summary + f"; checkpoint {self.folder.model_path(spec.max_steps, self.model)}")
         if world.size > 1 and steps_run:   # rank 0's share of the exchanges
             say(f"communication (rank 0): {world.seconds / steps_run * 1000:.1f} ms and "
                 f"{world.bytes_sent / steps_run / 2**20:.1f} MiB sent per step "

@@ -1,0 +1,71 @@
+"""LoRA in the training run: the --lora-* flags add adapters to the -e
+model after loading; the loop, clipping and AdamW act on the adapters alone
+and the base never changes."""
+import numpy as np
+import pytest
+
+from llmc_py import UsageError
+from llmc_py.data import DataLoader
+from llmc_py.model.presets import config_from_depth, preset_for
+from llmc_py import train as train_mod
+from llmc_py.train import RunSpec
+from llmc_py.train.cli import parse
+from llmc_py.train.runner import Run
+
+
+def spec(shards, out_dir, **fields):
+    train_glob, val_glob = shards
+    return RunSpec(train_data=train_glob, val_data=val_glob, output_dir=str(out_dir),
+                   init="d1", batch_size=2, seq_len=16, val_every=0, sample_every=0,
+                   learning_rate=3e-3, warmup_steps=0, **fields)
+
+
+def fresh_d1(seed=1337):
+    config = config_from_depth("d1")
+    return preset_for(config)(config, seed=seed)
+
+
+def test_a_lora_step_is_add_lora_then_clip_and_adamw_on_the_adapters(shards, tmp_path):
+    run = Run(spec(shards, tmp_path / "out", max_steps=1, lora_rank=4, lora_alpha=8,
+                   lora_targets="c_attn,c_fc", grad_clip=1e-3))
+    assert run.train() == 0
+    trained = run.model
+    expected = fresh_d1()
+    expected.add_lora(rank=4, alpha=8, targets=("c_attn", "c_fc"), seed=1337)
+    x, y = DataLoader(shards[0], 2, 16).next_batch()
+    expected.zero_grad()
+    expected.forward_backward(x, y)
+    expected.clip_grad_norm(1e-3)
+    expected.update(run.spec.lr_schedule()(1), beta1=0.9, beta2=0.95, eps=1e-8,
+                    weight_decay=0.1, t=1)   # every adapter tensor decays
+    assert np.array_equal(trained.lora.params.memory, expected.lora.params.memory)
+    assert np.array_equal(trained.params.memory, fresh_d1().params.memory)   # the base frozen
+    assert [t.name for t in trained.lora.targets] == ["c_attn", "c_fc"]
+
+
+def test_lora_options_from_the_flags():
+    options = parse(["--lora-rank", "8", "--lora-targets", "q,k,down",
+                               "--lora-dropout", "0.05", "--lora-rslora", "1"]).lora_options()
+    assert options == dict(rank=8, alpha=16, targets=("q_proj", "k_proj", "down_proj"),
+                           dropout=0.05, seed=1337, rslora=True)   # alpha: 2R by default
+    assert parse([]).lora_options() is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "-1"], "--lora-rank must be >= 0, got -1"),
+    (["--lora-rank", "65"], "--lora-rank: rank 65 is outside [1, 64]"),
+    (["--lora-rank", "2", "--lora-targets", "q_proj"], "--lora-targets: targets: this model "
+                                                       "has no module 'q_proj'"),
+    (["--lora-rank", "2", "--lora-alpha", "0"], "--lora-alpha must be positive"),
+    (["--lora-rank", "2", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--lora-alpha", "4"], "--lora-alpha needs --lora-rank"),
+    (["--lora-rank", "2", "--monitor-every", "1"], "--monitor-every with --lora-rank"),
+])
+def test_bad_lora_flags_are_refused_before_step_1(shards, tmp_path, capsys, argv, message):
+    train_glob, val_glob = shards
+    out = tmp_path / "out"
+    code = train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out), "-e", "d1",
+                           "-b", "2", "-t", "16", "-x", "2", "-s", "0", *argv])
+    assert code != 0
+    assert message in capsys.readouterr().err
+    assert not (out / "main.log").exists()
