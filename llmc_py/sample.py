@@ -44,6 +44,9 @@ def build_parser():
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: decode with a bf16 copy of the weights (half the bytes per "
                         "token)")
+    p.add_argument("--lora", metavar="FOLDER", default=None,
+                   help="a PEFT LoRA adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors) to load onto the model -e")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
@@ -69,6 +72,8 @@ def load(args):
     own or GPT-2's."""
     from .tokenizer import load_tokenizer
     model = load_model(args.checkpoint, precision=args.precision)
+    if args.lora:
+        model.load_lora(args.lora)
     encoding = load_tokenizer(args.tokenizer or args.checkpoint)
     check_vocab(model.config, encoding, args.checkpoint)
     return model, encoding

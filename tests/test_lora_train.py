@@ -1,10 +1,14 @@
 """LoRA in the training run: the --lora-* flags add adapters to the -e
 model after loading; the loop, clipping and AdamW act on the adapters alone
 and the base never changes."""
+import io
+
 import numpy as np
 import pytest
 
-from llmc_py import UsageError
+from llmc_py import load_model, sample
+from llmc_py.io import read_state
+from llmc_py.tokenizer import get_encoding
 from llmc_py.data import DataLoader
 from llmc_py.model.presets import config_from_depth, preset_for
 from llmc_py import train as train_mod
@@ -69,3 +73,62 @@ def test_bad_lora_flags_are_refused_before_step_1(shards, tmp_path, capsys, argv
     assert code != 0
     assert message in capsys.readouterr().err
     assert not (out / "main.log").exists()
+
+
+def lora_run(shards, out_dir, *extra):
+    train_glob, val_glob = shards
+    return train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out_dir), "-e", "d1",
+                           "-b", "2", "-t", "16", "-x", "3", "-v", "1", "-m", "1", "-s", "0",
+                           "-l", "3e-2", "-u", "0", "--lora-rank", "2", *extra])
+
+
+def test_checkpoints_hold_the_adapters_and_their_moments(shards, tmp_path):
+    out = tmp_path / "out"
+    assert lora_run(shards, out, "-n", "1", "-nk", "2") == 0
+    names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert names == ["DONE_00000002", "DONE_00000003", "best.json", "lora_00000002",
+                     "lora_00000003", "lora_best", "main.log", "state_00000002.bin",
+                     "state_00000003.bin"]   # no model file: the base is -e's
+    assert sorted(p.name for p in (out / "lora_00000003").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    model = fresh_d1()
+    model.load_lora(out / "lora_00000003")
+    _, m, v, _ = read_state(out / "state_00000003.bin", model.lora.params.size)
+    assert m.size == model.lora.params.size and np.any(v)
+    assert np.any(model.lora.params["c_attn.B"])   # trained, not peft's zero init
+
+
+def test_export_hf_writes_the_merged_model(shards, tmp_path):
+    pytest.importorskip("safetensors")
+    out, export = tmp_path / "out", tmp_path / "hf"
+    assert lora_run(shards, out, "--export-hf", str(export)) == 0
+    expected = fresh_d1()
+    expected.load_lora(out / "lora_00000003")
+    expected.merge_lora()
+    assert np.array_equal(load_model(export).params.memory, expected.params.memory)
+    assert not np.array_equal(expected.params.memory, fresh_d1().params.memory)
+
+
+def test_resuming_a_lora_run_is_refused_for_now(shards, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert lora_run(shards, out) == 0
+    capsys.readouterr()
+    assert lora_run(shards, out, "-y", "1", "-x", "4") != 0
+    assert "is a LoRA run; resuming one is not supported yet" in capsys.readouterr().err
+
+
+def test_sample_loads_an_adapter_onto_the_base(shards, tmp_path):
+    out, base = tmp_path / "out", tmp_path / "base.bin"
+    assert lora_run(shards, out) == 0
+    fresh_d1().save_checkpoint(base)
+    argv = ["-e", str(base), "-g", "16", "--temperature", "0", "--stop-at-eot", "0"]
+    texts = []
+    for extra in ([], ["--lora", str(out / "lora_00000003")]):
+        text = io.StringIO()
+        sample.main(argv + extra, out=text)
+        texts.append(text.getvalue())
+    adapted = fresh_d1()
+    adapted.load_lora(out / "lora_00000003")
+    expected = io.StringIO()
+    sample.write_sample(sample.parse(argv), adapted, get_encoding(), expected)
+    assert texts[1] == expected.getvalue() != texts[0]

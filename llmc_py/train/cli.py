@@ -47,7 +47,8 @@ def build_parser():
            "(default: -e's when it is a Hugging Face folder with one, else GPT-2's)")
     a("--export-hf", metavar="DIR", default=RunSpec.export_hf,
       help="at the end, also write the model as a Hugging Face folder (config.json, "
-           "model.safetensors and -e's tokenizer files)")
+           "model.safetensors and -e's tokenizer files); with --lora-rank, the base with "
+           "the adapters merged into it")
     a("-o", "--output-dir", default=RunSpec.output_dir, help="folder for the log and checkpoints")
     a("-b", "--batch-size", type=int, default=RunSpec.batch_size,
       help="B: sequences per micro-batch")

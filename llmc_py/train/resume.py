@@ -84,6 +84,9 @@ def usable_checkpoint(folder, progress, precision="fp32"):
     done = folder.completed_steps()
     if not done:
         raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
+    if folder.adapter_path(done[-1]).is_dir():
+        raise UsageError(f"-y 1: {folder.path} is a LoRA run; resuming one is not supported "
+                         f"yet")
     for step in reversed(done):
         try:
             model = load_model(folder.checkpoint_paths(step)[0], precision=precision)

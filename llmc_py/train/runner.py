@@ -215,9 +215,6 @@ class Run:
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         self.spec, taken = take_run_flags(spec, saved)
         self.spec.check()
-        if self.spec.lora_rank:
-            raise UsageError(f"-y 1: {self.folder.path} is a LoRA run; resuming one is not "
-                             f"supported yet")
         refuse_changes(saved, self.spec.flags(), self.spec)   # the flags given; derived: _restore
         if taken:
             say("resume: took " + ", ".join(taken) + " from the run")
@@ -479,6 +476,8 @@ class Run:
                 metrics.close()
         self._say_summary()
         if spec.export_hf and root:
+            if self.model.lora is not None:   # the run is over: its adapters fold into the base
+                self.model.merge_lora()
             export_hf(self.model, spec.export_hf, spec.tokenizer_source())
             self.progress.say(f"exported as a Hugging Face folder: {spec.export_hf}")
         return 0
