@@ -93,7 +93,8 @@ def build_parser():
       help="keep only the last N checkpoints (0: keep all)")
     a("--keep-best", type=int, choices=(0, 1), default=RunSpec.keep_best,
       help="1: also keep the model with the lowest validation loss so far as "
-           "OUT/model_best.bin (its step and loss in OUT/best.json), which -nk never removes; "
+           "OUT/model_best.bin (OUT/lora_best/ with --lora-rank; its step and loss in "
+           "OUT/best.json), which -nk never removes; "
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
@@ -147,7 +148,9 @@ def build_parser():
     lora = p.add_argument_group(
         "LoRA", "train low-rank adapters on a frozen base (-e) instead of every parameter")
     lora.add_argument("--lora-rank", type=int, default=RunSpec.lora_rank,
-                      help="R: adapters of rank R (0: full fine-tuning)")
+                      help="R: adapters of rank R (0: full fine-tuning); each checkpoint is "
+                           "then OUT/lora_%%08d/, a PEFT folder, and the adapters' moments "
+                           "(such a run cannot be resumed yet)")
     lora.add_argument("--lora-alpha", type=float, default=RunSpec.lora_alpha,
                       help="the adapters' scale is alpha / R (default: 2R, a scale of 2)")
     lora.add_argument("--lora-targets", default=RunSpec.lora_targets,
