@@ -8,6 +8,7 @@ import pytest
 
 from llmc_py import load_model, sample
 from llmc_py.io import read_state
+from llmc_py.data import write_tokens
 from llmc_py.tokenizer import get_encoding
 from llmc_py.data import DataLoader
 from llmc_py.model.presets import config_from_depth, preset_for
@@ -15,6 +16,7 @@ from llmc_py import train as train_mod
 from llmc_py.train import RunSpec
 from llmc_py.train.cli import parse
 from llmc_py.train.runner import Run
+from test_mpi import SMALL as MPI_SMALL, log_lines, mpirun, solo
 
 
 def spec(shards, out_dir, **fields):
@@ -132,3 +134,36 @@ def test_sample_loads_an_adapter_onto_the_base(shards, tmp_path):
     expected = io.StringIO()
     sample.write_sample(sample.parse(argv), adapted, get_encoding(), expected)
     assert texts[1] == expected.getvalue() != texts[0]
+
+
+@pytest.fixture(scope="module")
+def mpi_shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    write_tokens(folder / "train.bin", rng.integers(0, 50257, 30000))
+    write_tokens(folder / "val.bin", rng.integers(0, 50257, 4000))
+    return ["-i", str(folder / "train.bin"), "-j", str(folder / "val.bin")]
+
+
+def adapter_tensors(folder):
+    from safetensors.numpy import load_file
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+def test_two_ranks_of_lora_match_one_process(mpi_shards, tmp_path):
+    """Only the adapters' gradients are averaged over the ranks (the base's
+    would raise: it has none); as test_mpi's tolerance."""
+    lora = ["--lora-rank", "2", "-l", "1e-2"]
+    ran = mpirun(tmp_path / "two", *mpi_shards, *MPI_SMALL, "-b", "2", "-x", "6", *lora)
+    assert ran.returncode == 0, ran.stderr
+    assert solo(tmp_path / "one", *mpi_shards, *MPI_SMALL, "-b", "4", "-x", "6", *lora) == 0
+    for kind in ("trl", "tel"):
+        np.testing.assert_allclose(log_lines(tmp_path / "two", kind),
+                                   log_lines(tmp_path / "one", kind), rtol=1e-5, err_msg=kind)
+    two, one = (adapter_tensors(tmp_path / name / "lora_00000006") for name in ("two", "one"))
+    assert two.keys() == one.keys()
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    refused = mpirun(tmp_path / "zero", *mpi_shards, *MPI_SMALL, "-b", "2", "-x", "2",
+                     "--zero", "1", *lora)
+    assert refused.returncode != 0 and "--zero 1 with --lora-rank" in refused.stderr
