@@ -111,12 +111,46 @@ def test_export_hf_writes_the_merged_model(shards, tmp_path):
     assert not np.array_equal(expected.params.memory, fresh_d1().params.memory)
 
 
-def test_resuming_a_lora_run_is_refused_for_now(shards, tmp_path, capsys):
+def test_a_lora_resume_is_bitwise_the_straight_run(shards, tmp_path, capsys):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    same = ["--lora-dropout", "0.1", "-k", "constant"]   # the schedule does not see -x
+    assert lora_run(shards, straight, "-x", "4", *same) == 0
+    assert lora_run(shards, resumed, "-x", "2", *same) == 0
+    assert lora_run(shards, resumed, "-y", "1", "-x", "4") == 0   # the lora flags taken
+    took = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("resume: took")]
+    assert len(took) == 1 and "--lora-dropout 0.1" in took[0]
+    assert (straight / "main.log").read_bytes() == (resumed / "main.log").read_bytes()
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert ((straight / "lora_00000004" / name).read_bytes()
+                == (resumed / "lora_00000004" / name).read_bytes())
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-rank", "4"], "the run was made with --lora-rank 2, this resume gives 4"),
+    (["--lora-alpha", "8"], "the run was made with --lora-alpha None, this resume gives 8"),
+])
+def test_a_lora_resume_refuses_changed_flags(shards, tmp_path, capsys, extra, message):
     out = tmp_path / "out"
-    assert lora_run(shards, out) == 0
+    assert lora_run(shards, out, "-x", "2") == 0
     capsys.readouterr()
+    assert lora_run(shards, out, "-y", "1", "-x", "4", *extra) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_a_lora_resume_refuses_another_base(shards, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    assert lora_run(shards, out, "-x", "2") == 0
+    capsys.readouterr()
+    real = Run._initial_model
+
+    def other_base(self):
+        model = real(self)
+        model.params.memory[0] += 1.0
+        return model
+    monkeypatch.setattr(Run, "_initial_model", other_base)
     assert lora_run(shards, out, "-y", "1", "-x", "4") != 0
-    assert "is a LoRA run; resuming one is not supported yet" in capsys.readouterr().err
+    assert "the base model of -e/--init d1 differs from the run's" in capsys.readouterr().err
 
 
 def test_sample_loads_an_adapter_onto_the_base(shards, tmp_path):

@@ -149,8 +149,8 @@ def build_parser():
         "LoRA", "train low-rank adapters on a frozen base (-e) instead of every parameter")
     lora.add_argument("--lora-rank", type=int, default=RunSpec.lora_rank,
                       help="R: adapters of rank R (0: full fine-tuning); each checkpoint is "
-                           "then OUT/lora_%%08d/, a PEFT folder, and the adapters' moments "
-                           "(such a run cannot be resumed yet)")
+                           "then OUT/lora_%%08d/, a PEFT folder, and the adapters' moments; "
+                           "-y 1 resumes onto the same -e")
     lora.add_argument("--lora-alpha", type=float, default=RunSpec.lora_alpha,
                       help="the adapters' scale is alpha / R (default: 2R, a scale of 2)")
     lora.add_argument("--lora-targets", default=RunSpec.lora_targets,

@@ -147,6 +147,7 @@ class Run:
             spec.flags(), train_data=train_data, val_data=val_data,
             total_batch_tokens=self.tokens_per_step, grad_accum=self.grad_accum,
             world_size=world.size, val_batches=self.val_batches,
+            lora_base=self.lora_base,
             train_fingerprint=fingerprint(self.train_loader.files),
             val_fingerprint=fingerprint(self.val_loader.files) if self.val_loader else None)
         if self.resume_step:
@@ -211,7 +212,7 @@ class Run:
                                     if root else (None,) * 5)
         # the other ranks need no access to -o
         step, config, extra = world.broadcast_object(
-            (step, model.config, extra) if root else None)
+            (step, model and model.config, extra) if root else None)
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         self.spec, taken = take_run_flags(spec, saved)
         self.spec.check()
@@ -231,6 +232,9 @@ class Run:
             if root and spec.max_steps < self.resume_step:
                 raise UsageError(f"{spec.flag('max_steps')} {spec.max_steps} is below the "
                                  f"checkpoint's step {self.resume_step} in {self.folder.path}")
+        if checkpoint is not None and config is None:   # a LoRA run's: the base is -e's
+            self.model = self._initial_model()
+        elif checkpoint is not None:
             if root and model.precision == spec.precision:
                 self.model = model
             else:   # another rank's, or another precision than the one it was read in
@@ -251,6 +255,7 @@ class Run:
     def _add_lora(self):
         """With --lora-rank: freezes the model and adds its adapters."""
         spec, options = self.spec, self.spec.lora_options()
+        self.lora_base = None
         if options is None:
             given = sorted(spec.explicit & {"lora_alpha", "lora_targets", "lora_dropout",
                                             "lora_rslora"})
@@ -263,11 +268,25 @@ class Run:
         if spec.monitor_every:
             raise UsageError("--monitor-every with --lora-rank: the monitors read the full "
                              "model's gradients, which a LoRA run has not")
+        self.lora_base = model_digest(self.model)   # a resume must find the same base
         try:
             self.model.add_lora(**options)
         except ValueError as e:
             flag = spec.flag("lora_targets" if "targets" in str(e) else "lora_rank")
             raise UsageError(f"{flag}: {e}") from None
+        if self.resume_step:   # the checkpoint's adapters, read by rank 0
+            if self.world.is_root:
+                self._read_adapters(self.folder.adapter_path(self.resume_step))
+            self.world.broadcast(self.model.lora.params.memory)
+
+    def _read_adapters(self, folder):
+        """Replaces the adapters' parameters by those of the PEFT ``folder``."""
+        from ..io.peft import read_peft
+        saved, params = read_peft(folder, self.model.config).params, self.model.lora.params
+        if saved.names != params.names or saved.size != params.size:
+            raise CheckpointError(f"{folder}: its adapters ({', '.join(saved.names)}) are not "
+                                  f"those of the run's --lora-* flags")
+        params.memory[...] = saved.memory
 
     def _initial_model(self):
         """A fresh model of the -e depth, or the -e model file's or folder's."""
@@ -344,7 +363,7 @@ class Run:
                                   f"state is not usable ({type(e).__name__}: {e})") from None
         if world.size > 1 and not self.sharded:   # every rank holds all of m and v
             if not world.is_root:
-                n = self.model.num_parameters
+                n = self.optimizer.m.size   # the adapters' after add_lora
                 m, v = np.empty(n, np.float32), np.empty(n, np.float32)
             world.broadcast(m)
             world.broadcast(v)
