@@ -8,7 +8,6 @@ import pytest
 
 from llmc_py import load_model, sample
 from llmc_py.io import read_state
-from llmc_py.data import write_tokens
 from llmc_py.tokenizer import get_encoding
 from llmc_py.data import DataLoader
 from llmc_py.model.presets import config_from_depth, preset_for
@@ -170,23 +169,15 @@ def test_sample_loads_an_adapter_onto_the_base(shards, tmp_path):
     assert texts[1] == expected.getvalue() != texts[0]
 
 
-@pytest.fixture(scope="module")
-def mpi_shards(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tokens")
-    rng = np.random.default_rng(0)
-    write_tokens(folder / "train.bin", rng.integers(0, 50257, 30000))
-    write_tokens(folder / "val.bin", rng.integers(0, 50257, 4000))
-    return ["-i", str(folder / "train.bin"), "-j", str(folder / "val.bin")]
-
-
 def adapter_tensors(folder):
     from safetensors.numpy import load_file
     return load_file(str(folder / "adapter_model.safetensors"))
 
 
-def test_two_ranks_of_lora_match_one_process(mpi_shards, tmp_path):
+def test_two_ranks_of_lora_match_one_process(shards, tmp_path):
     """Only the adapters' gradients are averaged over the ranks (the base's
     would raise: it has none); as test_mpi's tolerance."""
+    mpi_shards = ["-i", shards[0], "-j", shards[1]]
     lora = ["--lora-rank", "2", "-l", "1e-2"]
     ran = mpirun(tmp_path / "two", *mpi_shards, *MPI_SMALL, "-b", "2", "-x", "6", *lora)
     assert ran.returncode == 0, ran.stderr
