@@ -192,3 +192,24 @@ def test_two_ranks_of_lora_match_one_process(shards, tmp_path):
     refused = mpirun(tmp_path / "zero", *mpi_shards, *MPI_SMALL, "-b", "2", "-x", "2",
                      "--zero", "1", *lora)
     assert refused.returncode != 0 and "--zero 1 with --lora-rank" in refused.stderr
+
+
+def test_a_hugging_face_llama_with_short_target_names(shards, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    base = tmp_path / "llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False)).save_pretrained(base)
+    out, export = tmp_path / "out", tmp_path / "merged"
+    train_glob, val_glob = shards
+    assert train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out), "-e", str(base),
+                           "-b", "2", "-t", "16", "-x", "2", "-s", "0", "-v", "0", "-l", "1e-2",
+                           "--lora-rank", "2", "--lora-targets", "q,v,down",
+                           "--export-hf", str(export)]) == 0
+    names = adapter_tensors(out / "lora_00000002").keys()
+    assert sorted({name.split(".")[-3] for name in names}) == ["down_proj", "q_proj", "v_proj"]
+    expected = load_model(base)
+    expected.load_lora(out / "lora_00000002")
+    expected.merge_lora()
+    assert np.array_equal(load_model(export).params.memory, expected.params.memory)
