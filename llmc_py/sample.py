@@ -49,6 +49,9 @@ def build_parser():
                    help="decode on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
                         "weights (the head at q8_0; a GGUF file's blocks of that type are "
                         "used as they are)")
+    p.add_argument("--lora", metavar="FOLDER", default=None,
+                   help="a PEFT LoRA adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors) to load onto the model -e")
     p.add_argument("--stop-at-eot", type=int, choices=(0, 1), default=1,
                    help="1: stop at the end-of-text token (a line on stderr says after how many)")
     return p
@@ -75,6 +78,8 @@ def load(args):
     from .tokenizer import load_tokenizer
     model = load_model(args.checkpoint, precision=args.precision, weights=args.weights,
                        frozen=args.precision == "bf16" and args.weights is None)
+    if args.lora:
+        model.load_lora(args.lora)
     encoding = load_tokenizer(args.tokenizer or args.checkpoint)
     check_vocab(model.config, encoding, args.checkpoint)
     return model, encoding

@@ -44,7 +44,7 @@ def write_state(path, step, m, v, extra):
 
 def read_state(path, num_params):
     """(step, m, v, extra) from a training-state file for a model of
-    ``num_params`` parameters."""
+    ``num_params`` parameters (None: as many as the file holds)."""
     header, size = read_header(path, "training-state")
     expect_magic_version(path, header, MAGIC_STATE, VERSION_STATE,
                          "an llmc_py training-state file")
@@ -54,7 +54,7 @@ def read_state(path, num_params):
     for name, value in (("step", step), ("json_bytes", json_bytes)):
         if value < 0:
             raise CheckpointError(f"{path}: header field {name} is {value}, must be >= 0")
-    if count != num_params:
+    if num_params is not None and count != num_params:
         raise CheckpointError(f"{path}: header field num_parameters is {count}, but the "
                               f"model has {num_params} (a state file from another model)")
     expect_size(path, size, HEADER_BYTES + 8 * count + json_bytes, "training-state file")

@@ -47,7 +47,8 @@ def build_parser():
            "(default: -e's when it is a Hugging Face folder with one, else GPT-2's)")
     a("--export-hf", metavar="DIR", default=RunSpec.export_hf,
       help="at the end, also write the model as a Hugging Face folder (config.json, "
-           "model.safetensors and -e's tokenizer files)")
+           "model.safetensors and -e's tokenizer files); with --lora-rank, the base with "
+           "the adapters merged into it")
     a("-o", "--output-dir", default=RunSpec.output_dir, help="folder for the log and checkpoints")
     a("-b", "--batch-size", type=int, default=RunSpec.batch_size,
       help="B: sequences per micro-batch")
@@ -92,7 +93,8 @@ def build_parser():
       help="keep only the last N checkpoints (0: keep all)")
     a("--keep-best", type=int, choices=(0, 1), default=RunSpec.keep_best,
       help="1: also keep the model with the lowest validation loss so far as "
-           "OUT/model_best.bin (its step and loss in OUT/best.json), which -nk never removes; "
+           "OUT/model_best.bin (OUT/lora_best/ with --lora-rank; its step and loss in "
+           "OUT/best.json), which -nk never removes; "
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
@@ -143,6 +145,22 @@ def build_parser():
       help="with --monitor-every: warn when a layer's mean cosine between token vectors "
            "rises above this (1: never)")
     a("--data-dir", default=RunSpec.data_dir, help="where the default dataset is prepared")
+    lora = p.add_argument_group(
+        "LoRA", "train low-rank adapters on a frozen base (-e) instead of every parameter")
+    lora.add_argument("--lora-rank", type=int, default=RunSpec.lora_rank,
+                      help="R: adapters of rank R (0: full fine-tuning); each checkpoint is "
+                           "then OUT/lora_%%08d/, a PEFT folder, and the adapters' moments; "
+                           "-y 1 resumes onto the same -e")
+    lora.add_argument("--lora-alpha", type=float, default=RunSpec.lora_alpha,
+                      help="the adapters' scale is alpha / R (default: 2R, a scale of 2)")
+    lora.add_argument("--lora-targets", default=RunSpec.lora_targets,
+                      help="comma-separated modules to adapt: q,k,v,o,gate,up,down (short for "
+                           "q_proj, ...) or Hugging Face's names (GPT-2's c_attn, c_proj, c_fc, "
+                           "mlp.c_proj) (default: every one the model has)")
+    lora.add_argument("--lora-dropout", type=float, default=RunSpec.lora_dropout,
+                      help="dropout probability on the adapters' input in training")
+    lora.add_argument("--lora-rslora", type=int, choices=(0, 1), default=RunSpec.lora_rslora,
+                      help="1: scale by alpha / sqrt(R) (rsLoRA)")
     llama = p.add_argument_group(
         "model family", "for a fresh model (-e dN); a model file carries its own choices")
     llama.add_argument("--arch", choices=("gpt2", "llama"), default=family_defaults()["arch"],

@@ -89,9 +89,9 @@ class KeepBest:
         if self.best.get("measured_on") == measured_on:
             self.loss = self.best["val_loss"]
             progress.say(f"best so far: step {self.best.get('step')}, val loss {self.loss:.6f} "
-                         f"({folder.best_path})")
+                         f"({folder.best_of(model)})")
         else:
-            progress.say(f"{folder.best_path} (step {self.best.get('step')}) was measured on "
+            progress.say(f"{folder.best_of(model)} (step {self.best.get('step')}) was measured on "
                          f"other validation data or batches: the next evaluation replaces it")
 
     def offer(self, step, loss):
@@ -105,7 +105,7 @@ class KeepBest:
         else:
             self.loss, self.best = loss, {"step": step}
             self.progress.say(f"step {step}: new best val loss {loss:.6f}, saved as "
-                              f"{self.folder.best_path}")
+                              f"{self.folder.best_of(self.model)}")
 
 
 class Sampling:

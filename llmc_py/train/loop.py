@@ -108,10 +108,10 @@ class Trainer:
         if span is None:   # every rank holds all of the (averaged) gradients
             norm = model.grad_norm()
         else:
-            shard = model.grads.memory[span[0]:span[1]]
+            shard = model.trained[1].memory[span[0]:span[1]]
             norm = math.sqrt(self.world.sum(K.global_norm_squared(shard)))
         if 0 < self.grad_clip < norm:
-            K.scale_inplace(model.grads.memory, self.grad_clip / norm)
+            K.scale_inplace(model.trained[1].memory, self.grad_clip / norm)
         return norm
 
 

@@ -22,7 +22,9 @@ class AdamW:
         self.model = model
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         self.weight_decay, self.decay_on = weight_decay, decay_on
-        self.decay = model.matrix_params if decay_on == "matrices" else None
+        # LoRA's adapters are all matrices: each decays
+        self.decay = (model.matrix_params if decay_on == "matrices" and model.lora is None
+                      else None)
         self.span = span
         if span is None:   # the model's moments (so its memory plan counts them), from zero
             self.m, self.v = model.moments()
@@ -33,11 +35,13 @@ class AdamW:
                                             f"of a shard") for name in ("first", "second"))
 
     def step(self, learning_rate, t):
-        """Updates the model's parameters (its span's) from its gradients; t >= 1."""
+        """Updates what the model trains (its span's) from its gradients; t >= 1."""
         model = self.model
-        adamw_step(model.params, model.grads, self.m, self.v, learning_rate, self.beta1,
+        params, grads = model.trained   # the adapters' alone after add_lora
+        adamw_step(params, grads, self.m, self.v, learning_rate, self.beta1,
                    self.beta2, self.eps, self.weight_decay, t, self.decay,
-                   params_bf16=model.params_bf16, span=self.span)
+                   params_bf16=model.params_bf16 if model.lora is None else None,
+                   span=self.span)
 
     def load_moments(self, m, v):
         """Restores m and v (flat float32, one value per parameter)."""

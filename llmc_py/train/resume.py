@@ -14,7 +14,9 @@ FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
                    "overfit_single_batch", "train_fingerprint", "dropout",
                    "dropout_embedding", "dropout_attention", "dropout_residual")
 # (the model comes from the checkpoint: a model flag given must agree)
-FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "init_std")
+FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "init_std",
+                     "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_rslora",
+                     "lora_base")
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",
@@ -70,6 +72,9 @@ def refusal(key, saved, settings, spec):
     if key == "train_fingerprint":
         return (f"the training data of {spec.flag('train_data')} {settings['train_data']} "
                 f"differ from the run's")
+    if key == "lora_base":
+        return (f"the base model of {spec.flag('init')} {settings['init']} differs from the "
+                f"run's (its parameters' hash is {settings[key]}, the run's {saved[key]})")
     if key == "grad_accum":   # B and T agree (compared first): -d differs
         return (f"the run was made with {spec.flag('total_batch_tokens')} "
                 f"{saved.get('total_batch_tokens')} ({saved[key]} micro-batch(es) per step), "
@@ -79,13 +84,16 @@ def refusal(key, saved, settings, spec):
 
 def usable_checkpoint(folder, progress, precision="fp32"):
     """(step, model, m, v, extra) of the newest checkpoint that loads, the
-    model in ``precision``; a newer one that does not is passed over with a
+    model in ``precision`` (None for a LoRA run's: its adapters are the
+    folder's adapter_path); a newer one that does not is passed over with a
     line saying why."""
     done = folder.completed_steps()
     if not done:
         raise UsageError(f"-y 1: no complete checkpoint (DONE_*) in {folder.path}")
     for step in reversed(done):
         try:
+            if folder.adapter_path(step).is_dir():   # a LoRA run's: the base is -e's
+                return (step, None, *folder.read_state(step, None))
             model = load_model(folder.checkpoint_paths(step)[0], precision=precision)
             m, v, extra = folder.read_state(step, model.num_parameters)
             return step, model, m, v, extra

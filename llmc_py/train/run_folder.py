@@ -5,12 +5,16 @@
   metrics.jsonl     with --monitor-every: one JSON object per measurement,
                     its "step" first (llmc_py.monitors.run lists the fields)
   model_%08d.bin    the model file (io.model_file: llm.c's for GPT-2)
+  lora_%08d/        instead, in a LoRA run (--lora-rank): the adapters as a
+                    PEFT folder (adapter_config.json, adapter_model.safetensors);
+                    the state file then holds the adapters' moments
   state_%08d.bin    the training state (io.state); both record a checksum
                     (io.files.CHECKSUM_SLOT), and a checkpoint that fails it
                     is passed over on resume (train.resume)
   DONE_%08d         empty; written last, marks a complete checkpoint
   model_best.bin    with --keep-best 1: the model file of the step with the
                     lowest validation loss so far, never removed by -nk
+                    (lora_best/ in a LoRA run: its adapters' PEFT folder)
   best.json         its step and validation loss (and what the loss was
                     measured on), written after model_best.bin
   .lock             holds the PID of the trainer using the folder
@@ -23,6 +27,7 @@ import json
 import math
 import os
 import re
+import shutil
 from pathlib import Path
 
 from ..errors import UsageError, WriteError
@@ -38,7 +43,7 @@ except ImportError:   # Windows: no advisory locks here; the folder is not guard
 # stay behind only when the writing process was killed before its rename
 _TEMPORARY = re.compile(
     r"\.(model_\d{8}\.bin|state_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl|model_best\.bin|"
-    r"best\.json)\..+\.tmp")
+    r"best\.json|lora_\d{8}|lora_best)\..+\.tmp")
 _DONE = re.compile(r"DONE_(\d{8})")
 _STEP_LINE = re.compile(r"s:(\d+) ")
 
@@ -59,6 +64,7 @@ class RunFolder:
         self.log_path = self.path / "main.log"
         self.metrics_path = self.path / "metrics.jsonl"
         self.best_path = self.path / "model_best.bin"
+        self.best_adapter_path = self.path / "lora_best"   # a LoRA run's best
         self.best_info_path = self.path / "best.json"
         self._lock_fd = None
 
@@ -93,7 +99,7 @@ class RunFolder:
         """The files of a run in this folder: checkpoints, the best model,
         main.log and metrics.jsonl."""
         names = re.compile(r"(model|state)_\d{8}\.bin|DONE_\d{8}|main\.log|metrics\.jsonl|"
-                           r"model_best\.bin|best\.json")
+                           r"model_best\.bin|best\.json|lora_\d{8}|lora_best")
         return sorted(p for p in self.path.iterdir() if names.fullmatch(p.name))
 
     def clear(self):
@@ -101,12 +107,25 @@ class RunFolder:
         interrupted clear leaves no checkpoint that looks complete."""
         files = self.run_files()
         for path in sorted(files, key=lambda p: not p.name.startswith("DONE_")):
-            path.unlink(missing_ok=True)
+            _remove(path)
 
     def checkpoint_paths(self, step):
         """(model, state, DONE marker) paths of the checkpoint of ``step``."""
         return (self.path / f"model_{step:08d}.bin", self.path / f"state_{step:08d}.bin",
                 self.path / f"DONE_{step:08d}")
+
+    def adapter_path(self, step):
+        """The PEFT folder of a LoRA run's checkpoint of ``step``."""
+        return self.path / f"lora_{step:08d}"
+
+    def model_path(self, step, model):
+        """Where the checkpoint of ``step`` keeps ``model``: its model file,
+        or its adapters' PEFT folder in a LoRA run."""
+        return self.checkpoint_paths(step)[0] if model.lora is None else self.adapter_path(step)
+
+    def best_of(self, model):
+        """Where --keep-best keeps ``model``: model_best.bin, or lora_best/."""
+        return self.best_path if model.lora is None else self.best_adapter_path
 
     def completed_steps(self):
         """Steps with a DONE marker, ascending."""
@@ -122,28 +141,29 @@ class RunFolder:
         marker is incomplete and never resumed from. A save that fails
         removes what it wrote and raises WriteError. ``keep`` > 0 then
         removes all but the newest ``keep`` checkpoints."""
-        model_path, state_path, done_path = self.checkpoint_paths(step)
+        _, state_path, done_path = self.checkpoint_paths(step)
+        model_path = self.model_path(step, model)   # a LoRA run's: its adapters alone
         try:
-            model.save_checkpoint(model_path)
+            _save_model(model, model_path)
             write_state(state_path, step, optimizer.m, optimizer.v, extra)
             atomic_write(done_path, [b""])
         except OSError as e:
             for path in (done_path, state_path, model_path):
-                path.unlink(missing_ok=True)
+                _remove(path)
             if isinstance(e, WriteError):
                 raise
             raise WriteError(e.errno, f"{e.filename or model_path}: {e.strerror or e}") from e
         if keep > 0:
             for old in self.completed_steps()[:-keep]:
-                for path in reversed(self.checkpoint_paths(old)):   # the marker first
-                    path.unlink(missing_ok=True)
+                for path in (*reversed(self.checkpoint_paths(old)), self.adapter_path(old)):
+                    _remove(path)   # the marker first
 
     def save_best(self, step, model, val_loss, measured_on):
         """The model as model_best.bin, then best.json saying its ``step``,
         ``val_loss`` and ``measured_on`` (what makes losses comparable: the
         validation data and batches). Each file is replaced atomically; a
         failure raises WriteError and leaves the earlier best whole."""
-        model.save_checkpoint(self.best_path)
+        _save_model(model, self.best_of(model))
         info = {"step": step, "val_loss": val_loss, "measured_on": measured_on}
         atomic_write(self.best_info_path, [json.dumps(info).encode()])
 
@@ -154,7 +174,7 @@ class RunFolder:
         except (OSError, ValueError):
             return None
         if not (isinstance(info, dict) and isinstance(info.get("val_loss"), (int, float))
-                and self.best_path.is_file()):
+                and (self.best_path.is_file() or self.best_adapter_path.is_dir())):
             return None
         return info
 
@@ -167,7 +187,7 @@ class RunFolder:
         """Deletes the temporary files a killed save left; returns how many."""
         stale = [path for path in self.path.iterdir() if _TEMPORARY.fullmatch(path.name)]
         for path in stale:
-            path.unlink(missing_ok=True)
+            _remove(path)
         return len(stale)
 
     def truncate_log(self, step):
@@ -193,3 +213,27 @@ class RunFolder:
 
     def open_metrics(self, append):
         return open(self.metrics_path, "a" if append else "w")
+
+
+def _save_model(model, path):
+    """The model file, or a LoRA model's adapters as a PEFT folder, replaced
+    whole: written to a temporary folder first, then renamed."""
+    if model.lora is None:
+        model.save_checkpoint(path)
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    _remove(temporary)
+    try:
+        model.save_lora(temporary)
+        _remove(path)
+        os.replace(temporary, path)
+    finally:
+        _remove(temporary)
+
+
+def _remove(path):
+    """Deletes a file or a folder (a PEFT one) if it is there."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)

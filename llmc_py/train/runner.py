@@ -126,6 +126,7 @@ class Run:
         train_data, val_data = self._data()
         moments, extra = self._model(checkpoint)
         self._check_model_fits()
+        self._add_lora()
         self.sharded = bool(spec.zero) and world.size > 1
         shard = distributed.shard_bounds(self.model.num_parameters, world.size)[world.rank]
         # fails now if a step cannot fit in memory
@@ -146,6 +147,7 @@ class Run:
             spec.flags(), train_data=train_data, val_data=val_data,
             total_batch_tokens=self.tokens_per_step, grad_accum=self.grad_accum,
             world_size=world.size, val_batches=self.val_batches,
+            lora_base=self.lora_base,
             train_fingerprint=fingerprint(self.train_loader.files),
             val_fingerprint=fingerprint(self.val_loader.files) if self.val_loader else None)
         if self.resume_step:
@@ -210,7 +212,7 @@ class Run:
                                     if root else (None,) * 5)
         # the other ranks need no access to -o
         step, config, extra = world.broadcast_object(
-            (step, model.config, extra) if root else None)
+            (step, model and model.config, extra) if root else None)
         saved = extra.get("args") if isinstance(extra.get("args"), dict) else {}
         self.spec, taken = take_run_flags(spec, saved)
         self.spec.check()
@@ -230,6 +232,9 @@ class Run:
             if root and spec.max_steps < self.resume_step:
                 raise UsageError(f"{spec.flag('max_steps')} {spec.max_steps} is below the "
                                  f"checkpoint's step {self.resume_step} in {self.folder.path}")
+        if checkpoint is not None and config is None:   # a LoRA run's: the base is -e's
+            self.model = self._initial_model()
+        elif checkpoint is not None:
             if root and model.precision == spec.precision:
                 self.model = model
             else:   # another rank's, or another precision than the one it was read in
@@ -246,6 +251,42 @@ class Run:
                 self.model.refresh_bf16()
         self.model.recompute = bool(spec.recompute)
         return moments, extra
+
+    def _add_lora(self):
+        """With --lora-rank: freezes the model and adds its adapters."""
+        spec, options = self.spec, self.spec.lora_options()
+        self.lora_base = None
+        if options is None:
+            given = sorted(spec.explicit & {"lora_alpha", "lora_targets", "lora_dropout",
+                                            "lora_rslora"})
+            if given:
+                raise UsageError(f"{spec.flag(given[0])} needs --lora-rank")
+            return
+        if spec.zero and self.world.size > 1:
+            raise UsageError("--zero 1 with --lora-rank: ZeRO-1 shards the full model's "
+                             "moments; a LoRA run's are small, run without --zero")
+        if spec.monitor_every:
+            raise UsageError("--monitor-every with --lora-rank: the monitors read the full "
+                             "model's gradients, which a LoRA run has not")
+        self.lora_base = model_digest(self.model)   # a resume must find the same base
+        try:
+            self.model.add_lora(**options)
+        except ValueError as e:
+            flag = spec.flag("lora_targets" if "targets" in str(e) else "lora_rank")
+            raise UsageError(f"{flag}: {e}") from None
+        if self.resume_step:   # the checkpoint's adapters, read by rank 0
+            if self.world.is_root:
+                self._read_adapters(self.folder.adapter_path(self.resume_step))
+            self.world.broadcast(self.model.lora.params.memory)
+
+    def _read_adapters(self, folder):
+        """Replaces the adapters' parameters by those of the PEFT ``folder``."""
+        from ..io.peft import read_peft
+        saved, params = read_peft(folder, self.model.config).params, self.model.lora.params
+        if saved.names != params.names or saved.size != params.size:
+            raise CheckpointError(f"{folder}: its adapters ({', '.join(saved.names)}) are not "
+                                  f"those of the run's --lora-* flags")
+        params.memory[...] = saved.memory
 
     def _initial_model(self):
         """A fresh model of the -e depth, or the -e model file's or folder's."""
@@ -322,7 +363,7 @@ class Run:
                                   f"state is not usable ({type(e).__name__}: {e})") from None
         if world.size > 1 and not self.sharded:   # every rank holds all of m and v
             if not world.is_root:
-                n = self.model.num_parameters
+                n = self.optimizer.m.size   # the adapters' after add_lora
                 m, v = np.empty(n, np.float32), np.empty(n, np.float32)
             world.broadcast(m)
             world.broadcast(v)
@@ -386,7 +427,8 @@ class Run:
                           update_guard=self.signals.deferred, world=world, dropout=self.dropout)
         if world.size > 1:   # first of all: the gradients averaged over the ranks
             reduce = world.reduce_scatter_mean if self.sharded else world.average
-            trainer.after_backward.append(lambda trainer, step: reduce(self.model.grads.memory))
+            trainer.after_backward.append(
+                lambda trainer, step: reduce(self.model.trained[1].memory))
         trainer.after_step.append(self.checkpoints.step_finished)
         if self.probe is not None and self.sharded:
             # ZeRO-1 averages each rank's shard of the gradients only; the
@@ -453,6 +495,8 @@ class Run:
                 metrics.close()
         self._say_summary()
         if spec.export_hf and root:
+            if self.model.lora is not None:   # the run is over: its adapters fold into the base
+                self.model.merge_lora()
             export_hf(self.model, spec.export_hf, spec.tokenizer_source())
             self.progress.say(f"exported as a Hugging Face folder: {spec.export_hf}")
         return 0
@@ -472,8 +516,8 @@ class Run:
         keep_best = self.keep_best
         if keep_best is not None and keep_best.best is not None and keep_best.loss < math.inf:
             summary += (f", best val loss {keep_best.loss:.4f} at step {keep_best.best['step']} "
-                        f"({self.folder.best_path})")
-        say(summary + f"; checkpoint {self.folder.checkpoint_paths(spec.max_steps)[0]}")
+                        f"({self.folder.best_of(self.model)})")
+        say(summary + f"; checkpoint {self.folder.model_path(spec.max_steps, self.model)}")
         if world.size > 1 and steps_run:   # rank 0's share of the exchanges
             say(f"communication (rank 0): {world.seconds / steps_run * 1000:.1f} ms and "
                 f"{world.bytes_sent / steps_run / 2**20:.1f} MiB sent per step "

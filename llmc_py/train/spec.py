@@ -84,6 +84,11 @@ class RunSpec:
     monitor_entropy_min: float = 0.1
     monitor_cosine_max: float = 0.99
     data_dir: str = "data"
+    lora_rank: int = 0                # 0: full fine-tuning; R: LoRA adapters of rank R
+    lora_alpha: float | None = None   # None: 2 * lora_rank
+    lora_targets: str | None = None   # comma-separated (LORA_SHORT_NAMES); None: every one
+    lora_dropout: float = 0.0
+    lora_rslora: int = 0
     # the model-family flags {dest: value}; those left out take their defaults
     family: dict = field(default_factory=dict)
     # the flags given on the command line (None: the fields not at their
@@ -146,6 +151,18 @@ class RunSpec:
         except ValueError as e:   # a probability that rounds to 1 in float32
             raise UsageError(f"{self.flag('dropout')}: {e}") from None
 
+    def lora_options(self):
+        """add_lora's keyword arguments from the --lora-* flags, or None
+        without --lora-rank."""
+        if not self.lora_rank:
+            return None
+        names = None if self.lora_targets is None else tuple(
+            LORA_SHORT_NAMES.get(name.strip(), name.strip())
+            for name in self.lora_targets.split(","))
+        alpha = 2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
+        return dict(rank=self.lora_rank, alpha=alpha, targets=names,
+                    dropout=self.lora_dropout, seed=self.seed, rslora=bool(self.lora_rslora))
+
     def tokenizer_source(self):
         """Where the run's tokenizer comes from: --tokenizer, else -e when it
         is a folder (a Hugging Face model's); None for GPT-2's."""
@@ -153,6 +170,11 @@ class RunSpec:
             return self.tokenizer
         return self.init if Path(self.init).is_dir() else None
 
+
+# --lora-targets' short names for Hugging Face's modules; other names are taken as they are
+# (GPT-2's c_attn, c_proj, c_fc, mlp.c_proj)
+LORA_SHORT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                    "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 # every flag's default, the model family's too
 DEFAULTS = RunSpec(explicit=frozenset()).flags()
@@ -172,5 +194,6 @@ FLAG_RANGES = {
     "init_std": POSITIVE,
     "monitor_every": NON_NEGATIVE, "monitor_entropy_min": NON_NEGATIVE,
     "monitor_cosine_max": Range(lo=-1, hi=1, text="in [-1, 1]"),
+    "lora_rank": NON_NEGATIVE, "lora_alpha": POSITIVE, "lora_dropout": BELOW_ONE,
     "dropout": BELOW_ONE, **{f"dropout_{site}": BELOW_ONE for site in DROPOUT_SITES},
 }
