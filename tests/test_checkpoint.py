@@ -229,8 +229,8 @@ def test_a_flipped_byte_in_a_state_file_fails_the_checksum(tmp_path, offset, wha
     path = tmp_path / "state.bin"
     write_state(path, 42, m, v, {"loader": {"epoch": 1234}})
     flip(path, offset)
-    with pytest.raises(CheckpointError, match=rf"state\.bin: checksum does not match: the header "
-                                              rf"records CRC-32 0x[0-9a-f]{{8}}, the contents"):
+    with pytest.raises(CheckpointError, match=r"state\.bin: checksum does not match: the header "
+                                              r"records CRC-32 0x[0-9a-f]{8}, the contents"):
         read_state(path, 100)
 
 

@@ -502,7 +502,7 @@ class Transformer:
         """The embedding and every block on ``inputs``, with ``dropout`` (a
         model.dropout.Dropout); the final residual stream."""
         c = self.config
-        p, a = self.params, self.acts
+        a = self.acts
         self._dropout = dropout
 
         def attend(l):
