@@ -98,7 +98,8 @@ def build_parser():
            "by default only when there is validation data (-nk 0 --keep-best 0: llm.c's "
            "behaviour, every checkpoint and no best)")
     a("-y", "--resume", type=int, choices=(0, 1), default=RunSpec.resume,
-      help="1: resume from the newest complete checkpoint in the output folder, taking "
+      help="1: resume from the newest complete checkpoint in the output folder that loads "
+           "(one truncated or failing its checksum is passed over, with a line), taking "
            "every flag not given (but -o, --threads, --data-dir) from the run; with none "
            "there yet, start a fresh run (so one command serves every restart)")
     a("--overwrite", action="store_true",
