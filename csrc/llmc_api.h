@@ -352,6 +352,24 @@ int matmul_forward_quant_avxvnni(float* out, const float* inp, const uint8_t* we
 int matmul_forward_quant_avx512vnni(float* out, const float* inp, const uint8_t* weight,
                                     const float* bias, int N, int IC, int OC, int qtype);
 
+/*
+ * matmul_forward_quant_panels, matmul_backward_quant_panels: the many-row
+ * products (prefill, LoRA's backward through a frozen quantized base), the
+ * weight dequantised to bf16 a tile at a time (d*q rounded to the nearest
+ * bf16) and multiplied by the bf16 GEMM: bitwise matmul_forward_bf16 /
+ * matmul_backward_bf16's dinp on bf16(dequantize(W)), on its paths.
+ *
+ *   forward   out  [N, OC] (written) = inp [N, IC] . W^T + bias [OC] (or NULL)
+ *   backward  dinp [N, IC] (+=)       = dout [N, OC] . W
+ *   weight    [OC, IC/32 * block bytes]
+ * Returns LLMC_ERR_NOMEM if a tile (at most 8 MiB of bf16, or 192 columns)
+ * and an [N, tile] float part cannot be allocated.
+ */
+int matmul_forward_quant_panels(float* out, const float* inp, const uint8_t* weight,
+                                const float* bias, int N, int IC, int OC, int qtype);
+int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* weight,
+                                 int N, int IC, int OC, int qtype);
+
 /* ---- attention.c -------------------------------------------------------- */
 
 /*

@@ -407,3 +407,109 @@ MATMUL_QUANT(matmul_forward_quant_portable, PATH_PORTABLE)
 MATMUL_QUANT(matmul_forward_quant_avx2, PATH_AVX2)
 MATMUL_QUANT(matmul_forward_quant_avxvnni, PATH_AVXVNNI)
 MATMUL_QUANT(matmul_forward_quant_avx512vnni, PATH_AVX512VNNI)
+
+/* ---- many rows: bf16 tiles for the bf16 GEMM ------------------------------- */
+
+/*
+ * For many rows (prefill, LoRA training) the weight is dequantised, a tile
+ * of rows or columns at a time, to bf16 and multiplied by the bf16 GEMM
+ * (matmul_bf16.c), which packs the tile into its panels: the products run
+ * at bf16 GEMM speed, and the tile (at most QP_TILE_BYTES of bf16) is all
+ * the extra memory besides one output tile.
+ *
+ * Rounding: d*q is exact in float32 (11 + 7 significant bits), and is then
+ * rounded to the nearest bf16 (ties to even, llmc_bf16_round): 8
+ * significant bits, so a Q8_0 weight moves by up to 2^-9 of itself (a Q4_0
+ * one too, |q - 8| <= 8 needing 4 bits). The result is therefore bitwise
+ * matmul_forward_bf16 / matmul_backward_bf16 on W' = bf16(dequantize(W)):
+ * a forward tile is whole output columns (each output's sum unchanged), a
+ * backward tile whole input columns of W over all of K = OC. The GEMM is
+ * thread-count invariant, so this is too; its instruction-set paths
+ * (vdpbf16ps, or the widened float32 fallback) are matmul_bf16.c's.
+ */
+#define QP_TILE_BYTES (8 << 20)
+#define QP_MIN_TILE 192   /* tile columns at least (a multiple of 32 and 48) */
+
+/* Columns of a tile over `other` values each: a multiple of QP_MIN_TILE,
+   about QP_TILE_BYTES of bf16, at most `total` rounded up to 32. */
+static int panel_tile(int total, int other) {
+    int64_t cols = (int64_t)QP_TILE_BYTES / 2 / other / QP_MIN_TILE * QP_MIN_TILE;
+    if (cols < QP_MIN_TILE) { cols = QP_MIN_TILE; }
+    const int64_t whole = ((int64_t)total + QK - 1) / QK * QK;
+    return (int)(cols < whole ? cols : whole);
+}
+
+/* tile[r, i] = bf16(W[o0 + r, i0 + i]) for r < nrows, i < ncols (i0, ncols
+   multiples of 32): rows of the weight's blocks, rounded as stated above. */
+static void dequantize_tile_bf16(uint16_t* tile, const uint8_t* weight, int IC, int qtype,
+                                 int o0, int nrows, int i0, int ncols) {
+    const size_t bb = block_bytes(qtype), row_bytes = (size_t)(IC / QK) * bb;
+    const int nb = ncols / QK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t rb = 0; rb < (int64_t)nrows * nb; rb++) {
+        const int r = (int)(rb / nb), b = (int)(rb % nb);
+        const uint8_t* block = weight + (size_t)(o0 + r) * row_bytes + (size_t)(i0 / QK + b) * bb;
+        int8_t q[QK];
+        unpack_block(q, block, qtype);
+        const float d = block_scale(block);
+        uint16_t* dst = tile + (size_t)r * ncols + (size_t)b * QK;
+        for (int i = 0; i < QK; i++) { dst[i] = llmc_bf16_round((float)q[i] * d); }
+    }
+}
+
+static int check_panels(const void* a, const void* b, const uint8_t* weight, int N, int IC,
+                        int OC, int qtype) {
+    if (!LLMC_NONNULL3(a, b, weight)) { return LLMC_ERR_NULL; }
+    if (block_bytes(qtype) == 0) { return LLMC_ERR_VALUE; }
+    if (N <= 0 || IC <= 0 || OC <= 0 || IC % QK != 0) { return LLMC_ERR_SHAPE; }
+    if (!llmc_count_fits((size_t)N, (size_t)IC, 1, 1) || !llmc_count_fits((size_t)OC, (size_t)IC, 1, 1)
+        || !llmc_count_fits((size_t)N, (size_t)OC, 1, 1)) { return LLMC_ERR_SHAPE; }
+    return LLMC_OK;
+}
+
+int matmul_forward_quant_panels(float* out, const float* inp, const uint8_t* weight,
+                                const float* bias, int N, int IC, int OC, int qtype) {
+    const int status = check_panels(out, inp, weight, N, IC, OC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    // tiles of R output channels: W rows o0 .. o0+R, out columns likewise
+    const int R = panel_tile(OC, IC);
+    uint16_t* tile = malloc((size_t)R * IC * sizeof(uint16_t));
+    float* part = malloc((size_t)N * R * sizeof(float));
+    int result = tile != NULL && part != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
+    for (int o0 = 0; o0 < OC && result == LLMC_OK; o0 += R) {
+        const int nr = OC - o0 < R ? OC - o0 : R;
+        dequantize_tile_bf16(tile, weight, IC, qtype, o0, nr, 0, IC);
+        result = matmul_forward_bf16(part, inp, tile, bias != NULL ? bias + o0 : NULL,
+                                     1, N, IC, nr);
+        for (int n = 0; n < N && result == LLMC_OK; n++) {
+            memcpy(out + (size_t)n * OC + o0, part + (size_t)n * nr, (size_t)nr * sizeof(float));
+        }
+    }
+    free(tile); free(part);
+    return result;
+}
+
+int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* weight,
+                                 int N, int IC, int OC, int qtype) {
+    const int status = check_panels(dinp, dout, weight, N, IC, OC, qtype);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    // tiles of R input channels: W columns i0 .. i0+R over every row o,
+    // dinp's columns likewise (copied out, accumulated onto, copied back)
+    const int R = panel_tile(IC, OC);
+    uint16_t* tile = malloc((size_t)R * OC * sizeof(uint16_t));
+    float* part = malloc((size_t)N * R * sizeof(float));
+    int result = tile != NULL && part != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
+    for (int i0 = 0; i0 < IC && result == LLMC_OK; i0 += R) {
+        const int nc = IC - i0 < R ? IC - i0 : R;
+        dequantize_tile_bf16(tile, weight, IC, qtype, 0, OC, i0, nc);
+        for (int n = 0; n < N; n++) {
+            memcpy(part + (size_t)n * nc, dinp + (size_t)n * IC + i0, (size_t)nc * sizeof(float));
+        }
+        result = matmul_backward_bf16(part, NULL, NULL, dout, NULL, tile, 1, N, nc, OC);
+        for (int n = 0; n < N && result == LLMC_OK; n++) {
+            memcpy(dinp + (size_t)n * IC + i0, part + (size_t)n * nc, (size_t)nc * sizeof(float));
+        }
+    }
+    free(tile); free(part);
+    return result;
+}

@@ -310,6 +310,21 @@ matmul_forward_quant = _kernel(
     variants=("portable", "avx2", "avxvnni", "avx512vnni"))
 
 
+matmul_forward_quant_panels = _kernel(
+    "matmul_forward_quant_panels",
+    "out[N,OC] written, inp[N,IC], weight[OC,IC//32*_block_bytes(qtype)], bias[OC] or None"
+    " | N IC OC from weight, quant_rows(inp, qtype) | qtype:int",
+    """out[N,OC] (written) = inp[N,IC] . W^T + bias[OC] (or None) for many rows:
+    W dequantised to bf16 (d*q rounded to nearest even) a tile at a time and
+    multiplied by the bf16 GEMM, bitwise matmul_forward_bf16 on bf16(W).""")
+
+matmul_backward_quant_panels = _kernel(
+    "matmul_backward_quant_panels",
+    "dinp[N,IC] +=, dout[N,OC], weight[OC,IC//32*_block_bytes(qtype)]"
+    " | N IC OC from weight, quant_rows(dinp, qtype) | qtype:int",
+    """dinp[N,IC] (+=) <- dout[N,OC] . W, W as in matmul_forward_quant_panels:
+    bitwise matmul_backward_bf16's dinp on bf16(W); no weight gradient.""")
+
 # ---- attention.c ----------------------------------------------------------------
 
 attention_forward = _kernel(
