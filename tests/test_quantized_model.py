@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
+from llmc_py.io.files import to_bf16
+from llmc_py.model.quantized import FEW_ROWS
 
 V = 300   # a tokenizer.json of the 256 bytes and <|endoftext|> fits it, padded
 GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=V, padded_vocab_size=320, num_layers=2,
@@ -47,10 +49,16 @@ def round_trip(w, qtype):
     return gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind).reshape(w.shape)
 
 
-def reference(make, qtype):
+def bf16(x):
+    """x rounded to the nearest bf16, as float32."""
+    return (to_bf16(np.ascontiguousarray(x, np.float32)).astype(np.uint32) << 16).view(np.float32)
+
+
+def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda w: w):
     """The float32 model with each linear weight replaced by its dequantised
     blocks (the head's Q8_0), whose matmuls take each input row through
-    Q8_0 as the kernel does and sum in float64."""
+    Q8_0 as the few-row kernel does and sum in float64; ``rows`` and
+    ``weights`` (bf16 for the panel path) say what the operands go through."""
     model = make()
     p, c = model.params, model.config
     for name in LINEARS:
@@ -62,8 +70,8 @@ def reference(make, qtype):
     def matmul(out, inp, weight, bias):
         if weight is model._head(model.params):
             weight = dequantised_head
-        x = round_trip(np.ascontiguousarray(inp).reshape(-1, inp.shape[-1]), "q8_0")
-        y = x.astype(np.float64) @ weight.astype(np.float64).T
+        x = rows(np.ascontiguousarray(inp).reshape(-1, inp.shape[-1]))
+        y = x.astype(np.float64) @ weights(weight).astype(np.float64).T
         if bias is not None:
             y += bias
         out[...] = y.reshape(out.shape)
@@ -75,9 +83,11 @@ def reference(make, qtype):
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("name", MODELS)
 def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype):
+    """FEW_ROWS rows: the decoding kernel."""
     model = MODELS[name]()
     model.quantize(qtype)
-    x = tokens(2, 9)
+    x = tokens(2, 4)
+    assert x.size == FEW_ROWS
     model.forward(x)
     ref = reference(MODELS[name], qtype)
     ref.forward(x)
@@ -85,6 +95,26 @@ def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype):
     # float32 sums in another order; an activation on a rounding boundary may
     # move one Q8_0 step (1/127 of its block's largest value)
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", MODELS)
+def test_many_rows_take_the_panel_path(name, qtype):
+    """More than FEW_ROWS rows: inputs and dequantised weights rounded to
+    bf16, products summed in float32 (the float64 reference differs by the
+    float32 sums' rounding only)."""
+    model = MODELS[name]()
+    model.quantize(qtype)
+    x = tokens(2, 9)
+    model.forward(x)
+    ref = reference(MODELS[name], qtype, rows=bf16, weights=bf16)
+    ref.forward(x)
+    got, want = model.logits[..., :V], ref.logits[..., :V]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # and not the few-row arithmetic, whose Q8_0 activations differ by more
+    few = reference(MODELS[name], qtype)
+    few.forward(x)
+    assert np.abs(got - few.logits[..., :V]).max() > 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
