@@ -56,7 +56,7 @@ def bf16(x):
 
 def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda w: w):
     """The float32 model with each linear weight replaced by its dequantised
-    blocks (the head's Q8_0), whose matmuls take each input row through
+    blocks (the embedding's and the head's Q8_0), whose matmuls take each input row through
     Q8_0 as the few-row kernel does and sum in float64; ``rows`` and
     ``weights`` (bf16 for the panel path) say what the operands go through."""
     model = make()
@@ -64,12 +64,10 @@ def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda 
     for name in LINEARS:
         p[name][...] = round_trip(p[name].reshape(-1, p[name].shape[-1]),
                                   qtype).reshape(p[name].shape)
-    head = "wte" if c.tied_embeddings else "lm_head"
-    dequantised_head = round_trip(p[head], "q8_0")
+    for name in ("wte",) if c.tied_embeddings else ("wte", "lm_head"):
+        p[name][...] = round_trip(p[name], "q8_0")
 
     def matmul(out, inp, weight, bias):
-        if weight is model._head(model.params):
-            weight = dequantised_head
         x = rows(np.ascontiguousarray(inp).reshape(-1, inp.shape[-1]))
         y = x.astype(np.float64) @ weights(weight).astype(np.float64).T
         if bias is not None:
@@ -137,16 +135,20 @@ def test_the_float32_weights_are_released(name):
     model = MODELS[name]()
     before = model.params.memory.nbytes
     model.quantize("q4_0")
-    for n in LINEARS + ("lm_head",):
+    for n in LINEARS + ("lm_head", "wte"):
         assert n not in model.params
     c = model.config
     linear_floats = sum(np.prod(s) for n, s in MODELS[name]().params.shapes.items()
-                        if n in LINEARS or n == "lm_head")
+                        if n in LINEARS + ("lm_head", "wte"))
     assert model.params.memory.nbytes == before - 4 * linear_floats
     assert model.params_bf16 is None
     # Q4_0: 18 bytes per 32 weights
     assert model._weights["fcw"][0].nbytes * 32 == 18 * np.prod(model._weights["fcw"][0].shape)
-    assert "wte" in model.params and model.params.wte.shape == (c.Vp, c.C)
+    # the embedding (and the head) in Q8_0: 34 bytes per 32 weights; a tied head is the same
+    assert model._weights.wte.qtype == "q8_0" and model._weights.wte.shape == (c.Vp, c.C)
+    assert model._weights.wte.nbytes == c.Vp * c.C // 32 * 34
+    head = model._head(model._weights)
+    assert (head is model._weights.wte) == c.tied_embeddings and head.qtype == "q8_0"
 
 
 def test_a_quantized_bf16_model_releases_its_bf16_copy():
@@ -167,7 +169,7 @@ def test_loss_with_targets(tmp_path):
 
 
 @pytest.mark.parametrize("call", ["backward", "forward_backward", "update", "save_checkpoint",
-                                  "add_lora", "quantize", "initialize"])
+                                  "merge_lora", "quantize", "initialize"])
 def test_training_and_saving_are_refused(tmp_path, call):
     model = MODELS["gpt2"]()
     model.quantize("q8_0")
@@ -177,7 +179,7 @@ def test_training_and_saving_are_refused(tmp_path, call):
              "forward_backward": lambda: model.forward_backward(x, x),
              "update": lambda: model.update(1e-3),
              "save_checkpoint": lambda: model.save_checkpoint(tmp_path / "m.bin"),
-             "add_lora": lambda: model.add_lora(2, 4),
+             "merge_lora": lambda: model.add_lora(2, 4) or model.merge_lora(),
              "quantize": lambda: model.quantize("q4_0"),
              "initialize": lambda: model.initialize(1)}
     with pytest.raises(RuntimeError, match=f"{call}: this model.* quantized"):
@@ -207,7 +209,8 @@ def test_a_gguf_file_keeps_its_blocks(tmp_path, monkeypatch, name, qtype):
     monkeypatch.setattr(QuantizedLinear, "quantize", classmethod(
         lambda cls, w, kind, n="weight": quantized.append(n) or original(cls, w, kind, n)))
     model = load_model(path, weights=qtype)
-    assert quantized == ["lm_head" if "untied" in name else "wte"]   # only the head is re-made
+    # only the embedding and the head are re-made
+    assert quantized == (["wte", "lm_head"] if "untied" in name else ["wte"])
     for n in LINEARS:
         for got, same in zip(model._weights[n], want._weights[n]):
             assert np.array_equal(got.blocks, same.blocks)

@@ -1,8 +1,8 @@
 """A linear layer's weight held in llama.cpp's quantized blocks (Q8_0, Q4_0):
 made from an fp32 weight (or from a GGUF tensor's bytes) and called like
 matmul_forward without the weight; ``backward`` gives the input gradient
-(LoRA on a frozen quantized base). Norms and biases stay fp32, as llama.cpp
-keeps them.
+(LoRA on a frozen quantized base); ``rows`` gathers an embedding's rows.
+Norms and biases stay fp32, as llama.cpp keeps them.
 
 Two kernels, picked by the number of rows of a call:
   at most FEW_ROWS (decoding)  matmul_forward_quant: each row quantized to
@@ -80,6 +80,12 @@ class QuantizedLinear:
         out = np.empty(self.shape, np.float32)
         K.dequantize_rows(out, self.blocks, self._type)
         return out
+
+    def rows(self, out, ids):
+        """out[..., IC] (written) = the weight's rows ``ids`` (int, any shape),
+        dequantised exactly (d * q): an embedding's gather."""
+        K.dequantize_rows(out.reshape(-1, self.shape[1]), self.blocks[ids.reshape(-1)],
+                          self._type)
 
     def __call__(self, out, inp, bias=None):
         """out[..., OC] (written) = inp[..., IC] . W^T + bias[OC] (or None), as

@@ -237,10 +237,13 @@ class Transformer:
     def embed(self, out, tokens, pos=None):
         """out (B, T, C) = the embedding of int32 ``tokens`` (B, T), plus the
         learned position table's rows (t, or pos[b] + t); a frozen bf16 base
-        gathers its bf16 rows, widened exactly."""
+        gathers its bf16 rows, widened exactly, a quantized one its Q8_0 rows,
+        dequantised exactly."""
         c, p = self.config, self.params
         if self.frozen:
             out[...] = (self.params_bf16.wte[tokens].astype(np.uint32) << 16).view(np.float32)
+        elif self.quantized is not None:
+            self._weights.wte.rows(out, tokens)
         elif pos is None:
             K.encoder_forward(out, tokens, p.wte[:c.V], p.wpe if c.learned_positions else None)
             return
@@ -666,7 +669,7 @@ class Transformer:
         """Adds the gradients of ``loss_scale`` times the last forward's mean
         loss into ``grads`` (a scale of 1/n averages n accumulated batches).
         The logits' gradient replaces the logits (model.logits is then gone)."""
-        self._refuse_quantized("backward")
+        self._refuse_quantized_base("backward")
         if self.targets is None or self._logits_state != "logits":
             raise RuntimeError("backward needs a forward with targets that kept its logits "
                                "first: call model.forward(inputs, targets)")
@@ -691,7 +694,7 @@ class Transformer:
         each block's logits turned into their gradient and multiplied back
         at once, so the (B, T, Vp) logits are never held (model.logits is
         not kept). ``dropout``: a model.dropout.Dropout, or None (no dropout)."""
-        self._refuse_quantized("forward_backward")
+        self._refuse_quantized_base("forward_backward")
         if targets is None:
             raise ValueError("forward_backward needs targets")
         dropout = _checked_dropout(dropout)
@@ -751,34 +754,37 @@ class Transformer:
     @held
     def quantize(self, qtype, blocks=None):
         """Replaces the linear layers' weights (qkv, attention projection,
-        MLP) by llama.cpp's ``qtype`` blocks ("q8_0" or "q4_0") and the
-        output head by Q8_0 blocks (as llama.cpp keeps its output tensor at
-        8 bits or more); their float32 copies are released. The embedding's
-        gather reads wte in float32 (a tied head is then a Q8_0 copy of it);
-        norms and biases stay float32. ``blocks`` {name: [QuantizedLinear per
+        MLP) by llama.cpp's ``qtype`` blocks ("q8_0" or "q4_0"), and the
+        embedding table and the output head by Q8_0 blocks (as llama.cpp
+        keeps its output tensor at 8 bits or more; a tied head is the
+        embedding's blocks themselves); their float32 copies are released.
+        The embedding's gather dequantises its rows (exact: d * q); norms,
+        biases and a learned position table stay float32. ``blocks`` {name: [QuantizedLinear per
         layer] or QuantizedLinear (the head)} gives some of them already
         quantized (a GGUF file's bytes). Every linear layer then runs
-        matmul_forward_quant, for one row (decoding) or many (prefill):
-        forward, evaluation, generate; training and saving are refused."""
+        QuantizedLinear's kernels (few rows: decoding; many: the panel path):
+        forward, evaluation, generate, and LoRA adapters on the frozen
+        quantized base (add_lora, load_lora: QLoRA), whose backward takes
+        the input gradients through the panel path; training the base and
+        saving it are refused."""
         check_weights_type(qtype)
         self._refuse_adapters("quantize")
         self._refuse_frozen("quantize")
         if self.quantized is not None:
             raise RuntimeError(f"quantize: this model is quantized ({self.quantized}) already")
         blocks = dict(blocks or {})
-        head = "wte" if self.config.tied_embeddings else "lm_head"
+        tables = ("wte",) if self.config.tied_embeddings else ("wte", "lm_head")
         weights = {}
-        for name in QUANTIZED_LINEARS + (head,):
+        for name in QUANTIZED_LINEARS + tables:
             if name not in blocks:
-                kind = "q8_0" if name == head else qtype
                 w = self.params[name]
-                blocks[name] = (QuantizedLinear.quantize(w, kind, name) if name == head else
-                                [QuantizedLinear.quantize(w[l], kind, f"{name}[{l}]")
+                blocks[name] = (QuantizedLinear.quantize(w, "q8_0", name) if name in tables else
+                                [QuantizedLinear.quantize(w[l], qtype, f"{name}[{l}]")
                                  for l in range(self.config.L)])
             weights[name] = blocks[name]
         # keep only the tensors still read in float32: a smaller params buffer
         kept = [(n, fn) for n, fn in self.param_specs
-                if n not in QUANTIZED_LINEARS and n != "lm_head"]
+                if n not in QUANTIZED_LINEARS + tables]
         params = TensorGroup(kept, self.config)
         for name in params.names:
             params[name][...] = self.params[name]
@@ -786,14 +792,19 @@ class Transformer:
         self.params_bf16 = None
         self._weights = QuantizedWeights(weights)
         self._matmul_forward = _quantized_matmul
-        self._matmul_backward = None
+        self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
 
     def _refuse_quantized(self, what):
         if self.quantized is not None:
             raise RuntimeError(f"{what}: this model's weights are quantized ({self.quantized}), "
-                               f"for generation and evaluation only; load the model unquantized "
-                               f"to train or save it")
+                               f"for generation, evaluation and LoRA adapters (add_lora) only; "
+                               f"load the model unquantized to train or save it")
+
+    def _refuse_quantized_base(self, what):
+        """Training a quantized model is its adapters' alone."""
+        if self.lora is None:
+            self._refuse_quantized(what)
 
     # ---- LoRA --------------------------------------------------------------
 
@@ -808,7 +819,6 @@ class Transformer:
         adapter's input in the passes given a Dropout. From then on
         zero_grad, backward, update, grad_norm and clip_grad_norm act on the
         adapters alone."""
-        self._refuse_quantized("add_lora")
         self._refuse_adapters("add_lora")
         lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
         lora.initialize(seed)
@@ -826,6 +836,7 @@ class Transformer:
         peft's merge_and_unload), and removes them: the model is a plain one
         again, which save_pretrained and save_checkpoint write."""
         lora = self._adapters("merge_lora")
+        self._refuse_quantized("merge_lora")
         self._refuse_frozen("merge_lora")
         for t in lora.targets:
             weight = self.params[t.linear + "w"]
@@ -847,7 +858,6 @@ class Transformer:
         """Freezes the base and adds the adapters of a PEFT folder (io.peft),
         as add_lora does; options we do not support are refused by name."""
         from ..io.peft import read_peft
-        self._refuse_quantized("load_lora")
         self._refuse_adapters("load_lora")
         self._freeze(read_peft(folder, self.config))
 
@@ -910,7 +920,7 @@ class Transformer:
         weights only; the others then get none. After add_lora it updates
         the adapters alone (``decay`` then names adapter tensors, as
         lora.params does) and the base never changes."""
-        self._refuse_quantized("update")
+        self._refuse_quantized_base("update")
         m, v = self.moments()
         params, grads = self.trained
         adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, decay,
@@ -922,8 +932,8 @@ QUANTIZED_LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
 
 
 class QuantizedWeights:
-    """A quantized model's ``_weights``: weights["qkvw"][l] and the head
-    (.wte or .lm_head) as QuantizedLinear blocks."""
+    """A quantized model's ``_weights``: weights["qkvw"][l], the embedding
+    (.wte) and an untied head (.lm_head) as QuantizedLinear blocks."""
 
     def __init__(self, weights):
         self._weights = weights
@@ -941,6 +951,13 @@ class QuantizedWeights:
 def _quantized_matmul(out, inp, weight, bias):
     """matmul_forward's call on a QuantizedLinear weight."""
     weight(out, inp, bias)
+
+
+def _quantized_matmul_backward(dinp, dweight, dbias, dout, inp, weight):
+    """matmul_backward's call on a frozen QuantizedLinear weight (LoRA):
+    the input gradient alone (base_grad gives no weight or bias gradient)."""
+    assert dweight is None and dbias is None, "a quantized base has no gradients"
+    weight.backward(dinp, dout)
 
 
 def _checked_dropout(dropout):
