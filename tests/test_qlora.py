@@ -1,0 +1,161 @@
+"""LoRA on a frozen quantized base (QLoRA): model.quantize("q8_0" | "q4_0"),
+then add_lora / load_lora, forward_backward and update on the adapters, the
+base's input gradients through QuantizedLinear.backward (the panel path).
+
+The reference is LoRA on the dequantised float32 base: the same model with
+every linear weight replaced by its blocks' values (d * q) and the
+embedding and head by their Q8_0 values, the same adapters. The quantized
+model's linear layers (more than FEW_ROWS rows: the panel path) round their
+inputs and weights to bf16, as a bf16 base does, so the bounds are
+test_lora's for the bf16 base: logits within 2e-2 of the largest, each
+adapter gradient within 5e-2 of its largest entry. After three AdamW steps
+(lr 1e-3) the adapters moved by up to ~3e-3. Adam's first steps are close
+to lr * sign(gradient), so an entry whose gradient is near zero may move
+either way on the two bases: entrywise the bound is 6 lr (two steps' worth
+of opposite moves, three times); in the L2 norm the difference is at most
+a tenth of the movement (measured 0.03-0.05)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
+from llmc_py.model.quantized import FEW_ROWS
+from helpers import assert_thread_invariant
+from test_quantized_model import round_trip
+
+V = 300
+GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=V, padded_vocab_size=320, num_layers=2,
+                        num_heads=4, channels=64)
+LLAMA = LlamaConfig(max_seq_len=24, vocab_size=V, padded_vocab_size=320, num_layers=2,
+                    num_heads=4, num_kv_heads=2, channels=64)
+MODELS = {
+    "gpt2": lambda: GPT2(GPT2_SMALL, seed=1),
+    "llama-gqa-untied": lambda: Llama(dataclasses.replace(LLAMA, tied_embeddings=False), seed=2),
+    "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=32,
+                                                      rope_theta=1e6), seed=3),
+}
+LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
+ADAMW = dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+
+
+def batch(seed=0, B=2, T=12):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
+
+
+def dequantised(name, qtype):
+    """The float32 model whose weights are the quantized model's values."""
+    model = MODELS[name]()
+    p, c = model.params, model.config
+    for n in LINEARS:
+        p[n][...] = round_trip(p[n].reshape(-1, p[n].shape[-1]), qtype).reshape(p[n].shape)
+    for n in ("wte",) if c.tied_embeddings else ("wte", "lm_head"):
+        p[n][...] = round_trip(p[n], "q8_0")
+    return model
+
+
+def quantized(name, qtype):
+    model = MODELS[name]()
+    model.quantize(qtype)
+    return model
+
+
+def with_adapters(model, seed=1):
+    model.add_lora(4, 8, seed=seed)
+    rng = np.random.default_rng(seed)
+    for t in model.lora.targets:   # a non-zero B (it starts at zero)
+        view = model.lora.params[t.name + ".B"]
+        view[...] = rng.standard_normal(view.shape).astype(np.float32) * np.float32(0.05)
+    return model
+
+
+def rel_to_max(ours, ref):
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def adapter_grads(model):
+    grads = model.lora.grads
+    return {n: grads[n].copy() for n in grads.names}
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", MODELS)
+def test_qlora_equals_lora_on_the_dequantised_base(name, qtype):
+    ours = with_adapters(quantized(name, qtype))
+    ref = with_adapters(dequantised(name, qtype))
+    x, y = batch()
+    assert x.size > FEW_ROWS   # the panel path, forward and backward
+    for model in (ours, ref):
+        model.forward(x)
+    assert rel_to_max(ours.logits[..., :V], ref.logits[..., :V]) < 2e-2
+    base = ours.params.memory.copy()
+    blocks = {n: [w.blocks.copy() for w in ours._weights[n]] for n in LINEARS}
+    for step in (1, 2, 3):
+        x, y = batch(seed=step)
+        losses, grads = [], []
+        for model in (ours, ref):
+            model.zero_grad()
+            losses.append(model.forward_backward(x, y))
+            grads.append(adapter_grads(model))
+            model.update(t=step, **ADAMW)
+        assert losses[0] == pytest.approx(losses[1], rel=2e-2)
+        for n, grad in grads[0].items():
+            assert rel_to_max(grad, grads[1][n]) < 5e-2, (step, n)
+    moved = ref.lora.params.memory - with_adapters(dequantised(name, qtype)).lora.params.memory
+    differ = ours.lora.params.memory - ref.lora.params.memory
+    assert np.abs(moved).max() > 2e-3
+    assert np.abs(differ).max() <= 6 * ADAMW["learning_rate"]
+    assert np.linalg.norm(differ) < 0.1 * np.linalg.norm(moved)
+    # the base never changes, and has no gradients
+    assert np.array_equal(ours.params.memory, base)
+    for n in LINEARS:
+        assert all(np.array_equal(w.blocks, b) for w, b in zip(ours._weights[n], blocks[n]))
+    assert ours._grads is None
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_qlora_adapters_save_and_load_as_peft_folders(tmp_path, qtype):
+    model = with_adapters(quantized("llama-gqa-untied", qtype))
+    x, y = batch()
+    model.forward_backward(x, y)
+    model.update(t=1, **ADAMW)
+    model.save_lora(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    again = quantized("llama-gqa-untied", qtype)
+    again.load_lora(tmp_path / "adapter")
+    assert np.array_equal(again.lora.params.memory, model.lora.params.memory)
+    for m in (model, again):
+        m.forward(x)
+    assert np.array_equal(again.logits, model.logits)
+    # the same folder on the dequantised float32 base
+    fp32 = dequantised("llama-gqa-untied", qtype)
+    fp32.load_lora(tmp_path / "adapter")
+    fp32.forward(x)
+    assert rel_to_max(model.logits[..., :V], fp32.logits[..., :V]) < 2e-2
+
+
+def test_qlora_step_is_thread_invariant(set_threads):
+    model = with_adapters(quantized("qwen3-qknorm", "q4_0"))
+    x, y = batch()
+
+    def step():
+        model.zero_grad()
+        loss = model.forward_backward(x, y)
+        return {"loss": np.float64(loss), **adapter_grads(model)}
+
+    assert_thread_invariant(set_threads, step)
+
+
+def test_qlora_refuses_what_needs_float_weights(tmp_path):
+    model = with_adapters(quantized("gpt2", "q8_0"))
+    for call, run in (("merge_lora", model.merge_lora),
+                      ("save_checkpoint", lambda: model.save_checkpoint(tmp_path / "m.bin"))):
+        with pytest.raises(RuntimeError, match=f"{call}: .*quantized"):
+            run()
+    # without adapters a quantized model still trains nothing
+    plain = quantized("gpt2", "q8_0")
+    with pytest.raises(RuntimeError, match="forward_backward: .*quantized"):
+        plain.forward_backward(*batch())
