@@ -3,6 +3,7 @@ allocated, so any size works, Qwen3-8B or GPT-2 XL included):
 
     python -m llmc_py.summary MODEL_OR_CONFIG [-b B] [-t T] [--precision fp32|bf16]
                               [--recompute] [--lora-rank R [--lora-targets q,k,...]]
+                              [--base-weights q8_0|q4_0]
     python -m llmc_py.summary MODEL_OR_CONFIG --tensors [--precision fp32|bf16]
 
 MODEL_OR_CONFIG is a model file (only its header is read), a Hugging Face
@@ -14,7 +15,10 @@ keeps its logits, and the KV cache is model.kv_cache's. With --precision
 bf16 the forward is a frozen bf16 base's (the matrices in bf16 alone, as
 sample and eval load it); with --lora-rank the training step is a LoRA
 step's: the frozen base (bf16 alone with --precision bf16), the adapters,
-their gradients and moments, and the activations it keeps. --tensors shows
+their gradients and moments, and the activations it keeps. --base-weights
+plans the base quantized (model.quantize: the linear layers in those
+blocks, the embedding and head in Q8_0), for the LoRA step (QLoRA) and the
+forward. --tensors shows
 instead llm.c's table of the parameter tensors, one row per tensor of that
 layout (GPT-2's are llm.c's 16), per-layer ones with L first.
 """
@@ -105,21 +109,25 @@ def parameter_notes(c):
 
 
 def memory_table(config, B, T, precision="fp32", recompute=False, lora_rank=0,
-                 lora_targets=None):
+                 lora_targets=None, base_weights=None):
     """({part: bytes} of a training step, {part: bytes} of a forward that
     keeps its (B, T, Vp) logits), as the model plans them: with
     ``lora_rank`` a LoRA step on ``lora_targets`` (default all); a bf16
-    forward, and a bf16 LoRA step, on a frozen bf16 base."""
-    frozen = precision == "bf16"
+    forward, and a bf16 LoRA step, on a frozen bf16 base; with
+    ``base_weights`` ("q8_0", "q4_0") both on a quantized base (a LoRA step
+    is then the only training step there is)."""
+    frozen = precision == "bf16" and base_weights is None
+    base = dict(precision=precision, recompute=recompute, frozen=frozen,
+                base_weights=base_weights)
     if lora_rank:
-        train = memory_plan(config, B, T, training=True, precision=precision,
-                            recompute=recompute, frozen=frozen,
+        train = memory_plan(config, B, T, training=True, **base,
                             adapter_params=adapter_parameters(config, lora_rank, lora_targets))
-    else:
+    elif base_weights is None:
         train = memory_plan(config, B, T, training=True, precision=precision,
                             recompute=recompute)
-    forward = memory_plan(config, B, T, training=False, keep_logits=True, precision=precision,
-                          recompute=recompute, frozen=frozen)
+    else:
+        train = {}
+    forward = memory_plan(config, B, T, training=False, keep_logits=True, **base)
     return train, forward
 
 
@@ -129,7 +137,7 @@ def kv_cache_bytes(config, B=1, T=1):
 
 
 def format_summary(config, B, T, precision="fp32", source=None, recompute=False, lora_rank=0,
-                   lora_targets=None):
+                   lora_targets=None, base_weights=None):
     """The tables as text."""
     c = config
     counts = parameter_counts(c)
@@ -141,14 +149,16 @@ def format_summary(config, B, T, precision="fp32", source=None, recompute=False,
         lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
     lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
     lines += parameter_notes(c)
-    train, forward = memory_table(c, B, T, precision, recompute, lora_rank, lora_targets)
+    train, forward = memory_table(c, B, T, precision, recompute, lora_rank, lora_targets,
+                                  base_weights)
     step = f"LoRA step, r={lora_rank}" if lora_rank else "training step"
-    lines += ["", f"{f'memory at B={B}, T={T}, {precision}':<30}{step:>20}"
+    kind = f"{base_weights} base" if base_weights else precision
+    lines += ["", f"{f'memory at B={B}, T={T}, {kind}':<30}{step:>20}"
                   f"{'forward':>20}"]
     for part in {**train, **forward}:   # a part of either, in order
         lines.append(f"  {part:<28}{_bytes(train.get(part, 0)):>20}"
                      f"{_bytes(forward.get(part, 0)):>20}")
-    lines.append(f"  {'total':<28}{_bytes(sum(train.values())):>20}"
+    lines.append(f"  {'total':<28}{_bytes(sum(train.values())) if train else '-':>20}"
                  f"{_bytes(sum(forward.values())):>20}")
     lines += ["  (training: forward_backward's logits, a block of rows at a time; "
               "forward: all B*T rows",
@@ -187,6 +197,10 @@ def build_parser():
     p.add_argument("--lora-targets", default=None,
                    help="the adapted modules, comma-separated Hugging Face names (q_proj, "
                         "...; default all the model has)")
+    p.add_argument("--base-weights", choices=("q8_0", "q4_0"), default=None,
+                   help="plan the base quantized, as train --base-weights and sample --weights "
+                        "hold it: the linear layers in these blocks, the embedding and head in "
+                        "Q8_0 (the training step: a LoRA step with --lora-rank)")
     p.add_argument("--tensors", action="store_true",
                    help="instead: llm.c's table of the parameter tensors (name, shape, "
                         "parameters, bytes), per-layer ones with L first")
@@ -208,7 +222,7 @@ def main(argv=None):
         targets = args.lora_targets.split(",") if args.lora_targets else None
         try:
             text = format_summary(config, args.batch_size, T, args.precision, args.model,
-                                  args.recompute, args.lora_rank, targets)
+                                  args.recompute, args.lora_rank, targets, args.base_weights)
         except ValueError as e:   # a target the model lacks, a rank it cannot have
             raise UsageError(f"--lora-rank {args.lora_rank} --lora-targets "
                              f"{args.lora_targets}: {e}") from None

@@ -159,3 +159,76 @@ def test_qlora_refuses_what_needs_float_weights(tmp_path):
     plain = quantized("gpt2", "q8_0")
     with pytest.raises(RuntimeError, match="forward_backward: .*quantized"):
         plain.forward_backward(*batch())
+
+
+def test_recompute_on_a_quantized_base_recomputes_fch_with_the_same_bits():
+    x, y = batch()
+    results, plans = [], []
+    for recompute in (False, True):
+        model = quantized("llama-gqa-untied", "q8_0")
+        model.recompute = recompute
+        with_adapters(model)
+        model.zero_grad()
+        loss = model.forward_backward(x, y)
+        results.append({"loss": np.float64(loss), **adapter_grads(model)})
+        plans.append(model.memory_plan(*x.shape))
+        assert model.acts.fch.shape[0] == (1 if recompute else model.config.L)
+    for n in results[0]:
+        assert np.array_equal(results[0][n], results[1][n]), n
+    c, (B, T) = model.config, x.shape
+    # ln1, ln2, fch and fch_act: one layer's instead of L
+    saved = 4 * B * T * (c.L - 1) * (2 * c.C + c.fc_channels + c.FF)
+    assert plans[0]["activations"] - plans[1]["activations"] == saved
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("name", MODELS)
+def test_the_plan_is_what_a_qlora_step_allocates(name, qtype):
+    model = with_adapters(quantized(name, qtype))
+    model.recompute = True
+    B, T = 2, 12
+    model.reserve(B, T, training=True)
+    plan = model.memory_plan(B, T, training=True)
+    blocks = {}
+    for n, w in model._weights._weights.items():
+        for layer in w if isinstance(w, list) else [w]:
+            blocks[layer.qtype] = blocks.get(layer.qtype, 0) + layer.nbytes
+    if not model.config.tied_embeddings:
+        assert model._weights.lm_head.qtype == "q8_0"
+    allocated = {"parameters": model.params.memory.nbytes,
+                 **{f"parameters ({kind})": nbytes for kind, nbytes in blocks.items()},
+                 "LoRA adapters": model.lora.params.memory.nbytes,
+                 "parameter gradients": model.lora.grads.memory.nbytes,
+                 "AdamW moments": model.lora.m.nbytes + model.lora.v.nbytes,
+                 "activations": model.acts.memory.nbytes,
+                 "logits": model._logits_buffer.nbytes,
+                 "activation gradients": model.grads_acts.memory.nbytes}
+    assert allocated == {part: nbytes for part, nbytes in plan.items() if part != "scratch"}
+
+
+@pytest.mark.parametrize("qtype,floor", [("q8_0", 12), ("q4_0", 8)])
+def test_qwen3_8b_qlora_plan_within_the_floor(tmp_path, capsys, qtype, floor):
+    """The issue's floors: LoRA r16 on all seven projections of Qwen3-8B at
+    B=1, T=512 with recompute plans at most 12 GiB on Q8_0, 8 GiB on Q4_0;
+    the quantized bytes are 34 (Q8_0) or 18 (Q4_0) per 32 weights, the
+    embedding and the untied head at Q8_0, the norms float32."""
+    import json
+    from llmc_py import summary
+    from test_summary import QWEN3_8B
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    assert summary.main([str(tmp_path), "-t", "512", "--recompute", "--lora-rank", "16",
+                         "--base-weights", qtype]) == 0
+    out = capsys.readouterr().out
+    config = summary.load_config(tmp_path)
+    lora, forward = summary.memory_table(config, 1, 512, "fp32", True, 16, base_weights=qtype)
+    assert sum(lora.values()) <= floor << 30
+    linears = 36 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 12288)
+    tables = 2 * 151936 * 4096
+    norms = 36 * 2 * 4096 + 4096 + 36 * 2 * 128
+    q8, q4 = linears // 32 * 34 + tables // 32 * 34, None
+    if qtype == "q4_0":
+        q8, q4 = tables // 32 * 34, linears // 32 * 18
+        assert lora["parameters (q4_0)"] == forward["parameters (q4_0)"] == q4
+    assert lora["parameters (q8_0)"] == forward["parameters (q8_0)"] == q8
+    assert lora["parameters"] == 4 * norms
+    assert f"memory at B=1, T=512, {qtype} base" in out and "LoRA step, r=16" in out

@@ -13,7 +13,9 @@ into the model's gradients.
 
 What forward saves for backward is the block's ``saved``: every layer's norm
 outputs and MLP activation (EveryLayer), or, with recompute, one layer's
-slot of each, which backward refills layer by layer (Recomputed)."""
+slot of each, which backward refills layer by layer (Recomputed); with
+``recompute_fch`` (a quantized base) the MLP's input projection fch too,
+its largest activation, at the cost of running that matmul again."""
 import weakref
 
 from .._native import kernels as K
@@ -95,6 +97,10 @@ class EveryLayer:
     """Forward keeps every layer's norm outputs and MLP activation; backward reads them."""
 
     @staticmethod
+    def fch(a, l, inp, dropout):
+        """Layer l's fch, which forward kept."""
+
+    @staticmethod
     def norm(a, name, l, inp):
         return a[name][l]
 
@@ -108,8 +114,15 @@ class Recomputed:
     recompute layout); backward recomputes each layer's into that slot, the
     same bits."""
 
-    def __init__(self, block):
+    def __init__(self, block, fch=False):
         self.norm, self.mlp_act = block.norm, block.mlp_act
+        self._block = block if fch else None
+
+    def fch(self, a, l, inp, dropout):
+        """Layer l's fch, recomputed from the MLP's input ``inp`` into its
+        one-layer slot, or kept by forward (without recompute_fch)."""
+        if self._block is not None:
+            self._block.linear(_slot(a.fch, l), inp, "fc", l, dropout)
 
 
 class Block:
@@ -117,14 +130,15 @@ class Block:
     parameters, and its matmuls (fp32 or bf16, read from the model at each
     call)."""
 
-    def __init__(self, model, recompute=False):
+    def __init__(self, model, recompute=False, recompute_fch=False):
         # weak: the model holds its block, and a cycle would keep a dropped
         # model's buffers until the garbage collector runs
         self.model = weakref.proxy(model)
         self.config = model.config
         self.act_forward, self.act_backward = K.MLP_ACTIVATIONS[model.config.mlp]
         self.recompute = recompute
-        self.saved = Recomputed(self) if recompute else EveryLayer()
+        self.recompute_fch = recompute_fch
+        self.saved = Recomputed(self, recompute_fch) if recompute else EveryLayer()
 
     def output(self, a, l):
         """Layer l's output, the next layer's input."""
@@ -152,7 +166,7 @@ class Block:
     def mlp_act(self, a, l):
         """Layer l's MLP activation of a.fch[l], into its fch_act slot."""
         out = _slot(a.fch_act, l)
-        self.act_forward(out, a.fch[l])
+        self.act_forward(out, _slot(a.fch, l))
         return out
 
     def attention(self, a, l, inp, attend, dropout):
@@ -164,7 +178,7 @@ class Block:
 
     def mlp(self, a, l, inp, dropout):
         """a.proj = layer l's MLP on ``inp``, after its dropout."""
-        self.linear(a.fch[l], inp, "fc", l, dropout)
+        self.linear(_slot(a.fch, l), inp, "fc", l, dropout)
         self.linear(a.proj, self.mlp_act(a, l), "fcproj", l, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
 
@@ -193,7 +207,7 @@ class Block:
         d.fch_act[...] = 0.0
         self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l, dropout)
         d.fch[...] = 0.0
-        self.act_backward(d.fch, d.fch_act, a.fch[l])
+        self.act_backward(d.fch, d.fch_act, _slot(a.fch, l))
         return d.fch
 
     def attention_backward(self, a, d, l, dout, dropout):
@@ -243,7 +257,7 @@ class PreNorm(Block):
         drop(a.proj, dropout.site("attention_output", l))
         K.residual_forward(a.residual2[l], x, a.proj)
         ln2 = self.norm(a, "ln2", l, a.residual2[l])
-        self.linear(a.fch[l], ln2, "fc", l, dropout)
+        self.linear(_slot(a.fch, l), ln2, "fc", l, dropout)
         fch_act = self.mlp_act(a, l)
         self.linear(a.proj, fch_act, "fcproj", l, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
@@ -253,6 +267,7 @@ class PreNorm(Block):
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, x)
         ln2 = self.saved.norm(a, "ln2", l, a.residual2[l])
+        self.saved.fch(a, l, ln2, dropout)
         fch_act = self.saved.mlp_act(a, l)
         d.ln[...] = 0.0
         dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
@@ -278,6 +293,7 @@ class Parallel(Block):
 
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, x)
+        self.saved.fch(a, l, ln1, dropout)
         fch_act = self.saved.mlp_act(a, l)
         # d.residual = d(residual3[l]) = d(residual2[l]): both branches' output's
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
@@ -305,6 +321,7 @@ class PostNorm(Block):
 
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, a.residual2[l])
+        self.saved.fch(a, l, ln1, dropout)
         fch_act = self.saved.mlp_act(a, l)
         d.ln[...] = 0.0
         self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l)

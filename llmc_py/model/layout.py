@@ -134,7 +134,7 @@ def param_specs(c):
     return tuple((name, fn) for name, fn, present in specs if present)
 
 
-def act_specs(c, recompute=False, logits=True):
+def act_specs(c, recompute=False, logits=True, recompute_fch=False):
     """(name, shape function of (config, B, T)) per activation of a forward.
 
     Per layer (a leading L), only what backward reads: the attention keeps
@@ -143,7 +143,8 @@ def act_specs(c, recompute=False, logits=True):
     projections share one (B, T, C) buffer (proj), which backward never
     reads. With ``recompute`` the norm outputs (ln1, ln2) and the MLP
     activation (fch_act) are held for one layer at a time, and backward
-    recomputes them. ``logits=False`` leaves the (B, T, Vp) logits out (the
+    recomputes them; ``recompute_fch`` (a quantized base's recompute) holds
+    the MLP's input projection (fch) for one layer too. ``logits=False`` leaves the (B, T, Vp) logits out (the
     model holds them, or a block of their rows, apart).
 
     By the block (config.block): "pre" as above; "post": residual2 and
@@ -155,6 +156,7 @@ def act_specs(c, recompute=False, logits=True):
     qk_norm, ln2 = c.qk_norm, c.second_norm
     L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
     L2 = (lambda c: c.L) if c.block == "post" else L       # ln2: post-norm's layer output
+    Lf = (lambda c: 1) if recompute_fch else (lambda c: c.L)
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
         ("ln1", lambda c, B, T: (L(c), B, T, c.C), True),
@@ -171,7 +173,7 @@ def act_specs(c, recompute=False, logits=True):
         ("ln2", lambda c, B, T: (L2(c), B, T, c.C), ln2),
         ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm and ln2),
         ("ln2_rstd", lambda c, B, T: (c.L, B, T), ln2),
-        ("fch", lambda c, B, T: (c.L, B, T, c.fc_channels), True),
+        ("fch", lambda c, B, T: (Lf(c), B, T, c.fc_channels), True),
         ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after the activation
         ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
         ("lnf", lambda c, B, T: (B, T, c.C), True),

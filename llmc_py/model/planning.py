@@ -5,8 +5,10 @@ import math
 
 from .._native.lib import get_isa, get_num_threads
 from .layout import (act_specs, frozen_bf16_parameters, grad_act_specs, num_parameters,
-                     specs_bytes)
+                     param_specs, specs_bytes)
 from .memory import format_bytes, require
+from .quantized import (QUANTIZED_LINEARS, block_bytes, check_weights_type,
+                        panel_scratch_bytes)
 
 PRECISIONS = ("fp32", "bf16")
 # rows of logits the classifier holds at once when it does not keep them all
@@ -25,7 +27,8 @@ def head_rows(B, T, keep_logits):
 
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None, adapter_params=0, frozen=False):
+                recompute=False, moment_params=None, adapter_params=0, frozen=False,
+                base_weights=None):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -39,9 +42,13 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     on a frozen base, whose gradients and moments are then the adapters'
     alone. ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
     alone ("parameters (bf16)"), the rest float32; training it needs
-    adapters. The activations are those a full step keeps: a LoRA step
-    keeps the same (its adapters need the linear layers' inputs, as
-    weight gradients would)."""
+    adapters. ``base_weights`` "q8_0" or "q4_0": a quantized base
+    (Transformer.quantize), its linear layers in those blocks, the embedding
+    and head in Q8_0 (quantized_parameters), the rest float32; with
+    ``recompute`` its MLP input projection (fch) is recomputed too. The
+    activations are those a full step keeps: a LoRA step keeps the same
+    (its adapters need the linear layers' inputs, as weight gradients
+    would)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
     c, f32 = config, 4
@@ -57,6 +64,11 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
                              f"got {precision!r}")
         in_bf16 = frozen_bf16_parameters(c)
         weights = {"parameters": f32 * (n - in_bf16), "parameters (bf16)": 2 * in_bf16}
+    elif base_weights is not None:
+        in_blocks = quantized_parameters(c, base_weights)
+        weights = {"parameters": f32 * (n - sum(count for count, _ in in_blocks.values()))}
+        for kind, (_, nbytes) in in_blocks.items():
+            weights[f"parameters ({kind})"] = nbytes
     else:
         weights = {"parameters": f32 * n,
                    "parameters (bf16 copy)": 2 * n if precision == "bf16" else 0}
@@ -64,17 +76,37 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
             **adapters,
             "parameter gradients": f32 * trained if training else 0,
             "AdamW moments": 2 * f32 * moments if training else 0,
-            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False), c, B, T),
+            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False,
+                                                 recompute_fch=recompute and bool(base_weights)),
+                                       c, B, T),
             "logits": f32 * rows * c.Vp,
             "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
-            "scratch": scratch_bytes(c, B, T, rows, precision)}
+            "scratch": scratch_bytes(c, B, T, rows, precision, base_weights)}
 
 
-def scratch_bytes(config, B, T, head_rows, precision):
+def quantized_parameters(config, qtype):
+    """{block type: (parameters, bytes)} a model quantized to ``qtype``
+    holds in blocks: its linear layers (qkv, attention projection, MLP) in
+    qtype, the embedding table and an untied head in Q8_0 (one table when
+    tied)."""
+    check_weights_type(qtype)
+    held = {}
+    for name, fn in param_specs(config):
+        if name in QUANTIZED_LINEARS or name in ("wte", "lm_head"):
+            kind = qtype if name in QUANTIZED_LINEARS else "q8_0"
+            count = math.prod(fn(config))
+            before = held.get(kind, (0, 0))
+            held[kind] = (before[0] + count, before[1] + count // 32 * block_bytes(kind))
+    return held
+
+
+def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
     """An upper estimate of the kernels' temporary memory at (B, T): per
     thread, attention's panels and score blocks and a matmul's packed
-    blocks; and, where the bf16 matmul widens its operands to float32
-    (no AVX512_BF16), those copies for its largest product."""
+    blocks; where the bf16 matmul widens its operands to float32 (no
+    AVX512_BF16), those copies for its largest product; on a quantized
+    base, the panel path's bf16 tile and output part (and their widened
+    copies)."""
     c, f32 = config, 4
     threads = get_num_threads()
     hs = c.head_size
@@ -84,6 +116,11 @@ def scratch_bytes(config, B, T, head_rows, precision):
     if precision == "bf16" and get_isa() != "avx512bf16":
         rows = max(B * T, head_rows)
         total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+    if base_weights is not None:
+        widened = get_isa() != "avx512bf16"
+        total += max(panel_scratch_bytes(B * T, OC, IC, widened)
+                     for OC, IC in ((c.qkv_channels, c.C), (c.C, c.attn_channels),
+                                    (c.fc_channels, c.C), (c.C, c.FF), (c.Vp, c.C)))
     return total
 
 
@@ -93,6 +130,7 @@ def require_missing(model, B, T, training, keep_logits):
     plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits)
     lora = model.lora
     have = {"parameters": True, "parameters (bf16 copy)": True, "parameters (bf16)": True,
+            "parameters (q8_0)": True, "parameters (q4_0)": True,
             "LoRA adapters": True,
             # the adapters' are made with them
             "parameter gradients": model._grads is not None or lora is not None,

@@ -22,6 +22,11 @@ from .._native import kernels as K
 from ..errors import ShapeError
 
 FEW_ROWS = 8   # calls of at most this many rows take the decoding kernel
+# the weights of a model's linear layers that Transformer.quantize replaces
+# (besides the embedding and the head)
+QUANTIZED_LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
+# quant.c's panel tiles: at most this many bytes of bf16, at least this many columns
+_PANEL_TILE_BYTES, _PANEL_MIN_TILE = 8 << 20, 192
 
 
 def _quant_type(qtype):
@@ -34,6 +39,28 @@ def _quant_type(qtype):
 def check_weights_type(qtype):
     """ValueError naming ``qtype`` unless it is "q8_0" or "q4_0"."""
     _quant_type(qtype)
+
+
+def block_bytes(qtype):
+    """Bytes of one block of 32 weights: 34 for Q8_0, 18 for Q4_0."""
+    return K._BLOCK_BYTES[_quant_type(qtype)]
+
+
+def panel_scratch_bytes(N, OC, IC, widened):
+    """The panel path's temporary bytes for N rows of an [OC, IC] weight,
+    the larger of forward and backward (quant.c's panel_tile): a bf16 tile
+    and an [N, tile] float part; ``widened`` (no AVX512_BF16) adds the bf16
+    GEMM's float32 copies of the tile and of the rounded input."""
+    most = 0
+    for tiled, other in ((OC, IC), (IC, OC)):
+        cols = max(_PANEL_TILE_BYTES // 2 // other // _PANEL_MIN_TILE * _PANEL_MIN_TILE,
+                   _PANEL_MIN_TILE)
+        cols = min(cols, -(-tiled // 32) * 32)
+        nbytes = 2 * cols * other + 4 * N * cols
+        if widened:
+            nbytes += 4 * cols * other + 4 * N * other
+        most = max(most, nbytes)
+    return most
 
 
 def _check_input_dim(name, shape, qtype):

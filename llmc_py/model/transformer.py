@@ -70,7 +70,8 @@ query row and head, not its probabilities; the classifier keeps no
 probabilities (backward turns the logits into their gradient in place); the
 activation gradients are one layer's, reused by every layer, plus the
 residual stream's; with ``recompute`` the norm outputs and the MLP
-activation are one layer's too, recomputed in backward. memory_plan()
+activation (on a quantized base also the MLP's input projection) are one
+layer's too, recomputed in backward. memory_plan()
 (model.planning) sums it all, and every allocation is checked against the
 memory available first.
 
@@ -96,7 +97,7 @@ from .guard import ThreadGuard, held
 from .layout import (FROZEN_BF16, TensorGroup, act_specs, aligned_empty, aligned_zeros,
                      checked_params, grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
-from .quantized import QuantizedLinear, check_weights_type
+from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_weights_type
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
                        reusable)
 
@@ -389,9 +390,17 @@ class Transformer:
         with self.exclusive("recompute"):
             value = bool(value)
             if value != self._block.recompute:
-                self._block = BLOCKS[self.config.block](self, recompute=value)
-                self.act_specs = act_specs(self.config, recompute=value, logits=False)
-                self._drop_activations()
+                self._lay_out(value)
+
+    def _lay_out(self, recompute):
+        """The block and activation layout for ``recompute``: a quantized
+        base's also recomputes fch (its activations are most of a QLoRA
+        step's memory); the next forward plans anew."""
+        fch = recompute and self.quantized is not None
+        self._block = BLOCKS[self.config.block](self, recompute=recompute, recompute_fch=fch)
+        self.act_specs = act_specs(self.config, recompute=recompute, logits=False,
+                                   recompute_fch=fch)
+        self._drop_activations()
 
     def _drop_activations(self):
         """Forgets the activations (and their gradients): the next forward plans anew."""
@@ -454,7 +463,8 @@ class Transformer:
                            precision=self.precision, recompute=self.recompute,
                            frozen=self.frozen,
                            moment_params=self.moment_params if self.lora is None else None,
-                           adapter_params=0 if self.lora is None else self.lora.params.size)
+                           adapter_params=0 if self.lora is None else self.lora.params.size,
+                           base_weights=self.quantized)
 
     @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
@@ -794,6 +804,8 @@ class Transformer:
         self._matmul_forward = _quantized_matmul
         self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
+        if self.recompute:
+            self._lay_out(True)
 
     def _refuse_quantized(self, what):
         if self.quantized is not None:
@@ -925,10 +937,6 @@ class Transformer:
         params, grads = self.trained
         adamw_step(params, grads, m, v, learning_rate, beta1, beta2, eps, weight_decay, t, decay,
                    params_bf16=None if self.lora is not None else self.params_bf16)
-
-
-# the linear layers' weights that quantize() replaces (the head besides)
-QUANTIZED_LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
 
 
 class QuantizedWeights:
