@@ -16,7 +16,7 @@ FIXED_ON_RESUME = ("batch_size", "seq_len", "grad_accum", "shuffle", "seed",
 # (the model comes from the checkpoint: a model flag given must agree)
 FIXED_MODEL_FLAGS = ("init", "tokenizer", "arch", *MODEL_FLAGS, "init_scheme", "init_std",
                      "lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_rslora",
-                     "lora_base")
+                     "lora_base", "base_weights")
 CHANGEABLE_ON_RESUME = ("max_steps", "learning_rate", "warmup_steps", "final_lr_fraction",
                         "schedule", "weight_decay", "decay_on", "beta1", "beta2", "adam_eps",
                         "grad_clip", "val_fingerprint", "val_every", "val_batches",

@@ -259,6 +259,8 @@ class Run:
         if options is None:
             given = sorted(spec.explicit & {"lora_alpha", "lora_targets", "lora_dropout",
                                             "lora_rslora"})
+            if spec.base_weights:
+                given.append("base_weights")
             if given:
                 raise UsageError(f"{spec.flag(given[0])} needs --lora-rank")
             return
@@ -269,6 +271,7 @@ class Run:
             raise UsageError("--monitor-every with --lora-rank: the monitors read the full "
                              "model's gradients, which a LoRA run has not")
         self.lora_base = model_digest(self.model)   # a resume must find the same base
+        self._quantize_base()
         try:
             self.model.add_lora(**options)
         except ValueError as e:
@@ -278,6 +281,22 @@ class Run:
             if self.world.is_root:
                 self._read_adapters(self.folder.adapter_path(self.resume_step))
             self.world.broadcast(self.model.lora.params.memory)
+
+    def _quantize_base(self):
+        """With --base-weights: the frozen base quantized (model.quantize),
+        the adapters to be trained on it (QLoRA)."""
+        spec = self.spec
+        if not spec.base_weights:
+            return
+        both = f"with {spec.flag('base_weights')} {spec.base_weights}"
+        if spec.precision != "fp32":
+            raise UsageError(f"{spec.flag('precision')} {spec.precision} {both}: a quantized "
+                             f"base has its own arithmetic (bf16 panels); leave out --precision")
+        if spec.export_hf:
+            raise UsageError(f"{spec.flag('export_hf')} {both}: a quantized base has no float "
+                             f"weights to merge the adapters into; the run's lora_*/ folders "
+                             f"are the adapters")
+        self.model.quantize(spec.base_weights)
 
     def _read_adapters(self, folder):
         """Replaces the adapters' parameters by those of the PEFT ``folder``."""

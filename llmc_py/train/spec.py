@@ -89,6 +89,7 @@ class RunSpec:
     lora_targets: str | None = None   # comma-separated (LORA_SHORT_NAMES); None: every one
     lora_dropout: float = 0.0
     lora_rslora: int = 0
+    base_weights: str | None = None   # "q8_0", "q4_0": LoRA on the base quantized (QLoRA)
     # the model-family flags {dest: value}; those left out take their defaults
     family: dict = field(default_factory=dict)
     # the flags given on the command line (None: the fields not at their
