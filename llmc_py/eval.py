@@ -136,7 +136,7 @@ def build_parser():
                         "base, no float32 copy)")
     p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
                    help="evaluate on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
-                        "weights (the head at q8_0)")
+                        "weights (the embedding and head at q8_0)")
     return p
 
 
