@@ -116,6 +116,8 @@ ROWS = {
     "matmul_forward_quant": Row(**_QUANT_MATMUL),
     **{f"matmul_forward_quant_{path}": Row(**_QUANT_MATMUL, cpu_path=path != "portable")
        for path in ("portable", "avx2", "avxvnni", "avx512vnni")},
+    "matmul_forward_quant_panels": Row(**_QUANT_MATMUL),
+    "matmul_backward_quant_panels": Row(**_QUANT),
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(**_WINDOWED_DROPPED),

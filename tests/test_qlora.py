@@ -14,30 +14,15 @@ to lr * sign(gradient), so an entry whose gradient is near zero may move
 either way on the two bases: entrywise the bound is 6 lr (two steps' worth
 of opposite moves, three times); in the L2 norm the difference is at most
 a tenth of the movement (measured 0.03-0.05)."""
-import dataclasses
-
 import numpy as np
 import pytest
 
 pytest.importorskip("safetensors")
 
-from llmc_py import GPT2, GPT2Config, Llama, LlamaConfig
 from llmc_py.model.quantized import FEW_ROWS
 from helpers import assert_thread_invariant
-from test_quantized_model import round_trip
+from test_quantized_model import LINEARS, MODELS, V, round_trip
 
-V = 300
-GPT2_SMALL = GPT2Config(max_seq_len=48, vocab_size=V, padded_vocab_size=320, num_layers=2,
-                        num_heads=4, channels=64)
-LLAMA = LlamaConfig(max_seq_len=24, vocab_size=V, padded_vocab_size=320, num_layers=2,
-                    num_heads=4, num_kv_heads=2, channels=64)
-MODELS = {
-    "gpt2": lambda: GPT2(GPT2_SMALL, seed=1),
-    "llama-gqa-untied": lambda: Llama(dataclasses.replace(LLAMA, tied_embeddings=False), seed=2),
-    "qwen3-qknorm": lambda: Llama(dataclasses.replace(LLAMA, qk_norm=True, head_dim=32,
-                                                      rope_theta=1e6), seed=3),
-}
-LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
 ADAMW = dict(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
 
@@ -190,7 +175,7 @@ def test_the_plan_is_what_a_qlora_step_allocates(name, qtype):
     model.reserve(B, T, training=True)
     plan = model.memory_plan(B, T, training=True)
     blocks = {}
-    for n, w in model._weights._weights.items():
+    for w in model._weights._weights.values():
         for layer in w if isinstance(w, list) else [w]:
             blocks[layer.qtype] = blocks.get(layer.qtype, 0) + layer.nbytes
     if not model.config.tied_embeddings:
