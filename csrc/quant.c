@@ -413,15 +413,18 @@ MATMUL_QUANT(matmul_forward_quant_avx512vnni, PATH_AVX512VNNI)
 /*
  * For many rows (prefill, LoRA training) the weight is dequantised, a tile
  * of rows or columns at a time, to bf16 and multiplied by the bf16 GEMM
- * (matmul_bf16.c), which packs the tile into its panels: the products run
- * at bf16 GEMM speed, and the tile (at most QP_TILE_BYTES of bf16) is all
- * the extra memory besides one output tile.
+ * (matmul_bf16.c), which packs the tile into its panels: the products are
+ * the bf16 GEMM's, plus one dequantising pass over the weight per call and
+ * a packing of the input per tile; the tile (about QP_TILE_BYTES of bf16,
+ * at least QP_MIN_TILE columns) and an [N, tile] float part are all the
+ * extra memory.
  *
  * Rounding: d*q is exact in float32 (11 + 7 significant bits), and is then
  * rounded to the nearest bf16 (ties to even, llmc_bf16_round): 8
- * significant bits, so a Q8_0 weight moves by up to 2^-9 of itself (a Q4_0
- * one too, |q - 8| <= 8 needing 4 bits). The result is therefore bitwise
- * matmul_forward_bf16 / matmul_backward_bf16 on W' = bf16(dequantize(W)):
+ * significant bits, so a weight moves by up to 2^-8 of itself (Q4_0's too:
+ * an 11-bit d times |q - 8| <= 8 is not always exact in bf16 either). The
+ * result is therefore bitwise matmul_forward_bf16 / matmul_backward_bf16
+ * on W' = bf16(dequantize(W)):
  * a forward tile is whole output columns (each output's sum unchanged), a
  * backward tile whole input columns of W over all of K = OC. The GEMM is
  * thread-count invariant, so this is too; its instruction-set paths

@@ -11,9 +11,10 @@ Two kernels, picked by the number of rows of a call:
       (d*q rounded to nearest even) a tile at a time into the bf16 GEMM, which
       is compute-bound at bf16 speed.
 The few-row kernel's time grows with every row while the panel path's is
-first its dequantisation of the whole weight; measured at a 1024 x 3072
-Q8_0 weight they cross near 8 rows (8 rows: 0.46 against 0.50 ms), so a
-decoding batch of up to 8 keeps the integer kernel. A row's result thus
+first its dequantisation of the whole weight; timed once at a 1024 x 3072
+Q8_0 weight on a shared Zen 5 (2 threads) they crossed near 8 rows (8 rows:
+0.46 against 0.50 ms; 4 rows: 0.22 against 0.47), so a decoding batch of up
+to 8 keeps the integer kernel. A row's result thus
 depends on which side of FEW_ROWS its call is, not on the rows beside it
 otherwise. The backward (no decoding use) is the panel path for any count."""
 import numpy as np
