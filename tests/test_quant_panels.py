@@ -113,3 +113,25 @@ def test_panels_refuse_bad_shapes_and_types():
     with pytest.raises(ShapeError, match="weight"):
         K.matmul_forward_quant_panels(np.zeros((20, 4), np.float32), np.zeros((20, 32), np.float32),
                                       np.zeros((4, 18), np.uint8), None, K.QUANT_TYPES["q8_0"])
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quantized_linear_picks_the_kernel_by_row_count(rng, qtype):
+    """Up to FEW_ROWS rows (decoding): matmul_forward_quant's bits, as before
+    the panel path existed; more: the panel path's. Backward: the panel path."""
+    from llmc_py.model.quantized import FEW_ROWS, QuantizedLinear
+    kind = K.QUANT_TYPES[qtype]
+    layer = QuantizedLinear.quantize(rng.standard_normal((40, 64)).astype(np.float32), qtype)
+    bias = rng.standard_normal(40).astype(np.float32)
+    for rows, kernel in ((1, K.matmul_forward_quant), (FEW_ROWS, K.matmul_forward_quant),
+                         (FEW_ROWS + 1, K.matmul_forward_quant_panels)):
+        x = rng.standard_normal((1, rows, 64)).astype(np.float32)
+        out, want = np.empty((1, rows, 40), np.float32), np.empty((rows, 40), np.float32)
+        layer(out, x, bias)
+        kernel(want, x[0], layer.blocks, bias, kind)
+        np.testing.assert_array_equal(out[0].view(np.uint32), want.view(np.uint32))
+    dout = rng.standard_normal((3, 40)).astype(np.float32)
+    dinp, want = np.ones((3, 64), np.float32), np.ones((3, 64), np.float32)
+    layer.backward(dinp, dout)
+    K.matmul_backward_quant_panels(want, dout, layer.blocks, kind)
+    np.testing.assert_array_equal(dinp, want)
