@@ -135,3 +135,6 @@ def test_quantized_linear_picks_the_kernel_by_row_count(rng, qtype):
     layer.backward(dinp, dout)
     K.matmul_backward_quant_panels(want, dout, layer.blocks, kind)
     np.testing.assert_array_equal(dinp, want)
+    with pytest.raises(ShapeError, match=r"weight \[40, 64\]: input gradient \(3, 32\) and output "
+                                      r"gradient \(3, 40\) do not fit it"):
+        layer.backward(np.ones((3, 32), np.float32), dout)

@@ -120,7 +120,7 @@ class QuantizedLinear:
         matmul_forward: up to FEW_ROWS rows with each row quantized to Q8_0
         on the fly, more on the panel path (see the module)."""
         OC, IC = self.shape
-        self._check(inp, out, "output")
+        self._check(inp, out, "input", "output", out)
         rows = np.ascontiguousarray(inp).reshape(-1, IC)
         kernel = (K.matmul_forward_quant if len(rows) <= FEW_ROWS
                   else K.matmul_forward_quant_panels)
@@ -130,18 +130,18 @@ class QuantizedLinear:
         """dinp[..., IC] (+=) dout[..., OC] . W, on the panel path; the weight
         is frozen, so there is no weight gradient."""
         OC, IC = self.shape
-        self._check(dinp, dout, "input gradient")
+        self._check(dinp, dout, "input gradient", "output gradient", dinp)
         K.matmul_backward_quant_panels(dinp.reshape(-1, IC),
                                        np.ascontiguousarray(dout).reshape(-1, OC),
                                        self.blocks, self._type)
 
-    def _check(self, inp, out, written):
+    def _check(self, inp, out, inp_name, out_name, written):
         """ShapeError unless inp [..., IC] and out [..., OC] fit the weight
-        and the array named ``written`` ("output": out, else inp) is
-        C-contiguous."""
+        and ``written`` (one of them) is C-contiguous."""
         OC, IC = self.shape
         if inp.shape[-1] != IC or out.shape != inp.shape[:-1] + (OC,):
-            raise ShapeError(f"{self.name} [{OC}, {IC}]: arrays {inp.shape} and {out.shape} "
-                             f"do not fit it")
-        if not (out if written == "output" else inp).flags.c_contiguous:
-            raise ShapeError(f"{self.name}: the {written} must be C-contiguous")
+            raise ShapeError(f"{self.name} [{OC}, {IC}]: {inp_name} {inp.shape} and "
+                             f"{out_name} {out.shape} do not fit it")
+        if not written.flags.c_contiguous:
+            name = out_name if written is out else inp_name
+            raise ShapeError(f"{self.name}: the {name} must be C-contiguous")
