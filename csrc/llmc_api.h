@@ -801,7 +801,8 @@ int scale_inplace(float* x, int64_t N, float scale);
  *   probs[n, :] = softmax(logits[n, :]); experts[n, :] = the k largest
  *   probabilities, largest first, ties broken by the lower expert index;
  *   weights[n, j] = probs[n, experts[n, j]], divided by their sum over j
- *   when norm_topk_prob (Mixtral), else as they are (OLMoE).
+ *   when norm_topk_prob is 1 (Mixtral), else (0) as they are (OLMoE); any
+ *   other value is LLMC_ERR_VALUE.
  * aux holds this call's auxiliary losses (their coefficients are the
  * backward's):
  *   aux[0] = E sum_e f_e P_e    load balancing (Switch Transformer), with

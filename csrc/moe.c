@@ -109,6 +109,7 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
     LLMC_REQUIRE(LLMC_NONNULL4(probs, weights, experts, aux) && logits != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && E > 0 && k > 0 && k <= E, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(N, E, 1, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(norm_topk_prob == 0 || norm_topk_prob == 1, LLMC_ERR_VALUE);
     // per token its log-sum-exp; then each expert's summed probability
     float* lse = malloc((size_t)N * sizeof(float));
     float* prob_sums = calloc((size_t)E, sizeof(float));
@@ -120,7 +121,7 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
         #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             row(probs + (size_t)n * E, weights + (size_t)n * k, experts + (size_t)n * k, lse + n,
-                logits + (size_t)n * E, E, k, norm_topk_prob != 0);
+                logits + (size_t)n * E, E, k, norm_topk_prob);
         }
         status = llmc_column_sums(NULL, prob_sums, probs, NULL, NULL, NULL, N, E);
     }
@@ -182,7 +183,8 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, probs, logits, experts), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && E > 0 && k > 0 && k <= E, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(N, E, 1, 1), LLMC_ERR_SHAPE);
-    LLMC_REQUIRE(isfinite(aux_coef) && isfinite(z_coef), LLMC_ERR_VALUE);
+    LLMC_REQUIRE((norm_topk_prob == 0 || norm_topk_prob == 1) && isfinite(aux_coef)
+                 && isfinite(z_coef), LLMC_ERR_VALUE);
     LLMC_REQUIRE(experts_in_range(experts, (int64_t)N * k, E), LLMC_ERR_RANGE);
     const int nthreads = omp_get_max_threads();
     // balance[e]: d(aux_coef * load balancing) / d p[n, e] = aux_coef E f_e / N; then
@@ -211,7 +213,7 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
         for (int64_t n = 0; n < N; n++) {
             row(dlogits + (size_t)n * E, g, dweights != NULL ? dweights + (size_t)n * k : NULL,
                 probs + (size_t)n * E, logits + (size_t)n * E, experts + (size_t)n * k, balance,
-                E, k, norm_topk_prob != 0, z_scale);
+                E, k, norm_topk_prob, z_scale);
         }
     }
     free(scratch);
