@@ -383,11 +383,11 @@ static int grouped_status(const int* offsets, int R, int C, int OC, int E) {
 enum { PRODUCT_FORWARD, PRODUCT_DINP, PRODUCT_DWEIGHT };
 
 static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const float* x,
-                    const float* w, const int* offsets, int C, int OC, int E) {
+                    const void* w, const int* offsets, int C, int OC, int E) {
     int count = 0;
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
-        const float* w_e = w + (size_t)e * OC * C;
+        const float* w_e = (const float*)w + (size_t)e * OC * C;
         if (rows == 0) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct llmc_gemm_f32_job){
@@ -402,48 +402,11 @@ static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const
         } else {   // x is dout, w the forward's inp
             jobs[count++] = (struct llmc_gemm_f32_job){
                 .c = c + (size_t)e * OC * C, .ldc = (size_t)C, .a = x + (size_t)m0 * OC,
-                .ars = 1, .aks = (size_t)OC, .b = w + (size_t)m0 * C, .brs = (size_t)C,
-                .bcs = 1, .M = OC, .N = C, .K = rows};
+                .ars = 1, .aks = (size_t)OC, .b = (const float*)w + (size_t)m0 * C,
+                .brs = (size_t)C, .bcs = 1, .M = OC, .N = C, .K = rows};
         }
     }
     return count;
-}
-
-int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
-                        int R, int C, int OC, int E) {
-    LLMC_REQUIRE(LLMC_NONNULL4(out, inp, weight, offsets), LLMC_ERR_NULL);
-    const int status = grouped_status(offsets, R, C, OC, E);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    struct llmc_gemm_f32_job* jobs = malloc((size_t)E * sizeof *jobs);
-    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
-    // every row belongs to one expert: start them all from 0
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < R; r++) { memset(out + (size_t)r * OC, 0, (size_t)OC * sizeof(float)); }
-    const int count = f32_jobs(jobs, PRODUCT_FORWARD, out, inp, weight, offsets, C, OC, E);
-    const int result = llmc_gemm_f32_many(jobs, count);
-    free(jobs);
-    return result;
-}
-
-int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                         const float* weight, const int* offsets, int R, int C, int OC, int E) {
-    LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
-                 && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    const int status = grouped_status(offsets, R, C, OC, E);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    struct llmc_gemm_f32_job* jobs = malloc((size_t)2 * E * sizeof *jobs);
-    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
-    // dinp and dweight write apart: one loop over the tiles of both
-    int count = 0;
-    if (dinp != NULL) {
-        count += f32_jobs(jobs, PRODUCT_DINP, dinp, dout, weight, offsets, C, OC, E);
-    }
-    if (dweight != NULL) {
-        count += f32_jobs(jobs + count, PRODUCT_DWEIGHT, dweight, dout, inp, offsets, C, OC, E);
-    }
-    const int result = llmc_gemm_f32_many(jobs, count);
-    free(jobs);
-    return result;
 }
 
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
@@ -476,17 +439,61 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float*
     return count;
 }
 
+/*
+ * The grouped products of the experts with rows as one batch of jobs, with
+ * float32 weights (f32_jobs) or bf16 ones (bf16_jobs): the forward into out,
+ * or (out NULL) the backward's dinp and dweight, either of which may be NULL.
+ */
+static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const float* inp,
+                            const float* dout, const void* weight, const int* offsets, int R,
+                            int C, int OC, int E) {
+    const int status = grouped_status(offsets, R, C, OC, E);
+    LLMC_REQUIRE(status == LLMC_OK, status);
+    struct llmc_gemm_f32_job* f32 = bf16 ? NULL : malloc((size_t)2 * E * sizeof *f32);
+    struct bf16_gemm* b16 = bf16 ? malloc((size_t)2 * E * sizeof *b16) : NULL;
+    LLMC_REQUIRE(f32 != NULL || b16 != NULL, LLMC_ERR_NOMEM);
+    int count = 0;
+    if (out != NULL && !bf16) {
+        // every row belongs to one expert: start them all from 0
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            memset(out + (size_t)r * OC, 0, (size_t)OC * sizeof(float));
+        }
+    }
+    // the backward's dinp and dweight write apart: one loop over the tiles of both
+    const struct { int product; float* c; const float* x; const void* w; } parts[3] = {
+        {PRODUCT_FORWARD, out, inp, weight}, {PRODUCT_DINP, dinp, dout, weight},
+        {PRODUCT_DWEIGHT, dweight, dout, inp}};
+    for (int i = 0; i < 3; i++) {
+        if (parts[i].c == NULL) { continue; }
+        count += bf16 ? bf16_jobs(b16 + count, parts[i].product, parts[i].c, parts[i].x,
+                                  parts[i].w, offsets, C, OC, E)
+                      : f32_jobs(f32 + count, parts[i].product, parts[i].c, parts[i].x,
+                                 parts[i].w, offsets, C, OC, E);
+    }
+    const int result = bf16 ? llmc_gemm_bf16_many(b16, count) : llmc_gemm_f32_many(f32, count);
+    free(f32);
+    free(b16);
+    return result;
+}
+
+int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
+                        int R, int C, int OC, int E) {
+    LLMC_REQUIRE(LLMC_NONNULL4(out, inp, weight, offsets), LLMC_ERR_NULL);
+    return grouped_products(0, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
+}
+
+int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                         const float* weight, const int* offsets, int R, int C, int OC, int E) {
+    LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
+                 && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
+    return grouped_products(0, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
+}
+
 int moe_grouped_forward_bf16(float* out, const float* inp, const uint16_t* weight,
                              const int* offsets, int R, int C, int OC, int E) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, offsets) && weight != NULL, LLMC_ERR_NULL);
-    const int status = grouped_status(offsets, R, C, OC, E);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    struct bf16_gemm* jobs = malloc((size_t)E * sizeof *jobs);
-    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
-    const int count = bf16_jobs(jobs, PRODUCT_FORWARD, out, inp, weight, offsets, C, OC, E);
-    const int result = llmc_gemm_bf16_many(jobs, count);
-    free(jobs);
-    return result;
+    return grouped_products(1, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
 }
 
 int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const float* inp,
@@ -494,18 +501,5 @@ int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, co
                               int E) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    const int status = grouped_status(offsets, R, C, OC, E);
-    LLMC_REQUIRE(status == LLMC_OK, status);
-    struct bf16_gemm* jobs = malloc((size_t)2 * E * sizeof *jobs);
-    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
-    int count = 0;
-    if (dinp != NULL) {
-        count += bf16_jobs(jobs, PRODUCT_DINP, dinp, dout, weight, offsets, C, OC, E);
-    }
-    if (dweight != NULL) {
-        count += bf16_jobs(jobs + count, PRODUCT_DWEIGHT, dweight, dout, inp, offsets, C, OC, E);
-    }
-    const int result = llmc_gemm_bf16_many(jobs, count);
-    free(jobs);
-    return result;
+    return grouped_products(1, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
 }
