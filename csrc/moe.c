@@ -56,15 +56,22 @@ static LLMC_ALWAYS_INLINE void row_exp_sum(float* p, const float* x, int E, floa
 }
 
 /* The top k of p[0 .. E), largest first, ties to the lower index: expert[j]
-   and its probability top[j]. A NaN is never larger, but a row of NaN still
-   gets k distinct experts. */
+   and its probability top[j]. Each pick is the largest of the experts that
+   come after the previous pick in that order (smaller, or equal at a higher
+   index). A NaN comes after nothing: once only NaNs are left, the lowest
+   index not yet taken, so every row still gets k distinct experts. */
 static LLMC_ALWAYS_INLINE void row_top_k(int* expert, float* top, const float* p, int E, int k) {
     for (int j = 0; j < k; j++) {
         int best = -1;
         for (int e = 0; e < E; e++) {
+            const int after = j == 0 || p[e] < top[j - 1]
+                              || (p[e] == top[j - 1] && e > expert[j - 1]);
+            if (after && (best < 0 || p[e] > p[best])) { best = e; }
+        }
+        for (int e = 0; best < 0; e++) {
             int taken = 0;
             for (int i = 0; i < j; i++) { taken |= expert[i] == e; }
-            if (!taken && (best < 0 || p[e] > p[best])) { best = e; }
+            best = taken ? -1 : e;
         }
         expert[j] = best;
         top[j] = p[best];

@@ -412,3 +412,14 @@ def test_route_backward_rejects_a_coefficient_that_is_not_finite(rng, coef):
     with pytest.raises(llmc_py.InvalidValueError, match="moe_route_backward"):
         K.moe_route_backward(np.zeros_like(logits), weights, probs, logits, experts,
                              aux_coef=coef)
+
+
+def test_route_of_nan_logits_still_picks_distinct_experts():
+    logits = np.zeros((3, 8), np.float32)
+    logits[0] = np.nan                     # every probability NaN
+    logits[1, [2, 5]] = np.nan             # the other six are NaN too (the sum is)
+    logits[2, 6] = 1.0                     # a normal row beside them
+    _, _, experts, _ = route(logits, 4)
+    for row in experts[:2]:
+        assert sorted(set(row.tolist())) == sorted(row.tolist()) and row.min() >= 0
+    assert experts[2].tolist() == [6, 0, 1, 2]
