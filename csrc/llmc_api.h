@@ -10,8 +10,8 @@
  *   - arguments come as outputs, inputs, sizes, scalars; backward functions
  *     take the gradients they produce first, then dout, then what the forward
  *     saved;
- *   - shapes use B T C OC V Vp L NH NKV hs FF N; arrays are contiguous row-major fp32,
- *     token arrays contiguous int32;
+ *   - shapes use B T C OC V Vp L NH NKV hs FF N (and moe.c's E k R); arrays
+ *     are contiguous row-major fp32, token arrays contiguous int32;
  *   - "(written)" outputs are overwritten and never read; "(+=)" outputs are
  *     accumulated into, so the caller zeroes them once per step;
  *   - no output may alias an input unless its block says so;
