@@ -12,4 +12,55 @@
 int llmc_gemm_f32(float* c, size_t ldc, const float* a, size_t ars, size_t aks,
                   const float* b, size_t brs, size_t bcs, int M, int N, int K);
 
+/* One product of a batch, as llmc_gemm_f32's arguments. */
+struct llmc_gemm_f32_job {
+    float* c;
+    size_t ldc;
+    const float* a;
+    size_t ars, aks;
+    const float* b;
+    size_t brs, bcs;
+    int M, N, K;
+};
+
+/* llmc_gemm_f32 for jobs[0 .. count), as one parallel loop over the tiles of
+   them all (moe.c's experts); every element as llmc_gemm_f32 sums it. The
+   jobs' outputs must not overlap. */
+int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count);
+
+
+/* Where the bf16 GEMM reads an operand (struct bf16_gemm). */
+enum {
+    BF16_A_ROWS,      /* A(m,k) = float a[m*lda + k]     (forward inp, dinp's dout)  */
+    BF16_A_COLS,      /* A(m,k) = float a[k*lda + m]     (dweight's dout^T)          */
+    BF16_B_COLS_W,    /* B(k,n) = bf16 b[n*ldb + k]      (forward weight^T)          */
+    BF16_B_ROWS_W,    /* B(k,n) = bf16 b[k*ldb + n]      (dinp's weight)             */
+    BF16_B_ROWS_F32   /* B(k,n) = float b[k*ldb + n]     (dweight's inp)             */
+};
+
+/* c[m*ldc + n] (+)= sum_k A(m,k) B(k,n) for m < M, n < N, k < K, with A and B
+   read as a_kind and b_kind say, float32 operands rounded to bf16. init: NULL
+   adds onto c (the (+=) products); else c starts from init[n] (a bias) in
+   every row, or from 0 if init_zero. */
+struct bf16_gemm {
+    float* c;
+    size_t ldc;
+    const void* a;
+    size_t lda;
+    int a_kind;
+    const void* b;
+    size_t ldb;
+    int b_kind;
+    const float* init;
+    int init_zero;
+    int M, N, K;
+};
+
+/* The bf16 products jobs[0 .. count), each element summed as matmul_bf16.c's
+   layer sums it on the active instruction set: vdpbf16ps pairs on
+   avx512bf16, as one parallel loop over the tiles of all jobs; elsewhere
+   the operands rounded and widened to float32, then llmc_gemm_f32_many. The
+   jobs' outputs must not overlap. */
+int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count);
+
 #endif

@@ -10,8 +10,8 @@
  *   - arguments come as outputs, inputs, sizes, scalars; backward functions
  *     take the gradients they produce first, then dout, then what the forward
  *     saved;
- *   - shapes use B T C OC V Vp L NH NKV hs FF N; arrays are contiguous row-major fp32,
- *     token arrays contiguous int32;
+ *   - shapes use B T C OC V Vp L NH NKV hs FF N (and moe.c's E k R); arrays
+ *     are contiguous row-major fp32, token arrays contiguous int32;
  *   - "(written)" outputs are overwritten and never read; "(+=)" outputs are
  *     accumulated into, so the caller zeroes them once per step;
  *   - no output may alias an input unless its block says so;
@@ -804,3 +804,126 @@ int global_norm_squared(double* out, const float* x, int64_t N);
  *   x [N]  (updated in place)
  */
 int scale_inplace(float* x, int64_t N, float scale);
+
+/* ---- moe.c -------------------------------------------------------------- */
+
+/*
+ * Mixture of Experts over N = B*T tokens, E experts, k of them per token
+ * (1 <= k <= E, else LLMC_ERR_SHAPE). A token's k assignments go to rows of
+ * a grouped buffer of R = N k rows in which each expert's rows are
+ * contiguous (expert 0's first), each expert's tokens in ascending order:
+ * expert e holds rows offsets[e] .. offsets[e+1], and assignment (n, j) is
+ * row positions[n, j].
+ *
+ * moe_route_forward: the router's softmax and top k per token:
+ *   probs[n, :] = softmax(logits[n, :]); experts[n, :] = the k largest
+ *   probabilities, largest first, ties broken by the lower expert index;
+ *   weights[n, j] = probs[n, experts[n, j]], divided by their sum over j
+ *   when norm_topk_prob is 1 (Mixtral), else (0) as they are (OLMoE); any
+ *   other value is LLMC_ERR_VALUE.
+ * aux holds this call's auxiliary losses (their coefficients are the
+ * backward's):
+ *   aux[0] = E sum_e f_e P_e    load balancing (Switch Transformer), with
+ *            f_e = (assignments to e) / (N k) and P_e = mean_n probs[n, e];
+ *            1 when balanced. transformers' load_balancing_loss_func counts
+ *            f_e per token instead, (assignments to e) / N: k times this.
+ *   aux[1] = mean_n logsumexp(logits[n, :])^2    the router z-loss (ST-MoE)
+ *
+ *   probs   [N, E]  (written) saved for backward
+ *   weights [N, k]  (written)
+ *   experts [N, k]  (written) int32, saved for backward
+ *   aux     [2]     (written)
+ *   logits  [N, E]
+ */
+int moe_route_forward(float* probs, float* weights, int* experts, float* aux, const float* logits,
+                      int N, int E, int k, int norm_topk_prob);
+
+/*
+ * moe_route_backward: the router's gradient, from the top-k weights (through
+ * their renormalisation, when norm_topk_prob, and the softmax) and from
+ * aux_coef * aux[0] + z_coef * aux[1] (f_e taken as constant, as usual).
+ * Both coefficients finite, else LLMC_ERR_VALUE.
+ *
+ *   dlogits  [N, E]  (+=)
+ *   dweights [N, k]  or NULL: no gradient reaches the weights
+ *   probs    [N, E]  the forward's
+ *   logits   [N, E]  the forward's
+ *   experts  [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
+ */
+int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
+                       const float* logits, const int* experts, int N, int E, int k,
+                       int norm_topk_prob, float aux_coef, float z_coef);
+
+/*
+ * moe_permute: the grouped order of the forward's assignments.
+ *
+ *   offsets   [E + 1]  (written) int32: expert e's rows start at offsets[e];
+ *                      offsets[E] = N k (a count is offsets[e+1] - offsets[e])
+ *   positions [N, k]   (written) int32: the row of assignment (n, j)
+ *   experts   [N, k]   int32 in [0, E), else LLMC_ERR_RANGE
+ */
+int moe_permute(int* offsets, int* positions, const int* experts, int N, int E, int k);
+
+/*
+ * moe_gather_forward: grouped[positions[n, j], :] = inp[n, :]
+ * moe_gather_backward: dinp[n, :] += sum_j dgrouped[positions[n, j], :], in
+ * the order j = 0 .. k-1.
+ *
+ *   grouped, dgrouped [N k, C]  (written), the gradient of grouped
+ *   inp, dinp         [N, C]    the tokens, (+=)
+ *   positions         [N, k]    int32 from moe_permute, each in [0, N k)
+ *                               (else LLMC_ERR_RANGE)
+ */
+int moe_gather_forward(float* grouped, const float* inp, const int* positions, int N, int C,
+                       int k);
+int moe_gather_backward(float* dinp, const float* dgrouped, const int* positions, int N, int C,
+                        int k);
+
+/*
+ * moe_combine_forward: out[n, :] = sum_j weights[n, j] expert_out[positions[n, j], :],
+ * in the order j = 0 .. k-1.
+ * moe_combine_backward: dexpert_out[positions[n, j], :] = weights[n, j] dout[n, :];
+ * dweights[n, j] = dout[n, :] . expert_out[positions[n, j], :].
+ *
+ *   out, dout               [N, C]    (written), its gradient
+ *   expert_out, dexpert_out [N k, C]  the experts' outputs, grouped; (written)
+ *   weights, dweights       [N, k]    the top-k weights; (written)
+ *   positions               [N, k]    int32 from moe_permute, each in [0, N k)
+ */
+int moe_combine_forward(float* out, const float* expert_out, const float* weights,
+                        const int* positions, int N, int C, int k);
+int moe_combine_backward(float* dexpert_out, float* dweights, const float* dout,
+                         const float* expert_out, const float* weights, const int* positions,
+                         int N, int C, int k);
+
+/*
+ * moe_grouped_forward: each expert's linear layer (no bias) over its rows of
+ * the grouped buffer, R = N k rows in all:
+ *   out[r, :] = inp[r, :] . weight[e]^T   for offsets[e] <= r < offsets[e+1]
+ * as one parallel loop over the tiles of all experts. Each row is bitwise
+ * what matmul_forward gives for it with weight[e].
+ * moe_grouped_backward: its gradients, each bitwise matmul_backward's:
+ *   dinp[r, :] += dout[r, :] . weight[e]; dweight[e] += dout_e^T . inp_e
+ *
+ *   out, dout    [R, OC]     (written), its gradient
+ *   inp, dinp    [R, C]      the grouped rows, (+=) or NULL (not wanted)
+ *   weight       [E, OC, C]  (may be NULL when dinp is)
+ *   dweight      [E, OC, C]  (+=) or NULL; an expert with no rows keeps its
+ *   offsets      [E + 1]     int32 from moe_permute: 0, non-decreasing, R at
+ *                            the end (else LLMC_ERR_RANGE)
+ */
+int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
+                        int R, int C, int OC, int E);
+int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                         const float* weight, const int* offsets, int R, int C, int OC, int E);
+
+/*
+ * The same with bf16 weights [E, OC, C]: each row and each dweight[e]
+ * bitwise what matmul_forward_bf16 / matmul_backward_bf16 give for it (the
+ * products' roundings and order are theirs, on the same instruction set).
+ */
+int moe_grouped_forward_bf16(float* out, const float* inp, const uint16_t* weight,
+                             const int* offsets, int R, int C, int OC, int E);
+int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const float* inp,
+                              const uint16_t* weight, const int* offsets, int R, int C, int OC,
+                              int E);

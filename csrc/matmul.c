@@ -264,77 +264,125 @@ static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* N
     }
 }
 
+/* One tile of job g: rows [m0, m0+mc), columns [n0, n0+nc), over all of K.
+   ap holds the packed A block (MC x KC), bp one packed B panel. */
+static void gemm_tile(micro_kernel_fn micro_kernel, const struct llmc_gemm_f32_job* g,
+                      float* ap, float* bp, int m0, int mc, int n0, int nc) {
+    const float* a = g->a;
+    const size_t ars = g->ars, aks = g->aks, ldc = g->ldc;
+    const int pack_a = aks != 1;
+    for (int k0 = 0; k0 < g->K; k0 += KC) {
+        const int kc = g->K - k0 < KC ? g->K - k0 : KC;
+        // packed: all of the tile's rows; in place: only a partial last micro-panel
+        const int full_rows = pack_a ? 0 : mc / MR * MR;
+        if (mc > full_rows) {
+            pack_a_block(ap, a, ars, aks, m0 + full_rows, mc - full_rows, k0, kc);
+        }
+        for (int j0 = n0; j0 < n0 + nc; j0 += NR) {
+            const int nr = n0 + nc - j0 < NR ? n0 + nc - j0 : NR;
+            pack_b_panel(bp, g->b, g->brs, g->bcs, k0, kc, j0, nr);
+            for (int mp = 0; mp < mc; mp += MR) {
+                const int mr = mc - mp < MR ? mc - mp : MR;
+                float* c_mj = g->c + (size_t)(m0 + mp) * ldc + j0;
+                if (mp < full_rows && nr == NR) {
+                    micro_kernel(kc, a + (size_t)(m0 + mp) * ars + k0, ars, 1, bp, c_mj, ldc);
+                } else if (mp < full_rows) {
+                    // in place but a partial column panel: copy A rows
+                    float panel[KC * MR];
+                    pack_a_block(panel, a, ars, aks, m0 + mp, MR, k0, kc);
+                    edge_kernel(micro_kernel, kc, MR, nr, panel, bp, c_mj, ldc);
+                } else if (mr == MR && nr == NR) {
+                    micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR, bp, c_mj, ldc);
+                } else {
+                    edge_kernel(micro_kernel, kc, mr, nr, ap + (size_t)(mp - full_rows) * kc,
+                                bp, c_mj, ldc);
+                }
+            }
+        }
+    }
+}
+
 /*
- * c[m*ldc + n] += sum_k A(m,k) * B(k,n), with A(m,k) = a[m*ars + k*aks] and
- * B(k,n) = b[k*brs + n*bcs], for m < M, n < N, k < K.
+ * c[m*ldc + n] += sum_k A(m,k) * B(k,n) for each job, with A(m,k) =
+ * a[m*ars + k*aks] and B(k,n) = b[k*brs + n*bcs], for m < M, n < N, k < K.
  *
- * The output is cut into tiles of MC rows x NC columns, spread over the
- * threads. Per tile and k block, each KC x NR panel of B is packed once and
- * used by every row of the tile. A is read in place when its rows are
- * contiguous (forward, dinp); when it is stored transposed (dout^T for
- * dweight) the tile's MC x KC block is packed first. The tile shape follows
- * from that: with A in place, MC covers all of a small M so that B is packed
- * once per call, and NC is cut for parallelism; with A packed, NC is wide so
- * that the packing pays off, and MC is cut instead.
+ * Each job's output is cut into tiles of MC rows x NC columns, and the tiles
+ * of all jobs are spread over the threads in one loop. Per tile and k
+ * block, each KC x NR panel of B is packed once and used by every row of the
+ * tile. A is read in place when its rows are contiguous (forward, dinp);
+ * when it is stored transposed (dout^T for dweight) the tile's MC x KC block
+ * is packed first. The tile shape follows from that: with A in place, MC
+ * covers all of a small M so that B is packed once per call, and NC is cut
+ * for parallelism; with A packed, NC is wide so that the packing pays off,
+ * and MC is cut instead. A batch of jobs shares the threads, so each job is
+ * cut for its share of them.
  */
-int llmc_gemm_f32(float* c, size_t ldc, const float* a, size_t ars, size_t aks,
-                  const float* b, size_t brs, size_t bcs, int M, int N, int K) {
+int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
+    if (count <= 0) { return LLMC_OK; }
     const micro_kernel_fn micro_kernel = active_micro_kernel();
     const int nthreads = omp_get_max_threads();
-    const int pack_a = aks != 1;
-    int MC, NC;
-    choose_tiles(M, N, pack_a, nthreads, &MC, &NC);
-    const int64_t m_blocks = ceil_div(M, MC), n_blocks = ceil_div(N, NC);
-    const int64_t tiles = m_blocks * n_blocks;
-    const size_t ap_floats = (size_t)MC * KC, bp_floats = (size_t)KC * NR;
+    const int job_threads = (int)ceil_div(nthreads, count);
+    // per job: its tile shape and the index of its first tile
+    int* shape = malloc((size_t)count * 2 * sizeof(int));
+    int64_t* first_tile = malloc(((size_t)count + 1) * sizeof(int64_t));
+    if (shape == NULL || first_tile == NULL) {
+        free(shape);
+        free(first_tile);
+        return LLMC_ERR_NOMEM;
+    }
+    int max_mc = MR;
+    first_tile[0] = 0;
+    for (int g = 0; g < count; g++) {
+        const struct llmc_gemm_f32_job* job = &jobs[g];
+        int64_t tiles = 0;
+        if (job->M > 0 && job->N > 0 && job->K > 0) {
+            choose_tiles(job->M, job->N, job->aks != 1, job_threads, &shape[2 * g],
+                         &shape[2 * g + 1]);
+            tiles = ceil_div(job->M, shape[2 * g]) * ceil_div(job->N, shape[2 * g + 1]);
+            max_mc = shape[2 * g] > max_mc ? shape[2 * g] : max_mc;
+        }
+        first_tile[g + 1] = first_tile[g] + tiles;
+    }
+    const size_t ap_floats = (size_t)max_mc * KC, bp_floats = (size_t)KC * NR;
     float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
-    LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
+    if (scratch == NULL) {
+        free(shape);
+        free(first_tile);
+        return LLMC_ERR_NOMEM;
+    }
+    const int64_t tiles = first_tile[count];
 
     #pragma omp parallel
     {
         float* ap = scratch + (size_t)omp_get_thread_num() * (ap_floats + bp_floats);
         float* bp = ap + ap_floats;
+        int g = 0;
         #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++) {
-            const int m0 = (int)(tile / n_blocks) * MC;
-            const int n0 = (int)(tile % n_blocks) * NC;
-            const int mc = M - m0 < MC ? M - m0 : MC;
-            const int nc = N - n0 < NC ? N - n0 : NC;
-            for (int k0 = 0; k0 < K; k0 += KC) {
-                const int kc = K - k0 < KC ? K - k0 : KC;
-                // packed: all of the tile's rows; in place: only a partial last micro-panel
-                const int full_rows = pack_a ? 0 : mc / MR * MR;
-                if (mc > full_rows) {
-                    pack_a_block(ap, a, ars, aks, m0 + full_rows, mc - full_rows, k0, kc);
-                }
-                for (int j0 = n0; j0 < n0 + nc; j0 += NR) {
-                    const int nr = n0 + nc - j0 < NR ? n0 + nc - j0 : NR;
-                    pack_b_panel(bp, b, brs, bcs, k0, kc, j0, nr);
-                    for (int mp = 0; mp < mc; mp += MR) {
-                        const int mr = mc - mp < MR ? mc - mp : MR;
-                        float* c_mj = c + (size_t)(m0 + mp) * ldc + j0;
-                        if (mp < full_rows && nr == NR) {
-                            micro_kernel(kc, a + (size_t)(m0 + mp) * ars + k0, ars, 1,
-                                         bp, c_mj, ldc);
-                        } else if (mp < full_rows) {
-                            // in place but a partial column panel: copy A rows
-                            float panel[KC * MR];
-                            pack_a_block(panel, a, ars, aks, m0 + mp, MR, k0, kc);
-                            edge_kernel(micro_kernel, kc, MR, nr, panel, bp, c_mj, ldc);
-                        } else if (mr == MR && nr == NR) {
-                            micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR,
-                                         bp, c_mj, ldc);
-                        } else {
-                            edge_kernel(micro_kernel, kc, mr, nr,
-                                        ap + (size_t)(mp - full_rows) * kc, bp, c_mj, ldc);
-                        }
-                    }
-                }
-            }
+            // a thread's tiles ascend, so its job index only moves forward
+            while (tile >= first_tile[g + 1]) { g++; }
+            const struct llmc_gemm_f32_job* job = &jobs[g];
+            const int MC = shape[2 * g], NC = shape[2 * g + 1];
+            const int64_t n_blocks = ceil_div(job->N, NC), t = tile - first_tile[g];
+            const int m0 = (int)(t / n_blocks) * MC;
+            const int n0 = (int)(t % n_blocks) * NC;
+            const int mc = job->M - m0 < MC ? job->M - m0 : MC;
+            const int nc = job->N - n0 < NC ? job->N - n0 : NC;
+            gemm_tile(micro_kernel, job, ap, bp, m0, mc, n0, nc);
         }
     }
     free(scratch);
+    free(shape);
+    free(first_tile);
     return LLMC_OK;
+}
+
+/* One product: a batch of one job. */
+int llmc_gemm_f32(float* c, size_t ldc, const float* a, size_t ars, size_t aks,
+                  const float* b, size_t brs, size_t bcs, int M, int N, int K) {
+    const struct llmc_gemm_f32_job job = {.c = c, .ldc = ldc, .a = a, .ars = ars, .aks = aks,
+                                          .b = b, .brs = brs, .bcs = bcs, .M = M, .N = N, .K = K};
+    return llmc_gemm_f32_many(&job, 1);
 }
 
 /* matmul_backward's pointers: dout always; weight for dinp, inp for dweight

@@ -52,6 +52,7 @@
 #include "llmc.h"
 #include "common.h"
 #include "isa.h"
+#include "gemm.h"
 
 /* A float32 array holding bf16(x[i]) (rounded), or NULL if out of memory. */
 static float* rounded_copy(const float* x, int64_t n) {
@@ -230,28 +231,43 @@ static struct bf_plan bf_plan_gemm(const struct bf16_gemm* g, int nthreads) {
 }
 
 /*
- * The GEMM of struct bf16_gemm: tiles of C over the threads (static
- * schedule, never a split of K), each packing the operands of its tiles
- * into its share of scratch (nthreads x plan->per_thread uint32s).
+ * The GEMMs gs[0 .. count) with their plans: the tiles of all of them over
+ * the threads in one loop (static schedule, never a split of K), each
+ * thread packing the operands of its tiles into its share of scratch
+ * (per_thread uint32s, at least every plan's). first_tile[g] is the index
+ * of job g's first tile, first_tile[count] the number of tiles.
  */
-static void bf_gemm_run(const struct bf16_gemm* g, const struct bf_plan* plan, uint32_t* scratch) {
-    const int64_t tiles = plan->m_blocks * plan->n_blocks;
-    const int one_block = (g->K + 1) / 2 <= bf_block_pairs(g->K);
+static void bf_gemm_run_many(const struct bf16_gemm* gs, const struct bf_plan* plans,
+                             const int64_t* first_tile, int count, size_t per_thread,
+                             uint32_t* scratch) {
+    const int64_t tiles = first_tile[count];
     #pragma omp parallel
     {
-        uint32_t* ap = scratch + (size_t)omp_get_thread_num() * plan->per_thread;
-        uint32_t* bp = ap + plan->ap_words;
-        int64_t packed_rows = -1;   // the row block ap holds, when K is one block
+        uint32_t* ap = scratch + (size_t)omp_get_thread_num() * per_thread;
+        int g = 0;
+        int64_t packed_rows = -1;   // the row block ap holds (of job g), when K is one block
         #pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t mi = tile / plan->n_blocks;
-            const int m0 = (int)mi * plan->MC, n0 = (int)(tile % plan->n_blocks) * plan->NC;
-            const int mc = g->M - m0 < plan->MC ? g->M - m0 : plan->MC;
-            const int nc = g->N - n0 < plan->NC ? g->N - n0 : plan->NC;
-            bf_tile(g, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi);
+            // a thread's tiles ascend, so its job index only moves forward
+            for (; tile >= first_tile[g + 1]; g++) { packed_rows = -1; }
+            const struct bf16_gemm* job = &gs[g];
+            const struct bf_plan* plan = &plans[g];
+            uint32_t* bp = ap + plan->ap_words;
+            const int one_block = (job->K + 1) / 2 <= bf_block_pairs(job->K);
+            const int64_t t = tile - first_tile[g], mi = t / plan->n_blocks;
+            const int m0 = (int)mi * plan->MC, n0 = (int)(t % plan->n_blocks) * plan->NC;
+            const int mc = job->M - m0 < plan->MC ? job->M - m0 : plan->MC;
+            const int nc = job->N - n0 < plan->NC ? job->N - n0 : plan->NC;
+            bf_tile(job, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi);
             packed_rows = mi;
         }
     }
+}
+
+/* One GEMM: a batch of one. */
+static void bf_gemm_run(const struct bf16_gemm* g, const struct bf_plan* plan, uint32_t* scratch) {
+    const int64_t first_tile[2] = {0, plan->m_blocks * plan->n_blocks};
+    bf_gemm_run_many(g, plan, first_tile, 1, plan->per_thread, scratch);
 }
 
 /* nthreads shares of `words` uint32s each, 64-byte aligned, or NULL. */
@@ -319,7 +335,105 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const flo
     free(scratch);
     return LLMC_OK;
 }
+/* llmc_gemm_bf16_many on the dot-product path: each job cut for its share
+   of the threads, one scratch for all. */
+static int bf_gemm_many(const struct bf16_gemm* jobs, int count) {
+    const int nthreads = omp_get_max_threads();
+    const int job_threads = (int)bf_ceil_div(nthreads, count);
+    struct bf_plan* plans = malloc((size_t)count * sizeof *plans);
+    int64_t* first_tile = malloc(((size_t)count + 1) * sizeof *first_tile);
+    if (plans == NULL || first_tile == NULL) {
+        free(plans);
+        free(first_tile);
+        return LLMC_ERR_NOMEM;
+    }
+    size_t words = 16;
+    first_tile[0] = 0;
+    for (int g = 0; g < count; g++) {
+        const int empty = jobs[g].M <= 0 || jobs[g].N <= 0 || jobs[g].K <= 0;
+        if (!empty) {
+            plans[g] = bf_plan_gemm(&jobs[g], job_threads);
+            words = plans[g].per_thread > words ? plans[g].per_thread : words;
+        }
+        first_tile[g + 1] = first_tile[g] + (empty ? 0 : plans[g].m_blocks * plans[g].n_blocks);
+    }
+    uint32_t* scratch = bf_scratch(nthreads, words);
+    if (scratch != NULL) { bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch); }
+    free(scratch);
+    free(plans);
+    free(first_tile);
+    return scratch != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
+}
 #endif
+
+/* rows x cols floats dst[r*cols + c] from src[r*ld + c]: float32 rounded to
+   bf16, or bf16 widened (exact). */
+static void bf16_dense_copy(float* dst, const void* src, int is_bf16, size_t ld, int rows,
+                            int cols) {
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        float* d = dst + (size_t)r * cols;
+        if (is_bf16) {
+            const uint16_t* s = (const uint16_t*)src + (size_t)r * ld;
+            for (int c = 0; c < cols; c++) { d[c] = llmc_bf16_widen(s[c]); }
+        } else {
+            const float* s = (const float*)src + (size_t)r * ld;
+            for (int c = 0; c < cols; c++) { d[c] = llmc_bf16_widen(llmc_bf16_round(s[c])); }
+        }
+    }
+}
+
+/* llmc_gemm_bf16_many without vdpbf16ps: each job's operands as dense
+   float32 copies (A rounded; B rounded or widened), its output started from
+   init as asked, then the float32 GEMM on them all; the sums are the naive
+   loops' (k = 0, 1, ..., K-1), as matmul_forward_bf16's widened path. */
+static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
+    size_t floats = 0;
+    for (int g = 0; g < count; g++) {
+        floats += ((size_t)jobs[g].M + (size_t)jobs[g].N) * (size_t)jobs[g].K;
+    }
+    float* copies = malloc((floats > 0 ? floats : 1) * sizeof(float));
+    struct llmc_gemm_f32_job* f32 = malloc((size_t)count * sizeof *f32);
+    int status = LLMC_ERR_NOMEM;
+    if (copies != NULL && f32 != NULL) {
+        float* next = copies;
+        for (int g = 0; g < count; g++) {
+            const struct bf16_gemm* j = &jobs[g];
+            const int M = j->M, N = j->N, K = j->K;
+            float* a = next;
+            float* b = a + (size_t)M * K;
+            next = b + (size_t)K * N;
+            const int a_rows = j->a_kind == BF16_A_ROWS, b_cols = j->b_kind == BF16_B_COLS_W;
+            bf16_dense_copy(a, j->a, 0, j->lda, a_rows ? M : K, a_rows ? K : M);
+            bf16_dense_copy(b, j->b, j->b_kind != BF16_B_ROWS_F32, j->ldb, b_cols ? N : K,
+                            b_cols ? K : N);
+            if (j->init != NULL || j->init_zero) {
+                for (int m = 0; m < M; m++) {
+                    float* c_m = j->c + (size_t)m * j->ldc;
+                    if (j->init != NULL) { memcpy(c_m, j->init, (size_t)N * sizeof(float)); }
+                    else { memset(c_m, 0, (size_t)N * sizeof(float)); }
+                }
+            }
+            f32[g] = (struct llmc_gemm_f32_job){
+                .c = j->c, .ldc = j->ldc, .a = a, .ars = a_rows ? (size_t)K : 1,
+                .aks = a_rows ? 1 : (size_t)M, .b = b, .brs = b_cols ? 1 : (size_t)N,
+                .bcs = b_cols ? (size_t)K : 1, .M = M, .N = N, .K = K};
+        }
+        status = llmc_gemm_f32_many(f32, count);
+    }
+    free(copies);
+    free(f32);
+    return status;
+}
+
+int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count) {
+    if (count <= 0) { return LLMC_OK; }
+#ifdef LLMC_X86_DISPATCH
+    if (llmc_get_isa() == LLMC_ISA_AVX512BF16) { return bf_gemm_many(jobs, count); }
+#endif
+    return widened_gemm_many(jobs, count);
+}
+
 
 int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
                         const float* bias, int B, int T, int C, int OC) {

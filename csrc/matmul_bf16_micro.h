@@ -21,36 +21,11 @@
 #include <immintrin.h>
 #include "common.h"
 #include "isa.h"
+#include "gemm.h"
 
 #define BF_MR 8                  /* rows of C per micro-kernel call            */
 #define BF_NV 3                  /* vectors of 16 columns per row of the tile  */
 #define BF_NR (16 * BF_NV)       /* columns of C per micro-kernel call: 48     */
-
-/* Where a packing function reads its operand (see struct bf16_gemm). */
-enum {
-    BF16_A_ROWS,      /* A(m,k) = float a[m*lda + k]     (forward inp, dinp's dout)  */
-    BF16_A_COLS,      /* A(m,k) = float a[k*lda + m]     (dweight's dout^T)          */
-    BF16_B_COLS_W,    /* B(k,n) = bf16 b[n*ldb + k]      (forward weight^T)          */
-    BF16_B_ROWS_W,    /* B(k,n) = bf16 b[k*ldb + n]      (dinp's weight)             */
-    BF16_B_ROWS_F32   /* B(k,n) = float b[k*ldb + n]     (dweight's inp)             */
-};
-
-/* c[m*ldc + n] (+)= sum_k A(m,k) B(k,n) for m < M, n < N, k < K, with A and B
-   read as a_kind and b_kind say. init: NULL adds onto c (the (+=) products);
-   else c starts from init[n] (a bias) in every row, or from 0 if init_zero. */
-struct bf16_gemm {
-    float* c;
-    size_t ldc;
-    const void* a;
-    size_t lda;
-    int a_kind;
-    const void* b;
-    size_t ldb;
-    int b_kind;
-    const float* init;
-    int init_zero;
-    int M, N, K;
-};
 
 /* Lanes of a 16-lane mask: the first n (n clamped to 0 .. 16). */
 static inline __mmask16 bf_first16(int n) {

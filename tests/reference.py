@@ -236,3 +236,45 @@ def adamw_step(param, grad, m, v, learning_rate, beta1, beta2, eps, weight_decay
     vhat = v / (1.0 - beta2 ** t)
     param = param - learning_rate * (mhat / (torch.sqrt(vhat) + eps) + weight_decay * param)
     return param, m, v
+
+
+def moe_route(logits, k, norm_topk_prob=True):
+    """The router over logits [N,E]: probs [N,E] (softmax), experts [N,k] (the
+    k largest probabilities, largest first, ties to the lower index: a stable
+    descending sort), weights [N,k] (their probabilities, divided by their sum
+    when norm_topk_prob), and the auxiliary losses: load balancing
+    E sum_e f_e P_e (f_e = assignments to e / (N k), no gradient; P_e the
+    mean probability of e) and the z-loss mean_n logsumexp(logits[n])^2."""
+    N, E = logits.shape
+    probs = torch.softmax(logits, dim=-1)
+    experts = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    top = probs.gather(1, experts)
+    weights = top / top.sum(-1, keepdim=True) if norm_topk_prob else top
+    f = torch.bincount(experts.reshape(-1), minlength=E).to(probs.dtype) / (N * k)
+    balance = E * (f * probs.mean(0)).sum()
+    z = (torch.logsumexp(logits, dim=-1) ** 2).mean()
+    return probs, experts, weights, balance, z
+
+
+def moe_positions(experts, E):
+    """offsets [E+1] and positions [N,k] of the expert-grouped order: each
+    expert's assignments together (expert 0 first), tokens ascending within."""
+    flat = experts.reshape(-1)
+    order = torch.sort(flat, stable=True).indices   # the assignment in each grouped row
+    positions = torch.empty_like(flat)
+    positions[order] = torch.arange(flat.numel())
+    counts = torch.bincount(flat, minlength=E)
+    offsets = torch.cat([torch.zeros(1, dtype=counts.dtype), torch.cumsum(counts, 0)])
+    return offsets, positions.reshape(experts.shape)
+
+
+def moe_grouped(x, weight, offsets):
+    """Each expert's linear layer over its rows: rows offsets[e] .. offsets[e+1]
+    of x [R,C] times weight[e]^T (weight [E,OC,C])."""
+    rows = [x[offsets[e]:offsets[e + 1]] @ weight[e].T for e in range(weight.shape[0])]
+    return torch.cat(rows, dim=0)
+
+
+def moe_combine(expert_out, weights, positions):
+    """out[n] = sum_j weights[n,j] expert_out[positions[n,j]]."""
+    return (weights.unsqueeze(-1) * expert_out[positions]).sum(1)

@@ -38,7 +38,8 @@ class Row:
     optional:  pointers that may be NULL
     not_sizes: int arguments that are not sizes, so 0 may be valid (a position)
     valid:     {argument: value} where 1 is not valid
-    fill:      {array: value} where zeroes are not valid (lengths >= 1, frequencies > 0)
+    fill:      {array: value} where zeroes are not valid (lengths >= 1, frequencies > 0);
+               a tuple gives the leading values, zeroes after them
     bad:       extra ({argument: value, ...}, expected status name) cases
     elements:  the length of every buffer, where 16 elements are too few
     cpu_path:  a path forced onto an instruction set: LLMC_ERR_UNSUPPORTED
@@ -86,6 +87,16 @@ _QUANT = dict(valid={"IC": 32, "qtype": 8}, not_sizes=frozenset({"qtype"}), elem
               bad=(({"IC": 33}, "LLMC_ERR_SHAPE"), ({"IC": 16}, "LLMC_ERR_SHAPE"),
                    ({"qtype": 3}, "LLMC_ERR_VALUE")))
 _QUANT_MATMUL = dict(_QUANT, optional=frozenset({"bias"}))
+
+# MoE: k <= E and norm_topk_prob 0 or 1; the grouped GEMM's offsets run from
+# 0 to R (here [0, 1])
+_ROUTE = dict(not_sizes=frozenset({"norm_topk_prob"}),
+              bad=(({"k": 2}, "LLMC_ERR_SHAPE"), ({"norm_topk_prob": 2}, "LLMC_ERR_VALUE")))
+_ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights"}),
+                       bad=_ROUTE["bad"] + (({"aux_coef": float("nan")}, "LLMC_ERR_VALUE"),
+                                            ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
+_GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
+_GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}))
 
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
@@ -155,6 +166,17 @@ ROWS = {
                         bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
     "global_norm_squared": Row(),
     "scale_inplace": Row(),
+    "moe_route_forward": Row(**_ROUTE),
+    "moe_route_backward": Row(**_ROUTE_BACKWARD),
+    "moe_permute": Row(bad=(({"k": 2}, "LLMC_ERR_SHAPE"),)),
+    "moe_gather_forward": Row(),
+    "moe_gather_backward": Row(),
+    "moe_combine_forward": Row(),
+    "moe_combine_backward": Row(),
+    "moe_grouped_forward": Row(**_GROUPED),
+    "moe_grouped_backward": Row(**_GROUPED_BACKWARD),
+    "moe_grouped_forward_bf16": Row(**_GROUPED),
+    "moe_grouped_backward_bf16": Row(**_GROUPED_BACKWARD),
 }
 
 @pytest.mark.parametrize("status,cls,builtin", [
@@ -234,8 +256,9 @@ class Call:
         self.args, self.buffers = {}, {}
         for param, ctype in self.types.items():
             if ctype.kind == "pointer":
-                fill = [self.row.fill[param]] * self.row.elements if param in self.row.fill \
-                    else None
+                fill = self.row.fill.get(param)
+                if fill is not None:
+                    fill = list(fill) if isinstance(fill, tuple) else [fill] * self.row.elements
                 self.buffers[param] = ffi.new(f"{ctype.item.cname}[{self.row.elements}]", fill)
                 self.args[param] = self.buffers[param]
             elif ctype.cname in ("int", "int64_t"):

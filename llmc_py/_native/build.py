@@ -47,6 +47,7 @@ SOURCES = [
     "activations.c",
     "dropout.c",
     "softmax_xent.c",
+    "moe.c",
     "adamw.c",
 ]
 

@@ -164,8 +164,6 @@ def _pointer(array, c_type, name):
     """The expression that passes one array argument."""
     if c_type not in _ADAPTER:
         raise TypeError(f"{name}: {array.name} is declared an array but C takes {c_type}")
-    if array.out and c_type == "int *":
-        raise TypeError(f"{name}: {array.name} is an int array, which is never an output")
     dims = array.dims
     if dims[0] == "...":
         shape = "lead" + (f" + {_tuple(dims[1:])}" if dims[1:] else "")

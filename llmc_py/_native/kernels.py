@@ -424,6 +424,82 @@ def alibi_slopes(n_heads):
     return np.array(slopes, dtype=np.float32)
 
 
+# ---- moe.c: N tokens, E experts, k per token; R = N*k grouped rows -----------------
+
+moe_route_forward = _kernel(
+    "moe_route_forward",
+    "probs[N,E] written, weights[N,k] written, experts[N,k] written, aux[2] written, logits[N,E]"
+    " | N E k from logits, weights | norm_topk_prob:flag=True",
+    """probs[N,E] (written) = softmax(logits[N,E]); experts int32 [N,k] (written) the
+    top k per token, largest first, ties to the lower index; weights[N,k] (written)
+    their probabilities, renormalised to sum 1 if ``norm_topk_prob``; aux[2]
+    (written) = (load balancing E sum_e f_e P_e, f_e the fraction of the N*k
+    assignments to e; z-loss mean logsumexp(logits)^2). 1 <= k <= E.""")
+
+moe_route_backward = _kernel(
+    "moe_route_backward",
+    "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k]"
+    " | N E k from probs, experts | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
+    """dlogits[N,E] (+=) <- dweights[N,k] (or None) through the renormalisation and
+    the softmax, plus the gradients of aux_coef * aux[0] + z_coef * aux[1]; probs,
+    logits, experts the forward's.""")
+
+moe_permute = _kernel(
+    "moe_permute",
+    "offsets[E+1] written, positions[N,k] written, experts[N,k] | N E k from experts",
+    """offsets int32 [E+1] (written): expert e's grouped rows start at offsets[e]
+    (offsets[E] = N*k); positions int32 [N,k] (written): the grouped row of
+    assignment (n, j), each expert's tokens in ascending order.""",
+    args="offsets positions experts E")
+
+moe_gather_forward = _kernel(
+    "moe_gather_forward",
+    "grouped[N*k,C] written, inp[N,C], positions[N,k] | N C k from inp, positions",
+    """grouped[N*k,C] (written): row positions[n,j] = inp[n].""")
+
+moe_gather_backward = _kernel(
+    "moe_gather_backward",
+    "dinp[N,C] +=, dgrouped[N*k,C], positions[N,k] | N C k from dinp, positions",
+    """dinp[N,C] (+=) sum_j dgrouped[positions[n,j]], in the order j = 0 .. k-1.""")
+
+moe_combine_forward = _kernel(
+    "moe_combine_forward",
+    "out[N,C] written, expert_out[N*k,C], weights[N,k], positions[N,k]"
+    " | N C k from out, weights",
+    """out[N,C] (written) = sum_j weights[n,j] * expert_out[positions[n,j]], in order j.""")
+
+moe_combine_backward = _kernel(
+    "moe_combine_backward",
+    "dexpert_out[N*k,C] written, dweights[N,k] written, dout[N,C], expert_out[N*k,C],"
+    " weights[N,k], positions[N,k] | N C k from dout, weights",
+    """dexpert_out[N*k,C] (written): row positions[n,j] = weights[n,j] * dout[n];
+    dweights[N,k] (written) = dout[n] . expert_out[positions[n,j]].""")
+
+moe_grouped_forward = _kernel(
+    "moe_grouped_forward",
+    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight",
+    """out[R,OC] (written): rows offsets[e] .. offsets[e+1] = those rows of inp[R,C]
+    . weight[e]^T (weight [E,OC,C], no bias), bitwise matmul_forward's.""")
+
+moe_grouped_backward = _kernel(
+    "moe_grouped_backward",
+    "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
+    " offsets[E+1] | R C OC E from inp, weight",
+    """dinp[R,C] (+=) dout . weight[e] on expert e's rows, dweight[E,OC,C] (+=)
+    dout_e^T . inp_e; either may be None (skipped).""")
+
+moe_grouped_forward_bf16 = _kernel(
+    "moe_grouped_forward_bf16",
+    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight",
+    """moe_grouped_forward with weight bf16 (uint16): each row bitwise
+    matmul_forward_bf16's.""")
+
+moe_grouped_backward_bf16 = _kernel(
+    "moe_grouped_backward_bf16",
+    "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
+    " offsets[E+1] | R C OC E from inp, weight",
+    """moe_grouped_backward with weight bf16 (uint16): bitwise matmul_backward_bf16's.""")
+
 # ---- what the declarations call: checks of arguments and size rules ---------------
 
 def _dims(arr, name, ndim=None):

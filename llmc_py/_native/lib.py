@@ -51,9 +51,9 @@ def fptr(arr, name, shape, *, out=False):
     return _pointer(arr, name, shape, np.float32, "float[]", out)
 
 
-def iptr(arr, name, shape):
+def iptr(arr, name, shape, *, out=False):
     """An int* into an int32 C-contiguous array of exactly ``shape`` (no copy)."""
-    return _pointer(arr, name, shape, np.int32, "int[]", False)
+    return _pointer(arr, name, shape, np.int32, "int[]", out)
 
 
 def hptr(arr, name, shape, *, out=False):
