@@ -5,7 +5,7 @@ import math
 
 from .._native.lib import get_isa, get_num_threads
 from .layout import (act_specs, frozen_bf16_parameters, grad_act_specs, num_parameters,
-                     specs_bytes)
+                     routed_rows, specs_bytes)
 from .memory import format_bytes, require
 
 PRECISIONS = ("fp32", "bf16")
@@ -83,7 +83,8 @@ def scratch_bytes(config, B, T, head_rows, precision):
     total = threads * (attention + matmul)
     if precision == "bf16" and get_isa() != "avx512bf16":
         rows = max(B * T, head_rows)
-        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C),
+                           routed_rows(c, B, T) * (c.expert_fc_channels + c.C))
     return total
 
 
