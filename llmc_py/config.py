@@ -462,8 +462,9 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 <= value < float("inf"):
+                shown = f"{value:.7g}" if isinstance(value, float) else repr(value)
                 raise ShapeError(f"{kind}.{name} is a loss coefficient: it must be a finite "
-                                 f"number >= 0, got {value!r}")
+                                 f"number >= 0, got {shown}")
         E, k = self.num_experts, self.experts_per_token
         if E == 0:
             for name in MOE_FIELDS:
