@@ -76,8 +76,7 @@ def parameter_counts(config):
     """{component: parameters} over COMPONENTS, in the order the model lays
     them out; they add up to the model's num_parameters."""
     sizes = {name: math.prod(fn(config)) for name, fn in param_specs(config)}
-    counts = {part: sum(sizes.pop(name, 0) for name in names) for part, names in COMPONENTS
-              if config.num_experts or part not in MOE_COMPONENTS}
+    counts = {part: sum(sizes.pop(name, 0) for name in names) for part, names in COMPONENTS}
     if sizes:   # a tensor no component claims would go uncounted
         raise AssertionError(f"summary.COMPONENTS misses {sorted(sizes)}")
     return counts
@@ -167,7 +166,8 @@ def format_summary(config, B, T, precision="fp32", source=None, recompute=False,
     else:
         lines.append(f"{'parameters':<14}{'count':>18}{'share':>9}")
         for part, n in counts.items():
-            lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
+            if part not in MOE_COMPONENTS:   # 0 without experts
+                lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
         lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
     lines += parameter_notes(c)
     train, forward = memory_table(c, B, T, precision, recompute, lora_rank, lora_targets)

@@ -1,7 +1,8 @@
 """Hugging Face model folders, in and out: config.json and model.safetensors
 (or the shards a model.safetensors.index.json lists), for GPT2LMHeadModel,
-LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window) and
-Qwen3ForCausalLM.
+LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window),
+Qwen3ForCausalLM, and the mixtures of experts MixtralForCausalLM and
+Qwen3MoeForCausalLM (config and tensors; the block does not run experts yet).
 
 Reading maps the folder's config onto a TransformerConfig and its tensors
 onto our layout (model.layout.param_specs):
@@ -15,6 +16,9 @@ onto our layout (model.layout.param_specs):
   interleaved, would; they are not read here). A model of ours with
   rope_interleaved is written with its q and k rows permuted into the
   half-split layout (io.rope_layout): the same model, as Hugging Face's.
+- Mixtral and Qwen3-MoE: each expert's gate and up (Mixtral's w1, w3) stack
+  into its rows of expertfcw, its down (w2) is its expertprojw, the router
+  (gate) is routerw; one tensor per expert, as save_pretrained writes them.
 - The vocabulary is padded to a multiple of 128 rows, as llm.c does; the
   padding rows are zero.
 Writing does the reverse. A field or tensor we cannot represent (NTK rope
