@@ -538,19 +538,30 @@ class TransformerConfig:
         W3 stacked), FF for the others."""
         return 2 * self.ffn_hidden if self.mlp in GATED_MLPS else self.ffn_hidden
 
+    def is_moe_layer(self, l):
+        """True if layer l's MLP is experts: (l + 1) % moe_every == 0
+        (Qwen3-MoE's rule), with experts."""
+        return self.num_experts > 0 and (l + 1) % self.moe_every == 0
+
     @property
     def moe_layers(self):
-        """The layers whose MLP is experts: l with (l + 1) % moe_every == 0
-        (Qwen3-MoE's rule); none without experts."""
-        if not self.num_experts:
-            return ()
-        return tuple(l for l in range(self.num_layers) if (l + 1) % self.moe_every == 0)
+        """The layers whose MLP is experts, in order (a range)."""
+        return range(self.moe_every - 1, self.num_layers, self.moe_every) \
+            if self.num_experts else range(0)
 
     @property
     def dense_mlp_layers(self):
-        """The layers with one dense MLP (fcw, fcprojw): all but moe_layers."""
-        moe = set(self.moe_layers)
-        return tuple(l for l in range(self.num_layers) if l not in moe)
+        """The layers with one dense MLP (fcw, fcprojw), in order: all but
+        moe_layers."""
+        return tuple(l for l in range(self.num_layers) if not self.is_moe_layer(l))
+
+    @property
+    def num_moe_layers(self):
+        return len(self.moe_layers)
+
+    @property
+    def num_dense_mlp_layers(self):
+        return self.num_layers - self.num_moe_layers
 
     @property
     def expert_fc_channels(self):

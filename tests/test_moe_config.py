@@ -63,7 +63,7 @@ def test_a_dense_model_refuses_moe_settings_without_experts():
                         ("norm_topk_prob", False), ("router_z_loss", 0.001)):
         with pytest.raises(ShapeError, match=f"num_experts is 0 .* {name}="):
             LlamaConfig(**TINY, **{name: value})
-    assert LlamaConfig(**TINY).moe_layers == ()
+    assert not LlamaConfig(**TINY).moe_layers
 
 
 def test_bad_moe_flags_fail_before_any_model_is_built(monkeypatch):
@@ -92,14 +92,15 @@ def test_the_flags_make_the_config():
     assert (c.num_experts, c.experts_per_token, c.expert_hidden, c.moe_every) == (8, 2, 64, 2)
     assert (c.router_aux_loss, c.router_z_loss, c.norm_topk_prob) == \
         (np.float32(0.01), np.float32(0.001), False)
-    assert c.moe_layers == (1, 3) and c.dense_mlp_layers == (0, 2)
+    assert tuple(c.moe_layers) == (1, 3) and c.dense_mlp_layers == (0, 2)
 
 
 def test_qwen3_moes_layer_rule():
     # transformers' Qwen3MoeDecoderLayer: MoE when (l + 1) % decoder_sparse_step == 0
-    assert moe_config(num_layers=7, moe_every=3).moe_layers == (2, 5)
+    assert tuple(moe_config(num_layers=7, moe_every=3).moe_layers) == (2, 5)
     assert moe_config(num_layers=7, moe_every=3).dense_mlp_layers == (0, 1, 3, 4, 6)
-    assert moe_config(moe_every=1).moe_layers == (0, 1, 2, 3)
+    assert tuple(moe_config(moe_every=1).moe_layers) == (0, 1, 2, 3)
+    assert moe_config(moe_every=1).dense_mlp_layers == ()
 
 
 def test_with_experts_in_every_layer_ffn_hidden_is_the_experts():
@@ -254,7 +255,7 @@ def test_the_config_as_transformers_has_it(hf_folder):
     assert (c.num_experts, c.experts_per_token, c.expert_hidden) == \
         (t.num_local_experts, t.num_experts_per_tok,
          getattr(t, "moe_intermediate_size", t.intermediate_size))
-    assert c.moe_layers == tuple(l for l, layer in enumerate(model.model.layers)
+    assert tuple(c.moe_layers) == tuple(l for l, layer in enumerate(model.model.layers)
                                  if hasattr(layer.mlp, "experts"))
     assert c.norm_topk_prob == getattr(t, "norm_topk_prob", True)
     assert c.router_aux_loss == 0.0   # transformers adds it only with output_router_logits
@@ -336,7 +337,7 @@ def test_mixtrals_router_noise_is_refused(tmp_path):
 
 def test_expert_tensors_of_the_wrong_count_or_shape_are_named(hf_folder, tmp_path):
     from safetensors.numpy import save_file
-    model, folder = hf_folder
+    _, folder = hf_folder
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     config = read_hf_config(folder)[1]
     layer = config.moe_layers[0]

@@ -425,18 +425,22 @@ _PER_EXPERT = ("expertfcw", "expertprojw")
 
 def _pieces(config, name):
     """(index into our tensor, template keys) of each piece of our ``name``
-    that Hugging Face stores apart: the whole tensor (index None), one per
-    layer it has (index i for the i-th of those layers, keys l), or one per
-    expert of each MoE layer (index (i, e), keys l and e)."""
+    that Hugging Face stores apart, one at a time: the whole tensor (index
+    None), one per layer it has (index i for the i-th of those layers, keys
+    l), or one per expert of each MoE layer (index (i, e), keys l and e)."""
     c = config
     if name in _WHOLE:
-        return [(None, {})]
-    layers = c.moe_layers if name in _MOE else \
-        c.dense_mlp_layers if name in _DENSE_MLP else range(c.num_layers)
-    if name in _PER_EXPERT:
-        return [((i, e), dict(l=l, e=e)) for i, l in enumerate(layers)
-                for e in range(c.num_experts)]
-    return [(i, dict(l=l)) for i, l in enumerate(layers)]
+        yield None, {}
+        return
+    layers = range(c.num_layers)
+    if name in _MOE or name in _DENSE_MLP:
+        layers = (l for l in layers if c.is_moe_layer(l) == (name in _MOE))
+    for i, l in enumerate(layers):
+        if name in _PER_EXPERT:
+            for e in range(c.num_experts):
+                yield (i, e), dict(l=l, e=e)
+        else:
+            yield i, dict(l=l)
 
 
 def _part_rows(config, name, templates):

@@ -117,7 +117,7 @@ def param_specs(c):
     """(name, shape function of the config) per parameter tensor, in memory
     (and checkpoint) order."""
     layernorm, bias = c.norm == "layernorm", c.bias
-    dense, moe = bool(c.dense_mlp_layers), bool(c.moe_layers)
+    dense, moe = c.num_dense_mlp_layers > 0, c.num_moe_layers > 0
     specs = [
         ("wte", lambda c: (c.Vp, c.C), True),
         ("wpe", lambda c: (c.maxT, c.C), c.learned_positions),
@@ -131,14 +131,14 @@ def param_specs(c):
         ("attprojb", lambda c: (c.L, c.C), bias),
         ("ln2w", lambda c: (c.L, c.C), c.second_norm),
         ("ln2b", lambda c: (c.L, c.C), layernorm and c.second_norm),
-        ("fcw", lambda c: (len(c.dense_mlp_layers), c.fc_channels, c.C), dense),
-        ("fcb", lambda c: (len(c.dense_mlp_layers), c.fc_channels), bias and dense),
-        ("fcprojw", lambda c: (len(c.dense_mlp_layers), c.C, c.FF), dense),
-        ("fcprojb", lambda c: (len(c.dense_mlp_layers), c.C), bias and dense),
-        ("routerw", lambda c: (len(c.moe_layers), c.num_experts, c.C), moe),
-        ("expertfcw", lambda c: (len(c.moe_layers), c.num_experts, c.expert_fc_channels, c.C),
+        ("fcw", lambda c: (c.num_dense_mlp_layers, c.fc_channels, c.C), dense),
+        ("fcb", lambda c: (c.num_dense_mlp_layers, c.fc_channels), bias and dense),
+        ("fcprojw", lambda c: (c.num_dense_mlp_layers, c.C, c.FF), dense),
+        ("fcprojb", lambda c: (c.num_dense_mlp_layers, c.C), bias and dense),
+        ("routerw", lambda c: (c.num_moe_layers, c.num_experts, c.C), moe),
+        ("expertfcw", lambda c: (c.num_moe_layers, c.num_experts, c.expert_fc_channels, c.C),
          moe),
-        ("expertprojw", lambda c: (len(c.moe_layers), c.num_experts, c.C, c.expert_hidden),
+        ("expertprojw", lambda c: (c.num_moe_layers, c.num_experts, c.C, c.expert_hidden),
          moe),
         ("lnfw", lambda c: (c.C,), True),
         ("lnfb", lambda c: (c.C,), layernorm),
@@ -183,8 +183,8 @@ def act_specs(c, recompute=False, logits=True):
     qk_norm, ln2 = c.qk_norm, c.second_norm
     L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
     L2 = (lambda c: c.L) if c.block == "post" else L       # ln2: post-norm's layer output
-    dense, moe = bool(c.dense_mlp_layers), bool(c.moe_layers)
-    Ld, Lm = (lambda c: len(c.dense_mlp_layers)), (lambda c: len(c.moe_layers))
+    dense, moe = c.num_dense_mlp_layers > 0, c.num_moe_layers > 0
+    Ld, Lm = (lambda c: c.num_dense_mlp_layers), (lambda c: c.num_moe_layers)
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
         ("ln1", lambda c, B, T: (L(c), B, T, c.C), True),
