@@ -252,6 +252,9 @@ def main(argv=None):
     if args.batch_size < 1 or args.seq_len < 0:
         raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and T >= 0")
     config = load_config(args.model)
+    if args.lora_rank and config.num_experts:
+        raise UsageError(f"--lora-rank {args.lora_rank}: {args.model} has experts, and LoRA "
+                         f"on a mixture of experts is not planned yet")
     T = args.seq_len or config.max_seq_len
     if args.tensors:
         print(format_tensors(config, args.precision, args.model))

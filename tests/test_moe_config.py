@@ -436,3 +436,10 @@ def test_summary_tensors_of_an_moe_model(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "  expertprojw (32, 8, 4096, 14336)" in out
     assert f"{math.prod((32, 8, 2 * 14336, 4096)):,}" in out
+
+
+def test_summary_refuses_lora_on_experts(capsys, tmp_path):
+    folder = write_config(tmp_path / "hub", **MIXTRAL_8X7B)
+    assert summary.main([str(folder), "--lora-rank", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "LoRA on a mixture of experts is not planned yet" in err and err.count("\n") == 1
