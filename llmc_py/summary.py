@@ -28,6 +28,7 @@ each MoE layer; and both as bytes (the memory holds every expert).
 import argparse
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from .cli import command
@@ -207,8 +208,8 @@ def moe_parameter_lines(config):
             f"{c.num_layers} layers)",
         f"  total: {_bytes(4 * total)} fp32, {_bytes(2 * total)} bf16 (the memory holds "
         f"every expert)",
-        f"  active per token: {_bytes(4 * used)} fp32, {_bytes(2 * used)} bf16 (read per token)",
-        f"  ({ACTIVE_MEANS})"]
+        f"  active per token: {_bytes(4 * used)} fp32, {_bytes(2 * used)} bf16",
+        *textwrap.wrap(f"({ACTIVE_MEANS})", 96, initial_indent="  ", subsequent_indent="   ")]
 
 
 def _bytes(n):
