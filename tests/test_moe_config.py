@@ -444,3 +444,15 @@ def test_summary_refuses_lora_on_experts(capsys, tmp_path):
     assert summary.main([str(folder), "--lora-rank", "8"]) == 1
     err = capsys.readouterr().err
     assert "LoRA on a mixture of experts is not planned yet" in err and err.count("\n") == 1
+
+
+def test_convert_both_ways_keeps_every_expert(hf_folder, tmp_path):
+    from llmc_py.convert import main as convert
+    _, folder = hf_folder
+    assert convert([str(folder), str(tmp_path / "moe.bin")]) == 0
+    assert convert([str(tmp_path / "moe.bin"), str(tmp_path / "back")]) == 0
+    ours, theirs = stored(tmp_path / "back"), stored(folder)
+    if read_hf_config(folder)[1].tied_embeddings:
+        theirs.pop("lm_head.weight", None)
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[n], theirs[n]) for n in ours)
