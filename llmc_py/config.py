@@ -93,6 +93,8 @@ class HFKey:
                                  # of the fields read before it
     null_is_missing: bool = False
     written_as: str = None   # the config attribute written (default: the field)
+    also_read: tuple = ()    # read when the first name is absent, never written
+                             # (a name transformers itself writes instead)
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,63 @@ class TransformerConfig:
         flag=Flag("--rope-interleaved", "llama: 1 turns RoPE's pairs of neighbouring channels "
                   "(2i, 2i+1: Meta's original layout) instead of i and i + hs/2 (Hugging "
                   "Face's)"))
+    # E > 0: the MLP of each MoE layer (moe_layers) is E experts, each an MLP
+    # of `mlp`'s kind and expert_hidden wide, a router sending each token to
+    # experts_per_token of them (Mixtral, Qwen3-MoE); 0: one dense MLP per layer
+    num_experts: int = declared(
+        0, slot=Slot(21, NON_NEGATIVE),
+        shown=", {c.num_experts} experts top-{c.experts_per_token} of {c.expert_hidden}",
+        hf={"mixtral": HFKey(("num_local_experts",)),
+            "qwen3_moe": HFKey(("num_experts",), also_read=("num_local_experts",))},
+        flag=Flag("--experts", "llama: E > 0 makes the MLP of every --moe-every-th layer a "
+                  "mixture of E experts, a router sending each token to --experts-per-token "
+                  "of them (Mixtral, Qwen3-MoE; not run by the block yet: such a model is "
+                  "refused); 0: one dense MLP per layer", NON_NEGATIVE))
+    # k: the experts each token is routed to, 1 <= k <= E
+    experts_per_token: int = declared(
+        0, slot=Slot(22, NON_NEGATIVE, only_with="num_experts"),
+        hf={"mixtral": HFKey(("num_experts_per_tok",)),
+            "qwen3_moe": HFKey(("num_experts_per_tok",))},
+        flag=Flag("--experts-per-token", "llama: k, the experts each token is routed to "
+                  "(1 <= k <= --experts)", NON_NEGATIVE))
+    # each expert's MLP hidden size (Mixtral's intermediate_size, Qwen3-MoE's
+    # moe_intermediate_size)
+    expert_hidden: int = declared(
+        0, slot=Slot(23, NON_NEGATIVE, only_with="num_experts"),
+        hf={"mixtral": HFKey(("intermediate_size",)),
+            "qwen3_moe": HFKey(("moe_intermediate_size",))},
+        flag=Flag("--expert-hidden", "llama: each expert's MLP hidden size", NON_NEGATIVE))
+    # n: layers n-1, 2n-1, ... are MoE, the others dense (Qwen3-MoE's
+    # decoder_sparse_step: layer l when (l + 1) % n == 0); 1: every layer
+    moe_every: int = declared(
+        1, slot=Slot(26, POSITIVE, only_with="num_experts"), shown=", MoE every {c.moe_every}",
+        hf={"qwen3_moe": HFKey(("decoder_sparse_step",), 1)},
+        flag=Flag("--moe-every", "llama: with --experts, layers n-1, 2n-1, ... have the "
+                  "experts and the others a dense MLP (Qwen3-MoE's decoder_sparse_step); 1: "
+                  "every layer", POSITIVE))
+    # the k router weights of a token renormalised to sum to 1 (Mixtral), or
+    # the softmax's as they are (OLMoE); Qwen3-MoE says per model
+    norm_topk_prob: bool = declared(
+        True, slot=Slot(27, only_with="num_experts"), shown=", top-k weights unnormalised",
+        hf={"qwen3_moe": HFKey(("norm_topk_prob",), False)},
+        flag=Flag("--norm-topk-prob", "llama: 1 renormalises a token's k router weights to "
+                  "sum to 1 (Mixtral); 0 keeps the softmax's (OLMoE)"))
+    # the load-balancing loss's coefficient (Switch Transformer / Mixtral:
+    # E * sum over experts of the fraction of tokens routed to it times its
+    # mean router probability); config.json's router_aux_loss_coef counts
+    # only with output_router_logits, as in transformers (io.hf)
+    router_aux_loss: float = declared(
+        0.0, slot=Slot(5, only_with="num_experts"), shown=", aux loss {c.router_aux_loss:g}",
+        hf={"mixtral": HFKey(("router_aux_loss_coef",), 0.0),
+            "qwen3_moe": HFKey(("router_aux_loss_coef",), 0.0)},
+        flag=Flag("--router-aux-loss", "llama: the load-balancing loss's coefficient "
+                  "(transformers' router_aux_loss_coef; 0: none)", NON_NEGATIVE))
+    # the router z-loss's coefficient (ST-MoE: mean of logsumexp(router
+    # logits)^2); no Hugging Face key
+    router_z_loss: float = declared(
+        0.0, slot=Slot(6, only_with="num_experts"), shown=", z loss {c.router_z_loss:g}",
+        flag=Flag("--router-z-loss", "llama: the router z-loss's coefficient (ST-MoE: mean of "
+                  "logsumexp(router logits)^2; 0: none)", NON_NEGATIVE))
 
     def __post_init__(self):
         if isinstance(self.num_kv_heads, int) and self.num_kv_heads == 0:
@@ -297,6 +356,10 @@ class TransformerConfig:
                                        self.ffn_dim_multiplier) \
                 if self.mlp in GATED_MLPS else 4 * self.channels
             object.__setattr__(self, "ffn_hidden", default)
+        if self._all_moe and isinstance(self.expert_hidden, int) and self.expert_hidden > 0:
+            # no layer has a dense MLP: one way to say it (Mixtral's single
+            # intermediate_size), so a round trip gives the same config
+            object.__setattr__(self, "ffn_hidden", self.expert_hidden)
         # held as the float32 the kernels and file use
         for f in fields(self):
             value = getattr(self, f.name)
@@ -379,9 +442,53 @@ class TransformerConfig:
         if self.qk_norm and self.norm != "rmsnorm":
             raise ShapeError(f"{kind}.qk_norm is RMSNorm on the q and k heads; it needs "
                              f"norm='rmsnorm', got {self.norm!r}")
+        self._validate_moe(kind)
         if self.padded_vocab_size < self.vocab_size:
             raise ShapeError(f"{kind}.padded_vocab_size={self.padded_vocab_size} is "
                              f"smaller than vocab_size={self.vocab_size}")
+
+    @property
+    def _all_moe(self):
+        """True if every layer's MLP is experts (the fields' types unchecked yet)."""
+        return isinstance(self.num_experts, int) and self.num_experts > 0 \
+            and self.moe_every == 1
+
+    def _validate_moe(self, kind):
+        """The MoE fields: an error naming the first that is wrong."""
+        for name in ("num_experts", "experts_per_token", "expert_hidden", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ShapeError(f"{kind}.{name} must be an int >= 0, got {value!r}")
+        for name in ("router_aux_loss", "router_z_loss"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < float("inf"):
+                shown = f"{value:.7g}" if isinstance(value, float) else repr(value)
+                raise ShapeError(f"{kind}.{name} is a loss coefficient: it must be a finite "
+                                 f"number >= 0, got {shown}")
+        E, k = self.num_experts, self.experts_per_token
+        if E == 0:
+            for name in MOE_FIELDS:
+                if getattr(self, name) != MODEL_FIELDS[name].default:
+                    raise ShapeError(f"{kind}.num_experts is 0 (one dense MLP per layer), but "
+                                     f"{name}={getattr(self, name)!r} is a mixture-of-experts "
+                                     f"setting: give num_experts >= 1")
+            return
+        if k < 1:
+            raise ShapeError(f"{kind}.experts_per_token must be >= 1 with num_experts={E}, "
+                             f"got {k}")
+        if k > E:
+            raise ShapeError(f"{kind}.experts_per_token={k} is more than num_experts={E}")
+        if self.expert_hidden < 1:
+            raise ShapeError(f"{kind}.expert_hidden must be >= 1 with num_experts={E}, got "
+                             f"{self.expert_hidden}")
+        if not 1 <= self.moe_every <= self.num_layers:
+            raise ShapeError(f"{kind}.moe_every={self.moe_every} must be in 1..num_layers="
+                             f"{self.num_layers} (layer l is MoE when (l + 1) % moe_every == 0)")
+        if self.bias:
+            raise ShapeError(f"{kind}.bias: the experts and the router have no biases "
+                             f"(Mixtral's, Qwen3-MoE's); a bias=True model cannot have "
+                             f"num_experts={E}")
 
     def rope_inv_freq(self):
         """RoPE's frequency for each of the hs/2 pairs, float64, for a scaled
@@ -432,6 +539,37 @@ class TransformerConfig:
         W3 stacked), FF for the others."""
         return 2 * self.ffn_hidden if self.mlp in GATED_MLPS else self.ffn_hidden
 
+    def is_moe_layer(self, l):
+        """True if layer l's MLP is experts: (l + 1) % moe_every == 0
+        (Qwen3-MoE's rule), with experts."""
+        return self.num_experts > 0 and (l + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self):
+        """The layers whose MLP is experts, in order (a range)."""
+        return range(self.moe_every - 1, self.num_layers, self.moe_every) \
+            if self.num_experts else range(0)
+
+    @property
+    def dense_mlp_layers(self):
+        """The layers with one dense MLP (fcw, fcprojw), in order: all but
+        moe_layers."""
+        return tuple(l for l in range(self.num_layers) if not self.is_moe_layer(l))
+
+    @property
+    def num_moe_layers(self):
+        return len(self.moe_layers)
+
+    @property
+    def num_dense_mlp_layers(self):
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def expert_fc_channels(self):
+        """Width of an expert's first projection: 2 expert_hidden for a gated
+        MLP (W1 and W3 stacked), expert_hidden for the others."""
+        return (2 if self.mlp in GATED_MLPS else 1) * self.expert_hidden
+
     @property
     def learned_positions(self):
         return self.position == "learned"
@@ -447,7 +585,8 @@ class TransformerConfig:
         return all(getattr(self, name) == value for name, value in GPT2_CHOICES.items()) \
             and self.num_kv_heads == self.num_heads and self.ffn_hidden == 4 * self.channels \
             and self.attn_channels == self.channels and not self.qk_norm \
-            and self.block == "pre" and self.sliding_window == 0 and not self.rope_interleaved
+            and self.block == "pre" and self.sliding_window == 0 and not self.rope_interleaved \
+            and self.num_experts == 0
 
     # llm.c's short names, so the model code reads like train_gpt2.c
     @property
@@ -553,5 +692,9 @@ class ModelField:
 # every field, in the dataclass's order (describe's and the header reader's)
 MODEL_FIELDS = {f.name: ModelField(f.name, f.type, f.default, **f.metadata)
                 for f in fields(TransformerConfig)}
+# the mixture-of-experts fields, which a dense model (num_experts 0) leaves at
+# their defaults
+MOE_FIELDS = ("experts_per_token", "expert_hidden", "moe_every", "norm_topk_prob",
+              "router_aux_loss", "router_z_loss")
 # the fields set by a flag, by the flag's dest
 MODEL_FLAGS = {f.flag.dest: f for f in MODEL_FIELDS.values() if f.flag}

@@ -21,10 +21,18 @@ blocks, the embedding and head in Q8_0), for the LoRA step (QLoRA) and the
 forward. --tensors shows
 instead llm.c's table of the parameter tensors, one row per tensor of that
 layout (GPT-2's are llm.c's 16), per-layer ones with L first.
+
+A model with experts (Mixtral, Qwen3-MoE) shows beside each component's
+parameters those active per token: every parameter but the experts a
+token is not routed to, so the embeddings (the whole table, as the
+published 12.9B of Mixtral 8x7B and 3.3B of Qwen3-30B-A3B count it),
+attention, norms, routers, dense MLPs and head, and k of the E experts of
+each MoE layer; and both as bytes (the memory holds every expert).
 """
 import argparse
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from .cli import command
@@ -41,9 +49,18 @@ COMPONENTS = (
     ("embeddings", ("wte", "wpe")),
     ("attention", ("qkvw", "qkvb", "qnormw", "knormw", "attprojw", "attprojb")),
     ("MLP", ("fcw", "fcb", "fcprojw", "fcprojb")),
+    ("router", ("routerw",)),
+    ("experts", ("expertfcw", "expertprojw")),
     ("norms", ("ln1w", "ln1b", "ln2w", "ln2b", "lnfw", "lnfb")),
     ("head", ("lm_head",)),
 )
+# the components only a model with experts has
+MOE_COMPONENTS = ("router", "experts")
+# what "active per token" counts, said in the output and in --help
+ACTIVE_MEANS = ("active per token: every parameter but the experts a token is not routed "
+                "to: the embeddings (the whole table, as published figures count it), "
+                "attention, norms, routers, dense MLPs and head, and k of the E experts "
+                "of each MoE layer")
 
 
 def load_config(source):
@@ -70,6 +87,15 @@ def parameter_counts(config):
     return counts
 
 
+def active_parameter_counts(config):
+    """{component: parameters} a token's forward multiplies by (ACTIVE_MEANS):
+    parameter_counts with the experts' scaled to k of E."""
+    counts = parameter_counts(config)
+    if config.num_experts:
+        counts["experts"] = counts["experts"] * config.experts_per_token // config.num_experts
+    return counts
+
+
 # bytes of a parameter as the matmuls read it, per --precision
 PARAM_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -86,10 +112,10 @@ def format_tensors(config, precision="fp32", source=None):
     rows = tensor_table(c)
     total = sum(n for _, _, n in rows)
     lines = [f"{source + ': ' if source else ''}{describe(c)}", "",
-             f"{'tensor':<12}{'shape':<24}{'parameters':>16}{f'bytes ({precision})':>18}"]
+             f"{'tensor':<14}{'shape':<24}{'parameters':>16}{f'bytes ({precision})':>18}"]
     for name, shape, n in rows:
-        lines.append(f"  {name:<10}{str(shape):<24}{n:>16,}{n * size:>18,}")
-    lines.append(f"  {'total':<34}{total:>16,}{total * size:>18,}")
+        lines.append(f"  {name:<12}{str(shape):<24}{n:>16,}{n * size:>18,}")
+    lines.append(f"  {'total':<36}{total:>16,}{total * size:>18,}")
     lines += parameter_notes(c)
     if precision == "bf16":
         lines.append("  (bf16: the copy the matmuls read; the float32 master weights take "
@@ -143,11 +169,15 @@ def format_summary(config, B, T, precision="fp32", source=None, recompute=False,
     counts = parameter_counts(c)
     total = sum(counts.values())
     lines = [f"{source + ': ' if source else ''}{describe(c)}; vocab {c.vocab_size} "
-             f"(padded {c.Vp}), max_seq_len {c.max_seq_len}", "",
-             f"{'parameters':<14}{'count':>18}{'share':>9}"]
-    for part, n in counts.items():
-        lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
-    lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
+             f"(padded {c.Vp}), max_seq_len {c.max_seq_len}", ""]
+    if c.num_experts:
+        lines += moe_parameter_lines(c)
+    else:
+        lines.append(f"{'parameters':<14}{'count':>18}{'share':>9}")
+        for part, n in counts.items():
+            if part not in MOE_COMPONENTS:   # 0 without experts
+                lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%")
+        lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%")
     lines += parameter_notes(c)
     train, forward = memory_table(c, B, T, precision, recompute, lora_rank, lora_targets,
                                   base_weights)
@@ -171,6 +201,27 @@ def format_summary(config, B, T, precision="fp32", source=None, recompute=False,
     return "\n".join(lines)
 
 
+def moe_parameter_lines(config):
+    """The parameter table of a model with experts: each component's total
+    and active per token (ACTIVE_MEANS), and both as bytes."""
+    c = config
+    counts, active = parameter_counts(c), active_parameter_counts(c)
+    total, used = sum(counts.values()), sum(active.values())
+    lines = [f"{'parameters':<14}{'count':>18}{'share':>9}{'active per token':>20}"]
+    for part, n in counts.items():
+        lines.append(f"  {part:<12}{n:>18,}{100 * n / total:>8.1f}%{active[part]:>20,}")
+    lines.append(f"  {'total':<12}{total:>18,}{100.0:>8.1f}%{used:>20,}")
+    per_layer = len(c.moe_layers)
+    return lines + [
+        "", f"{total / 1e9:.2f}B parameters in total, {used / 1e9:.2f}B active per token "
+            f"({c.experts_per_token} of {c.num_experts} experts in {per_layer} of "
+            f"{c.num_layers} layers)",
+        f"  total: {_bytes(4 * total)} fp32, {_bytes(2 * total)} bf16 (the memory holds "
+        f"every expert)",
+        f"  active per token: {_bytes(4 * used)} fp32, {_bytes(2 * used)} bf16",
+        *textwrap.wrap(f"({ACTIVE_MEANS})", 96, initial_indent="  ", subsequent_indent="   ")]
+
+
 def _bytes(n):
     return format_bytes(n) if n else "-"
 
@@ -180,7 +231,8 @@ def build_parser():
         prog="python -m llmc_py.summary",
         description="Parameters per component and memory per part of a model, or its "
                     "parameter tensors (--tensors), from its config alone (nothing is "
-                    "allocated).")
+                    "allocated). A model with experts (Mixtral, Qwen3-MoE) shows its total "
+                    "parameters and those active per token; " + ACTIVE_MEANS + ".")
     p.add_argument("model", metavar="MODEL_OR_CONFIG",
                    help="a model file, a Hugging Face folder or its config.json, or a depth "
                         "like d12")
@@ -215,6 +267,9 @@ def main(argv=None):
     if args.batch_size < 1 or args.seq_len < 0:
         raise UsageError(f"-b {args.batch_size} -t {args.seq_len}: B must be >= 1 and T >= 0")
     config = load_config(args.model)
+    if args.lora_rank and config.num_experts:
+        raise UsageError(f"--lora-rank {args.lora_rank}: {args.model} has experts, and LoRA "
+                         f"on a mixture of experts is not planned yet")
     T = args.seq_len or config.max_seq_len
     if args.tensors:
         print(format_tensors(config, args.precision, args.model))

@@ -50,6 +50,18 @@ GGUF_ARCHS = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
               "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 HF_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+
+
+def gguf_arch(hf_arch):
+    """The GGUF architecture a Hugging Face one is written as; the experts'
+    (Mixtral, Qwen3-MoE), whose stacked expert tensors are not written yet,
+    are refused."""
+    if hf_arch not in GGUF_ARCHS:
+        raise UnsupportedError(f"{hf_arch}: GGUF export of a mixture-of-experts model is not "
+                               f"supported; supported: {', '.join(GGUF_ARCHS)}")
+    return GGUF_ARCHS[hf_arch]
+
+
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 # GPT-2's Conv1D weights, which Hugging Face stores (in, out)
 CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
@@ -291,7 +303,7 @@ def gguf_tensors(config):
     """[(GGUF name, Hugging Face name)] of a model of ``config``'s tensors."""
     gguf = _gguf()
     hf_arch = architecture(config)
-    arch = gguf.MODEL_ARCH[GGUF_ARCHS[hf_arch].upper()]
+    arch = gguf.MODEL_ARCH[gguf_arch(hf_arch).upper()]
     names = gguf.get_tensor_name_map(arch, config.num_layers)
     pairs = []
     for hf_name in hf_names(config):
@@ -320,7 +332,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
         raise UnsupportedError(f"dtype is {dtype!r}; GGUF export writes one of "
                                f"{', '.join(DTYPES)}")
     hf_arch = architecture(config)
-    arch = GGUF_ARCHS[hf_arch]
+    arch = gguf_arch(hf_arch)
     metadata = _metadata(config, hf_arch, arch)
     vocab = _fit_vocab(tokenizer_vocab(tokenizer), config.vocab_size, source or "tokenizer")
     hf = hf_tensors(config, params)

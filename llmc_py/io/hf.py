@@ -1,7 +1,8 @@
 """Hugging Face model folders, in and out: config.json and model.safetensors
 (or the shards a model.safetensors.index.json lists), for GPT2LMHeadModel,
-LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window) and
-Qwen3ForCausalLM.
+LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window),
+Qwen3ForCausalLM, and the mixtures of experts MixtralForCausalLM and
+Qwen3MoeForCausalLM (config and tensors; the block does not run experts yet).
 
 Reading maps the folder's config onto a TransformerConfig and its tensors
 onto our layout (model.layout.param_specs):
@@ -15,6 +16,9 @@ onto our layout (model.layout.param_specs):
   interleaved, would; they are not read here). A model of ours with
   rope_interleaved is written with its q and k rows permuted into the
   half-split layout (io.rope_layout): the same model, as Hugging Face's.
+- Mixtral and Qwen3-MoE: each expert's gate and up (Mixtral's w1, w3) stack
+  into its rows of expertfcw, its down (w2) is its expertprojw, the router
+  (gate) is routerw; one tensor per expert, as save_pretrained writes them.
 - The vocabulary is padded to a multiple of 128 rows, as llm.c does; the
   padding rows are zero.
 Writing does the reverse. A field or tensor we cannot represent (NTK rope
@@ -42,11 +46,24 @@ from .rope_layout import interleaved_to_half_split
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
 # each architecture's families of config.json keys (the fields' HFKey declarations)
 FAMILIES = {"GPT2LMHeadModel": ("gpt2",), "LlamaForCausalLM": ("llama",),
-            "MistralForCausalLM": ("llama", "mistral"), "Qwen3ForCausalLM": ("llama",)}
+            "MistralForCausalLM": ("llama", "mistral"), "Qwen3ForCausalLM": ("llama",),
+            "MixtralForCausalLM": ("llama", "mistral", "mixtral"),
+            "Qwen3MoeForCausalLM": ("llama", "qwen3_moe")}
 ARCHITECTURES = tuple(FAMILIES)
 # each architecture's model_type in config.json (transformers picks its class by it)
 MODEL_TYPES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
-               "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3"}
+               "MistralForCausalLM": "mistral", "Qwen3ForCausalLM": "qwen3",
+               "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# architectures of experts we do not read, and why
+REFUSED = {
+    "OlmoeForCausalLM": "its QK-norm spans the whole q and k projections, where ours "
+                        "(Qwen3's) normalises each head",
+    "Qwen2MoeForCausalLM": "its shared expert, which every token passes through, is not "
+                           "supported",
+    "DeepseekV2ForCausalLM": "its shared experts and latent attention are not supported",
+    "DeepseekV3ForCausalLM": "its shared experts and latent attention are not supported",
+}
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", \
     "model.safetensors.index.json"
 DTYPES = {"fp32": np.float32, "bf16": "bfloat16"}   # what write_hf stores
@@ -95,7 +112,8 @@ def _declared_fields(raw, path, arch):
     """The fields read from config.json's declared keys for ``arch``."""
     fields = {}
     for field, key in _declared_keys(arch):
-        name = key.names[0]
+        name = next((n for n in key.also_read if n in raw and key.names[0] not in raw),
+                    key.names[0])
         if raw.get(name) is None and key.missing is not REQUIRED and (
                 name not in raw or key.null_is_missing):
             fields[field.name] = key.missing(fields) if callable(key.missing) else key.missing
@@ -183,8 +201,23 @@ def _gpt2_config(raw, path):
     return gpt2
 
 
+def _moe_fields(raw, path, arch):
+    """What config.json says of the experts beyond the declared keys: a
+    router_aux_loss_coef counts only with output_router_logits (transformers
+    adds the loss only then); what we cannot hold is refused."""
+    if arch == "MixtralForCausalLM" and raw.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
+        _refuse(path, "router_jitter_noise", raw["router_jitter_noise"],
+                "the router's training noise is not supported (only 0)")
+    if arch == "Qwen3MoeForCausalLM" and raw.get("mlp_only_layers") not in (None, []):
+        _refuse(path, "mlp_only_layers", raw["mlp_only_layers"], "dense layers are set by "
+                "decoder_sparse_step alone here (every n-th layer MoE); only [] is supported")
+    if not _field(raw, path, "output_router_logits", False, bool):
+        return dict(router_aux_loss=0.0)
+    return {}
+
+
 def _llama_config(raw, path, arch):
-    qwen3 = arch == "Qwen3ForCausalLM"
+    qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         _refuse(path, "hidden_act", act, "the MLP is SwiGLU (silu)")
@@ -204,6 +237,8 @@ def _llama_config(raw, path, arch):
     fields = _declared_fields(raw, path, arch) | dict(
         norm="rmsnorm", position="rope", mlp="swiglu", bias=attention_bias, qk_norm=qwen3,
         **_rope(raw, path))
+    if arch in MOE_ARCHITECTURES:
+        fields |= _moe_fields(raw, path, arch)
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     return LlamaConfig(**fields)
 
@@ -222,6 +257,8 @@ def read_hf_config(folder):
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     archs = raw.get("architectures")
+    if isinstance(archs, list) and len(archs) == 1 and archs[0] in REFUSED:
+        raise UnsupportedError(f"{path}: field architectures is {archs!r}: {REFUSED[archs[0]]}")
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise UnsupportedError(f"{path}: field architectures is {archs!r}; supported: one of "
                                f"{', '.join(ARCHITECTURES)}")
@@ -244,6 +281,8 @@ def architecture(config):
     if config.block != "pre":
         raise UnsupportedError(f"no Hugging Face architecture we write holds block="
                                f"{config.block!r}: GPT-2, Llama and Qwen3 are pre-norm")
+    if config.num_experts:
+        return _moe_architecture(config)
     if config.norm == "layernorm" and config.position == "learned" and config.mlp == "gelu" \
             and config.bias and config.num_kv_heads == config.num_heads \
             and config.head_size * config.num_heads == config.channels \
@@ -267,6 +306,35 @@ def architecture(config):
         f"multi-head) or Llama/Qwen3 (rmsnorm, rope, swiglu) only")
 
 
+def _moe_architecture(config):
+    """Qwen3MoeForCausalLM for experts with qk_norm, MixtralForCausalLM
+    without; UnsupportedError naming what neither holds."""
+    c = config
+    if c.norm != "rmsnorm" or c.position != "rope" or c.mlp != "swiglu":
+        raise UnsupportedError(f"Mixtral and Qwen3-MoE have rmsnorm, rope and swiglu experts; "
+                               f"this model has norm={c.norm!r}, position={c.position!r}, "
+                               f"mlp={c.mlp!r}")
+    if c.qk_norm:
+        if c.sliding_window:
+            raise UnsupportedError(f"sliding_window={c.sliding_window}: Qwen3MoeForCausalLM "
+                                   f"(experts with qk_norm) is written without one")
+        return "Qwen3MoeForCausalLM"
+    if c.moe_every != 1 or not c.norm_topk_prob:
+        raise UnsupportedError(f"MixtralForCausalLM (experts without qk_norm) has experts in "
+                               f"every layer, their weights renormalised; this model has "
+                               f"moe_every={c.moe_every}, norm_topk_prob={c.norm_topk_prob}")
+    return "MixtralForCausalLM"
+
+
+def _hf_moe(config, arch):
+    """config.json's fields for the experts beyond the declared keys."""
+    fields = dict(output_router_logits=config.router_aux_loss > 0)
+    if arch == "MixtralForCausalLM":
+        return fields | dict(router_jitter_noise=0.0,
+                             sliding_window=config.sliding_window or None)
+    return fields | dict(mlp_only_layers=[], use_sliding_window=False)
+
+
 def hf_config(config):
     """config.json's fields for ``config`` (architecture() says which class)."""
     arch = architecture(config)
@@ -275,8 +343,8 @@ def hf_config(config):
         return dict(architectures=[arch], model_type=MODEL_TYPES[arch],
                     **_declared_values(c, arch), activation_function="gelu_new",
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, torch_dtype="float32")
-    if arch == "MistralForCausalLM":
-        bias = {}   # Mistral has no bias fields
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+        bias = {}   # Mistral and Mixtral have no bias fields
     elif arch == "LlamaForCausalLM" and c.bias:
         bias = dict(attention_bias=True, mlp_bias=True)
     elif c.bias:
@@ -289,7 +357,8 @@ def hf_config(config):
                 rope_scaling=_hf_rope(c),
                 rope_parameters=dict(_hf_rope(c) or dict(rope_type="default"),
                                      rope_theta=c.rope_theta),
-                attention_dropout=0.0, torch_dtype="float32", **bias)
+                attention_dropout=0.0, torch_dtype="float32", **bias) \
+        | (_hf_moe(c, arch) if arch in MOE_ARCHITECTURES else {})
 
 
 # ---- the tensors -------------------------------------------------------------
@@ -315,6 +384,14 @@ def _tensor_map(arch):
             "lm_head": (["lm_head.weight"], False),
         }
     h, att, mlp = "model.layers.{l}.", "model.layers.{l}.self_attn.", "model.layers.{l}.mlp."
+    # the experts as save_pretrained writes them (transformers 5 fuses them
+    # in memory but saves each expert's matrices apart): Mixtral's
+    # block_sparse_moe w1 (gate), w3 (up), w2 (down); Qwen3-MoE's mlp
+    if arch == "MixtralForCausalLM":
+        moe, gate, up, down = h + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = mlp, "gate_proj", "up_proj", "down_proj"
+    expert = moe + "experts.{e}."
     return {
         "wte": (["model.embed_tokens.weight"], False),
         "ln1w": ([h + "input_layernorm.weight"], False),
@@ -326,6 +403,9 @@ def _tensor_map(arch):
         "fcw": ([mlp + "gate_proj.weight", mlp + "up_proj.weight"], False),
         "fcb": ([mlp + "gate_proj.bias", mlp + "up_proj.bias"], False),
         "fcprojw": ([mlp + "down_proj.weight"], False), "fcprojb": ([mlp + "down_proj.bias"], False),
+        "routerw": ([moe + "gate.weight"], False),
+        "expertfcw": ([expert + gate + ".weight", expert + up + ".weight"], False),
+        "expertprojw": ([expert + down + ".weight"], False),
         "lnfw": (["model.norm.weight"], False), "lm_head": (["lm_head.weight"], False),
     }
 
@@ -337,15 +417,42 @@ _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 # our tensors that are not per layer
 _WHOLE = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
+# ... of the dense MLP layers alone, of the MoE layers, and per expert of those
+_DENSE_MLP = ("fcw", "fcb", "fcprojw", "fcprojb")
+_MOE = ("routerw", "expertfcw", "expertprojw")
+_PER_EXPERT = ("expertfcw", "expertprojw")
+
+
+def _pieces(config, name):
+    """(index into our tensor, template keys) of each piece of our ``name``
+    that Hugging Face stores apart, one at a time: the whole tensor (index
+    None), one per layer it has (index i for the i-th of those layers, keys
+    l), or one per expert of each MoE layer (index (i, e), keys l and e)."""
+    c = config
+    if name in _WHOLE:
+        yield None, {}
+        return
+    layers = range(c.num_layers)
+    if name in _MOE or name in _DENSE_MLP:
+        layers = (l for l in layers if c.is_moe_layer(l) == (name in _MOE))
+    for i, l in enumerate(layers):
+        if name in _PER_EXPERT:
+            for e in range(c.num_experts):
+                yield (i, e), dict(l=l, e=e)
+        else:
+            yield i, dict(l=l)
 
 
 def _part_rows(config, name, templates):
-    """Rows of each Hugging Face part of one layer of our ``name``, when it
+    """Rows of each Hugging Face part of one piece of our ``name``, when it
     is stacked from several (q, k, v; gate, up); else None."""
     if len(templates) == 1:
         return None
     c = config
-    return [c.attn_channels, c.kv_dim, c.kv_dim] if name.startswith("qkv") else [c.FF, c.FF]
+    if name.startswith("qkv"):
+        return [c.attn_channels, c.kv_dim, c.kv_dim]
+    hidden = c.expert_hidden if name == "expertfcw" else c.FF
+    return [hidden, hidden]
 
 
 def hf_tensors(config, params):
@@ -365,11 +472,11 @@ def hf_tensors(config, params):
             tensor = tensor[:config.vocab_size]   # without the padding rows
         templates, transposed = names[name]
         rows = _part_rows(config, name, templates)
-        for l in [None] if name in _WHOLE else range(config.num_layers):
-            value = tensor if l is None else tensor[l]
+        for at, keys in _pieces(config, name):
+            value = tensor if at is None else tensor[at]
             parts = [value] if rows is None else np.split(value, np.cumsum(rows)[:-1], axis=0)
             for template, part in zip(templates, parts):
-                hf_name = template.format(l=l)
+                hf_name = template.format(**keys)
                 if config.rope_interleaved:
                     part = _as_half_split(config, hf_name, part)
                 out[hf_name] = np.ascontiguousarray(part.T if transposed else part)
@@ -502,12 +609,14 @@ def read_hf(folder):
 
 def read_hf_into(folder, config, put):
     """Reads a Hugging Face model folder of ``config`` (read_hf_config's)
-    tensor by tensor: put(name, l, array) gets each of our tensors (layer l,
-    None for a whole one) in the file's dtype, without the vocabulary's
-    padding rows; nothing else of the model is held at once."""
+    tensor by tensor: put(name, at, array) gets each piece of our tensors
+    (``at`` indexes it: None for a whole one, i for its i-th layer, (i, e)
+    for expert e of its i-th layer; see _pieces) in the file's dtype,
+    without the vocabulary's padding rows; nothing else of the model is held
+    at once."""
     arch, _, tensors = _folder_tensors(folder)
-    for name, l, value in our_tensors(arch, config, tensors, folder, "config.json"):
-        put(name, l, value)
+    for name, at, value in our_tensors(arch, config, tensors, folder, "config.json"):
+        put(name, at, value)
 
 
 def params_from_tensors(arch, config, tensors, source, config_source):
@@ -515,14 +624,14 @@ def params_from_tensors(arch, config, tensors, source, config_source):
     an ``arch`` (io.gguf reads a GGUF file into these names too); see
     our_tensors for the checks."""
     group = TensorGroup(param_specs(config), config)
-    for name, l, value in our_tensors(arch, config, tensors, source, config_source):
-        view = group[name] if l is None else group[name][l]
+    for name, at, value in our_tensors(arch, config, tensors, source, config_source):
+        view = group[name] if at is None else group[name][at]
         view[:len(value)] = value   # wte, lm_head: the padding rows stay zero
     return group.memory
 
 
 def our_tensors(arch, config, tensors, source, config_source):
-    """(our name, layer or None, array) for each of our tensors of a model of
+    """(our name, index, array) for each piece of our tensors (_pieces) of a model of
     ``config`` from {Hugging Face name: array} of an ``arch``, in the
     arrays' dtype, the embedding without its padding rows; a tensor
     missing, of the wrong shape or left over is a CheckpointError naming
@@ -534,24 +643,25 @@ def our_tensors(arch, config, tensors, source, config_source):
         shape = tuple(fn(config))
         templates, transposed = names[name]
         rows = _part_rows(config, name, templates)
-        for l in [None] if name in _WHOLE else range(config.num_layers):
+        for at, keys in _pieces(config, name):
             parts = []
             for i, template in enumerate(templates):
-                hf_name = template.format(l=l)
+                hf_name = template.format(**keys)
                 if hf_name not in tensors:
                     raise CheckpointError(f"{folder}: tensor {hf_name} is missing (needed for "
                                           f"{name} of a {arch} with this {config_source})")
                 value = tensors[hf_name]
                 used.add(hf_name)
                 value = value.T if transposed else value
-                expected = _hf_shape(config, name, shape, l is not None, rows, i)
+                depth = 0 if at is None else 1 if isinstance(at, int) else len(at)
+                expected = _hf_shape(config, name, shape[depth:], rows, i)
                 if value.shape != expected:
                     stored = tuple(reversed(expected)) if transposed else expected
                     raise CheckpointError(f"{folder}: tensor {hf_name} has shape "
                                           f"{list(value.T.shape if transposed else value.shape)}"
                                           f", expected {list(stored)} (from {config_source})")
                 parts.append(value)
-            yield name, l, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            yield name, at, parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
     unused = sorted(set(tensors) - used)
     if unused:
         raise CheckpointError(f"{folder}: tensor {unused[0]} is not part of a {arch} with this "
@@ -564,14 +674,14 @@ def hf_names(config):
     parameters' order."""
     names = _tensor_map(architecture(config))
     for name, _ in param_specs(config):
-        for l in [None] if name in _WHOLE else range(config.num_layers):
+        for _, keys in _pieces(config, name):
             for template in names[name][0]:
-                yield template.format(l=l)
+                yield template.format(**keys)
 
 
-def _hf_shape(config, name, shape, per_layer, rows, part):
-    """The shape Hugging Face's part ``part`` of our tensor has (after any transpose)."""
-    shape = shape[1:] if per_layer else shape
+def _hf_shape(config, name, shape, rows, part):
+    """The shape Hugging Face's part ``part`` of a piece of our tensor of
+    ``shape`` has (after any transpose)."""
     if name in ("wte", "lm_head"):
         shape = (config.V,) + shape[1:]
     if rows is not None:

@@ -102,14 +102,22 @@ class TensorGroup:
 #   qkvw [L, (NH + 2 NKV) hs, C]  rows: the q heads, then k heads, then v heads
 #   qnormw, knormw [L, hs]        qk_norm's weights (Qwen3's q_norm, k_norm)
 #   attprojw [L, C, NH hs]        NH hs = C unless head_dim says otherwise
-#   fcw  [L, 2 FF, C] (gated: swiglu, geglu, reglu)  rows: W1 (the gate) then W3 (up)
-#        [L, FF, C]   (gelu, gelu_erf, relu)
+#   fcw  [Ld, 2 FF, C] (gated: swiglu, geglu, reglu)  rows: W1 (the gate) then W3 (up)
+#        [Ld, FF, C]   (gelu, gelu_erf, relu)
+#   fcprojw [Ld, C, FF]
+#        Ld: the layers with a dense MLP (config.dense_mlp_layers, in order;
+#        all L of them without experts)
+#   routerw [Lm, E, C]            the router of each MoE layer (config.moe_layers)
+#   expertfcw [Lm, E, 2 EH, C]    each expert's fcw (gated: W1 then W3), EH = expert_hidden
+#             [Lm, E, EH, C]      (plain MLPs)
+#   expertprojw [Lm, E, C, EH]    each expert's fcprojw
 #   lm_head [Vp, C]               only when the embeddings are untied
 
 def param_specs(c):
     """(name, shape function of the config) per parameter tensor, in memory
     (and checkpoint) order."""
     layernorm, bias = c.norm == "layernorm", c.bias
+    dense, moe = c.num_dense_mlp_layers > 0, c.num_moe_layers > 0
     specs = [
         ("wte", lambda c: (c.Vp, c.C), True),
         ("wpe", lambda c: (c.maxT, c.C), c.learned_positions),
@@ -123,15 +131,25 @@ def param_specs(c):
         ("attprojb", lambda c: (c.L, c.C), bias),
         ("ln2w", lambda c: (c.L, c.C), c.second_norm),
         ("ln2b", lambda c: (c.L, c.C), layernorm and c.second_norm),
-        ("fcw", lambda c: (c.L, c.fc_channels, c.C), True),
-        ("fcb", lambda c: (c.L, c.fc_channels), bias),
-        ("fcprojw", lambda c: (c.L, c.C, c.FF), True),
-        ("fcprojb", lambda c: (c.L, c.C), bias),
+        ("fcw", lambda c: (c.num_dense_mlp_layers, c.fc_channels, c.C), dense),
+        ("fcb", lambda c: (c.num_dense_mlp_layers, c.fc_channels), bias and dense),
+        ("fcprojw", lambda c: (c.num_dense_mlp_layers, c.C, c.FF), dense),
+        ("fcprojb", lambda c: (c.num_dense_mlp_layers, c.C), bias and dense),
+        ("routerw", lambda c: (c.num_moe_layers, c.num_experts, c.C), moe),
+        ("expertfcw", lambda c: (c.num_moe_layers, c.num_experts, c.expert_fc_channels, c.C),
+         moe),
+        ("expertprojw", lambda c: (c.num_moe_layers, c.num_experts, c.C, c.expert_hidden),
+         moe),
         ("lnfw", lambda c: (c.C,), True),
         ("lnfb", lambda c: (c.C,), layernorm),
         ("lm_head", lambda c: (c.Vp, c.C), not c.tied_embeddings),
     ]
     return tuple((name, fn) for name, fn, present in specs if present)
+
+
+def routed_rows(c, B, T):
+    """R: the rows an MoE layer's experts process, k per token."""
+    return B * T * c.experts_per_token
 
 
 def act_specs(c, recompute=False, logits=True, recompute_fch=False):
@@ -151,12 +169,24 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
     residual3 hold the sums that ln1 and ln2 normalise, and ln2 is the
     layer's output, the next layer's input (so kept for every layer, also
     with recompute); "parallel": residual2 = x + attention's output,
-    residual3 = residual2 + the MLP's, and no ln2 (the MLP reads ln1)."""
+    residual3 = residual2 + the MLP's, and no ln2 (the MLP reads ln1).
+
+    The MLP's activations are per layer of its kind: fch and fch_act for
+    the dense MLP layers (config.dense_mlp_layers), and for the MoE layers
+    (config.moe_layers) the router's softmax over the E experts, each
+    token's k chosen experts (int32) and their weights, and per routed row
+    (R = B T k of them, grouped by expert) the experts' first projection,
+    its activation (recomputed like fch_act) and the expert's output before
+    its router weight (that weight's gradient reads it): O(B T k
+    expert_hidden) per MoE layer. expert_in holds one layer's rows
+    gathered for the experts (backward gathers them again)."""
     layernorm, rope = c.norm == "layernorm", c.position == "rope"
     qk_norm, ln2 = c.qk_norm, c.second_norm
     L = (lambda c: 1) if recompute else (lambda c: c.L)   # layers held of the recomputed
     L2 = (lambda c: c.L) if c.block == "post" else L       # ln2: post-norm's layer output
     Lf = (lambda c: 1) if recompute_fch else (lambda c: c.L)
+    dense, moe = c.num_dense_mlp_layers > 0, c.num_moe_layers > 0
+    Ld, Lm = (lambda c: c.num_dense_mlp_layers), (lambda c: c.num_moe_layers)
     specs = [
         ("encoded", lambda c, B, T: (B, T, c.C), True),
         ("ln1", lambda c, B, T: (L(c), B, T, c.C), True),
@@ -173,8 +203,18 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
         ("ln2", lambda c, B, T: (L2(c), B, T, c.C), ln2),
         ("ln2_mean", lambda c, B, T: (c.L, B, T), layernorm and ln2),
         ("ln2_rstd", lambda c, B, T: (c.L, B, T), ln2),
-        ("fch", lambda c, B, T: (Lf(c), B, T, c.fc_channels), True),
-        ("fch_act", lambda c, B, T: (L(c), B, T, c.FF), True),   # after the activation
+        ("fch", lambda c, B, T: (min(Lf(c), Ld(c)), B, T, c.fc_channels), dense),
+        ("fch_act", lambda c, B, T: (min(L(c), Ld(c)), B, T, c.FF), dense),   # activated
+        # the MoE layers' (R = B T k routed rows, grouped by expert)
+        ("router_probs", lambda c, B, T: (Lm(c), B, T, c.num_experts), moe),
+        ("topk_index", lambda c, B, T: (Lm(c), B, T, c.experts_per_token), moe),   # int32
+        ("topk_weight", lambda c, B, T: (Lm(c), B, T, c.experts_per_token), moe),
+        ("expert_in", lambda c, B, T: (routed_rows(c, B, T), c.C), moe),   # one layer's
+        ("expert_fch", lambda c, B, T: (Lm(c), routed_rows(c, B, T), c.expert_fc_channels),
+         moe),
+        ("expert_act", lambda c, B, T: (min(L(c), Lm(c)), routed_rows(c, B, T),
+                                        c.expert_hidden), moe),
+        ("expert_out", lambda c, B, T: (Lm(c), routed_rows(c, B, T), c.C), moe),
         ("residual3", lambda c, B, T: (c.L, B, T, c.C), True),
         ("lnf", lambda c, B, T: (B, T, c.C), True),
         ("lnf_mean", lambda c, B, T: (B, T), layernorm),
@@ -196,7 +236,11 @@ def grad_act_specs(c):
     dropout (C), then of qkv (or with qk_norm and RoPE, of qkv between the
     two); ``fch`` that of the MLP projection's output before its dropout
     (C), then of fch, then of qkvr (with RoPE or qk_norm), then of qkv (with
-    both); ``losses`` d(loss)/d(losses)."""
+    both); ``losses`` d(loss)/d(losses). An MoE layer's, per routed row
+    (R = B T k): ``expert_wide`` that of the experts' outputs (C), then of
+    their first projection; ``expert_narrow`` that of their activation,
+    then of their gathered inputs (C); ``router`` that of the router's
+    logits."""
     qkvr = c.position == "rope" or c.qk_norm
     specs = [
         ("residual", lambda c, B, T: (B, T, c.C)),
@@ -205,12 +249,21 @@ def grad_act_specs(c):
         ("fch", lambda c, B, T: (B, T, max(c.fc_channels, c.qkv_channels if qkvr else 0, c.C))),
         ("losses", lambda c, B, T: (B, T)),
     ]
+    if c.moe_layers:
+        specs += [
+            ("expert_wide", lambda c, B, T: (routed_rows(c, B, T),
+                                             max(c.expert_fc_channels, c.C))),
+            ("expert_narrow", lambda c, B, T: (routed_rows(c, B, T),
+                                               max(c.expert_hidden, c.C))),
+            ("router", lambda c, B, T: (B, T, c.num_experts)),
+        ]
     return tuple(specs)
 
 
 # a frozen bf16 base's tensors held in bf16 alone (model.transformer): what
 # the matmuls (and the embedding's gather) read
-FROZEN_BF16 = ("wte", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
+FROZEN_BF16 = ("wte", "qkvw", "attprojw", "fcw", "fcprojw", "routerw", "expertfcw",
+               "expertprojw", "lm_head")
 
 
 def frozen_bf16_parameters(config):

@@ -5,7 +5,7 @@ import math
 
 from .._native.lib import get_isa, get_num_threads
 from .layout import (act_specs, frozen_bf16_parameters, grad_act_specs, num_parameters,
-                     param_specs, specs_bytes)
+                     param_specs, routed_rows, specs_bytes)
 from .memory import format_bytes, require
 from .quantized import (QUANTIZED_LINEARS, block_bytes, check_weights_type,
                         panel_scratch_bytes)
@@ -115,7 +115,8 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
     total = threads * (attention + matmul)
     if precision == "bf16" and get_isa() != "avx512bf16":
         rows = max(B * T, head_rows)
-        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C))
+        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C),
+                           routed_rows(c, B, T) * (c.expert_fc_channels + c.C))
     if base_weights is not None:
         widened = get_isa() != "avx512bf16"
         total += max(panel_scratch_bytes(B * T, OC, IC, widened)

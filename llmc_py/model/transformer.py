@@ -86,7 +86,7 @@ import numpy as np
 
 from .._native import kernels as K
 from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
-from ..errors import RangeError, ShapeError
+from ..errors import RangeError, ShapeError, UnsupportedError
 from ..io.files import to_bf16
 from ..io.load import read_model_file, write_model_file
 from . import kv_cache
@@ -137,6 +137,10 @@ class Transformer:
         if frozen and precision != "bf16":
             raise ValueError(f"frozen=True is a base held in bf16 alone: precision must be "
                              f"'bf16', got {precision!r}")
+        if config.num_experts:
+            raise UnsupportedError(f"num_experts={config.num_experts}: the mixture-of-experts "
+                                   f"MLP's forward is not wired into the block yet (its config, "
+                                   f"model file, Hugging Face config and summary are)")
         self.config = config
         self.precision = precision
         self.frozen = frozen
