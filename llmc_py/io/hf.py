@@ -28,6 +28,7 @@ The tensors are read and written by the ``safetensors`` package (numpy);
 with ``pip install "llmc_py[hf]"``.
 """
 import json
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -600,7 +601,7 @@ def write_hf(folder, config, params, dtype="fp32", token_ids=None):
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype is {dtype!r}, expected one of {tuple(DTYPES)}")
-    _, save = _safetensors()
+    _safetensors()
     raw = hf_config(config) | dict(token_ids or {})
     tensors = hf_tensors(config, params)
     if dtype == "bf16":
@@ -612,5 +613,28 @@ def write_hf(folder, config, params, dtype="fp32", token_ids=None):
         tensors = {n: from_bf16(t) if t.dtype == np.uint16 else t for n, t in tensors.items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / WEIGHTS_FILE, [save(tensors, metadata={"format": "pt"})])
+    write_safetensors(folder / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     atomic_write(folder / CONFIG_FILE, [(json.dumps(raw, indent=2) + "\n").encode()])
+
+
+# safetensors' names of the dtypes written
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: array} (float32, or ml_dtypes' bfloat16) as a
+    safetensors file, atomically, straight from the arrays: no copy of the
+    file in memory (safetensors.numpy.save makes two), so saving a model
+    costs no more than it holds. The format: the JSON header's length (8
+    bytes, little-endian), the header (each tensor's dtype, shape and byte
+    range; padded with spaces to 8 bytes), then the tensors' bytes."""
+    header, chunks, offset = {"__metadata__": dict(metadata)} if metadata else {}, [], 0
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[array.dtype.name],
+                        "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        chunks.append(array.view(np.uint8).reshape(-1))
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    atomic_write(path, [struct.pack("<Q", len(text)), text, *chunks])
