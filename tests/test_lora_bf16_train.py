@@ -135,7 +135,7 @@ def test_the_base_is_never_held_in_float32(shards, tmp_path_factory, monkeypatch
     n = load_model(folder, precision="bf16", frozen=True).num_parameters
     peaks = []
     for frozen in (True, False):
-        monkeypatch.setattr(Run, "_frozen_base", lambda self: frozen)
+        monkeypatch.setattr(Run, "_frozen_base", lambda self, frozen=frozen: frozen)
         tracemalloc.start()
         try:
             assert bf16_run(shards, tmp_path_factory.mktemp("out"), folder, "-x", "1") == 0
