@@ -24,7 +24,7 @@ from llmc_py.model.presets import config_from_depth
 from llmc_py.tokenizer import get_encoding
 from llmc_py.train import RunFolder, RunSpec
 from llmc_py.train.runner import Run
-from test_lora_train import fresh_d1, spec
+from test_lora_train import fresh_d1, lora_run, spec
 from test_mpi import SMALL as MPI_SMALL, mpirun
 from test_reliability import ROOT, _CHILD, finish, wait_for
 
@@ -226,3 +226,15 @@ def test_two_ranks_of_lora_resume_bitwise(shards, tmp_path, precision):
     assert "resumed from step 4" in ran.stdout
     assert (whole / "main.log").read_bytes() == (resumed / "main.log").read_bytes()
     assert_same_adapters(whole, resumed, 8)
+
+
+def test_a_resume_in_bf16_of_a_float32_base_says_why_the_base_differs(shards, tmp_path, capsys):
+    """A fresh d1's float32 weights are not bf16 numbers: held in bf16 alone
+    they are another base, and the refusal says so."""
+    out = tmp_path / "out"
+    assert lora_run(shards, out, "-x", "2") == 0
+    capsys.readouterr()
+    assert lora_run(shards, out, "-y", "1", "-x", "4", "--precision", "bf16") != 0
+    err = capsys.readouterr().err
+    assert "the base model of -e/--init d1 differs from the run's" in err
+    assert "with --precision bf16 the base is held in bf16 alone" in err
