@@ -10,6 +10,7 @@ import torch
 
 import llmc_py
 from llmc_py import load_model
+from llmc_py.io.files import to_bf16
 from llmc_py.model.layout import num_parameters
 from llmc_py.model.transformer import FROZEN_BF16
 from test_hf import V, batch, make_hf
@@ -110,11 +111,36 @@ def test_what_needs_float32_weights_is_refused(bf16_folder, tmp_path):
                  lambda: model.refresh_bf16(), lambda: model.initialize()):
         with pytest.raises(RuntimeError, match="frozen bf16 base"):
             call()
-    model.add_lora(2, 4)
-    with pytest.raises(RuntimeError, match="merge_lora: this model is a frozen bf16 base"):
-        model.merge_lora()
+    with pytest.raises(RuntimeError, match=r"save_pretrained\(dtype='fp32'\): this model is "
+                                           r"a frozen bf16 base"):
+        model.save_pretrained(tmp_path / "out", dtype="fp32")
+    assert not (tmp_path / "out").exists()
     with pytest.raises(ValueError, match="precision must be 'bf16'"):
         load_model(bf16_folder, precision="fp32", frozen=True)
+
+
+def test_merge_lora_rounds_each_merged_weight_once_to_bf16(bf16_folder, tmp_path):
+    """The adapters fold into the bf16 weights as into the float32 master
+    (W + scale B A in float32), rounded once; save_pretrained(dtype="bf16")
+    then writes the file a bf16 model so merged writes."""
+    models = both(bf16_folder)
+    for model in models:
+        model.add_lora(4, 8, seed=1)
+        model.lora.params.memory[...] = np.random.default_rng(0).standard_normal(
+            model.lora.params.size).astype(np.float32) * np.float32(0.05)
+    frozen, mixed = models
+    before = frozen.params_bf16.memory.copy()
+    for model in models:
+        model.merge_lora()
+    assert frozen.lora is None and frozen.frozen
+    for name in frozen.params_bf16.names:
+        np.testing.assert_array_equal(frozen.params_bf16[name], to_bf16(mixed.params[name]))
+    assert not np.array_equal(frozen.params_bf16.memory, before)
+    frozen.save_pretrained(tmp_path / "frozen", dtype="bf16")
+    mixed.save_pretrained(tmp_path / "mixed", dtype="bf16")
+    for name in ("model.safetensors", "config.json"):
+        assert ((tmp_path / "frozen" / name).read_bytes()
+                == (tmp_path / "mixed" / name).read_bytes())
 
 
 def test_memory_plan_counts_bf16_alone(bf16_folder):

@@ -165,6 +165,33 @@ def test_bf16_and_sharded_folders(tmp_path):
                                   .view(np.uint16)), n
 
 
+def test_safetensors_are_written_from_the_arrays_themselves(tmp_path):
+    """write_safetensors: what safetensors reads back, tensor for tensor (any
+    shape, float32 and bf16), and no copy of the data in memory while writing."""
+    import ml_dtypes
+    import tracemalloc
+    from safetensors import safe_open
+    from llmc_py.io.hf import write_safetensors
+    rng = np.random.default_rng(0)
+    tensors = {"big": rng.standard_normal((1000, 2500), dtype=np.float32),
+               "a.bf16": rng.standard_normal(7, dtype=np.float32).astype(ml_dtypes.bfloat16),
+               "empty": np.zeros((0, 3), np.float32), "odd": np.arange(5, dtype=np.float32)}
+    path = tmp_path / "x.safetensors"
+    tracemalloc.start()
+    try:
+        write_safetensors(path, tensors, metadata={"format": "pt"})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < tensors["big"].nbytes / 10   # 10 MB written, no copy of it made
+    again = load_file(path)
+    assert again.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert again[name].dtype == tensor.dtype and np.array_equal(again[name], tensor), name
+    with safe_open(str(path), "np") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
 def test_our_model_files_convert_both_ways(saved, tmp_path):
     """HF folder -> our model file (llm.c's for GPT-2) -> HF folder, with
     python -m llmc_py.convert."""

@@ -32,7 +32,7 @@ The tensors are read and written by the ``safetensors`` package (numpy);
 with ``pip install "llmc_py[hf]"``.
 """
 import json
-import math
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ import numpy as np
 from ..config import GPT2_CHOICES, MODEL_FIELDS, REQUIRED, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
 from ..model.layout import TensorGroup, checked_params, param_specs
-from .files import atomic_write, to_bf16
+from .files import atomic_write, from_bf16, to_bf16
 from .rope_layout import interleaved_to_half_split
 
 INSTALL_HINT = 'pip install "llmc_py[hf]"'
@@ -456,18 +456,17 @@ def _part_rows(config, name, templates):
 
 
 def hf_tensors(config, params):
-    """{Hugging Face name: float32 array} for a model of ``config`` with
-    flat ``params`` (the inverse of what read_hf does)."""
+    """{Hugging Face name: array} for a model of ``config`` with flat
+    float32 ``params``, or with {our name: array} (e.g. a frozen bf16
+    base's, some as bf16 bits in uint16), each array in its own dtype (the
+    inverse of what read_hf does)."""
     arch = architecture(config)
     names = _tensor_map(arch)
     out = {}
-    flat = checked_params(config, params)
-    offset = 0
-    for name, fn in param_specs(config):
-        shape = tuple(fn(config))
-        count = math.prod(shape)
-        tensor = flat[offset:offset + count].reshape(shape)
-        offset += count
+    if not isinstance(params, dict):
+        params = TensorGroup(param_specs(config), config, memory=checked_params(config, params))
+    for name, _ in param_specs(config):
+        tensor = params[name]
         if name == "wte" or name == "lm_head":
             tensor = tensor[:config.vocab_size]   # without the padding rows
         templates, transposed = names[name]
@@ -707,17 +706,45 @@ def write_hf(folder, config, params, dtype="fp32", token_ids=None):
     """Writes a Hugging Face model folder: config.json (with ``token_ids``,
     e.g. {"eos_token_id": 2}, when given) and model.safetensors (``dtype``
     "fp32", or "bf16" rounded to nearest even), each atomically, the weights
-    first. ``transformers.AutoModelForCausalLM.from_pretrained`` loads it."""
+    first. ``params``: as hf_tensors takes them (bf16 bits, uint16, are
+    written as they are in bf16, widened exactly in fp32).
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype is {dtype!r}, expected one of {tuple(DTYPES)}")
-    _, save = _safetensors()
+    _safetensors()
     raw = hf_config(config) | dict(token_ids or {})
     tensors = hf_tensors(config, params)
     if dtype == "bf16":
         import ml_dtypes
-        tensors = {n: to_bf16(t).view(ml_dtypes.bfloat16) for n, t in tensors.items()}
+        tensors = {n: (t if t.dtype == np.uint16 else to_bf16(t)).view(ml_dtypes.bfloat16)
+                   for n, t in tensors.items()}
         raw["torch_dtype"] = "bfloat16"
+    else:
+        tensors = {n: from_bf16(t) if t.dtype == np.uint16 else t for n, t in tensors.items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / WEIGHTS_FILE, [save(tensors, metadata={"format": "pt"})])
+    write_safetensors(folder / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     atomic_write(folder / CONFIG_FILE, [(json.dumps(raw, indent=2) + "\n").encode()])
+
+
+# safetensors' names of the dtypes written
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: array} (float32, or ml_dtypes' bfloat16) as a
+    safetensors file, atomically, straight from the arrays: no copy of the
+    file in memory (safetensors.numpy.save makes two), so saving a model
+    costs no more than it holds. The format: the JSON header's length (8
+    bytes, little-endian), the header (each tensor's dtype, shape and byte
+    range; padded with spaces to 8 bytes), then the tensors' bytes."""
+    header, chunks, offset = {"__metadata__": dict(metadata)} if metadata else {}, [], 0
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[array.dtype.name],
+                        "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        chunks.append(array.view(np.uint8).reshape(-1))
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    atomic_write(path, [struct.pack("<Q", len(text)), text, *chunks])

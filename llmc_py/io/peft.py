@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import CheckpointError, UnsupportedError
 from ..model.lora import Lora, layer_prefix
 from .files import atomic_write
-from .hf import _as_float32, _safetensors, architecture
+from .hf import _as_float32, _safetensors, architecture, write_safetensors
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # options that change the adapted model, each with the value that leaves it
@@ -61,16 +61,15 @@ def _checked_architecture(config):
 def write_peft(folder, lora):
     """Writes ``lora`` (model.lora.Lora) as a PEFT folder, each file atomically."""
     arch = _checked_architecture(lora.config)
-    _, save = _safetensors()
+    _safetensors()
     raw = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
            "use_rslora": lora.rslora, "target_modules": [t.name for t in lora.targets],
            "fan_in_fan_out": arch == "GPT2LMHeadModel", "init_lora_weights": True,
            "inference_mode": True, **WRITTEN}
-    tensors = {name: view.copy() for name, view in _tensors(lora).items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / WEIGHTS_FILE, [save(tensors, metadata={"format": "pt"})])
+    write_safetensors(folder / WEIGHTS_FILE, _tensors(lora), metadata={"format": "pt"})
     atomic_write(folder / CONFIG_FILE, [(json.dumps(raw, indent=2) + "\n").encode()])
 
 

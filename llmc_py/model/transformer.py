@@ -47,9 +47,10 @@ the linear layers' weights) in bf16 alone, in ``params_bf16``, with no
 float32 master: 2 bytes a parameter. ``params`` holds the rest in float32
 (norm weights, biases, a learned position table: small). It forwards,
 generates and evaluates, and trains LoRA adapters (add_lora, load_lora),
-which read the same bf16 weights as a bf16 model's; anything that needs the
-base's float32 weights (update or gradients without adapters, saving it,
-merge_lora) is refused.
+which read the same bf16 weights as a bf16 model's; merge_lora rounds each
+merged weight once to bf16, and save_pretrained writes it in bf16. What
+needs the base's float32 weights (update or gradients without adapters, a
+model file, a float32 save) is refused.
 
 LoRA (model.lora): add_lora or load_lora freeze the parameters and add
 adapters to the linear layers; the gradients, AdamW's moments and the
@@ -87,7 +88,7 @@ import numpy as np
 from .._native import kernels as K
 from .._native.tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError, UnsupportedError
-from ..io.files import to_bf16
+from ..io.files import from_bf16, to_bf16
 from ..io.load import read_model_file, write_model_file
 from . import kv_cache
 from .adamw import adamw_step
@@ -314,12 +315,17 @@ class Transformer:
         """Writes a Hugging Face model folder (config.json, model.safetensors;
         io.hf) that transformers' AutoModelForCausalLM.from_pretrained loads:
         GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM by the config.
-        ``token_ids`` adds config.json's bos/eos/pad ids (io.hf.token_ids)."""
+        ``token_ids`` adds config.json's bos/eos/pad ids (io.hf.token_ids).
+        A frozen bf16 base writes its weights as they are: dtype "bf16"."""
         from ..io.hf import write_hf   # needs the optional safetensors package
         self._refuse_quantized("save_pretrained")
         self._refuse_adapters("save_pretrained")
-        self._refuse_frozen("save_pretrained")
-        write_hf(folder, self.config, self.params.memory, dtype=dtype, token_ids=token_ids)
+        params = self.params.memory
+        if self.frozen:
+            if dtype != "bf16":
+                self._refuse_frozen(f"save_pretrained(dtype={dtype!r})")
+            params = dict(self.params.items()) | dict(self.params_bf16.items())
+        write_hf(folder, self.config, params, dtype=dtype, token_ids=token_ids)
 
     def save_gguf(self, path, dtype="f32", tokenizer=None):
         """Writes a GGUF file (io.gguf) that llama.cpp loads: weights as
@@ -850,16 +856,20 @@ class Transformer:
     def merge_lora(self):
         """Folds the adapters into the base, W += scale * B A (float32, as
         peft's merge_and_unload), and removes them: the model is a plain one
-        again, which save_pretrained and save_checkpoint write."""
+        again, which save_pretrained and save_checkpoint write. A frozen
+        bf16 base's weights take the float32 sum rounded once to bf16 (it
+        stays a frozen bf16 base, which save_pretrained writes in bf16)."""
         lora = self._adapters("merge_lora")
         self._refuse_quantized("merge_lora")
-        self._refuse_frozen("merge_lora")
         for t in lora.targets:
-            weight = self.params[t.linear + "w"]
             for l in range(self.config.L):
-                weight[l, t.rows] += lora.delta(t, l)
+                if self.frozen:
+                    weight = self.params_bf16[t.linear + "w"][l, t.rows]
+                    weight[...] = to_bf16(from_bf16(weight) + lora.delta(t, l))
+                else:
+                    self.params[t.linear + "w"][l, t.rows] += lora.delta(t, l)
         self.lora = None
-        if self.params_bf16 is not None:
+        if self.params_bf16 is not None and not self.frozen:
             self.refresh_bf16()
 
     def save_lora(self, folder):
@@ -893,9 +903,8 @@ class Transformer:
     def _refuse_frozen(self, what):
         if self.frozen:
             raise RuntimeError(f"{what}: this model is a frozen bf16 base (frozen=True): its "
-                               f"weights are bf16 alone, with no float32 master to change, "
-                               f"save or fold adapters into; load it without frozen=True for "
-                               f"that")
+                               f"weights are bf16 alone, with no float32 master to change or "
+                               f"save; load it without frozen=True for that")
 
     # ---- update ------------------------------------------------------------
 

@@ -47,8 +47,9 @@ def build_parser():
            "(default: -e's when it is a Hugging Face folder with one, else GPT-2's)")
     a("--export-hf", metavar="DIR", default=RunSpec.export_hf,
       help="at the end, also write the model as a Hugging Face folder (config.json, "
-           "model.safetensors and -e's tokenizer files); with --lora-rank, the base with "
-           "the adapters merged into it")
+           "model.safetensors and -e's tokenizer files), its weights in float32; with "
+           "--lora-rank, the base with the adapters merged into it, in bf16 with --precision "
+           "bf16 (each merged weight rounded once)")
     a("-o", "--output-dir", default=RunSpec.output_dir, help="folder for the log and checkpoints")
     a("-b", "--batch-size", type=int, default=RunSpec.batch_size,
       help="B: sequences per micro-batch")
@@ -114,7 +115,8 @@ def build_parser():
       help="seed for initialisation, shuffling and sampling")
     a("--precision", choices=PRECISIONS, default=RunSpec.precision,
       help="bf16: mixed precision (bf16 matmuls on a bf16 copy of the weights; float32 "
-           "master weights, gradients, optimizer state and statistics)")
+           "master weights, gradients, optimizer state and statistics); with --lora-rank, "
+           "the base is held in bf16 alone, with no float32 master (the adapters are float32)")
     a("--dropout", type=float, default=RunSpec.dropout,
       help="dropout probability in training at every site: the embedding's output, the "
            "attention probabilities and each residual branch's output (0: none; evaluation "

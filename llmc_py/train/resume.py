@@ -73,8 +73,12 @@ def refusal(key, saved, settings, spec):
         return (f"the training data of {spec.flag('train_data')} {settings['train_data']} "
                 f"differ from the run's")
     if key == "lora_base":
+        precisions = saved.get("precision"), settings.get("precision")
+        held = ("; with --precision bf16 the base is held in bf16 alone, its float32 "
+                "weights rounded" if "bf16" in precisions and len(set(precisions)) == 2 else "")
         return (f"the base model of {spec.flag('init')} {settings['init']} differs from the "
-                f"run's (its parameters' hash is {settings[key]}, the run's {saved[key]})")
+                f"run's (its parameters' hash is {settings[key]}, the run's {saved[key]}"
+                f"{held})")
     if key == "grad_accum":   # B and T agree (compared first): -d differs
         return (f"the run was made with {spec.flag('total_batch_tokens')} "
                 f"{saved.get('total_batch_tokens')} ({saved[key]} micro-batch(es) per step), "

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._native.lib import set_num_threads
 from ..errors import CheckpointError, UnsupportedError, UsageError
-from ..io.files import atomic_write
+from ..io.files import atomic_write, from_bf16
 from ..io.tokens import fingerprint
 from ..model import load_model
 from ..model.presets import GPT2_VOCAB, config_from_depth, describe, preset_for
@@ -44,6 +44,8 @@ DEFAULT_DATASET = "shakespeare"
 # a Hugging Face folder's tokenizer files, copied beside an export
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
+# bf16 weights model_digest widens at once (16 MiB of float32)
+DIGEST_CHUNK = 1 << 22
 
 
 def run(spec, out=None, world=None):
@@ -247,7 +249,9 @@ class Run:
                 world.same_on_every_rank("model (-e and its file)", model_digest(self.model))
         if world.size > 1:
             world.broadcast(self.model.params.memory)
-            if self.model.params_bf16 is not None:
+            if self.model.frozen:
+                world.broadcast(self.model.params_bf16.memory)
+            elif self.model.params_bf16 is not None:
                 self.model.refresh_bf16()
         self.model.recompute = bool(spec.recompute)
         return moments, extra
@@ -308,17 +312,29 @@ class Run:
         params.memory[...] = saved.memory
 
     def _initial_model(self):
-        """A fresh model of the -e depth, or the -e model file's or folder's."""
-        spec = self.spec
+        """A fresh model of the -e depth, or the -e model file's or folder's;
+        a frozen bf16 base when _frozen_base says so."""
+        spec, frozen = self.spec, self._frozen_base()
         config = config_from_depth(spec.init, family=spec.family)
         if config is not None:
-            model = preset_for(config)(config, seed=spec.seed, precision=spec.precision)
+            model = preset_for(config)(config, seed=spec.seed,
+                                       precision="fp32" if frozen else spec.precision)
             if (spec.init_scheme, spec.init_std) != ("gpt2", INIT_STD):
                 model.initialize(spec.seed, spec.init_scheme, spec.init_std)
+            if frozen:   # rounded as a bf16 model's copy is
+                model = preset_for(config)(config, params=model.params.memory,
+                                           precision="bf16", frozen=True)
             return model
         if not Path(spec.init).exists():
             raise UsageError(f"-e {spec.init}: no such model file, and not a depth like d6")
-        return load_model(spec.init, precision=spec.precision)
+        return load_model(spec.init, precision=spec.precision, frozen=frozen)
+
+    def _frozen_base(self):
+        """Whether -e is held as a frozen bf16 base (load_model's frozen=True):
+        a LoRA run in bf16 never changes the base's weights, so they are bf16
+        alone, with no float32 master, weight gradients or moments (a Hugging
+        Face folder is read into them tensor by tensor)."""
+        return bool(self.spec.lora_rank) and self.spec.precision == "bf16"
 
     def _check_model_fits(self):
         """Everything the spec asks of the model, checked before step 1; the
@@ -556,19 +572,32 @@ def export_hf(model, folder, tokenizer_from=None):
     bos/eos/pad ids of the folder ``tokenizer_from`` (a model's, or a
     tokenizer.json's) when given."""
     from ..io.hf import token_ids
+    dtype = "bf16" if model.frozen else "fp32"   # a frozen base has no float32 weights
     if tokenizer_from is None:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, dtype=dtype)
         return
     source = Path(tokenizer_from)
     source = source if source.is_dir() else source.parent
-    model.save_pretrained(folder, token_ids=token_ids(source))
+    model.save_pretrained(folder, dtype=dtype, token_ids=token_ids(source))
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             atomic_write(Path(folder) / name, [(source / name).read_bytes()])
 
 
 def model_digest(model):
-    """A hash of a model's config and parameters, to compare across ranks."""
+    """A hash of a model's config and parameters, to compare across ranks
+    and resumes; a frozen bf16 base's are hashed as their float32 values,
+    so that it is the same model loaded with a float32 master (a resume may
+    change --precision)."""
     digest = hashlib.sha256(repr(model.config).encode())
-    digest.update(model.params.memory.tobytes())
+    if not model.frozen:
+        digest.update(model.params.memory)
+        return digest.hexdigest()[:16]
+    for name, _ in model.param_specs:   # in the float32 layout's order
+        if name not in model.params_bf16:
+            digest.update(model.params[name])
+            continue
+        bits = model.params_bf16[name].reshape(-1)
+        for start in range(0, bits.size, DIGEST_CHUNK):   # widened a chunk at a time
+            digest.update(from_bf16(bits[start:start + DIGEST_CHUNK]))
     return digest.hexdigest()[:16]
