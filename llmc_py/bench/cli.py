@@ -1,6 +1,6 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate or --quality."""
+default), --generate, --lora or --quality."""
 import argparse
 import json
 import os
@@ -16,9 +16,10 @@ from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS
 from .generate import measure_generation
 from .kernels import measure_kernels
+from .lora import QWEN3_0_6B_LAYERS, measure_lora
 from .quality import bench_quality
 from .step import measure_steps
-from .tables import print_generation, print_quality, print_training
+from .tables import print_generation, print_lora, print_quality, print_training
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -36,11 +37,13 @@ def build_parser():
                         "(from the command line the benchmark restarts itself with "
                         "OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set, which numpy reads "
                         "only at import)")
-    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"),
+    p.add_argument("--batch", type=int, nargs=2, default=None, metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
-                        "and of the training step (default 4 64; --generate ignores it: it "
-                        "runs batches of 1 and 4 at --gen's lengths)")
-    p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
+                        "and of the training step (default 4 64; --lora: 4 256; --generate "
+                        "ignores it: it runs batches of 1 and 4 at --gen's lengths)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the model's layers (default: GPT-2 124M's 12; --lora: Qwen3-0.6B's "
+                        "28)")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
                         "training step")
@@ -69,6 +72,13 @@ def build_parser():
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate: prompt tokens and new tokens")
+    p.add_argument("--lora", action="store_true",
+                   help="instead: a LoRA training step (rank 16, alpha 32, on q, k, v, o, "
+                        "gate, up and down) of a Qwen3-0.6B-shaped model of random weights, "
+                        "its base frozen in bf16, beside our full bf16 fine-tuning step of "
+                        "the same model and transformers + peft (bf16 weights, autocast "
+                        "bf16, the same adapters); each in a process of its own, with its "
+                        "peak RSS")
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
                    help="instead: the default training run for STEPS steps (500 is the "
                         "default run) in fp32 and in bf16; their validation losses")
@@ -79,6 +89,14 @@ def build_parser():
 def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
+    modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
+                                   ("--quality", args.quality)) if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)}: one mode at a time")
+    if args.batch is None:
+        args.batch = (4, 256) if args.lora else (4, 64)
+    if args.layers is None:
+        args.layers = QWEN3_0_6B_LAYERS if args.lora else 12
     check_flags(args, FLAG_RANGES)
     for isa in args.isa or ():
         if isa not in supported_isas():
@@ -124,6 +142,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     if args.generate:
         results, print_results = measure_generation(args, rng), print_generation
+    elif args.lora:
+        results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}
+        print_results = print_lora
     else:
         results, print_results = measure_training(args, isas, rng), print_training
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -87,3 +87,35 @@ def print_quality(args, results):
     for precision, (val, seconds) in results.items():
         print(f"{precision}: val loss {val:.4f} after {args.quality} steps ({seconds:.0f} s)")
     print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
+
+
+def print_lora(args, results):
+    """The three steps (ours with LoRA, ours fully fine-tuned, peft's), then
+    LoRA's speed over each and peak memory beside peft's, against the floors."""
+    from .lora import ALPHA, FLOORS, RANK, TARGETS
+    B, T = args.batch
+    steps = results["step"]
+    print(f"threads: {results['threads']}; kernels: {results['isa']}")
+    print(f"training step, Qwen3-0.6B shapes, {args.layers} layers, random weights, B={B} "
+          f"T={T}; LoRA r={RANK} alpha={ALPHA} on {','.join(TARGETS)} (median, min-max; peak "
+          f"RSS of each one's own process; ours: also the model's memory plan):")
+    for name, t in steps.items():
+        if t is None:
+            print(f"  {name:<20} not installed")
+            continue
+        plan = f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
+        print(f"  {name:<20} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:7.0f} tok/s  "
+              f"{t['peak_rss_mib']:6.0f} MiB{plan}")
+    ours = steps["llmc_py_lora"]
+    for name, floor in FLOORS.items():
+        if steps.get(name):
+            ratio = steps[name]["median"] / ours["median"]
+            print(f"  llmc_py_lora over {name}: {ratio:.2f}x the speed (floor {floor}x: "
+                  f"{'met' if ratio >= floor else 'NOT met'})")
+    if steps.get("peft_bf16"):
+        theirs = steps["peft_bf16"]["peak_rss_mib"]
+        print(f"  peak RSS: llmc_py_lora {ours['peak_rss_mib']:.0f} MiB, peft_bf16 "
+              f"{theirs:.0f} MiB (floor: at most peft's: "
+              f"{'met' if ours['peak_rss_mib'] <= theirs else 'NOT met'})")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
