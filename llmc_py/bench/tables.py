@@ -1,5 +1,7 @@
 """The benchmark's printed tables, one function per mode (--json prints the
 results themselves instead)."""
+import math
+
 
 
 def print_training(args, results):
@@ -119,3 +121,22 @@ def print_lora(args, results):
               f"{theirs:.0f} MiB (floor: at most peft's: "
               f"{'met' if ours['peak_rss_mib'] <= theirs else 'NOT met'})")
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+def print_lora_quality(args, results):
+    """The base's loss on each half, then each fine-tuning's on the held-out one."""
+    from .quality import LORA_BASE_MODEL, LORA_RANK
+    base_steps, steps = args.lora_quality
+    plays = results["plays"]
+    print(f"{LORA_BASE_MODEL} trained {base_steps} steps on {plays['base']} plays, fine-tuned "
+          f"{steps} steps on the other {plays['tune']}; val loss on the held-out plays' "
+          f"validation split:")
+    print(f"| model | val loss (held-out plays) | perplexity | fine-tuning s |")
+    print("|---|---|---|---|")
+    print(f"| base, before fine-tuning | {results['before']:.4f} | "
+          f"{math.exp(results['before']):.2f} | - |")
+    for name, label in (("lora", f"LoRA r={LORA_RANK}, {steps} steps"),
+                        ("full", f"full fine-tuning, {steps} steps")):
+        loss, seconds = results[name]
+        print(f"| {label} | {loss:.4f} | {math.exp(loss):.2f} | {seconds:.0f} |")
+    print(f"(the base on its own plays' validation split: {results['base']:.4f})")
