@@ -151,6 +151,11 @@ def test_bench_lora_flags():
     assert parse([]).batch == (4, 64) and parse([]).layers == 12
     with pytest.raises(SystemExit):
         parse(["--lora", "--generate"])
+    # flags after -- go to --lora-quality's training runs, and only there
+    args = parse(["--lora-quality", "20", "10", "--", "-b", "4", "-t", "64"])
+    assert args.lora_quality == [20, 10] and args.train_flags == ["-b", "4", "-t", "64"]
+    with pytest.raises(SystemExit):
+        parse(["--lora", "--", "-b", "4"])
 
 
 def play(title, seed):
