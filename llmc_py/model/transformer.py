@@ -110,7 +110,7 @@ INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.i
 MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
 _RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
-_NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
+NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
 class Transformer:
@@ -277,7 +277,7 @@ class Transformer:
         p.wte[c.V:] = 0.0   # the padding rows are never used
         for name in p.names:   # norm weights 1, biases 0
             if name not in self.matrix_params:
-                p[name][...] = 1.0 if name in _NORM_WEIGHTS else 0.0
+                p[name][...] = 1.0 if name in NORM_WEIGHTS else 0.0
 
     @held
     def refresh_bf16(self):

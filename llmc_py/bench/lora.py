@@ -1,0 +1,37 @@
+"""--lora: a LoRA training step of a Qwen3-0.6B-shaped model (random
+weights) beside our full fine-tuning step of the same model and beside
+transformers + peft, each in a process of its own (step.py, pytorch.py)."""
+import functools
+
+from .pytorch import torch_job
+from .step import own_step_job
+
+# Qwen3-0.6B's config.json as LlamaConfig fields (num_layers from --layers)
+QWEN3_0_6B = dict(vocab_size=151936, padded_vocab_size=151936, max_seq_len=40960,
+                  channels=1024, num_heads=16, num_kv_heads=8, head_dim=128, ffn_hidden=3072,
+                  qk_norm=True, tied_embeddings=True, rope_theta=1e6, norm_eps=1e-6)
+QWEN3_0_6B_LAYERS = 28
+RANK, ALPHA = 16, 32
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the issue's floors: LoRA's speed over each of the others, and peak memory
+FLOORS = {"llmc_py_full_bf16": 1.4, "peft_bf16": 2.0}
+
+
+def measure_lora(args, config=None):
+    """{name: timing with peak_rss_mib} of the three steps at --batch and
+    --layers: ours with LoRA on a frozen bf16 base ("llmc_py_lora"), ours
+    fine-tuning every parameter in bf16 ("llmc_py_full_bf16"), and unless
+    --skip-torch transformers + peft ("peft_bf16"; None when not installed).
+    ``config``: LlamaConfig fields other than num_layers (default
+    QWEN3_0_6B)."""
+    config = QWEN3_0_6B if config is None else config
+    B, T = args.batch
+    own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats, "bf16",
+                                 config=config, arch="llama")
+    steps = {"llmc_py_lora": own_step(lora=dict(rank=RANK, alpha=ALPHA, targets=TARGETS)),
+             "llmc_py_full_bf16": own_step()}
+    if not args.skip_torch:
+        steps["peft_bf16"] = torch_job("lora", config=dict(config, num_layers=args.layers),
+                                       B=B, T=T, repeats=args.repeats, rank=RANK,
+                                       alpha=ALPHA, targets=TARGETS)
+    return steps
