@@ -27,7 +27,7 @@ from llmc_py.convert import build_parser, convert, main as convert_main
 from llmc_py.errors import ShapeError, UsageError
 from llmc_py.io.fetch import OFFLINE_ENV
 from llmc_py.io.hf import hf_tensors
-from llmc_py.model.presets import GPT2
+from llmc_py.model.presets import GPT2, Llama
 from test_hf import MODELS, V, batch, make_hf, rel_to_max
 
 EOS = V - 1
@@ -225,6 +225,66 @@ def test_gpt2_vocabulary_and_merges_from_the_tiktoken_ranks(gpt2_own):
     assert len(merges) == 50000 and merges[:5] == ["Ġ t", "Ġ a", "h e", "i n", "r e"]
     assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 50256
+
+
+def tokenizer_with(folder, pre_tokenizer):
+    """write_tokenizer's tokenizer.json in ``folder`` with ``pre_tokenizer``."""
+    from tokenizers import Tokenizer
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return tokenizer
+
+
+def split_then_byte_level(regex):
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def test_a_tokenizer_json_names_llama_cpps_pre_tokenizer(folder, tmp_path):
+    """Without tokenizer.ggml.pre llama.cpp splits text by a default regex of
+    its own and tokenizes differently (seen: "fox's" as "'", "s" where the
+    tokenizer gives "'s"): GPT-2's ByteLevel is "gpt-2"."""
+    name, folder = folder
+    model, path = saved(folder, tmp_path, "f32")
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+
+@pytest.mark.parametrize("pre, digits", [("llama-bpe", ["123", "456", "7"]),
+                                         ("qwen2", list("1234567"))])
+def test_split_regexes_of_llama3_and_qwen2_are_named(tmp_path, pre, digits):
+    """A Split of Llama 3's or Qwen2's regex (as their tokenizer.json spell
+    it) before a ByteLevel without its own regex: the pre-tokenizer names
+    llama.cpp selects those splits by; the regexes split digits as theirs."""
+    from llmc_py.io.gguf import SPLIT_PRES
+    regex = {v: k for k, v in SPLIT_PRES.items()}[pre]
+    tokenizer = tokenizer_with(tmp_path / "hf", split_then_byte_level(regex))
+    words = [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("I'm 1234567 DON'T")]
+    assert words == ["I", "'m", "Ġ", *digits, "ĠDON", "'T"]
+    Llama(tiny_llama()).save_gguf(tmp_path / "m.gguf", tokenizer=tmp_path / "hf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.pre"].contents() == pre
+
+
+def test_other_pre_tokenizers_are_refused_by_field(tmp_path):
+    """Metaspace (SentencePiece-style), another Split regex, or a ByteLevel
+    that adds a prefix space: llama.cpp would not split text as they do."""
+    from tokenizers import pre_tokenizers
+    for i, pre in enumerate([pre_tokenizers.Metaspace(),
+                             split_then_byte_level(r"\p{L}+|\p{N}+|\s+"),
+                             pre_tokenizers.ByteLevel(add_prefix_space=True)]):
+        folder = tmp_path / str(i)
+        tokenizer_with(folder, pre)
+        with pytest.raises(UnsupportedError, match=r"tokenizer.json: field pre_tokenizer is "
+                                                   r".*GPT-2's ByteLevel, or a Split of Llama "
+                                                   r"3's or Qwen2's regex before ByteLevel"):
+            Llama(tiny_llama()).save_gguf(folder / "m.gguf", tokenizer=folder)
+        assert not (folder / "m.gguf").exists()
 
 
 def test_every_declared_key_is_spelled_as_gguf_spells_it():
@@ -446,12 +506,15 @@ def test_writing_gpt2s_tokenizer_for_another_vocabulary_is_refused(tmp_path, mon
     assert not list(tmp_path.iterdir())   # nothing half-written
 
 
+def tiny_llama(vocab_size=V):
+    from llmc_py.config import LlamaConfig
+    return LlamaConfig(max_seq_len=16, vocab_size=vocab_size, padded_vocab_size=384,
+                       num_layers=1, num_heads=2, num_kv_heads=2, channels=32)
+
+
 def test_a_tokenizer_json_is_padded_to_the_embedding(tmp_path):
     """As convert_hf_to_gguf pads (Qwen3's 151669 tokens, 151936 rows)."""
-    from llmc_py.config import LlamaConfig
-    from llmc_py.model.presets import Llama
-    config = LlamaConfig(max_seq_len=16, vocab_size=V + 20, padded_vocab_size=384,
-                         num_layers=1, num_heads=2, num_kv_heads=2, channels=32)
+    config = tiny_llama(V + 20)
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text("{}")

@@ -7,6 +7,9 @@ of the same config (io.hf.hf_tensors):
 - general.architecture "gpt2", "llama" (Llama and Mistral, as the converter
   writes Mistral) or "qwen3"; the hyperparameters are the config fields'
   declared GGUF keys (config.GGUFKey), the only place they are named.
+  Mistral's sliding window is written (we read it back), but llama.cpp's
+  llama architecture attends over every position: past the window its
+  logits differ from ours.
 - Tensor names are gguf.tensor_mapping's for the Hugging Face names; GPT-2's
   Conv1D weights are stored (out, in) like every other weight, its q, k, v
   stay fused (attn_qkv). A tied head writes no output tensor.
@@ -21,7 +24,8 @@ of the same config (io.hf.hf_tensors):
 - The tokenizer ("gpt2" BPE): GPT-2's tiktoken ranks, written as byte-level
   tokens with the merges the ranks imply, or a Hugging Face tokenizer.json
   (a BPE model: its vocabulary, added tokens and merges; shorter than the
-  embedding, it is padded with [PAD<i>] tokens as the converter does).
+  embedding, it is padded with [PAD<i>] tokens as the converter does; its
+  pre-tokenizer named as llama.cpp names it, _pre_tokenizer).
   A tokenizer with more tokens than the embedding has rows is refused.
 
 Reading inverts all of it: the config from the declared keys, every tensor
@@ -29,6 +33,7 @@ dequantised (gguf.quants.dequantize) to float32, q and k permuted back, and
 the tensors checked by io.hf.params_from_tensors as a folder's are. Tensors
 in F32, F16, BF16, Q8_0 and Q4_0 are read; other types are refused by name.
 """
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -217,11 +222,47 @@ def tiktoken_vocab(encoding):
     return Vocab(tokens, types, merges, encoding.eot_token, encoding.eot_token, "gpt-2")
 
 
+# The text splits (pre-tokenizer regexes) llama.cpp implements, by the
+# tokenizer.ggml.pre name that selects each, as tokenizer.json spells them in
+# a Split before a ByteLevel without its own regex: Llama 3's (numbers in
+# runs of up to 3 digits) and Qwen2's and Qwen3's (one digit a piece).
+SPLIT_PRES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+def _pre_tokenizer(pre, path):
+    """llama.cpp's tokenizer.ggml.pre name for a tokenizer.json's
+    pre_tokenizer: "gpt-2" for a ByteLevel with GPT-2's regex, SPLIT_PRES'
+    name for a Split of one of those regexes then a ByteLevel. Another one
+    is refused: llama.cpp would split text by a default regex of its own
+    and so tokenize differently (convert_hf_to_gguf names it by hashing
+    the tokenizer's output on a sample text instead)."""
+    def byte_level(step, regex):
+        return (step.get("type") == "ByteLevel" and step.get("use_regex", True) == regex
+                and not step.get("add_prefix_space", False))
+    pre = pre or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and byte_level(steps[0], True):
+        return "gpt-2"
+    if len(steps) == 2 and steps[0].get("type") == "Split" and byte_level(steps[1], False) \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        name = SPLIT_PRES.get((steps[0].get("pattern") or {}).get("Regex"))
+        if name is not None:
+            return name
+    raise UnsupportedError(f"{path}: field pre_tokenizer is {json.dumps(pre)[:200]}; GGUF "
+                           f"export writes the byte-level pre-tokenizers llama.cpp implements: "
+                           f"GPT-2's ByteLevel, or a Split of Llama 3's or Qwen2's regex before "
+                           f"ByteLevel")
+
+
 def tokenizer_json_vocab(path, bos=None, eos=None):
     """The Vocab of a Hugging Face tokenizer.json with a BPE model (ids
-    without a token are [PAD<id>]); llama.cpp's pre-tokenizer name is left
-    out (convert_hf_to_gguf finds it by hashing the tokenizer's output)."""
-    import json
+    without a token are [PAD<id>]) and a pre-tokenizer llama.cpp names
+    (_pre_tokenizer)."""
     gguf = _gguf()
     try:
         raw = json.loads(Path(path).read_text())
@@ -233,6 +274,7 @@ def tokenizer_json_vocab(path, bos=None, eos=None):
     if kind != "BPE":
         raise UnsupportedError(f"{path}: field model.type is {kind!r}; GGUF export writes BPE "
                                f"tokenizers only")
+    pre = _pre_tokenizer(raw.get("pre_tokenizer"), path)
     by_id = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     for added in raw.get("added_tokens") or []:
         by_id[added["id"]] = (added["content"], gguf.TokenType.CONTROL if added.get("special")
@@ -241,7 +283,7 @@ def tokenizer_json_vocab(path, bos=None, eos=None):
     pad = lambda i: (f"[PAD{i}]", gguf.TokenType.UNUSED)
     tokens, types = zip(*[by_id.get(i) or pad(i) for i in range(count)]) if count else ((), ())
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return Vocab(list(tokens), list(types), merges, bos, eos, pads=True)
+    return Vocab(list(tokens), list(types), merges, bos, eos, pre, pads=True)
 
 
 def _fit_vocab(vocab, vocab_size, source):
