@@ -17,7 +17,8 @@ of the same config (io.hf.hf_tensors):
   RoPE pairs into the interleaved pairs llama.cpp's llama rope uses, as the
   converter's LlamaModel.permute does; "qwen3" (NEOX rope) keeps them.
 - Which tensors are quantised is the converter's rule: 1-D tensors, norms,
-  biases and position_embd stay F32; every other weight gets ``dtype``. A
+  biases and position_embd stay F32; every other weight gets ``dtype``
+  (with q4_0 the head is Q8_0, as llama.cpp's quantizer makes it). A
   weight whose input dimension is not a multiple of the 32-wide Q8_0/Q4_0
   block falls back to F16, as the converter does. The bytes are
   gguf.quants.quantize's.
@@ -310,12 +311,18 @@ def tokenizer_vocab(tokenizer):
 
 # ---- writing -----------------------------------------------------------------
 
-def _qtype(gguf, name, shape, dtype):
+def _qtype(gguf, name, shape, dtype, head):
     """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
-    norms, biases and position_embd; ``dtype`` for the other weights."""
+    norms, biases and position_embd; ``dtype`` for the other weights. With
+    q4_0 the ``head`` (output.weight, or token_embd.weight when tied) is
+    Q8_0, as llama.cpp's quantizer keeps it (Q6_K where its rows are a
+    multiple of 256, which we do not write, else Q8_0) and as our quantized
+    model holds it."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
             or name == "position_embd.weight":
         return gguf.GGMLQuantizationType.F32
+    if dtype == "q4_0" and name == head:
+        return gguf.GGMLQuantizationType.Q8_0
     return gguf.GGMLQuantizationType[dtype.upper()]
 
 
@@ -372,6 +379,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
         fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
                                    prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
+        head = "token_embd.weight" if config.tied_embeddings else "output.weight"
         writer = gguf.GGUFWriter(tmp, arch)
         _add_metadata(gguf, writer, metadata, dtype)
         _add_vocab(writer, vocab)
@@ -383,7 +391,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                 data = half_split_to_interleaved(data, _rope_rows(config, name),
                                                  config.head_size)
             data = np.ascontiguousarray(data, dtype=np.float32)
-            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype))
+            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype, head))
             writer.add_tensor(name, raw, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
