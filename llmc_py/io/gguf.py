@@ -301,9 +301,25 @@ def _fit_vocab(vocab, vocab_size, source):
                           types=vocab.types + [_gguf().TokenType.UNUSED] * len(extra))
 
 
+def placeholder_vocab(size):
+    """A Vocab of ``size`` tokens for a model that has no tokenizer (a
+    benchmark's random one, fed token ids): the 256 byte tokens (byte b at
+    id b, as GPT-2's character for it) and GPT-2's first merge ("Ġ t"), the
+    least llama.cpp's byte-level tokenizer loads, then <unused{i}>."""
+    gguf = _gguf()
+    if size < 257:
+        raise ShapeError(f"placeholder_vocab: size is {size}; at least 257 (the 256 byte "
+                         f"tokens and one merge)")
+    tokens = [*_byte_chars().values(), "Ġt", *(f"<unused{i}>" for i in range(257, size))]
+    return Vocab(tokens, [gguf.TokenType.NORMAL] * size, ["Ġ t"], None, 0, "gpt-2")
+
+
 def tokenizer_vocab(tokenizer):
     """The Vocab of a tokenizer from tokenizer.load_tokenizer: an
-    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding."""
+    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding; a Vocab as
+    it is."""
+    if isinstance(tokenizer, Vocab):
+        return tokenizer
     if hasattr(tokenizer, "path"):   # an HFTokenizer: its bos is its document separator
         return tokenizer_json_vocab(tokenizer.path, tokenizer.eot_token, tokenizer.eot_token)
     return tiktoken_vocab(tokenizer)
