@@ -475,6 +475,25 @@ def test_unsupported_quantisation_type_is_refused_by_name(small, tmp_path):
         load_model(bad)
 
 
+def test_a_q6_k_head_reads_as_gguf_dequantizes_it(tmp_path):
+    """llama.cpp's quantizer keeps a Q4_0 model's head in Q6_K when its rows
+    are a multiple of 256 (seen: token_embd of a tied C = 256 model): any
+    bytes of it read back as gguf.quants.dequantize gives them."""
+    from llmc_py.config import LlamaConfig
+    config = LlamaConfig(max_seq_len=16, vocab_size=V, padded_vocab_size=384, num_layers=1,
+                         num_heads=4, num_kv_heads=2, channels=256, tied_embeddings=True)
+    src = tmp_path / "f32.gguf"
+    Llama(config, seed=0).save_gguf(src, tokenizer=tiktoken_free_tokenizer(tmp_path / "hf"))
+    blocks = np.random.default_rng(0).integers(0, 256, (V, 210), dtype=np.uint8)
+    blocks[:, -2:] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)   # each block's d
+    expected = gguf.quants.dequantize(blocks, Q.Q6_K)
+
+    def q6_k_head(name, data, kind):
+        return (blocks, Q.Q6_K, None) if name == "token_embd.weight" else (data, kind, None)
+    back = load_model(rewrite(src, tmp_path / "q6_k.gguf", tensor=q6_k_head))
+    assert np.array_equal(back.params["wte"][:V], expected)
+
+
 def test_tensor_whose_size_disagrees_with_its_shape_is_refused(small, tmp_path):
     """A tensor stored with fewer rows than its recorded shape has: the
     reader would take the next tensor's bytes for its last rows."""
@@ -516,6 +535,14 @@ def test_writing_gpt2s_tokenizer_for_another_vocabulary_is_refused(tmp_path, mon
                                          f"has {vocab_size} rows"):
         model.save_gguf(tmp_path / "m.gguf")
     assert not list(tmp_path.iterdir())   # nothing half-written
+
+
+def tiktoken_free_tokenizer(folder):
+    """write_tokenizer's tokenizer.json in a folder of its own."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    return folder
 
 
 def tiny_llama(vocab_size=V):

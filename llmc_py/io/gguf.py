@@ -32,7 +32,8 @@ of the same config (io.hf.hf_tensors):
 Reading inverts all of it: the config from the declared keys, every tensor
 dequantised (gguf.quants.dequantize) to float32, q and k permuted back, and
 the tensors checked by io.hf.params_from_tensors as a folder's are. Tensors
-in F32, F16, BF16, Q8_0 and Q4_0 are read; other types are refused by name.
+in F32, F16, BF16, Q8_0 and Q4_0 are read, and Q6_K (llama.cpp's quantizer
+keeps the head of a Q4_0 model in it); other types are refused by name.
 """
 import json
 import os
@@ -56,7 +57,7 @@ GGUF_ARCHS = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
               "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 HF_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
-READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q6_K")
 # GPT-2's Conv1D weights, which Hugging Face stores (in, out)
 CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
