@@ -1,8 +1,9 @@
 """bench/llama_cpp.py, the optional llama.cpp peer of bench --generate
 --weights, without llama-cpp-python: no rows and a line saying why when it
-is absent; with a stand-in ``llama_cpp`` module (its Llama: reset, eval,
-scores, n_tokens, as llama-cpp-python's) the job decodes the GGUF file we
-write of the model, greedily, in a process of its own."""
+is absent; with a stand-in ``llama_cpp`` module (Llama's reset, eval,
+n_vocab and ctx, and llama_get_logits_ith, as llama-cpp-python's) the job
+decodes the GGUF file we write of the model, greedily, in a process of its
+own."""
 import importlib.util
 import os
 import textwrap
@@ -18,8 +19,10 @@ from llmc_py.model.presets import Llama
 CONFIG = LlamaConfig(max_seq_len=32, vocab_size=300, padded_vocab_size=384, num_layers=1,
                      num_heads=2, num_kv_heads=2, channels=32)
 
-# argmax of each step's logits: the token after the last one evaluated
+# llama-cpp-python's Llama (reset, eval, n_vocab, ctx) and llama_get_logits_ith:
+# the argmax of each step's logits is the token after the last one evaluated
 STAND_IN = '''
+import ctypes
 import numpy as np
 import gguf
 
@@ -27,19 +30,23 @@ class Llama:
     def __init__(self, model_path, n_ctx, n_batch, n_threads, n_threads_batch, verbose):
         reader = gguf.GGUFReader(model_path)
         self.vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-        self.types = sorted({t.tensor_type.name for t in reader.tensors
-                             if t.name.startswith("blk.") and t.name.endswith("_q.weight")})
-        self.scores = np.zeros((n_ctx, self.vocab), np.float32)
+        self.logits = np.zeros(self.vocab, np.float32)
+        self.ctx = self
         assert n_batch >= 1 and n_threads == n_threads_batch >= 1 and not verbose
 
+    def n_vocab(self):
+        return self.vocab
+
     def reset(self):
-        self.n_tokens = 0
+        pass
 
     def eval(self, tokens):
-        for t in tokens:
-            self.scores[self.n_tokens] = 0
-            self.scores[self.n_tokens, (t + 1) % self.vocab] = 1
-            self.n_tokens += 1
+        self.logits[:] = 0
+        self.logits[(tokens[-1] + 1) % self.vocab] = 1
+
+def llama_get_logits_ith(ctx, i):
+    assert i == -1
+    return ctx.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
 '''
 
 

@@ -59,9 +59,13 @@ def decode_gguf(model, weights, prompts, new_tokens, repeats):
 def decode(path, prompt, new_tokens, repeats, threads):
     """The job: llama.cpp's greedy decoding of the GGUF file at ``path``."""
     import numpy as np
-    from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=len(prompt) + new_tokens, n_batch=max(len(prompt), 1),
-                n_threads=threads, n_threads_batch=threads, verbose=False)
+    import llama_cpp
+    llm = llama_cpp.Llama(model_path=path, n_ctx=len(prompt) + new_tokens,
+                          n_batch=max(len(prompt), 1), n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    V = llm.n_vocab()
+    # Llama.eval keeps no logits (unless logits_all): the context's last row
+    last = lambda: np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(V,))
     times = []
     for _ in range(repeats + 1):   # the first is a warm-up
         llm.reset()
@@ -69,7 +73,7 @@ def decode(path, prompt, new_tokens, repeats, threads):
         tokens = []
         start = time.perf_counter()
         for _ in range(new_tokens):
-            new = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            new = int(np.argmax(last()))
             tokens.append(new)
             llm.eval([new])
         times.append(time.perf_counter() - start)
