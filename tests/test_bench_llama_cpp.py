@@ -50,12 +50,30 @@ def llama_get_logits_ith(ctx, i):
 '''
 
 
+@pytest.fixture(autouse=True)
+def fresh_answer():
+    llama_cpp.missing.cache_clear()
+    yield
+    llama_cpp.missing.cache_clear()
+
+
 def test_without_llama_cpp_python_there_are_no_rows_and_a_line_says_why(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     assert llama_cpp.missing() == ("llama.cpp peer: llama-cpp-python is not installed (pip "
                                    "install llama-cpp-python); no llama.cpp rows")
+    assert llama_cpp.decode_gguf(Llama(CONFIG), "q8_0", [[1, 2, 3]], 4, 1) is None
+
+
+def test_a_llama_cpp_that_does_not_import_is_named(tmp_path, monkeypatch):
+    """As llama-cpp-python installed without its dependencies (diskcache)."""
+    (tmp_path / "llama_cpp.py").write_text("import no_such_module_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert llama_cpp.missing() == ("llama.cpp peer: llama_cpp does not import "
+                                   "(ModuleNotFoundError: No module named "
+                                   "'no_such_module_here'); no llama.cpp rows")
     assert llama_cpp.decode_gguf(Llama(CONFIG), "q8_0", [[1, 2, 3]], 4, 1) is None
 
 

@@ -12,9 +12,11 @@ the KV cache) after an untimed prefill of the prompt, over ``repeats`` runs
 after one warm-up. The file's head follows io.gguf (Q8_0 with q4_0), as
 ours does.
 """
+import functools
 import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,12 +29,18 @@ from .timing import run_job
 GGUF_DTYPES = {"fp32": "f32", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
 
 
+@functools.lru_cache(maxsize=1)
 def missing():
     """The line saying why there are no llama.cpp rows; None when
-    llama-cpp-python is installed."""
+    llama-cpp-python imports (tried in a process of its own, once)."""
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama.cpp peer: llama-cpp-python is not installed (pip install "
                 "llama-cpp-python); no llama.cpp rows")
+    done = subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        error = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return f"llama.cpp peer: llama_cpp does not import ({error}); no llama.cpp rows"
     return None
 
 
