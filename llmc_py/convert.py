@@ -14,7 +14,8 @@ A DST ending in .gguf is a GGUF file (io.gguf) of any SRC, with SRC's
 tokenizer (a folder's tokenizer.json, else GPT-2's); --dtype fp32, f16, bf16,
 q8_0 or q4_0 (norms, biases and position embeddings stay fp32). A GGUF SRC
 (dequantised) converts to a model file, as a folder does. Needs ``pip install
-"llmc_py[gguf]"``.
+"llmc_py[gguf]"``. A sliding window (Mistral's) is written, but llama.cpp's
+llama architecture ignores it; a note says so.
 """
 import argparse
 import sys
@@ -72,6 +73,11 @@ def main(argv=None):
     config, params = convert(args)
     print(f"{args.src} -> {args.dst}: {type(config).__name__}, {params.size:,} parameters "
           f"({args.dtype})")
+    window = getattr(config, "sliding_window", 0)
+    if Path(args.dst).suffix == ".gguf" and window and window < config.max_seq_len:
+        print(f"note: llama.cpp runs this model (general.architecture llama) without its "
+              f"sliding window of {window} positions: its output equals ours only while the "
+              f"text fits in {window} positions")
 
 
 if __name__ == "__main__":

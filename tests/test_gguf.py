@@ -27,7 +27,7 @@ from llmc_py.convert import build_parser, convert, main as convert_main
 from llmc_py.errors import ShapeError, UsageError
 from llmc_py.io.fetch import OFFLINE_ENV
 from llmc_py.io.hf import hf_tensors
-from llmc_py.model.presets import GPT2
+from llmc_py.model.presets import GPT2, Llama
 from test_hf import MODELS, V, batch, make_hf, rel_to_max
 
 EOS = V - 1
@@ -227,6 +227,66 @@ def test_gpt2_vocabulary_and_merges_from_the_tiktoken_ranks(gpt2_own):
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 50256
 
 
+def tokenizer_with(folder, pre_tokenizer):
+    """write_tokenizer's tokenizer.json in ``folder`` with ``pre_tokenizer``."""
+    from tokenizers import Tokenizer
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return tokenizer
+
+
+def split_then_byte_level(regex):
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def test_a_tokenizer_json_names_llama_cpps_pre_tokenizer(folder, tmp_path):
+    """Without tokenizer.ggml.pre llama.cpp splits text by a default regex of
+    its own and tokenizes differently (seen: "fox's" as "'", "s" where the
+    tokenizer gives "'s"): GPT-2's ByteLevel is "gpt-2"."""
+    name, folder = folder
+    model, path = saved(folder, tmp_path, "f32")
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+
+
+@pytest.mark.parametrize("pre, digits", [("llama-bpe", ["123", "456", "7"]),
+                                         ("qwen2", list("1234567"))])
+def test_split_regexes_of_llama3_and_qwen2_are_named(tmp_path, pre, digits):
+    """A Split of Llama 3's or Qwen2's regex (as their tokenizer.json spell
+    it) before a ByteLevel without its own regex: the pre-tokenizer names
+    llama.cpp selects those splits by; the regexes split digits as theirs."""
+    from llmc_py.io.gguf import SPLIT_PRES
+    regex = {v: k for k, v in SPLIT_PRES.items()}[pre]
+    tokenizer = tokenizer_with(tmp_path / "hf", split_then_byte_level(regex))
+    words = [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str("I'm 1234567 DON'T")]
+    assert words == ["I", "'m", "Ġ", *digits, "ĠDON", "'T"]
+    Llama(tiny_llama()).save_gguf(tmp_path / "m.gguf", tokenizer=tmp_path / "hf")
+    fields = gguf.GGUFReader(tmp_path / "m.gguf").fields
+    assert fields["tokenizer.ggml.pre"].contents() == pre
+
+
+def test_other_pre_tokenizers_are_refused_by_field(tmp_path):
+    """Metaspace (SentencePiece-style), another Split regex, or a ByteLevel
+    that adds a prefix space: llama.cpp would not split text as they do."""
+    from tokenizers import pre_tokenizers
+    for i, pre in enumerate([pre_tokenizers.Metaspace(),
+                             split_then_byte_level(r"\p{L}+|\p{N}+|\s+"),
+                             pre_tokenizers.ByteLevel(add_prefix_space=True)]):
+        folder = tmp_path / str(i)
+        tokenizer_with(folder, pre)
+        with pytest.raises(UnsupportedError, match=r"tokenizer.json: field pre_tokenizer is "
+                                                   r".*GPT-2's ByteLevel, or a Split of Llama "
+                                                   r"3's or Qwen2's regex before ByteLevel"):
+            Llama(tiny_llama()).save_gguf(folder / "m.gguf", tokenizer=folder)
+        assert not (folder / "m.gguf").exists()
+
+
 def test_every_declared_key_is_spelled_as_gguf_spells_it():
     known = {v for group in (gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope)
              for k, v in vars(group).items() if k.isupper()}
@@ -263,6 +323,10 @@ def converter_tensors(name, config, params):
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
+    """Every weight in ``dtype`` but the head (the output matrix: output, or
+    token_embd when tied), which is Q8_0: the types llama.cpp's own quantizer
+    (llama_model_quantize) gives our f32 file of these models, seen byte for
+    byte equal to ours."""
     name, folder = folder
     model, path = saved(folder, tmp_path, dtype)
     expected = converter_tensors(name, model.config, model.params.memory)
@@ -273,7 +337,9 @@ def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
         data = np.ascontiguousarray(expected[t.name], dtype=np.float32)
         one_d = data.ndim == 1 or t.name.endswith("_norm.weight") or t.name.endswith(".bias") \
             or t.name == "position_embd.weight"
-        kind = Q.F32 if one_d else Q[dtype.upper()]
+        head = t.name == ("token_embd.weight" if model.config.tied_embeddings else
+                          "output.weight")
+        kind = Q.F32 if one_d else Q.Q8_0 if head else Q[dtype.upper()]
         assert t.tensor_type == kind, t.name
         assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8),
                               gguf.quants.quantize(data, kind).reshape(-1).view(np.uint8)), \
@@ -319,6 +385,12 @@ def test_convert_cli_writes_gguf_and_reads_it_back(folder, tmp_path, capsys):
     name, folder = folder
     out = tmp_path / "out.gguf"
     assert convert_main([str(folder), str(out), "--dtype", "q8_0"]) in (None, 0)
+    # llama.cpp's llama architecture attends over every position (checked in
+    # llama.cpp: its logits past the window equal ours with the window off)
+    note = "note: llama.cpp runs this model (general.architecture llama) without its sliding " \
+           "window of 7 positions: its output equals ours only while the text fits in 7 " \
+           "positions\n"
+    assert capsys.readouterr().out.endswith(note) == (name == "mistral-window")
     model = load_model(folder)
     x, _ = batch()
     assert rel_to_max(logits_of(load_model(out), x), logits_of(model, x)) < BOUNDS["q8_0"]
@@ -403,6 +475,25 @@ def test_unsupported_quantisation_type_is_refused_by_name(small, tmp_path):
         load_model(bad)
 
 
+def test_a_q6_k_head_reads_as_gguf_dequantizes_it(tmp_path):
+    """llama.cpp's quantizer keeps a Q4_0 model's head in Q6_K when its rows
+    are a multiple of 256 (seen: token_embd of a tied C = 256 model): any
+    bytes of it read back as gguf.quants.dequantize gives them."""
+    from llmc_py.config import LlamaConfig
+    config = LlamaConfig(max_seq_len=16, vocab_size=V, padded_vocab_size=384, num_layers=1,
+                         num_heads=4, num_kv_heads=2, channels=256, tied_embeddings=True)
+    src = tmp_path / "f32.gguf"
+    Llama(config, seed=0).save_gguf(src, tokenizer=tiktoken_free_tokenizer(tmp_path / "hf"))
+    blocks = np.random.default_rng(0).integers(0, 256, (V, 210), dtype=np.uint8)
+    blocks[:, -2:] = np.frombuffer(np.float16(2e-4).tobytes(), np.uint8)   # each block's d
+    expected = gguf.quants.dequantize(blocks, Q.Q6_K)
+
+    def q6_k_head(name, data, kind):
+        return (blocks, Q.Q6_K, None) if name == "token_embd.weight" else (data, kind, None)
+    back = load_model(rewrite(src, tmp_path / "q6_k.gguf", tensor=q6_k_head))
+    assert np.array_equal(back.params["wte"][:V], expected)
+
+
 def test_tensor_whose_size_disagrees_with_its_shape_is_refused(small, tmp_path):
     """A tensor stored with fewer rows than its recorded shape has: the
     reader would take the next tensor's bytes for its last rows."""
@@ -446,12 +537,23 @@ def test_writing_gpt2s_tokenizer_for_another_vocabulary_is_refused(tmp_path, mon
     assert not list(tmp_path.iterdir())   # nothing half-written
 
 
+def tiktoken_free_tokenizer(folder):
+    """write_tokenizer's tokenizer.json in a folder of its own."""
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    write_tokenizer(folder)
+    return folder
+
+
+def tiny_llama(vocab_size=V):
+    from llmc_py.config import LlamaConfig
+    return LlamaConfig(max_seq_len=16, vocab_size=vocab_size, padded_vocab_size=384,
+                       num_layers=1, num_heads=2, num_kv_heads=2, channels=32)
+
+
 def test_a_tokenizer_json_is_padded_to_the_embedding(tmp_path):
     """As convert_hf_to_gguf pads (Qwen3's 151669 tokens, 151936 rows)."""
-    from llmc_py.config import LlamaConfig
-    from llmc_py.model.presets import Llama
-    config = LlamaConfig(max_seq_len=16, vocab_size=V + 20, padded_vocab_size=384,
-                         num_layers=1, num_heads=2, num_kv_heads=2, channels=32)
+    config = tiny_llama(V + 20)
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text("{}")

@@ -37,6 +37,7 @@ def write_tokenizer(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.add_special_tokens(["<|endoftext|>"])
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "config.json").write_text('{"eos_token_id": 256}')

@@ -7,6 +7,9 @@ of the same config (io.hf.hf_tensors):
 - general.architecture "gpt2", "llama" (Llama and Mistral, as the converter
   writes Mistral) or "qwen3"; the hyperparameters are the config fields'
   declared GGUF keys (config.GGUFKey), the only place they are named.
+  Mistral's sliding window is written (we read it back), but llama.cpp's
+  llama architecture attends over every position: past the window its
+  logits differ from ours.
 - Tensor names are gguf.tensor_mapping's for the Hugging Face names; GPT-2's
   Conv1D weights are stored (out, in) like every other weight, its q, k, v
   stay fused (attn_qkv). A tied head writes no output tensor.
@@ -14,21 +17,25 @@ of the same config (io.hf.hf_tensors):
   RoPE pairs into the interleaved pairs llama.cpp's llama rope uses, as the
   converter's LlamaModel.permute does; "qwen3" (NEOX rope) keeps them.
 - Which tensors are quantised is the converter's rule: 1-D tensors, norms,
-  biases and position_embd stay F32; every other weight gets ``dtype``. A
+  biases and position_embd stay F32; every other weight gets ``dtype``
+  (with q4_0 the head is Q8_0, as llama.cpp's quantizer makes it). A
   weight whose input dimension is not a multiple of the 32-wide Q8_0/Q4_0
   block falls back to F16, as the converter does. The bytes are
   gguf.quants.quantize's.
 - The tokenizer ("gpt2" BPE): GPT-2's tiktoken ranks, written as byte-level
   tokens with the merges the ranks imply, or a Hugging Face tokenizer.json
   (a BPE model: its vocabulary, added tokens and merges; shorter than the
-  embedding, it is padded with [PAD<i>] tokens as the converter does).
+  embedding, it is padded with [PAD<i>] tokens as the converter does; its
+  pre-tokenizer named as llama.cpp names it, _pre_tokenizer).
   A tokenizer with more tokens than the embedding has rows is refused.
 
 Reading inverts all of it: the config from the declared keys, every tensor
 dequantised (gguf.quants.dequantize) to float32, q and k permuted back, and
 the tensors checked by io.hf.params_from_tensors as a folder's are. Tensors
-in F32, F16, BF16, Q8_0 and Q4_0 are read; other types are refused by name.
+in F32, F16, BF16, Q8_0 and Q4_0 are read, and Q6_K (llama.cpp's quantizer
+keeps the head of a Q4_0 model in it); other types are refused by name.
 """
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -62,7 +69,7 @@ def gguf_arch(hf_arch):
     return GGUF_ARCHS[hf_arch]
 
 
-READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q6_K")
 # GPT-2's Conv1D weights, which Hugging Face stores (in, out)
 CONV1D = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
 
@@ -229,11 +236,47 @@ def tiktoken_vocab(encoding):
     return Vocab(tokens, types, merges, encoding.eot_token, encoding.eot_token, "gpt-2")
 
 
+# The text splits (pre-tokenizer regexes) llama.cpp implements, by the
+# tokenizer.ggml.pre name that selects each, as tokenizer.json spells them in
+# a Split before a ByteLevel without its own regex: Llama 3's (numbers in
+# runs of up to 3 digits) and Qwen2's and Qwen3's (one digit a piece).
+SPLIT_PRES = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
+}
+
+
+def _pre_tokenizer(pre, path):
+    """llama.cpp's tokenizer.ggml.pre name for a tokenizer.json's
+    pre_tokenizer: "gpt-2" for a ByteLevel with GPT-2's regex, SPLIT_PRES'
+    name for a Split of one of those regexes then a ByteLevel. Another one
+    is refused: llama.cpp would split text by a default regex of its own
+    and so tokenize differently (convert_hf_to_gguf names it by hashing
+    the tokenizer's output on a sample text instead)."""
+    def byte_level(step, regex):
+        return (step.get("type") == "ByteLevel" and step.get("use_regex", True) == regex
+                and not step.get("add_prefix_space", False))
+    pre = pre or {}
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    if len(steps) == 1 and byte_level(steps[0], True):
+        return "gpt-2"
+    if len(steps) == 2 and steps[0].get("type") == "Split" and byte_level(steps[1], False) \
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert"):
+        name = SPLIT_PRES.get((steps[0].get("pattern") or {}).get("Regex"))
+        if name is not None:
+            return name
+    raise UnsupportedError(f"{path}: field pre_tokenizer is {json.dumps(pre)[:200]}; GGUF "
+                           f"export writes the byte-level pre-tokenizers llama.cpp implements: "
+                           f"GPT-2's ByteLevel, or a Split of Llama 3's or Qwen2's regex before "
+                           f"ByteLevel")
+
+
 def tokenizer_json_vocab(path, bos=None, eos=None):
     """The Vocab of a Hugging Face tokenizer.json with a BPE model (ids
-    without a token are [PAD<id>]); llama.cpp's pre-tokenizer name is left
-    out (convert_hf_to_gguf finds it by hashing the tokenizer's output)."""
-    import json
+    without a token are [PAD<id>]) and a pre-tokenizer llama.cpp names
+    (_pre_tokenizer)."""
     gguf = _gguf()
     try:
         raw = json.loads(Path(path).read_text())
@@ -245,6 +288,7 @@ def tokenizer_json_vocab(path, bos=None, eos=None):
     if kind != "BPE":
         raise UnsupportedError(f"{path}: field model.type is {kind!r}; GGUF export writes BPE "
                                f"tokenizers only")
+    pre = _pre_tokenizer(raw.get("pre_tokenizer"), path)
     by_id = {i: (t, gguf.TokenType.NORMAL) for t, i in model["vocab"].items()}
     for added in raw.get("added_tokens") or []:
         by_id[added["id"]] = (added["content"], gguf.TokenType.CONTROL if added.get("special")
@@ -253,7 +297,7 @@ def tokenizer_json_vocab(path, bos=None, eos=None):
     pad = lambda i: (f"[PAD{i}]", gguf.TokenType.UNUSED)
     tokens, types = zip(*[by_id.get(i) or pad(i) for i in range(count)]) if count else ((), ())
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return Vocab(list(tokens), list(types), merges, bos, eos, pads=True)
+    return Vocab(list(tokens), list(types), merges, bos, eos, pre, pads=True)
 
 
 def _fit_vocab(vocab, vocab_size, source):
@@ -270,9 +314,25 @@ def _fit_vocab(vocab, vocab_size, source):
                           types=vocab.types + [_gguf().TokenType.UNUSED] * len(extra))
 
 
+def placeholder_vocab(size):
+    """A Vocab of ``size`` tokens for a model that has no tokenizer (a
+    benchmark's random one, fed token ids): the 256 byte tokens (byte b at
+    id b, as GPT-2's character for it) and GPT-2's first merge ("Ġ t"), the
+    least llama.cpp's byte-level tokenizer loads, then <unused{i}>."""
+    gguf = _gguf()
+    if size < 257:
+        raise ShapeError(f"placeholder_vocab: size is {size}; at least 257 (the 256 byte "
+                         f"tokens and one merge)")
+    tokens = [*_byte_chars().values(), "Ġt", *(f"<unused{i}>" for i in range(257, size))]
+    return Vocab(tokens, [gguf.TokenType.NORMAL] * size, ["Ġ t"], None, 0, "gpt-2")
+
+
 def tokenizer_vocab(tokenizer):
     """The Vocab of a tokenizer from tokenizer.load_tokenizer: an
-    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding."""
+    HFTokenizer's tokenizer.json, or GPT-2's tiktoken Encoding; a Vocab as
+    it is."""
+    if isinstance(tokenizer, Vocab):
+        return tokenizer
     if hasattr(tokenizer, "path"):   # an HFTokenizer: its bos is its document separator
         return tokenizer_json_vocab(tokenizer.path, tokenizer.eot_token, tokenizer.eot_token)
     return tiktoken_vocab(tokenizer)
@@ -280,12 +340,18 @@ def tokenizer_vocab(tokenizer):
 
 # ---- writing -----------------------------------------------------------------
 
-def _qtype(gguf, name, shape, dtype):
+def _qtype(gguf, name, shape, dtype, head):
     """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
-    norms, biases and position_embd; ``dtype`` for the other weights."""
+    norms, biases and position_embd; ``dtype`` for the other weights. With
+    q4_0 the ``head`` (output.weight, or token_embd.weight when tied) is
+    Q8_0, as llama.cpp's quantizer keeps it (Q6_K where its rows are a
+    multiple of 256, which we do not write, else Q8_0) and as our quantized
+    model holds it."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
             or name == "position_embd.weight":
         return gguf.GGMLQuantizationType.F32
+    if dtype == "q4_0" and name == head:
+        return gguf.GGMLQuantizationType.Q8_0
     return gguf.GGMLQuantizationType[dtype.upper()]
 
 
@@ -342,6 +408,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
         fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
                                    prefix=f".{path.name}.", suffix=".tmp")
         os.close(fd)
+        head = "token_embd.weight" if config.tied_embeddings else "output.weight"
         writer = gguf.GGUFWriter(tmp, arch)
         _add_metadata(gguf, writer, metadata, dtype)
         _add_vocab(writer, vocab)
@@ -353,7 +420,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                 data = half_split_to_interleaved(data, _rope_rows(config, name),
                                                  config.head_size)
             data = np.ascontiguousarray(data, dtype=np.float32)
-            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype))
+            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype, head))
             writer.add_tensor(name, raw, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
