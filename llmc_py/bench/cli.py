@@ -1,6 +1,6 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate or --quality."""
+default), --generate (with --weights: decoding by weight type) or --quality."""
 import argparse
 import json
 import os
@@ -14,11 +14,11 @@ from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, su
 from ..cli import command
 from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS
-from .generate import measure_generation
+from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .quality import bench_quality
 from .step import measure_steps
-from .tables import print_generation, print_quality, print_training
+from .tables import print_generation, print_quality, print_training, print_weights
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -39,7 +39,7 @@ def build_parser():
     p.add_argument("--batch", type=int, nargs=2, default=(4, 64), metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
                         "and of the training step (default 4 64; --generate ignores it: it "
-                        "runs batches of 1 and 4 at --gen's lengths)")
+                        "runs batches of 1 and 4 at --gen's lengths, with --weights 1 and 8)")
     p.add_argument("--layers", type=int, default=12, help="GPT-2 124M has 12")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
@@ -67,6 +67,12 @@ def build_parser():
                    help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
+    p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,
+                   help="--generate: instead, our greedy decoding of GPT-2 (--layers) and of "
+                        "a Qwen3-0.6B-shaped model (random weights) with each of these weight "
+                        "types, batch 1 and 8, beside the bandwidth limit measured in the same "
+                        "run (a streaming read's GB/s over the bytes a step reads: weights + "
+                        "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0)")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate: prompt tokens and new tokens")
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
@@ -80,6 +86,8 @@ def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
     check_flags(args, FLAG_RANGES)
+    if args.weights and not args.generate:
+        parser.error("--weights: give --generate too (it chooses the weights of decoding)")
     for isa in args.isa or ():
         if isa not in supported_isas():
             parser.error(f"--isa {isa}: this CPU or build runs only "
@@ -122,7 +130,9 @@ def main(argv=None):
         print_quality(args, bench_quality(args.quality))
         return
     rng = np.random.default_rng(0)
-    if args.generate:
+    if args.generate and args.weights:
+        results, print_results = measure_weights(args, rng), print_weights
+    elif args.generate:
         results, print_results = measure_generation(args, rng), print_generation
     else:
         results, print_results = measure_training(args, isas, rng), print_training
