@@ -35,7 +35,7 @@ import numpy as np
 
 from ..config import GPT2_CHOICES, MODEL_FIELDS, REQUIRED, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
-from ..model.layout import TensorGroup, checked_params, param_specs
+from ..model.layout import WHOLE_PARAMS, TensorGroup, checked_params, param_specs
 from .files import atomic_write, to_bf16
 from .rope_layout import interleaved_to_half_split
 
@@ -335,10 +335,6 @@ def _tensor_map(arch):
 _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-# our tensors that are not per layer
-_WHOLE = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
-
-
 def _part_rows(config, name, templates):
     """Rows of each Hugging Face part of one layer of our ``name``, when it
     is stacked from several (q, k, v; gate, up); else None."""
@@ -365,7 +361,7 @@ def hf_tensors(config, params):
             tensor = tensor[:config.vocab_size]   # without the padding rows
         templates, transposed = names[name]
         rows = _part_rows(config, name, templates)
-        for l in [None] if name in _WHOLE else range(config.num_layers):
+        for l in [None] if name in WHOLE_PARAMS else range(config.num_layers):
             value = tensor if l is None else tensor[l]
             parts = [value] if rows is None else np.split(value, np.cumsum(rows)[:-1], axis=0)
             for template, part in zip(templates, parts):
@@ -534,7 +530,7 @@ def our_tensors(arch, config, tensors, source, config_source):
         shape = tuple(fn(config))
         templates, transposed = names[name]
         rows = _part_rows(config, name, templates)
-        for l in [None] if name in _WHOLE else range(config.num_layers):
+        for l in [None] if name in WHOLE_PARAMS else range(config.num_layers):
             parts = []
             for i, template in enumerate(templates):
                 hf_name = template.format(l=l)
@@ -564,7 +560,7 @@ def hf_names(config):
     parameters' order."""
     names = _tensor_map(architecture(config))
     for name, _ in param_specs(config):
-        for l in [None] if name in _WHOLE else range(config.num_layers):
+        for l in [None] if name in WHOLE_PARAMS else range(config.num_layers):
             for template in names[name][0]:
                 yield template.format(l=l)
 

@@ -134,6 +134,10 @@ def param_specs(c):
     return tuple((name, fn) for name, fn, present in specs if present)
 
 
+# the parameters that are one tensor for the model; the others stack one per layer
+WHOLE_PARAMS = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
+
+
 def act_specs(c, recompute=False, logits=True):
     """(name, shape function of (config, B, T)) per activation of a forward.
 
