@@ -273,3 +273,32 @@ def test_put_quantized_refuses_a_block_of_the_wrong_shape():
         model.put_quantized("fcw", 1, wrong)
     with pytest.raises(ValueError, match="weights='q8_0'.*neither params"):
         Llama(LLAMA, params=model.params.memory, weights="q8_0")
+
+
+def test_eval_tables_several_weights(tmp_path, capsys):
+    """eval --weights fp32 bf16 q8_0 q4_0: a row per weights (and length),
+    each loss that of eval with those weights alone, each perplexity's
+    change from fp32's."""
+    import re
+
+    from llmc_py import eval as evaluation
+    from llmc_py.io.tokens import write_tokens
+    path, data = tmp_path / "model.bin", tmp_path / "val.bin"
+    MODELS["qwen3-qknorm"]().save_checkpoint(path)
+    write_tokens(data, tokens(1, 60)[0])
+    kinds = ["fp32", "bf16", "q8_0", "q4_0"]
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "16", "--weights",
+                            *kinds]) == 0
+    rows = re.findall(r"^(\S+) +(\d+) +\d+ +\d+ +\d+ +(\S+) +(\S+) +(\S+)%$",
+                      capsys.readouterr().out, re.M)
+    assert [(w, L) for w, L, *_ in rows] == [(w, L) for w in kinds for L in ("8", "16")]
+    first = {L: float(ppl) for w, L, _, ppl, _ in rows if w == "fp32"}
+    for weights, length, loss, ppl, change in rows:
+        alone = ["--precision", "bf16"] if weights == "bf16" else ["--weights", weights]
+        assert evaluation.main([str(path), str(data), "--lengths", length] + alone) == 0
+        assert float(capsys.readouterr().out.split()[-2]) == float(loss)
+        assert abs(float(change) - (float(ppl) / first[length] - 1) * 100) < 0.01
+    assert [c for w, _, _, _, c in rows if w == "fp32"] == ["+0.00"] * 2
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "--precision", "bf16",
+                            "--weights", "q8_0"]) == 1
+    assert "--precision bf16 and --weights: give one" in capsys.readouterr().err
