@@ -168,17 +168,17 @@ def load_with_weights(path, weights):
     """The model at ``path`` with ``weights`` (WEIGHTS): in float32, a frozen
     bf16 base (the matmuls on bf16 alone), or quantized."""
     from .model import load_model
-    if weights in QUANT_TYPES:
-        return load_model(path, weights=weights)
-    return load_model(path, precision=weights, frozen=weights == "bf16")
+    quantized = weights in QUANT_TYPES
+    return load_model(path, precision="fp32" if quantized else weights,
+                      weights=weights if quantized else None, frozen=weights == "bf16")
 
 
 def evaluate(args):
     """The number of tokens read, and a row (weights, length, stride,
     windows, targets, loss) per --weights and --lengths, each evaluated as
     it is taken (so that a table shows each as soon as it is known)."""
-    from .io.load import read_config
-    c = read_config(args.model)
+    model = load_with_weights(args.model, args.weights[0])
+    c = model.config
     too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
     if too_long:
         raise UsageError(f"--lengths {' '.join(map(str, too_long))}: past the model's "
@@ -187,16 +187,16 @@ def evaluate(args):
                          f"ALiBi models can)")
     tokens, trained = read_text(args.data, c.vocab_size, args.max_tokens)
 
-    def rows():
+    def rows(model):
         for weights in args.weights:
-            model = load_with_weights(args.model, weights)
+            model = model or load_with_weights(args.model, weights)
             for L in args.lengths:
                 stride = min(args.stride or L, L)
                 loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size,
                                                    trained)
                 yield weights, L, stride, n, counted, loss
-            del model   # before the next one is loaded
-    return len(tokens), rows()
+            model = None   # let go before the next one is loaded
+    return len(tokens), rows(model)
 
 
 def print_table(args, n_tokens, rows):
