@@ -251,7 +251,7 @@ def test_a_quantized_load_streams_tensor_by_tensor(tmp_path, source):
         model.save_checkpoint(path)
     x = tokens(2, 7)
     for qtype in ("q8_0", "q4_0"):
-        def float32_first():
+        def float32_first(qtype=qtype):
             read_config, params = read_model_file(path)
             whole = Llama(read_config, params=params)
             whole.quantize(qtype, blocks=read_quantized_blocks(path, qtype))

@@ -10,7 +10,8 @@ import re
 
 from ..config import MODEL_FIELDS, MODEL_FLAGS, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import ShapeError, UsageError
-from ..io.load import read_config, read_model_file, read_model_file_into, read_quantized_blocks
+from ..io.load import (read_config, read_model_file, read_model_file_into,
+                       read_quantized_blocks)
 from ..io.model_file import read_llama, read_model
 from .quantized import check_weights_type
 from .transformer import Transformer
