@@ -88,24 +88,25 @@ def print_weights(args, results):
           f"after {results['prompt']} (tokens/s: median, min-max of {args.repeats}); streaming "
           f"read {results['bandwidth_gbps']:.1f} GB/s; limit = that over a step's bytes "
           f"(weights + KV cache)")
-    print(f"{'model':<20}{'batch':>6}{'weights':>9}{'tok/s':>9}{'min-max':>16}{'step MiB':>10}"
-          f"{'limit':>8}{'of limit':>9}{'vs bf16':>8}{'floor':>7}")
+    print(f"{'model':<20} {'batch':>5} {'weights':>8} {'tok/s':>9} {'min-max':>19} "
+          f"{'step MiB':>9} {'limit':>9} {'of limit':>8} {'vs bf16':>7} {'floor':>6}")
     rows = results["weights"]
     bf16 = {(r["model"], r["batch"]): r["median"] for r in rows
             if r["weights"] == "bf16" and "peer" not in r}
     for r in rows:
         name = r["weights"] if "peer" not in r else f"{r['peer']} {r['weights']}"
         spread = f"{r['min']:.1f}-{r['max']:.1f}"
-        line = f"{r['model']:<20}{r['batch']:>6}{name:>9}{r['median']:9.1f}{spread:>16}"
+        line = f"{r['model']:<20} {r['batch']:>5} {name:>8} {r['median']:9.1f} {spread:>19}"
         if "peer" in r:
-            line += f"{'':>10}{'':>8}{'':>9}"
+            line += f" {'':>9} {'':>9} {'':>8}"
         else:
-            line += f"{r['step_mib']:10.1f}{r['limit']:8.1f}{r['median'] / r['limit']:9.2f}"
+            line += (f" {r['step_mib']:9.1f} {r['limit']:9.1f} "
+                     f"{r['median'] / r['limit']:8.2f}")
         base = bf16.get((r["model"], r["batch"]))
-        line += f"{r['median'] / base:8.2f}" if base else f"{'-':>8}"
+        line += f" {r['median'] / base:7.2f}" if base else f" {'-':>7}"
         floor = DECODE_FLOORS.get(r["weights"]) if r["batch"] == 1 and "peer" not in r else None
         if floor and base:
-            line += f"{'>=' + str(floor):>7}" + ("" if r["median"] / base >= floor else " MISSED")
+            line += f" {'>=' + str(floor):>6}" + ("" if r["median"] / base >= floor else " MISSED")
         print(line)
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
 
