@@ -306,21 +306,36 @@ static int cpuid_bit(unsigned leaf, unsigned subleaf, int reg, int bit) {
 }
 #endif
 
-static int path_supported(int path) {
+static int path_supported_uncached(int path) {
     switch (path) {
         case PATH_PORTABLE: return 1;
 #ifdef LLMC_X86_DISPATCH
         case PATH_AVX2:
             return llmc_isa_supported(LLMC_ISA_AVX2) && cpuid_bit(1, 0, 2, 29);
         case PATH_AVXVNNI:
-            return path_supported(PATH_AVX2) && cpuid_bit(7, 1, 0, 4);
+            return path_supported_uncached(PATH_AVX2) && cpuid_bit(7, 1, 0, 4);
         case PATH_AVX512VNNI:
-            return path_supported(PATH_AVX2) && llmc_isa_supported(LLMC_ISA_AVX512)
+            return path_supported_uncached(PATH_AVX2) && llmc_isa_supported(LLMC_ISA_AVX512)
                    && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
                    && __builtin_cpu_supports("avx512vnni");
 #endif
         default: return 0;
     }
+}
+
+/* path_supported_uncached's answer, asked once per path: CPUID traps to the
+   hypervisor in a virtual machine (microseconds each), which every decoding
+   call would otherwise pay several times; -1: not asked yet */
+static int path_support[PATH_AVX512VNNI + 1] = {-1, -1, -1, -1};
+
+static int path_supported(int path) {
+    if (path < 0 || path > PATH_AVX512VNNI) { return 0; }
+    int known = __atomic_load_n(&path_support[path], __ATOMIC_RELAXED);
+    if (known < 0) {
+        known = path_supported_uncached(path);
+        __atomic_store_n(&path_support[path], known, __ATOMIC_RELAXED);
+    }
+    return known;
 }
 
 static lane_sums_fn path_function(int path) {

@@ -14,7 +14,11 @@ earlier window scored (the others are masked, IGNORE_INDEX), so with S < L
 each target after the first window has at least L - S tokens of context
 (sliding-window evaluation). The last window ends at the text's end. The loss
 is the mean over all targets scored (train.loop.validation_loss, as
-training's validation loss); the perplexity its exp. A model with a
+training's validation loss); the perplexity its exp.
+
+--weights fp32 bf16 q8_0 q4_0 evaluates the model with each of these weights
+in turn (float32, a frozen bf16 base, llama.cpp's 8-bit or 4-bit blocks),
+each perplexity beside its change from the first's: what each costs. A model with a
 learned position table cannot go past its max_seq_len: asking is a clear
 error, not a crash; RoPE, ALiBi and other position schemes can.
 """
@@ -134,26 +138,46 @@ def build_parser():
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: the matmuls on the weights in bf16 alone (a frozen bf16 "
                         "base, no float32 copy)")
-    p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
-                   help="evaluate on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
-                        "weights (the embedding and head at q8_0)")
+    p.add_argument("--weights", nargs="+", choices=WEIGHTS, default=None,
+                   help="evaluate with each of these weights in turn (instead of "
+                        "--precision): fp32, bf16 (as --precision bf16), or llama.cpp's "
+                        "8-bit or 4-bit blocks of the linear layers' weights (q8_0, q4_0; "
+                        "the embedding and head at q8_0); with several, a last column gives each "
+                        "perplexity's change from the first's (e.g. --weights fp32 bf16 "
+                        "q8_0 q4_0: the cost of each)")
     return p
+
+
+# what --weights takes: a precision, or a quantisation type
+WEIGHTS = ("fp32", "bf16") + tuple(QUANT_TYPES)
 
 
 def parse(argv):
     args = build_parser().parse_args(argv)
     if args.batch_size < 1 or args.stride < 0 or args.max_tokens < 0 or min(args.lengths) < 1:
         raise UsageError("--lengths and -b must be >= 1, --stride and --max-tokens >= 0")
+    if args.weights is None:
+        args.weights = [args.precision]
+    elif args.precision != "fp32":
+        raise UsageError(f"--precision {args.precision} and --weights: give one (--weights "
+                         f"takes bf16 too)")
     return args
 
 
-def evaluate(args):
-    """The number of tokens read, and a row (length, stride, windows,
-    targets, loss) per --lengths, each evaluated as it is taken (so that a
-    table shows each as soon as it is known)."""
+def load_with_weights(path, weights):
+    """The model at ``path`` with ``weights`` (WEIGHTS): in float32, a frozen
+    bf16 base (the matmuls on bf16 alone), or quantized."""
     from .model import load_model
-    model = load_model(args.model, precision=args.precision, weights=args.weights,
-                       frozen=args.precision == "bf16" and args.weights is None)
+    quantized = weights in QUANT_TYPES
+    return load_model(path, precision="fp32" if quantized else weights,
+                      weights=weights if quantized else None, frozen=weights == "bf16")
+
+
+def evaluate(args):
+    """The number of tokens read, and a row (weights, length, stride,
+    windows, targets, loss) per --weights and --lengths, each evaluated as
+    it is taken (so that a table shows each as soon as it is known)."""
+    model = load_with_weights(args.model, args.weights[0])
     c = model.config
     too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
     if too_long:
@@ -163,21 +187,34 @@ def evaluate(args):
                          f"ALiBi models can)")
     tokens, trained = read_text(args.data, c.vocab_size, args.max_tokens)
 
-    def rows():
-        for L in args.lengths:
-            stride = min(args.stride or L, L)
-            loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size,
-                                               trained)
-            yield L, stride, n, counted, loss
-    return len(tokens), rows()
+    def rows(model):
+        for weights in args.weights:
+            model = model or load_with_weights(args.model, weights)
+            for L in args.lengths:
+                stride = min(args.stride or L, L)
+                loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size,
+                                                   trained)
+                yield weights, L, stride, n, counted, loss
+            model = None   # let go before the next one is loaded
+    return len(tokens), rows(model)
 
 
 def print_table(args, n_tokens, rows):
+    """One row per length; with several --weights, a weights column first
+    and each perplexity's change from the first weights' at that length."""
+    several = len(args.weights) > 1
     print(f"{args.model} on {n_tokens} tokens of {args.data}")
-    print(f"{'length':>8} {'stride':>8} {'windows':>8} {'targets':>9} {'loss':>9} "
-          f"{'perplexity':>11}")
-    for L, stride, n, counted, loss in rows:
-        print(f"{L:>8} {stride:>8} {n:>8} {counted:>9} {loss:>9.4f} {perplexity(loss):>11.3f}")
+    print(("weights  " if several else "") + f"{'length':>8} {'stride':>8} {'windows':>8} "
+          f"{'targets':>9} {'loss':>9} {'perplexity':>11}"
+          + (f" vs {args.weights[0]}" if several else ""))
+    first = {}   # length: the first weights' perplexity
+    for weights, L, stride, n, counted, loss in rows:
+        ppl = perplexity(loss)
+        line = f"{L:>8} {stride:>8} {n:>8} {counted:>9} {loss:>9.4f} {ppl:>11.3f}"
+        if several:
+            base = first.setdefault(L, ppl)
+            line = f"{weights:<8} {line} {(ppl / base - 1) * 100:+7.2f}%"
+        print(line)
 
 
 @command

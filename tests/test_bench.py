@@ -183,3 +183,41 @@ def test_lora_quality_fine_tunes_on_the_held_out_plays(tmp_path):
     assert (tmp_path / "lora" / "lora_00000002" / "adapter_config.json").exists()
     assert not (tmp_path / "lora" / "model_00000002.bin").exists()
     assert (tmp_path / "full" / "model_00000002.bin").exists()
+
+
+def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys):
+    """--generate --weights at a tiny size: a row per model, weight type and
+    batch, each with its limit, and the printed ratios to bf16."""
+    from llmc_py import GPT2Config, LlamaConfig
+    from llmc_py.bench import cli
+    from llmc_py.bench.generate import WEIGHT_TYPES, measure_weights
+    from llmc_py.bench.tables import print_weights
+    args = cli.parse(["--generate", "--weights", *WEIGHT_TYPES, "--gen", "5", "3",
+                      "--repeats", "2"])
+    models = {"gpt2": GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=64,
+                                 num_layers=1, num_heads=2, channels=32),
+              "qwen3": LlamaConfig(max_seq_len=16, vocab_size=64, padded_vocab_size=64,
+                                   num_layers=2, num_heads=4, num_kv_heads=2, channels=64,
+                                   head_dim=32, qk_norm=True)}
+    results = measure_weights(args, np.random.default_rng(0), models, bandwidth_bytes=2**22)
+    rows = results["weights"]
+    assert [(r["model"], r["weights"], r["batch"]) for r in rows] == [
+        (m, w, b) for m in models for w in WEIGHT_TYPES for b in (1, 8)]
+    assert results["bandwidth_gbps"] > 0
+    assert all(r["limit"] > 0 and 0 < r["min"] <= r["median"] <= r["max"] for r in rows)
+    assert all(len(r["tokens"]) == r["batch"] and len(r["tokens"][0]) == 3 for r in rows)
+    # a step's bytes shrink with the weights: fp32 > bf16 > q8_0 > q4_0
+    for m in models:
+        steps = [r["step_mib"] for r in rows if r["model"] == m and r["batch"] == 1]
+        assert steps == sorted(steps, reverse=True) and len(set(steps)) == 4
+    results["peak_rss_mib"] = 1.0
+    print_weights(args, results)
+    lines = capsys.readouterr().out.splitlines()
+    table = [line.split() for line in lines[2:-1]]
+    assert [(t[0], t[1], t[2]) for t in table] == [(m, str(b), w) for m in models
+                                                   for w in WEIGHT_TYPES for b in (1, 8)]
+    # columns: model batch weights tok/s min-max step-MiB limit of-limit vs-bf16 [floor]
+    assert all(float(t[8]) > 0 for t in table)
+    assert [t[8] for t in table if t[2] == "bf16"] == ["1.00"] * 4
+    assert [t[9] for t in table if len(t) > 9] == [">=1.7", ">=2.6"] * 2
+    assert all(t[1] == "1" for t in table if len(t) > 9)

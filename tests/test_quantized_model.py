@@ -250,3 +250,89 @@ def test_sample_and_eval_take_weights(tmp_path, capsys):
         assert evaluation.main([str(path), str(data), "--lengths", "8"] + weights) == 0
         losses[len(weights)] = float(capsys.readouterr().out.split()[-2])
     assert losses[2] != losses[0] and abs(losses[2] - losses[0]) < 0.01 * losses[0]
+
+
+def _traced_peak(load):
+    """(what load() returns, the peak bytes numpy and Python allocated meanwhile)."""
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        out = load()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("source", ["model.bin", "hf", "q8_0.gguf"])
+def test_a_quantized_load_streams_tensor_by_tensor(tmp_path, source):
+    """load_model(..., weights=) never holds the model in float32: its
+    loading peak stays under the float32 parameters' bytes, which building
+    the float32 model first (the way before) exceeds, and the logits are
+    that way's to the bit."""
+    from llmc_py import load_model
+    from llmc_py.io.load import read_model_file, read_quantized_blocks
+    config = LlamaConfig(max_seq_len=16, vocab_size=V, padded_vocab_size=320, num_layers=6,
+                         num_heads=4, num_kv_heads=2, channels=128, ffn_hidden=512,
+                         tied_embeddings=False)
+    model = Llama(config, seed=4)
+    fp32_bytes = model.params.memory.nbytes
+    path = tmp_path / source
+    if source == "hf":
+        model.save_pretrained(path, dtype="bf16")
+    elif source.endswith(".gguf"):
+        model.save_gguf(path, dtype="q8_0", tokenizer=write_tokenizer(tmp_path))
+    else:
+        model.save_checkpoint(path)
+    x = tokens(2, 7)
+    for qtype in ("q8_0", "q4_0"):
+        def float32_first(qtype=qtype):
+            read_config, params = read_model_file(path)
+            whole = Llama(read_config, params=params)
+            whole.quantize(qtype, blocks=read_quantized_blocks(path, qtype))
+            return whole
+        want, peak_before = _traced_peak(float32_first)
+        got, peak = _traced_peak(lambda: load_model(path, weights=qtype))
+        assert peak < fp32_bytes < peak_before
+        assert got.params.memory.nbytes < fp32_bytes / 10
+        want.forward(x)
+        got.forward(x)
+        assert np.array_equal(got.logits, want.logits)
+
+
+def test_put_quantized_refuses_a_block_of_the_wrong_shape():
+    from llmc_py.model.quantized import QuantizedLinear
+    model = Llama(LLAMA, weights="q8_0")
+    wrong = QuantizedLinear.quantize(np.zeros((64, 64), np.float32), "q8_0", "x.gguf: fcw[1]")
+    with pytest.raises(Exception, match=r"x.gguf: fcw\[1\].*\[64, 64\].*fcw\[1\]"):
+        model.put_quantized("fcw", 1, wrong)
+    with pytest.raises(ValueError, match="weights='q8_0'.*neither params"):
+        Llama(LLAMA, params=model.params.memory, weights="q8_0")
+
+
+def test_eval_tables_several_weights(tmp_path, capsys):
+    """eval --weights fp32 bf16 q8_0 q4_0: a row per weights (and length),
+    each loss that of eval with those weights alone, each perplexity's
+    change from fp32's."""
+    import re
+
+    from llmc_py import eval as evaluation
+    from llmc_py.io.tokens import write_tokens
+    path, data = tmp_path / "model.bin", tmp_path / "val.bin"
+    MODELS["qwen3-qknorm"]().save_checkpoint(path)
+    write_tokens(data, tokens(1, 60)[0])
+    kinds = ["fp32", "bf16", "q8_0", "q4_0"]
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "16", "--weights",
+                            *kinds]) == 0
+    rows = re.findall(r"^(\S+) +(\d+) +\d+ +\d+ +\d+ +(\S+) +(\S+) +(\S+)%$",
+                      capsys.readouterr().out, re.M)
+    assert [(w, L) for w, L, *_ in rows] == [(w, L) for w in kinds for L in ("8", "16")]
+    first = {L: float(ppl) for w, L, _, ppl, _ in rows if w == "fp32"}
+    for weights, length, loss, ppl, change in rows:
+        alone = ["--precision", "bf16"] if weights == "bf16" else ["--weights", weights]
+        assert evaluation.main([str(path), str(data), "--lengths", length] + alone) == 0
+        assert float(capsys.readouterr().out.split()[-2]) == float(loss)
+        assert abs(float(change) - (float(ppl) / first[length] - 1) * 100) < 0.01
+    assert [c for w, _, _, _, c in rows if w == "fp32"] == ["+0.00"] * 2
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "--precision", "bf16",
+                            "--weights", "q8_0"]) == 1
+    assert "--precision bf16 and --weights: give one" in capsys.readouterr().err

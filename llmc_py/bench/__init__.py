@@ -19,6 +19,13 @@
    and 4: tokens/s with the KV cache, without it (a full forward per token),
    and PyTorch with a KV cache of its own; the cache's size beside the model's.
    With --precision bf16: our bf16 decoding beside our fp32 and torch's bf16.
+   With --weights fp32 bf16 q8_0 q4_0 instead: our greedy decoding of GPT-2
+   (--layers) and of a Qwen3-0.6B-shaped model (random weights), batch 1 and
+   8, tokens/s per weight type beside the bandwidth limit measured in the
+   same run (a streaming read's GB/s over the bytes a step reads: the linear
+   layers' and head's weights + the KV cache), and the ratio to bf16 against
+   issue 31's floors (batch 1: Q8_0 >= 1.7x, Q4_0 >= 2.6x). A llama.cpp row
+   joins when bench/llama_cpp.py and llama-cpp-python are there.
 6. with --quality: the default training run (python -m llmc_py.train: d4 on
    Shakespeare, 500 steps) in fp32 and in bf16, each in a process of its
    own; the validation losses side by side.

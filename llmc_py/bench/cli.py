@@ -1,6 +1,6 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate, --lora or --quality."""
+default), --generate (with --weights: decoding by weight type), --lora or --quality."""
 import argparse
 import json
 import os
@@ -14,13 +14,13 @@ from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, su
 from ..cli import command
 from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS
-from .generate import measure_generation
+from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
 from .quality import bench_quality, lora_quality
 from .step import measure_steps
 from .tables import (print_generation, print_lora, print_lora_quality, print_quality,
-                     print_training)
+                     print_training, print_weights)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -41,7 +41,8 @@ def build_parser():
     p.add_argument("--batch", type=int, nargs=2, default=None, metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
                         "and of the training step (default 4 64; --lora: 4 256; --generate "
-                        "ignores it: it runs batches of 1 and 4 at --gen's lengths)")
+                        "ignores it: it runs batches of 1 and 4 at --gen's lengths, with "
+                        "--weights 1 and 8)")
     p.add_argument("--layers", type=int, default=None,
                    help="the model's layers (default: GPT-2 124M's 12; --lora: Qwen3-0.6B's "
                         "28)")
@@ -71,6 +72,12 @@ def build_parser():
                    help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
+    p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,
+                   help="--generate: instead, our greedy decoding of GPT-2 (--layers) and of "
+                        "a Qwen3-0.6B-shaped model (random weights) with each of these weight "
+                        "types, batch 1 and 8, beside the bandwidth limit measured in the same "
+                        "run (a streaming read's GB/s over the bytes a step reads: weights + "
+                        "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0)")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate: prompt tokens and new tokens")
     p.add_argument("--lora", action="store_true",
@@ -120,6 +127,8 @@ def parse(argv):
     if args.layers is None:
         args.layers = QWEN3_0_6B_LAYERS if args.lora else 12
     check_flags(args, FLAG_RANGES)
+    if args.weights and not args.generate:
+        parser.error("--weights: give --generate too (it chooses the weights of decoding)")
     for isa in args.isa or ():
         if isa not in supported_isas():
             parser.error(f"--isa {isa}: this CPU or build runs only "
@@ -169,7 +178,9 @@ def main(argv=None):
             print_lora_quality(args, results)
         return
     rng = np.random.default_rng(0)
-    if args.generate:
+    if args.generate and args.weights:
+        results, print_results = measure_weights(args, rng), print_weights
+    elif args.generate:
         results, print_results = measure_generation(args, rng), print_generation
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}

@@ -1,11 +1,20 @@
 """Greedy generation: ours with the KV cache, without it (a full forward per
-token) and PyTorch with a KV cache of its own."""
+token) and PyTorch with a KV cache of its own; and (--weights) our decoding
+with each weight type beside the bandwidth limit."""
+import statistics
+import time
+
 import numpy as np
 
+from .._native import kernels as K
+from .._native.kernels import QUANT_TYPES
 from .._native.lib import get_num_threads
-from ..config import GPT2Config
-from ..generate import KVCache
+from ..config import GPT2Config, LlamaConfig, padded_vocab
+from ..generate import Decoder, KVCache
 from ..model import GPT2
+from ..model.layout import aligned_zeros
+from ..model.presets import preset_for
+from ..model.transformer import QUANTIZED_LINEARS
 from .pytorch import torch_job
 from .timing import timed
 
@@ -61,4 +70,133 @@ def measure_generation(args, rng):
         results["generate"][B] = bench_generate(config, B, prompt_len, new_tokens,
                                                 args.repeats, rng, not args.skip_torch,
                                                 args.precision)
+    return results
+
+
+# ---- --generate --weights: decoding with each weight type -----------------
+
+WEIGHT_TYPES = ("fp32", "bf16") + tuple(QUANT_TYPES)
+WEIGHTS_BATCHES = (1, 8)
+# Qwen3-0.6B's shape (hub config.json), random weights
+QWEN3_06B = LlamaConfig(max_seq_len=40960, vocab_size=151936,
+                        padded_vocab_size=padded_vocab(151936), num_layers=28, num_heads=16,
+                        num_kv_heads=8, channels=1024, head_dim=128, ffn_hidden=3072,
+                        qk_norm=True, tied_embeddings=True, rope_theta=1e6, norm_eps=1e-6)
+BANDWIDTH_BYTES = 2**30   # the streaming read's buffer: far past any cache
+
+
+def decoding_models(layers):
+    """{name: config} of the --weights table: GPT-2 of ``layers`` layers
+    (124M at 12) and Qwen3-0.6B's shape."""
+    return {f"GPT-2 {layers} layers": GPT2Config(num_layers=layers),
+            "Qwen3-0.6B shape": QWEN3_06B}
+
+
+def stream_bandwidth(repeats, nbytes=BANDWIDTH_BYTES):
+    """GB/s of a streaming read of ``nbytes`` (an OpenMP sum of squares over
+    float32: every byte read once, nothing written)."""
+    buffer = aligned_zeros(nbytes // 4, what="the bandwidth measurement's buffer")
+    t = timed(lambda: K.global_norm_squared(buffer), repeats, warmup=1)
+    return nbytes / t["median"] / 1e9
+
+
+def with_weights(fp32, weights):
+    """The fp32 model ``fp32`` in ``weights``: itself, a bf16 copy, or a
+    quantized copy."""
+    if weights == "fp32":
+        return fp32
+    model = preset_for(fp32.config)(fp32.config, params=fp32.params.memory,
+                                    precision="bf16" if weights == "bf16" else "fp32")
+    if weights in QUANT_TYPES:
+        model.quantize(weights)
+    return model
+
+
+def linear_bytes(model):
+    """Bytes of the weights every decoding step reads whole: the linear
+    layers' and the head's (the embedding's gather reads B rows, the norms
+    and biases are small)."""
+    names = QUANTIZED_LINEARS + ("wte" if model.config.tied_embeddings else "lm_head",)
+    total = 0
+    for name in names:
+        weight = model._weights[name]
+        total += sum(w.nbytes for w in weight) if isinstance(weight, list) else weight.nbytes
+    return total
+
+
+def time_decoding(model, prompts, new_tokens, repeats):
+    """Tokens/s (median, min, max over ``repeats``) of greedy decoding after
+    ``prompts`` (B lists): the steps alone, each repeat after an untimed
+    prefill (which a quantized model runs on its few-row kernel); and the
+    tokens of the last repeat."""
+    B = len(prompts)
+    decoder = Decoder(model, B, len(prompts[0]) + new_tokens)
+    V = model.config.vocab_size
+    times = []
+    for _ in range(repeats + 1):   # the first is a warm-up
+        logits = decoder.prefill(prompts)
+        tokens = []
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            new = np.argmax(logits[:, :V], axis=1)
+            tokens.append(new)
+            logits = decoder.step(new)
+        times.append(time.perf_counter() - start)
+    rates = sorted(B * new_tokens / t for t in times[1:])
+    return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1],
+            "tokens": np.stack(tokens, axis=1).tolist()}
+
+
+def bench_weights(name, config, weights, prompt_len, new_tokens, repeats, bandwidth, rng,
+                  peer=None):
+    """Rows of the --weights table for one model: per batch (1 and 8) and
+    weight type, tokens/s beside the bandwidth limit: bandwidth over the
+    bytes of a step (linear_bytes, plus the KV cache at the mean position,
+    per row). ``peer``: the optional llama.cpp row's function (llama_cpp_peer)."""
+    fp32 = preset_for(config)(config, seed=0)
+    prompts = rng.integers(0, config.vocab_size, size=(max(WEIGHTS_BATCHES), prompt_len))
+    # every step reads the keys and values of prompt_len + i positions, per row
+    kv_bytes = 2 * config.num_layers * config.kv_dim * 4 * (prompt_len + (new_tokens - 1) / 2)
+    rows = []
+    for kind in weights:
+        model = with_weights(fp32, kind)
+        for B in WEIGHTS_BATCHES:
+            step_bytes = linear_bytes(model) + B * kv_bytes
+            rows.append({"model": name, "weights": kind, "batch": B,
+                         "step_mib": step_bytes / 2**20,
+                         "limit": B * bandwidth * 1e9 / step_bytes,
+                         **time_decoding(model, prompts[:B].tolist(), new_tokens, repeats)})
+            if peer is not None:
+                row = peer(fp32, kind, prompts[:B].tolist(), new_tokens, repeats)
+                if row is not None:
+                    rows.append({"model": name, "weights": kind, "batch": B,
+                                 "peer": "llama.cpp", **row})
+        del model
+    return rows
+
+
+def llama_cpp_peer():
+    """The optional llama.cpp rows: bench/llama_cpp.py's decode_gguf(fp32
+    model, weights, prompts, new_tokens, repeats) -> {"median", "min",
+    "max"} tokens/s, or None for a weight type it does not run; None when
+    that module (or llama-cpp-python) is absent."""
+    try:
+        from .llama_cpp import decode_gguf
+    except ImportError:
+        return None
+    return decode_gguf
+
+
+def measure_weights(args, rng, models=None, bandwidth_bytes=BANDWIDTH_BYTES):
+    """The --weights table: the streaming bandwidth (a read of
+    ``bandwidth_bytes``), then bench_weights for each of ``models`` {name:
+    config} (default decoding_models(--layers))."""
+    prompt_len, new_tokens = args.gen
+    bandwidth = stream_bandwidth(args.repeats, bandwidth_bytes)
+    results = {"threads": get_num_threads(), "prompt": prompt_len, "new_tokens": new_tokens,
+               "bandwidth_gbps": bandwidth, "weights": []}
+    peer = llama_cpp_peer()
+    for name, config in (models or decoding_models(args.layers)).items():
+        results["weights"] += bench_weights(name, config, args.weights, prompt_len, new_tokens,
+                                            args.repeats, bandwidth, rng, peer)
     return results

@@ -83,6 +83,40 @@ def print_generation(args, results):
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
 
 
+def print_weights(args, results):
+    """Per model and batch: tokens/s of each weight type beside its
+    bandwidth limit, and the ratio to bf16 with the issue's floors."""
+    print(f"threads: {results['threads']}; greedy decoding, {results['new_tokens']} new tokens "
+          f"after {results['prompt']} (tokens/s: median, min-max of {args.repeats}); streaming "
+          f"read {results['bandwidth_gbps']:.1f} GB/s; limit = that over a step's bytes "
+          f"(weights + KV cache)")
+    print(f"{'model':<20} {'batch':>5} {'weights':>8} {'tok/s':>9} {'min-max':>19} "
+          f"{'step MiB':>9} {'limit':>9} {'of limit':>8} {'vs bf16':>7} {'floor':>6}")
+    rows = results["weights"]
+    bf16 = {(r["model"], r["batch"]): r["median"] for r in rows
+            if r["weights"] == "bf16" and "peer" not in r}
+    for r in rows:
+        name = r["weights"] if "peer" not in r else f"{r['peer']} {r['weights']}"
+        spread = f"{r['min']:.1f}-{r['max']:.1f}"
+        line = f"{r['model']:<20} {r['batch']:>5} {name:>8} {r['median']:9.1f} {spread:>19}"
+        if "peer" in r:
+            line += f" {'':>9} {'':>9} {'':>8}"
+        else:
+            line += (f" {r['step_mib']:9.1f} {r['limit']:9.1f} "
+                     f"{r['median'] / r['limit']:8.2f}")
+        base = bf16.get((r["model"], r["batch"]))
+        line += f" {r['median'] / base:7.2f}" if base else f" {'-':>7}"
+        floor = DECODE_FLOORS.get(r["weights"]) if r["batch"] == 1 and "peer" not in r else None
+        if floor and base:
+            line += f" {'>=' + str(floor):>6}" + ("" if r["median"] / base >= floor else " MISSED")
+        print(line)
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+# issue 31's floors: batch-1 tokens/s over bf16's
+DECODE_FLOORS = {"q8_0": 1.7, "q4_0": 2.6}
+
+
 def print_quality(args, results):
     """Each precision's validation loss, then bf16's difference."""
     fp32, bf16 = results["fp32"][0], results["bf16"][0]

@@ -94,19 +94,32 @@ def verify_checksum(path, head, data):
     matches its contents: ``head``, its bytes up to the data (the int32
     header first), then ``data``, the rest as read (buffers or arrays), so the
     data are not read twice. A file with none recorded (llm.c's) passes."""
+    recorded, found = checksum_of_head(path, head)
+    if recorded is None:
+        return
+    for chunk in data:
+        found = zlib.crc32(chunk, found)
+    expect_checksum(path, recorded, found)
+
+
+def checksum_of_head(path, head):
+    """(the CRC-32 the header of ``head`` records, or None if it records
+    none (llm.c's files), the CRC-32 of ``head`` as written), for
+    verify_checksum or a reader that sums the data as it reads them."""
     header = np.frombuffer(head, dtype="<i4", count=HEADER_INTS)
     marker = int(header[CHECKSUM_MARKER_SLOT])
     if marker == 0:
-        return
+        return None, 0
     if marker != CHECKSUM_MARKER:
         raise CheckpointError(f"{path}: header slot {CHECKSUM_MARKER_SLOT} is {marker}, expected "
                               f"0 (no checksum) or {CHECKSUM_MARKER} (checksum recorded)")
-    recorded = int(header.view("<u4")[CHECKSUM_SLOT])
     as_written = header.copy()
     as_written[CHECKSUM_SLOT] = 0
-    found = zlib.crc32(head[HEADER_BYTES:], zlib.crc32(as_written))
-    for chunk in data:
-        found = zlib.crc32(chunk, found)
+    return int(header.view("<u4")[CHECKSUM_SLOT]), zlib.crc32(head[HEADER_BYTES:],
+                                                             zlib.crc32(as_written))
+
+
+def expect_checksum(path, recorded, found):
     if found != recorded:
         raise CheckpointError(f"{path}: checksum does not match: the header records CRC-32 "
                               f"{recorded:#010x}, the contents give {found:#010x} (the file is "

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..config import MODEL_FIELDS, REQUIRED, GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError, WriteError
-from .hf import (FAMILIES, _tensor_map, architecture, hf_names, hf_tensors,
+from .hf import (FAMILIES, _tensor_map, architecture, hf_names, hf_tensors, our_tensors,
                  params_from_tensors)
 from .rope_layout import half_split_to_interleaved, interleaved_to_half_split
 
@@ -499,23 +499,56 @@ def read_gguf_config(path):
 def read_gguf(path):
     """(config, params) from a GGUF file; params is flat float32 in our
     layout, every tensor dequantised."""
-    gguf, reader, arch, config = _open(path)
-    hf_arch = HF_ARCHS[arch]
-    if config.sliding_window:
-        hf_arch = "MistralForCausalLM"
-    to_hf = dict(gguf_tensors(config))
-    tensors = {}
-    for t in reader.tensors:
-        if t.name not in to_hf:
-            raise CheckpointError(f"{path}: tensor {t.name} is not part of a {arch} model with "
-                                  f"this metadata")
-        data = _dequantized(gguf, path, t)
-        heads = _rope_rows(config, t.name) if arch == "llama" else None
-        if heads and len(data) == heads * config.head_size:   # else refused below by shape
-            data = interleaved_to_half_split(data, heads, config.head_size)
-        hf_name = to_hf[t.name]
-        tensors[hf_name] = data.T if arch == "gpt2" and hf_name.endswith(CONV1D) else data
+    hf_arch, config, tensors = _gguf_tensors(path)
     return config, params_from_tensors(hf_arch, config, tensors, path, "metadata")
+
+
+def read_gguf_into(path, put):
+    """Reads a GGUF file tensor by tensor: put(name, l, float32 array) gets
+    each of our tensors (layer l, None for a whole one), dequantised, without
+    the vocabulary's padding rows; nothing else of the model is held at
+    once. Returns the config."""
+    hf_arch, config, tensors = _gguf_tensors(path)
+    for name, l, value in our_tensors(hf_arch, config, tensors, path, "metadata"):
+        put(name, l, value)
+    return config
+
+
+def _gguf_tensors(path):
+    """(Hugging Face architecture, config, _Dequantized tensors) of a GGUF file."""
+    gguf, reader, arch, config = _open(path)
+    hf_arch = "MistralForCausalLM" if config.sliding_window else HF_ARCHS[arch]
+    return hf_arch, config, _Dequantized(gguf, path, reader, arch, config)
+
+
+class _Dequantized:
+    """A GGUF file's tensors by their Hugging Face names (as io.hf reads a
+    folder's), each dequantised to float32 when it is asked for: q, k rows
+    back in Hugging Face's order (llama), GPT-2's Conv1D weights transposed."""
+
+    def __init__(self, gguf, path, reader, arch, config):
+        self._gguf, self._path, self._arch, self._config = gguf, path, arch, config
+        to_hf = dict(gguf_tensors(config))
+        self._tensors = {}
+        for t in reader.tensors:
+            if t.name not in to_hf:
+                raise CheckpointError(f"{path}: tensor {t.name} is not part of a {arch} model "
+                                      f"with this metadata")
+            self._tensors[to_hf[t.name]] = t
+
+    def __contains__(self, hf_name):
+        return hf_name in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __getitem__(self, hf_name):
+        t, config = self._tensors[hf_name], self._config
+        data = _dequantized(self._gguf, self._path, t)
+        heads = _rope_rows(config, t.name) if self._arch == "llama" else None
+        if heads and len(data) == heads * config.head_size:   # else our_tensors refuses it
+            data = interleaved_to_half_split(data, heads, config.head_size)
+        return data.T if self._arch == "gpt2" and hf_name.endswith(CONV1D) else data
 
 
 def read_gguf_blocks(path, qtype):

@@ -39,7 +39,7 @@ import numpy as np
 
 from ..config import GPT2_CHOICES, MODEL_FIELDS, REQUIRED, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError
-from ..model.layout import TensorGroup, checked_params, param_specs
+from ..model.layout import WHOLE_PARAMS, TensorGroup, checked_params, param_specs
 from .files import atomic_write, from_bf16, to_bf16
 from .rope_layout import interleaved_to_half_split
 
@@ -415,8 +415,6 @@ def _tensor_map(arch):
 _IGNORED = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-# our tensors that are not per layer
-_WHOLE = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
 # ... of the dense MLP layers alone, of the MoE layers, and per expert of those
 _DENSE_MLP = ("fcw", "fcb", "fcprojw", "fcprojb")
 _MOE = ("routerw", "expertfcw", "expertprojw")
@@ -429,7 +427,7 @@ def _pieces(config, name):
     None), one per layer it has (index i for the i-th of those layers, keys
     l), or one per expert of each MoE layer (index (i, e), keys l and e)."""
     c = config
-    if name in _WHOLE:
+    if name in WHOLE_PARAMS:
         yield None, {}
         return
     layers = range(c.num_layers)

@@ -7,10 +7,11 @@ from pathlib import Path
 from ..config import GPT2Config
 from ..errors import CheckpointError
 from .files import read_header
-from .gguf import is_gguf, read_gguf, read_gguf_blocks, read_gguf_config
-from .hf import read_hf, read_hf_config
-from .model_file import (MAGIC_LLAMA, MAGIC_MODEL, read_llama, read_llama_header, read_model,
-                         read_model_header, write_llama, write_model)
+from .gguf import is_gguf, read_gguf, read_gguf_blocks, read_gguf_config, read_gguf_into
+from .hf import read_hf, read_hf_config, read_hf_into
+from .model_file import (MAGIC_LLAMA, MAGIC_MODEL, read_llama, read_llama_header,
+                         read_llama_into, read_model, read_model_header, read_model_into,
+                         write_llama, write_model)
 
 
 def model_kind(path):
@@ -34,6 +35,20 @@ def read_model_file(path):
     if is_gguf(path):
         return read_gguf(path)
     return (read_llama if model_kind(path) == "llama" else read_model)(path)
+
+
+def read_model_file_into(path, config, put):
+    """Reads any model path as read_model_file does, tensor by tensor:
+    put(name, l, array) gets each of our tensors (layer l, None for a whole
+    one; float32, or a folder's float16 or bf16), without the vocabulary's
+    padding rows; nothing else of the model is held at once. ``config`` is
+    read_config's."""
+    if Path(path).is_dir():
+        read_hf_into(path, config, put)
+    elif is_gguf(path):
+        read_gguf_into(path, put)
+    else:
+        (read_llama_into if model_kind(path) == "llama" else read_model_into)(path, put)
 
 
 def read_quantized_blocks(path, qtype):

@@ -8,13 +8,17 @@ CheckpointError naming the file, the field and the value. The files we write
 also record a checksum in slots 254-255 (io.files.CHECKSUM_SLOT), which
 llm.c does not read; a file without one (llm.c's) loads unverified.
 """
+import math
+import zlib
+
 import numpy as np
 
 from ..config import MODEL_FIELDS, GPT2Config, LlamaConfig
 from ..errors import CheckpointError, ShapeError
-from ..model.layout import checked_params, num_parameters
-from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, expect_magic_version,
-                    expect_size, from_bf16, read_header, to_bf16, verify_checksum)
+from ..model.layout import WHOLE_PARAMS, TensorGroup, checked_params, num_parameters, param_specs
+from .files import (HEADER_BYTES, HEADER_INTS, INT32_MAX, atomic_write, checksum_of_head,
+                    expect_checksum, expect_magic_version, expect_size, from_bf16, read_header,
+                    to_bf16)
 
 MAGIC_MODEL = 20240326
 VERSION_FP32 = 3
@@ -57,20 +61,50 @@ def read_model_header(path):
 def read_model(path):
     """(GPT2Config, params) from an llm.c model file; params is flat float32."""
     config, version, _ = read_model_header(path)
-    return config, _read_params(path, HEADER_BYTES, num_parameters(config),
-                                version == VERSION_BF16)
+    return config, _read_params(path, HEADER_BYTES, config, version == VERSION_BF16)
 
 
-def _read_params(path, offset, count, bf16):
-    """The ``count`` parameters at byte ``offset`` of a model file, flat
+def read_model_into(path, put):
+    """Reads an llm.c model file tensor by tensor (_read_params_into); its config."""
+    config, version, _ = read_model_header(path)
+    _read_params_into(path, HEADER_BYTES, config, version == VERSION_BF16, put)
+    return config
+
+
+def _read_params(path, offset, config, bf16):
+    """The parameters of ``config`` at byte ``offset`` of a model file, flat
     float32, stored as fp32 or (``bf16``) as bf16; its checksum verified."""
+    group = TensorGroup(param_specs(config), config)
+
+    def put(name, l, values):
+        (group[name] if l is None else group[name][l])[...] = values
+    _read_params_into(path, offset, config, bf16, put)
+    return group.memory
+
+
+def _read_params_into(path, offset, config, bf16, put):
+    """Reads the parameters of ``config`` at byte ``offset`` of a model file
+    (fp32, or ``bf16``) tensor by tensor: put(name, l, float32 array) gets
+    each (layer l, None for a whole one), and nothing else is held at once.
+    The checksum, summed as the bytes are read, is verified after the last."""
     with open(path, "rb") as f:
         head = f.read(offset)
-        stored = np.fromfile(f, dtype="<u2" if bf16 else "<f4", count=count)
-    if stored.size != count:   # the file shrank while we read it
-        raise CheckpointError(f"{path}: expected {count} parameters, read {stored.size}")
-    verify_checksum(path, head, [stored])
-    return from_bf16(stored) if bf16 else stored.astype(np.float32, copy=False)
+        recorded, found = checksum_of_head(path, head)
+        for name, fn in param_specs(config):
+            shape = fn(config)
+            for l in [None] if name in WHOLE_PARAMS else range(config.num_layers):
+                part = shape if l is None else shape[1:]
+                count = math.prod(part)
+                stored = np.fromfile(f, dtype="<u2" if bf16 else "<f4", count=count)
+                if stored.size != count:   # the file shrank while we read it
+                    raise CheckpointError(f"{path}: tensor {name} is cut short: expected "
+                                          f"{count} parameters, read {stored.size}")
+                if recorded is not None:
+                    found = zlib.crc32(stored, found)
+                values = from_bf16(stored) if bf16 else stored.astype(np.float32, copy=False)
+                put(name, l, values.reshape(part))
+    if recorded is not None:
+        expect_checksum(path, recorded, found)
 
 
 DTYPES = ("fp32", "bf16")   # a model file's parameters
@@ -204,8 +238,14 @@ def read_llama_header(path):
 def read_llama(path):
     """(LlamaConfig, params) from a Llama model file; params is flat float32."""
     config, version, _ = read_llama_header(path)
-    return config, _read_params(path, LLAMA_HEADER_BYTES, num_parameters(config),
-                                version == VERSION_LLAMA_BF16)
+    return config, _read_params(path, LLAMA_HEADER_BYTES, config, version == VERSION_LLAMA_BF16)
+
+
+def read_llama_into(path, put):
+    """Reads a Llama model file tensor by tensor (_read_params_into); its config."""
+    config, version, _ = read_llama_header(path)
+    _read_params_into(path, LLAMA_HEADER_BYTES, config, version == VERSION_LLAMA_BF16, put)
+    return config
 
 
 def write_llama(path, config, params, dtype="fp32"):

@@ -147,6 +147,10 @@ def param_specs(c):
     return tuple((name, fn) for name, fn, present in specs if present)
 
 
+# the parameters that are one tensor for the model; the others stack one per layer
+WHOLE_PARAMS = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
+
+
 def routed_rows(c, B, T):
     """R: the rows an MoE layer's experts process, k per token."""
     return B * T * c.experts_per_token

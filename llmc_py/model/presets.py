@@ -7,12 +7,11 @@ attention, no biases), any of them changeable (ALiBi, a GELU MLP, an untied
 head, ...), whose model file is ours (io.model_file).
 """
 import re
-from pathlib import Path
 
 from ..config import MODEL_FIELDS, MODEL_FLAGS, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import ShapeError, UsageError
-from ..io.hf import read_hf_into
-from ..io.load import read_config, read_model_file, read_quantized_blocks
+from ..io.load import (read_config, read_model_file, read_model_file_into,
+                       read_quantized_blocks)
 from ..io.model_file import read_llama, read_model
 from .quantized import check_weights_type
 from .transformer import Transformer
@@ -21,16 +20,18 @@ from .transformer import Transformer
 class GPT2(Transformer):
     """GPT-2 in llm.c's layout (layout.PARAM_SPECS)."""
 
-    def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False):
+    def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False,
+                 weights=None):
         """A GPT-2 of ``config`` (default: GPT2Config(), 124M) with fresh GPT-2
         initialisation from ``seed``, or with the given flat float32 ``params``
-        (in llm.c's order); ``precision`` "fp32" or "bf16", ``frozen``
-        (Transformer)."""
+        (in llm.c's order); ``precision`` "fp32" or "bf16", ``frozen``,
+        ``weights`` (Transformer)."""
         config = GPT2Config() if config is None else config
         if not isinstance(config, GPT2Config):
             raise ShapeError(f"GPT2 takes a GPT2Config, got {type(config).__name__}; "
                              f"use Transformer or Llama for other choices")
-        super().__init__(config, seed, params=params, precision=precision, frozen=frozen)
+        super().__init__(config, seed, params=params, precision=precision, frozen=frozen,
+                         weights=weights)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -43,13 +44,14 @@ class GPT2(Transformer):
 class Llama(Transformer):
     """The Llama family: the transformer with LlamaConfig's choices."""
 
-    def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False):
+    def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False,
+                 weights=None):
         """A model of ``config`` (default: LlamaConfig()) with GPT-2's
         initialisation from ``seed``, or with the given flat float32
         ``params`` (in layout.param_specs order); ``precision`` "fp32" or
-        "bf16", ``frozen`` (Transformer)."""
+        "bf16", ``frozen``, ``weights`` (Transformer)."""
         super().__init__(LlamaConfig() if config is None else config, seed, params=params,
-                         precision=precision, frozen=frozen)
+                         precision=precision, frozen=frozen, weights=weights)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -63,24 +65,27 @@ def load_model(path, precision="fp32", weights=None, frozen=False):
     """A GPT2 or a Llama, whichever the model file at ``path`` holds (fp32
     or bf16 parameters), or the Hugging Face model folder or GGUF file at
     ``path`` (io.hf, io.gguf), in ``precision`` "fp32" or "bf16".
-    ``weights`` "q8_0" or "q4_0": then quantized (Transformer.quantize) for
+    ``weights`` "q8_0" or "q4_0": quantized (Transformer.quantize) for
     generation; a GGUF file's tensors stored in that type keep their bytes.
     ``frozen`` (bf16): a frozen bf16 base (Transformer), its matrices in
-    bf16 alone; a folder is read into them tensor by tensor (bf16 tensors
-    as they are, others rounded to nearest even), never whole in float32."""
+    bf16 alone (bf16 tensors as they are, others rounded to nearest even).
+    Either way the file is read into the model tensor by tensor, never whole
+    in float32: the loading peak is the model's own size and one tensor."""
     if weights is not None:
         check_weights_type(weights)
         if frozen:
             raise UsageError(f"load_model: weights={weights!r} and frozen=True are two ways of "
                              f"holding the weights; give one")
-        config, params = read_model_file(path)
-        model = preset_for(config)(config, params=params, precision=precision)
-        model.quantize(weights, blocks=read_quantized_blocks(path, weights))
+        config = read_config(path)
+        model = preset_for(config)(config, precision=precision, weights=weights)
+        blocks = read_quantized_blocks(path, weights)
+        read_model_file_into(path, config, lambda name, l, values: model.put_quantized(
+            name, l, blocks[name][l] if name in blocks else values))
         return model
-    if frozen and Path(path).is_dir():
+    if frozen:
         config = read_config(path)
         model = preset_for(config)(config, precision=precision, frozen=True)
-        read_hf_into(path, config, model.put_frozen)
+        read_model_file_into(path, config, model.put_frozen)
         return model
     config, params = read_model_file(path)
     return preset_for(config)(config, params=params, precision=precision, frozen=frozen)

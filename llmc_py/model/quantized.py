@@ -64,7 +64,9 @@ def panel_scratch_bytes(N, OC, IC, widened):
     return most
 
 
-def _check_input_dim(name, shape, qtype):
+def check_input_dim(name, shape, qtype):
+    """ShapeError naming tensor ``name`` unless its input dimension (the last
+    of ``shape``) is a whole number of blocks."""
     if shape[-1] % K.QUANT_BLOCK != 0:
         raise ShapeError(f"{name} has shape {tuple(shape)}: its input dimension {shape[-1]} is "
                          f"not a multiple of {K.QUANT_BLOCK}, which {qtype} blocks need")
@@ -78,7 +80,7 @@ class QuantizedLinear:
     def __init__(self, blocks, IC, qtype, name="weight"):
         self.qtype, self.name = qtype, name
         self._type = _quant_type(qtype)
-        _check_input_dim(name, (len(blocks), IC), qtype)
+        check_input_dim(name, (len(blocks), IC), qtype)
         row_bytes = IC // K.QUANT_BLOCK * K._BLOCK_BYTES[self._type]
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != row_bytes:
             raise ShapeError(f"{name}: blocks of {blocks.dtype} {blocks.shape}, expected uint8 "
@@ -93,7 +95,7 @@ class QuantizedLinear:
         if weight.ndim != 2:
             raise ShapeError(f"{name} has shape {weight.shape}, expected [OC, IC]")
         kind = _quant_type(qtype)
-        _check_input_dim(name, weight.shape, qtype)
+        check_input_dim(name, weight.shape, qtype)
         OC, IC = weight.shape
         blocks = np.empty((OC, IC // K.QUANT_BLOCK * K._BLOCK_BYTES[kind]), np.uint8)
         K.quantize_rows(blocks, weight, kind)

@@ -95,10 +95,10 @@ from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
-from .layout import (FROZEN_BF16, TensorGroup, act_specs, aligned_empty, aligned_zeros,
-                     checked_params, grad_act_specs, num_parameters, param_specs)
+from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_specs, aligned_empty,
+                     aligned_zeros, checked_params, grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
-from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_weights_type
+from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_input_dim, check_weights_type
 from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
                        reusable)
 
@@ -126,13 +126,16 @@ class Transformer:
     another thread is inside one of them raise ConcurrentUseError at once,
     rather than compute a wrong result. Two models in two threads are fine."""
 
-    def __init__(self, config, seed=0, *, params=None, precision="fp32", frozen=False):
+    def __init__(self, config, seed=0, *, params=None, precision="fp32", frozen=False,
+                 weights=None):
         """A model of ``config`` with GPT-2's initialisation from ``seed``, or
         with the given flat float32 ``params`` (in layout.param_specs order);
         ``precision`` "fp32" or "bf16" (mixed precision, see the module).
         ``frozen`` (bf16 only): a frozen bf16 base (see the module), its
         matrices ``params`` rounded to bf16, or zero without ``params`` (for
-        a loader to fill, as load_model does)."""
+        a loader to fill, as load_model does). ``weights`` "q8_0" or "q4_0"
+        (without ``params``): a quantized model (quantize()) whose tensors
+        a loader gives one by one to put_quantized, never whole in float32."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
         if frozen and precision != "bf16":
@@ -142,6 +145,9 @@ class Transformer:
             raise UnsupportedError(f"num_experts={config.num_experts}: the mixture-of-experts "
                                    f"MLP's forward is not wired into the block yet (its config, "
                                    f"model file, Hugging Face config and summary are)")
+        if weights is not None and (frozen or params is not None):
+            raise ValueError(f"weights={weights!r} is a quantized model filled by "
+                             f"put_quantized: give neither params nor frozen=True")
         self.config = config
         self.precision = precision
         self.frozen = frozen
@@ -157,6 +163,8 @@ class Transformer:
         self._guard = ThreadGuard()
         if frozen:
             self._init_frozen(params)
+        elif weights is not None:
+            self.params = TensorGroup(_float32_when_quantized(self.param_specs), self.config)
         else:
             self.params = TensorGroup(self.param_specs, self.config)
             if params is None:
@@ -169,6 +177,8 @@ class Transformer:
             self._weights = self.params_bf16
             self._matmul_forward, self._matmul_backward = (K.matmul_forward_bf16,
                                                            K.matmul_backward_bf16)
+        elif weights is not None:
+            self.params_bf16 = None
         elif precision == "bf16":
             self.params_bf16 = TensorGroup(self.param_specs, self.config, dtype=np.uint16)
             self.refresh_bf16()
@@ -187,6 +197,8 @@ class Transformer:
         self.quantized = None   # "q8_0" or "q4_0" after quantize()
         self.mean_loss = None
         self._drop_activations()   # made by the first forward, for its (B, T)
+        if weights is not None:
+            self._start_quantized(weights)
 
     def initialize(self, seed=0, scheme="gpt2", std=INIT_STD):
         """Draws fresh parameters from ``seed`` (the constructor's: GPT-2's
@@ -779,9 +791,9 @@ class Transformer:
         keeps its output tensor at 8 bits or more; a tied head is the
         embedding's blocks themselves); their float32 copies are released.
         The embedding's gather dequantises its rows (exact: d * q); norms,
-        biases and a learned position table stay float32. ``blocks`` {name: [QuantizedLinear per
-        layer] or QuantizedLinear (the head)} gives some of them already
-        quantized (a GGUF file's bytes). Every linear layer then runs
+        biases and a learned position table stay float32.
+        ``blocks`` {name: [QuantizedLinear per
+        layer]} gives some of them already quantized (a GGUF file's bytes). Every linear layer then runs
         QuantizedLinear's kernels (few rows: decoding; many: the panel path):
         forward, evaluation, generate, and LoRA adapters on the frozen
         quantized base (add_lora, load_lora: QLoRA), whose backward takes
@@ -792,30 +804,65 @@ class Transformer:
         self._refuse_frozen("quantize")
         if self.quantized is not None:
             raise RuntimeError(f"quantize: this model is quantized ({self.quantized}) already")
-        blocks = dict(blocks or {})
-        tables = ("wte",) if self.config.tied_embeddings else ("wte", "lm_head")
-        weights = {}
-        for name in QUANTIZED_LINEARS + tables:
-            if name not in blocks:
-                w = self.params[name]
-                blocks[name] = (QuantizedLinear.quantize(w, "q8_0", name) if name in tables else
-                                [QuantizedLinear.quantize(w[l], qtype, f"{name}[{l}]")
-                                 for l in range(self.config.L)])
-            weights[name] = blocks[name]
-        # keep only the tensors still read in float32: a smaller params buffer
-        kept = [(n, fn) for n, fn in self.param_specs
-                if n not in QUANTIZED_LINEARS + tables]
-        params = TensorGroup(kept, self.config)
-        for name in params.names:
-            params[name][...] = self.params[name]
-        self.params = params
+        blocks = blocks or {}
+        whole = self.params
+        self._start_quantized(qtype)
+        self.params = TensorGroup(_float32_when_quantized(self.param_specs), self.config)
         self.params_bf16 = None
-        self._weights = QuantizedWeights(weights)
+        for name in whole.names:
+            for l in [None] if name in WHOLE_PARAMS else range(self.config.L):
+                self.put_quantized(name, l, blocks[name][l] if name in blocks else
+                                   whole[name] if l is None else whole[name][l])
+
+    def _start_quantized(self, qtype):
+        """Empty slots for the quantized weights (put_quantized fills them),
+        and the quantized matmul; first, before anything changes, the type
+        and every weight's input dimension checked."""
+        check_weights_type(qtype)
+        shapes, tables = dict(self.param_specs), self._quantized_tables()
+        for name in QUANTIZED_LINEARS:
+            check_input_dim(f"{name}[0]", shapes[name](self.config)[1:], qtype)
+        for name in tables:
+            check_input_dim(name, shapes[name](self.config), "q8_0")
+        slots = {name: [None] * self.config.L for name in QUANTIZED_LINEARS}
+        slots.update(dict.fromkeys(tables))
+        self._weights = QuantizedWeights(slots)
         self._matmul_forward = _quantized_matmul
         self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
         if self.recompute:
             self._lay_out(True)
+
+    def _quantized_tables(self):
+        """The embedding and an untied head: whole tensors held at Q8_0."""
+        return ("wte",) if self.config.tied_embeddings else ("wte", "lm_head")
+
+    def put_quantized(self, name, l, values):
+        """Writes tensor ``name`` (of layer l; None: a whole one) of a
+        quantized model from ``values``: a linear layer's weight is quantized
+        to the model's type, the embedding and an untied head to Q8_0, unless
+        given as a QuantizedLinear (a GGUF file's blocks, kept as they are);
+        the other tensors go into ``params`` in float32. ``values`` may be
+        float32, float16 or bf16, with fewer rows than the tensor for the
+        unpadded vocabulary (the padding rows stay zero)."""
+        c = self.config
+        if name in self.params:
+            view = self.params[name] if l is None else self.params[name][l]
+            view[:len(values)] = values
+            return
+        if l is None and not isinstance(values, QuantizedLinear) and len(values) < c.Vp:
+            padded = np.zeros((c.Vp, c.C), np.float32)
+            padded[:len(values)] = values
+            values = padded
+        label = name if l is None else f"{name}[{l}]"
+        if not isinstance(values, QuantizedLinear):
+            values = QuantizedLinear.quantize(values, "q8_0" if l is None else self.quantized,
+                                              label)
+        shape = dict(self.param_specs)[name](c)[0 if l is None else 1:]
+        if values.shape != shape:
+            raise ShapeError(f"{values.name}: quantized weight of shape {list(values.shape)}, "
+                             f"expected {list(shape)} for {label}")
+        self._weights.put(name, l, values)
 
     def _refuse_quantized(self, what):
         if self.quantized is not None:
@@ -962,11 +1009,25 @@ class QuantizedWeights:
     def __getitem__(self, name):
         return self._weights[name]
 
+    def put(self, name, l, linear):
+        """Sets layer l's QuantizedLinear of ``name`` (l None: the head's)."""
+        if l is None:
+            self._weights[name] = linear
+        else:
+            self._weights[name][l] = linear
+
     def __getattr__(self, name):
         weights = self.__dict__.get("_weights")
         if weights is not None and name in weights:
             return weights[name]
         raise AttributeError(name)
+
+
+def _float32_when_quantized(specs):
+    """The parameter specs a quantized model keeps in float32: all but the
+    linear layers' weights, the embedding and an untied head."""
+    return [(name, fn) for name, fn in specs
+            if name not in QUANTIZED_LINEARS + ("wte", "lm_head")]
 
 
 def _quantized_matmul(out, inp, weight, bias):
