@@ -185,11 +185,13 @@ def test_lora_quality_fine_tunes_on_the_held_out_plays(tmp_path):
     assert (tmp_path / "full" / "model_00000002.bin").exists()
 
 
-def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys):
+def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys, monkeypatch):
     """--generate --weights at a tiny size: a row per model, weight type and
-    batch, each with its limit, and the printed ratios to bf16."""
+    batch, each with its limit, and the printed ratios to bf16 (without the
+    llama.cpp peer's rows, which tests/test_bench_llama_cpp.py checks)."""
     from llmc_py import GPT2Config, LlamaConfig
-    from llmc_py.bench import cli
+    from llmc_py.bench import cli, generate
+    monkeypatch.setattr(generate, "llama_cpp_peer", lambda: None)
     from llmc_py.bench.generate import WEIGHT_TYPES, measure_weights
     from llmc_py.bench.tables import print_weights
     args = cli.parse(["--generate", "--weights", *WEIGHT_TYPES, "--gen", "5", "3",

@@ -85,14 +85,16 @@ def _read_params(path, offset, config, bf16):
 def _read_params_into(path, offset, config, bf16, put):
     """Reads the parameters of ``config`` at byte ``offset`` of a model file
     (fp32, or ``bf16``) tensor by tensor: put(name, l, float32 array) gets
-    each (layer l, None for a whole one), and nothing else is held at once.
+    each (l its index in the per-layer stack, None for a whole one), and
+    nothing else is held at once.
     The checksum, summed as the bytes are read, is verified after the last."""
     with open(path, "rb") as f:
         head = f.read(offset)
         recorded, found = checksum_of_head(path, head)
         for name, fn in param_specs(config):
             shape = fn(config)
-            for l in [None] if name in WHOLE_PARAMS else range(config.num_layers):
+            # per-layer tensors stack one per layer that has them (dense or MoE MLPs: some)
+            for l in [None] if name in WHOLE_PARAMS else range(shape[0]):
                 part = shape if l is None else shape[1:]
                 count = math.prod(part)
                 stored = np.fromfile(f, dtype="<u2" if bf16 else "<f4", count=count)
