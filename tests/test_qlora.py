@@ -253,12 +253,14 @@ print(resident() - before, sum(plan.values()) - plan["scratch"])
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_the_plan_against_resident_memory_after_a_qlora_step(qtype):
     """What stays resident after a QLoRA step (its scratch freed) is the
-    plan without scratch, within 5% (Python's own allocations, page
-    rounding), at a 40M-parameter Qwen3-like shape, B=1, T=512."""
+    plan without scratch, within 5% plus 8 MiB, at a 40M-parameter
+    Qwen3-like shape, B=1, T=512: the 8 MiB are the interpreter's own heap,
+    whose resident pages moved by up to 6 MiB between runs of this script
+    that differed in unrelated lines (the plan counts none of them)."""
     import os
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, qtype], capture_output=True,
                          text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
     resident, planned = map(int, out.stdout.split())
-    assert abs(resident / planned - 1) < 0.05, (resident, planned)
+    assert abs(resident - planned) < 0.05 * planned + 8 * 2**20, (resident, planned)
