@@ -107,9 +107,10 @@ INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.i
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
 # A config that lacks one (wpe, lm_head) skips it.
-MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
+MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "routerw", "expertfcw",
+                 "expertprojw", "lm_head")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
-_RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
+_RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw", "expertprojw")
 NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
@@ -138,10 +139,6 @@ class Transformer:
         if frozen and precision != "bf16":
             raise ValueError(f"frozen=True is a base held in bf16 alone: precision must be "
                              f"'bf16', got {precision!r}")
-        if config.num_experts:
-            raise UnsupportedError(f"num_experts={config.num_experts}: the mixture-of-experts "
-                                   f"MLP's forward is not wired into the block yet (its config, "
-                                   f"model file, Hugging Face config and summary are)")
         self.config = config
         self.precision = precision
         self.frozen = frozen
@@ -185,7 +182,9 @@ class Transformer:
         self.moment_params = self.num_parameters   # parameters whose moments we keep
         self.lora = None   # the LoRA adapters (model.lora) of a frozen base: add_lora, load_lora
         self.quantized = None   # "q8_0" or "q4_0" after quantize()
-        self.mean_loss = None
+        self.mean_loss = None   # the last forward's loss: cross-entropy + the auxiliary terms
+        self.ce_loss = None     # its cross-entropy alone
+        self.loss_scale = 1.0   # the last backward's (the auxiliary losses' gradients read it)
         self._drop_activations()   # made by the first forward, for its (B, T)
 
     def initialize(self, seed=0, scheme="gpt2", std=INIT_STD):
@@ -597,10 +596,27 @@ class Transformer:
 
     def _mean_loss(self):
         """The mean of the losses over the counted targets (the ignored ones'
-        losses are 0); 0.0 when every target is ignored."""
+        losses are 0; 0.0 when every target is ignored), plus with experts
+        the auxiliary losses times their coefficients (aux_losses)."""
         total = self.acts.losses.sum(dtype=np.float64)
-        self.mean_loss = float(total / self.counted) if self.counted else 0.0
+        self.ce_loss = self.mean_loss = float(total / self.counted) if self.counted else 0.0
+        if self.config.moe_layers:
+            c, aux = self.config, self.aux_losses
+            self.mean_loss += c.router_aux_loss * aux["balance"] + c.router_z_loss * aux["z"]
         return self.mean_loss
+
+    @property
+    def aux_losses(self):
+        """The last forward's auxiliary losses, each the mean over the MoE
+        layers (unweighted; the loss adds them times router_aux_loss and
+        router_z_loss): "balance", E sum_e f_e P_e (f_e the fraction of the
+        layer's B T k assignments that went to expert e, P_e its mean router
+        probability; 1 when both are even) and "z", the mean of
+        logsumexp(router logits)^2. Empty without experts."""
+        if not self.config.moe_layers:
+            return {}
+        balance, z = self._block.aux.astype(np.float64).mean(axis=0)
+        return {"balance": float(balance), "z": float(z)}
 
     def _head_blocks(self):
         """Slices of HEAD_ROWS rows over the B * T rows."""
@@ -678,6 +694,7 @@ class Transformer:
         in d.losses: loss_scale over the counted targets (the kernel gives
         ignored rows no gradient; with none counted, no row has any)."""
         B, T = self.B, self.T
+        self.loss_scale = loss_scale
         if self.grads_acts is None:
             self._plan(B, T, training=True, keep_logits=self._logits_state == "logits")
         d = self.grads_acts
@@ -788,6 +805,7 @@ class Transformer:
         the input gradients through the panel path; training the base and
         saving it are refused."""
         check_weights_type(qtype)
+        self._refuse_experts("quantize")
         self._refuse_adapters("quantize")
         self._refuse_frozen("quantize")
         if self.quantized is not None:
@@ -841,6 +859,7 @@ class Transformer:
         adapter's input in the passes given a Dropout. From then on
         zero_grad, backward, update, grad_norm and clip_grad_norm act on the
         adapters alone."""
+        self._refuse_experts("add_lora")
         self._refuse_adapters("add_lora")
         lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
         lora.initialize(seed)
@@ -884,6 +903,7 @@ class Transformer:
         """Freezes the base and adds the adapters of a PEFT folder (io.peft),
         as add_lora does; options we do not support are refused by name."""
         from ..io.peft import read_peft
+        self._refuse_experts("load_lora")
         self._refuse_adapters("load_lora")
         self._freeze(read_peft(folder, self.config))
 
@@ -899,6 +919,12 @@ class Transformer:
             raise RuntimeError(f"{what}: this model has LoRA adapters already (rank "
                                f"{self.lora.rank} on {names}); merge_lora() folds them into "
                                f"the base, save_lora() writes them")
+
+    def _refuse_experts(self, what):
+        if self.config.num_experts:
+            raise UnsupportedError(f"{what}: this model has experts (num_experts="
+                                   f"{self.config.num_experts}); LoRA adapters and quantized "
+                                   f"weights cover dense MLPs only")
 
     def _refuse_frozen(self, what):
         if self.frozen:
