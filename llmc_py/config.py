@@ -296,8 +296,7 @@ class TransformerConfig:
             "qwen3_moe": HFKey(("num_experts",), also_read=("num_local_experts",))},
         flag=Flag("--experts", "llama: E > 0 makes the MLP of every --moe-every-th layer a "
                   "mixture of E experts, a router sending each token to --experts-per-token "
-                  "of them (Mixtral, Qwen3-MoE; not run by the block yet: such a model is "
-                  "refused); 0: one dense MLP per layer", NON_NEGATIVE))
+                  "of them (Mixtral, Qwen3-MoE); 0: one dense MLP per layer", NON_NEGATIVE))
     # k: the experts each token is routed to, 1 <= k <= E
     experts_per_token: int = declared(
         0, slot=Slot(22, NON_NEGATIVE, only_with="num_experts"),

@@ -165,14 +165,16 @@ def test_a_model_file_whose_expert_fields_are_wrong_is_named(tmp_path):
         read_llama(tmp_path / "bad.bin")
 
 
-def test_a_model_with_experts_is_refused_until_the_block_runs_them(tmp_path):
+def test_a_model_file_with_experts_loads_and_runs(tmp_path):
     c = moe_config()
-    with pytest.raises(UnsupportedError) as e:
-        Transformer(c)
-    assert "forward is not wired" in str(e.value) and "\n" not in str(e.value)
-    write_llama(tmp_path / "moe.bin", c, random_params(c))
-    with pytest.raises(UnsupportedError, match="forward is not wired"):
-        load_model(tmp_path / "moe.bin")
+    params = random_params(c)
+    write_llama(tmp_path / "moe.bin", c, params)
+    model = load_model(tmp_path / "moe.bin")
+    tokens = np.arange(12).reshape(2, 6) % c.vocab_size
+    assert np.isfinite(model.forward(tokens, tokens))
+    again = Transformer(c, params=params)
+    again.forward(tokens, tokens)
+    assert np.array_equal(model.logits, again.logits)
 
 
 # ---- memory_plan -----------------------------------------------------------------
