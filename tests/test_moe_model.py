@@ -3,8 +3,10 @@ model_reference.py: logits, the loss with both auxiliary losses, every
 gradient and 10 AdamW steps (test_gpt2_step.py's tolerances; bf16 against the
 bf16 reference with test_bf16_training.py's), for E = 1, 3, 8, k = 1, 2, every
 block, dense and MoE layers mixed; recompute, forward_backward, dropout and
-thread counts give the same bits."""
+thread counts give the same bits; the train CLI runs experts and says the
+loss's parts apart."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import pytest
 import model_reference as ref
 from helpers import assert_thread_invariant
 from llmc_py import Llama
+from llmc_py import train as train_mod
 from llmc_py.errors import UnsupportedError
 from llmc_py.model.dropout import Dropout
 from test_bf16_training import bf16_twin, check_against_bf16_reference, check_bf16_adamw_steps
@@ -138,3 +141,21 @@ def test_lora_and_quantized_weights_refuse_experts(what):
     model = make_model(moe_config("e3-k2"), seed=1)
     with pytest.raises(UnsupportedError, match="num_experts=3"):
         model.add_lora(4, 8) if what == "add_lora" else model.quantize("q8_0")
+
+
+def test_train_cli_runs_experts_and_logs_the_loss_parts(shards, tmp_path, capsys):
+    train_glob, val_glob = shards
+    code = train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(tmp_path / "out"),
+                           "--arch", "llama", "-e", "d1", "--experts", "4",
+                           "--experts-per-token", "2", "--expert-hidden", "32",
+                           "--router-aux-loss", "0.01", "--router-z-loss", "0.001",
+                           "-b", "2", "-t", "16", "-x", "2", "-v", "2", "-m", "2", "-s", "0"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "4 experts top-2 of 32" in out
+    steps = re.findall(r"step \d/2: train loss (\S+) ce (\S+) balance (\S+) z (\S+) ppl", out)
+    assert len(steps) == 2
+    for loss, ce, balance, z in (map(float, s) for s in steps):
+        assert abs(loss - (ce + 0.01 * balance + 0.001 * z)) < 2e-6
+    log = (tmp_path / "out" / "main.log").read_text().splitlines()
+    assert re.fullmatch(r"s:1 trl:\S+ ce:\S+ balance:\S+ z:\S+ lr:\S+ norm:\S+", log[0])
