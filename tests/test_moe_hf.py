@@ -14,7 +14,9 @@ import torch
 import transformers
 
 from llmc_py import load_model
+from llmc_py.io.files import from_bf16, to_bf16
 from llmc_py.io.hf import hf_tensors
+from llmc_py.model.layout import FROZEN_BF16
 from test_hf import COMMON, V, rel_to_max
 
 MODELS = {
@@ -150,3 +152,20 @@ def test_the_total_loss_with_the_balancing_term_is_transformers(name, tmp_path):
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     assert raw["output_router_logits"] is True
     assert raw["router_aux_loss_coef"] == pytest.approx(0.05, rel=1e-7)
+
+
+def test_a_frozen_bf16_base_runs_its_experts_as_the_bf16_model(saved):
+    """The experts' weights held in bf16 alone read the bf16 grouped GEMM:
+    the same logits as a bf16 model whose float32 matrices are those bf16
+    values (its embedding gathers float32 rows)."""
+    name, _, folder = saved
+    x, _ = batch(seed=2)
+    frozen = load_model(folder, precision="bf16", frozen=True)
+    frozen.forward(x)
+    model = load_model(folder, precision="bf16")
+    for tensor in FROZEN_BF16:
+        if tensor in model.params:
+            model.params[tensor][...] = from_bf16(to_bf16(model.params[tensor]))
+    model.refresh_bf16()
+    model.forward(x)
+    assert np.array_equal(frozen.logits, model.logits)
