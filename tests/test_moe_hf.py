@@ -17,7 +17,7 @@ from llmc_py import load_model
 from llmc_py.io.files import from_bf16, to_bf16
 from llmc_py.io.hf import hf_tensors
 from llmc_py.model.layout import FROZEN_BF16
-from test_hf import COMMON, V, rel_to_max
+from test_hf import COMMON, V, batch, check_export, check_greedy_generation, rel_to_max
 
 MODELS = {
     "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig, dict(
@@ -51,11 +51,6 @@ def saved(request, tmp_path_factory):
     model = make_hf(request.param)
     model.save_pretrained(folder)
     return request.param, model, folder
-
-
-def batch(B=2, T=19, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))
 
 
 def hf_grads(config, hf):
@@ -101,31 +96,12 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
 
 def test_greedy_generation_matches_transformers(saved):
     name, hf, folder = saved
-    model = load_model(folder)
-    prompt = [5, 17, 200, 3, 99, 42, 7]
-    ours = model.generate(prompt, 20, temperature=0)
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                      min_new_tokens=20)[0, len(prompt):].tolist()
-    assert ours == ref
+    check_greedy_generation(hf, folder)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
     name, _, folder = saved
-    model = load_model(folder)
-    x, y = batch(seed=1)
-    model.zero_grad()
-    model.forward_backward(x, y)
-    model.update(1e-2)
-    model.save_pretrained(tmp_path / "out")
-    raw = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert raw["architectures"] == [ARCHS[name]]
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
-                                                             attn_implementation="eager").eval()
-    assert type(back).__name__ == ARCHS[name]
-    model.forward(x)
-    with torch.no_grad():
-        ref = back(torch.tensor(x)).logits.numpy()
-    assert rel_to_max(model.logits[..., :V], ref) < 1e-5
+    check_export(folder, ARCHS[name], tmp_path)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
