@@ -82,6 +82,17 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
     name, hf, folder = saved
     model = load_model(folder)
     assert model.config.vocab_size == V and model.config.padded_vocab_size == 384
+    check_logits_and_loss(model, hf)
+    ours = hf_tensors(model.config, model.grads.memory)   # our gradients, by HF's names
+    ref = {n: p.grad.numpy() for n, p in hf.named_parameters()}
+    assert set(ours) == set(ref) - ({"lm_head.weight"} if model.config.tied_embeddings else set())
+    for n, grad in ours.items():
+        assert rel_to_max(grad, ref[n]) < 2e-5, n
+
+
+def check_logits_and_loss(model, hf):
+    """Our model's and transformers' logits and cross-entropy on a batch
+    compared, and both backward from it (into their gradients)."""
     x, y = batch()
     model.zero_grad()
     loss = model.forward(x, y)
@@ -95,11 +106,6 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
     ref_loss.backward()
     assert rel_to_max(logits, ref_logits.detach().numpy()) < 1e-5
     assert abs(loss - ref_loss.item()) < 1e-6 * ref_loss.item()
-    ours = hf_tensors(model.config, model.grads.memory)   # our gradients, by HF's names
-    ref = {n: p.grad.numpy() for n, p in hf.named_parameters()}
-    assert set(ours) == set(ref) - ({"lm_head.weight"} if model.config.tied_embeddings else set())
-    for n, grad in ours.items():
-        assert rel_to_max(grad, ref[n]) < 2e-5, n
 
 
 def test_greedy_generation_matches_transformers(saved):

@@ -17,7 +17,8 @@ from llmc_py import load_model
 from llmc_py.io.files import from_bf16, to_bf16
 from llmc_py.io.hf import hf_tensors
 from llmc_py.model.layout import FROZEN_BF16
-from test_hf import COMMON, V, batch, check_export, check_greedy_generation, rel_to_max
+from test_hf import (COMMON, V, batch, check_export, check_greedy_generation,
+                     check_logits_and_loss, rel_to_max)
 
 MODELS = {
     "mixtral": (transformers.MixtralForCausalLM, transformers.MixtralConfig, dict(
@@ -69,19 +70,7 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
     name, hf, folder = saved
     model = load_model(folder)
     assert model.config.num_experts and model.config.router_aux_loss == 0.0
-    x, y = batch()
-    model.zero_grad()
-    loss = model.forward(x, y)
-    logits = model.logits[..., :V].copy()
-    model.backward()
-
-    hf.zero_grad()
-    ref_logits = hf(torch.tensor(x)).logits
-    ref_loss = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, V),
-                                                 torch.tensor(y).reshape(-1))
-    ref_loss.backward()
-    assert rel_to_max(logits, ref_logits.detach().numpy()) < 1e-5
-    assert abs(loss - ref_loss.item()) < 1e-6 * ref_loss.item()
+    check_logits_and_loss(model, hf)
     ref, experts = hf_grads(model.config, hf)
     # Mixtral's router is saved as block_sparse_moe.gate, held as mlp.gate
     ours = {n.replace("block_sparse_moe.", "mlp."): g
