@@ -20,6 +20,7 @@ from llmc_py.model.dropout import Dropout
 from test_bf16_training import bf16_twin, check_against_bf16_reference, check_bf16_adamw_steps
 from test_gpt2_step import check_adamw_steps, check_against_reference, make_batch
 from test_llama_step import BASE, make_model
+from test_train import interrupt_at_batch, run
 
 MOE = dataclasses.replace(BASE, num_experts=3, experts_per_token=2, expert_hidden=24,
                           router_aux_loss=0.1, router_z_loss=0.01)
@@ -159,3 +160,17 @@ def test_train_cli_runs_experts_and_logs_the_loss_parts(shards, tmp_path, capsys
         assert abs(loss - (ce + 0.01 * balance + 0.001 * z)) < 2e-6
     log = (tmp_path / "out" / "main.log").read_text().splitlines()
     assert re.fullmatch(r"s:1 trl:\S+ ce:\S+ balance:\S+ z:\S+ lr:\S+ norm:\S+", log[0])
+
+
+def test_an_interrupted_moe_run_resumes_to_the_same_bits(shards, tmp_path, monkeypatch):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ("--arch", "llama", "--experts", "3", "--experts-per-token", "2",
+            "--expert-hidden", "16", "--moe-every", "1", "--router-aux-loss", "0.02",
+            "--router-z-loss", "0.001", "-x", "4", "-n", "2", "-d", "64", "-v", "0")
+    assert run(shards, straight, *args) == 0
+    interrupt_at_batch(monkeypatch, 7)   # during step 4 (2 micro-batches a step): 2 is saved
+    assert run(shards, resumed, *args) == 130
+    monkeypatch.undo()
+    assert train_mod.main(["-o", str(resumed), "-y", "1"]) == 0
+    name = "model_00000004.bin"
+    assert (resumed / name).read_bytes() == (straight / name).read_bytes()

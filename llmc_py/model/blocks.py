@@ -11,9 +11,15 @@ with ``attend(l)`` turning a.qkv[l] into a.atty[l] either way. Backward
 runs layer l back from d.residual = d(its output) to d(its input), adding
 into the model's gradients.
 
+A layer's MLP is dense or, in config.moe_layers, E experts (Block.experts):
+a router picks each token's top k, the tokens' rows are grouped by expert
+for the grouped GEMMs (moe.c) and summed back by the router's weights. The
+grouping is computed again in backward from the kept top-k indices, and the
+gathered rows gathered again.
+
 What forward saves for backward is the block's ``saved``: every layer's norm
-outputs and MLP activation (EveryLayer), or, with recompute, one layer's
-slot of each, which backward refills layer by layer (Recomputed); with
+outputs and MLP (or experts') activation (EveryLayer), or, with recompute,
+one layer's slot of each, which backward refills layer by layer (Recomputed); with
 ``recompute_fch`` (a quantized base) the MLP's input projection fch too,
 its largest activation, at the cost of running that matmul again."""
 import weakref

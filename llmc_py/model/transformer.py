@@ -25,6 +25,12 @@ the last W (Mistral's); biases on or off; the head tied to wte or its own
 lm_head. GPT-2 and Llama are presets (model.presets): their forward and
 backward are these.
 
+Mixture of experts (config.num_experts > 0): the MLP of every moe_every-th
+layer is E expert MLPs of the model's kind, a router sending each token to
+k of them (model.blocks); forward's loss then adds router_aux_loss times the
+load-balancing loss and router_z_loss times the z-loss (aux_losses; the
+cross-entropy alone is ce_loss), and backward their gradients.
+
 Dropout (model.dropout) applies only to the training passes given one:
 forward_backward(..., dropout=...) or forward(..., dropout=...) then
 backward(); evaluation, sampling and KV-cache decoding never drop. It
