@@ -296,8 +296,7 @@ class TransformerConfig:
             "qwen3_moe": HFKey(("num_experts",), also_read=("num_local_experts",))},
         flag=Flag("--experts", "llama: E > 0 makes the MLP of every --moe-every-th layer a "
                   "mixture of E experts, a router sending each token to --experts-per-token "
-                  "of them (Mixtral, Qwen3-MoE; not run by the block yet: such a model is "
-                  "refused); 0: one dense MLP per layer", NON_NEGATIVE))
+                  "of them (Mixtral, Qwen3-MoE); 0: one dense MLP per layer", NON_NEGATIVE))
     # k: the experts each token is routed to, 1 <= k <= E
     experts_per_token: int = declared(
         0, slot=Slot(22, NON_NEGATIVE, only_with="num_experts"),
@@ -328,15 +327,21 @@ class TransformerConfig:
         flag=Flag("--norm-topk-prob", "llama: 1 renormalises a token's k router weights to "
                   "sum to 1 (Mixtral); 0 keeps the softmax's (OLMoE)"))
     # the load-balancing loss's coefficient (Switch Transformer / Mixtral:
-    # E * sum over experts of the fraction of tokens routed to it times its
-    # mean router probability); config.json's router_aux_loss_coef counts
-    # only with output_router_logits, as in transformers (io.hf)
+    # E * sum over experts of f_e, the fraction of the layer's B T k
+    # assignments routed to it (1 when even), times its mean router
+    # probability; averaged over the MoE layers). transformers' loss divides
+    # by B T, not B T k (k times ours), so router_aux_loss = k *
+    # router_aux_loss_coef (io.hf reads and writes it so): the same total
+    # loss for one MoE layer; with more, transformers pools the counts and
+    # probabilities of all layers before multiplying, a little different.
+    # config.json's router_aux_loss_coef counts only with
+    # output_router_logits, as in transformers
     router_aux_loss: float = declared(
         0.0, slot=Slot(5, only_with="num_experts"), shown=", aux loss {c.router_aux_loss:g}",
         hf={"mixtral": HFKey(("router_aux_loss_coef",), 0.0),
             "qwen3_moe": HFKey(("router_aux_loss_coef",), 0.0)},
         flag=Flag("--router-aux-loss", "llama: the load-balancing loss's coefficient "
-                  "(transformers' router_aux_loss_coef; 0: none)", NON_NEGATIVE))
+                  "(k times transformers' router_aux_loss_coef; 0: none)", NON_NEGATIVE))
     # the router z-loss's coefficient (ST-MoE: mean of logsumexp(router
     # logits)^2); no Hugging Face key
     router_z_loss: float = declared(

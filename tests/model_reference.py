@@ -102,7 +102,8 @@ def dropout_masks(dropout, config, B, T):
 
 
 def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks=None):
-    """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T).
+    """(logits (B, T, Vp), mean loss or None) for int token arrays (B, T); with
+    experts the loss adds the auxiliary losses times their coefficients.
     A dict ``trace`` receives "hidden": the residual stream after the
     embedding and after each block, and "att": each layer's attention
     probabilities [B, NH, T, T]. ``masks`` (dropout_masks) drops the
@@ -124,6 +125,26 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks
     def dropped(x, site, l=0):
         m = mask(site, l)
         return x if m is None else R.dropout(x, m)
+
+    aux = []   # each MoE layer's (load balancing, z-loss)
+
+    def experts(h, m):
+        """MoE layer m on h (B, T, C): route, each expert's MLP over its
+        tokens (in the grouped order), the weighted sum back."""
+        k, E = c.experts_per_token, c.num_experts
+        x = h.reshape(-1, c.channels)
+        _, chosen, weights, balance, z = R.moe_route(matmul(x, p["routerw"][m]), k,
+                                                     c.norm_topk_prob)
+        aux.append((balance, z))
+        offsets, positions = R.moe_positions(chosen, E)
+        grouped = x[torch.argsort(positions.reshape(-1)) // k]
+        bounds = offsets.tolist()
+        out = []
+        for e in range(E):
+            rows = grouped[bounds[e]:bounds[e + 1]]
+            act = R.MLP_ACTIVATIONS[c.mlp](matmul(rows, p["expertfcw"][m, e]))
+            out.append(matmul(act, p["expertprojw"][m, e]))
+        return R.moe_combine(torch.cat(out), weights, positions).reshape(h.shape)
 
     x = R.encoder(p["wte"], param("wpe"), inputs)
     if c.position == "sinusoidal":
@@ -147,8 +168,11 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks
             return dropped(h, "attention_output", l), att
 
         def mlp(h):
-            h = R.MLP_ACTIVATIONS[c.mlp](matmul(h, param("fcw", l), param("fcb", l)))
-            return dropped(matmul(h, param("fcprojw", l), param("fcprojb", l)), "mlp_output", l)
+            if c.is_moe_layer(l):
+                return dropped(experts(h, c.moe_layers.index(l)), "mlp_output", l)
+            i = c.dense_mlp_layers.index(l)
+            h = R.MLP_ACTIVATIONS[c.mlp](matmul(h, param("fcw", i), param("fcb", i)))
+            return dropped(matmul(h, param("fcprojw", i), param("fcprojb", i)), "mlp_output", l)
 
         def norm1(h):
             return norm(h, param("ln1w", l), param("ln1b", l), c)
@@ -179,7 +203,11 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks
     losses = R.crossentropy(R.softmax(logits, c.vocab_size), targets)
     # the mean over the targets that count; with none, 0 (and no gradient)
     counted = int((targets != R.IGNORE_INDEX).sum())
-    return logits, losses.sum() / counted if counted else losses.sum()
+    loss = losses.sum() / counted if counted else losses.sum()
+    if aux:   # the auxiliary losses, each averaged over the MoE layers
+        loss = loss + (c.router_aux_loss * sum(b for b, _ in aux)
+                       + c.router_z_loss * sum(z for _, z in aux)) / len(aux)
+    return logits, loss
 
 
 class AdamW:

@@ -82,6 +82,17 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
     name, hf, folder = saved
     model = load_model(folder)
     assert model.config.vocab_size == V and model.config.padded_vocab_size == 384
+    check_logits_and_loss(model, hf)
+    ours = hf_tensors(model.config, model.grads.memory)   # our gradients, by HF's names
+    ref = {n: p.grad.numpy() for n, p in hf.named_parameters()}
+    assert set(ours) == set(ref) - ({"lm_head.weight"} if model.config.tied_embeddings else set())
+    for n, grad in ours.items():
+        assert rel_to_max(grad, ref[n]) < 2e-5, n
+
+
+def check_logits_and_loss(model, hf):
+    """Our model's and transformers' logits and cross-entropy on a batch
+    compared, and both backward from it (into their gradients)."""
     x, y = batch()
     model.zero_grad()
     loss = model.forward(x, y)
@@ -95,15 +106,14 @@ def test_logits_loss_and_every_gradient_match_transformers(saved):
     ref_loss.backward()
     assert rel_to_max(logits, ref_logits.detach().numpy()) < 1e-5
     assert abs(loss - ref_loss.item()) < 1e-6 * ref_loss.item()
-    ours = hf_tensors(model.config, model.grads.memory)   # our gradients, by HF's names
-    ref = {n: p.grad.numpy() for n, p in hf.named_parameters()}
-    assert set(ours) == set(ref) - ({"lm_head.weight"} if model.config.tied_embeddings else set())
-    for n, grad in ours.items():
-        assert rel_to_max(grad, ref[n]) < 2e-5, n
 
 
 def test_greedy_generation_matches_transformers(saved):
     name, hf, folder = saved
+    check_greedy_generation(hf, folder)
+
+
+def check_greedy_generation(hf, folder):
     model = load_model(folder)
     prompt = [5, 17, 200, 3, 99, 42, 7]
     ours = model.generate(prompt, 20, temperature=0)
@@ -114,6 +124,12 @@ def test_greedy_generation_matches_transformers(saved):
 
 def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
     name, _, folder = saved
+    check_export(folder, ARCHS[name], tmp_path)
+
+
+def check_export(folder, arch, tmp_path):
+    """Our model of ``folder``, one step trained, saved and loaded by
+    transformers as ``arch``: the same logits."""
     model = load_model(folder)
     # train one step, so the export differs from what was imported
     x, y = batch(seed=1)
@@ -122,10 +138,10 @@ def test_export_loads_in_transformers_with_the_same_logits(saved, tmp_path):
     model.update(1e-2)
     model.save_pretrained(tmp_path / "out")
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert raw["architectures"] == [ARCHS[name]]
+    assert raw["architectures"] == [arch]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                              attn_implementation="eager").eval()
-    assert type(back).__name__ == ARCHS[name]
+    assert type(back).__name__ == arch
     model.forward(x)
     with torch.no_grad():
         ref = back(torch.tensor(x)).logits.numpy()

@@ -1,6 +1,7 @@
 """KV-cache generation (kv_cache.py) against full recomputation: the same
 logits at every step, for GPT-2, RoPE, ALiBi, GQA, MQA and Qwen3-style
-(qk_norm, head size apart from C / NH) models, batched prompts of unequal
+(qk_norm, head size apart from C / NH) models and models with experts (each
+decoded row routed as in the full forward), batched prompts of unequal
 lengths included; greedy decoding equals the argmax chain of full
 forwards; seeds reproduce.
 
@@ -57,6 +58,12 @@ MODELS = {
     "sliding-window": lambda: Llama(dataclasses.replace(LLAMA, sliding_window=5), seed=14),
     "sliding-window-alibi-mqa": lambda: Llama(dataclasses.replace(
         LLAMA, sliding_window=8, position="alibi", num_kv_heads=1), seed=15),
+    # experts: every layer's MLP, and every second one's in a post-norm block
+    "moe-e8-k2": lambda: Llama(dataclasses.replace(LLAMA, num_experts=8, experts_per_token=2,
+                                                   expert_hidden=24), seed=18),
+    "moe-every2-post-top1": lambda: Llama(dataclasses.replace(
+        LLAMA, block="post", num_experts=3, experts_per_token=1, expert_hidden=16, moe_every=2,
+        norm_topk_prob=False), seed=19),
 }
 
 

@@ -2,7 +2,7 @@
 (or the shards a model.safetensors.index.json lists), for GPT2LMHeadModel,
 LlamaForCausalLM, MistralForCausalLM (a Llama with a sliding window),
 Qwen3ForCausalLM, and the mixtures of experts MixtralForCausalLM and
-Qwen3MoeForCausalLM (config and tensors; the block does not run experts yet).
+Qwen3MoeForCausalLM.
 
 Reading maps the folder's config onto a TransformerConfig and its tensors
 onto our layout (model.layout.param_specs):
@@ -239,6 +239,8 @@ def _llama_config(raw, path, arch):
         **_rope(raw, path))
     if arch in MOE_ARCHITECTURES:
         fields |= _moe_fields(raw, path, arch)
+        # transformers' balancing loss is k times ours (config.router_aux_loss)
+        fields["router_aux_loss"] *= fields["experts_per_token"]
     fields["padded_vocab_size"] = padded_vocab(fields["vocab_size"])
     return LlamaConfig(**fields)
 
@@ -328,7 +330,8 @@ def _moe_architecture(config):
 
 def _hf_moe(config, arch):
     """config.json's fields for the experts beyond the declared keys."""
-    fields = dict(output_router_logits=config.router_aux_loss > 0)
+    fields = dict(output_router_logits=config.router_aux_loss > 0,
+                  router_aux_loss_coef=config.router_aux_loss / config.experts_per_token)
     if arch == "MixtralForCausalLM":
         return fields | dict(router_jitter_noise=0.0,
                              sliding_window=config.sliding_window or None)

@@ -11,12 +11,20 @@ with ``attend(l)`` turning a.qkv[l] into a.atty[l] either way. Backward
 runs layer l back from d.residual = d(its output) to d(its input), adding
 into the model's gradients.
 
+A layer's MLP is dense or, in config.moe_layers, E experts (Block.experts):
+a router picks each token's top k, the tokens' rows are grouped by expert
+for the grouped GEMMs (moe.c) and summed back by the router's weights. The
+grouping is computed again in backward from the kept top-k indices, and the
+gathered rows gathered again.
+
 What forward saves for backward is the block's ``saved``: every layer's norm
-outputs and MLP activation (EveryLayer), or, with recompute, one layer's
-slot of each, which backward refills layer by layer (Recomputed); with
+outputs and MLP (or experts') activation (EveryLayer), or, with recompute,
+one layer's slot of each, which backward refills layer by layer (Recomputed); with
 ``recompute_fch`` (a quantized base) the MLP's input projection fch too,
 its largest activation, at the cost of running that matmul again."""
 import weakref
+
+import numpy as np
 
 from .._native import kernels as K
 
@@ -66,6 +74,29 @@ def _slot(tensor, l):
     return tensor[l if tensor.shape[0] > 1 else 0]
 
 
+def _rows(buffer, rows, width):
+    """The first rows * width floats of a gradient buffer, as (rows, width)."""
+    return buffer.reshape(-1)[:rows * width].reshape(rows, width)
+
+
+def _grouping(experts, E):
+    """(offsets [E+1], positions [N, k]) of the routed rows grouped by expert,
+    for int32 ``experts`` [N, k] (moe_permute)."""
+    offsets = np.empty(E + 1, np.int32)
+    positions = np.empty(experts.shape, np.int32)
+    K.moe_permute(offsets, positions, experts, E)
+    return offsets, positions
+
+
+def _grouped_forward(weight):
+    """The grouped matmul for experts' weights as the model holds them (bf16 or float32)."""
+    return K.moe_grouped_forward_bf16 if weight.dtype == np.uint16 else K.moe_grouped_forward
+
+
+def _grouped_backward(weight):
+    return K.moe_grouped_backward_bf16 if weight.dtype == np.uint16 else K.moe_grouped_backward
+
+
 class LayerGrads:
     """Backward's activation gradients (layout.grad_act_specs) seen as one
     layer's tensors, each (B, T, width). Those that share a buffer are used
@@ -91,22 +122,30 @@ class LayerGrads:
         self.qkvr = view(d.fch, c.qkv_channels) if rope or qk_norm else None
         self.qkvn = view(d.wide, c.qkv_channels)
         self.qkv = self.qkvr if rope and qk_norm else self.qkvn
+        # an MoE layer's, per routed row and of the router's logits
+        if c.moe_layers:
+            self.expert_wide, self.expert_narrow = d.expert_wide, d.expert_narrow
+            self.router = d.router
 
 
 class EveryLayer:
     """Forward keeps every layer's norm outputs and MLP activation; backward reads them."""
 
     @staticmethod
-    def fch(a, l, inp, dropout):
-        """Layer l's fch, which forward kept."""
+    def fch(a, i, inp, dropout):
+        """Dense MLP layer i's fch, which forward kept."""
 
     @staticmethod
     def norm(a, name, l, inp):
         return a[name][l]
 
     @staticmethod
-    def mlp_act(a, l):
-        return a.fch_act[l]
+    def mlp_act(a, i):
+        return a.fch_act[i]
+
+    @staticmethod
+    def expert_act(a, m):
+        return a.expert_act[m]
 
 
 class Recomputed:
@@ -115,14 +154,14 @@ class Recomputed:
     same bits."""
 
     def __init__(self, block, fch=False):
-        self.norm, self.mlp_act = block.norm, block.mlp_act
+        self.norm, self.mlp_act, self.expert_act = block.norm, block.mlp_act, block.expert_act
         self._block = block if fch else None
 
-    def fch(self, a, l, inp, dropout):
-        """Layer l's fch, recomputed from the MLP's input ``inp`` into its
-        one-layer slot, or kept by forward (without recompute_fch)."""
+    def fch(self, a, i, inp, dropout):
+        """Dense MLP layer i's fch, recomputed from the MLP's input ``inp``
+        into its one-layer slot, or kept by forward (without recompute_fch)."""
         if self._block is not None:
-            self._block.linear(_slot(a.fch, l), inp, "fc", l, dropout)
+            self._block.linear(_slot(a.fch, i), inp, "fc", i, dropout)
 
 
 class Block:
@@ -139,6 +178,13 @@ class Block:
         self.recompute = recompute
         self.recompute_fch = recompute_fch
         self.saved = Recomputed(self, recompute_fch) if recompute else EveryLayer()
+        c = model.config
+        # layer l's index among the layers of its MLP's kind: the dense ones
+        # (fcw, fch, ...) or the MoE ones (routerw, the experts, ...)
+        self.mlp_index = {l: i for i, l in enumerate(c.dense_mlp_layers)}
+        self.mlp_index |= {l: m for m, l in enumerate(c.moe_layers)}
+        # each MoE layer's auxiliary losses of the last forward: (load balancing, z-loss)
+        self.aux = np.zeros((c.num_moe_layers, 2), np.float32)
 
     def output(self, a, l):
         """Layer l's output, the next layer's input."""
@@ -163,10 +209,16 @@ class Block:
                    inp, p[name + "w"][l], optional(p, name + "b", l))
         return out
 
-    def mlp_act(self, a, l):
-        """Layer l's MLP activation of a.fch[l], into its fch_act slot."""
-        out = _slot(a.fch_act, l)
-        self.act_forward(out, _slot(a.fch, l))
+    def mlp_act(self, a, i):
+        """Dense MLP layer i's activation of a.fch[i], into its fch_act slot."""
+        out = _slot(a.fch_act, i)
+        self.act_forward(out, _slot(a.fch, i))
+        return out
+
+    def expert_act(self, a, m):
+        """MoE layer m's expert activation of a.expert_fch[m], into its expert_act slot."""
+        out = _slot(a.expert_act, m)
+        self.act_forward(out, a.expert_fch[m])
         return out
 
     def attention(self, a, l, inp, attend, dropout):
@@ -177,10 +229,38 @@ class Block:
         drop(a.proj, dropout.site("attention_output", l))
 
     def mlp(self, a, l, inp, dropout):
-        """a.proj = layer l's MLP on ``inp``, after its dropout."""
-        self.linear(_slot(a.fch, l), inp, "fc", l, dropout)
-        self.linear(a.proj, self.mlp_act(a, l), "fcproj", l, dropout)
+        """a.proj = layer l's MLP (dense or experts) on ``inp``, after its dropout."""
+        if self.config.is_moe_layer(l):
+            self.experts(a, l, inp)
+        else:
+            i = self.mlp_index[l]
+            self.linear(_slot(a.fch, i), inp, "fc", i, dropout)
+            self.linear(a.proj, self.mlp_act(a, i), "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
+
+    def experts(self, a, l, inp):
+        """a.proj = MoE layer l's experts on ``inp`` (B, T, C): the router's
+        softmax and top k per token (a.router_probs, topk_index,
+        topk_weight), the tokens gathered by expert (a.expert_in), each
+        expert's MLP over its rows (a.expert_fch, expert_act, expert_out)
+        and their outputs summed back per token by the router's weights;
+        the layer's auxiliary losses into self.aux."""
+        c, model = self.config, self.model
+        m = self.mlp_index[l]
+        w = model._weights
+        N, k, E = inp.shape[0] * inp.shape[1], c.experts_per_token, c.num_experts
+        model._matmul_forward(a.router_logits[m], inp, w.routerw[m], None)
+        experts = a.topk_index[m].view(np.int32).reshape(N, k)
+        K.moe_route_forward(a.router_probs[m].reshape(N, E), a.topk_weight[m].reshape(N, k),
+                            experts, self.aux[m], a.router_logits[m].reshape(N, E),
+                            norm_topk_prob=c.norm_topk_prob)
+        offsets, positions = _grouping(experts, E)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, c.C), positions)
+        grouped = _grouped_forward(w.expertfcw)
+        grouped(a.expert_fch[m], a.expert_in, w.expertfcw[m], offsets)
+        grouped(a.expert_out[m], self.expert_act(a, m), w.expertprojw[m], offsets)
+        K.moe_combine_forward(a.proj.reshape(N, c.C), a.expert_out[m],
+                              a.topk_weight[m].reshape(N, k), positions)
 
     # ---- backward pieces ---------------------------------------------------
 
@@ -200,15 +280,65 @@ class Block:
                             m.base_grad(name + "b", l), dout, inp, m.params[name + "w"][l],
                             optional(a, name + "_mean", l), a[name + "_rstd"][l])
 
-    def mlp_backward(self, a, d, l, dout, fch_act, dropout):
-        """d.fch = d(layer l's fch) from ``dout`` = d(the MLP's output after
-        its dropout); adds into fcproj's gradients."""
+    def mlp_backward(self, a, d, l, dinp, dout, inp, dropout):
+        """Adds d(layer l's MLP input ``inp``) into ``dinp`` from ``dout`` =
+        d(the MLP's output after its dropout), and into the MLP's gradients;
+        dout is spent before dinp changes (they may be one buffer)."""
         dout = undrop(dout, d.mlp_output, dropout.site("mlp_output", l))
+        if self.config.is_moe_layer(l):
+            self.experts_backward(a, d, l, dinp, dout, inp)
+            return
+        i = self.mlp_index[l]
+        self.saved.fch(a, i, inp, dropout)
+        fch_act = self.saved.mlp_act(a, i)
         d.fch_act[...] = 0.0
-        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", l, dropout)
+        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", i, dropout)
         d.fch[...] = 0.0
-        self.act_backward(d.fch, d.fch_act, _slot(a.fch, l))
-        return d.fch
+        self.act_backward(d.fch, d.fch_act, _slot(a.fch, i))
+        self.linear_backward(dinp, d.fch, inp, "fc", i, dropout)
+
+    def experts_backward(self, a, d, l, dinp, dout, inp):
+        """experts() backward: from ``dout`` (B, T, C), d(inp) added into
+        ``dinp`` through the experts and the router, whose logits' gradient
+        also carries the auxiliary losses' (their coefficients times the
+        model's loss_scale, averaged over the MoE layers). The grouping is
+        computed again from topk_index, the gathered rows gathered again, the
+        expert activations recomputed with recompute (kept otherwise)."""
+        c, model = self.config, self.model
+        m = self.mlp_index[l]
+        w = model._weights
+        N, k, E, C = inp.shape[0] * inp.shape[1], c.experts_per_token, c.num_experts, c.C
+        R = N * k
+        experts = a.topk_index[m].view(np.int32).reshape(N, k)
+        weights = a.topk_weight[m].reshape(N, k)
+        offsets, positions = _grouping(experts, E)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, C), positions)
+        expert_act = self.saved.expert_act(a, m)
+        grouped = _grouped_backward(w.expertfcw)
+        dexpert_out = _rows(d.expert_wide, R, C)
+        dweights = np.empty((N, k), np.float32)
+        K.moe_combine_backward(dexpert_out, dweights, dout.reshape(N, C), a.expert_out[m],
+                               weights, positions)
+        dact = _rows(d.expert_narrow, R, c.expert_hidden)
+        dact[...] = 0.0
+        grouped(dact, model.base_grad("expertprojw", m), dexpert_out, expert_act,
+                w.expertprojw[m], offsets)
+        dfch = _rows(d.expert_wide, R, c.expert_fc_channels)
+        dfch[...] = 0.0
+        self.act_backward(dfch, dact, a.expert_fch[m])
+        dgathered = _rows(d.expert_narrow, R, C)
+        dgathered[...] = 0.0
+        grouped(dgathered, model.base_grad("expertfcw", m), dfch, a.expert_in,
+                w.expertfcw[m], offsets)
+        K.moe_gather_backward(dinp.reshape(N, C), dgathered, positions)
+        d.router[...] = 0.0
+        scale = model.loss_scale / c.num_moe_layers
+        K.moe_route_backward(d.router.reshape(N, E), dweights, a.router_probs[m].reshape(N, E),
+                             a.router_logits[m].reshape(N, E), experts,
+                             norm_topk_prob=c.norm_topk_prob,
+                             aux_coef=c.router_aux_loss * scale, z_coef=c.router_z_loss * scale)
+        model._matmul_backward(dinp, model.base_grad("routerw", m), None, d.router, inp,
+                               w.routerw[m])
 
     def attention_backward(self, a, d, l, dout, dropout):
         """d.qkv = d(layer l's qkv) from ``dout`` = d(the attention
@@ -257,9 +387,13 @@ class PreNorm(Block):
         drop(a.proj, dropout.site("attention_output", l))
         K.residual_forward(a.residual2[l], x, a.proj)
         ln2 = self.norm(a, "ln2", l, a.residual2[l])
-        self.linear(_slot(a.fch, l), ln2, "fc", l, dropout)
-        fch_act = self.mlp_act(a, l)
-        self.linear(a.proj, fch_act, "fcproj", l, dropout)
+        if self.config.is_moe_layer(l):
+            self.experts(a, l, ln2)
+        else:
+            i = self.mlp_index[l]
+            self.linear(_slot(a.fch, i), ln2, "fc", i, dropout)
+            fch_act = self.mlp_act(a, i)
+            self.linear(a.proj, fch_act, "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
         K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
@@ -267,11 +401,8 @@ class PreNorm(Block):
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, x)
         ln2 = self.saved.norm(a, "ln2", l, a.residual2[l])
-        self.saved.fch(a, l, ln2, dropout)
-        fch_act = self.saved.mlp_act(a, l)
         d.ln[...] = 0.0
-        dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln2, "fc", l, dropout)
+        self.mlp_backward(a, d, l, d.ln, d.residual, ln2, dropout)
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln2", l)
         # now d(residual2[l])
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
@@ -293,14 +424,11 @@ class Parallel(Block):
 
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, x)
-        self.saved.fch(a, l, ln1, dropout)
-        fch_act = self.saved.mlp_act(a, l)
         # d.residual = d(residual3[l]) = d(residual2[l]): both branches' output's
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
         d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
         self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
-        dfch = self.mlp_backward(a, d, l, d.residual, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln1, "fc", l, dropout)
+        self.mlp_backward(a, d, l, d.ln, d.residual, ln1, dropout)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
 
 
@@ -321,13 +449,10 @@ class PostNorm(Block):
 
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, a.residual2[l])
-        self.saved.fch(a, l, ln1, dropout)
-        fch_act = self.saved.mlp_act(a, l)
         d.ln[...] = 0.0
         self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l)
         # now d(residual3[l]); the MLP's input gradient adds into it
-        dfch = self.mlp_backward(a, d, l, d.ln, fch_act, dropout)
-        self.linear_backward(d.ln, dfch, ln1, "fc", l, dropout)
+        self.mlp_backward(a, d, l, d.ln, d.ln, ln1, dropout)
         # now d(ln1[l])
         d.residual[...] = 0.0
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l)

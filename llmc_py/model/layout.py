@@ -177,7 +177,7 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
 
     The MLP's activations are per layer of its kind: fch and fch_act for
     the dense MLP layers (config.dense_mlp_layers), and for the MoE layers
-    (config.moe_layers) the router's softmax over the E experts, each
+    (config.moe_layers) the router's logits and their softmax over the E experts, each
     token's k chosen experts (int32) and their weights, and per routed row
     (R = B T k of them, grouped by expert) the experts' first projection,
     its activation (recomputed like fch_act) and the expert's output before
@@ -210,6 +210,7 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
         ("fch", lambda c, B, T: (min(Lf(c), Ld(c)), B, T, c.fc_channels), dense),
         ("fch_act", lambda c, B, T: (min(L(c), Ld(c)), B, T, c.FF), dense),   # activated
         # the MoE layers' (R = B T k routed rows, grouped by expert)
+        ("router_logits", lambda c, B, T: (Lm(c), B, T, c.num_experts), moe),
         ("router_probs", lambda c, B, T: (Lm(c), B, T, c.num_experts), moe),
         ("topk_index", lambda c, B, T: (Lm(c), B, T, c.experts_per_token), moe),   # int32
         ("topk_weight", lambda c, B, T: (Lm(c), B, T, c.experts_per_token), moe),

@@ -25,6 +25,12 @@ the last W (Mistral's); biases on or off; the head tied to wte or its own
 lm_head. GPT-2 and Llama are presets (model.presets): their forward and
 backward are these.
 
+Mixture of experts (config.num_experts > 0): the MLP of every moe_every-th
+layer is E expert MLPs of the model's kind, a router sending each token to
+k of them (model.blocks); forward's loss then adds router_aux_loss times the
+load-balancing loss and router_z_loss times the z-loss (aux_losses; the
+cross-entropy alone is ce_loss), and backward their gradients.
+
 Dropout (model.dropout) applies only to the training passes given one:
 forward_backward(..., dropout=...) or forward(..., dropout=...) then
 backward(); evaluation, sampling and KV-cache decoding never drop. It
@@ -107,9 +113,10 @@ INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.i
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
 # A config that lacks one (wpe, lm_head) skips it.
-MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "lm_head")
+MATRIX_PARAMS = ("wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw", "routerw", "expertfcw",
+                 "expertprojw", "lm_head")
 # output projections into the residual stream: std scaled by 1/sqrt(2 L)
-_RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw")
+_RESIDUAL_PROJECTIONS = ("attprojw", "fcprojw", "expertprojw")
 NORM_WEIGHTS = ("ln1w", "ln2w", "lnfw", "qnormw", "knormw")
 
 
@@ -141,13 +148,12 @@ class Transformer:
         if frozen and precision != "bf16":
             raise ValueError(f"frozen=True is a base held in bf16 alone: precision must be "
                              f"'bf16', got {precision!r}")
-        if config.num_experts:
-            raise UnsupportedError(f"num_experts={config.num_experts}: the mixture-of-experts "
-                                   f"MLP's forward is not wired into the block yet (its config, "
-                                   f"model file, Hugging Face config and summary are)")
         if weights is not None and (frozen or params is not None):
             raise ValueError(f"weights={weights!r} is a quantized model filled by "
                              f"put_quantized: give neither params nor frozen=True")
+        if weights is not None and config.num_experts:
+            raise UnsupportedError(f"weights={weights!r}: this model has experts (num_experts="
+                                   f"{config.num_experts}); quantized experts are not supported")
         self.config = config
         self.precision = precision
         self.frozen = frozen
@@ -195,7 +201,9 @@ class Transformer:
         self.moment_params = self.num_parameters   # parameters whose moments we keep
         self.lora = None   # the LoRA adapters (model.lora) of a frozen base: add_lora, load_lora
         self.quantized = None   # "q8_0" or "q4_0" after quantize()
-        self.mean_loss = None
+        self.mean_loss = None   # the last forward's loss: cross-entropy + the auxiliary terms
+        self.ce_loss = None     # its cross-entropy alone
+        self.loss_scale = 1.0   # the last backward's (the auxiliary losses' gradients read it)
         self._drop_activations()   # made by the first forward, for its (B, T)
         if weights is not None:
             self._start_quantized(weights)
@@ -609,10 +617,27 @@ class Transformer:
 
     def _mean_loss(self):
         """The mean of the losses over the counted targets (the ignored ones'
-        losses are 0); 0.0 when every target is ignored."""
+        losses are 0; 0.0 when every target is ignored), plus with experts
+        the auxiliary losses times their coefficients (aux_losses)."""
         total = self.acts.losses.sum(dtype=np.float64)
-        self.mean_loss = float(total / self.counted) if self.counted else 0.0
+        self.ce_loss = self.mean_loss = float(total / self.counted) if self.counted else 0.0
+        if self.config.moe_layers:
+            c, aux = self.config, self.aux_losses
+            self.mean_loss += c.router_aux_loss * aux["balance"] + c.router_z_loss * aux["z"]
         return self.mean_loss
+
+    @property
+    def aux_losses(self):
+        """The last forward's auxiliary losses, each the mean over the MoE
+        layers (unweighted; the loss adds them times router_aux_loss and
+        router_z_loss): "balance", E sum_e f_e P_e (f_e the fraction of the
+        layer's B T k assignments that went to expert e, P_e its mean router
+        probability; 1 when both are even) and "z", the mean of
+        logsumexp(router logits)^2. Empty without experts."""
+        if not self.config.moe_layers:
+            return {}
+        balance, z = self._block.aux.astype(np.float64).mean(axis=0)
+        return {"balance": float(balance), "z": float(z)}
 
     def _head_blocks(self):
         """Slices of HEAD_ROWS rows over the B * T rows."""
@@ -690,6 +715,7 @@ class Transformer:
         in d.losses: loss_scale over the counted targets (the kernel gives
         ignored rows no gradient; with none counted, no row has any)."""
         B, T = self.B, self.T
+        self.loss_scale = loss_scale
         if self.grads_acts is None:
             self._plan(B, T, training=True, keep_logits=self._logits_state == "logits")
         d = self.grads_acts
@@ -800,6 +826,7 @@ class Transformer:
         the input gradients through the panel path; training the base and
         saving it are refused."""
         check_weights_type(qtype)
+        self._refuse_experts("quantize")
         self._refuse_adapters("quantize")
         self._refuse_frozen("quantize")
         if self.quantized is not None:
@@ -888,6 +915,7 @@ class Transformer:
         adapter's input in the passes given a Dropout. From then on
         zero_grad, backward, update, grad_norm and clip_grad_norm act on the
         adapters alone."""
+        self._refuse_experts("add_lora")
         self._refuse_adapters("add_lora")
         lora = Lora(self.config, rank, alpha, targets, dropout, rslora)
         lora.initialize(seed)
@@ -931,6 +959,7 @@ class Transformer:
         """Freezes the base and adds the adapters of a PEFT folder (io.peft),
         as add_lora does; options we do not support are refused by name."""
         from ..io.peft import read_peft
+        self._refuse_experts("load_lora")
         self._refuse_adapters("load_lora")
         self._freeze(read_peft(folder, self.config))
 
@@ -946,6 +975,12 @@ class Transformer:
             raise RuntimeError(f"{what}: this model has LoRA adapters already (rank "
                                f"{self.lora.rank} on {names}); merge_lora() folds them into "
                                f"the base, save_lora() writes them")
+
+    def _refuse_experts(self, what):
+        if self.config.num_experts:
+            raise UnsupportedError(f"{what}: this model has experts (num_experts="
+                                   f"{self.config.num_experts}); LoRA adapters and quantized "
+                                   f"weights cover dense MLPs only")
 
     def _refuse_frozen(self, what):
         if self.frozen:

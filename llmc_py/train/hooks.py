@@ -36,12 +36,13 @@ class StepLog:
 
     def __call__(self, trainer, r):
         self.losses.append(r.loss)
-        self.log.write(f"s:{r.step} trl:{r.loss:.6f} lr:{r.lr:.6e} norm:{r.norm:.6f}\n")
+        apart = "".join(f" {name}:{value:.6f}" for name, value in r.parts.items())
+        self.log.write(f"s:{r.step} trl:{r.loss:.6f}{apart} lr:{r.lr:.6e} norm:{r.norm:.6f}\n")
         self.log.flush()
         elapsed = time.perf_counter() - self.started
         eta = elapsed / (r.step - self.start_step) * (self.last_step - r.step)
         self.progress.step(r.step, self.last_step, r.loss, r.norm, r.lr, r.ms,
-                           self.tokens_per_step / (r.ms / 1000), eta)
+                           self.tokens_per_step / (r.ms / 1000), eta, r.parts)
 
 
 class Evaluation:

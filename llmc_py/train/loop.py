@@ -5,7 +5,7 @@ optimizer, then the hooks after the step (metrics, monitors)."""
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,6 +21,10 @@ class StepResult:
     lr: float        # 0.0 when the step was not applied
     ms: float
     finite: bool     # False: the loss or norm was inf or NaN and no update was made
+    # with experts, the loss's parts (each the mean over micro-batches and
+    # ranks): "ce" the cross-entropy, "balance" and "z" the auxiliary losses
+    # (model.aux_losses, unweighted); empty for a dense model
+    parts: dict = field(default_factory=dict)
 
 
 class Trainer:
@@ -73,20 +77,27 @@ class Trainer:
         t0 = time.perf_counter()
         model.zero_grad()
         loss = 0.0
+        parts = {}
         for micro in range(n):
             x, y = self.next_batch()
             loss += model.forward_backward(x, y, loss_scale=1.0 / n,
                                            dropout=self._dropout_at(step, micro, len(x))) / n
+            if model.config.num_experts:
+                for name, value in (("ce", model.ce_loss), *model.aux_losses.items()):
+                    parts[name] = parts.get(name, 0.0) + value / n
         loss = self.world.mean(loss)
+        parts = {name: self.world.mean(value) for name, value in parts.items()}
         for hook in self.after_backward:
             hook(self, step)
         norm = self._clip_grad_norm()
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            return StepResult(step, loss, norm, 0.0, (time.perf_counter() - t0) * 1000, False)
+            return StepResult(step, loss, norm, 0.0, (time.perf_counter() - t0) * 1000, False,
+                              parts)
         lr = self.schedule(step)
         with self.update_guard():
             self.optimizer.step(lr, step)
-            result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True)
+            result = StepResult(step, loss, norm, lr, (time.perf_counter() - t0) * 1000, True,
+                                parts)
             for hook in self.after_step:
                 hook(self, result)
         for hook in self.end_of_step:
@@ -125,7 +136,7 @@ def perplexity(loss):
 
 
 def validation_loss(model, batches, world=None):
-    """(mean loss, targets counted) of ``model`` over the counted targets
+    """(mean cross-entropy, targets counted) of ``model`` over the counted targets
     (not IGNORE_INDEX) of ``batches``, (inputs, targets) pairs, on every rank
     of ``world`` together: the sum of their losses over their number, each
     summed over the ranks (not a mean of batch means, which would weigh a
@@ -133,7 +144,8 @@ def validation_loss(model, batches, world=None):
     world = Solo() if world is None else world
     sums, counted = [], 0
     for inputs, targets in batches:
-        loss = model.forward(inputs, targets, keep_logits=False)
+        model.forward(inputs, targets, keep_logits=False)
+        loss = model.ce_loss   # without a model's auxiliary losses (experts)
         sums.append(loss * model.counted)   # the batch's sum, from its mean over counted targets
         counted += model.counted
     total, counted = world.sum(np.sum(sums)), round(world.sum(counted))

@@ -14,16 +14,23 @@ class Progress:
         self.live = self.stream.isatty()
         self.open_line = False
 
-    def step(self, step, total, loss, norm, lr, ms, tokens_per_s, eta_s):
+    def step(self, step, total, loss, norm, lr, ms, tokens_per_s, eta_s, parts=None):
+        """``parts`` (a model with experts): the loss's cross-entropy "ce" and
+        auxiliary losses "balance" and "z", said apart; ppl is the ce's."""
+        ce = loss if not parts else parts["ce"]
         if self.live:
-            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | "
-                              f"ppl {perplexity(loss):.2f} | norm {norm:.3f} | "
+            apart = "" if not parts else (f"ce {ce:.4f} balance {parts['balance']:.3f} "
+                                          f"z {parts['z']:.3f} | ")
+            self.stream.write(f"\rstep {step:5d}/{total} | loss {loss:.4f} | {apart}"
+                              f"ppl {perplexity(ce):.2f} | norm {norm:.3f} | "
                               f"lr {lr:.2e} | {ms:6.0f} ms | {tokens_per_s:7.0f} tok/s | "
                               f"eta {hours_minutes_seconds(eta_s)}  ")
             self.open_line = True
         else:
-            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} "
-                              f"ppl {perplexity(loss):.4f} norm {norm:.4f} "
+            apart = "" if not parts else (f"ce {ce:.6f} balance {parts['balance']:.6f} "
+                                          f"z {parts['z']:.6f} ")
+            self.stream.write(f"step {step}/{total}: train loss {loss:.6f} {apart}"
+                              f"ppl {perplexity(ce):.4f} norm {norm:.4f} "
                               f"lr {lr:.3e} (took {ms:.1f} ms, {tokens_per_s:.0f} tok/s, "
                               f"eta {hours_minutes_seconds(eta_s)})\n")
         self.stream.flush()

@@ -1,6 +1,7 @@
 """The run folder: where a training run keeps its log and checkpoints.
 
-  main.log          one line per step ``s:N trl:LOSS lr:LR norm:NORM`` and
+  main.log          one line per step ``s:N trl:LOSS lr:LR norm:NORM`` (with
+                    experts ``ce:X balance:X z:X`` after LOSS, its parts) and
                     per evaluation ``s:N tel:LOSS`` (llm.c's format)
   metrics.jsonl     with --monitor-every: one JSON object per measurement,
                     its "step" first (llmc_py.monitors.run lists the fields)
