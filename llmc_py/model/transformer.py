@@ -527,6 +527,8 @@ class Transformer:
         c = self.config
         a = self.acts
         self._dropout = dropout
+        if self.lora is not None:
+            self.lora.forget_copies()   # the adapters may have changed since the last pass
 
         def attend(l):
             self.position_qkv(a, l, None)
@@ -849,6 +851,7 @@ class Transformer:
     def _freeze(self, lora):
         """Trains ``lora`` from now on; the base's gradients and moments go."""
         self.lora = lora
+        lora.bf16 = self.precision == "bf16"   # its products as the base layers'
         self._grads = None
         self.m_memory = self.v_memory = None
 
