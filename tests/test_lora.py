@@ -356,15 +356,15 @@ def test_recompute_gives_the_same_bits(saved):
 
 def test_results_do_not_depend_on_the_thread_count(saved, set_threads):
     folder = saved[2]
-    runs = []
-    for threads in (1, 2):
-        set_threads(threads)
-        for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16"):   # bf16: the adapters' products bf16 too
+        runs = []
+        for threads in (1, 2, 3):
+            set_threads(threads)
             model = with_lora(folder, dropout=0.1, precision=precision)
             runs.append(step_results(model, Dropout(residual=0.1, seed=3)))
-    for one, other in ((runs[0], runs[2]), (runs[1], runs[3])):
-        for key, value in one.items():
-            assert np.array_equal(value, other[key]), key
+        for other in runs[1:]:
+            for key, value in runs[0].items():
+                assert np.array_equal(value, other[key]), (precision, key)
 
 
 def test_bf16_base_with_fp32_adapters(saved):
@@ -596,9 +596,12 @@ def test_bf16_adapter_products_round_as_the_bf16_layers_do(use_isa, isa):
     lora.bf16 = True
     l = 1
 
-    def rounded(x, bf16=True):
+    def rounded(x, bf16):
         x = np.asarray(x, np.float32)
         return (from_bf16(to_bf16(x)) if bf16 else x).astype(np.float64)
+
+    def rows(x, bf16):   # (B, T, n) as (B T, n), rounded as ``bf16`` says
+        return rounded(x, bf16).reshape(-1, x.shape[-1])
 
     for linear, group in lora._by_linear.items():
         x = rng.standard_normal((2, 7, group[0][1].in_features)).astype(np.float32)
@@ -616,8 +619,8 @@ def test_bf16_adapter_products_round_as_the_bf16_layers_do(use_isa, isa):
             A, up = rounded(lora._stacked_a(group, l), bf16), rounded(lora._up(group, l), bf16)
             h = (rounded(x, bf16) @ A.T).astype(np.float32)
             dh = (rounded(dout, bf16) @ up).astype(np.float32)
-            dup = rounded(dout, bf16).reshape(-1, width).T @ rounded(h, bf16).reshape(-1, A.shape[0])
-            dA = rounded(dh, bf16).reshape(-1, A.shape[0]).T @ rounded(x, bf16).reshape(-1, A.shape[1])
+            dup = rows(dout, bf16).T @ rows(h, bf16)
+            dA = rows(dh, bf16).T @ rows(x, bf16)
             ref = dict(out=out + rounded(h, bf16) @ up.T, dinp=rounded(dh, bf16) @ A)
             for j, (_, t) in enumerate(group):
                 ref[t.name + ".A"] = dA[j * 3:(j + 1) * 3]
