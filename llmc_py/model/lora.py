@@ -248,23 +248,25 @@ class Lora:
             return
         r = self.rank
         h, inputs = self._down(inp, group, l, dropout)
-        dh = np.zeros_like(h)
         if self.bf16:
-            matmul_backward = K.matmul_backward_bf16
-            A, up_t = self._bf16_copies(group, l)
+            up_t = self._bf16_copies(group, l)[1]
+            dh = np.zeros_like(h)
             K.matmul_forward_bf16(dh, dout, up_t, None)
             # d(up)^T = h^T dout: the weight gradient of a layer reading dout with output h
             dup_t = np.zeros(up_t.shape, np.float32)
             K.matmul_backward_bf16(None, dup_t, None, h, dout, up_t)
             dup = dup_t.T
         else:
-            matmul_backward = K.matmul_backward
-            A, up = self._stacked_a(group, l), self._up(group, l)
-            dup = np.zeros_like(up)
+            up = self._up(group, l)
+            dh, dup = np.zeros_like(h), np.zeros_like(up)
             K.matmul_backward(dh, dup, None, dout, h, up)
         for j, (_, t) in enumerate(group):
             self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
                 self.scale)
+        if self.bf16:
+            matmul_backward, A = K.matmul_backward_bf16, self._bf16_copies(group, l)[0]
+        else:
+            matmul_backward, A = K.matmul_backward, self._stacked_a(group, l)
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
             dA = np.zeros(A.shape, np.float32)
             matmul_backward(dinp, dA, None, dh, inp, A)
