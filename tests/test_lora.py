@@ -608,7 +608,6 @@ def test_bf16_adapter_products_round_as_the_bf16_layers_do(use_isa, isa):
         width = lora._width[linear]
         out, dout = rng.standard_normal((2, 2, 7, width)).astype(np.float32)
         ours = dict(out=out.copy(), dinp=np.zeros_like(x))
-        lora.forget_copies()
         lora.forward(ours["out"], x, linear, l, NO_DROPOUT)
         lora.grads.memory[...] = 0.0
         lora.backward(ours["dinp"], dout, x, linear, l, NO_DROPOUT)

@@ -14,10 +14,10 @@ Every adapter of every layer lives in one contiguous float32 buffer
 "<target>.A" (L, r, in), then "<target>.B" (L, out, r). In a float32 model
 the adapters' matmuls are float32: x times A, then times scale * B, added
 into the base layer's float32 output. In a bf16 model they are bf16 as its
-base layers' are (``bf16``): the float32 A and scale * B rounded to bf16 once
-a pass (forget_copies), x, x A^T and the gradients rounded to bf16 in the
-products, which sum in float32 (matmul_bf16.c); the gradients of A and B
-stay float32. The adapters of one
+base layers' are (``bf16``): the float32 A and scale * B rounded to bf16
+where a product reads them, x, x A^T and the gradients rounded to bf16 in
+the products, which sum in float32 (matmul_bf16.c); the gradients of A and
+B stay float32. The adapters of one
 linear layer (q, k and v; gate and up) run as one: x times their A's
 stacked, then times their scaled B's laid side by side in one matrix (zero
 where an adapter has no rows), so that a layer's input and output are each
@@ -153,22 +153,6 @@ class Lora:
         self._width = {"qkv": config.qkv_channels, "attproj": config.C,
                        "fc": config.fc_channels, "fcproj": config.C}
         self.bf16 = False   # bf16 products: a bf16 model's (set when it takes the adapters)
-        self._copies = {}   # {(linear, l): _bf16_copies'} of this pass
-
-    def forget_copies(self):
-        """Forgets the bf16 copies: each forward pass (and generation) rounds
-        the float32 adapters anew, as an update, load_lora or a write into
-        params may have changed them since."""
-        self._copies = {}
-
-    def _bf16_copies(self, group, l):
-        """Layer l's A of ``group`` stacked (_stacked_a) and its up^T (_up), in
-        bf16 (uint16): made on first use in a pass, for its backward too."""
-        key = (group[0][1].linear, l)
-        if key not in self._copies:
-            self._copies[key] = (to_bf16(self._stacked_a(group, l)),
-                                 to_bf16(self._up(group, l).T))
-        return self._copies[key]
 
     def initialize(self, seed):
         """peft's initialisation: A Kaiming-uniform as torch's nn.Linear
@@ -195,6 +179,17 @@ class Lora:
         above the other: (n r, in)."""
         return np.concatenate([self.params[t.name + ".A"][l] for _, t in group])
 
+    def _a(self, group, l):
+        """Layer l's A of ``group`` stacked, as the products read it: float32,
+        or rounded to bf16 (uint16) in a bf16 model."""
+        A = self._stacked_a(group, l)
+        return to_bf16(A) if self.bf16 else A
+
+    def _up_t(self, group, l):
+        """up^T (_up) as the products read it: float32 or bf16."""
+        up_t = np.ascontiguousarray(self._up(group, l).T)
+        return to_bf16(up_t) if self.bf16 else up_t
+
     def _up(self, group, l):
         """Layer l's scale * B of the adapters ``group`` (of one linear
         layer) as one (width, n r) matrix: adapter j's B in the rows it
@@ -206,16 +201,14 @@ class Lora:
             up[t.rows, j * r:(j + 1) * r] = self.params[t.name + ".B"][l] * np.float32(self.scale)
         return up
 
-    def _down(self, inp, group, l, dropout):
-        """x A^T of every adapter of ``group``, side by side: (B, T, n r); with
-        the adapters' inputs and the (p, seed) of their dropout (_input)."""
+    def _down(self, inp, group, l, dropout, A):
+        """x A^T of every adapter of ``group``, side by side: (B, T, n r), with
+        A their A's stacked (_a); with the adapters' inputs and the (p, seed)
+        of their dropout (_input)."""
         r = self.rank
         h = np.empty(inp.shape[:-1] + (len(group) * r,), np.float32)
         inputs = [self._input(inp, dropout, l, index) for index, _ in group]
-        if self.bf16:
-            matmul, A = K.matmul_forward_bf16, self._bf16_copies(group, l)[0]
-        else:
-            matmul, A = K.matmul_forward, self._stacked_a(group, l)
+        matmul = K.matmul_forward_bf16 if self.bf16 else K.matmul_forward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
             matmul(h, inp, A, None)
             return h, inputs
@@ -231,14 +224,12 @@ class Lora:
         group = self._by_linear.get(linear)
         if not group:
             return
-        h, _ = self._down(inp, group, l, dropout)
+        h, _ = self._down(inp, group, l, dropout, self._a(group, l))
         # out += h up^T in one product, with no (B, T, out) temporary: the GEMM
         # that adds into its output is matmul_backward's input gradient
         # (``out`` stands in for the input it would read for a weight gradient)
-        if self.bf16:
-            K.matmul_backward_bf16(out, None, None, h, out, self._bf16_copies(group, l)[1])
-        else:
-            K.matmul_backward(out, None, None, h, out, np.ascontiguousarray(self._up(group, l).T))
+        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
+        matmul_backward(out, None, None, h, out, self._up_t(group, l))
 
     def backward(self, dinp, dout, inp, linear, l, dropout):
         """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
@@ -247,9 +238,10 @@ class Lora:
         if not group:
             return
         r = self.rank
-        h, inputs = self._down(inp, group, l, dropout)
+        A = self._a(group, l)
+        h, inputs = self._down(inp, group, l, dropout, A)
         if self.bf16:
-            up_t = self._bf16_copies(group, l)[1]
+            up_t = self._up_t(group, l)
             dh = np.zeros_like(h)
             K.matmul_forward_bf16(dh, dout, up_t, None)
             # d(up)^T = h^T dout: the weight gradient of a layer reading dout with output h
@@ -263,10 +255,7 @@ class Lora:
         for j, (_, t) in enumerate(group):
             self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
                 self.scale)
-        if self.bf16:
-            matmul_backward, A = K.matmul_backward_bf16, self._bf16_copies(group, l)[0]
-        else:
-            matmul_backward, A = K.matmul_backward, self._stacked_a(group, l)
+        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
             dA = np.zeros(A.shape, np.float32)
             matmul_backward(dinp, dA, None, dh, inp, A)

@@ -527,8 +527,6 @@ class Transformer:
         c = self.config
         a = self.acts
         self._dropout = dropout
-        if self.lora is not None:
-            self.lora.forget_copies()   # the adapters may have changed since the last pass
 
         def attend(l):
             self.position_qkv(a, l, None)
