@@ -10,9 +10,11 @@ Tolerances (fp32 both sides, summed in different orders): logits within
 1e-5 of the largest logit, the loss 1e-6 relative, gradients 2e-5 of their
 tensor's largest entry (as test_hf), the adapters after three AdamW steps
 1e-5 of the largest (their change is ~3e-3). bf16 base (its linear layers
-round their inputs to bf16, the adapters stay float32): against the fp32
-model, the logits within 2e-2 of the largest and each adapter gradient
-within 5e-2 of its largest entry (bf16 keeps 8 bits)."""
+and the adapters' products round their operands to bf16, the adapters stay
+float32): against the fp32 model, the logits within 2e-2 of the largest and
+each adapter gradient within 5e-2 of its largest entry (bf16 keeps 8 bits);
+the adapters' bf16 products against float64 sums of the same rounded
+operands within 1e-4 of the largest entry."""
 import copy
 import json
 
@@ -354,15 +356,15 @@ def test_recompute_gives_the_same_bits(saved):
 
 def test_results_do_not_depend_on_the_thread_count(saved, set_threads):
     folder = saved[2]
-    runs = []
-    for threads in (1, 2):
-        set_threads(threads)
-        for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16"):   # bf16: the adapters' products bf16 too
+        runs = []
+        for threads in (1, 2, 3):
+            set_threads(threads)
             model = with_lora(folder, dropout=0.1, precision=precision)
             runs.append(step_results(model, Dropout(residual=0.1, seed=3)))
-    for one, other in ((runs[0], runs[2]), (runs[1], runs[3])):
-        for key, value in one.items():
-            assert np.array_equal(value, other[key]), key
+        for other in runs[1:]:
+            for key, value in runs[0].items():
+                assert np.array_equal(value, other[key]), (precision, key)
 
 
 def test_bf16_base_with_fp32_adapters(saved):
@@ -568,3 +570,59 @@ def test_the_memory_plan_counts_the_adapters_and_no_base_gradients(llama):
             lora.m.nbytes + lora.v.nbytes) == (plan["LoRA adapters"],
                                                plan["parameter gradients"],
                                                plan["AdamW moments"])
+
+
+@pytest.mark.parametrize("isa", llmc_py.supported_isas())
+def test_bf16_adapter_products_round_as_the_bf16_layers_do(use_isa, isa):
+    """A bf16 model's adapters (Lora.bf16) on every instruction set: each
+    product's operands rounded to bf16 (x, A, scale B, x A^T, dout and its
+    gradient), summed in float32, against float64 sums of the same rounded
+    operands: within 1e-4 of the largest entry (float32 sums; rounding
+    x A^T anew may move one of its entries by a bf16 step). The unrounded
+    products differ by more than 1e-3: the rounding is there."""
+    from llmc_py.config import LlamaConfig
+    from llmc_py.io.files import from_bf16, to_bf16
+    from llmc_py.model.dropout import NO_DROPOUT
+    from llmc_py.model.lora import Lora
+    use_isa(isa)
+    config = LlamaConfig(vocab_size=64, padded_vocab_size=64, max_seq_len=16, num_layers=2,
+                         channels=40, num_heads=4, num_kv_heads=2, ffn_hidden=56)
+    lora = Lora(config, 3, 6, None, 0.0, False)
+    lora.initialize(0)
+    rng = np.random.default_rng(0)
+    for t in lora.targets:
+        view = lora.params[t.name + ".B"]
+        view[...] = rng.standard_normal(view.shape).astype(np.float32)
+    lora.bf16 = True
+    l = 1
+
+    def rounded(x, bf16):
+        x = np.asarray(x, np.float32)
+        return (from_bf16(to_bf16(x)) if bf16 else x).astype(np.float64)
+
+    def rows(x, bf16):   # (B, T, n) as (B T, n), rounded as ``bf16`` says
+        return rounded(x, bf16).reshape(-1, x.shape[-1])
+
+    for linear, group in lora._by_linear.items():
+        x = rng.standard_normal((2, 7, group[0][1].in_features)).astype(np.float32)
+        width = lora._width[linear]
+        out, dout = rng.standard_normal((2, 2, 7, width)).astype(np.float32)
+        ours = dict(out=out.copy(), dinp=np.zeros_like(x))
+        lora.forward(ours["out"], x, linear, l, NO_DROPOUT)
+        lora.grads.memory[...] = 0.0
+        lora.backward(ours["dinp"], dout, x, linear, l, NO_DROPOUT)
+        for t in lora.targets:
+            ours[t.name + ".A"] = lora.grads[t.name + ".A"][l].copy()
+            ours[t.name + ".B"] = lora.grads[t.name + ".B"][l].copy()
+        for bf16, check in ((True, lambda e: e < 1e-4), (False, lambda e: e > 1e-3)):
+            A, up = rounded(lora._stacked_a(group, l), bf16), rounded(lora._up(group, l), bf16)
+            h = (rounded(x, bf16) @ A.T).astype(np.float32)
+            dh = (rounded(dout, bf16) @ up).astype(np.float32)
+            dup = rows(dout, bf16).T @ rows(h, bf16)
+            dA = rows(dh, bf16).T @ rows(x, bf16)
+            ref = dict(out=out + rounded(h, bf16) @ up.T, dinp=rounded(dh, bf16) @ A)
+            for j, (_, t) in enumerate(group):
+                ref[t.name + ".A"] = dA[j * 3:(j + 1) * 3]
+                ref[t.name + ".B"] = dup[t.rows, j * 3:(j + 1) * 3] * lora.scale
+            errors = {name: rel_to_max(ours[name], ref[name]) for name in ref}
+            assert all(check(e) for e in errors.values()), (linear, bf16, errors)

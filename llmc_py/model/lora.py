@@ -11,10 +11,13 @@ GPT-2's attn.c_proj and mlp.c_proj).
 
 Every adapter of every layer lives in one contiguous float32 buffer
 (``params``; ``grads`` and AdamW's moments alike), laid out by target:
-"<target>.A" (L, r, in), then "<target>.B" (L, out, r). The adapters'
-matmuls are float32 also in a bf16 model (whose base layers read bf16
-weights): x (float32) times A, then times scale * B, the products summed in
-float32 and added into the base layer's float32 output. The adapters of one
+"<target>.A" (L, r, in), then "<target>.B" (L, out, r). In a float32 model
+the adapters' matmuls are float32: x times A, then times scale * B, added
+into the base layer's float32 output. In a bf16 model they are bf16 as its
+base layers' are (``bf16``): the float32 A and scale * B rounded to bf16
+where a product reads them, x, x A^T and the gradients rounded to bf16 in
+the products, which sum in float32 (matmul_bf16.c); the gradients of A and
+B stay float32. The adapters of one
 linear layer (q, k and v; gate and up) run as one: x times their A's
 stacked, then times their scaled B's laid side by side in one matrix (zero
 where an adapter has no rows), so that a layer's input and output are each
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._native import kernels as K
+from ..io.files import to_bf16
 from .dropout import NO_DROPOUT
 from .layout import TensorGroup
 
@@ -148,6 +152,7 @@ class Lora:
         # each linear layer's output width (its adapters' rows are in it)
         self._width = {"qkv": config.qkv_channels, "attproj": config.C,
                        "fc": config.fc_channels, "fcproj": config.C}
+        self.bf16 = False   # bf16 products: a bf16 model's (set when it takes the adapters)
 
     def initialize(self, seed):
         """peft's initialisation: A Kaiming-uniform as torch's nn.Linear
@@ -174,6 +179,17 @@ class Lora:
         above the other: (n r, in)."""
         return np.concatenate([self.params[t.name + ".A"][l] for _, t in group])
 
+    def _a(self, group, l):
+        """Layer l's A of ``group`` stacked, as the products read it: float32,
+        or rounded to bf16 (uint16) in a bf16 model."""
+        A = self._stacked_a(group, l)
+        return to_bf16(A) if self.bf16 else A
+
+    def _up_t(self, group, l):
+        """up^T (_up) as the products read it: float32 or bf16."""
+        up_t = np.ascontiguousarray(self._up(group, l).T)
+        return to_bf16(up_t) if self.bf16 else up_t
+
     def _up(self, group, l):
         """Layer l's scale * B of the adapters ``group`` (of one linear
         layer) as one (width, n r) matrix: adapter j's B in the rows it
@@ -185,18 +201,20 @@ class Lora:
             up[t.rows, j * r:(j + 1) * r] = self.params[t.name + ".B"][l] * np.float32(self.scale)
         return up
 
-    def _down(self, inp, group, l, dropout):
-        """x A^T of every adapter of ``group``, side by side: (B, T, n r); with
-        the adapters' inputs and the (p, seed) of their dropout (_input)."""
+    def _down(self, inp, group, l, dropout, A):
+        """x A^T of every adapter of ``group``, side by side: (B, T, n r), with
+        A their A's stacked (_a); with the adapters' inputs and the (p, seed)
+        of their dropout (_input)."""
         r = self.rank
         h = np.empty(inp.shape[:-1] + (len(group) * r,), np.float32)
         inputs = [self._input(inp, dropout, l, index) for index, _ in group]
+        matmul = K.matmul_forward_bf16 if self.bf16 else K.matmul_forward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
-            K.matmul_forward(h, inp, self._stacked_a(group, l), None)
+            matmul(h, inp, A, None)
             return h, inputs
-        for j, ((x, _), (_, t)) in enumerate(zip(inputs, group)):
+        for j, (x, _) in enumerate(inputs):
             part = np.empty(inp.shape[:-1] + (r,), np.float32)
-            K.matmul_forward(part, x, self.params[t.name + ".A"][l], None)
+            matmul(part, x, A[j * r:(j + 1) * r], None)
             h[..., j * r:(j + 1) * r] = part
         return h, inputs
 
@@ -206,11 +224,12 @@ class Lora:
         group = self._by_linear.get(linear)
         if not group:
             return
-        h, _ = self._down(inp, group, l, dropout)
+        h, _ = self._down(inp, group, l, dropout, self._a(group, l))
         # out += h up^T in one product, with no (B, T, out) temporary: the GEMM
         # that adds into its output is matmul_backward's input gradient
         # (``out`` stands in for the input it would read for a weight gradient)
-        K.matmul_backward(out, None, None, h, out, np.ascontiguousarray(self._up(group, l).T))
+        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
+        matmul_backward(out, None, None, h, out, self._up_t(group, l))
 
     def backward(self, dinp, dout, inp, linear, l, dropout):
         """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
@@ -219,25 +238,35 @@ class Lora:
         if not group:
             return
         r = self.rank
-        h, inputs = self._down(inp, group, l, dropout)
-        up = self._up(group, l)
-        dh, dup = np.zeros_like(h), np.zeros_like(up)
-        K.matmul_backward(dh, dup, None, dout, h, up)
+        A = self._a(group, l)
+        h, inputs = self._down(inp, group, l, dropout, A)
+        if self.bf16:
+            up_t = self._up_t(group, l)
+            dh = np.zeros_like(h)
+            K.matmul_forward_bf16(dh, dout, up_t, None)
+            # d(up)^T = h^T dout: the weight gradient of a layer reading dout with output h
+            dup_t = np.zeros(up_t.shape, np.float32)
+            K.matmul_backward_bf16(None, dup_t, None, h, dout, up_t)
+            dup = dup_t.T
+        else:
+            up = self._up(group, l)
+            dh, dup = np.zeros_like(h), np.zeros_like(up)
+            K.matmul_backward(dh, dup, None, dout, h, up)
         for j, (_, t) in enumerate(group):
             self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
                 self.scale)
+        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
-            A = self._stacked_a(group, l)
-            dA = np.zeros_like(A)
-            K.matmul_backward(dinp, dA, None, dh, inp, A)
+            dA = np.zeros(A.shape, np.float32)
+            matmul_backward(dinp, dA, None, dh, inp, A)
             for j, (_, t) in enumerate(group):
                 self.grads[t.name + ".A"][l] += dA[j * r:(j + 1) * r]
             return
         for j, ((x, (p, seed)), (_, t)) in enumerate(zip(inputs, group)):
-            A, dA = self.params[t.name + ".A"][l], self.grads[t.name + ".A"][l]
+            dA = self.grads[t.name + ".A"][l]
             dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
             dx = dinp if not p else np.zeros_like(x)
-            K.matmul_backward(dx, dA, None, dh_t, x, A)
+            matmul_backward(dx, dA, None, dh_t, x, A[j * r:(j + 1) * r])
             if p:
                 K.dropout_backward(dx, dx, p, seed)
                 dinp += dx

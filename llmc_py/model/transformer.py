@@ -924,6 +924,7 @@ class Transformer:
     def _freeze(self, lora):
         """Trains ``lora`` from now on; the base's gradients and moments go."""
         self.lora = lora
+        lora.bf16 = self.precision == "bf16"   # its products as the base layers'
         self._grads = None
         self.m_memory = self.v_memory = None
 

@@ -116,7 +116,8 @@ def build_parser():
     a("--precision", choices=PRECISIONS, default=RunSpec.precision,
       help="bf16: mixed precision (bf16 matmuls on a bf16 copy of the weights; float32 "
            "master weights, gradients, optimizer state and statistics); with --lora-rank, "
-           "the base is held in bf16 alone, with no float32 master (the adapters are float32)")
+           "the base is held in bf16 alone, with no float32 master (the adapters are float32, "
+           "their products bf16 as the base's)")
     a("--dropout", type=float, default=RunSpec.dropout,
       help="dropout probability in training at every site: the embedding's output, the "
            "attention probabilities and each residual branch's output (0: none; evaluation "
