@@ -15,10 +15,10 @@
  *   portable    plain C
  *   avx2        AVX2: maddubs + madd (Haswell, Zen)
  *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
- *   avx512vnni  AVX512-VNNI vpdpbusd on 512 bits, two blocks a time
- *               (Ice Lake, Sapphire Rapids, Zen 4)
+ *   avx512vnni  AVX512-VNNI: vpdpbusd on 256 bits, the 8 lanes in one zmm
+ *               of doubles (Ice Lake, Sapphire Rapids, Zen 4)
  * As llama.cpp does, each input row is first quantized to Q8_0 blocks; then
- * per block an integer dot product. Every path splits a block's dot product
+ * per block an integer dot product, ROWS weight rows a pass. Every path splits a block's dot product
  * into the same 8 int32 lane sums (lane j: elements 4j..4j+3, vpdpbusd's and
  * maddubs+madd's grouping), which are exact. Each lane sum times the float
  * d_w*d_x is exact in double (17 + 24 bits), and each lane accumulates its
@@ -250,7 +250,8 @@ static void lane_sums_portable(double (*lane)[8], const uint8_t* w0, size_t row_
  * 8 int32 lane sums, which ACCUMULATE adds times the scale to the row's
  * double lanes (a fused multiply-add: the product is exact, so it rounds as
  * the sum alone). ACC is the accumulator type, ZERO / STORE its set and
- * store of 8 doubles.
+ * store of 8 doubles. Each row is prefetched 4 groups of ROWS rows ahead
+ * (into L2): the hardware prefetchers alone lose ROWS interleaved streams.
  */
 #define LANE_SUMS(NAME, TARGET, ACC, ZERO, DOT4, ACCUMULATE, STORE)                        \
 TARGET static LLMC_ALWAYS_INLINE void NAME##_rows(                                          \
@@ -265,6 +266,7 @@ TARGET static LLMC_ALWAYS_INLINE void NAME##_rows(                              
         const float dx = d[b];                                                            \
         for (int r = 0; r < R; r++) {                                                     \
             const uint8_t* block = w0 + (size_t)r * row_bytes + (size_t)b * bb;           \
+            _mm_prefetch((const char*)block + 4 * ROWS * row_bytes, _MM_HINT_T1);               \
             const __m256i s = DOT4(block, x, off, qtype);                                 \
             ACCUMULATE(acc[r], s, (double)(SCALE_F16C(block) * dx));                      \
         }                                                                                 \
