@@ -15,10 +15,10 @@
  *   portable    plain C
  *   avx2        AVX2: maddubs + madd (Haswell, Zen)
  *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
- *   avx512vnni  AVX512-VNNI vpdpbusd on 512 bits, two blocks a time
- *               (Ice Lake, Sapphire Rapids, Zen 4)
+ *   avx512vnni  AVX512-VNNI: vpdpbusd on 256 bits, the 8 lanes in one zmm
+ *               of doubles (Ice Lake, Sapphire Rapids, Zen 4)
  * As llama.cpp does, each input row is first quantized to Q8_0 blocks; then
- * per block an integer dot product. Every path splits a block's dot product
+ * per block an integer dot product, ROWS weight rows a pass. Every path splits a block's dot product
  * into the same 8 int32 lane sums (lane j: elements 4j..4j+3, vpdpbusd's and
  * maddubs+madd's grouping), which are exact. Each lane sum times the float
  * d_w*d_x is exact in double (17 + 24 bits), and each lane accumulates its
@@ -184,114 +184,148 @@ int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype)
 
 /* ---- the decoding matmul ------------------------------------------------- */
 
+/* output rows a kernel call computes together, so that each block of the
+   quantized input row is loaded once for all of them and their double
+   accumulations form independent chains */
+#define ROWS 4
+
 /*
- * A path's kernel: lane[j] (written) = sum over the nb blocks, in order, of
- * (int32 sum of w[i] * q[i] for i = 4j .. 4j+3 of the block) * (d_w * d_x),
- * each term exact in double. wrow is one weight row's blocks; q, d the
- * input row's int8s and scales.
+ * A path's kernel: for r < nrows (1 or ROWS), lane[r][j] (written) = sum
+ * over the nb blocks, in order, of (int32 sum of w[i] * q[i] for
+ * i = 4j .. 4j+3 of the block) * (d_w * d_x), each term exact in double, w
+ * the weight row at w0 + r * row_bytes; q, d the input row's int8s and
+ * scales, qoff its lane sums times minus the weight offset (below).
  */
-typedef void (*lane_sums_fn)(double lane[8], const uint8_t* wrow, const int8_t* q,
+typedef void (*lane_sums_fn)(double (*lane)[8], const uint8_t* w0, size_t row_bytes,
+                             int nrows, const int8_t* q, const int32_t* qoff,
                              const float* d, int nb, int qtype);
 
-/* the plain twin */
-static void lane_sums_portable(double lane[8], const uint8_t* wrow, const int8_t* q,
+/* The offset that makes a block's weights unsigned bytes u = w + offset
+   for vpdpbusd and maddubs (unsigned times signed): Q8_0's w ^ 0x80, Q4_0's
+   bare nibble. Then sum w*q = sum u*q - offset * sum q exactly in int32, and
+   the last term is the input's alone: qoff, computed once per input row. */
+static int weight_offset(int qtype) { return qtype == LLMC_QUANT_Q8_0 ? 128 : 8; }
+
+/* the plain twin (w unpacked to signed bytes: no qoff) */
+static void lane_sums_portable(double (*lane)[8], const uint8_t* w0, size_t row_bytes,
+                               int nrows, const int8_t* q, const int32_t* qoff,
                                const float* d, int nb, int qtype) {
+    (void)qoff;
     const size_t bb = block_bytes(qtype);
-    for (int j = 0; j < 8; j++) { lane[j] = 0.0; }
-    for (int b = 0; b < nb; b++) {
-        int8_t w[QK];
-        unpack_block(w, wrow + (size_t)b * bb, qtype);
-        const int8_t* qb = q + (size_t)b * QK;
-        const float scale = block_scale(wrow + (size_t)b * bb) * d[b];
-        for (int j = 0; j < 8; j++) {
-            int32_t s = 0;
-            for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * qb[i]; }
-            lane[j] += (double)s * (double)scale;
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+        for (int j = 0; j < 8; j++) { lane[r][j] = 0.0; }
+        for (int b = 0; b < nb; b++) {
+            int8_t w[QK];
+            unpack_block(w, wrow + (size_t)b * bb, qtype);
+            const int8_t* qb = q + (size_t)b * QK;
+            const float scale = block_scale(wrow + (size_t)b * bb) * d[b];
+            for (int j = 0; j < 8; j++) {
+                int32_t s = 0;
+                for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * qb[i]; }
+                lane[r][j] += (double)s * (double)scale;
+            }
         }
     }
 }
 
 #ifdef LLMC_X86_DISPATCH
 
-/* A block's 32 weights as int8 in one ymm (Q4_0: low nibbles are elements
-   0..15, high nibbles 16..31). */
-#define LOAD_WEIGHTS_256(block, qtype)                                                   \
-    ((qtype) == LLMC_QUANT_Q8_0                                                          \
-         ? _mm256_loadu_si256((const __m256i*)((block) + 2))                              \
-         : _mm256_sub_epi8(_mm256_and_si256(                                              \
-               _mm256_set_m128i(                                                          \
-                   _mm_srli_epi16(_mm_loadu_si128((const __m128i*)((block) + 2)), 4),    \
-                   _mm_loadu_si128((const __m128i*)((block) + 2))),                      \
-               _mm256_set1_epi8(0x0f)), _mm256_set1_epi8(8)))
+/* A block's 32 weights plus weight_offset as unsigned bytes in one ymm. Q4_0:
+   the 16 packed bytes in both halves, the upper half shifted by a nibble, so
+   the low nibbles are elements 0..15 and the high ones 16..31. */
+#define UNSIGNED_WEIGHTS_256(block, qtype)                                                \
+    ((qtype) == LLMC_QUANT_Q8_0                                                           \
+         ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)((block) + 2)),             \
+                            _mm256_set1_epi8((char)0x80))                                 \
+         : _mm256_and_si256(_mm256_srlv_epi32(                                             \
+               _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)((block) + 2))), \
+               _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f)))
 
 #define SCALE_F16C(block) _cvtsh_ss((unsigned short)((block)[0] | ((block)[1] << 8)))
 
-/* The AVX2 and AVX-VNNI paths: one block a time, 8 int32 lane sums of |x|
-   (unsigned) times w with x's sign, then the lanes into 2 x 4 doubles. */
-#define LANE_SUMS_256(NAME, TARGET, DOT4)                                                 \
-TARGET static void NAME(double lane[8], const uint8_t* wrow, const int8_t* q,            \
-                        const float* d, int nb, int qtype) {                             \
+/*
+ * The SIMD paths share this loop: per block, the input's 32 int8s and qoff
+ * are loaded once for the ROWS weight rows; per row, DOT4 gives the block's
+ * 8 int32 lane sums, which ACCUMULATE adds times the scale to the row's
+ * double lanes (a fused multiply-add: the product is exact, so it rounds as
+ * the sum alone). ACC is the accumulator type, ZERO / STORE its set and
+ * store of 8 doubles. Each row is prefetched 4 groups of ROWS rows ahead
+ * (into L2): the hardware prefetchers alone lose ROWS interleaved streams.
+ */
+#define LANE_SUMS(NAME, TARGET, ACC, ZERO, DOT4, ACCUMULATE, STORE)                        \
+TARGET static LLMC_ALWAYS_INLINE void NAME##_rows(                                          \
+        double (*lane)[8], const uint8_t* w0, size_t row_bytes, const int R,             \
+        const int8_t* q, const int32_t* qoff, const float* d, int nb, int qtype) {       \
     const size_t bb = block_bytes(qtype);                                                 \
-    __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();                   \
+    ACC acc[ROWS];                                                                        \
+    for (int r = 0; r < R; r++) { ZERO(acc[r]); }                                         \
     for (int b = 0; b < nb; b++) {                                                        \
-        const uint8_t* block = wrow + (size_t)b * bb;                                     \
-        const __m256i w = LOAD_WEIGHTS_256(block, qtype);                                 \
         const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));       \
-        const __m256i s = DOT4(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x));           \
-        const __m256d scale = _mm256_set1_pd((double)(SCALE_F16C(block) * d[b]));         \
-        acc_lo = _mm256_add_pd(acc_lo, _mm256_mul_pd(                                     \
-            _mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), scale));                       \
-        acc_hi = _mm256_add_pd(acc_hi, _mm256_mul_pd(                                     \
-            _mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), scale));                  \
+        const __m256i off = _mm256_loadu_si256((const __m256i*)(qoff + (size_t)b * 8));   \
+        const float dx = d[b];                                                            \
+        for (int r = 0; r < R; r++) {                                                     \
+            const uint8_t* block = w0 + (size_t)r * row_bytes + (size_t)b * bb;           \
+            _mm_prefetch((const char*)block + 4 * ROWS * row_bytes, _MM_HINT_T1);               \
+            const __m256i s = DOT4(block, x, off, qtype);                                 \
+            ACCUMULATE(acc[r], s, (double)(SCALE_F16C(block) * dx));                      \
+        }                                                                                 \
     }                                                                                     \
-    _mm256_storeu_pd(lane, acc_lo);                                                       \
-    _mm256_storeu_pd(lane + 4, acc_hi);                                                   \
+    for (int r = 0; r < R; r++) { STORE(lane[r], acc[r]); }                               \
+}                                                                                         \
+TARGET static void NAME(double (*lane)[8], const uint8_t* w0, size_t row_bytes,          \
+                        int nrows, const int8_t* q, const int32_t* qoff, const float* d, \
+                        int nb, int qtype) {                                              \
+    if (nrows == ROWS) { NAME##_rows(lane, w0, row_bytes, ROWS, q, qoff, d, nb, qtype); } \
+    else {                                                                                \
+        for (int r = 0; r < nrows; r++) {                                                 \
+            NAME##_rows(lane + r, w0 + (size_t)r * row_bytes, row_bytes, 1, q, qoff, d,   \
+                        nb, qtype);                                                       \
+        }                                                                                 \
+    }                                                                                     \
 }
 
-/* maddubs sums pairs into int16 (|x| <= 127 and |w| <= 127: no saturation),
-   madd with ones pairs those into int32 */
-#define DOT4_AVX2(ux, sw) _mm256_madd_epi16(_mm256_maddubs_epi16(ux, sw), _mm256_set1_epi16(1))
-#define DOT4_AVXVNNI(ux, sw) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), ux, sw)
+/* 256 bits: the 8 lanes in two ymm of 4 doubles */
+typedef struct { __m256d lo, hi; } acc256;
+#define ZERO_256(a) ((a).lo = (a).hi = _mm256_setzero_pd())
+#define ACCUMULATE_256(a, s, scale) do {                                                  \
+        const __m256d sc = _mm256_set1_pd(scale);                                         \
+        (a).lo = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), sc, (a).lo); \
+        (a).hi = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), sc,   \
+                                 (a).hi);                                                 \
+    } while (0)
+#define STORE_256(p, a) (_mm256_storeu_pd((p), (a).lo), _mm256_storeu_pd((p) + 4, (a).hi))
 
-LANE_SUMS_256(lane_sums_avx2, TARGET_AVX2, DOT4_AVX2)
-LANE_SUMS_256(lane_sums_avxvnni, TARGET_AVXVNNI, DOT4_AVXVNNI)
+/* 512 bits: the 8 lanes in one zmm */
+#define ZERO_512(a) ((a) = _mm512_setzero_pd())
+#define ACCUMULATE_512(a, s, scale) \
+    ((a) = _mm512_fmadd_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(scale), (a)))
+#define STORE_512(p, a) _mm512_storeu_pd((p), (a))
 
-/* AVX512-VNNI: two blocks per vpdpbusd (lanes 0-7 block b, 8-15 block
-   b+1), each half into the same 8 double lanes in block order; an odd last
-   block on 256 bits. */
-TARGET_AVX512VNNI
-static void lane_sums_avx512vnni(double lane[8], const uint8_t* wrow, const int8_t* q,
-                                 const float* d, int nb, int qtype) {
-    const size_t bb = block_bytes(qtype);
-    __m512d acc = _mm512_setzero_pd();
-    int b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t* b0 = wrow + (size_t)b * bb;
-        const uint8_t* b1 = b0 + bb;
-        const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(LOAD_WEIGHTS_256(b0, qtype)),
-                                             LOAD_WEIGHTS_256(b1, qtype), 1);
-        const __m512i x = _mm512_loadu_si512((const void*)(q + (size_t)b * QK));
-        const __mmask64 negative = _mm512_movepi8_mask(x);
-        const __m512i sw = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
-        const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(x), sw);
-        const double scale0 = (double)(SCALE_F16C(b0) * d[b]);
-        const double scale1 = (double)(SCALE_F16C(b1) * d[b + 1]);
-        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(s)),
-                                               _mm512_set1_pd(scale0)));
-        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(s, 1)),
-                                               _mm512_set1_pd(scale1)));
-    }
-    if (b < nb) {
-        const uint8_t* block = wrow + (size_t)b * bb;
-        const __m256i w = LOAD_WEIGHTS_256(block, qtype);
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));
-        const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(x),
-                                              _mm256_sign_epi8(w, x));
-        const double scale = (double)(SCALE_F16C(block) * d[b]);
-        acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(scale)));
-    }
-    _mm512_storeu_pd(lane, acc);
-}
+/* AVX2: maddubs sums pairs u*x into int16 and madd with ones pairs those
+   into int32. Q4_0's u <= 15 cannot saturate the int16 (2*15*127), Q8_0's
+   u <= 255 can, so Q8_0 keeps signed weights: |x| times w with x's sign
+   (|x|, |w| <= 127). */
+#define DOT4_AVX2(block, x, off, qtype)                                                   \
+    ((qtype) == LLMC_QUANT_Q8_0                                                           \
+         ? _mm256_madd_epi16(_mm256_maddubs_epi16(                                        \
+               _mm256_sign_epi8(x, x),                                                    \
+               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)((block) + 2)), x)),    \
+               _mm256_set1_epi16(1))                                                      \
+         : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(                       \
+               UNSIGNED_WEIGHTS_256(block, qtype), x), _mm256_set1_epi16(1)), off))
+/* vpdpbusd adds the 4 products u*x of a lane to qoff's lane exactly
+   (|sum| < 2^31) */
+#define DOT4_AVXVNNI(block, x, off, qtype) \
+    _mm256_dpbusd_avx_epi32(off, UNSIGNED_WEIGHTS_256(block, qtype), x)
+#define DOT4_AVX512VNNI(block, x, off, qtype) \
+    _mm256_dpbusd_epi32(off, UNSIGNED_WEIGHTS_256(block, qtype), x)
+
+LANE_SUMS(lane_sums_avx2, TARGET_AVX2, acc256, ZERO_256, DOT4_AVX2, ACCUMULATE_256, STORE_256)
+LANE_SUMS(lane_sums_avxvnni, TARGET_AVXVNNI, acc256, ZERO_256, DOT4_AVXVNNI, ACCUMULATE_256,
+          STORE_256)
+LANE_SUMS(lane_sums_avx512vnni, TARGET_AVX512VNNI, __m512d, ZERO_512, DOT4_AVX512VNNI,
+          ACCUMULATE_512, STORE_512)
 #endif
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
@@ -373,14 +407,17 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
     const lane_sums_fn lane_sums = path_function(path);
 
     // the input rows as Q8_0 (llama.cpp's vec_dot_type of both formats),
-    // unpacked: the int8s contiguous, one float scale a block
+    // unpacked: the int8s contiguous, one float scale a block, and per
+    // block the 8 lane sums times minus the weight offset
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
     float* xd = malloc((size_t)N * nb * sizeof(float));
-    if (xq == NULL || xd == NULL) {
-        free(xq); free(xd);
+    int32_t* xoff = malloc((size_t)N * nb * 8 * sizeof(int32_t));
+    if (xq == NULL || xd == NULL || xoff == NULL) {
+        free(xq); free(xd); free(xoff);
         return LLMC_ERR_NOMEM;
     }
+    const int offset = weight_offset(qtype);
     for (int n = 0; n < N; n++) {
         for (int b = 0; b < nb; b++) {
             uint8_t block[2 + QK];
@@ -388,26 +425,38 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
             quantize_block_q8_0(block, inp + at);
             xd[(size_t)n * nb + b] = block_scale(block);
             memcpy(xq + at, block + 2, QK);
+            for (int j = 0; j < 8; j++) {
+                const int8_t* q4 = xq + at + 4 * j;
+                xoff[at / 4 + j] = -offset * (q4[0] + q4[1] + q4[2] + q4[3]);
+            }
         }
     }
 
-    // each thread a contiguous run of output rows o (a weight row is read
-    // once from memory, then from cache for the other input rows); every
-    // out[n, o] is summed by one thread: the lanes in block order, then the
-    // lanes in a fixed tree and the bias, rounded once to float
+    // each thread a contiguous run of groups of ROWS output rows (a weight
+    // row is read once from memory, then from cache for the other input
+    // rows); every out[n, o] is summed by one thread: the lanes in block
+    // order, then the lanes in a fixed tree and the bias, rounded once to
+    // float
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    const int groups = (OC + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static)
-    for (int o = 0; o < OC; o++) {
+    for (int g = 0; g < groups; g++) {
+        const int o0 = g * ROWS;
+        const int nrows = OC - o0 < ROWS ? OC - o0 : ROWS;
         for (int n = 0; n < N; n++) {
-            double lane[8];
-            lane_sums(lane, weight + (size_t)o * row_bytes, xq + (size_t)n * IC,
-                      xd + (size_t)n * nb, nb, qtype);
-            const double sum = ((lane[0] + lane[1]) + (lane[2] + lane[3]))
-                               + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-            out[(size_t)n * OC + o] = (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
+            double lane[ROWS][8];
+            lane_sums(lane, weight + (size_t)o0 * row_bytes, row_bytes, nrows,
+                      xq + (size_t)n * IC, xoff + (size_t)n * nb * 8, xd + (size_t)n * nb,
+                      nb, qtype);
+            for (int r = 0; r < nrows; r++) {
+                const double* l = lane[r];
+                const double sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+                const int o = o0 + r;
+                out[(size_t)n * OC + o] = (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
+            }
         }
     }
-    free(xq); free(xd);
+    free(xq); free(xd); free(xoff);
     return LLMC_OK;
 }
 
