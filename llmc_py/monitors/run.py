@@ -13,11 +13,22 @@ representation lists is the embedding's output, layer l + 1 block l's):
   residual_ratio, mean_cosine, effective_rank
                                 [L + 1] representation_stats
   grad_norm                     {tensor: [L] or a number} before clipping
+                                (with experts, the dense MLPs' lists run over
+                                config.dense_mlp_layers, the experts' over
+                                config.moe_layers)
   grad_norm_layer               [L] over each layer's tensors together
   update_ratio                  {tensor: [L] or a number}
                                 ||W_after - W_before|| / ||W_before||
   update_ratio_layer            [L] over each layer's tensors together
-  warnings                      [text] thresholds crossed (also printed)
+  with experts, per MoE layer (lists over config.moe_layers), of the probe:
+  expert_fraction, expert_max_min, expert_entropy, router_entropy
+                                monitors.experts.expert_stats
+  aux_balance, aux_z            the auxiliary losses (model.aux_losses,
+                                unweighted, mean over the MoE layers)
+  warnings                      [text] thresholds crossed (also printed),
+                                and each expert that received no token of
+                                the training batches in all the interval's
+                                steps (its collapse)
   monitor_ms                    what the measurement took (wall clock)
 The numbers in lists and in the per-tensor objects carry 7 significant
 digits, the others all of theirs; a non-finite number is null.
@@ -30,6 +41,7 @@ import numpy as np
 
 from ..errors import LlmcError
 from .attention import attention_entropy_rows, mean_entropy
+from .experts import ExpertCollapse, expert_stats
 from .parameters import gradient_norms, layer_totals, update_ratios
 from .probe import run_forward
 from .representation import representation_stats
@@ -121,8 +133,11 @@ class Monitor:
         self.every, self.metrics, self.say = every, metrics, say
         self.entropy_min, self.cosine_max = entropy_min, cosine_max
         self._pending = None   # (step, grad norms, parameters before the update, start time)
+        self.collapse = ExpertCollapse(model.config) if model.config.num_experts else None
 
     def after_backward(self, trainer, step):
+        if self.collapse is not None:
+            self.collapse.add(self.model, step)
         if step % self.every:
             return
         t0 = time.perf_counter()
@@ -156,6 +171,10 @@ class Monitor:
         rows = attention_entropy_rows(model)
         entropy = mean_entropy(rows)
         rep = representation_stats(model)
+        experts = {}
+        if self.collapse is not None:
+            aux = model.aux_losses
+            experts = {**expert_stats(model), "aux_balance": aux["balance"], "aux_z": aux["z"]}
         return {
             "step": result.step, "lr": result.lr, "loss": result.loss, "norm": result.norm,
             "probe_loss": probe_loss,
@@ -163,8 +182,9 @@ class Monitor:
             "attention_entropy_normalized": mean_entropy(
                 rows, normalized=True, window=model.config.sliding_window),
             **rep,
-            "grad_norm": grad_norms, "grad_norm_layer": layer_totals(grad_norms),
-            "update_ratio": ratios, "update_ratio_layer": ratio_layer,
+            "grad_norm": grad_norms, "grad_norm_layer": layer_totals(grad_norms, model.config),
+            "update_ratio": ratios, "update_ratio_layer": ratio_layer, **experts,
             "warnings": threshold_warnings(entropy, rep["mean_cosine"], self.entropy_min,
-                                           self.cosine_max),
+                                           self.cosine_max)
+            + (self.collapse.warnings(result.step) if self.collapse is not None else []),
         }

@@ -1,0 +1,117 @@
+"""The mixture-of-experts monitors: each MoE layer's expert fractions against
+a count of the model's own top-k indices, the router's entropy, the auxiliary
+losses in metrics.jsonl, the collapse warning, the plot's panel."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from llmc_py import monitors
+from llmc_py.monitors.experts import entropy, expert_stats
+from llmc_py.train import AdamW, Trainer
+from test_llama_step import BASE, make_model
+from test_moe_model import MOE
+
+# layer 0 dense, layers 1 and 3 experts (moe_every 2)
+CONFIG = dataclasses.replace(MOE, num_layers=4, moe_every=2, ffn_hidden=40)
+
+
+def test_expert_stats_count_the_models_own_topk():
+    model = make_model(CONFIG, seed=3)
+    rng = np.random.default_rng(0)
+    B, T = 3, 7
+    stats = expert_stats(model, rng.integers(0, 67, (B, T)))
+    E, k = CONFIG.num_experts, CONFIG.experts_per_token
+    a = model.acts
+    for m in range(2):
+        chosen = a.topk_index[m].view(np.int32).reshape(-1, k)[:B * T]
+        counts = np.array([(chosen == e).sum() for e in range(E)])
+        np.testing.assert_array_equal(stats["expert_fraction"][m], counts / (B * T * k))
+        f = counts / (B * T * k)
+        assert stats["expert_max_min"][m] == pytest.approx(f.max() / f.min())
+        assert stats["expert_entropy"][m] == pytest.approx(-(f * np.log(f)).sum())
+        p = a.router_probs[m].reshape(-1, E)[:B * T].astype(np.float64)
+        assert stats["router_entropy"][m] == pytest.approx(-(p * np.log(p)).sum(1).mean())
+    assert entropy([1.0, 0.0]) == 0.0
+
+
+def monitored(model, steps, every, *, lr=1e-2):
+    """(metrics records, printed lines) of ``steps`` Trainer steps on random
+    batches with a Monitor every ``every``."""
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 67, size=(steps, 2, 9))
+    batches = iter([(d[:, :-1], d[:, 1:]) for d in data])
+    trainer = Trainer(model, AdamW(model), lambda step: lr, lambda: next(batches))
+    lines, said = [], []
+
+    class Sink:
+        write, flush = lines.append, staticmethod(lambda: None)
+    probe = rng.integers(0, 67, size=(3, 5))
+    monitor = monitors.Monitor(model, probe, probe, every, Sink(), say=said.append)
+    trainer.after_backward.append(monitor.after_backward)
+    trainer.after_step.append(monitor.after_step)
+    for step in range(1, steps + 1):
+        trainer.train_step(step)
+    return [json.loads(line) for line in lines], said, probe
+
+
+def test_metrics_have_the_experts_of_the_probe():
+    model = make_model(CONFIG, seed=3)
+    records, said, probe = monitored(model, 4, 2)
+    assert [r["step"] for r in records] == [2, 4] and said == []
+    last = records[-1]
+    # the probe's forward again on the final parameters: the same numbers
+    stats = expert_stats(model, probe, probe)
+    for field, value in stats.items():
+        written = np.array(last[field], dtype=float)   # null (not finite) -> NaN
+        np.testing.assert_allclose(written, np.where(np.isfinite(value), value, np.nan),
+                                   rtol=1e-6, err_msg=field)
+    aux = model.aux_losses
+    assert last["aux_balance"] == aux["balance"] and last["aux_z"] == aux["z"]
+    assert np.array(last["expert_fraction"]).shape == (2, CONFIG.num_experts)
+
+
+def test_a_dense_model_has_no_expert_fields():
+    model = make_model(BASE, seed=3)
+    records, _, _ = monitored(model, 2, 2)
+    assert "expert_fraction" not in records[0] and "aux_balance" not in records[0]
+
+
+def test_collapse_warns_once_per_interval_naming_layer_and_expert():
+    # a zero router ties every expert: the lower index wins, so top-1 sends
+    # every token to expert 0; no update moves it (learning rate 0)
+    model = make_model(dataclasses.replace(CONFIG, experts_per_token=1), seed=3)
+    model.params["routerw"][...] = 0.0
+    records, said, _ = monitored(model, 4, 2, lr=0.0)
+    expected = [f"layer {l} expert {e} received no tokens in steps {a}-{b} (collapse)"
+                for a, b in ((1, 2), (3, 4)) for l in (1, 3) for e in (1, 2)]
+    assert [w for r in records for w in r["warnings"]] == expected
+    assert said == [f"step {w.split('-')[1].split()[0]}: warning: {w}" for w in expected]
+
+
+def test_no_collapse_warning_when_every_expert_gets_tokens():
+    model = make_model(CONFIG, seed=3)
+    records, said, _ = monitored(model, 4, 2)
+    # (the 15 probe tokens may miss an expert: the warning counts the training batches')
+    assert said == [] and all(r["warnings"] == [] for r in records)
+
+
+def test_layer_totals_place_the_dense_and_expert_tensors_at_their_layers():
+    model = make_model(CONFIG, seed=3)
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 67, (2, 8))
+    model.forward_backward(x, x)
+    totals = monitors.layer_totals(monitors.gradient_norms(model), model.config)
+    dense, moe = list(CONFIG.dense_mlp_layers), list(CONFIG.moe_layers)
+    assert dense == [0, 2] and moe == [1, 3]
+    for l in range(CONFIG.num_layers):
+        squares = 0.0
+        for name, view in model.grads.items():
+            if name in monitors.parameters.MODEL_WIDE:
+                continue
+            rows = (dense if name.startswith("fc") else moe if name in
+                    ("routerw", "expertfcw", "expertprojw") else list(range(4)))
+            if l in rows:
+                squares += np.square(view[rows.index(l)].astype(np.float64)).sum()
+        assert totals[l] == pytest.approx(np.sqrt(squares), rel=1e-6)
