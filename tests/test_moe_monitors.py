@@ -115,3 +115,38 @@ def test_layer_totals_place_the_dense_and_expert_tensors_at_their_layers():
             if l in rows:
                 squares += np.square(view[rows.index(l)].astype(np.float64)).sum()
         assert totals[l] == pytest.approx(np.sqrt(squares), rel=1e-6)
+
+
+def test_plot_has_the_experts_panels(shards, tmp_path, capsys):
+    import matplotlib.colors
+    from llmc_py import plot
+    from llmc_py import train as train_mod
+    train_glob, val_glob = shards
+    out = tmp_path / "out"
+    assert train_mod.main(["-i", train_glob, "-j", val_glob, "-o", str(out), "--arch", "llama",
+                           "-e", "d2", "--experts", "3", "--experts-per-token", "1",
+                           "--expert-hidden", "16", "--moe-every", "2",
+                           "--router-aux-loss", "0.01", "--router-z-loss", "0.001",
+                           "-b", "2", "-t", "16", "-x", "2", "-v", "0", "-s", "0",
+                           "--monitor-every", "1"]) == 0
+    records = monitors.read_metrics(out / monitors.METRICS_FILE)
+    assert [r["moe_layers"] for r in records] == [[1], [1]]
+    fig = plot.plot_monitors(plot.pyplot("test"), records, plot.read_curves(out)[0], "m")
+    assert len(fig.axes) == 12
+    assert [ax.get_title() for ax in fig.axes[8:]] == [
+        "expert load (fraction x E): busiest, -- idlest",
+        "expert load entropy / ln E (1 balanced)",
+        "router entropy (nats), mean over tokens", "auxiliary losses (unweighted)"]
+    layer1 = {matplotlib.colors.to_hex(line.get_color()) for line in fig.axes[1].get_lines()
+              if line.get_label().startswith("layer 1")}
+    busiest, idlest = fig.axes[8].get_lines()
+    assert {matplotlib.colors.to_hex(busiest.get_color())} == layer1   # the layer's colour
+    np.testing.assert_allclose(busiest.get_ydata(),
+                               [3 * max(r["expert_fraction"][0]) for r in records])
+    np.testing.assert_allclose(idlest.get_ydata(),
+                               [3 * min(r["expert_fraction"][0]) for r in records])
+    np.testing.assert_allclose(fig.axes[11].get_lines()[0].get_ydata(),
+                               [r["aux_balance"] for r in records])
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "load-balancing loss" in labels and "router z-loss" in labels
+    assert plot.main([str(out)]) == 0 and (out / "monitors.png").exists()

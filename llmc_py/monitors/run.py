@@ -20,7 +20,8 @@ representation lists is the embedding's output, layer l + 1 block l's):
   update_ratio                  {tensor: [L] or a number}
                                 ||W_after - W_before|| / ||W_before||
   update_ratio_layer            [L] over each layer's tensors together
-  with experts, per MoE layer (lists over config.moe_layers), of the probe:
+  with experts, moe_layers (config.moe_layers) and, per MoE layer (lists
+  over moe_layers), of the probe:
   expert_fraction, expert_max_min, expert_entropy, router_entropy
                                 monitors.experts.expert_stats
   aux_balance, aux_z            the auxiliary losses (model.aux_losses,
@@ -174,7 +175,8 @@ class Monitor:
         experts = {}
         if self.collapse is not None:
             aux = model.aux_losses
-            experts = {**expert_stats(model), "aux_balance": aux["balance"], "aux_z": aux["z"]}
+            experts = {"moe_layers": list(model.config.moe_layers), **expert_stats(model),
+                       "aux_balance": aux["balance"], "aux_z": aux["z"]}
         return {
             "step": result.step, "lr": result.lr, "loss": result.loss, "norm": result.norm,
             "probe_loss": probe_loss,
