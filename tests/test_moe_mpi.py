@@ -9,10 +9,15 @@ same rows in as many micro-batches (-d), not one process with all of them in
 one batch: the balance loss is not linear in the batch. The cross-entropy
 and the router z-loss are means over tokens, so without the balance loss 2
 ranks of B rows are one process of 2 B rows."""
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from test_mpi import SMALL, assert_same_checkpoint, files_of, log_lines, mpirun, shards, solo
+from test_mpi import (SMALL, assert_same_checkpoint, env, files_of, log_lines, mpirun, shards,
+                      solo)
 
 T = 32
 EXPERTS = ["--arch", "llama", "--experts", "4", "--experts-per-token", "2", "--expert-hidden",
@@ -77,3 +82,50 @@ def test_expert_runs_resume_bitwise(shards, tmp_path, extra):
     assert files_of(a) == files_of(c)
     assert_same_checkpoint(a, c, 8)
     assert (c / "main.log").read_bytes() == (a / "main.log").read_bytes()
+
+
+COUNTS_ON_RANKS = """
+import numpy as np
+from types import SimpleNamespace
+from llmc_py.monitors.experts import ExpertCollapse
+from llmc_py.train import distributed
+world = distributed.world()
+config = SimpleNamespace(moe_layers=range(1, 2), num_experts=3)
+collapse = ExpertCollapse(config)
+collapse.first_step = 1
+collapse.counts[0] = [5, 0, 0] if world.rank == 0 else [2, 0, 4]   # expert 2: rank 1's rows
+collapse.gather(world)
+print(world.rank, collapse.counts.tolist(), collapse.warnings(2) if world.is_root else "")
+"""
+
+
+def test_collapse_counts_every_ranks_rows():
+    """Each rank counts its own rows' experts; rank 0 warns of the sum: an
+    expert that only rank 1's tokens reached has not collapsed."""
+    ran = subprocess.run([shutil.which("mpiexec"), "-n", "2", sys.executable, "-c",
+                          COUNTS_ON_RANKS], env=env(), capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(ran.stdout.splitlines()) == [
+        "0 [[7, 0, 4]] ['layer 1 expert 1 received no tokens in steps 1-2 (collapse)']",
+        "1 [[0, 0, 0]] "]
+
+
+@pytest.mark.slow
+def test_monitors_of_experts_on_two_ranks_with_zero1(shards, tmp_path):
+    """The runner's count over both ranks and the monitor on rank 0 together:
+    the records are those of the run without ZeRO (as test_mpi checks for a
+    dense model), with the experts' fields."""
+    from llmc_py.monitors import read_metrics
+    records = {}
+    for name, extra in (("plain", []), ("zero", ["--zero", "1"])):
+        ran = mpirun(tmp_path / name, *shards, *SMALL, *EXPERTS, *BALANCE, "-b", "2", "-x", "4",
+                     "--monitor-every", "2", *extra)
+        assert ran.returncode == 0, ran.stderr
+        records[name] = read_metrics(tmp_path / name / "metrics.jsonl")
+    for z, p in zip(records["zero"], records["plain"]):
+        assert z["step"] == p["step"] and z["moe_layers"] == [0]
+        for field in ("expert_fraction", "router_entropy", "aux_balance", "aux_z",
+                      "grad_norm_layer"):
+            np.testing.assert_allclose(z[field], p[field], rtol=1e-6, err_msg=field)
+    assert [r["step"] for r in records["zero"]] == [2, 4]

@@ -51,7 +51,9 @@ def expert_stats(model, tokens=None, targets=None):
 class ExpertCollapse:
     """Counts the tokens each expert receives at every training step (from
     the top-k indices the step's last forward left) and, once per
-    monitoring interval, names the experts that received none in all of it."""
+    monitoring interval, names the experts that received none in all of it.
+    Under MPI every rank counts its own rows, and ``gather(world)`` at the
+    interval's end sums them into rank 0's counts (exact: integers)."""
 
     def __init__(self, config):
         self.layers = config.moe_layers
@@ -62,6 +64,11 @@ class ExpertCollapse:
         if self.first_step is None:
             self.first_step = step
         self.counts += expert_counts(model)
+
+    def gather(self, world):
+        """Rank 0's counts = every rank's summed; the others' start over."""
+        total = world.sum_counts(self.counts)
+        self.counts[...] = total if world.is_root else 0
 
     def warnings(self, step):
         """The collapsed experts of the interval ending at ``step``, as

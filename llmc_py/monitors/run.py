@@ -127,17 +127,21 @@ class Monitor:
     parameters are bitwise those of the run without it."""
 
     def __init__(self, model, inputs, targets, every, metrics, *, entropy_min=None,
-                 cosine_max=None, say=print):
+                 cosine_max=None, say=print, collapse=None):
         if every <= 0:
             raise ValueError(f"every must be positive, got {every}")
         self.model, self.inputs, self.targets = model, np.asarray(inputs), np.asarray(targets)
         self.every, self.metrics, self.say = every, metrics, say
         self.entropy_min, self.cosine_max = entropy_min, cosine_max
         self._pending = None   # (step, grad norms, parameters before the update, start time)
-        self.collapse = ExpertCollapse(model.config) if model.config.num_experts else None
+        # an ExpertCollapse that the run counts in (over its ranks), or the monitor's own
+        self.counts_steps = collapse is None
+        if collapse is None and model.config.num_experts:
+            collapse = ExpertCollapse(model.config)
+        self.collapse = collapse
 
     def after_backward(self, trainer, step):
-        if self.collapse is not None:
+        if self.collapse is not None and self.counts_steps:
             self.collapse.add(self.model, step)
         if step % self.every:
             return

@@ -89,6 +89,9 @@ class Solo:
     def average(self, buf):
         pass
 
+    def sum_counts(self, counts):
+        return counts
+
     def reduce_scatter_mean(self, buf):
         return 0, buf.size
 
@@ -146,6 +149,13 @@ class MPIWorld:
     def max(self, value):
         """The largest over ranks of an int (exact, whatever MPI's algorithm)."""
         return self.comm.allreduce(int(value), op=self.MPI.MAX)
+
+    def sum_counts(self, counts):
+        """Rank 0: the sum over ranks of an int64 array (exact in any order);
+        the others: None."""
+        total = np.empty_like(counts) if self.is_root else None
+        self.comm.Reduce(counts, total, op=self.MPI.SUM, root=0)
+        return total
 
     def broadcast_object(self, obj):
         return self.comm.bcast(obj, root=0)
