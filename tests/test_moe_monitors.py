@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from llmc_py import monitors
-from llmc_py.monitors.experts import entropy, expert_stats
+from llmc_py.monitors.experts import entropy, expert_counts, expert_stats
 from llmc_py.train import AdamW, Trainer
 from test_llama_step import BASE, make_model
 from test_moe_model import MOE
@@ -36,23 +36,30 @@ def test_expert_stats_count_the_models_own_topk():
     assert entropy([1.0, 0.0]) == 0.0
 
 
-def monitored(model, steps, every, *, lr=1e-2):
-    """(metrics records, printed lines) of ``steps`` Trainer steps on random
-    batches with a Monitor every ``every``."""
+def monitored(model, steps, every, *, lr=1e-2, grad_accum=1, keep=None):
+    """(metrics records, printed lines, probe) of ``steps`` Trainer steps on
+    random batches (``grad_accum`` per step, appended to ``keep``) with a
+    Monitor every ``every``."""
     rng = np.random.default_rng(5)
-    data = rng.integers(0, 67, size=(steps, 2, 9))
-    batches = iter([(d[:, :-1], d[:, 1:]) for d in data])
-    trainer = Trainer(model, AdamW(model), lambda step: lr, lambda: next(batches))
+    data = rng.integers(0, 67, size=(steps * grad_accum, 2, 9))
+    batches = [(d[:, :-1], d[:, 1:]) for d in data]
+    if keep is not None:
+        keep += batches
+    batches = iter(batches)
+    trainer = Trainer(model, AdamW(model), lambda step: lr, lambda: next(batches),
+                      grad_accum=grad_accum)
     lines, said = [], []
 
     class Sink:
         write, flush = lines.append, staticmethod(lambda: None)
     probe = rng.integers(0, 67, size=(3, 5))
     monitor = monitors.Monitor(model, probe, probe, every, Sink(), say=said.append)
+    trainer.after_micro_batch.append(monitor.after_micro_batch)
     trainer.after_backward.append(monitor.after_backward)
     trainer.after_step.append(monitor.after_step)
     for step in range(1, steps + 1):
         trainer.train_step(step)
+    monitored.monitor = monitor
     return [json.loads(line) for line in lines], said, probe
 
 
@@ -88,6 +95,19 @@ def test_collapse_warns_once_per_interval_naming_layer_and_expert():
                 for a, b in ((1, 2), (3, 4)) for l in (1, 3) for e in (1, 2)]
     assert [w for r in records for w in r["warnings"]] == expected
     assert said == [f"step {w.split('-')[1].split()[0]}: warning: {w}" for w in expected]
+
+
+def test_collapse_counts_every_micro_batch():
+    model = make_model(CONFIG, seed=3)
+    batches = []
+    monitored(model, 1, 2, lr=0.0, grad_accum=3, keep=batches)   # step 1 of 2: not measured
+    counted = monitored.monitor.collapse.counts
+    expected = 0
+    for x, y in batches:                     # the same parameters (learning rate 0)
+        model.forward(x, y)
+        expected = expected + expert_counts(model)
+    np.testing.assert_array_equal(counted, expected)
+    assert counted.sum() == 3 * 2 * 8 * CONFIG.experts_per_token * 2   # 3 micro-batches, 2 layers
 
 
 def test_no_collapse_warning_when_every_expert_gets_tokens():

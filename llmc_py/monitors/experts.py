@@ -50,7 +50,7 @@ def expert_stats(model, tokens=None, targets=None):
 
 class ExpertCollapse:
     """Counts the tokens each expert receives at every training step (from
-    the top-k indices the step's last forward left) and, once per
+    the top-k indices each micro-batch's forward left) and, once per
     monitoring interval, names the experts that received none in all of it.
     Under MPI every rank counts its own rows, and ``gather(world)`` at the
     interval's end sums them into rank 0's counts (exact: integers)."""

@@ -117,14 +117,20 @@ class Monitor:
     (``inputs``, ``targets``: (B, T) ints) and appends one JSON line to the
     open text file ``metrics``; ``say(text)`` prints the warnings. Install
     with ``trainer.after_backward.append(monitor.after_backward)`` and
-    ``trainer.after_step.append(monitor.after_step)``.
+    ``trainer.after_step.append(monitor.after_step)`` (and, with experts,
+    ``trainer.after_micro_batch.append(monitor.after_micro_batch)``).
 
     After backward it takes the gradient norms and a copy of the parameters
     (one more parameter buffer, on measured steps only); after the update,
     the update ratios, then the probe's forward. Training reads nothing the
     probe writes: the next step's forward_backward rewrites every activation
     it uses, and the probe draws no random numbers, so a run's losses and
-    parameters are bitwise those of the run without it."""
+    parameters are bitwise those of the run without it.
+
+    With experts it also counts, after every micro-batch of every step, the
+    tokens each expert received, to name the experts that received none in
+    a whole interval; or reads ``collapse``, an ExpertCollapse that the run
+    fills (over all its ranks)."""
 
     def __init__(self, model, inputs, targets, every, metrics, *, entropy_min=None,
                  cosine_max=None, say=print, collapse=None):
@@ -140,9 +146,11 @@ class Monitor:
             collapse = ExpertCollapse(model.config)
         self.collapse = collapse
 
-    def after_backward(self, trainer, step):
+    def after_micro_batch(self, trainer, step):
         if self.collapse is not None and self.counts_steps:
             self.collapse.add(self.model, step)
+
+    def after_backward(self, trainer, step):
         if step % self.every:
             return
         t0 = time.perf_counter()
