@@ -4,10 +4,12 @@ Reads OUTDIR/main.log (lines ``s:N trl:X ...`` and ``s:N tel:X``) and writes
 OUTDIR/loss.png; when the run has OUTDIR/metrics.jsonl (--monitor-every), also
 OUTDIR/monitors.png: the loss, each layer's attention entropy (mean and min
 over its heads), the representation measures per layer, and each layer's
-gradient norm and update-to-weight ratio, over steps. Needs matplotlib
+gradient norm and update-to-weight ratio, over steps, and with experts each
+MoE layer's expert load, router entropy and the auxiliary losses. Needs matplotlib
 (``pip install "llmc_py[plot]"``).
 """
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -158,9 +160,11 @@ def _layer_lines(ax, steps, values, colors, linestyle="-", suffix=""):
 def plot_monitors(plt, records, train_loss, title):
     """The monitors figure of metrics.jsonl's ``records`` (and main.log's
     train loss {step: loss}, which is drawn at every step), with one legend
-    for all its panels."""
+    for all its panels; a model with experts gets a third row of them
+    (plot_experts)."""
     from matplotlib.lines import Line2D
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    experts = any("expert_fraction" in r for r in records)
+    fig, axes = plt.subplots(3 if experts else 2, 4, figsize=(20, 12.75 if experts else 8.5))
     axes = axes.ravel()
     colors = layer_colors(len(records[0]["attention_entropy"]))
 
@@ -197,8 +201,10 @@ def plot_monitors(plt, records, train_loss, title):
         if steps:
             _layer_lines(ax, steps, values, colors)
         ax.set_title(name)
-    for ax in axes[6:]:
+    for ax in axes[6:8]:
         ax.set_yscale("log")
+    if experts:
+        plot_experts(axes[8:], records, colors)
     for ax in axes:
         ax.set_xlabel("step")
         integer_steps(ax)
@@ -208,12 +214,48 @@ def plot_monitors(plt, records, train_loss, title):
     key = [Line2D([], [], color=c, label=f"layer {l}") for l, c in enumerate(colors)]
     key.append(Line2D([], [], label="embedding", **EMBEDDING_STYLE))
     key.append(Line2D([], [], color="black", linestyle="--", label="min over heads"))
+    if experts:
+        key += axes[11].get_lines()             # the auxiliary losses
     key += axes[0].get_lines()                  # train and probe loss
     fig.suptitle(title)
     fig.tight_layout()
     fig.legend(handles=key, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=9,
                ncol=1 + len(key) // 30)
     return fig
+
+
+def plot_experts(axes, records, colors):
+    """The experts' row of the monitors figure on four ``axes``: each MoE
+    layer's load (its busiest and idlest expert's fraction of the top-k
+    assignments times E: 1 when balanced, 0 for an expert that got none),
+    the entropy of its load over ln E, its router's mean entropy, and the
+    auxiliary losses (means over the MoE layers)."""
+    measured = [r for r in records if "expert_fraction" in r]
+    steps = [r["step"] for r in measured]
+    layers = measured[0]["moe_layers"]
+    E = len(measured[0]["expert_fraction"][0])
+    for i, l in enumerate(layers):
+        loads = [r["expert_fraction"][i] for r in measured]
+        axes[0].plot(steps, [E * max(f) for f in loads], color=colors[l], linewidth=1,
+                     label=f"layer {l}")
+        axes[0].plot(steps, [E * min(f) for f in loads], "--", color=colors[l], linewidth=1,
+                     label=f"layer {l}, idlest expert")
+        for ax, field, scale in ((axes[1], "expert_entropy", math.log(E) if E > 1 else 1.0),
+                                 (axes[2], "router_entropy", 1.0)):
+            ax.plot(steps, [nan_if_none(r[field][i]) / scale for r in measured],
+                    color=colors[l], linewidth=1, label=f"layer {l}")
+    axes[0].set_title("expert load (fraction x E): busiest, -- idlest")
+    axes[1].set_title("expert load entropy / ln E (1 balanced)")
+    axes[2].set_title("router entropy (nats), mean over tokens")
+    axes[3].plot(steps, [nan_if_none(r["aux_balance"]) for r in measured], linewidth=1,
+                 label="load-balancing loss", **TRAIN_STYLE)
+    axes[3].plot(steps, [nan_if_none(r["aux_z"]) for r in measured], linewidth=1,
+                 label="router z-loss", **PROBE_STYLE)
+    axes[3].set_title("auxiliary losses (unweighted)")
+
+
+def nan_if_none(value):
+    return float("nan") if value is None else value
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ from .._native import kernels as K
 
 # parameter tensors that belong to no block: one number each, not one per layer
 MODEL_WIDE = ("wte", "wpe", "lnfw", "lnfb", "lm_head")
+# block tensors with a row for some layers only: the dense MLPs' and the experts'
+DENSE_MLP = ("fcw", "fcb", "fcprojw", "fcprojb")
+EXPERTS = ("routerw", "expertfcw", "expertprojw")
 
 
 def _norm(x):
@@ -33,11 +36,28 @@ def gradient_norms(model):
     return tensor_norms(model.grads)
 
 
-def layer_totals(norms):
+def tensor_layers(config, name):
+    """The layers a block tensor's rows belong to, in order: with experts the
+    dense MLPs' rows are config.dense_mlp_layers', the experts'
+    config.moe_layers'; every other block tensor has one row per layer."""
+    if config.num_experts and name in DENSE_MLP:
+        return list(config.dense_mlp_layers)
+    if config.num_experts and name in EXPERTS:
+        return list(config.moe_layers)
+    return list(range(config.num_layers))
+
+
+def layer_totals(norms, config=None):
     """float64 (L,): each layer's norm over all of its tensors, from
-    tensor_norms' per-layer entries."""
-    per_layer = [v for v in norms.values() if isinstance(v, np.ndarray)]
-    return np.sqrt(np.sum(np.square(per_layer), axis=0))
+    tensor_norms' per-layer entries (each placed at its layers by
+    ``config``, which a model with experts needs)."""
+    per_layer = {name: v for name, v in norms.items() if isinstance(v, np.ndarray)}
+    if config is None or not config.num_experts:
+        return np.sqrt(np.sum(np.square(list(per_layer.values())), axis=0))
+    squares = np.zeros(config.num_layers)
+    for name, v in per_layer.items():
+        squares[tensor_layers(config, name)] += np.square(v)
+    return np.sqrt(squares)
 
 
 def update_ratios(model, before):
@@ -59,5 +79,6 @@ def update_ratios(model, before):
     with np.errstate(divide="ignore", invalid="ignore"):
         ratios = {name: np.divide(change[name], size[name]) for name in change}
         ratios = {name: float(r) if name in MODEL_WIDE else r for name, r in ratios.items()}
-        per_layer = layer_totals(change) / layer_totals(size)
+        per_layer = (layer_totals(change, model.config)
+                     / layer_totals(size, model.config))
     return ratios, per_layer

@@ -13,11 +13,23 @@ representation lists is the embedding's output, layer l + 1 block l's):
   residual_ratio, mean_cosine, effective_rank
                                 [L + 1] representation_stats
   grad_norm                     {tensor: [L] or a number} before clipping
+                                (with experts, the dense MLPs' lists run over
+                                config.dense_mlp_layers, the experts' over
+                                config.moe_layers)
   grad_norm_layer               [L] over each layer's tensors together
   update_ratio                  {tensor: [L] or a number}
                                 ||W_after - W_before|| / ||W_before||
   update_ratio_layer            [L] over each layer's tensors together
-  warnings                      [text] thresholds crossed (also printed)
+  with experts, moe_layers (config.moe_layers) and, per MoE layer (lists
+  over moe_layers), of the probe:
+  expert_fraction, expert_max_min, expert_entropy, router_entropy
+                                monitors.experts.expert_stats
+  aux_balance, aux_z            the auxiliary losses (model.aux_losses,
+                                unweighted, mean over the MoE layers)
+  warnings                      [text] thresholds crossed (also printed),
+                                and each expert that received no token of
+                                the training batches in all the interval's
+                                steps (its collapse)
   monitor_ms                    what the measurement took (wall clock)
 The numbers in lists and in the per-tensor objects carry 7 significant
 digits, the others all of theirs; a non-finite number is null.
@@ -30,6 +42,7 @@ import numpy as np
 
 from ..errors import LlmcError
 from .attention import attention_entropy_rows, mean_entropy
+from .experts import ExpertCollapse, expert_stats
 from .parameters import gradient_norms, layer_totals, update_ratios
 from .probe import run_forward
 from .representation import representation_stats
@@ -104,23 +117,38 @@ class Monitor:
     (``inputs``, ``targets``: (B, T) ints) and appends one JSON line to the
     open text file ``metrics``; ``say(text)`` prints the warnings. Install
     with ``trainer.after_backward.append(monitor.after_backward)`` and
-    ``trainer.after_step.append(monitor.after_step)``.
+    ``trainer.after_step.append(monitor.after_step)`` (and, with experts,
+    ``trainer.after_micro_batch.append(monitor.after_micro_batch)``).
 
     After backward it takes the gradient norms and a copy of the parameters
     (one more parameter buffer, on measured steps only); after the update,
     the update ratios, then the probe's forward. Training reads nothing the
     probe writes: the next step's forward_backward rewrites every activation
     it uses, and the probe draws no random numbers, so a run's losses and
-    parameters are bitwise those of the run without it."""
+    parameters are bitwise those of the run without it.
+
+    With experts it also counts, after every micro-batch of every step, the
+    tokens each expert received, to name the experts that received none in
+    a whole interval; or reads ``collapse``, an ExpertCollapse that the run
+    fills (over all its ranks)."""
 
     def __init__(self, model, inputs, targets, every, metrics, *, entropy_min=None,
-                 cosine_max=None, say=print):
+                 cosine_max=None, say=print, collapse=None):
         if every <= 0:
             raise ValueError(f"every must be positive, got {every}")
         self.model, self.inputs, self.targets = model, np.asarray(inputs), np.asarray(targets)
         self.every, self.metrics, self.say = every, metrics, say
         self.entropy_min, self.cosine_max = entropy_min, cosine_max
         self._pending = None   # (step, grad norms, parameters before the update, start time)
+        # an ExpertCollapse that the run counts in (over its ranks), or the monitor's own
+        self.counts_steps = collapse is None
+        if collapse is None and model.config.num_experts:
+            collapse = ExpertCollapse(model.config)
+        self.collapse = collapse
+
+    def after_micro_batch(self, trainer, step):
+        if self.collapse is not None and self.counts_steps:
+            self.collapse.add(self.model, step)
 
     def after_backward(self, trainer, step):
         if step % self.every:
@@ -156,6 +184,11 @@ class Monitor:
         rows = attention_entropy_rows(model)
         entropy = mean_entropy(rows)
         rep = representation_stats(model)
+        experts = {}
+        if self.collapse is not None:
+            aux = model.aux_losses
+            experts = {"moe_layers": list(model.config.moe_layers), **expert_stats(model),
+                       "aux_balance": aux["balance"], "aux_z": aux["z"]}
         return {
             "step": result.step, "lr": result.lr, "loss": result.loss, "norm": result.norm,
             "probe_loss": probe_loss,
@@ -163,8 +196,9 @@ class Monitor:
             "attention_entropy_normalized": mean_entropy(
                 rows, normalized=True, window=model.config.sliding_window),
             **rep,
-            "grad_norm": grad_norms, "grad_norm_layer": layer_totals(grad_norms),
-            "update_ratio": ratios, "update_ratio_layer": ratio_layer,
+            "grad_norm": grad_norms, "grad_norm_layer": layer_totals(grad_norms, model.config),
+            "update_ratio": ratios, "update_ratio_layer": ratio_layer, **experts,
             "warnings": threshold_warnings(entropy, rep["mean_cosine"], self.entropy_min,
-                                           self.cosine_max),
+                                           self.cosine_max)
+            + (self.collapse.warnings(result.step) if self.collapse is not None else []),
         }

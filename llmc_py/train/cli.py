@@ -140,8 +140,10 @@ def build_parser():
            "with --monitor-every, rank 0 gathers the gradients on measured steps)")
     a("--monitor-every", type=int, default=RunSpec.monitor_every,
       help="every N steps, measure attention entropy, representation collapse, per-layer "
-           "gradient norms and update ratios on a fixed validation batch and append them "
-           "to OUT/metrics.jsonl (0: never; needs validation data)")
+           "gradient norms and update ratios (with experts: each expert's share of the "
+           "tokens, the router's entropy, the auxiliary losses) on a fixed validation "
+           "batch and append them to OUT/metrics.jsonl, and warn of an expert that got no "
+           "token in the N steps (0: never; needs validation data)")
     a("--monitor-entropy-min", type=float, default=RunSpec.monitor_entropy_min,
       help="with --monitor-every: warn when a head's mean attention entropy (nats) falls "
            "below this (0: never)")

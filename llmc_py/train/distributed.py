@@ -14,6 +14,12 @@ then scales by 1/N; an Allgatherv then gives every rank every shard. Both
 only move bytes, so the same N gives bitwise the same run. The exchange goes
 CHUNK floats per shard at a time, so its scratch is N * CHUNK floats.
 
+With experts, a rank's load-balancing loss is over its own rows (per
+micro-batch), and the averaged gradient is that of the mean over ranks of
+theirs: N ranks of B rows train as one process of N micro-batches of B
+rows, not as one batch of N B rows (the balance loss is not linear in the
+batch; the cross-entropy and the z-loss are, as means over tokens).
+
 ZeRO-1 (``zero=1``): each rank keeps AdamW's moments for its shard only,
 updates its shard of the parameters, and the all-gather moves parameters
 instead of gradients; the global gradient norm is the square root of the
@@ -83,6 +89,9 @@ class Solo:
     def average(self, buf):
         pass
 
+    def sum_counts(self, counts):
+        return counts
+
     def reduce_scatter_mean(self, buf):
         return 0, buf.size
 
@@ -140,6 +149,13 @@ class MPIWorld:
     def max(self, value):
         """The largest over ranks of an int (exact, whatever MPI's algorithm)."""
         return self.comm.allreduce(int(value), op=self.MPI.MAX)
+
+    def sum_counts(self, counts):
+        """Rank 0: the sum over ranks of an int64 array (exact in any order);
+        the others: None."""
+        total = np.empty_like(counts) if self.is_root else None
+        self.comm.Reduce(counts, total, op=self.MPI.SUM, root=0)
+        return total
 
     def broadcast_object(self, obj):
         return self.comm.bcast(obj, root=0)

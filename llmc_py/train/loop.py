@@ -37,6 +37,8 @@ class Trainer:
     each micro-batch's mean over its counted targets (those not
     IGNORE_INDEX) weighs 1/grad_accum, however many targets it counts.
 
+    ``after_micro_batch``: callables f(trainer, step), run after each
+    micro-batch's forward_backward (its activations still there).
     ``after_backward``: callables f(trainer, step), run once the step's
     gradients are complete, before the norm is taken. ``after_step``:
     callables f(trainer, result), run after each step that was applied.
@@ -65,6 +67,7 @@ class Trainer:
         self.update_guard = update_guard
         self.world = Solo() if world is None else world
         self.dropout = dropout if dropout is not None and dropout.active else None
+        self.after_micro_batch = []
         self.after_backward = []
         self.after_step = []
         self.end_of_step = []
@@ -82,6 +85,8 @@ class Trainer:
             x, y = self.next_batch()
             loss += model.forward_backward(x, y, loss_scale=1.0 / n,
                                            dropout=self._dropout_at(step, micro, len(x))) / n
+            for hook in self.after_micro_batch:
+                hook(self, step)
             if model.config.num_experts:
                 for name, value in (("ce", model.ce_loss), *model.aux_losses.items()):
                     parts[name] = parts.get(name, 0.0) + value / n

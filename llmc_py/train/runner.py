@@ -29,7 +29,7 @@ from ..model import load_model
 from ..model.presets import GPT2_VOCAB, config_from_depth, describe, preset_for
 from ..model.dropout import RATES as DROPOUT_SITES
 from ..model.transformer import INIT_STD
-from ..monitors import Monitor
+from ..monitors import ExpertCollapse, Monitor
 from . import distributed
 from .distributed import RankRows, ShardedAdamW, Solo, raise_injected_fault
 from .hooks import Checkpoints, Evaluation, KeepBest, Sampling, StepLog
@@ -469,15 +469,29 @@ class Run:
             # ZeRO-1 averages each rank's shard of the gradients only; the
             # monitor reads them all: rank 0 gathers them on measured steps
             trainer.after_backward.append(self._gather_measured_gradients)
+        collapse = None
+        if self.probe is not None and self.model.config.num_experts and world.size > 1:
+            # every rank counts its rows' experts, rank 0 warns of the whole batch's
+            collapse = ExpertCollapse(self.model.config)
+            trainer.after_micro_batch.append(
+                lambda trainer, step: collapse.add(self.model, step))
+            trainer.after_backward.append(
+                lambda trainer, step: self._gather_expert_counts(collapse, step))
         if self.probe is not None and world.is_root:
             monitor = Monitor(self.model, *self.probe, spec.monitor_every, metrics,
                               entropy_min=spec.monitor_entropy_min or None,
                               cosine_max=spec.monitor_cosine_max
-                              if spec.monitor_cosine_max < 1 else None, say=self.progress.say)
+                              if spec.monitor_cosine_max < 1 else None, say=self.progress.say,
+                              collapse=collapse)
+            trainer.after_micro_batch.append(monitor.after_micro_batch)
             trainer.after_backward.append(monitor.after_backward)
             trainer.after_step.append(monitor.after_step)
         trainer.end_of_step += self._end_of_step_hooks(log)
         return trainer
+
+    def _gather_expert_counts(self, collapse, step):
+        if step % self.spec.monitor_every == 0:
+            collapse.gather(self.world)
 
     def _gather_measured_gradients(self, trainer, step):
         if step % self.spec.monitor_every == 0:
