@@ -71,3 +71,35 @@ def test_compare_evaluates_at_longer_lengths(tmp_path, monkeypatch):
     assert plain[:2] == scaled[:2]
     assert results[0]["lengths"]["1"] == results[1]["lengths"]["1"]
     assert results[0]["lengths"]["2"] != results[1]["lengths"]["2"]
+
+
+def test_compare_moe_shows_each_experts_load(tmp_path, monkeypatch):
+    """The moe suite at a tiny size: every variant trains; the MoE rows show
+    each MoE layer's max/min tokens per expert (from the final model's
+    routing), their active parameters below their total, the dense rows
+    their active parameters equal to their total."""
+    rng = np.random.default_rng(2)
+    write_tokens(tmp_path / "train.bin", rng.integers(0, 50257, 3000))
+    write_tokens(tmp_path / "val.bin", rng.integers(0, 50257, 1000))
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    tiny = ["-e", "d2", "-b", "2", "-t", "16", "-x", "2", "-v", "2", "-m", "1",
+            "-i", str(tmp_path / "train.bin"), "-j", str(tmp_path / "val.bin")]
+    assert compare.main(["moe", "--out", str(tmp_path / "out"), "--", *tiny]) == 0
+    lines = (tmp_path / "out" / "moe.md").read_text().splitlines()
+    header = [c.strip() for c in lines[2].split("|")[1:-1]]
+    rows = {line.split("|")[1].strip(): dict(zip(header, (c.strip() for c in
+                                                           line.split("|")[1:-1])))
+            for line in lines[4:] if line.startswith("| ")}
+    assert list(rows) == list(compare.SUITES["moe"]["variants"])
+    for name, row in rows.items():
+        total, active = float(row["parameters (M)"]), float(row["active parameters (M)"])
+        if name.startswith("dense"):
+            assert row["expert load max/min"] == "n/a" and abs(active - total) < 0.1
+            continue
+        loads = row["expert load max/min"].split()
+        assert len(loads) == 2, row   # d2: two MoE layers
+        assert all(load == "inf" or float(load) >= 1 for load in loads)
+        assert active < total
+    # top-1 sends a token through half the experts' parameters top-2 does
+    assert float(rows["moe 8x384 top-1"]["active parameters (M)"]) < \
+        float(rows["moe 8x384 top-2"]["active parameters (M)"])
