@@ -1,6 +1,6 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate, --lora or --quality."""
+default), --generate, --lora, --moe or --quality."""
 import argparse
 import json
 import os
@@ -17,10 +17,11 @@ from ..model import PRECISIONS
 from .generate import measure_generation
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
+from .moe import MOE_BATCH, MOE_LAYERS, measure_moe
 from .quality import bench_quality, lora_quality
 from .step import measure_steps
-from .tables import (print_generation, print_lora, print_lora_quality, print_quality,
-                     print_training)
+from .tables import (print_generation, print_lora, print_lora_quality, print_moe,
+                     print_quality, print_training)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -40,11 +41,12 @@ def build_parser():
                         "only at import)")
     p.add_argument("--batch", type=int, nargs=2, default=None, metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
-                        "and of the training step (default 4 64; --lora: 4 256; --generate "
-                        "ignores it: it runs batches of 1 and 4 at --gen's lengths)")
+                        "and of the training step (default 4 64; --lora and --moe: 4 256; "
+                        "--generate ignores it: it runs batches of 1 and 4 at --gen's "
+                        "lengths)")
     p.add_argument("--layers", type=int, default=None,
                    help="the model's layers (default: GPT-2 124M's 12; --lora: Qwen3-0.6B's "
-                        "28)")
+                        "28; --moe: 4)")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
                         "training step")
@@ -72,7 +74,7 @@ def build_parser():
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
-                   help="--generate: prompt tokens and new tokens")
+                   help="--generate and --moe's decoding: prompt tokens and new tokens")
     p.add_argument("--lora", action="store_true",
                    help="instead: a LoRA training step (rank 16, alpha 32, on q, k, v, o, "
                         "gate, up and down) of a Qwen3-0.6B-shaped model of random weights, "
@@ -80,6 +82,13 @@ def build_parser():
                         "the same model and transformers + peft (bf16 weights, autocast "
                         "bf16, the same adapters); each in a process of its own, with its "
                         "peak RSS")
+    p.add_argument("--moe", action="store_true",
+                   help="instead: a training step of a Llama-style model (C=512) with 8 "
+                        "experts of 1024, top-2, beside a dense SwiGLU of 2048 (the same "
+                        "active parameters) in fp32 and bf16, and beside transformers' "
+                        "MixtralForCausalLM and its dense twin (float32, autocast bf16; "
+                        "eager); each in a process of its own; then greedy decoding of our "
+                        "two models at batch 1 and 8")
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
                    help="instead: the default training run for STEPS steps (500 is the "
                         "default run) in fp32 and in bf16; their validation losses")
@@ -111,14 +120,15 @@ def parse(argv):
         parser.error("flags after -- go to --lora-quality's training runs")
     args.train_flags = train_flags
     modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
+                                   ("--moe", args.moe),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
     if args.batch is None:
-        args.batch = (4, 256) if args.lora else (4, 64)
+        args.batch = (4, 256) if args.lora else MOE_BATCH if args.moe else (4, 64)
     if args.layers is None:
-        args.layers = QWEN3_0_6B_LAYERS if args.lora else 12
+        args.layers = QWEN3_0_6B_LAYERS if args.lora else MOE_LAYERS if args.moe else 12
     check_flags(args, FLAG_RANGES)
     for isa in args.isa or ():
         if isa not in supported_isas():
@@ -174,6 +184,9 @@ def main(argv=None):
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}
         print_results = print_lora
+    elif args.moe:
+        results = dict(measure_moe(args), threads=get_num_threads(), isa=get_isa())
+        print_results = print_moe
     else:
         results, print_results = measure_training(args, isas, rng), print_training
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
