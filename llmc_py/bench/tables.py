@@ -91,6 +91,12 @@ def print_quality(args, results):
     print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
 
 
+def _step_row(name, t, tokens, width):
+    """One training step's line: ms (median, min-max) and tokens/s."""
+    return (f"  {name:<{width}} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+            f"{t['max'] * 1e3:.1f})  {tokens / t['median']:7.0f} tok/s")
+
+
 def print_lora(args, results):
     """The three steps (ours with LoRA, ours fully fine-tuned, peft's), then
     LoRA's speed over each and peak memory beside peft's, against the floors."""
@@ -106,9 +112,7 @@ def print_lora(args, results):
             print(f"  {name:<20} not installed")
             continue
         plan = f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
-        print(f"  {name:<20} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
-              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:7.0f} tok/s  "
-              f"{t['peak_rss_mib']:6.0f} MiB{plan}")
+        print(f"{_step_row(name, t, B * T, 20)}  {t['peak_rss_mib']:6.0f} MiB{plan}")
     ours = steps["llmc_py_lora"]
     for name, floor in FLOORS.items():
         if steps.get(name):
@@ -154,11 +158,7 @@ def print_moe(args, results):
           f"top-{MOE_MLP['experts_per_token']} against a dense SwiGLU of "
           f"{DENSE_MLP['ffn_hidden']} (median, min-max):")
     for name, t in steps.items():
-        if t is None:
-            print(f"  {name:<32} not installed")
-            continue
-        print(f"  {name:<32} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
-              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:7.0f} tok/s")
+        print(f"  {name:<32} not installed" if t is None else _step_row(name, t, B * T, 32))
     for precision, theirs in (("fp32", "fp32"), ("bf16", "autocast_bf16")):
         ours = steps[f"llmc_py_moe_{precision}"]["median"]
         ratio = ours / steps[f"llmc_py_dense_{precision}"]["median"]
