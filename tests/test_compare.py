@@ -101,3 +101,7 @@ def test_compare_moe_shows_each_experts_load(tmp_path, monkeypatch):
     # top-1 sends a token through half the experts' parameters top-2 does
     assert float(rows["moe 8x384 top-1"]["active parameters (M)"]) < \
         float(rows["moe 8x384 top-2"]["active parameters (M)"])
+
+
+def test_compare_runs_moe_only_when_asked():
+    assert "moe" in compare.SUITES and "moe" not in compare.DEFAULT_SUITES
