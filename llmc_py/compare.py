@@ -30,6 +30,8 @@ from .errors import LlmcError, UsageError
 COMMON = ["-e", "d4", "-b", "8", "-t", "128", "-x", "200", "-v", "50", "-m", "10",
           "-s", "0", "-n", "0"]
 LLAMA = ["--arch", "llama"]
+# 8 experts of half the dense MLP's hidden size (d4's SwiGLU: 768), balanced
+MOE = ["--experts", "8", "--expert-hidden", "384", "--router-aux-loss", "0.01"]
 SUITES = {
     "gpt2-vs-llama": {
         "about": "GPT-2 style (learned positions, LayerNorm, GELU, multi-head) against "
@@ -65,22 +67,37 @@ SUITES = {
                      "rope + ntk scaling": {"flags": LLAMA + ["--position", "rope"],
                                             "scale_rope": "ntk"},
                      "alibi": LLAMA + ["--position", "alibi"]}},
+    "moe": {
+        "about": "a dense SwiGLU of 768 against 8 experts of 384: top-2 (the dense model's "
+                 "active parameters), top-1, without the load-balancing loss, and a dense "
+                 "model of 3072 (the experts' total parameters)",
+        "routing": True,
+        "variants": {"dense 768": LLAMA + ["--ffn-hidden", "768"],
+                     "moe 8x384 top-2": LLAMA + MOE + ["--experts-per-token", "2"],
+                     "moe 8x384 top-1": LLAMA + MOE + ["--experts-per-token", "1"],
+                     "moe 8x384 top-2, no balance loss":
+                         LLAMA + MOE + ["--experts-per-token", "2", "--router-aux-loss", "0"],
+                     "dense 3072 (equal total)": LLAMA + ["--ffn-hidden", "3072"]}},
 }
-DEFAULT_SUITES = tuple(SUITES)
+# moe is asked for by name: its table is README's own section
+DEFAULT_SUITES = tuple(name for name in SUITES if name != "moe")
 _STEP = re.compile(r"took ([0-9.]+) ms")
 _PARAMS = re.compile(r"([0-9.]+)M parameters")
 
 
-def run_variant(folder, flags, lengths=(), scale_rope=None, decode=False, timeout=None):
+def run_variant(folder, flags, lengths=(), scale_rope=None, decode=False, routing=False,
+                timeout=None):
     """Trains one variant into ``folder`` (and evaluates it at ``lengths``,
-    multiples of its T, and times its decoding if ``decode``); returns its
-    result row (a dict)."""
+    multiples of its T, times its decoding if ``decode`` and counts its
+    experts' tokens if ``routing``); returns its result row (a dict)."""
     folder.mkdir(parents=True, exist_ok=True)
     evaluation = ["--lengths", *map(str, lengths)] if lengths else []
     if scale_rope:
         evaluation += ["--scale-rope", scale_rope]
     if decode:
         evaluation += ["--decode"]
+    if routing:
+        evaluation += ["--routing"]
     command = [sys.executable, "-m", "llmc_py.compare", "--child", str(folder), *evaluation,
                "--", *flags, "-o", str(folder / "run"), "--overwrite"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -102,6 +119,7 @@ def run_variant(folder, flags, lengths=(), scale_rope=None, decode=False, timeou
     for multiple, loss in child_results.get("lengths", {}).items():
         row[f"loss @ {multiple}x T"] = loss
     row.update(child_results.get("decode", {}))
+    row.update(child_results.get("routing", {}))
     row.update(monitor_columns(folder / "run" / "metrics.jsonl"))
     return row
 
@@ -145,7 +163,7 @@ def curves(folder):
 def table(rows):
     """A markdown table of {variant: row}."""
     columns = ["val loss", "perplexity", "ms/step", "tokens/s", "peak MiB", "parameters (M)"]
-    columns += [c for c in DECODE_COLUMNS + MONITOR_COLUMNS
+    columns += [c for c in DECODE_COLUMNS + MONITOR_COLUMNS + ROUTING_COLUMNS
                 if any(c in row for row in rows.values())]
     columns += sorted({c for row in rows.values() for c in row if c.startswith("loss @")},
                       key=lambda c: int(c.split()[2][:-1]))
@@ -167,7 +185,7 @@ def _cell(column, value):
         return value
     if column in ("val loss", "perplexity") or column.startswith("loss @"):
         return f"{value:.4f}"
-    if column in ("parameters (M)", "KV cache MiB"):
+    if column in ("parameters (M)", "active parameters (M)", "KV cache MiB"):
         return f"{value:.1f}"
     return f"{value:.0f}"
 
@@ -199,10 +217,11 @@ def draw(path, title, folders):
     return True
 
 
-def child(folder, flags, lengths=(), scale_rope=None, decode=False):
+def child(folder, flags, lengths=(), scale_rope=None, decode=False, routing=False):
     """--child: one variant's training in this process, its peak RSS (before
     any evaluation), the final model's validation loss at ``lengths``
-    (multiples of T) and, with ``decode``, its decoding speed."""
+    (multiples of T), with ``decode`` its decoding speed and with
+    ``routing`` its experts' load."""
     from .train.cli import build_parser, main as train
     code = train(flags)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
@@ -214,6 +233,8 @@ def child(folder, flags, lengths=(), scale_rope=None, decode=False):
         results["lengths"] = evaluate_lengths(args, lengths, scale_rope)
     if code == 0 and decode:
         results["decode"] = time_decoding(build_parser().parse_args(flags))
+    if code == 0 and routing:
+        results["routing"] = expert_load(build_parser().parse_args(flags))
     (Path(folder) / "peak.json").write_text(json.dumps(results))
     return code
 
@@ -229,10 +250,7 @@ def time_decoding(args):
     import time
     import numpy as np
     from .generate import Decoder
-    from .model import load_model
-    from .train.run_folder import RunFolder
-    folder = RunFolder(args.output_dir)
-    model = load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
+    model = final_model(args)
     decoder = Decoder(model, DECODE_BATCH, DECODE_PROMPT + DECODE_TOKENS)
     rng = np.random.default_rng(0)
     decoder.prefill(rng.integers(0, model.config.vocab_size, (DECODE_BATCH, DECODE_PROMPT)))
@@ -246,6 +264,47 @@ def time_decoding(args):
             "decode tokens/s": DECODE_BATCH / statistics.median(times)}
 
 
+def final_model(args):
+    """The last checkpoint of a finished run, loaded."""
+    from .model import load_model
+    from .train.run_folder import RunFolder
+    folder = RunFolder(args.output_dir)
+    return load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
+
+
+ROUTING_BATCHES = 8
+ROUTING_COLUMNS = ("expert load max/min", "active parameters (M)")
+
+
+def expert_load(args):
+    """The final model's routing on the validation text (up to
+    ROUTING_BATCHES batches of the run's B x T): per MoE layer, the most
+    tokens any expert received over the fewest ("inf": an expert received
+    none), from the top-k choices the forward pass stores; and the
+    parameters a token passes through (summary's active count). A dense
+    model: its active parameters only."""
+    import numpy as np
+    from .eval import read_text
+    from .summary import active_parameter_counts
+    model = final_model(args)
+    c = model.config
+    row = {"active parameters (M)": sum(active_parameter_counts(c).values()) / 1e6}
+    if not c.num_experts:
+        return row
+    tokens, _ = read_text(args.val_data or "data/shakespeare/val.bin", c.vocab_size)
+    B, T = args.batch_size, args.seq_len
+    batches = min(ROUTING_BATCHES, (len(tokens) - 1) // (B * T))
+    counts = np.zeros((c.num_moe_layers, c.num_experts), np.int64)
+    for i in range(batches):
+        model.forward(tokens[i * B * T:(i + 1) * B * T].reshape(B, T))
+        chosen = model.acts.topk_index.view(np.int32).reshape(c.num_moe_layers, -1)
+        counts += [np.bincount(layer, minlength=c.num_experts) for layer in chosen]
+    ratios = [f"{most / fewest:.2f}" if fewest else "inf"
+              for most, fewest in zip(counts.max(axis=1), counts.min(axis=1))]
+    row["expert load max/min"] = " ".join(ratios)
+    return row
+
+
 def evaluate_lengths(args, multiples, scale_rope=None):
     """{multiple: val loss} of a finished run's final model at multiple * T
     tokens of context (None where a learned table ends); with ``scale_rope``,
@@ -253,10 +312,7 @@ def evaluate_lengths(args, multiples, scale_rope=None):
     import dataclasses
     from .errors import UsageError
     from .eval import evaluate_length, read_text
-    from .model import load_model
-    from .train.run_folder import RunFolder
-    folder = RunFolder(args.output_dir)
-    model = load_model(folder.checkpoint_paths(folder.completed_steps()[-1])[0])
+    model = final_model(args)
     tokens, trained = read_text(args.val_data or "data/shakespeare/val.bin",
                                 model.config.vocab_size)
     losses = {}
@@ -284,6 +340,7 @@ def build_parser():
     p.add_argument("--lengths", type=int, nargs="*", default=(), help=argparse.SUPPRESS)
     p.add_argument("--scale-rope", help=argparse.SUPPRESS)
     p.add_argument("--decode", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--routing", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -313,7 +370,7 @@ def run_suite(suite, out, extra):
             variant = {"flags": variant}
         rows[name] = run_variant(folders[name], COMMON + variant["flags"] + extra,
                                  spec.get("lengths", ()), variant.get("scale_rope"),
-                                 spec.get("decode", False))
+                                 spec.get("decode", False), spec.get("routing", False))
     text = f"## {suite}: {spec['about']}\n\n{table(rows)}\n"
     (out / f"{suite}.md").write_text(text)
     print(text)
@@ -326,7 +383,8 @@ def run_suite(suite, out, extra):
 def main(argv=None):
     args, extra = parse(argv)
     if args.child:
-        return child(args.child, extra, args.lengths, args.scale_rope, args.decode)
+        return child(args.child, extra, args.lengths, args.scale_rope, args.decode,
+                     args.routing)
     out = Path(args.out)
     failed = sum(run_suite(suite, out, extra) for suite in args.suites or DEFAULT_SUITES)
     if failed:

@@ -1,6 +1,6 @@
 """llmc_py/bench: the matmul and attention tables cover every instruction
 set asked for, verify each before timing it, and leave the chosen one in place;
-the step, --lora and the quality runs run at tiny sizes (their rows, not
+the step, --lora, --moe and the quality runs run at tiny sizes (their rows, not
 their times)."""
 import argparse
 import re
@@ -12,10 +12,11 @@ import llmc_py
 from llmc_py.bench.cli import parse
 from llmc_py.bench.kernels import bench_attention, bench_matmul, bench_memory_bound
 from llmc_py.bench.lora import measure_lora
+from llmc_py.bench.moe import measure_moe
 from llmc_py.bench.pytorch import torch_job
 from llmc_py.bench.quality import bench_quality, lora_quality
 from llmc_py.bench.step import own_step_job, random_frozen_base
-from llmc_py.bench.tables import print_lora
+from llmc_py.bench.tables import print_lora, print_moe
 from llmc_py.io.files import from_bf16
 
 
@@ -223,3 +224,45 @@ def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys, monke
     assert [t[8] for t in table if t[2] == "bf16"] == ["1.00"] * 4
     assert [t[9] for t in table if len(t) > 9] == [">=1.7", ">=2.6"] * 2
     assert all(t[1] == "1" for t in table if len(t) > 9)
+
+
+TINY_MIXTRAL = dict(vocab_size=64, padded_vocab_size=64, max_seq_len=16, channels=32,
+                    num_heads=2, num_kv_heads=2, tied_embeddings=False)
+
+
+def test_bench_moe_times_ours_and_transformers_each_in_its_own_process(capsys):
+    """--moe's rows at a tiny size (not its times): our MoE and dense steps in
+    fp32 and bf16, transformers' Mixtral and its dense twin, decoding at
+    batch 1 and 8, and the ratios printed against the floors."""
+    args = argparse.Namespace(batch=(2, 8), layers=1, repeats=1, skip_torch=False, gen=(3, 2))
+    results = measure_moe(args, TINY_MIXTRAL)
+    steps = results["step"]
+    assert list(steps) == [f"llmc_py_{kind}_{precision}" for precision in ("fp32", "bf16")
+                           for kind in ("moe", "dense")] + [
+        f"transformers_{kind}_{precision}" for precision in ("fp32", "autocast_bf16")
+        for kind in ("moe", "dense")]
+    for t in steps.values():
+        assert 0 < t["min"] <= t["median"] <= t["max"]
+    assert steps["transformers_moe_fp32"]["architecture"] == "MixtralForCausalLM"
+    assert steps["transformers_dense_fp32"]["architecture"] == "LlamaForCausalLM"
+    assert list(results["decode"]) == [1, 8]
+    assert all(list(rows) == ["llmc_py_moe", "llmc_py_dense"]
+               for rows in results["decode"].values())
+    print_moe(args, dict(results, threads=2, isa="x", peak_rss_mib=1.0))
+    out = capsys.readouterr().out
+    for name in steps:
+        assert re.search(rf"^  {name} +[0-9.]+ ms", out, re.M)
+    for precision in ("fp32", "bf16"):
+        assert re.search(rf"{precision}: our MoE / our dense: [0-9.]+x the time \(ceiling 1.3x",
+                         out)
+    assert re.search(r"fp32: transformers MoE \(fp32\) / our MoE: [0-9.]+x the time "
+                     r"\(floor 2.0x", out)
+    assert re.search(r"bf16: transformers MoE \(autocast_bf16\) / our MoE: [0-9.]+x the "
+                     r"time \(floor 3.0x", out)
+    assert len(re.findall(r"^  batch [18] +llmc_py_(moe|dense) .* tok/s$", out, re.M)) == 4
+
+
+def test_bench_moe_defaults_to_the_issues_shapes():
+    args = parse(["--moe"])
+    assert args.batch == (4, 256) and args.layers == 4
+    assert parse(["--moe", "--batch", "2", "8", "--layers", "1"]).batch == [2, 8]

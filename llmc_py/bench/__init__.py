@@ -35,11 +35,17 @@
    one's peak RSS.
 8. with --lora-quality: LoRA against full fine-tuning of a d6 model on a
    held-out half of Shakespeare's plays; the val losses before and after.
+9. with --moe: a training step of a Llama-style model with 8 experts, top-2,
+   beside a dense model of the same active parameters (ours in fp32 and
+   bf16) and transformers' MixtralForCausalLM and its dense twin (float32,
+   autocast bf16); ms/step, the ratios against the floors; our two models'
+   greedy decoding at batch 1 and 8.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement, and our training step, runs in a process of its own.
 
 Modules: cli (flags, threads and instruction set, one mode), kernels (1-3),
-step (4 and 7, ours), pytorch (PyTorch's side of 1, 4, 5 and 7), generate
-(5), lora (7), quality (6 and 8), tables (the printed tables), timing (repeats, peak memory and
-the jobs run in processes of their own).
+step (4, 7 and 9, ours), pytorch (PyTorch's side of 1, 4, 5, 7 and 9),
+generate (5), lora (7), moe (9), quality (6 and 8), tables (the printed
+tables), timing (repeats, peak memory and the jobs run in processes of their
+own).
 """

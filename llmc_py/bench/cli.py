@@ -1,6 +1,7 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate (with --weights: decoding by weight type), --lora or --quality."""
+default), --generate (with --weights: decoding by weight type), --lora, --moe or
+--quality."""
 import argparse
 import json
 import os
@@ -17,10 +18,11 @@ from ..model import PRECISIONS
 from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
+from .moe import MOE_BATCH, MOE_LAYERS, measure_moe
 from .quality import bench_quality, lora_quality
 from .step import measure_steps
-from .tables import (print_generation, print_lora, print_lora_quality, print_quality,
-                     print_training, print_weights)
+from .tables import (print_generation, print_lora, print_lora_quality, print_moe,
+                     print_quality, print_training, print_weights)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -40,12 +42,12 @@ def build_parser():
                         "only at import)")
     p.add_argument("--batch", type=int, nargs=2, default=None, metavar=("B", "T"),
                    help="sequences and tokens per sequence of the kernels' shapes (B*T rows) "
-                        "and of the training step (default 4 64; --lora: 4 256; --generate "
-                        "ignores it: it runs batches of 1 and 4 at --gen's lengths, with "
-                        "--weights 1 and 8)")
+                        "and of the training step (default 4 64; --lora and --moe: 4 256; "
+                        "--generate ignores it: it runs batches of 1 and 4 at --gen's "
+                        "lengths, with --weights 1 and 8)")
     p.add_argument("--layers", type=int, default=None,
                    help="the model's layers (default: GPT-2 124M's 12; --lora: Qwen3-0.6B's "
-                        "28)")
+                        "28; --moe: 4)")
     p.add_argument("--skip-matmul", action="store_true",
                    help="skip the kernels (matmul, attention, memory-bound): time only the "
                         "training step")
@@ -79,7 +81,7 @@ def build_parser():
                         "run (a streaming read's GB/s over the bytes a step reads: weights + "
                         "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0)")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
-                   help="--generate: prompt tokens and new tokens")
+                   help="--generate and --moe's decoding: prompt tokens and new tokens")
     p.add_argument("--lora", action="store_true",
                    help="instead: a LoRA training step (rank 16, alpha 32, on q, k, v, o, "
                         "gate, up and down) of a Qwen3-0.6B-shaped model of random weights, "
@@ -87,6 +89,13 @@ def build_parser():
                         "the same model and transformers + peft (bf16 weights, autocast "
                         "bf16, the same adapters); each in a process of its own, with its "
                         "peak RSS")
+    p.add_argument("--moe", action="store_true",
+                   help="instead: a training step of a Llama-style model (C=512) with 8 "
+                        "experts of 1024, top-2, beside a dense SwiGLU of 2048 (the same "
+                        "active parameters) in fp32 and bf16, and beside transformers' "
+                        "MixtralForCausalLM and its dense twin (float32, autocast bf16; "
+                        "eager); each in a process of its own; then greedy decoding of our "
+                        "two models at batch 1 and 8")
     p.add_argument("--quality", type=int, default=0, metavar="STEPS",
                    help="instead: the default training run for STEPS steps (500 is the "
                         "default run) in fp32 and in bf16; their validation losses")
@@ -118,14 +127,15 @@ def parse(argv):
         parser.error("flags after -- go to --lora-quality's training runs")
     args.train_flags = train_flags
     modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
+                                   ("--moe", args.moe),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)}: one mode at a time")
     if args.batch is None:
-        args.batch = (4, 256) if args.lora else (4, 64)
+        args.batch = (4, 256) if args.lora else MOE_BATCH if args.moe else (4, 64)
     if args.layers is None:
-        args.layers = QWEN3_0_6B_LAYERS if args.lora else 12
+        args.layers = QWEN3_0_6B_LAYERS if args.lora else MOE_LAYERS if args.moe else 12
     check_flags(args, FLAG_RANGES)
     if args.weights and not args.generate:
         parser.error("--weights: give --generate too (it chooses the weights of decoding)")
@@ -185,6 +195,9 @@ def main(argv=None):
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}
         print_results = print_lora
+    elif args.moe:
+        results = dict(measure_moe(args), threads=get_num_threads(), isa=get_isa())
+        print_results = print_moe
     else:
         results, print_results = measure_training(args, isas, rng), print_training
     results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -2,15 +2,16 @@
 OpenMP runtimes in one process (ours and torch's) each leave worker threads
 spinning that slow the other, so torch_job runs each PyTorch configuration
 as ``python -m llmc_py.bench.pytorch JOB`` and reads the JSON it prints.
-JOB is a JSON object: {"kind": "matmul" | "step" | "generate" | "lora",
-"threads": N, ...the job's arguments}. A missing torch (or, for "lora",
-transformers or peft) prints {"missing": true}.
+JOB is a JSON object: {"kind": "matmul" | "step" | "generate" | "lora" |
+"hf_step", "threads": N, ...the job's arguments}. A missing torch (or, for
+"lora" and "hf_step", transformers or peft) prints {"missing": true}.
 
 The models of "step" and "generate" are GPT-2 on our initialisation
 (model.GPT2, seed 0), written as an nn.Module would run them: one leaf
 tensor per layer's weight, scaled_dot_product_attention, fused AdamW.
 "lora" is how people fine-tune with LoRA: transformers' model of the config
-(random init, made in bf16) with peft's adapters, under autocast.
+(random init, made in bf16) with peft's adapters, under autocast. "hf_step"
+trains transformers' own model of a config (Mixtral for --moe).
 """
 import json
 import sys
@@ -197,7 +198,43 @@ def lora(torch, config, B, T, repeats, rank, alpha, targets):
                 trained_parameters=sum(t.numel() for t in trained))
 
 
-JOBS = {"matmul": matmul, "step": step, "generate": generate, "lora": lora}
+def hf_step(torch, config, B, T, repeats, autocast=False):
+    """ms of one training step of transformers' model of LlamaConfig fields
+    ``config`` (io.hf.hf_config: MixtralForCausalLM with experts), random
+    init in float32, eager: forward in float32 or under
+    torch.autocast("cpu", bfloat16), the cross-entropy over all T targets
+    plus, with experts, router_aux_loss_coef times its load-balancing loss
+    (output_router_logits), backward, fused AdamW."""
+    try:
+        import transformers
+    except ImportError:
+        return {"missing": True}
+    from ..io.hf import hf_config
+    torch.manual_seed(0)
+    hf = transformers.AutoConfig.for_model(**hf_config(LlamaConfig(**config)))
+    model = transformers.AutoModelForCausalLM.from_config(hf)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    V = hf.vocab_size
+    tokens = torch.as_tensor(np.random.default_rng(0).integers(0, V, (B, T + 1)))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    balance = getattr(hf, "output_router_logits", False)
+
+    def train_step():
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(input_ids=x)
+        loss = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, V),
+                                                 y.reshape(-1))
+        if balance:
+            loss = loss + hf.router_aux_loss_coef * out.aux_loss
+        loss.backward()
+        opt.step()
+    return dict(timed(train_step, repeats), architecture=hf.architectures[0])
+
+
+JOBS = {"matmul": matmul, "step": step, "generate": generate, "lora": lora,
+        "hf_step": hf_step}
 
 
 def main(argv=None):

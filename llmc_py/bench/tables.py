@@ -125,6 +125,12 @@ def print_quality(args, results):
     print(f"bf16 - fp32: {bf16 - fp32:+.4f} ({(bf16 - fp32) / fp32 * 100:+.2f}%)")
 
 
+def _step_row(name, t, tokens, width):
+    """One training step's line: ms (median, min-max) and tokens/s."""
+    return (f"  {name:<{width}} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
+            f"{t['max'] * 1e3:.1f})  {tokens / t['median']:7.0f} tok/s")
+
+
 def print_lora(args, results):
     """The three steps (ours with LoRA, ours fully fine-tuned, peft's), then
     LoRA's speed over each and peak memory beside peft's, against the floors."""
@@ -140,9 +146,7 @@ def print_lora(args, results):
             print(f"  {name:<20} not installed")
             continue
         plan = f" (plan {t['planned_mib']:.0f})" if "planned_mib" in t else ""
-        print(f"  {name:<20} {t['median'] * 1e3:9.1f} ms  ({t['min'] * 1e3:.1f}-"
-              f"{t['max'] * 1e3:.1f})  {B * T / t['median']:7.0f} tok/s  "
-              f"{t['peak_rss_mib']:6.0f} MiB{plan}")
+        print(f"{_step_row(name, t, B * T, 20)}  {t['peak_rss_mib']:6.0f} MiB{plan}")
     ours = steps["llmc_py_lora"]
     for name, floor in FLOORS.items():
         if steps.get(name):
@@ -174,3 +178,38 @@ def print_lora_quality(args, results):
         loss, seconds = results[name]
         print(f"| {label} | {loss:.4f} | {math.exp(loss):.2f} | {seconds:.0f} |")
     print(f"(the base on its own plays' validation split: {results['base']:.4f})")
+
+
+def print_moe(args, results):
+    """The steps (ours MoE and dense in fp32 and bf16, transformers'), the
+    ratios against the floors, then decoding at batch 1 and 8."""
+    from .moe import DENSE_CEILING, DENSE_MLP, FLOORS, MOE_MLP
+    B, T = args.batch
+    steps = results["step"]
+    print(f"threads: {results['threads']}; kernels: {results['isa']}")
+    print(f"training step (forward_backward + AdamW), Llama-style, {args.layers} layers, "
+          f"B={B} T={T}: {MOE_MLP['num_experts']} experts of {MOE_MLP['expert_hidden']} "
+          f"top-{MOE_MLP['experts_per_token']} against a dense SwiGLU of "
+          f"{DENSE_MLP['ffn_hidden']} (median, min-max):")
+    for name, t in steps.items():
+        print(f"  {name:<32} not installed" if t is None else _step_row(name, t, B * T, 32))
+    for precision, theirs in (("fp32", "fp32"), ("bf16", "autocast_bf16")):
+        ours = steps[f"llmc_py_moe_{precision}"]["median"]
+        ratio = ours / steps[f"llmc_py_dense_{precision}"]["median"]
+        print(f"  {precision}: our MoE / our dense: {ratio:.2f}x the time (ceiling "
+              f"{DENSE_CEILING}x: {'met' if ratio <= DENSE_CEILING else 'NOT met'})")
+        if steps.get(f"transformers_moe_{theirs}"):
+            moe = steps[f"transformers_moe_{theirs}"]["median"]
+            ratio = moe / ours
+            print(f"  {precision}: transformers MoE ({theirs}) / our MoE: {ratio:.2f}x the "
+                  f"time (floor {FLOORS[precision]}x: "
+                  f"{'met' if ratio >= FLOORS[precision] else 'NOT met'}); its MoE / its "
+                  f"dense: {moe / steps[f'transformers_dense_{theirs}']['median']:.2f}x")
+    prompt_len, new_tokens = args.gen
+    print(f"greedy decoding, fp32, KV cache, {new_tokens} new tokens after {prompt_len} "
+          f"(median, min-max):")
+    for batch, rows in results["decode"].items():
+        for name, t in rows.items():
+            print(f"  batch {batch:<3} {name:<16} {t['median']:8.2f} s  ({t['min']:.2f}-"
+                  f"{t['max']:.2f})  {int(batch) * new_tokens / t['median']:8.1f} tok/s")
+    print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
