@@ -16,10 +16,10 @@ bench: build
 	$(PYTHON) -m llmc_py.bench
 
 # The tests of the C kernels: tests/test_<family>.py for each csrc/<family>.c
-# (moe.c's: tests/test_moe_kernels.py), the raw calls with bad arguments, and a
-# whole model step
+# (and quant.c's panel path in tests/test_quant_panels.py), the raw calls with
+# bad arguments, and a whole model step
 KERNEL_TESTS = $(wildcard $(patsubst csrc/%.c,tests/test_%.py,$(wildcard csrc/*.c))) \
-               tests/test_moe_kernels.py tests/test_errors.py tests/test_gpt2_step.py
+               tests/test_quant_panels.py tests/test_errors.py tests/test_gpt2_step.py
 ASAN_LIB = $(shell $(CC) -print-file-name=libasan.so)
 # the interpreter itself, not a wrapper script (which would run under ASan too)
 PYTHON_EXE = $(shell $(PYTHON) -c "import sys; print(sys.executable)")

@@ -17,7 +17,7 @@ from llmc_py import load_model
 from llmc_py.io.files import from_bf16, to_bf16
 from llmc_py.io.hf import hf_tensors
 from llmc_py.model.layout import FROZEN_BF16
-from test_hf import (COMMON, V, batch, check_export, check_greedy_generation,
+from test_hf import (COMMON, batch, check_export, check_greedy_generation,
                      check_logits_and_loss, rel_to_max)
 
 MODELS = {

@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 
-import model_reference as ref
 from helpers import assert_thread_invariant
 from llmc_py import Llama
 from llmc_py import train as train_mod

@@ -169,7 +169,7 @@ def print_lora_quality(args, results):
     print(f"{LORA_BASE_MODEL} trained {base_steps} steps on {plays['base']} plays, fine-tuned "
           f"{steps} steps on the other {plays['tune']}; val loss on the held-out plays' "
           f"validation split:")
-    print(f"| model | val loss (held-out plays) | perplexity | fine-tuning s |")
+    print("| model | val loss (held-out plays) | perplexity | fine-tuning s |")
     print("|---|---|---|---|")
     print(f"| base, before fine-tuning | {results['before']:.4f} | "
           f"{math.exp(results['before']):.2f} | - |")
