@@ -50,6 +50,7 @@ class _Array(NamedTuple):
     optional: bool      # None passes NULL
     default_none: bool
     tokens: tuple       # (the vocabulary's size letter, IGNORE_INDEX allowed) or ()
+    role: str           # an output's "written", "+=" or "updated"; "" for an input
 
 
 class _Scalar(NamedTuple):
@@ -94,8 +95,11 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
                     + (", allow_ignore=True)" if ignore else ")"))
     else:
         body.append(f"check({status}, {where})")
-    return _compile(namespace, name, params, body, c_functions if variants else c_functions[""],
-                    doc)
+    wrapper = _compile(namespace, name, params, body,
+                       c_functions if variants else c_functions[""], doc)
+    # what each array argument is to the kernel (the benchmark's profile counts its bytes)
+    wrapper.roles = {a.name: a.role for a in arrays.values()}
+    return wrapper
 
 
 def _parameters(arrays, given, scalars, args):
@@ -115,7 +119,8 @@ def _parse_array(match):
         raise ValueError(f"{name}: unknown or repeated qualifiers in {qualifiers.strip()!r}")
     return _Array(name, [d.strip() for d in dims.split(",")], bool(roles),
                   bool(default_none) or "or None" in qualifiers, bool(default_none),
-                  (tokens[0].split("<")[1], tokens[0].startswith("targets")) if tokens else ())
+                  (tokens[0].split("<")[1], tokens[0].startswith("targets")) if tokens else (),
+                  roles[0] if roles else "")
 
 
 def _parse_scalar(text):

@@ -1,7 +1,7 @@
 """``python -m llmc_py.bench``: the flags, the threads and instruction set
 every mode runs on, and one mode: the kernels and the training step (the
-default), --generate (with --weights: decoding by weight type), --lora, --moe or
---quality."""
+default), --profile (the step split into its kernel calls), --generate (with
+--weights: decoding by weight type), --lora, --moe or --quality."""
 import argparse
 import json
 import os
@@ -20,9 +20,10 @@ from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
 from .moe import MOE_BATCH, MOE_LAYERS, measure_moe
 from .quality import bench_quality, lora_quality
-from .step import measure_steps
+from .profile import PEAK_COPY_MIB, PEAK_GEMM
+from .step import measure_steps, own_step_job
 from .tables import (print_generation, print_lora, print_lora_quality, print_moe,
-                     print_quality, print_training, print_weights)
+                     print_profile, print_quality, print_training, print_weights)
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -69,9 +70,19 @@ def build_parser():
                    help="also time the step under torch.compile (its first step compiles, "
                         "which takes minutes; untimed)")
     p.add_argument("--recompute", action="store_true",
-                   help="also time the step with recompute on (model.recompute)")
+                   help="also time the step with recompute on (model.recompute); with "
+                        "--profile: profile the step with recompute on")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: our training step (GPT-2, --layers, --batch, --precision, "
+                        "in a process of its own) split into its kernel calls: per phase "
+                        "(forward, backward, update) and row (a matmul's weight and product, "
+                        "any other kernel's name) its calls, ms, share of the step and "
+                        "GFLOP/s or GB/s beside this machine's peaks measured in the same run "
+                        "(our GEMM on 2048^3, a numpy copy of 256 MiB); the time between the "
+                        "kernels; then every GEMM call of the step replayed alone, and the "
+                        "step over their sum")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,
@@ -126,7 +137,8 @@ def parse(argv):
     if train_flags and not args.lora_quality:
         parser.error("flags after -- go to --lora-quality's training runs")
     args.train_flags = train_flags
-    modes = [flag for flag, on in (("--generate", args.generate), ("--lora", args.lora),
+    modes = [flag for flag, on in (("--profile", args.profile),
+                                   ("--generate", args.generate), ("--lora", args.lora),
                                    ("--moe", args.moe),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
@@ -192,6 +204,11 @@ def main(argv=None):
         results, print_results = measure_weights(args, rng), print_weights
     elif args.generate:
         results, print_results = measure_generation(args, rng), print_generation
+    elif args.profile:
+        B, T = args.batch
+        results = own_step_job(args.layers, B, T, args.repeats, args.precision, args.recompute,
+                               profile=dict(peak_gemm=PEAK_GEMM, peak_copy_mib=PEAK_COPY_MIB))
+        print_results = print_profile
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}
         print_results = print_lora

@@ -6,9 +6,10 @@ as ``python -m llmc_py.bench.step JOB``, JOB a JSON object {"layers", "B",
 "T", "repeats", "precision", "recompute", "isa", "threads", "config"
 (GPT2Config fields besides num_layers; with "arch": "llama", LlamaConfig
 fields), "lora" (None, or add_lora's arguments: then a LoRA step on a
-frozen bf16 base of random weights)}; prints the timing as JSON, with
-"peak_rss_mib" and "planned_mib" (the model's own memory plan of the step,
-model.memory_plan).
+frozen bf16 base of random weights), "profile" (None, or profile_step's
+keyword arguments: then the step's profile instead, profile.py)}; prints
+the timing as JSON, with "peak_rss_mib" and "planned_mib" (the model's own
+memory plan of the step, model.memory_plan).
 """
 import functools
 import json
@@ -22,6 +23,7 @@ from ..io.files import to_bf16
 from ..model.presets import preset_for
 from ..model.transformer import NORM_WEIGHTS
 from ..model.memory import return_freed_scratch
+from .profile import profile_step
 from .pytorch import torch_job
 from .timing import peak_rss_mib, run_job, timed
 
@@ -48,18 +50,18 @@ def random_frozen_base(config, seed=0):
     return model
 
 
-def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False, lora=None):
-    """Times forward_backward + AdamW of a fresh model of ``config`` (GPT-2
-    initialisation), or with ``lora`` (add_lora's keyword arguments) of the
-    adapters on a frozen bf16 base of random weights, as the trainer runs
-    LoRA; with the model's memory plan of the step in MiB ("planned_mib")."""
+def step_setup(config, B, T, rng, precision="fp32", recompute=False, lora=None):
+    """(model, step) of bench_step: a fresh model of ``config`` (GPT-2
+    initialisation), or with ``lora`` (add_lora's keyword arguments) the
+    adapters on a frozen bf16 base of random weights, and step(), which runs
+    zero_grad, forward_backward on random tokens and AdamW as the trainer
+    does and returns the loss."""
     if lora is None:
         model = preset_for(config)(config, seed=0, precision=precision)
     else:
         model = random_frozen_base(config)
         model.add_lora(**lora)
     model.recompute = recompute
-    planned = sum(model.memory_plan(B, T, training=True).values()) / 2**20
     tokens = rng.integers(0, config.vocab_size, size=(B, T + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     state = {"t": 0}
@@ -67,22 +69,31 @@ def bench_step(config, B, T, repeats, rng, precision="fp32", recompute=False, lo
     def step():
         state["t"] += 1
         model.zero_grad()
-        model.forward_backward(x, y)
+        loss = model.forward_backward(x, y)
         model.update(1e-4, 0.9, 0.999, 1e-8, 0.0, state["t"])
+        return loss
+    return model, step
+
+
+def bench_step(model, step, B, T, repeats):
+    """Times ``step`` (step_setup's), with the model's memory plan of the
+    step in MiB ("planned_mib")."""
+    planned = sum(model.memory_plan(B, T, training=True).values()) / 2**20
     return dict(timed(step, repeats), planned_mib=planned)
 
 
 def own_step_job(layers, B, T, repeats, precision="fp32", recompute=False, threads=None,
-                 config=None, arch="gpt2", lora=None):
+                 config=None, arch="gpt2", lora=None, profile=None):
     """bench_step in a fresh interpreter, on this process's instruction set
     and thread count unless ``threads`` is given: its timing, peak RSS and
     memory plan. ``config``: the fields other than num_layers of a
     GPT2Config (default: GPT-2 124M's) or with ``arch`` "llama" a
-    LlamaConfig; ``lora``: bench_step's."""
+    LlamaConfig; ``lora``: step_setup's. ``profile`` (profile_step's
+    keyword arguments, e.g. {}): the step's profile instead (profile.py)."""
     job = dict(layers=layers, B=B, T=T, repeats=repeats, precision=precision,
                recompute=recompute, isa=get_isa(),
                threads=get_num_threads() if threads is None else threads, config=config or {},
-               arch=arch, lora=lora)
+               arch=arch, lora=lora, profile=profile)
     return run_job("llmc_py.bench.step", job, "llmc_py step")
 
 
@@ -123,9 +134,14 @@ def main(argv=None):
     set_num_threads(job["threads"])
     set_isa(job["isa"])
     config = CONFIGS[job["arch"]](**dict(job["config"], num_layers=job["layers"]))
-    result = bench_step(config, job["B"], job["T"], job["repeats"], np.random.default_rng(0),
-                        job["precision"], job["recompute"], job["lora"])
-    result["peak_rss_mib"] = peak_rss_mib()
+    B, T = job["B"], job["T"]
+    model, step = step_setup(config, B, T, np.random.default_rng(0), job["precision"],
+                             job["recompute"], job["lora"])
+    if job.get("profile") is None:
+        result = bench_step(model, step, B, T, job["repeats"])
+        result["peak_rss_mib"] = peak_rss_mib()
+    else:
+        result = profile_step(model, step, job["repeats"], **job["profile"])
     print(json.dumps(result))
     return 0
 

@@ -213,3 +213,59 @@ def print_moe(args, results):
             print(f"  batch {batch:<3} {name:<16} {t['median']:8.2f} s  ({t['min']:.2f}-"
                   f"{t['max']:.2f})  {int(batch) * new_tokens / t['median']:8.1f} tok/s")
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
+
+
+def print_profile(args, results):
+    """The profiled step's rows by phase (each with its rate beside the
+    peak), the time between the kernels, then every GEMM call of the step
+    replayed alone and the step over their sum."""
+    from .profile import ZERO_GRAD
+    p = results
+    peaks = p["peaks"]
+    plain = p["unprofiled_ms"]
+    print(f"threads: {p['threads']}; kernels: {p['isa']}, {p['precision']}; training step "
+          f"(zero_grad, forward_backward, AdamW), GPT-2 {p['layers']} layers, B={p['B']} "
+          f"T={p['T']}; {p['repeats']} profiled steps, medians")
+    print(f"peaks in this run: our GEMM {peaks['gemm_n']}^3 ({peaks['gemm']}) "
+          f"{peaks['gemm_gflops']:.1f} GFLOP/s; a numpy copy of {peaks['copy_mib']} MiB (one "
+          f"thread) {peaks['copy_gbps']:.1f} GB/s (bytes read + written)")
+    print(f"step: {p['step_ms']:.1f} ms profiled, {plain['median']:.1f} ms unprofiled "
+          f"({plain['min']:.1f}-{plain['max']:.1f}); the kernels {p['kernels_ms']:.1f} ms "
+          f"({p['kernels_ms'] / p['step_ms']:.1%})")
+    print(f"{'phase':<9}{'row':<30}{'B*T x C x OC':>18}{'calls':>6}{'ms/step':>10}{'share':>8}"
+          f"{'rate':>18}{'of peak':>8}")
+    zero_grad = None
+    for r in p["rows"]:
+        if r["row"] == ZERO_GRAD:
+            zero_grad = r
+            continue
+        print(f"{r['phase']:<9}{r['row']:<30}{r['shape']:>18}{r['calls']:6d}{r['ms']:10.2f}"
+              f"{r['share']:8.1%}{r['rate']:10.1f} {r['unit']:<7}{r['of_peak']:8.2f}")
+    print(f"{'':<9}{'between the kernels':<54}{p['between_ms']:10.2f}"
+          f"{p['between_ms'] / p['step_ms']:8.1%}")
+    if zero_grad:
+        r = zero_grad
+        print(f"{'':<9}{'  of which ' + ZERO_GRAD:<54}{r['ms']:10.2f}{r['share']:8.1%}"
+              f"{r['rate']:10.1f} {r['unit']:<7}{r['of_peak']:8.2f}")
+    print("  rates: a GEMM's 2*M*N*K FLOP per product (a backward's dinp, dW and dbias timed "
+          "as calls of their own); attention's 2*hs FLOP per causal (query, key) pair and "
+          "product, 2 forward, 5 backward (the scores again, dP, dq, dk, dv); GB/s: each "
+          "array argument's bytes, twice for an output added into or updated")
+    print("  between the kernels: the step less its kernel calls: Python, numpy's zeroing of "
+          "the activation gradients (d.fch_act[...] = 0.0, ...), zero_grad's fill of the "
+          "gradient buffer, the loss's sum, allocation, and the profiler's timing of each "
+          "call (profiled - unprofiled is its cost)")
+    alone = p["matmuls_alone"]
+    print(f"\nmatmuls alone: each GEMM call of a step replayed on fresh arrays of its shapes "
+          f"and dtypes (median of {p['repeats']}), beside its time in the profiled step")
+    print(f"{'row':<20}{'kernel':<22}{'B*T x C x OC':>18}{'calls':>6}{'ms alone':>10}"
+          f"{'ms in step':>11}")
+    for r in alone["rows"]:
+        print(f"{r['row']:<20}{r['kernel']:<22}{r['shape']:>18}{r['calls']:6d}"
+              f"{r['alone_step_ms']:10.2f}{r['in_step_ms']:11.2f}")
+    ratio = alone["step_over_matmuls"]
+    print(f"step {plain['median']:.1f} ms (unprofiled) over its matmuls alone "
+          f"{alone['total_ms']:.1f} ms: {ratio:.2f}x (issue 32's floor: within 1.12x: "
+          f"{'met' if ratio <= 1.12 else 'NOT met'})")
+    print(f"peak RSS of the step's process (after the steps): {p['step_peak_rss_mib']:.0f} MiB "
+          f"(plan {p['planned_mib']:.0f})")

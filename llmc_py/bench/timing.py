@@ -10,10 +10,10 @@ import sys
 import time
 
 
-def timed(fn, repeats, warmup=1):
+def timed(fn, repeats, warmup=1, settle=0.2):
     # let other libraries' spinning worker threads (numpy's BLAS, torch's
-    # OpenMP) go idle first
-    time.sleep(0.2)
+    # OpenMP) go idle first, for ``settle`` seconds
+    time.sleep(settle)
     for _ in range(warmup):
         fn()
     times = []
