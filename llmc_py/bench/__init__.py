@@ -40,12 +40,17 @@
    bf16) and transformers' MixtralForCausalLM and its dense twin (float32,
    autocast bf16); ms/step, the ratios against the floors; our two models'
    greedy decoding at batch 1 and 8.
+10. with --profile: our training step (4) split into its kernel calls, each
+   with its phase, ms, share of the step and GFLOP/s or GB/s beside this
+   machine's peaks measured in the same run (our GEMM on a square problem, a
+   numpy copy); the time between the kernels; every GEMM call of the step
+   replayed alone, and the step over their sum.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement, and our training step, runs in a process of its own.
 
 Modules: cli (flags, threads and instruction set, one mode), kernels (1-3),
-step (4, 7 and 9, ours), pytorch (PyTorch's side of 1, 4, 5, 7 and 9),
-generate (5), lora (7), moe (9), quality (6 and 8), tables (the printed
-tables), timing (repeats, peak memory and the jobs run in processes of their
-own).
+step (4, 7, 9 and 10, ours), profile (10), pytorch (PyTorch's side of 1, 4,
+5, 7 and 9), generate (5), lora (7), moe (9), quality (6 and 8), tables (the
+printed tables), timing (repeats, peak memory and the jobs run in processes
+of their own).
 """

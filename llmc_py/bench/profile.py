@@ -55,12 +55,13 @@ _MISSING = object()
 
 
 class Call(NamedTuple):
-    """One timed call: its phase and row, kind ("gemm", "attention",
+    """One timed call: its phase, row and kernel, kind ("gemm", "attention",
     "memory"; "numpy" for zero_grad, not a kernel), seconds, its work (FLOP,
     or bytes for "memory" and "numpy"), its shape label and, for a GEMM
     product, its replay key (_replay_key)."""
     phase: str
     row: str
+    kernel: str
     kind: str
     seconds: float
     work: float
@@ -160,7 +161,7 @@ class Profiler:
             zero_grad()
             seconds = time.perf_counter() - start
             written = self.model.trained[1].memory.nbytes
-            self.calls.append(Call("step", ZERO_GRAD, "numpy", seconds, written))
+            self.calls.append(Call("step", ZERO_GRAD, "", "numpy", seconds, written))
         return timed_zero_grad
 
     def _timed_kernel(self, name, kernel):
@@ -187,15 +188,15 @@ class Profiler:
     def _classify(self, name, kernel, arguments, product, seconds):
         phase = "backward" if self.in_head and "backward" in name else self.phase
         if name in ATTENTION_PRODUCTS:
-            return Call(phase, name, "attention", seconds, _attention_flop(name, arguments))
+            return Call(phase, name, name, "attention", seconds, _attention_flop(name, arguments))
         if not product:
-            return Call(phase, name, "memory", seconds, _bytes(kernel, arguments))
+            return Call(phase, name, name, "memory", seconds, _bytes(kernel, arguments))
         site = self._site(arguments["weight"])
         if product == "dbias":   # a column sum of dout: reads neither inp nor weight
             moved = arguments["dout"].nbytes + 2 * arguments["dbias"].nbytes
-            return Call(phase, f"{site} dbias", "memory", seconds, moved)
+            return Call(phase, f"{site} dbias", name, "memory", seconds, moved)
         rows, C, OC = _gemm_dims(product, arguments)
-        return Call(phase, f"{site} {product}", "gemm", seconds, 2.0 * rows * C * OC,
+        return Call(phase, f"{site} {product}", name, "gemm", seconds, 2.0 * rows * C * OC,
                     f"{rows}x{C}x{OC}", (name, product, _replay_key(arguments)))
 
     def _site(self, weight):
@@ -348,7 +349,8 @@ def profile_rows(step_calls, step_seconds, peaks):
         rate = sum(c.work for c in calls) / ms / 1e6 if ms > 0 else 0.0
         peak = peaks["gemm_gflops"] if gemm_like else peaks["copy_gbps"]
         shapes = sorted({c.shape for c in calls}, key=len)
-        rows.append(dict(phase=key[0], row=key[1], kind=kind, calls=len(calls), ms=ms,
+        rows.append(dict(phase=key[0], row=key[1], kernel=calls[0].kernel, kind=kind,
+                         calls=len(calls), ms=ms,
                          share=ms / step_ms, rate=rate, unit="GFLOP/s" if gemm_like else "GB/s",
                          of_peak=rate / peak, shape=shapes[0] if len(shapes) == 1 else "various"))
     order = {phase: i for i, phase in enumerate(PHASES + ("step",))}

@@ -1,0 +1,198 @@
+"""bench --profile (llmc_py/bench/profile.py): every kernel call of a
+training step timed and attributed, results unchanged, the GEMM calls
+replayed alone; on tiny models, with no assertion on a time."""
+import functools
+import json
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from llmc_py import kernels as K
+from llmc_py.bench import cli
+from llmc_py.bench.profile import ZERO_GRAD, Profiler, profile_step
+from llmc_py.bench.step import CONFIGS, own_step_job, step_setup
+
+TINY = dict(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_heads=2, channels=32)
+LLAMA_TINY = dict(TINY, num_kv_heads=1, ffn_hidden=48)
+# the peaks' problems shrunk to a test's size
+SMALL_PEAKS = dict(peak_gemm=64, peak_copy_mib=1)
+B, T = 2, 8
+
+
+def tiny_step(arch="gpt2", layers=2, precision="fp32", recompute=False, lora=None):
+    config = CONFIGS[arch](**dict(TINY if arch == "gpt2" else LLAMA_TINY, num_layers=layers))
+    return step_setup(config, B, T, np.random.default_rng(0), precision, recompute, lora)
+
+
+def kernel_calls(profiler, step):
+    """(the profiler's Calls of one step, each kernel wrapper's invocations
+    in it as the interpreter saw them: every call, however it was reached)."""
+    seen = Counter()
+
+    def count(frame, event, arg):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith("<kernel "):
+            seen[name[len("<kernel "):-1]] += 1
+    profiler.take()
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return profiler.take(), seen
+
+
+CASES = {"gpt2 fp32": dict(), "gpt2 bf16": dict(precision="bf16"),
+         "gpt2 bf16 recompute": dict(precision="bf16", recompute=True),
+         "llama fp32": dict(arch="llama"),
+         "llama lora": dict(arch="llama", precision="bf16", lora=dict(rank=2, alpha=4))}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_profiler_times_every_kernel_call_and_changes_no_result(case):
+    plain_model, plain_step = tiny_step(**CASES[case])
+    model, step = tiny_step(**CASES[case])
+    plain_step()
+    step()   # both models one step in, so the profiled step is a later one too
+    with Profiler(model) as profiler:
+        calls, seen = kernel_calls(profiler, step)
+        loss = profiler.model.mean_loss
+    assert Counter(c.kernel for c in calls if c.kind != "numpy") == seen
+    assert [c.row for c in calls if c.kind == "numpy"] == [ZERO_GRAD]
+    assert plain_step() == loss
+    for group in ("params", "params_bf16"):
+        if getattr(model, group) is not None:
+            assert np.array_equal(getattr(model, group).memory,
+                                  getattr(plain_model, group).memory)
+    trained, plain_trained = model.trained, plain_model.trained
+    for ours, theirs in zip(trained + model.moments(), plain_trained + plain_model.moments()):
+        memory = getattr(ours, "memory", ours)
+        assert np.array_equal(memory, getattr(theirs, "memory", theirs))
+    # uninstalled: the model and the kernels module are as they were
+    assert model._matmul_forward is plain_model._matmul_forward
+    assert model._block.act_forward is plain_model._block.act_forward
+    assert "forward_backward" not in vars(model) and K.matmul_forward.__name__ == "matmul_forward"
+    assert "<kernel " in K.matmul_forward.__code__.co_filename
+
+
+def test_lora_adapters_products_are_rows_of_their_own():
+    model, step = tiny_step("llama", precision="bf16", lora=dict(rank=2, alpha=4))
+    with Profiler(model) as profiler:
+        step()
+        rows = Counter((c.phase, c.row) for c in profiler.take())
+    # the frozen base: no weight gradient; each adapted layer: its down and up products
+    assert ("backward", "qkv dinp") in rows and ("backward", "qkv dW") not in rows
+    for linear in ("qkv", "attproj", "fc", "fcproj"):
+        assert rows[("forward", f"lora {linear} fwd")] == 2   # x A^T, per layer
+        assert rows[("forward", f"lora {linear} dinp")] == 2  # h (scale B)^T added into out
+        assert rows[("backward", f"lora {linear} dW")] == 2 * 2   # dA and dB
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_profile_rows_count_gpt2s_kernel_calls(precision):
+    model, step = tiny_step(layers=2, precision=precision)
+    p = profile_step(model, step, 1, **SMALL_PEAKS)
+    calls = {(r["phase"], r["row"]): r["calls"] for r in p["rows"]}
+    L = 2
+    expected = {("forward", "encoder_forward"): 1, ("forward", "layernorm_forward"): 2 * L + 1,
+                ("forward", "attention_gqa_forward"): L, ("forward", "gelu_forward"): L,
+                ("forward", "residual_forward"): 2 * L,
+                ("forward", "softmax_crossentropy_forward"): 1,
+                ("backward", "softmax_crossentropy_backward"): 1,
+                ("backward", "layernorm_backward"): 2 * L + 1,
+                ("backward", "attention_gqa_backward"): L, ("backward", "gelu_backward"): L,
+                ("backward", "encoder_backward"): 1, ("update", "adamw_update"): 1,
+                ("step", ZERO_GRAD): 1,
+                ("forward", "head fwd"): 1, ("backward", "head dinp"): 1,
+                ("backward", "head dW"): 1}
+    for linear in ("qkv", "attproj", "fc", "fcproj"):
+        expected[("forward", f"{linear} fwd")] = L
+        for product in ("dinp", "dW", "dbias"):
+            expected[("backward", f"{linear} {product}")] = L
+    assert calls == expected
+    shapes = {r["row"]: r["shape"] for r in p["rows"] if r["kind"] == "gemm"}
+    BT, C = B * T, TINY["channels"]
+    assert shapes["fc fwd"] == f"{BT}x{C}x{4 * C}" and shapes["head dW"] == f"{BT}x{C}x64"
+    rates = {r["row"]: r["rate"] for r in p["rows"]}
+    assert all(r["rate"] > 0 and r["share"] >= 0 for r in p["rows"])
+    kernels = sum(r["ms"] for r in p["rows"] if r["kind"] != "numpy")
+    assert kernels == pytest.approx(p["kernels_ms"]) and kernels <= p["step_ms"]
+    assert p["between_ms"] >= 0 and rates
+    assert p["peaks"]["gemm"] == ("matmul_forward_bf16" if precision == "bf16"
+                                  else "matmul_forward")
+    assert p["peaks"]["gemm_gflops"] > 0 and p["peaks"]["copy_gbps"] > 0
+    # every GEMM row's calls and shapes replayed alone
+    alone = p["matmuls_alone"]
+    gemm_rows = Counter({(r["row"], r["shape"]): r["calls"] for r in p["rows"]
+                         if r["kind"] == "gemm"})
+    replayed = Counter()
+    for r in alone["rows"]:
+        replayed[(r["row"], r["shape"])] += r["calls"]
+        assert r["alone_ms"] > 0 and r["in_step_ms"] > 0
+    assert replayed == gemm_rows
+    assert alone["total_ms"] == pytest.approx(sum(r["alone_step_ms"] for r in alone["rows"]))
+    assert alone["step_over_matmuls"] == pytest.approx(p["unprofiled_ms"]["median"]
+                                                       / alone["total_ms"])
+
+
+def test_work_of_attention_gemms_and_memory_bound_calls():
+    """The FLOP and byte rules: 2*M*N*K per product, attention's causal
+    pairs, each array's bytes (twice for += and updated outputs)."""
+    model, step = tiny_step(layers=1)
+    with Profiler(model) as profiler:
+        step()
+        calls = {(c.phase, c.row): c for c in profiler.take()}
+    C, hs, NH = TINY["channels"], TINY["channels"] // 2, 2
+    assert calls[("forward", "fc fwd")].work == 2 * B * T * C * 4 * C
+    pairs = T * (T + 1) // 2
+    assert calls[("forward", "attention_gqa_forward")].work == 2 * 2 * hs * B * NH * pairs
+    assert calls[("backward", "attention_gqa_backward")].work == 5 * 2 * hs * B * NH * pairs
+    N = B * T * 4 * C * 4   # one float32 activation of the MLP, in bytes
+    assert calls[("forward", "gelu_forward")].work == 2 * N          # read inp, write out
+    assert calls[("backward", "gelu_backward")].work == 4 * N        # dinp +=, dout, inp
+    assert calls[("backward", "fc dbias")].work == N + 2 * 4 * C * 4  # dout, dbias +=
+    P = model.num_parameters * 4
+    assert calls[("update", "adamw_update")].work == 7 * P   # params, m, v updated; grads
+    assert K.gelu_backward.roles == {"dinp": "+=", "dout": "", "inp": ""}
+
+
+def test_profile_job_runs_a_llama_config_in_its_own_process():
+    p = own_step_job(1, B, T, 1, "bf16", config=LLAMA_TINY, arch="llama", profile=SMALL_PEAKS)
+    rows = {r["row"] for r in p["rows"]}
+    assert {"rmsnorm_forward", "rope_forward", "swiglu_forward", "swiglu_backward",
+            "fc fwd", "fc dW", "head dW"} <= rows
+    assert not any(r.endswith("dbias") for r in rows)   # Llama has no biases
+    assert p["peaks"]["gemm"] == "matmul_forward_bf16" and p["step_peak_rss_mib"] > 0
+
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """bench --profile's job on a tiny GPT-2 and small peaks."""
+    monkeypatch.setattr(cli, "own_step_job", functools.partial(own_step_job, config=TINY))
+    monkeypatch.setattr(cli, "PEAK_GEMM", SMALL_PEAKS["peak_gemm"])
+    monkeypatch.setattr(cli, "PEAK_COPY_MIB", SMALL_PEAKS["peak_copy_mib"])
+
+
+def test_bench_profile_flag_prints_json(tiny_cli, capsys):
+    cli.main(["--profile", "--layers", "1", "--batch", "2", "8", "--repeats", "1", "--json"])
+    p = json.loads(capsys.readouterr().out)
+    assert p["layers"] == 1 and (p["B"], p["T"]) == (2, 8) and p["precision"] == "fp32"
+    assert p["rows"] and p["matmuls_alone"]["rows"] and p["peak_rss_mib"] > 0
+
+
+def test_bench_profile_flag_prints_the_tables(tiny_cli, capsys):
+    cli.main(["--profile", "--layers", "1", "--batch", "2", "8", "--repeats", "1",
+              "--precision", "bf16", "--recompute"])
+    out = capsys.readouterr().out
+    for text in ("peaks in this run: our GEMM 64^3 (matmul_forward_bf16)", "between the kernels",
+                 f"of which {ZERO_GRAD}", "matmuls alone", "over its matmuls alone"):
+        assert text in out
+    assert "forward  qkv fwd" in out and "backward fc dW" in out and "update   adamw_update" in out
+
+
+def test_bench_profile_is_a_mode_of_its_own():
+    with pytest.raises(SystemExit):
+        cli.parse(["--profile", "--lora"])
+    assert cli.parse(["--profile"]).batch == (4, 64)
