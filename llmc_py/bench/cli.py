@@ -62,7 +62,8 @@ def build_parser():
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16: also the bf16 matmul products beside torch's bf16 matmul; the "
                         "step in bf16 mixed precision beside torch under autocast(bf16); with "
-                        "--generate, bf16 decoding beside fp32's and torch's bf16")
+                        "--generate, bf16 decoding beside fp32's and torch's bf16; with "
+                        "--profile, the step's precision")
     p.add_argument("--skip-torch", action="store_true",
                    help="leave PyTorch out: no torch matmul, step or generation beside ours "
                         "(they are also left out when torch is not installed)")
