@@ -50,18 +50,22 @@ CASES = {"gpt2 fp32": dict(), "gpt2 bf16": dict(precision="bf16"),
          "llama lora": dict(arch="llama", precision="bf16", lora=dict(rank=2, alpha=4))}
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_profiler_times_every_kernel_call_and_changes_no_result(case):
-    plain_model, plain_step = tiny_step(**CASES[case])
-    model, step = tiny_step(**CASES[case])
+def profiled_against_plain(**case):
+    """Two models of ``case`` (tiny_step's), one step each, then one more
+    step each: one profiled, one not; the profiled one's Calls, the kernel
+    invocations the interpreter saw (kernel_calls) and both models."""
+    plain_model, plain_step = tiny_step(**case)
+    model, step = tiny_step(**case)
     plain_step()
     step()   # both models one step in, so the profiled step is a later one too
     with Profiler(model) as profiler:
         calls, seen = kernel_calls(profiler, step)
-        loss = profiler.model.mean_loss
-    assert Counter(c.kernel for c in calls if c.kind != "numpy") == seen
-    assert [c.row for c in calls if c.kind == "numpy"] == [ZERO_GRAD]
-    assert plain_step() == loss
+    assert plain_step() == model.mean_loss
+    return calls, seen, model, plain_model
+
+
+def assert_same_results(model, plain_model):
+    """The two models' parameters, gradients and moments, bitwise."""
     for group in ("params", "params_bf16"):
         if getattr(model, group) is not None:
             assert np.array_equal(getattr(model, group).memory,
@@ -70,11 +74,27 @@ def test_profiler_times_every_kernel_call_and_changes_no_result(case):
     for ours, theirs in zip(trained + model.moments(), plain_trained + plain_model.moments()):
         memory = getattr(ours, "memory", ours)
         assert np.array_equal(memory, getattr(theirs, "memory", theirs))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_profiler_times_every_kernel_call_and_changes_no_result(case):
+    calls, seen, model, plain_model = profiled_against_plain(**CASES[case])
+    assert Counter(c.kernel for c in calls if c.kind != "numpy") == seen
+    assert [c.row for c in calls if c.kind == "numpy"] == [ZERO_GRAD]
+    assert_same_results(model, plain_model)
     # uninstalled: the model and the kernels module are as they were
     assert model._matmul_forward is plain_model._matmul_forward
     assert model._block.act_forward is plain_model._block.act_forward
     assert "forward_backward" not in vars(model) and K.matmul_forward.__name__ == "matmul_forward"
     assert "<kernel " in K.matmul_forward.__code__.co_filename
+
+
+def test_split_matmul_backward_changes_no_result_on_any_isa(isa):
+    """Each instruction set's matmul backward (bf16's off avx512bf16 too),
+    its products called apart (conftest's isa fixture)."""
+    for precision in ("fp32", "bf16"):
+        _, _, model, plain_model = profiled_against_plain(precision=precision, layers=1)
+        assert_same_results(model, plain_model)
 
 
 def test_lora_adapters_products_are_rows_of_their_own():
