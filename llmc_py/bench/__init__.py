@@ -42,8 +42,8 @@
    greedy decoding at batch 1 and 8.
 10. with --profile: our training step (4) split into its kernel calls, each
    with its phase, ms, share of the step and GFLOP/s or GB/s beside this
-   machine's peaks measured in the same run (our GEMM on a square problem, a
-   numpy copy); the time between the kernels; every GEMM call of the step
+   machine's peaks measured in the same run (our GEMM on a square problem,
+   streaming: our residual add over large arrays); the time between the kernels; every GEMM call of the step
    replayed alone, and the step over their sum.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement, and our training step, runs in a process of its own.

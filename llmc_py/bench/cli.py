@@ -81,8 +81,8 @@ def build_parser():
                         "(forward, backward, update) and row (a matmul's weight and product, "
                         "any other kernel's name) its calls, ms, share of the step and "
                         "GFLOP/s or GB/s beside this machine's peaks measured in the same run "
-                        "(our GEMM on 2048^3, a numpy copy of 256 MiB); the time between the "
-                        "kernels; then every GEMM call of the step replayed alone, and the "
+                        "(our GEMM on 2048^3, our residual add over 256 MiB arrays); the time "
+                        "between the kernels; then every GEMM call of the step replayed alone, and the "
                         "step over their sum")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
