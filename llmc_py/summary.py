@@ -2,7 +2,7 @@
 allocated, so any size works, Qwen3-8B or GPT-2 XL included):
 
     python -m llmc_py.summary MODEL_OR_CONFIG [-b B] [-t T] [--precision fp32|bf16]
-                              [--recompute] [--lora-rank R [--lora-targets q,k,...]]
+                              [--recompute [LEVEL]] [--lora-rank R [--lora-targets q,k,...]]
                               [--base-weights q8_0|q4_0]
     python -m llmc_py.summary MODEL_OR_CONFIG --tensors [--precision fp32|bf16]
 
@@ -41,6 +41,7 @@ from .model.kv_cache import kv_cache_floats
 from .model.layout import param_specs
 from .model.lora import adapter_parameters
 from .model.memory import format_bytes
+from .model.planning import RECOMPUTE_LEVELS
 from .model.presets import config_from_depth, describe
 from .model.transformer import PRECISIONS, memory_plan
 
@@ -242,8 +243,10 @@ def build_parser():
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="bf16 adds the bf16 copy of the weights (mixed precision); with "
                         "--tensors, the bytes are the bf16 copy's")
-    p.add_argument("--recompute", action="store_true",
-                   help="plan with recompute on (train's --recompute 1)")
+    p.add_argument("--recompute", type=int, nargs="?", const=1, default=0,
+                   choices=RECOMPUTE_LEVELS, metavar="LEVEL",
+                   help="plan with recompute at LEVEL (train's --recompute; 1 when no LEVEL "
+                        "is given)")
     p.add_argument("--lora-rank", type=int, default=0,
                    help="R > 0: the training step is a LoRA step of rank R on a frozen base")
     p.add_argument("--lora-targets", default=None,

@@ -1,7 +1,8 @@
 """The memory-lean ways of running the model give the plain way's results to
 the bit: forward_backward (the classifier a block of rows at a time, no
 (B, T, Vp) logits held), forward(..., keep_logits=False), and recompute
-(norm outputs and the MLP activation recomputed in backward), for GPT-2 and
+(norm outputs and the MLP activation recomputed in backward; at level 2 the
+MLP's input projection too), for GPT-2 and
 the Llama choices, in fp32 and bf16, over several AdamW steps.
 
 The plain way's exactness against PyTorch is tested in test_gpt2_step.py,
@@ -58,7 +59,7 @@ def lean_steps(model, batches):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [0, 1, 2])
 def test_forward_backward_equals_forward_then_backward(monkeypatch, name, precision, recompute):
     # blocks of 16 rows: B*T = 3*17 = 51 rows make three whole blocks and a partial one
     monkeypatch.setattr(transformer, "HEAD_ROWS", 16)
@@ -110,10 +111,15 @@ def test_recompute_switches_both_ways_and_replans():
     x, y = make_batch(BASE, 2, 11, seed=9)
     model.zero_grad()
     expected = model.forward_backward(x, y), model.grads.memory.copy()
-    for recompute in (True, False, True):
+    for recompute in (True, False, 2, 1, 0):
         model.recompute = recompute
         assert model.acts is None   # planned anew by the next forward
         model.zero_grad()
         assert model.forward_backward(x, y) == expected[0]
         assert np.array_equal(model.grads.memory, expected[1])
+        assert model.recompute == recompute
         assert model.acts.ln1.shape[0] == (1 if recompute else BASE.num_layers)
+        assert model.acts.fch.shape[0] == (1 if recompute == 2 else BASE.num_layers)
+    for bad in (3, -1, "full"):
+        with pytest.raises(ValueError, match="recompute"):
+            model.recompute = bad

@@ -115,6 +115,10 @@ def test_recompute_plans_less_and_changes_nothing_else():
     assert full["activations"] - lean["activations"] == 4 * BT * 6 * C * (L - 1)
     assert {k: v for k, v in full.items() if k != "activations"} == \
         {k: v for k, v in lean.items() if k != "activations"}
+    model.recompute = 2
+    leaner = model.memory_plan(8, 256, training=True)
+    # and the MLP's input projection (4 C) held for 1 layer
+    assert lean["activations"] - leaner["activations"] == 4 * BT * 4 * C * (L - 1)
 
 
 def test_a_model_too_large_for_memory():

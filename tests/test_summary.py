@@ -75,6 +75,10 @@ def test_memory_plan_with_recompute_is_the_models():
     from llmc_py.model.transformer import memory_plan
     assert memory_plan(model.config, 2, 9, recompute=True) == model.memory_plan(2, 9)
     assert memory_plan(model.config, 2, 9)["activations"] > model.memory_plan(2, 9)["activations"]
+    model.recompute = 2
+    assert memory_plan(model.config, 2, 9, recompute=2) == model.memory_plan(2, 9)
+    assert memory_plan(model.config, 2, 9, recompute=1)["activations"] > \
+        model.memory_plan(2, 9)["activations"]
 
 
 def test_qwen3_8b_config_without_allocating(tmp_path, capsys):

@@ -580,14 +580,14 @@ def test_sliding_window_and_rope_flags_reach_the_model_file(shards, tmp_path, ca
 
 
 def test_recompute_trains_the_same_run_and_may_change_on_resume(shards, tmp_path, capsys):
-    """--recompute 1 recomputes activations in backward: the same losses and
-    model to the bit; a resume may switch it, and says so."""
+    """--recompute 1 and 2 recompute activations in backward: the same losses
+    and model to the bit; a resume may switch it, and says so."""
     plain, lean = tmp_path / "plain", tmp_path / "lean"
     assert run(shards, plain, "-x", "4", "-n", "2", "-v", "2") == 0
-    assert run(shards, lean, "-x", "2", "-n", "2", "-v", "2", "--recompute", "1") == 0
-    assert run(shards, lean, "-x", "4", "-n", "2", "-v", "2", "--recompute", "0", "-y", "1") == 0
+    assert run(shards, lean, "-x", "2", "-n", "2", "-v", "2", "--recompute", "2") == 0
+    assert run(shards, lean, "-x", "4", "-n", "2", "-v", "2", "--recompute", "1", "-y", "1") == 0
     said = capsys.readouterr()
-    assert "recompute 1 -> 0" in said.out + said.err
+    assert "recompute 2 -> 1" in said.out + said.err
     assert train_losses(lean) == train_losses(plain)
     assert (lean / "model_00000004.bin").read_bytes() == \
         (plain / "model_00000004.bin").read_bytes()

@@ -14,7 +14,7 @@ from . import __doc__ as about
 from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, supported_isas
 from ..cli import command
 from ..flags import NON_NEGATIVE, POSITIVE, check_flags
-from ..model import PRECISIONS
+from ..model import PRECISIONS, RECOMPUTE_LEVELS
 from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
@@ -70,9 +70,11 @@ def build_parser():
     p.add_argument("--compile", action="store_true",
                    help="also time the step under torch.compile (its first step compiles, "
                         "which takes minutes; untimed)")
-    p.add_argument("--recompute", action="store_true",
-                   help="also time the step with recompute on (model.recompute); with "
-                        "--profile: profile the step with recompute on")
+    p.add_argument("--recompute", type=int, nargs="?", const=1, default=0,
+                   choices=RECOMPUTE_LEVELS[1:], metavar="LEVEL",
+                   help="also time the step with recompute at LEVEL (model.recompute; 1 when "
+                        "no LEVEL is given, 2 also recomputes the MLP's input projection); "
+                        "with --profile: profile the step with recompute at LEVEL")
     p.add_argument("--scaling", action="store_true",
                    help="also time the step on 1 thread, for the 1 -> N scaling")
     p.add_argument("--profile", action="store_true",
@@ -82,8 +84,8 @@ def build_parser():
                         "any other kernel's name) its calls, ms, share of the step and "
                         "GFLOP/s or GB/s beside this machine's peaks measured in the same run "
                         "(our GEMM on 2048^3, our residual add over 256 MiB arrays); the time "
-                        "between the kernels; then every GEMM call of the step replayed alone, and the "
-                        "step over their sum")
+                        "between the kernels; then every GEMM call of the step replayed alone, "
+                        "and the step over their sum")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,

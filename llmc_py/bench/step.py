@@ -108,11 +108,11 @@ def measure_steps(args):
     own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats)
     steps["llmc_py"] = own_step(args.precision)
     if args.recompute:
-        steps["llmc_py_recompute"] = own_step(args.precision, recompute=True)
+        steps["llmc_py_recompute"] = own_step(args.precision, recompute=args.recompute)
     if bf16:
         steps["llmc_py_fp32"] = own_step()
         if args.recompute:
-            steps["llmc_py_fp32_recompute"] = own_step(recompute=True)
+            steps["llmc_py_fp32_recompute"] = own_step(recompute=args.recompute)
     if not args.skip_torch:
         torch_step = functools.partial(torch_job, "step", layers=args.layers, B=B, T=T,
                                        repeats=args.repeats)

@@ -6,7 +6,8 @@ plan (planning.py) and the memory check every allocation passes
 (kv_cache.py, sampling.py)."""
 from .dropout import Dropout
 from .presets import GPT2, Llama, load_model
+from .planning import RECOMPUTE_LEVELS
 from .transformer import MATRIX_PARAMS, PRECISIONS, Transformer
 
 __all__ = ["Transformer", "GPT2", "Llama", "load_model", "MATRIX_PARAMS", "PRECISIONS",
-           "Dropout"]
+           "RECOMPUTE_LEVELS", "Dropout"]

@@ -20,7 +20,7 @@ gathered rows gathered again.
 What forward saves for backward is the block's ``saved``: every layer's norm
 outputs and MLP (or experts') activation (EveryLayer), or, with recompute,
 one layer's slot of each, which backward refills layer by layer (Recomputed); with
-``recompute_fch`` (a quantized base) the MLP's input projection fch too,
+``recompute_fch`` (recompute level 2, or a quantized base's 1) the MLP's input projection fch too,
 its largest activation, at the cost of running that matmul again."""
 import weakref
 

@@ -165,9 +165,10 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
     projections share one (B, T, C) buffer (proj), which backward never
     reads. With ``recompute`` the norm outputs (ln1, ln2) and the MLP
     activation (fch_act) are held for one layer at a time, and backward
-    recomputes them; ``recompute_fch`` (a quantized base's recompute) holds
-    the MLP's input projection (fch) for one layer too. ``logits=False`` leaves the (B, T, Vp) logits out (the
-    model holds them, or a block of their rows, apart).
+    recomputes them; ``recompute_fch`` (recompute level 2, or a quantized
+    base's 1) holds the MLP's input projection (fch) for one layer too.
+    ``logits=False`` leaves the (B, T, Vp) logits out (the model holds them,
+    or a block of their rows, apart).
 
     By the block (config.block): "pre" as above; "post": residual2 and
     residual3 hold the sums that ln1 and ln2 normalise, and ln2 is the

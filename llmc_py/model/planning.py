@@ -26,6 +26,18 @@ def head_rows(B, T, keep_logits):
     return B * T if keep_logits else min(HEAD_ROWS, B * T)
 
 
+# Transformer.recompute's levels: 0 keeps every activation, 1 recomputes the
+# norm outputs and the MLP activation, 2 also the MLP's input projection
+RECOMPUTE_LEVELS = (0, 1, 2)
+
+
+def recomputes_fch(recompute, base_weights=None):
+    """Whether recompute level ``recompute`` recomputes the MLP's input
+    projection (fch): at 2, and at 1 on a quantized base (its activations
+    are most of a QLoRA step's memory)."""
+    return recompute == 2 or bool(recompute and base_weights)
+
+
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
                 recompute=False, moment_params=None, adapter_params=0, frozen=False,
                 base_weights=None):
@@ -35,7 +47,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     AdamW's moments (of ``moment_params`` parameters, default all; fewer for
     a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
     (default: not when training) counts all (B, T, Vp) logits, else a block
-    of HEAD_ROWS rows of them; ``recompute`` as Transformer.recompute.
+    of HEAD_ROWS rows of them; ``recompute`` a level as Transformer.recompute
+    (False and True are 0 and 1).
     "scratch" is the kernels' temporary memory, estimated for this process's
     thread count and instruction set (see scratch_bytes). ``adapter_params``
     > 0: LoRA adapters of that many parameters (model.lora.adapter_parameters)
@@ -44,8 +57,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     alone ("parameters (bf16)"), the rest float32; training it needs
     adapters. ``base_weights`` "q8_0" or "q4_0": a quantized base
     (Transformer.quantize), its linear layers in those blocks, the embedding
-    and head in Q8_0 (quantized_parameters), the rest float32; with
-    ``recompute`` its MLP input projection (fch) is recomputed too. The
+    and head in Q8_0 (quantized_parameters), the rest float32 (recompute 1
+    then recomputes fch too, as 2 does). The
     activations are those a full step keeps: a LoRA step keeps the same
     (its adapters need the linear layers' inputs, as weight gradients
     would)."""
@@ -76,8 +89,9 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
             **adapters,
             "parameter gradients": f32 * trained if training else 0,
             "AdamW moments": 2 * f32 * moments if training else 0,
-            "activations": specs_bytes(act_specs(c, recompute=recompute, logits=False,
-                                                 recompute_fch=recompute and bool(base_weights)),
+            "activations": specs_bytes(act_specs(c, recompute=bool(recompute), logits=False,
+                                                 recompute_fch=recomputes_fch(recompute,
+                                                                              base_weights)),
                                        c, B, T),
             "logits": f32 * rows * c.Vp,
             "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,

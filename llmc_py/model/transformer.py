@@ -105,8 +105,8 @@ from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_specs, aligned_
                      aligned_zeros, checked_params, grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
 from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_input_dim, check_weights_type
-from .planning import (HEAD_ROWS, PRECISIONS, head_rows, memory_plan, require_missing,
-                       reusable)
+from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, head_rows, memory_plan,
+                       recomputes_fch, require_missing, reusable)
 
 INIT_STD = 0.02
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
@@ -163,6 +163,7 @@ class Transformer:
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
+        self._recompute = 0
         self._block = BLOCKS[config.block](self)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
@@ -410,25 +411,31 @@ class Transformer:
 
     @property
     def recompute(self):
-        """True: the norm outputs and the MLP activation are kept for one layer
-        only and backward recomputes them (less memory, the same results to
-        the bit, a little more time); False (default) keeps them all."""
-        return self._block.recompute
+        """0 (default; False) keeps every layer's activations; 1 (True): the
+        norm outputs and the MLP activation are kept for one layer only and
+        backward recomputes them; 2: the MLP's input projection (fch, its
+        largest activation) too, at the cost of running that matmul again in
+        backward. Less memory, the same results to the bit, a little more
+        time. A quantized base's 1 is 2."""
+        return self._recompute
 
     @recompute.setter
     def recompute(self, value):
         with self.exclusive("recompute"):
-            value = bool(value)
-            if value != self._block.recompute:
-                self._lay_out(value)
+            if value not in RECOMPUTE_LEVELS:   # False and True are 0 and 1
+                raise ValueError(f"recompute is {value!r}, expected one of {RECOMPUTE_LEVELS}")
+            level = int(value)
+            if level != self._recompute:
+                self._lay_out(level)
 
     def _lay_out(self, recompute):
-        """The block and activation layout for ``recompute``: a quantized
-        base's also recomputes fch (its activations are most of a QLoRA
-        step's memory); the next forward plans anew."""
-        fch = recompute and self.quantized is not None
-        self._block = BLOCKS[self.config.block](self, recompute=recompute, recompute_fch=fch)
-        self.act_specs = act_specs(self.config, recompute=recompute, logits=False,
+        """The block and activation layout for recompute level ``recompute``;
+        the next forward plans anew."""
+        self._recompute = recompute
+        fch = recomputes_fch(recompute, self.quantized)
+        self._block = BLOCKS[self.config.block](self, recompute=bool(recompute),
+                                                recompute_fch=fch)
+        self.act_specs = act_specs(self.config, recompute=bool(recompute), logits=False,
                                    recompute_fch=fch)
         self._drop_activations()
 
@@ -858,7 +865,7 @@ class Transformer:
         self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
         if self.recompute:
-            self._lay_out(True)
+            self._lay_out(self.recompute)
 
     def _quantized_tables(self):
         """The embedding and an untied head: whole tensors held at Q8_0."""

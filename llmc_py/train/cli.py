@@ -16,7 +16,7 @@ import time
 
 from ..cli import DefaultsHelpFormatter, command
 from ..config import MODEL_FLAGS
-from ..model import PRECISIONS
+from ..model import PRECISIONS, RECOMPUTE_LEVELS
 from ..model.dropout import RATES as DROPOUT_SITES
 from ..model.memory import return_freed_scratch
 from ..model.transformer import INIT_SCHEMES
@@ -127,9 +127,10 @@ def build_parser():
                                           "each residual branch's output")):
         a(f"--dropout-{site}", type=float, default=getattr(RunSpec, f"dropout_{site}"),
           help=f"dropout probability on {what} (default: --dropout's)")
-    a("--recompute", type=int, choices=(0, 1), default=RunSpec.recompute,
+    a("--recompute", type=int, choices=RECOMPUTE_LEVELS, default=RunSpec.recompute,
       help="1: keep the norm outputs and the MLP activation for one layer only and "
-           "recompute them in backward (less memory, the same results, a little slower)")
+           "recompute them in backward; 2: also the MLP's input projection, whose matmul "
+           "then runs again in backward (less memory, the same results, a little slower)")
     a("--threads", type=int, default=RunSpec.threads, help="kernel threads (0: OpenMP's default)")
     a("--init-scheme", choices=INIT_SCHEMES, default=RunSpec.init_scheme,
       help="a fresh model's weight matrices: gpt2 (normal, --init-std, residual projections "

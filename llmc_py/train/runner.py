@@ -253,7 +253,7 @@ class Run:
                 world.broadcast(self.model.params_bf16.memory)
             elif self.model.params_bf16 is not None:
                 self.model.refresh_bf16()
-        self.model.recompute = bool(spec.recompute)
+        self.model.recompute = spec.recompute
         return moments, extra
 
     def _add_lora(self):
