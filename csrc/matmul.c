@@ -54,6 +54,7 @@
 #include "common.h"
 #include "isa.h"
 #include "gemm.h"
+#include "scratch.h"
 
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
@@ -344,7 +345,8 @@ int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
         first_tile[g + 1] = first_tile[g] + tiles;
     }
     const size_t ap_floats = (size_t)max_mc * KC, bp_floats = (size_t)KC * NR;
-    float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
+    float* scratch = llmc_scratch_acquire(LLMC_SCRATCH_PANELS, (size_t)nthreads
+                                          * (ap_floats + bp_floats) * sizeof(float));
     if (scratch == NULL) {
         free(shape);
         free(first_tile);
@@ -371,7 +373,7 @@ int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
             gemm_tile(micro_kernel, job, ap, bp, m0, mc, n0, nc);
         }
     }
-    free(scratch);
+    llmc_scratch_done();
     free(shape);
     free(first_tile);
     return LLMC_OK;

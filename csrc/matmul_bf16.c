@@ -53,31 +53,32 @@
 #include "common.h"
 #include "isa.h"
 #include "gemm.h"
+#include "scratch.h"
 
-/* A float32 array holding bf16(x[i]) (rounded), or NULL if out of memory. */
-static float* rounded_copy(const float* x, int64_t n) {
-    float* out = malloc((size_t)n * sizeof(float));
-    if (out == NULL) { return NULL; }
+/* out[i] = bf16(x[i]) (rounded), as float32, for i < n. */
+static void round_into(float* out, const float* x, int64_t n) {
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(n, &i0, &i1);
         for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(llmc_bf16_round(x[i])); }
     }
-    return out;
 }
 
-/* x widened to a float32 array, or NULL if out of memory. */
-static float* widened_copy(const uint16_t* x, int64_t n) {
-    float* out = malloc((size_t)n * sizeof(float));
-    if (out == NULL) { return NULL; }
+/* out[i] = x[i] widened to float32 (exact), for i < n. */
+static void widen_into(float* out, const uint16_t* x, int64_t n) {
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(n, &i0, &i1);
         for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(x[i]); }
     }
-    return out;
+}
+
+/* The arena's slot (scratch.h) as `floats` floats, or NULL if out of memory
+   (also when their bytes would not fit a size_t). */
+static float* scratch_floats(int slot, size_t floats) {
+    return floats <= LLMC_MAX_COUNT ? llmc_scratch_acquire(slot, floats * sizeof(float)) : NULL;
 }
 
 /* matmul_backward's pointers: dout always; weight for dinp, inp for dweight. */
@@ -270,9 +271,10 @@ static void bf_gemm_run(const struct bf16_gemm* g, const struct bf_plan* plan, u
     bf_gemm_run_many(g, plan, first_tile, 1, plan->per_thread, scratch);
 }
 
-/* nthreads shares of `words` uint32s each, 64-byte aligned, or NULL. */
+/* nthreads shares of `words` uint32s each, 64-byte aligned (the arena's
+   panels), or NULL. */
 static uint32_t* bf_scratch(int nthreads, size_t words) {
-    return aligned_alloc(64, (size_t)nthreads * words * sizeof(uint32_t));
+    return llmc_scratch_acquire(LLMC_SCRATCH_PANELS, (size_t)nthreads * words * sizeof(uint32_t));
 }
 
 /* matmul_forward_bf16 on the dot-product path. */
@@ -281,7 +283,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
         const int kp = (C + 1) / 2;
-        uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
+        uint32_t* xp = llmc_scratch_acquire(LLMC_SCRATCH_COPIES, (size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
         bf_round_rows(xp, inp, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
@@ -291,7 +293,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
             const int o1 = OC - o0 < 16 ? OC : o0 + 16;
             bf_skinny(out, (size_t)OC, xp, weight, bias, (int)BT, C, o0, o1);
         }
-        free(xp);
+        llmc_scratch_done();
         return LLMC_OK;
     }
     const struct bf16_gemm g = {
@@ -305,7 +307,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     uint32_t* scratch = bf_scratch(nthreads, plan.per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
     bf_gemm_run(&g, &plan, scratch);
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 
@@ -332,7 +334,7 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const flo
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
     if (dinp != NULL) { bf_gemm_run(&gi, &pi, scratch); }
     if (dweight != NULL) { bf_gemm_run(&gw, &pw, scratch); }
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 /* llmc_gemm_bf16_many on the dot-product path: each job cut for its share
@@ -358,8 +360,10 @@ static int bf_gemm_many(const struct bf16_gemm* jobs, int count) {
         first_tile[g + 1] = first_tile[g] + (empty ? 0 : plans[g].m_blocks * plans[g].n_blocks);
     }
     uint32_t* scratch = bf_scratch(nthreads, words);
-    if (scratch != NULL) { bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch); }
-    free(scratch);
+    if (scratch != NULL) {
+        bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch);
+        llmc_scratch_done();
+    }
     free(plans);
     free(first_tile);
     return scratch != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
@@ -392,8 +396,9 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
     for (int g = 0; g < count; g++) {
         floats += ((size_t)jobs[g].M + (size_t)jobs[g].N) * (size_t)jobs[g].K;
     }
-    float* copies = malloc((floats > 0 ? floats : 1) * sizeof(float));
     struct llmc_gemm_f32_job* f32 = malloc((size_t)count * sizeof *f32);
+    float* copies = f32 != NULL ? scratch_floats(LLMC_SCRATCH_COPIES, floats > 0 ? floats : 1)
+                                : NULL;
     int status = LLMC_ERR_NOMEM;
     if (copies != NULL && f32 != NULL) {
         float* next = copies;
@@ -421,7 +426,7 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
         }
         status = llmc_gemm_f32_many(f32, count);
     }
-    free(copies);
+    if (copies != NULL) { llmc_scratch_done(); }
     free(f32);
     return status;
 }
@@ -446,14 +451,13 @@ int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
         return bf_forward(out, inp, weight, bias, BT, C, OC);
     }
 #endif
-    float* inp_rounded = rounded_copy(inp, BT * C);
-    float* weight_wide = widened_copy(weight, (int64_t)OC * C);
-    int status = LLMC_ERR_NOMEM;
-    if (inp_rounded != NULL && weight_wide != NULL) {
-        status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
-    }
-    free(inp_rounded);
-    free(weight_wide);
+    float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C + (size_t)OC * C);
+    LLMC_REQUIRE(inp_rounded != NULL, LLMC_ERR_NOMEM);
+    float* weight_wide = inp_rounded + (size_t)BT * C;
+    round_into(inp_rounded, inp, BT * C);
+    widen_into(weight_wide, weight, (int64_t)OC * C);
+    const int status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
+    llmc_scratch_done();
     return status;
 }
 
@@ -470,21 +474,22 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
 #endif
-    float* dout_rounded = dinp != NULL || dweight != NULL ? rounded_copy(dout, BT * OC) : NULL;
-    float* inp_rounded = dweight != NULL ? rounded_copy(inp, BT * C) : NULL;
-    float* weight_wide = dinp != NULL ? widened_copy(weight, (int64_t)OC * C) : NULL;
     int status = LLMC_OK;
-    if ((dinp != NULL || dweight != NULL) && dout_rounded == NULL) { status = LLMC_ERR_NOMEM; }
-    if ((dweight != NULL && inp_rounded == NULL) || (dinp != NULL && weight_wide == NULL)) {
-        status = LLMC_ERR_NOMEM;
-    }
-    if (status == LLMC_OK && (dinp != NULL || dweight != NULL)) {
+    if (dinp != NULL || dweight != NULL) {
+        // dout rounded, then inp rounded (dweight) and the weight widened (dinp)
+        const size_t n_dout = (size_t)BT * OC, n_inp = dweight != NULL ? (size_t)BT * C : 0;
+        const size_t n_weight = dinp != NULL ? (size_t)OC * C : 0;
+        float* dout_rounded = scratch_floats(LLMC_SCRATCH_COPIES, n_dout + n_inp + n_weight);
+        LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
+        float* inp_rounded = dweight != NULL ? dout_rounded + n_dout : NULL;
+        float* weight_wide = dinp != NULL ? dout_rounded + n_dout + n_inp : NULL;
+        round_into(dout_rounded, dout, (int64_t)n_dout);
+        if (inp_rounded != NULL) { round_into(inp_rounded, inp, (int64_t)n_inp); }
+        if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
         status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
                                  B, T, C, OC);
+        llmc_scratch_done();
     }
-    free(dout_rounded);
-    free(inp_rounded);
-    free(weight_wide);
     // dbias sums dout itself, unrounded, as the float32 layer does
     if (status == LLMC_OK && dbias != NULL) {
         status = llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
