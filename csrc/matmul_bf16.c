@@ -103,6 +103,9 @@ static int sizes_ok(int B, int T, int C, int OC) {
    ~1.3 bytes a cycle, so the block may live in L3; a larger block packs
    B for fewer tiles (3 MB measured 2-8% faster than 384 KB on dweight) */
 #define BF_A_BYTES (3 << 20)
+/* dweight's tiles pack a K block's B panels all at once (bf_tile's whole_b)
+   up to this size: GPT-2's 768 columns of up to 384 pairs, in L2 */
+#define BF_B_BYTES (768 * BF_KP * 4)
 /* the forward with B*T <= BF_SKINNY_MAX_ROWS takes the skinny kernel: on a
    GPT-2 124M decoding step (Zen 4, 2 threads) it beat the GEMM up to 11
    rows (by 15% at 9), tied at 12 and 13, and lost by 20-25% at 16, where
@@ -154,68 +157,102 @@ static void bf_choose_tiles(int M, int N, int K, int nthreads, int* MC, int* NC)
     }
 }
 
-/* One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
-   a_ready: ap already holds these rows' packed A (K is then one block). */
+/*
+ * One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
+ * a_ready: ap already holds these rows' packed A (K is then one block).
+ * Per K block the micro-kernel walks the tile's 8 x 48 tiles either
+ *   column panel by column panel, packing each B panel into bp on the way,
+ *   or (whole_b) row panel by row panel along all nc columns, after packing
+ *   every B panel of the block into bp: C then streams in whole rows, which
+ *   pays where C is read and written from memory on every call (dweight).
+ * Either way each element of C is one micro-kernel call per K block, in K
+ * order.
+ */
 LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* ap, uint32_t* bp,
-                                           int m0, int mc, int n0, int nc, int a_ready) {
+                                           int m0, int mc, int n0, int nc, int a_ready,
+                                           int whole_b) {
     static const float zeros[BF_NR];
     const struct bf_lines none = {0};
     const int Kp = (g->K + 1) / 2, kpb = bf_block_pairs(g->K);
-    // micro-kernel calls per panel, and per K block
-    const int64_t panel_calls = (mc + BF_MR - 1) / BF_MR;
-    const int64_t block_calls = (nc + BF_NR - 1) / BF_NR * panel_calls;
+    // micro-kernel calls per column panel, column panels, calls per K block
+    const int64_t row_panels = (mc + BF_MR - 1) / BF_MR, col_panels = (nc + BF_NR - 1) / BF_NR;
+    const int64_t block_calls = row_panels * col_panels;
     for (int p0 = 0; p0 < Kp; p0 += kpb) {
         const int kp = Kp - p0 < kpb ? Kp - p0 : kpb;
         if (!a_ready) { bf_pack_a(ap, g, m0, mc, p0, kp); }
+        if (whole_b) {
+            for (int64_t q = 0; q < col_panels; q++) {
+                const int j0 = n0 + (int)q * BF_NR;
+                bf_pack_b(bp + (size_t)q * kp * BF_NR, g, j0, n0 + nc - j0 < BF_NR ? n0 + nc - j0
+                                                                                    : BF_NR, p0, kp);
+            }
+        }
         // while this block is multiplied, the next block's A arrives (over
-        // the block's calls), the next panel's B (over the panel's calls:
-        // this block's next panel, else the next block's first) and each
+        // the block's calls), the next B panel's source (over a panel's
+        // calls: this block's next panel, else the next block's first; with
+        // whole_b, the next block's B over the block's calls) and each
         // call's next tile of C
         const int next_kp = Kp - (p0 + kp) < kpb ? Kp - (p0 + kp) : kpb;
         const struct bf_lines walk_a = next_kp > 0 ? bf_block_lines(g, m0, mc, p0 + kp, next_kp)
                                                    : none;
-        for (int j0 = n0; j0 < n0 + nc; j0 += BF_NR) {
+        struct bf_lines walk_b = whole_b && next_kp > 0
+                                 ? bf_panel_lines(g, n0, nc, p0 + kp, next_kp) : none;
+        for (int64_t call = 0; call < block_calls; call++) {
+            const int64_t iq = whole_b ? call / col_panels : call % row_panels;
+            const int64_t jq = whole_b ? call % col_panels : call / row_panels;
+            const int i0 = (int)iq * BF_MR, j0 = n0 + (int)jq * BF_NR;
+            const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
             const int nr = n0 + nc - j0 < BF_NR ? n0 + nc - j0 : BF_NR;
-            bf_pack_b(bp, g, j0, nr, p0, kp);
+            const uint32_t* b = whole_b ? bp + (size_t)jq * kp * BF_NR : bp;
+            struct bf_lines pf_b;
+            if (whole_b) {
+                pf_b = bf_lines_part(walk_b, walk_b.count * call / block_calls,
+                                     walk_b.count * (call + 1) / block_calls
+                                     - walk_b.count * call / block_calls);
+            } else {
+                if (iq == 0) {
+                    bf_pack_b(bp, g, j0, nr, p0, kp);
+                    const int next_j = j0 + BF_NR < n0 + nc;
+                    const int next_j0 = next_j ? j0 + BF_NR : n0;
+                    const int next_nr = n0 + nc - next_j0 < BF_NR ? n0 + nc - next_j0 : BF_NR;
+                    walk_b = next_j ? bf_panel_lines(g, next_j0, next_nr, p0, kp)
+                             : next_kp > 0 ? bf_panel_lines(g, next_j0, next_nr, p0 + kp, next_kp)
+                             : none;
+                }
+                pf_b = bf_lines_part(walk_b, walk_b.count * iq / row_panels,
+                                     walk_b.count * (iq + 1) / row_panels
+                                     - walk_b.count * iq / row_panels);
+            }
+            const struct bf_lines pf_a = bf_lines_part(
+                walk_a, walk_a.count * call / block_calls,
+                walk_a.count * (call + 1) / block_calls - walk_a.count * call / block_calls);
             // the first block starts from the bias (or 0) unless C accumulates
             const float* init = NULL;
             if (p0 == 0 && (g->init != NULL || g->init_zero)) {
                 init = g->init != NULL ? g->init + j0 : zeros;
             }
-            const int next_j = j0 + BF_NR < n0 + nc;
-            const int next_j0 = next_j ? j0 + BF_NR : n0;
-            const int next_nr = n0 + nc - next_j0 < BF_NR ? n0 + nc - next_j0 : BF_NR;
-            const struct bf_lines walk_b =
-                next_j ? bf_panel_lines(g, next_j0, next_nr, p0, kp)
-                : next_kp > 0 ? bf_panel_lines(g, next_j0, next_nr, p0 + kp, next_kp) : none;
-            for (int i0 = 0; i0 < mc; i0 += BF_MR) {
-                const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
-                float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
-                const int64_t call = i0 / BF_MR;
-                const int64_t call_a = (j0 - n0) / BF_NR * panel_calls + call;
-                const int64_t b0 = walk_b.count * call / panel_calls;
-                const int64_t b1 = walk_b.count * (call + 1) / panel_calls;
-                const int64_t a0 = walk_a.count * call_a / block_calls;
-                const int64_t a1 = walk_a.count * (call_a + 1) / block_calls;
-                const struct bf_lines pf_b = bf_lines_part(walk_b, b0, b1 - b0);
-                const struct bf_lines pf_a = bf_lines_part(walk_a, a0, a1 - a0);
-                if (mr < BF_MR || nr < BF_NR) {
-                    bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, bp, c, g->ldc, init,
-                                  pf_b, pf_a);
-                    continue;
-                }
-                const float* next_c = i0 + BF_MR < mc ? c + BF_MR * g->ldc
-                                      : next_j ? g->c + (size_t)m0 * g->ldc + j0 + BF_NR : NULL;
-                bf_micro(kp, ap + (size_t)i0 * kp, bp, c, g->ldc, init, pf_b, pf_a, next_c);
+            float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
+            if (mr < BF_MR || nr < BF_NR) {
+                bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a);
+                continue;
             }
+            const float* next_c = NULL;
+            if (call + 1 < block_calls) {
+                const int64_t next_i = whole_b ? (call + 1) / col_panels : (call + 1) % row_panels;
+                const int64_t next_j = whole_b ? (call + 1) % col_panels : (call + 1) / row_panels;
+                next_c = g->c + (size_t)(m0 + next_i * BF_MR) * g->ldc + n0 + next_j * BF_NR;
+            }
+            bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
         }
     }
 }
 
 /* How bf_gemm_run cuts a product: tiles of MC x NC, and each thread's
-   scratch (a packed A block, then one packed B panel). */
+   scratch (a packed A block, then one packed B panel, or with whole_b the
+   tile's B panels of a K block). */
 struct bf_plan {
     int MC, NC;
+    int whole_b;                   /* bf_tile's order: all B panels of a block first */
     int64_t m_blocks, n_blocks;
     size_t ap_words, per_thread;   /* uint32s; per_thread in 64-byte multiples */
 };
@@ -226,8 +263,11 @@ static struct bf_plan bf_plan_gemm(const struct bf16_gemm* g, int nthreads) {
     plan.m_blocks = bf_ceil_div(g->M, plan.MC);
     plan.n_blocks = bf_ceil_div(g->N, plan.NC);
     const size_t kpb = (size_t)bf_block_pairs(g->K);
+    const size_t b_words = (size_t)bf_ceil_div(plan.NC, BF_NR) * BF_NR * kpb;
+    plan.whole_b = g->a_kind == BF16_A_COLS && plan.MC > BF_MR
+                   && b_words * sizeof(uint32_t) <= BF_B_BYTES;
     plan.ap_words = (size_t)plan.MC * kpb;
-    plan.per_thread = (plan.ap_words + kpb * BF_NR + 15) / 16 * 16;
+    plan.per_thread = (plan.ap_words + (plan.whole_b ? b_words : kpb * BF_NR) + 15) / 16 * 16;
     return plan;
 }
 
@@ -259,7 +299,7 @@ static void bf_gemm_run_many(const struct bf16_gemm* gs, const struct bf_plan* p
             const int m0 = (int)mi * plan->MC, n0 = (int)(t % plan->n_blocks) * plan->NC;
             const int mc = job->M - m0 < plan->MC ? job->M - m0 : plan->MC;
             const int nc = job->N - n0 < plan->NC ? job->N - n0 : plan->NC;
-            bf_tile(job, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi);
+            bf_tile(job, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi, plan->whole_b);
             packed_rows = mi;
         }
     }
