@@ -63,6 +63,9 @@
                            at B*T = 2048 (fewer passes over each C tile)    */
 #define MC_MAX 480      /* rows of C per tile (a multiple of MR)            */
 #define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
+/* ... and where A is packed (dweight): every tile repacks its A block, so
+   wide tiles pack it once per row block at GPT-2's N (C or 4C) */
+#define NC_MAX_PACKED_A 3072
 /* matmul_forward with B*T <= SKINNY_MAX_ROWS takes the skinny kernel. With
    cold weights (as in decoding) it beat the GEMM 2-3x at 16 rows on every
    instruction set (Zen 4, 2 threads) and still 1.1-1.8x at 32 on AVX2 and
@@ -249,7 +252,8 @@ static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
  * place (MC covers a small M, so B is packed once), M when A is packed.
  */
 static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
-    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, pack_a ? NC_MAX_PACKED_A
+                                                                                : NC_MAX);
     int64_t* cut = pack_a ? &m_blocks : &n_blocks;
     const int64_t cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
     if (m_blocks * n_blocks < (int64_t)4 * nthreads) {
