@@ -127,3 +127,22 @@ def test_two_python_threads_take_turns(rng):
     for t in threads:
         t.join()
     assert not failures, failures[0]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_memory_plan_counts_the_arena(use_isa, isa):
+    """After bf16 training steps the arena holds no more than memory_plan's
+    scratch, on every instruction set: the widened paths keep their float32
+    copies in it too, largest at a GPT-2-sized head (its weight's copy
+    alone is 12 MiB here)."""
+    use_isa(isa)
+    config = llmc_py.GPT2Config(max_seq_len=64, vocab_size=50257, padded_vocab_size=50304,
+                                num_layers=1, num_heads=4, channels=64)
+    model = llmc_py.GPT2(config, seed=0, precision="bf16")
+    tokens = np.random.default_rng(0).integers(0, 50257, size=(3, 65))
+    llmc_py.release_scratch()
+    for _ in range(2):
+        model.zero_grad()
+        model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    held = llmc_py.scratch_bytes()
+    assert 0 < held <= model.memory_plan(3, 64, training=True)["scratch"]
