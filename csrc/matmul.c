@@ -63,8 +63,8 @@
                            at B*T = 2048 (fewer passes over each C tile)    */
 #define MC_MAX 480      /* rows of C per tile (a multiple of MR)            */
 #define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
-/* ... and where A is packed (dweight): every tile repacks its A block, so
-   wide tiles pack it once per row block at GPT-2's N (C or 4C) */
+/* ... and at most where A is packed (dweight), which choose_tiles cuts to
+   pack the fewest elements: up to GPT-2's 4C columns in one block */
 #define NC_MAX_PACKED_A 3072
 /* matmul_forward with B*T <= SKINNY_MAX_ROWS takes the skinny kernel. With
    cold weights (as in decoding) it beat the GEMM 2-3x at 16 rows on every
@@ -244,16 +244,16 @@ static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple 
 static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 /*
- * The tile shape (MC rows x NC columns) of an M x N product on nthreads
- * threads: blocks of (nearly) equal size, at least 4 tiles a thread, and
- * with few tiles a count the threads share evenly, since static scheduling
- * hands out whole tiles (15 tiles on 2 threads leave one idle for a
- * fifteenth of the time). The dimension cut finer is N when A is read in
- * place (MC covers a small M, so B is packed once), M when A is packed.
+ * A tile shape (MC rows x NC columns) of an M x N product on nthreads
+ * threads, from n_blocks column blocks: blocks of (nearly) equal size, at
+ * least 4 tiles a thread, and with few tiles a count the threads share
+ * evenly, since static scheduling hands out whole tiles (15 tiles on 2
+ * threads leave one idle for a fifteenth of the time). The dimension cut
+ * finer is N when A is read in place (MC covers a small M, so B is packed
+ * once), M when A is packed.
  */
-static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
-    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, pack_a ? NC_MAX_PACKED_A
-                                                                                : NC_MAX);
+static void cut_tiles(int M, int N, int pack_a, int nthreads, int64_t n_blocks, int* MC, int* NC) {
+    int64_t m_blocks = ceil_div(M, MC_MAX);
     int64_t* cut = pack_a ? &m_blocks : &n_blocks;
     const int64_t cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
     if (m_blocks * n_blocks < (int64_t)4 * nthreads) {
@@ -266,6 +266,24 @@ static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* N
         const int64_t tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
         if (tiles % nthreads == 0 || tiles >= (int64_t)32 * nthreads || *cut >= cut_max) { return; }
         (*cut)++;
+    }
+}
+
+/* The tile shape of an M x N product: cut_tiles' from NC_MAX wide column
+   blocks when A is read in place; when A is packed (every tile packs its
+   rows of A, and every tile its columns of B), the cut among the 16
+   coarsest column counts that packs the fewest elements, N per row block
+   plus M per column block. */
+static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
+    cut_tiles(M, N, pack_a, nthreads, ceil_div(N, NC_MAX), MC, NC);
+    if (!pack_a) { return; }
+    int64_t best = -1;
+    for (int64_t n_blocks = ceil_div(N, NC_MAX_PACKED_A), i = 0;
+         i < 16 && n_blocks <= ceil_div(N, NR); n_blocks++, i++) {
+        int mc, nc;
+        cut_tiles(M, N, pack_a, nthreads, n_blocks, &mc, &nc);
+        const int64_t packed = ceil_div(M, mc) * (int64_t)N + ceil_div(N, nc) * (int64_t)M;
+        if (best < 0 || packed < best) { best = packed; *MC = mc; *NC = nc; }
     }
 }
 
