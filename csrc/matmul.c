@@ -338,7 +338,7 @@ static void gemm_tile(micro_kernel_fn micro_kernel, const struct llmc_gemm_f32_j
  * covers all of a small M so that B is packed once per call, and NC is cut
  * for parallelism; with A packed, NC is wide so that the packing pays off,
  * and MC is cut instead. A batch of jobs shares the threads, so each job is
- * cut for its share of them.
+ * cut for its share of them. The packed blocks live in scratch.c's arena.
  */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
     if (count <= 0) { return LLMC_OK; }

@@ -16,7 +16,10 @@
  *                of C stays in 24 registers over a block; meanwhile the
  *                source of the next panel and K block is prefetched into L2,
  *                so that packing reads L2 rather than waiting on memory (the
- *                kernels are in matmul_bf16_micro.h).
+ *                kernels are in matmul_bf16_micro.h). dweight's tiles pack
+ *                all their B panels of a K block first and walk C in whole
+ *                rows, since its C is read and written on every call. The
+ *                packed panels live in scratch.c's arena, kept between calls.
  *   dot product, skinny
  *                the forward with B*T <= 12 rows (decoding): the GEMM would
  *                repack the whole weight per call for a few rows, so the
