@@ -44,6 +44,20 @@ int llmc_get_num_threads(void);
 /* Returns 1 if the library was built with OpenMP, else 0 (not a status). */
 int llmc_has_openmp(void);
 
+/* ---- scratch.c ---------------------------------------------------------- */
+
+/*
+ * The matmul kernels (float32, bf16, and the GEMMs of moe.c and quant.c)
+ * keep their scratch (packed panels, rounded or widened operand copies) in
+ * one arena from call to call, grown to the largest call's need, so that a
+ * training step allocates nothing per call. Kernels called from two threads
+ * at once take turns on it. llmc_scratch_release frees it (after any kernel
+ * using it returns); the next call grows it again.
+ */
+int llmc_scratch_release(void);
+/* Returns the bytes the arena holds now (not a status). */
+size_t llmc_scratch_bytes(void);
+
 /* ---- isa.c -------------------------------------------------------------- */
 
 /*

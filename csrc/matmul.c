@@ -54,6 +54,7 @@
 #include "common.h"
 #include "isa.h"
 #include "gemm.h"
+#include "scratch.h"
 
 #define MR 6            /* rows of C per micro-kernel call                  */
 #define NR 32           /* columns of C per micro-kernel call: 2 vectors    */
@@ -62,6 +63,9 @@
                            at B*T = 2048 (fewer passes over each C tile)    */
 #define MC_MAX 480      /* rows of C per tile (a multiple of MR)            */
 #define NC_MAX 256      /* columns of C per tile (a multiple of NR)         */
+/* ... and at most where A is packed (dweight), which choose_tiles cuts to
+   pack the fewest elements: up to GPT-2's 4C columns in one block */
+#define NC_MAX_PACKED_A 3072
 /* matmul_forward with B*T <= SKINNY_MAX_ROWS takes the skinny kernel. With
    cold weights (as in decoding) it beat the GEMM 2-3x at 16 rows on every
    instruction set (Zen 4, 2 threads) and still 1.1-1.8x at 32 on AVX2 and
@@ -240,15 +244,16 @@ static int round_up(int x, int multiple) { return (x + multiple - 1) / multiple 
 static int64_t ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
 /*
- * The tile shape (MC rows x NC columns) of an M x N product on nthreads
- * threads: blocks of (nearly) equal size, at least 4 tiles a thread, and
- * with few tiles a count the threads share evenly, since static scheduling
- * hands out whole tiles (15 tiles on 2 threads leave one idle for a
- * fifteenth of the time). The dimension cut finer is N when A is read in
- * place (MC covers a small M, so B is packed once), M when A is packed.
+ * A tile shape (MC rows x NC columns) of an M x N product on nthreads
+ * threads, from n_blocks column blocks: blocks of (nearly) equal size, at
+ * least 4 tiles a thread, and with few tiles a count the threads share
+ * evenly, since static scheduling hands out whole tiles (15 tiles on 2
+ * threads leave one idle for a fifteenth of the time). The dimension cut
+ * finer is N when A is read in place (MC covers a small M, so B is packed
+ * once), M when A is packed.
  */
-static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
-    int64_t m_blocks = ceil_div(M, MC_MAX), n_blocks = ceil_div(N, NC_MAX);
+static void cut_tiles(int M, int N, int pack_a, int nthreads, int64_t n_blocks, int* MC, int* NC) {
+    int64_t m_blocks = ceil_div(M, MC_MAX);
     int64_t* cut = pack_a ? &m_blocks : &n_blocks;
     const int64_t cut_max = pack_a ? ceil_div(M, MR) : ceil_div(N, NR);   // blocks of one panel
     if (m_blocks * n_blocks < (int64_t)4 * nthreads) {
@@ -261,6 +266,24 @@ static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* N
         const int64_t tiles = ceil_div(M, *MC) * ceil_div(N, *NC);
         if (tiles % nthreads == 0 || tiles >= (int64_t)32 * nthreads || *cut >= cut_max) { return; }
         (*cut)++;
+    }
+}
+
+/* The tile shape of an M x N product: cut_tiles' from NC_MAX wide column
+   blocks when A is read in place; when A is packed (every tile packs its
+   rows of A, and every tile its columns of B), the cut among the 16
+   coarsest column counts that packs the fewest elements, N per row block
+   plus M per column block. */
+static void choose_tiles(int M, int N, int pack_a, int nthreads, int* MC, int* NC) {
+    cut_tiles(M, N, pack_a, nthreads, ceil_div(N, NC_MAX), MC, NC);
+    if (!pack_a) { return; }
+    int64_t best = -1;
+    for (int64_t n_blocks = ceil_div(N, NC_MAX_PACKED_A), i = 0;
+         i < 16 && n_blocks <= ceil_div(N, NR); n_blocks++, i++) {
+        int mc, nc;
+        cut_tiles(M, N, pack_a, nthreads, n_blocks, &mc, &nc);
+        const int64_t packed = ceil_div(M, mc) * (int64_t)N + ceil_div(N, nc) * (int64_t)M;
+        if (best < 0 || packed < best) { best = packed; *MC = mc; *NC = nc; }
     }
 }
 
@@ -315,7 +338,7 @@ static void gemm_tile(micro_kernel_fn micro_kernel, const struct llmc_gemm_f32_j
  * covers all of a small M so that B is packed once per call, and NC is cut
  * for parallelism; with A packed, NC is wide so that the packing pays off,
  * and MC is cut instead. A batch of jobs shares the threads, so each job is
- * cut for its share of them.
+ * cut for its share of them. The packed blocks live in scratch.c's arena.
  */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
     if (count <= 0) { return LLMC_OK; }
@@ -344,7 +367,8 @@ int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
         first_tile[g + 1] = first_tile[g] + tiles;
     }
     const size_t ap_floats = (size_t)max_mc * KC, bp_floats = (size_t)KC * NR;
-    float* scratch = aligned_alloc(64, (size_t)nthreads * (ap_floats + bp_floats) * sizeof(float));
+    float* scratch = llmc_scratch_acquire(LLMC_SCRATCH_PANELS, (size_t)nthreads
+                                          * (ap_floats + bp_floats) * sizeof(float));
     if (scratch == NULL) {
         free(shape);
         free(first_tile);
@@ -371,7 +395,7 @@ int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
             gemm_tile(micro_kernel, job, ap, bp, m0, mc, n0, nc);
         }
     }
-    free(scratch);
+    llmc_scratch_done();
     free(shape);
     free(first_tile);
     return LLMC_OK;

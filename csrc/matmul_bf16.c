@@ -16,7 +16,10 @@
  *                of C stays in 24 registers over a block; meanwhile the
  *                source of the next panel and K block is prefetched into L2,
  *                so that packing reads L2 rather than waiting on memory (the
- *                kernels are in matmul_bf16_micro.h).
+ *                kernels are in matmul_bf16_micro.h). dweight's tiles pack
+ *                all their B panels of a K block first and walk C in whole
+ *                rows, since its C is read and written on every call. The
+ *                packed panels live in scratch.c's arena, kept between calls.
  *   dot product, skinny
  *                the forward with B*T <= 12 rows (decoding): the GEMM would
  *                repack the whole weight per call for a few rows, so the
@@ -53,31 +56,32 @@
 #include "common.h"
 #include "isa.h"
 #include "gemm.h"
+#include "scratch.h"
 
-/* A float32 array holding bf16(x[i]) (rounded), or NULL if out of memory. */
-static float* rounded_copy(const float* x, int64_t n) {
-    float* out = malloc((size_t)n * sizeof(float));
-    if (out == NULL) { return NULL; }
+/* out[i] = bf16(x[i]) (rounded), as float32, for i < n. */
+static void round_into(float* out, const float* x, int64_t n) {
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(n, &i0, &i1);
         for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(llmc_bf16_round(x[i])); }
     }
-    return out;
 }
 
-/* x widened to a float32 array, or NULL if out of memory. */
-static float* widened_copy(const uint16_t* x, int64_t n) {
-    float* out = malloc((size_t)n * sizeof(float));
-    if (out == NULL) { return NULL; }
+/* out[i] = x[i] widened to float32 (exact), for i < n. */
+static void widen_into(float* out, const uint16_t* x, int64_t n) {
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(n, &i0, &i1);
         for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(x[i]); }
     }
-    return out;
+}
+
+/* The arena's slot (scratch.h) as `floats` floats, or NULL if out of memory
+   (also when their bytes would not fit a size_t). */
+static float* scratch_floats(int slot, size_t floats) {
+    return floats <= LLMC_MAX_COUNT ? llmc_scratch_acquire(slot, floats * sizeof(float)) : NULL;
 }
 
 /* matmul_backward's pointers: dout always; weight for dinp, inp for dweight. */
@@ -102,6 +106,9 @@ static int sizes_ok(int B, int T, int C, int OC) {
    ~1.3 bytes a cycle, so the block may live in L3; a larger block packs
    B for fewer tiles (3 MB measured 2-8% faster than 384 KB on dweight) */
 #define BF_A_BYTES (3 << 20)
+/* dweight's tiles pack a K block's B panels all at once (bf_tile's whole_b)
+   up to this size: GPT-2's 768 columns of up to 384 pairs, in L2 */
+#define BF_B_BYTES (768 * BF_KP * 4)
 /* the forward with B*T <= BF_SKINNY_MAX_ROWS takes the skinny kernel: on a
    GPT-2 124M decoding step (Zen 4, 2 threads) it beat the GEMM up to 11
    rows (by 15% at 9), tied at 12 and 13, and lost by 20-25% at 16, where
@@ -153,68 +160,102 @@ static void bf_choose_tiles(int M, int N, int K, int nthreads, int* MC, int* NC)
     }
 }
 
-/* One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
-   a_ready: ap already holds these rows' packed A (K is then one block). */
+/*
+ * One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
+ * a_ready: ap already holds these rows' packed A (K is then one block).
+ * Per K block the micro-kernel walks the tile's 8 x 48 tiles either
+ *   column panel by column panel, packing each B panel into bp on the way,
+ *   or (whole_b) row panel by row panel along all nc columns, after packing
+ *   every B panel of the block into bp: C then streams in whole rows, which
+ *   pays where C is read and written from memory on every call (dweight).
+ * Either way each element of C is one micro-kernel call per K block, in K
+ * order.
+ */
 LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* ap, uint32_t* bp,
-                                           int m0, int mc, int n0, int nc, int a_ready) {
+                                           int m0, int mc, int n0, int nc, int a_ready,
+                                           int whole_b) {
     static const float zeros[BF_NR];
     const struct bf_lines none = {0};
     const int Kp = (g->K + 1) / 2, kpb = bf_block_pairs(g->K);
-    // micro-kernel calls per panel, and per K block
-    const int64_t panel_calls = (mc + BF_MR - 1) / BF_MR;
-    const int64_t block_calls = (nc + BF_NR - 1) / BF_NR * panel_calls;
+    // micro-kernel calls per column panel, column panels, calls per K block
+    const int64_t row_panels = (mc + BF_MR - 1) / BF_MR, col_panels = (nc + BF_NR - 1) / BF_NR;
+    const int64_t block_calls = row_panels * col_panels;
     for (int p0 = 0; p0 < Kp; p0 += kpb) {
         const int kp = Kp - p0 < kpb ? Kp - p0 : kpb;
         if (!a_ready) { bf_pack_a(ap, g, m0, mc, p0, kp); }
+        if (whole_b) {
+            for (int64_t q = 0; q < col_panels; q++) {
+                const int j0 = n0 + (int)q * BF_NR;
+                bf_pack_b(bp + (size_t)q * kp * BF_NR, g, j0, n0 + nc - j0 < BF_NR ? n0 + nc - j0
+                                                                                    : BF_NR, p0, kp);
+            }
+        }
         // while this block is multiplied, the next block's A arrives (over
-        // the block's calls), the next panel's B (over the panel's calls:
-        // this block's next panel, else the next block's first) and each
+        // the block's calls), the next B panel's source (over a panel's
+        // calls: this block's next panel, else the next block's first; with
+        // whole_b, the next block's B over the block's calls) and each
         // call's next tile of C
         const int next_kp = Kp - (p0 + kp) < kpb ? Kp - (p0 + kp) : kpb;
         const struct bf_lines walk_a = next_kp > 0 ? bf_block_lines(g, m0, mc, p0 + kp, next_kp)
                                                    : none;
-        for (int j0 = n0; j0 < n0 + nc; j0 += BF_NR) {
+        struct bf_lines walk_b = whole_b && next_kp > 0
+                                 ? bf_panel_lines(g, n0, nc, p0 + kp, next_kp) : none;
+        for (int64_t call = 0; call < block_calls; call++) {
+            const int64_t iq = whole_b ? call / col_panels : call % row_panels;
+            const int64_t jq = whole_b ? call % col_panels : call / row_panels;
+            const int i0 = (int)iq * BF_MR, j0 = n0 + (int)jq * BF_NR;
+            const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
             const int nr = n0 + nc - j0 < BF_NR ? n0 + nc - j0 : BF_NR;
-            bf_pack_b(bp, g, j0, nr, p0, kp);
+            const uint32_t* b = whole_b ? bp + (size_t)jq * kp * BF_NR : bp;
+            struct bf_lines pf_b;
+            if (whole_b) {
+                pf_b = bf_lines_part(walk_b, walk_b.count * call / block_calls,
+                                     walk_b.count * (call + 1) / block_calls
+                                     - walk_b.count * call / block_calls);
+            } else {
+                if (iq == 0) {
+                    bf_pack_b(bp, g, j0, nr, p0, kp);
+                    const int next_j = j0 + BF_NR < n0 + nc;
+                    const int next_j0 = next_j ? j0 + BF_NR : n0;
+                    const int next_nr = n0 + nc - next_j0 < BF_NR ? n0 + nc - next_j0 : BF_NR;
+                    walk_b = next_j ? bf_panel_lines(g, next_j0, next_nr, p0, kp)
+                             : next_kp > 0 ? bf_panel_lines(g, next_j0, next_nr, p0 + kp, next_kp)
+                             : none;
+                }
+                pf_b = bf_lines_part(walk_b, walk_b.count * iq / row_panels,
+                                     walk_b.count * (iq + 1) / row_panels
+                                     - walk_b.count * iq / row_panels);
+            }
+            const struct bf_lines pf_a = bf_lines_part(
+                walk_a, walk_a.count * call / block_calls,
+                walk_a.count * (call + 1) / block_calls - walk_a.count * call / block_calls);
             // the first block starts from the bias (or 0) unless C accumulates
             const float* init = NULL;
             if (p0 == 0 && (g->init != NULL || g->init_zero)) {
                 init = g->init != NULL ? g->init + j0 : zeros;
             }
-            const int next_j = j0 + BF_NR < n0 + nc;
-            const int next_j0 = next_j ? j0 + BF_NR : n0;
-            const int next_nr = n0 + nc - next_j0 < BF_NR ? n0 + nc - next_j0 : BF_NR;
-            const struct bf_lines walk_b =
-                next_j ? bf_panel_lines(g, next_j0, next_nr, p0, kp)
-                : next_kp > 0 ? bf_panel_lines(g, next_j0, next_nr, p0 + kp, next_kp) : none;
-            for (int i0 = 0; i0 < mc; i0 += BF_MR) {
-                const int mr = mc - i0 < BF_MR ? mc - i0 : BF_MR;
-                float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
-                const int64_t call = i0 / BF_MR;
-                const int64_t call_a = (j0 - n0) / BF_NR * panel_calls + call;
-                const int64_t b0 = walk_b.count * call / panel_calls;
-                const int64_t b1 = walk_b.count * (call + 1) / panel_calls;
-                const int64_t a0 = walk_a.count * call_a / block_calls;
-                const int64_t a1 = walk_a.count * (call_a + 1) / block_calls;
-                const struct bf_lines pf_b = bf_lines_part(walk_b, b0, b1 - b0);
-                const struct bf_lines pf_a = bf_lines_part(walk_a, a0, a1 - a0);
-                if (mr < BF_MR || nr < BF_NR) {
-                    bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, bp, c, g->ldc, init,
-                                  pf_b, pf_a);
-                    continue;
-                }
-                const float* next_c = i0 + BF_MR < mc ? c + BF_MR * g->ldc
-                                      : next_j ? g->c + (size_t)m0 * g->ldc + j0 + BF_NR : NULL;
-                bf_micro(kp, ap + (size_t)i0 * kp, bp, c, g->ldc, init, pf_b, pf_a, next_c);
+            float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
+            if (mr < BF_MR || nr < BF_NR) {
+                bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a);
+                continue;
             }
+            const float* next_c = NULL;
+            if (call + 1 < block_calls) {
+                const int64_t next_i = whole_b ? (call + 1) / col_panels : (call + 1) % row_panels;
+                const int64_t next_j = whole_b ? (call + 1) % col_panels : (call + 1) / row_panels;
+                next_c = g->c + (size_t)(m0 + next_i * BF_MR) * g->ldc + n0 + next_j * BF_NR;
+            }
+            bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
         }
     }
 }
 
 /* How bf_gemm_run cuts a product: tiles of MC x NC, and each thread's
-   scratch (a packed A block, then one packed B panel). */
+   scratch (a packed A block, then one packed B panel, or with whole_b the
+   tile's B panels of a K block). */
 struct bf_plan {
     int MC, NC;
+    int whole_b;                   /* bf_tile's order: all B panels of a block first */
     int64_t m_blocks, n_blocks;
     size_t ap_words, per_thread;   /* uint32s; per_thread in 64-byte multiples */
 };
@@ -225,8 +266,11 @@ static struct bf_plan bf_plan_gemm(const struct bf16_gemm* g, int nthreads) {
     plan.m_blocks = bf_ceil_div(g->M, plan.MC);
     plan.n_blocks = bf_ceil_div(g->N, plan.NC);
     const size_t kpb = (size_t)bf_block_pairs(g->K);
+    const size_t b_words = (size_t)bf_ceil_div(plan.NC, BF_NR) * BF_NR * kpb;
+    plan.whole_b = g->a_kind == BF16_A_COLS && plan.MC > BF_MR
+                   && b_words * sizeof(uint32_t) <= BF_B_BYTES;
     plan.ap_words = (size_t)plan.MC * kpb;
-    plan.per_thread = (plan.ap_words + kpb * BF_NR + 15) / 16 * 16;
+    plan.per_thread = (plan.ap_words + (plan.whole_b ? b_words : kpb * BF_NR) + 15) / 16 * 16;
     return plan;
 }
 
@@ -258,7 +302,7 @@ static void bf_gemm_run_many(const struct bf16_gemm* gs, const struct bf_plan* p
             const int m0 = (int)mi * plan->MC, n0 = (int)(t % plan->n_blocks) * plan->NC;
             const int mc = job->M - m0 < plan->MC ? job->M - m0 : plan->MC;
             const int nc = job->N - n0 < plan->NC ? job->N - n0 : plan->NC;
-            bf_tile(job, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi);
+            bf_tile(job, ap, bp, m0, mc, n0, nc, one_block && packed_rows == mi, plan->whole_b);
             packed_rows = mi;
         }
     }
@@ -270,9 +314,10 @@ static void bf_gemm_run(const struct bf16_gemm* g, const struct bf_plan* plan, u
     bf_gemm_run_many(g, plan, first_tile, 1, plan->per_thread, scratch);
 }
 
-/* nthreads shares of `words` uint32s each, 64-byte aligned, or NULL. */
+/* nthreads shares of `words` uint32s each, 64-byte aligned (the arena's
+   panels), or NULL. */
 static uint32_t* bf_scratch(int nthreads, size_t words) {
-    return aligned_alloc(64, (size_t)nthreads * words * sizeof(uint32_t));
+    return llmc_scratch_acquire(LLMC_SCRATCH_PANELS, (size_t)nthreads * words * sizeof(uint32_t));
 }
 
 /* matmul_forward_bf16 on the dot-product path. */
@@ -281,7 +326,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
         const int kp = (C + 1) / 2;
-        uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
+        uint32_t* xp = llmc_scratch_acquire(LLMC_SCRATCH_COPIES, (size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
         bf_round_rows(xp, inp, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
@@ -291,7 +336,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
             const int o1 = OC - o0 < 16 ? OC : o0 + 16;
             bf_skinny(out, (size_t)OC, xp, weight, bias, (int)BT, C, o0, o1);
         }
-        free(xp);
+        llmc_scratch_done();
         return LLMC_OK;
     }
     const struct bf16_gemm g = {
@@ -305,7 +350,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     uint32_t* scratch = bf_scratch(nthreads, plan.per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
     bf_gemm_run(&g, &plan, scratch);
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 
@@ -332,7 +377,7 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const flo
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
     if (dinp != NULL) { bf_gemm_run(&gi, &pi, scratch); }
     if (dweight != NULL) { bf_gemm_run(&gw, &pw, scratch); }
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 /* llmc_gemm_bf16_many on the dot-product path: each job cut for its share
@@ -358,8 +403,10 @@ static int bf_gemm_many(const struct bf16_gemm* jobs, int count) {
         first_tile[g + 1] = first_tile[g] + (empty ? 0 : plans[g].m_blocks * plans[g].n_blocks);
     }
     uint32_t* scratch = bf_scratch(nthreads, words);
-    if (scratch != NULL) { bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch); }
-    free(scratch);
+    if (scratch != NULL) {
+        bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch);
+        llmc_scratch_done();
+    }
     free(plans);
     free(first_tile);
     return scratch != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
@@ -392,8 +439,9 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
     for (int g = 0; g < count; g++) {
         floats += ((size_t)jobs[g].M + (size_t)jobs[g].N) * (size_t)jobs[g].K;
     }
-    float* copies = malloc((floats > 0 ? floats : 1) * sizeof(float));
     struct llmc_gemm_f32_job* f32 = malloc((size_t)count * sizeof *f32);
+    float* copies = f32 != NULL ? scratch_floats(LLMC_SCRATCH_COPIES, floats > 0 ? floats : 1)
+                                : NULL;
     int status = LLMC_ERR_NOMEM;
     if (copies != NULL && f32 != NULL) {
         float* next = copies;
@@ -421,7 +469,7 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
         }
         status = llmc_gemm_f32_many(f32, count);
     }
-    free(copies);
+    if (copies != NULL) { llmc_scratch_done(); }
     free(f32);
     return status;
 }
@@ -446,14 +494,13 @@ int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
         return bf_forward(out, inp, weight, bias, BT, C, OC);
     }
 #endif
-    float* inp_rounded = rounded_copy(inp, BT * C);
-    float* weight_wide = widened_copy(weight, (int64_t)OC * C);
-    int status = LLMC_ERR_NOMEM;
-    if (inp_rounded != NULL && weight_wide != NULL) {
-        status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
-    }
-    free(inp_rounded);
-    free(weight_wide);
+    float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C + (size_t)OC * C);
+    LLMC_REQUIRE(inp_rounded != NULL, LLMC_ERR_NOMEM);
+    float* weight_wide = inp_rounded + (size_t)BT * C;
+    round_into(inp_rounded, inp, BT * C);
+    widen_into(weight_wide, weight, (int64_t)OC * C);
+    const int status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
+    llmc_scratch_done();
     return status;
 }
 
@@ -470,21 +517,22 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
 #endif
-    float* dout_rounded = dinp != NULL || dweight != NULL ? rounded_copy(dout, BT * OC) : NULL;
-    float* inp_rounded = dweight != NULL ? rounded_copy(inp, BT * C) : NULL;
-    float* weight_wide = dinp != NULL ? widened_copy(weight, (int64_t)OC * C) : NULL;
     int status = LLMC_OK;
-    if ((dinp != NULL || dweight != NULL) && dout_rounded == NULL) { status = LLMC_ERR_NOMEM; }
-    if ((dweight != NULL && inp_rounded == NULL) || (dinp != NULL && weight_wide == NULL)) {
-        status = LLMC_ERR_NOMEM;
-    }
-    if (status == LLMC_OK && (dinp != NULL || dweight != NULL)) {
+    if (dinp != NULL || dweight != NULL) {
+        // dout rounded, then inp rounded (dweight) and the weight widened (dinp)
+        const size_t n_dout = (size_t)BT * OC, n_inp = dweight != NULL ? (size_t)BT * C : 0;
+        const size_t n_weight = dinp != NULL ? (size_t)OC * C : 0;
+        float* dout_rounded = scratch_floats(LLMC_SCRATCH_COPIES, n_dout + n_inp + n_weight);
+        LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
+        float* inp_rounded = dweight != NULL ? dout_rounded + n_dout : NULL;
+        float* weight_wide = dinp != NULL ? dout_rounded + n_dout + n_inp : NULL;
+        round_into(dout_rounded, dout, (int64_t)n_dout);
+        if (inp_rounded != NULL) { round_into(inp_rounded, inp, (int64_t)n_inp); }
+        if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
         status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
                                  B, T, C, OC);
+        llmc_scratch_done();
     }
-    free(dout_rounded);
-    free(inp_rounded);
-    free(weight_wide);
     // dbias sums dout itself, unrounded, as the float32 layer does
     if (status == LLMC_OK && dbias != NULL) {
         status = llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);

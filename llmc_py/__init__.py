@@ -14,8 +14,8 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from ._native import kernels
-from ._native.lib import (get_isa, get_num_threads, has_openmp, set_isa, set_num_threads,
-                          supported_isas)
+from ._native.lib import (get_isa, get_num_threads, has_openmp, release_scratch, scratch_bytes,
+                          set_isa, set_num_threads, supported_isas)
 from ._native.tokens import IGNORE_INDEX
 from .config import GPT2Config, LlamaConfig, TransformerConfig
 from .errors import (CheckpointError, ConcurrentUseError, DataError, InvalidValueError, LlmcError,
@@ -32,4 +32,5 @@ __all__ = [
     "NullPointerError", "UnsupportedError", "DataError", "TokenizerUnavailableError",
     "UsageError", "WriteError", "ConcurrentUseError", "InvalidValueError",
     "set_num_threads", "get_num_threads", "has_openmp", "set_isa", "get_isa", "supported_isas",
+    "release_scratch", "scratch_bytes",
 ]

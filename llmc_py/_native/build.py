@@ -31,6 +31,7 @@ CSRC = ROOT / "csrc"
 # explicit, never globbed, so scratch files are never compiled in
 SOURCES = [
     "status.c",
+    "scratch.c",
     "isa.c",
     "colsum.c",
     "encoder.c",
@@ -152,7 +153,7 @@ def make_builder():
         sources=[f"csrc/{name}" for name in SOURCES],
         include_dirs=["csrc"],
         depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h", "isa.h",
-                                                 "gemm.h", "matmul_micro.h", "matmul_skinny.h",
+                                                 "gemm.h", "scratch.h", "matmul_micro.h", "matmul_skinny.h",
                                                  "matmul_bf16_micro.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,

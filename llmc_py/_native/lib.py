@@ -86,6 +86,17 @@ def has_openmp():
     return bool(lib.llmc_has_openmp())
 
 
+def release_scratch():
+    """Frees the matmul kernels' scratch arena (kept between calls, grown to
+    the largest call's need); the next matmul grows it again."""
+    check(lib.llmc_scratch_release(), "release_scratch")
+
+
+def scratch_bytes():
+    """Bytes the matmul kernels' scratch arena holds now."""
+    return int(lib.llmc_scratch_bytes())
+
+
 # instruction sets of the kernels, by name, slowest first
 ISAS = {"portable": lib.LLMC_ISA_PORTABLE, "avx2": lib.LLMC_ISA_AVX2,
         "avx512": lib.LLMC_ISA_AVX512, "avx512bf16": lib.LLMC_ISA_AVX512BF16}

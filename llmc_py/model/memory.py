@@ -90,10 +90,12 @@ def return_freed_scratch(threshold=1 << 20):
     with memory of its own (mmap), given back to the system when freed.
 
     By default glibc raises that threshold after each large free (up to 32
-    MiB), after which the kernels' per-call scratch of a few MiB comes from
-    the heap and stays there, freed but resident: about 100 MiB of a bf16
-    training step's peak at GPT-2 124M, B=4, T=1024 (measured; no change in
-    speed). Process-wide, so the programs (train, bench) call it and a
+    MiB), after which per-call scratch of a few MiB comes from the heap and
+    stays there, freed but resident. The matmuls keep theirs in an arena
+    (llmc_py.release_scratch), so what remains is the other kernels' scratch
+    and numpy's temporaries: 6-10 MiB of the peak of a bf16 step of 2 GPT-2
+    124M layers at B=4, T=1024 (measured; 43 MiB before the arena; no change
+    in speed). Process-wide, so the programs (train, bench) call it and a
     library user may. Returns False where there is no glibc malloc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -19,6 +19,10 @@ HEAD_ROWS = 256
 # query rows of attention's backward blocks (its scratch: two such blocks of
 # T scores per thread)
 ATTENTION_BLOCK_ROWS = 64
+# the matmuls' scratch arena per thread, at most: the bf16 GEMM's packed A
+# block (3 MiB) and a dweight tile's B panels (768 columns x 384 k pairs);
+# the float32 GEMM's panels take less
+MATMUL_SCRATCH_PER_THREAD = (3 << 20) + 4 * 768 * 384
 
 
 def head_rows(B, T, keep_logits):
@@ -116,26 +120,29 @@ def quantized_parameters(config, qtype):
 
 def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
     """An upper estimate of the kernels' temporary memory at (B, T): per
-    thread, attention's panels and score blocks and a matmul's packed
-    blocks; where the bf16 matmul widens its operands to float32 (no
-    AVX512_BF16), those copies for its largest product; on a quantized
-    base, the panel path's bf16 tile and output part (and their widened
-    copies)."""
+    thread, attention's panels and score blocks and the matmuls' packed
+    panels (their arena, kept between calls: llmc_py.scratch_bytes); where
+    the bf16 matmul widens its operands to float32 (no AVX512_BF16), those
+    copies for its largest product (in the arena too); on a quantized base,
+    the panel path's bf16 tile and output part (and their widened copies)."""
     c, f32 = config, 4
     threads = get_num_threads()
     hs = c.head_size
     attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
-    matmul = 4 << 20
+    matmul = MATMUL_SCRATCH_PER_THREAD
     total = threads * (attention + matmul)
+    linears = ((c.qkv_channels, c.C), (c.C, c.attn_channels), (c.fc_channels, c.C),
+               (c.C, c.FF), (c.Vp, c.C))   # (OC, IC), the head last
     if precision == "bf16" and get_isa() != "avx512bf16":
-        rows = max(B * T, head_rows)
-        total += f32 * max(rows * (c.fc_channels + c.C), head_rows * (c.Vp + c.C),
-                           routed_rows(c, B, T) * (c.expert_fc_channels + c.C))
+        # a backward's copies at once: dout and inp (rows x (OC + IC)) and the
+        # weight (OC x IC); the experts' batch: each expert's rows and weight
+        rows = [B * T] * (len(linears) - 1) + [head_rows]
+        total += f32 * max(max(n * (OC + IC) + OC * IC for n, (OC, IC) in zip(rows, linears)),
+                           routed_rows(c, B, T) * (c.expert_fc_channels + c.C)
+                           + c.num_experts * c.expert_fc_channels * c.C)
     if base_weights is not None:
         widened = get_isa() != "avx512bf16"
-        total += max(panel_scratch_bytes(B * T, OC, IC, widened)
-                     for OC, IC in ((c.qkv_channels, c.C), (c.C, c.attn_channels),
-                                    (c.fc_channels, c.C), (c.C, c.FF), (c.Vp, c.C)))
+        total += max(panel_scratch_bytes(B * T, OC, IC, widened) for OC, IC in linears)
     return total
 
 
