@@ -18,8 +18,11 @@
  * Parallel over the (b, t) rows: a row reads and writes only its own
  * elements, so any thread count gives bitwise the same result. Within a row
  * the pair index runs in chunks of ROPE_CHUNK, with that chunk's cos and sin
- * on the stack, so no scratch allocation is needed whatever hs is. A row is
- * one call of its per-ISA function (isa.h).
+ * on the stack, so no scratch memory is needed whatever hs is. Without pos
+ * (training, evaluation) the B rows of a t share their angles, so their cos
+ * and sin are computed once per t into a [T, hs/2] table first (the same
+ * floats; if that memory cannot be had, each row computes its own). A row
+ * is one call of its per-ISA function (isa.h).
  *
  * KV-cache decoding turns one position per row at every layer: rope_table
  * computes the cos and sin of each position up to the cache's length once
@@ -144,6 +147,22 @@ LLMC_ISA_VARIANTS(rope_row, (float* yq, float* yk, float* yv, const float* x, in
 typedef void (*rope_row_fn)(float*, float*, float*, const float*, int64_t, const float*,
                             const float*, int, int, int, float, const double*, int, int);
 
+/* cos_table, sin_table [P, hs/2] = the angles' cos and sin at positions
+   0 .. P-1: rope_angles one chunk at a time, as rope_row_body calls it (the
+   same floats). */
+static void fill_table(float* cos_table, float* sin_table, const double* inv_freq, int64_t P,
+                       int hs, float theta) {
+    const int half = hs / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
+            const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+            const size_t at = (size_t)p * half + (size_t)i0;
+            rope_angles(cos_table + at, sin_table + at, p, i0, n, hs, (double)theta, inv_freq);
+        }
+    }
+}
+
 /* Both directions over all rows, in parallel. */
 static void rope_apply(float* out, const float* inp, const int* pos, const double* inv_freq,
                        int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
@@ -152,14 +171,26 @@ static void rope_apply(float* out, const float* inp, const int* pos, const doubl
     const int64_t BT = (int64_t)B * T;
     const rope_row_fn row_fn = LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
     const size_t k0 = (size_t)NH * hs, v0 = (size_t)(NH + NKV) * hs;   // in a packed row
+    const size_t half = (size_t)hs / 2;
+    // without pos, every row b turns its token t by the same angles: their
+    // cos and sin once per t, not once per (b, t) (if the table cannot be
+    // had, each row computes its own: the same floats either way)
+    float* table = NULL;
+    if (pos == NULL && B > 1) {
+        table = malloc(2 * (size_t)T * half * sizeof(float));
+        if (table != NULL) { fill_table(table, table + (size_t)T * half, inv_freq, T, hs, theta); }
+    }
 
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         const int64_t p = (pos != NULL ? (int64_t)pos[bt / T] : 0) + bt % T;
+        const float* tab_cos = table != NULL ? table + (size_t)p * half : NULL;
+        const float* tab_sin = table != NULL ? table + ((size_t)T + (size_t)p) * half : NULL;
         float* y = out + (size_t)bt * row;
-        row_fn(y, y + k0, y + v0, inp + (size_t)bt * row, p, NULL, NULL, NH, NKV, hs, theta,
-               inv_freq, interleaved, backward);
+        row_fn(y, y + k0, y + v0, inp + (size_t)bt * row, p, tab_cos, tab_sin, NH, NKV, hs,
+               theta, inv_freq, interleaved, backward);
     }
+    free(table);
 }
 
 int rope_forward(float* out, const float* inp, const int* pos, const double* inv_freq,
@@ -191,16 +222,7 @@ int rope_table(float* cos_table, float* sin_table, const double* inv_freq, int P
             LLMC_REQUIRE(inv_freq[i] > 0.0 && isfinite(inv_freq[i]), LLMC_ERR_VALUE);
         }
     }
-    const int half = hs / 2;
-    // rope_angles one chunk at a time, as rope_row_body calls it: the same floats
-    #pragma omp parallel for schedule(static)
-    for (int p = 0; p < P; p++) {
-        for (int i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
-            const int n = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
-            const size_t at = (size_t)p * half + (size_t)i0;
-            rope_angles(cos_table + at, sin_table + at, p, i0, n, hs, (double)theta, inv_freq);
-        }
-    }
+    fill_table(cos_table, sin_table, inv_freq, P, hs, theta);
     return LLMC_OK;
 }
 

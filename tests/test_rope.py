@@ -133,10 +133,24 @@ def test_rope_offset_continues_the_sequence(rng):
     assert np.array_equal(part, full[:, p:])
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
-def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs):
+def test_rope_angles_shared_by_rows_are_the_rows_own(rng, isa, B, T, NH, NKV, hs, interleaved):
+    """Without pos the rows share one table of each t's cos and sin; given
+    pos (here all 0) each row computes its own: the same bits."""
+    x, _ = make_inputs(rng, B, T, NH, NKV, hs)
+    zeros = np.zeros(B, np.int32)
+    for run in (forward, backward):
+        shared = run(x, None, NH, NKV, 500000.0, interleaved=interleaved)
+        own = run(x, zeros, NH, NKV, 500000.0, interleaved=interleaved)
+        assert np.array_equal(shared, own)
+
+
+@pytest.mark.parametrize("pos_kind", [None, "offset"])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
+def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs, pos_kind):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
-    pos = make_pos(rng, B, "offset")
+    pos = make_pos(rng, B, pos_kind)
     assert_thread_invariant(set_threads, lambda: dict(
         out=forward(x, pos, NH, NKV), dinp=backward(dout, pos, NH, NKV)))
 
