@@ -597,6 +597,37 @@ int rope_forward(float* out, const float* inp, const int* pos, const double* inv
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
                   int B, int T, int NH, int NKV, int hs, float theta, int interleaved);
 
+/*
+ * rope_table: the cos and sin rope_forward turns pair i by at position p,
+ * for every p < P (as floats, the same bits rope_forward computes).
+ *
+ *   cos_table, sin_table [P, hs/2]  (written)
+ *   inv_freq [hs/2] or NULL, theta: as in rope_forward
+ */
+int rope_table(float* cos_table, float* sin_table, const double* inv_freq, int P, int hs,
+               float theta);
+
+/*
+ * kv_cache_write: one new position per row of KV-cache decoding. Row b of
+ * qkv (its token at position pos[b]) is turned as rope_forward turns it,
+ * with the angles' cos and sin read from row pos[b] of a rope_table (bitwise
+ * rope_forward's result), or copied when the tables are NULL (a model
+ * without RoPE); its q heads are written to q, its k and v heads into slot
+ * pos[b] % slots of row b of the caches.
+ *
+ *   q       [B, NH hs]            (written)
+ *   k_cache [B, slots, NKV hs]    (slot pos[b] % slots of row b written)
+ *   v_cache [B, slots, NKV hs]    (likewise)
+ *   qkv     [B, (NH + 2 NKV) hs]  NH q heads, NKV k heads, NKV v heads
+ *   pos     [B] int32 >= 0, and < P with tables; else LLMC_ERR_RANGE
+ *   cos_table, sin_table [P, hs/2] (rope_table's), or both NULL
+ *   interleaved 0 or 1 (rope_forward's pair layout), else LLMC_ERR_VALUE
+ * With tables hs must be even.
+ */
+int kv_cache_write(float* q, float* k_cache, float* v_cache, const float* qkv, const int* pos,
+                   const float* cos_table, const float* sin_table, int B, int NH, int NKV,
+                   int hs, int slots, int P, int interleaved);
+
 /* ---- activations.c ------------------------------------------------------ */
 
 /*

@@ -133,10 +133,24 @@ def test_rope_offset_continues_the_sequence(rng):
     assert np.array_equal(part, full[:, p:])
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
-def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs):
+def test_rope_angles_shared_by_rows_are_the_rows_own(rng, isa, B, T, NH, NKV, hs, interleaved):
+    """Without pos the rows share one table of each t's cos and sin; given
+    pos (here all 0) each row computes its own: the same bits."""
+    x, _ = make_inputs(rng, B, T, NH, NKV, hs)
+    zeros = np.zeros(B, np.int32)
+    for run in (forward, backward):
+        shared = run(x, None, NH, NKV, 500000.0, interleaved=interleaved)
+        own = run(x, zeros, NH, NKV, 500000.0, interleaved=interleaved)
+        assert np.array_equal(shared, own)
+
+
+@pytest.mark.parametrize("pos_kind", [None, "offset"])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130)])
+def test_rope_thread_invariant(rng, isa, set_threads, B, T, NH, NKV, hs, pos_kind):
     x, dout = make_inputs(rng, B, T, NH, NKV, hs)
-    pos = make_pos(rng, B, "offset")
+    pos = make_pos(rng, B, pos_kind)
     assert_thread_invariant(set_threads, lambda: dict(
         out=forward(x, pos, NH, NKV), dinp=backward(dout, pos, NH, NKV)))
 
@@ -284,3 +298,119 @@ def test_interleaved_weights_permuted_give_the_same_scores(rng):
     for h in range(NH):
         ours = turned[:, h * hs:(h + 1) * hs] @ turned[:, NH * hs:(NH + 1) * hs].T
         assert_close(f"scores head {h}", ours, q[:, h] @ k[:, 0].T, TOL["rope"]["fwd"])
+
+
+# ---- rope_table and kv_cache_write: KV-cache decoding's RoPE -----------------------
+
+def table(P, hs, theta=10000.0, inv_freq=None):
+    cos, sin = np.full((P, hs // 2), np.nan, np.float32), np.full((P, hs // 2), np.nan, np.float32)
+    K.rope_table(cos, sin, theta, inv_freq)
+    return cos, sin
+
+
+@pytest.mark.parametrize("P,hs", [(300, 64), (1, 2), (7, 130)])
+def test_rope_table_matches_reference(P, hs):
+    cos, sin = table(P, hs, 500000.0)
+    angles = np.arange(P)[:, None] * 500000.0 ** (-2.0 * np.arange(hs // 2) / hs)
+    assert_close("cos", cos, np.cos(angles), TOL["rope"]["fwd"])
+    assert_close("sin", sin, np.sin(angles), TOL["rope"]["fwd"])
+
+
+def cache_write(qkv, pos, NH, NKV, slots, tables, interleaved=False):
+    """kv_cache_write into fresh NaN-filled q and caches."""
+    B, row = qkv.shape
+    hs = row // (NH + 2 * NKV)
+    q = np.full((B, NH * hs), np.nan, np.float32)
+    k = np.full((B, slots, NKV * hs), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    K.kv_cache_write(q, k, v, qkv, pos, *tables, NH, NKV, interleaved=interleaved)
+    return q, k, v
+
+
+DECODE_SHAPES = [  # B, NH, NKV, hs, slots
+    (8, 4, 2, 64, 256),    # the gpt2-vs-llama suite's Llama
+    (1, 1, 1, 2, 1),       # one pair, one slot
+    (3, 3, 3, 10, 5),      # multi-head, a ring smaller than the positions
+    (2, 8, 1, 130, 9),     # multi-query, two angle chunks
+]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("B,NH,NKV,hs,slots", DECODE_SHAPES)
+def test_kv_cache_write_is_rope_forward_bitwise(rng, isa, B, NH, NKV, hs, slots, scaled,
+                                                interleaved):
+    """q and k turned as rope_forward turns them at the row's position (the
+    same bits: decoding equals the forward), k and v in slot pos % slots, the
+    other slots untouched; against the float64 reference too."""
+    P = 300
+    freq = rng.uniform(1e-4, 1.0, hs // 2) if scaled else None
+    qkv = randn(rng, B, (NH + 2 * NKV) * hs)
+    pos = rng.permutation(P)[:B].astype(np.int32)
+    q, k, v = cache_write(qkv, pos, NH, NKV, slots, table(P, hs, 1e4, freq), interleaved)
+    whole = np.empty_like(qkv[:, None])
+    K.rope_forward(whole, qkv[:, None], pos, NH, NKV, 1e4, inv_freq=freq,
+                   interleaved=interleaved)
+    whole = whole[:, 0]
+    q_end, k_end = NH * hs, (NH + NKV) * hs
+    assert np.array_equal(q, whole[:, :q_end])
+    rows, slot = np.arange(B), pos % slots
+    assert np.array_equal(k[rows, slot], whole[:, q_end:k_end])
+    assert np.array_equal(v[rows, slot], qkv[:, k_end:])
+    others = np.ones((B, slots), bool)
+    others[rows, slot] = False
+    assert np.isnan(k[others]).all() and np.isnan(v[others]).all()
+    ref = ref_rope(t64(qkv[:, None]), t64(pos).long(), NH, NKV, 1e4, inv_freq=freq,
+                   interleaved=interleaved)[:, 0]
+    assert_close("q", q, ref[:, :q_end], TOL["rope"]["fwd"])
+
+
+def test_kv_cache_write_without_tables_copies(rng):
+    B, NH, NKV, hs, slots = 3, 4, 2, 6, 4
+    qkv = randn(rng, B, (NH + 2 * NKV) * hs)
+    pos = np.array([0, 6, 3], np.int32)   # 6 wraps to slot 2
+    q, k, v = cache_write(qkv, pos, NH, NKV, slots, (None, None))
+    assert np.array_equal(q, qkv[:, :NH * hs])
+    assert np.array_equal(k[[0, 1, 2], [0, 2, 3]], qkv[:, NH * hs:(NH + NKV) * hs])
+    assert np.array_equal(v[[0, 1, 2], [0, 2, 3]], qkv[:, (NH + NKV) * hs:])
+
+
+def test_rope_table_thread_invariant(set_threads):
+    freq = np.linspace(0.01, 1.0, 65)
+    assert_thread_invariant(set_threads, lambda: dict(zip(("cos", "sin"),
+                                                          table(301, 130, 1e4, freq))))
+
+
+def test_kv_cache_write_rejects_bad_arguments(rng):
+    B, NH, NKV, hs, slots, P = 2, 2, 1, 4, 3, 5
+    qkv = randn(rng, B, (NH + 2 * NKV) * hs)
+    tables = table(P, hs)
+    ok = np.array([0, 4], np.int32)
+    cache_write(qkv, ok, NH, NKV, slots, tables)
+    for bad in ([0, 5], [-1, 0]):   # past the table, negative
+        with pytest.raises(llmc_py.RangeError):
+            cache_write(qkv, np.array(bad, np.int32), NH, NKV, slots, tables)
+    with pytest.raises(llmc_py.RangeError):
+        cache_write(qkv, np.array([0, -1], np.int32), NH, NKV, slots, (None, None))
+    with pytest.raises(llmc_py.NullPointerError):
+        cache_write(qkv, ok, NH, NKV, slots, (tables[0], None))
+    with pytest.raises(llmc_py.ShapeError, match="sin_table"):
+        cache_write(qkv, ok, NH, NKV, slots, (tables[0], tables[1][:4]))
+    with pytest.raises(llmc_py.ShapeError, match="cos_table"):
+        cache_write(qkv, ok, NH, NKV, slots, table(P, 2 * hs))
+    with pytest.raises(llmc_py.ShapeError, match="qkv"):
+        cache_write(qkv[:, :-2], ok, NH, NKV, slots, tables)
+    with pytest.raises(llmc_py.ShapeError, match="pos"):
+        cache_write(qkv, ok[:1], NH, NKV, slots, tables)
+
+
+def test_rope_table_rejects_bad_arguments():
+    cos = np.empty((3, 2), np.float32)
+    with pytest.raises(llmc_py.InvalidValueError, match="theta"):
+        K.rope_table(cos, np.empty_like(cos), 0.0)
+    with pytest.raises(llmc_py.InvalidValueError):
+        K.rope_table(cos, np.empty_like(cos), 1e4, np.array([1.0, -1.0]))
+    with pytest.raises(llmc_py.ShapeError, match="sin_table"):
+        K.rope_table(cos, np.empty((3, 3), np.float32))
+    with pytest.raises(llmc_py.ShapeError, match="inv_freq"):
+        K.rope_table(cos, np.empty_like(cos), 1e4, np.ones(3))

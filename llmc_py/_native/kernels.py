@@ -279,6 +279,26 @@ rope_backward = _kernel(
     """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through).""",
     args="dinp dout pos NH NKV theta inv_freq interleaved")
 
+rope_table = _kernel(
+    "rope_table",
+    "cos_table[P,hs//2] written, sin_table[P,hs//2] written, inv_freq[hs//2]=None"
+    " | P hs from rope_half(cos_table) | theta=10000.0",
+    """cos_table, sin_table [P,hs/2] (written): the cos and sin of the angle
+    rope_forward turns pair i by at position p < P, the same floats it
+    computes (theta, inv_freq as there).""",
+    args="cos_table sin_table theta inv_freq")
+
+kv_cache_write = _kernel(
+    "kv_cache_write",
+    "q[B,NH*hs] written, k_cache[B,slots,NKV*hs] updated, v_cache[B,slots,NKV*hs] updated,"
+    f" qkv[B,{_QKV}], pos[B], cos_table[P,hs//2] or None, sin_table[P,hs//2] or None"
+    " | B NH NKV hs slots P from cache_heads(k_cache, NH, NKV, cos_table) | interleaved:flag=False",
+    """One new position per row (KV-cache decoding): row b of qkv [B,(NH+2NKV)hs]
+    at position pos[b] (int32 >= 0), its q and k heads turned by RoPE with row
+    pos[b] of rope_table's cos_table, sin_table [P,hs/2] (bitwise
+    rope_forward's; both None: copied), q heads into q [B,NH*hs], k and v heads
+    into slot pos[b] % slots of row b of k_cache, v_cache [B,slots,NKV*hs].""")
+
 # ---- quant.c: llama.cpp's blocks of 32 weights; qtype is GGML's type number --------
 
 QUANT_TYPES = {"q8_0": lib.LLMC_QUANT_Q8_0, "q4_0": lib.LLMC_QUANT_Q4_0}
@@ -621,6 +641,19 @@ def _rope_heads(inp, name, NH, NKV):
         raise ShapeError(f"{name} has {CH} channels: expected (NH + 2*NKV) * hs = {heads} * hs "
                          f"with an even head size hs")
     return B, T, CH // heads
+
+
+def _rope_half(table, name):
+    """P, hs of a RoPE table [P, hs/2]."""
+    P, half = _dims(table, name, 2)
+    return P, 2 * half
+
+
+def _cache_heads(k_cache, name, NH, NKV, cos_table):
+    """B, hs, slots, P of a KV cache [B, slots, NKV hs] beside RoPE tables
+    [P, hs/2] (P 0 without them)."""
+    B, hs, slots = _kv_heads(k_cache, name, NH, NKV)
+    return B, hs, slots, 0 if cos_table is None else _dims(cos_table, "cos_table", 2)[0]
 
 
 def _gated(inp, name):

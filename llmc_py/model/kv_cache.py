@@ -3,10 +3,12 @@
 A prefill runs the prompts (of any lengths, right-padded into one batch)
 through the ordinary forward and copies every layer's keys and values into
 the cache; then each new token runs the block on one position per row,
-writes its key and value into the cache slot at that row's position, and
+writes its key and value into the cache slot at that row's position
+(kv_cache_write, which also turns q and k by RoPE, reading the cos and sin
+of its position from a table made once per decoder: rope_table), and
 attends over the row's cached positions (attention_decode). Nothing is
-allocated per token: the cache and the one-position activations are made
-once per generation.
+allocated per token: the cache, the RoPE table and the one-position
+activations are made once per generation.
 
 The cache is one contiguous float32 buffer, ``k`` then ``v``, each
 [L, B, slots, NKV * hs]: a grouped-query model caches only its NKV heads.
@@ -67,8 +69,8 @@ class Decoder:
     ``step(tokens)`` per position; both return the (B, V) logits of each
     row's newest position. What it uses of the model is its decoding
     interface (model.transformer.Transformer): config, params, embed, slopes,
-    token_ids, position_qkv, block_forward and head_forward, and forward for
-    the prefill."""
+    rope_inv_freq, token_ids, normed_qkv, block_forward and head_forward, and
+    forward for the prefill."""
 
     def __init__(self, model, batch_size, max_len):
         c = model.config
@@ -87,6 +89,13 @@ class Decoder:
         self.att = aligned_zeros(batch_size * c.num_heads * slots).reshape(
             batch_size, c.num_heads, slots)   # attention_decode's scores
         self.rows = np.arange(batch_size)
+        # RoPE's cos and sin at every position the cache can hold, made once
+        # (rope_forward's floats): a step reads its positions' rows
+        self.rope_cos = self.rope_sin = None
+        if c.position == "rope":
+            self.rope_cos = np.empty((max_len, c.head_size // 2), np.float32)
+            self.rope_sin = np.empty_like(self.rope_cos)
+            K.rope_table(self.rope_cos, self.rope_sin, c.rope_theta, model.rope_inv_freq)
 
     def prefill(self, prompts):
         """Fills the cache from ``prompts`` (B lists of token ids, lengths
@@ -132,15 +141,12 @@ class Decoder:
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, pos)
         lengths = pos + 1
-        slot = pos % cache.slots   # over the oldest position a sliding window has left
 
         def attend(l):
-            model.position_qkv(a, l, pos)
-            row = (a.qkvr[l] if "qkvr" in a else a.qkv[l])[:, 0]
-            C, kv = c.attn_channels, c.kv_dim
-            cache.k[l, self.rows, slot] = row[:, C:C + kv]
-            cache.v[l, self.rows, slot] = row[:, C + kv:]
-            self.q[...] = row[:, :C]
+            # q, and k, v into slot pos % slots (over the oldest position a
+            # sliding window has left), each rotated at its position by RoPE
+            K.kv_cache_write(self.q, cache.k[l], cache.v[l], model.normed_qkv(a, l)[:, 0], pos,
+                             self.rope_cos, self.rope_sin, c.NH, c.NKV, c.rope_interleaved)
             K.attention_decode(a.atty[l][:, 0], self.att, self.q, cache.k[l], cache.v[l],
                                lengths, model.slopes, c.NH, c.NKV, c.sliding_window)
 

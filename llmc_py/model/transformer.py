@@ -125,8 +125,8 @@ class Transformer:
     AdamW update, ``generate`` and the model file.
 
     What KV-cache decoding (model.kv_cache) needs from a model is public:
-    ``config``, ``params``, ``slopes``, ``token_ids``, ``block_forward`` and
-    ``head_forward``.
+    ``config``, ``params``, ``slopes``, ``rope_inv_freq``, ``token_ids``,
+    ``normed_qkv``, ``block_forward`` and ``head_forward``.
 
     One model serves one thread at a time (its activations are shared state):
     forward, backward, zero_grad, update, reserve and generate called while
@@ -570,16 +570,22 @@ class Transformer:
             residual = self.block_forward(a, l, residual, attend, dropout)
         return residual
 
+    def normed_qkv(self, a, l):
+        """Layer l's a.qkv with each q and k head RMS-normed (qk_norm), into
+        a.qkvr; without qk_norm, a.qkv itself. Returns it."""
+        c, p = self.config, self.params
+        if not c.qk_norm:
+            return a.qkv[l]
+        K.head_rmsnorm_forward(a.qkvr[l], a.qk_rstd[l], a.qkv[l], p.qnormw[l], p.knormw[l],
+                               c.NH, c.NKV, c.norm_eps)
+        return a.qkvr[l]
+
     def position_qkv(self, a, l, pos):
         """Layer l's a.qkv as attention reads it, into a.qkvr: each q and k
         head RMS-normed (qk_norm), then rotated (RoPE) at positions pos[b] + t
         (pos None: t). A model with neither reads a.qkv itself."""
-        c, p = self.config, self.params
-        qkv = a.qkv[l]
-        if c.qk_norm:
-            K.head_rmsnorm_forward(a.qkvr[l], a.qk_rstd[l], qkv, p.qnormw[l], p.knormw[l],
-                                   c.NH, c.NKV, c.norm_eps)
-            qkv = a.qkvr[l]   # RoPE turns it in place
+        c = self.config
+        qkv = self.normed_qkv(a, l)   # with qk_norm a.qkvr, which RoPE turns in place
         if c.position == "rope":
             K.rope_forward(a.qkvr[l], qkv, pos, c.NH, c.NKV, c.rope_theta, self.rope_inv_freq,
                            c.rope_interleaved)
