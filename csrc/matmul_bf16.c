@@ -6,6 +6,9 @@
  *   backward dinp += bf16(dout) . weight             M = BT, N = C,  K = OC
  *   backward dW   += bf16(dout)^T . bf16(inp)        M = OC, N = C,  K = BT
  * and dbias sums dout itself, unrounded, as matmul.c does (llmc_column_sums).
+ * inp may be bf16 already (a norm's or an activation's bf16 output): every
+ * variant then reads it as it is where it would have rounded a float32 one,
+ * so bf16(x) gives bitwise the results of x.
  *
  * variants:
  *   dot product  avx512bf16 only: vdpbf16ps multiplies bf16 pairs as they
@@ -54,6 +57,12 @@
 #include "isa.h"
 #include "gemm.h"
 
+/* inp's element i as the products read it: float32 rounded, or bf16. */
+static LLMC_ALWAYS_INLINE float inp_value(const void* inp, int inp_bf16, size_t i) {
+    return llmc_bf16_widen(inp_bf16 ? ((const uint16_t*)inp)[i]
+                                    : llmc_bf16_round(((const float*)inp)[i]));
+}
+
 /* A float32 array holding bf16(x[i]) (rounded), or NULL if out of memory. */
 static float* rounded_copy(const float* x, int64_t n) {
     float* out = malloc((size_t)n * sizeof(float));
@@ -80,9 +89,14 @@ static float* widened_copy(const uint16_t* x, int64_t n) {
     return out;
 }
 
+/* inp_dtype's inp as float32 (rounded to bf16, or widened), or NULL if out of memory. */
+static float* inp_copy(const void* inp, int inp_bf16, int64_t n) {
+    return inp_bf16 ? widened_copy(inp, n) : rounded_copy(inp, n);
+}
+
 /* matmul_backward's pointers: dout always; weight for dinp, inp for dweight. */
 static int backward_pointers_ok(const float* dinp, const float* dweight, const float* dout,
-                                const float* inp, const uint16_t* weight) {
+                                const void* inp, const uint16_t* weight) {
     return dout != NULL && (dinp == NULL || weight != NULL) && (dweight == NULL || inp != NULL);
 }
 
@@ -276,14 +290,14 @@ static uint32_t* bf_scratch(int nthreads, size_t words) {
 }
 
 /* matmul_forward_bf16 on the dot-product path. */
-static int bf_forward(float* out, const float* inp, const uint16_t* weight, const float* bias,
-                      int64_t BT, int C, int OC) {
+static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
+                      const float* bias, int64_t BT, int C, int OC) {
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
         const int kp = (C + 1) / 2;
         uint32_t* xp = malloc((size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
-        bf_round_rows(xp, inp, C, BT);
+        bf_round_rows(xp, inp, inp_bf16, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
         #pragma omp parallel for schedule(static)
         for (int64_t grp = 0; grp < groups; grp++) {
@@ -296,7 +310,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     }
     const struct bf16_gemm g = {
         .c = out, .ldc = (size_t)OC,
-        .a = inp, .lda = (size_t)C, .a_kind = BF16_A_ROWS,
+        .a = inp, .lda = (size_t)C, .a_kind = inp_bf16 ? BF16_A_ROWS_BF16 : BF16_A_ROWS,
         .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_COLS_W,
         .init = bias, .init_zero = bias == NULL,
         .M = (int)BT, .N = OC, .K = C};
@@ -311,8 +325,8 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
 
 /* matmul_backward_bf16's dinp and dweight on the dot-product path; one
    scratch for both, so that running out of memory changes nothing. */
-static int bf_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                       const uint16_t* weight, int64_t BT, int C, int OC) {
+static int bf_backward(float* dinp, float* dweight, const float* dout, const void* inp,
+                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC) {
     const struct bf16_gemm gi = {
         .c = dinp, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_ROWS,
@@ -321,7 +335,7 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const flo
     const struct bf16_gemm gw = {
         .c = dweight, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_COLS,
-        .b = inp, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_F32,
+        .b = inp, .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
         .M = OC, .N = C, .K = (int)BT};
     const int nthreads = omp_get_max_threads();
     const struct bf_plan pi = bf_plan_gemm(&gi, nthreads), pw = bf_plan_gemm(&gw, nthreads);
@@ -403,8 +417,9 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
             float* a = next;
             float* b = a + (size_t)M * K;
             next = b + (size_t)K * N;
-            const int a_rows = j->a_kind == BF16_A_ROWS, b_cols = j->b_kind == BF16_B_COLS_W;
-            bf16_dense_copy(a, j->a, 0, j->lda, a_rows ? M : K, a_rows ? K : M);
+            const int a_rows = j->a_kind != BF16_A_COLS, b_cols = j->b_kind == BF16_B_COLS_W;
+            bf16_dense_copy(a, j->a, j->a_kind == BF16_A_ROWS_BF16, j->lda, a_rows ? M : K,
+                            a_rows ? K : M);
             bf16_dense_copy(b, j->b, j->b_kind != BF16_B_ROWS_F32, j->ldb, b_cols ? N : K,
                             b_cols ? K : N);
             if (j->init != NULL || j->init_zero) {
@@ -435,18 +450,20 @@ int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count) {
 }
 
 
-int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                        const float* bias, int B, int T, int C, int OC) {
+int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                        const float* bias, int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     // the instruction set is read once, before any parallel region (isa.h)
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        return bf_forward(out, inp, weight, bias, BT, C, OC);
+        return bf_forward(out, inp, inp_bf16, weight, bias, BT, C, OC);
     }
 #endif
-    float* inp_rounded = rounded_copy(inp, BT * C);
+    float* inp_rounded = inp_copy(inp, inp_bf16, BT * C);
     float* weight_wide = widened_copy(weight, (int64_t)OC * C);
     int status = LLMC_ERR_NOMEM;
     if (inp_rounded != NULL && weight_wide != NULL) {
@@ -458,20 +475,22 @@ int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
 }
 
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
-                         const float* dout, const float* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC) {
+                         const float* dout, const void* inp, const uint16_t* weight,
+                         int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        const int status = bf_backward(dinp, dweight, dout, inp, weight, BT, C, OC);
+        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC);
         if (status != LLMC_OK || dbias == NULL) { return status; }
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
 #endif
     float* dout_rounded = dinp != NULL || dweight != NULL ? rounded_copy(dout, BT * OC) : NULL;
-    float* inp_rounded = dweight != NULL ? rounded_copy(inp, BT * C) : NULL;
+    float* inp_rounded = dweight != NULL ? inp_copy(inp, inp_bf16, BT * C) : NULL;
     float* weight_wide = dinp != NULL ? widened_copy(weight, (int64_t)OC * C) : NULL;
     int status = LLMC_OK;
     if ((dinp != NULL || dweight != NULL) && dout_rounded == NULL) { status = LLMC_ERR_NOMEM; }
@@ -492,19 +511,20 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
     return status;
 }
 
-int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weight,
-                              const float* bias, int B, int T, int C, int OC) {
+int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weight,
+                              const float* bias, int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
-        const float* x = inp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
             const uint16_t* w = weight + (size_t)o * C;
             float val = bias != NULL ? bias[o] : 0.0f;
             for (int i = 0; i < C; i++) {
-                val += llmc_bf16_widen(llmc_bf16_round(x[i])) * llmc_bf16_widen(w[i]);
+                val += inp_value(inp, inp_bf16, (size_t)bt * C + i) * llmc_bf16_widen(w[i]);
             }
             out[(size_t)bt * OC + o] = val;
         }
@@ -513,10 +533,12 @@ int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weig
 }
 
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
-                               const float* dout, const float* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC) {
+                               const float* dout, const void* inp, const uint16_t* weight,
+                               int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
@@ -538,9 +560,8 @@ int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
             if (dweight != NULL) {
                 const float d_rounded = llmc_bf16_widen(llmc_bf16_round(d));
                 float* dw = dweight + (size_t)o * C;
-                const float* x = inp + (size_t)bt * C;
                 for (int i = 0; i < C; i++) {
-                    dw[i] += d_rounded * llmc_bf16_widen(llmc_bf16_round(x[i]));
+                    dw[i] += d_rounded * inp_value(inp, inp_bf16, (size_t)bt * C + i);
                 }
             }
             db += d;
