@@ -214,10 +214,10 @@ def test_raw_call_returns_status_and_process_survives():
     B, T, C = 1, 2, 4
     buf = ffi.new("float[]", B * T * C)
     stat = ffi.new("float[]", B * T)
-    assert lib.layernorm_forward(buf, stat, stat, buf, buf, buf, 0, T, C, 1e-5) \
+    assert lib.layernorm_forward(buf, stat, stat, buf, buf, buf, 0, T, C, 1e-5, lib.LLMC_DTYPE_F32) \
         == lib.LLMC_ERR_SHAPE
     assert lib.layernorm_forward(ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
-                                 B, T, C, 1e-5) == lib.LLMC_ERR_NULL
+                                 B, T, C, 1e-5, lib.LLMC_DTYPE_F32) == lib.LLMC_ERR_NULL
     assert lib.attention_forward(buf, buf, buf, 1, 1, 3, 2) == lib.LLMC_ERR_SHAPE   # C % NH
     assert lib.softmax_forward(buf, buf, 1, 1, 5, 4) == lib.LLMC_ERR_SHAPE         # V > Vp
     tokens = ffi.new("int[]", [0, 7])
