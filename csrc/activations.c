@@ -4,7 +4,9 @@
    exponentials of their own (gelu_sigmoid16) or llmc_exp16 (common.h) in
    place of libm's expf; exact GELU calls libm's erfcf per element (no vector
    erf of our own). Each vector kernel's loop is built per instruction set
-   (isa.h); a thread runs its contiguous share of the blocks through one call. */
+   (isa.h); a thread runs its contiguous share of the blocks through one call.
+   Each MLP activation's forward writes float32 or bf16 (llmc_store16_as:
+   the float32 result rounded), the latter for the bf16 matmul that reads it. */
 #include <math.h>
 
 #include "llmc.h"

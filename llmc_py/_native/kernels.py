@@ -9,7 +9,7 @@ import numpy as np
 
 from .declare import bind
 # the generated wrappers call check, ffi.NULL and the pointer adapters from here
-from .lib import aptr, bptr, check, dptr, dtype_code, ffi, fptr, hptr, iptr, lib
+from .lib import aptr, bptr, check, dptr, dtype_code, ffi, fptr, hptr, iptr, lib  # noqa: F401
 from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 

@@ -43,8 +43,11 @@ in llm.c's CUDA trainer: the parameters (the master copy), their gradients
 and AdamW's moments stay float32, and ``params_bf16`` holds a bf16 copy of
 the parameters (rounded to nearest even) that the linear layers read; each
 linear layer multiplies bf16 numbers (its float32 input and, backward, its
-float32 output gradient rounded to bf16) and sums in float32. Norm
-statistics, attention, softmax, the loss and the gradient norm stay float32.
+float32 output gradient rounded to bf16) and sums in float32; the
+activations only those layers read (the norm outputs and the MLP activation
+of pre-norm and parallel blocks: layout.act_dtypes) are kept in bf16, the
+bits the matmuls would round them to. The residual stream, norm statistics,
+attention, softmax, the loss and the gradient norm stay float32.
 update() rewrites the bf16 copy as it updates the parameters.
 
 A frozen bf16 base (``frozen=True``, load_model(path, precision="bf16",
