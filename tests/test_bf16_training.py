@@ -391,3 +391,21 @@ def test_lora_on_bf16_activations_changes_no_bit(monkeypatch):
     float32_storage(monkeypatch)
     for ours, theirs in zip(bf16, adapted()):
         assert np.array_equal(ours, theirs)
+
+
+def test_a_quantized_bf16_model_keeps_float32_activations():
+    """A quantized base's matmuls read float32 inputs: quantizing a bf16 model
+    lays its activations out in float32 again (with and without recompute),
+    and it forwards, decodes and plans so."""
+    config = llama_tests.BASE
+    x, y = make_batch(config, 2, 9, seed=3)
+    model = bf16_twin(llama_tests.make_model(config, seed=4))
+    model.forward(x, y)
+    assert model.acts.ln1.dtype == np.uint16
+    model.quantize("q8_0")
+    for recompute in (False, True):
+        model.recompute = recompute
+        assert np.isfinite(model.forward(x, y))
+        assert all(model.acts[n].dtype == np.float32 for n in ("ln1", "ln2", "fch_act"))
+        assert model.acts.buffer.nbytes >= model.memory_plan(2, 9, training=False)["activations"]
+    assert len(model.generate([[1, 2, 3]], 3, temperature=0)[0]) == 3
