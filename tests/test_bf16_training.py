@@ -26,6 +26,7 @@ import model_reference as ref
 import test_llama_step as llama_tests
 from llmc_py import GPT2, load_model
 from llmc_py._native import kernels as K
+from llmc_py.model.layout import float32_of
 from test_gpt2_step import ADAMW, SMALL, make_batch, make_model, max_rel_error
 
 LAYER_TOL = 2e-5
@@ -77,16 +78,18 @@ def check_layers_teacher_forced(model, x, y):
     calls = {"forward": [], "backward": []}
     forward, backward = model._matmul_forward, model._matmul_backward
 
+    # an input the model keeps in bf16 (layout.act_dtypes) is recorded widened: its values
     def recording_forward(out, inp, weight, bias):
         forward(out, inp, weight, bias)
-        calls["forward"].append([a if a is None else a.copy() for a in (out, inp, bias)]
-                                + [weight])
+        calls["forward"].append([a if a is None else a.copy()
+                                 for a in (out, float32_of(inp), bias)] + [weight])
     def recording_backward(dinp, dweight, dbias, dout, inp, weight):
         before = dweight.copy()
         own = np.zeros_like(dinp)   # this call's part of dinp
         backward(own, dweight, dbias, dout, inp, weight)
         dinp += own
-        calls["backward"].append((own, dweight - before, dout.copy(), inp.copy(), weight))
+        calls["backward"].append((own, dweight - before, dout.copy(), float32_of(inp).copy(),
+                                  weight))
     model._matmul_forward, model._matmul_backward = recording_forward, recording_backward
     try:
         model.zero_grad()
