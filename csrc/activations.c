@@ -4,7 +4,9 @@
    exponentials of their own (gelu_sigmoid16) or llmc_exp16 (common.h) in
    place of libm's expf; exact GELU calls libm's erfcf per element (no vector
    erf of our own). Each vector kernel's loop is built per instruction set
-   (isa.h); a thread runs its contiguous share of the blocks through one call. */
+   (isa.h); a thread runs its contiguous share of the blocks through one call.
+   Each MLP activation's forward writes float32 or bf16 (llmc_store16_as:
+   the float32 result rounded), the latter for the bf16 matmul that reads it. */
 #include <math.h>
 
 #include "llmc.h"
@@ -14,19 +16,21 @@
 /* The element-wise kernels' one calling pattern: checks, then each thread
    runs its share of the N / 16 blocks of 16 elements with the kernel's
    blocks function for this instruction set. */
-typedef void (*elementwise_forward_fn)(float*, const float*, int64_t, int64_t, int64_t);
+typedef void (*elementwise_forward_fn)(void*, int, const float*, int64_t, int64_t, int64_t);
 typedef void (*elementwise_backward_fn)(float*, const float*, const float*, int64_t, int64_t,
                                         int64_t);
 
-static int elementwise_forward(elementwise_forward_fn blocks, float* out, const float* inp,
-                               int64_t N) {
+static int elementwise_forward(elementwise_forward_fn blocks, void* out, const float* inp,
+                               int64_t N, int out_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(out_dtype == LLMC_DTYPE_F32 || out_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int out_bf16 = out_dtype == LLMC_DTYPE_BF16;
     #pragma omp parallel
     {
         int64_t blk0, blk1;
         llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(out, inp, N, blk0, blk1); }
+        if (blk0 < blk1) { blocks(out, out_bf16, inp, N, blk0, blk1); }
     }
     return LLMC_OK;
 }
@@ -75,7 +79,8 @@ static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
 }
 
 /* Blocks [blk0, blk1) of 16 elements of the forward; the last block of N may be partial. */
-static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float* inp, int64_t N,
+static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(void* out, int out_bf16,
+                                                        const float* inp, int64_t N,
                                                         int64_t blk0, int64_t blk1) {
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
@@ -83,16 +88,17 @@ static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(float* out, const float*
         const vec16f x = llmc_load16(inp + i, n);
         vec16f s, e;
         gelu_sigmoid16(x, &s, &e);
-        llmc_store16(out + i, x * s, n);
+        llmc_store16_as(out, out_bf16, i, x * s, n);
     }
 }
 LLMC_ISA_VARIANTS(gelu_forward_blocks,
-                  (float* out, const float* inp, int64_t N, int64_t blk0, int64_t blk1),
-                  out, inp, N, blk0, blk1)
+                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
+                   int64_t blk1),
+                  out, out_bf16, inp, N, blk0, blk1)
 
-int gelu_forward(float* out, const float* inp, int64_t N) {
+int gelu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
     return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks), out, inp,
-                               N);
+                               N, out_dtype);
 }
 
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
@@ -173,8 +179,9 @@ static LLMC_ALWAYS_INLINE void gate16(const int act, vec16f g, vec16f* a, vec16f
    of each row possibly partial; rows and blocks are flattened (block k is
    block k % row_blocks of row k / row_blocks), so that one row (N == 1, as
    in decoding) still spreads over the threads. These run blocks [k0, k1). */
-static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, float* out, const float* inp,
-                                                    int FF, int64_t k0, int64_t k1) {
+static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, void* out, int out_bf16,
+                                                    const float* inp, int FF, int64_t k0,
+                                                    int64_t k1) {
     const int64_t row_blocks = (FF + 15) / 16;
     for (int64_t k = k0; k < k1; k++) {
         const int64_t r = k / row_blocks;
@@ -184,7 +191,7 @@ static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, float* out, c
         const vec16f g = llmc_load16(gate, n), u = llmc_load16(gate + FF, n);
         vec16f a, da;
         gate16(act, g, &a, &da);
-        llmc_store16(out + (size_t)r * FF + i, a * u, n);
+        llmc_store16_as(out, out_bf16, (int64_t)r * FF + i, a * u, n);
     }
 }
 
@@ -211,12 +218,12 @@ static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp,
 /* one forward and one backward variant set per gate */
 #define GATED_VARIANTS(name, act)                                                          \
     static LLMC_ALWAYS_INLINE void name##_forward_blocks_body(                             \
-            float* out, const float* inp, int FF, int64_t k0, int64_t k1) {               \
-        gated_forward_blocks(act, out, inp, FF, k0, k1);                                   \
+            void* out, int out_bf16, const float* inp, int FF, int64_t k0, int64_t k1) {  \
+        gated_forward_blocks(act, out, out_bf16, inp, FF, k0, k1);                         \
     }                                                                                      \
-    LLMC_ISA_VARIANTS(name##_forward_blocks,                                               \
-                      (float* out, const float* inp, int FF, int64_t k0, int64_t k1),     \
-                      out, inp, FF, k0, k1)                                                \
+    LLMC_ISA_VARIANTS(name##_forward_blocks, (void* out, int out_bf16, const float* inp,  \
+                                              int FF, int64_t k0, int64_t k1),             \
+                      out, out_bf16, inp, FF, k0, k1)                                      \
     static LLMC_ALWAYS_INLINE void name##_backward_blocks_body(                            \
             float* dinp, const float* dout, const float* inp, int FF, int64_t k0,         \
             int64_t k1) {                                                                  \
@@ -231,18 +238,20 @@ GATED_VARIANTS(swiglu, GATE_SILU)
 GATED_VARIANTS(geglu, GATE_GELU)
 GATED_VARIANTS(reglu, GATE_RELU)
 
-typedef void (*gated_forward_fn)(float*, const float*, int, int64_t, int64_t);
+typedef void (*gated_forward_fn)(void*, int, const float*, int, int64_t, int64_t);
 typedef void (*gated_backward_fn)(float*, const float*, const float*, int, int64_t, int64_t);
 
-static int gated_forward(gated_forward_fn blocks, float* out, const float* inp, int64_t N,
-                         int FF) {
+static int gated_forward(gated_forward_fn blocks, void* out, const float* inp, int64_t N,
+                         int FF, int out_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(out_dtype == LLMC_DTYPE_F32 || out_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int out_bf16 = out_dtype == LLMC_DTYPE_BF16;
     #pragma omp parallel
     {
         int64_t k0, k1;
         llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
-        if (k0 < k1) { blocks(out, inp, FF, k0, k1); }
+        if (k0 < k1) { blocks(out, out_bf16, inp, FF, k0, k1); }
     }
     return LLMC_OK;
 }
@@ -260,9 +269,9 @@ static int gated_backward(gated_backward_fn blocks, float* dinp, const float* do
     return LLMC_OK;
 }
 
-int swiglu_forward(float* out, const float* inp, int64_t N, int FF) {
+int swiglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
     return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks), out, inp, N,
-                         FF);
+                         FF, out_dtype);
 }
 
 int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
@@ -270,9 +279,9 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N,
                           inp, N, FF);
 }
 
-int geglu_forward(float* out, const float* inp, int64_t N, int FF) {
+int geglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
     return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), geglu_forward_blocks), out, inp, N,
-                         FF);
+                         FF, out_dtype);
 }
 
 int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
@@ -280,9 +289,9 @@ int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
                           inp, N, FF);
 }
 
-int reglu_forward(float* out, const float* inp, int64_t N, int FF) {
+int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
     return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), reglu_forward_blocks), out, inp, N,
-                         FF);
+                         FF, out_dtype);
 }
 
 int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
@@ -291,23 +300,25 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
 }
 
 /* ReLU, blocks [blk0, blk1) of 16 elements; the last block of N may be partial. */
-static LLMC_ALWAYS_INLINE void relu_forward_blocks_body(float* out, const float* inp, int64_t N,
+static LLMC_ALWAYS_INLINE void relu_forward_blocks_body(void* out, int out_bf16,
+                                                        const float* inp, int64_t N,
                                                         int64_t blk0, int64_t blk1) {
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         vec16f a, da;
         gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
-        llmc_store16(out + i, a, n);
+        llmc_store16_as(out, out_bf16, i, a, n);
     }
 }
 LLMC_ISA_VARIANTS(relu_forward_blocks,
-                  (float* out, const float* inp, int64_t N, int64_t blk0, int64_t blk1),
-                  out, inp, N, blk0, blk1)
+                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
+                   int64_t blk1),
+                  out, out_bf16, inp, N, blk0, blk1)
 
-int relu_forward(float* out, const float* inp, int64_t N) {
+int relu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
     return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), relu_forward_blocks), out, inp,
-                               N);
+                               N, out_dtype);
 }
 
 static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
@@ -337,16 +348,19 @@ int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
 #define INV_SQRT2 0.7071067811865476f
 #define INV_SQRT_2PI 0.3989422804014327f
 
-int gelu_erf_forward(float* out, const float* inp, int64_t N) {
+int gelu_erf_forward(void* out, const float* inp, int64_t N, int out_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(out_dtype == LLMC_DTYPE_F32 || out_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         for (int64_t i = i0; i < i1; i++) {
             const float x = inp[i];
-            out[i] = x * (0.5f * erfcf(-x * INV_SQRT2));
+            const float y = x * (0.5f * erfcf(-x * INV_SQRT2));
+            if (out_dtype == LLMC_DTYPE_BF16) { ((uint16_t*)out)[i] = llmc_bf16_round(y); }
+            else { ((float*)out)[i] = y; }
         }
     }
     return LLMC_OK;

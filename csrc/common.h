@@ -179,6 +179,25 @@ static LLMC_ALWAYS_INLINE void llmc_store16(float* p, vec16f v, int n) {
     else { memcpy(p, &v, (size_t)n * sizeof(float)); }
 }
 
+/* llmc_store16 of an output that is float32, or bf16 (out_bf16): the lanes
+   rounded as llmc_bf16_round does, into out[i .. i + min(n, 16)). */
+typedef uint32_t llmc_vec16u __attribute__((vector_size(64)));
+typedef uint16_t llmc_vec16h __attribute__((vector_size(32)));
+static LLMC_ALWAYS_INLINE void llmc_store16_as(void* out, int out_bf16, int64_t i, vec16f v,
+                                               int n) {
+    if (!out_bf16) {
+        llmc_store16((float*)out + i, v, n);
+        return;
+    }
+    const llmc_vec16u u = (llmc_vec16u)v;
+    const llmc_vec16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const llmc_vec16u quiet_nan = (u >> 16) | 0x40u;
+    const llmc_vec16u is_nan = (llmc_vec16u)((u & 0x7fffffffu) > 0x7f800000u);   // lanes -1 or 0
+    const llmc_vec16h h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan),
+                                                  llmc_vec16h);
+    memcpy((uint16_t*)out + i, &h, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+}
+
 /* A mask whose first n lanes are set. */
 static LLMC_ALWAYS_INLINE vec16i llmc_lanes_below(int n) {
     const vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};

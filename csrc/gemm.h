@@ -34,8 +34,10 @@ enum {
     BF16_A_ROWS,      /* A(m,k) = float a[m*lda + k]     (forward inp, dinp's dout)  */
     BF16_A_COLS,      /* A(m,k) = float a[k*lda + m]     (dweight's dout^T)          */
     BF16_B_COLS_W,    /* B(k,n) = bf16 b[n*ldb + k]      (forward weight^T)          */
-    BF16_B_ROWS_W,    /* B(k,n) = bf16 b[k*ldb + n]      (dinp's weight)             */
-    BF16_B_ROWS_F32   /* B(k,n) = float b[k*ldb + n]     (dweight's inp)             */
+    BF16_B_ROWS_W,    /* B(k,n) = bf16 b[k*ldb + n]      (dinp's weight, dweight's
+                                                          bf16 inp)                  */
+    BF16_B_ROWS_F32,  /* B(k,n) = float b[k*ldb + n]     (dweight's inp)             */
+    BF16_A_ROWS_BF16  /* A(m,k) = bf16 a[m*lda + k]      (forward's bf16 inp)        */
 };
 
 /* c[m*ldc + n] (+)= sum_k A(m,k) B(k,n) for m < M, n < N, k < K, with A and B

@@ -32,6 +32,18 @@ typedef enum {
                               and finite, an AdamW step below 1)            */
 } llmc_status;
 
+/*
+ * The element type of an activation that a kernel writes or reads either as
+ * float32 or as bf16 (a void* with an int *_dtype argument beside the
+ * scalars): bf16 numbers are uint16_t, the upper half of a float32, and a
+ * kernel writing one rounds its float32 result to nearest even
+ * (float_to_bf16). Any other value is LLMC_ERR_VALUE.
+ */
+typedef enum {
+    LLMC_DTYPE_F32 = 0,
+    LLMC_DTYPE_BF16 = 1
+} llmc_dtype;
+
 /* ---- status.c ----------------------------------------------------------- */
 
 /* A static, human-readable text for a status code (never NULL). */
@@ -130,7 +142,8 @@ int sinusoidal_forward(float* out, const float* inp, const int* pos, int B, int 
  * layernorm_forward: out = (inp - mean) * rstd * weight + bias, per row of C,
  * with rstd = 1 / sqrt(var + eps) and var the biased variance.
  *
- *   out    [B, T, C]  (written)
+ *   out    [B, T, C]  (written) float32, or bf16 (out_dtype): the float32
+ *                     result rounded
  *   mean   [B, T]     (written) saved for backward
  *   rstd   [B, T]     (written) saved for backward
  *   inp    [B, T, C]
@@ -138,9 +151,24 @@ int sinusoidal_forward(float* out, const float* inp, const int* pos, int B, int 
  *   bias   [C]
  * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
-int layernorm_forward(float* out, float* mean, float* rstd,
+int layernorm_forward(void* out, float* mean, float* rstd,
                       const float* inp, const float* weight, const float* bias,
-                      int B, int T, int C, float eps);
+                      int B, int T, int C, float eps, int out_dtype);
+
+/*
+ * residual_layernorm_forward: residual = inp1 + inp2, then
+ * layernorm_forward of it, in one pass over each row: bitwise
+ * residual_forward followed by layernorm_forward.
+ *
+ *   residual [B, T, C]  (written)
+ *   out, mean, rstd     (written) as layernorm_forward's
+ *   inp1, inp2 [B, T, C]
+ *   weight, bias [C]
+ */
+int residual_layernorm_forward(float* residual, void* out, float* mean, float* rstd,
+                               const float* inp1, const float* inp2, const float* weight,
+                               const float* bias, int B, int T, int C, float eps,
+                               int out_dtype);
 
 /*
  * layernorm_backward: gradients of layernorm_forward.
@@ -163,14 +191,22 @@ int layernorm_backward(float* dinp, float* dweight, float* dbias,
  * rmsnorm_forward: out = inp * rstd * weight, per row of C, with
  * rstd = 1 / sqrt(mean(inp^2) + eps) (no mean subtracted, no bias).
  *
- *   out    [B, T, C]  (written)
+ *   out    [B, T, C]  (written) float32, or bf16 (out_dtype): the float32
+ *                     result rounded
  *   rstd   [B, T]     (written) saved for backward
  *   inp    [B, T, C]
  *   weight [C]
  * eps >= 0; else (also NaN) LLMC_ERR_VALUE.
  */
-int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
-                    int B, int T, int C, float eps);
+int rmsnorm_forward(void* out, float* rstd, const float* inp, const float* weight,
+                    int B, int T, int C, float eps, int out_dtype);
+
+/* residual_rmsnorm_forward: residual = inp1 + inp2, then rmsnorm_forward of
+   it, in one pass over each row: bitwise residual_forward followed by
+   rmsnorm_forward (residual, inp1, inp2 [B, T, C]; the rest as there). */
+int residual_rmsnorm_forward(float* residual, void* out, float* rstd, const float* inp1,
+                             const float* inp2, const float* weight, int B, int T, int C,
+                             float eps, int out_dtype);
 
 /*
  * rmsnorm_backward: gradients of rmsnorm_forward.
@@ -285,7 +321,8 @@ int bf16_to_float(float* out, const uint16_t* inp, int64_t N);
  * on the thread count.
  *
  *   out     [B, T, OC]  (written)
- *   inp     [B, T, C]
+ *   inp     [B, T, C]   float32, or bf16 (inp_dtype): read as it is, so
+ *                       that bf16(x) gives bitwise the results of x
  *   weight  [OC, C]     bf16
  *   bias    [OC] or NULL, float32
  *
@@ -293,19 +330,19 @@ int bf16_to_float(float* out, const uint16_t* inp, int64_t N);
  *   dweight [OC, C]     (+=) float32: bf16(dout)^T . bf16(inp); or NULL
  *   dbias   [OC]        (+=) sum of dout over B, T in float32; or NULL
  */
-int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                        const float* bias, int B, int T, int C, int OC);
+int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                        const float* bias, int B, int T, int C, int OC, int inp_dtype);
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
-                         const float* dout, const float* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC);
+                         const float* dout, const void* inp, const uint16_t* weight,
+                         int B, int T, int C, int OC, int inp_dtype);
 
 /* The plain loops (k = 0, 1, ..., K-1 in float32), kept as the reference the
    fast paths are checked against; same contracts. */
-int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weight,
-                              const float* bias, int B, int T, int C, int OC);
+int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weight,
+                              const float* bias, int B, int T, int C, int OC, int inp_dtype);
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
-                               const float* dout, const float* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC);
+                               const float* dout, const void* inp, const uint16_t* weight,
+                               int B, int T, int C, int OC, int inp_dtype);
 
 /* ---- quant.c ------------------------------------------------------------ */
 
@@ -630,13 +667,16 @@ int kv_cache_write(float* q, float* k_cache, float* v_cache, const float* qkv, c
 
 /* ---- activations.c ------------------------------------------------------ */
 
+/* Every MLP activation's forward writes its out float32, or bf16 (out_dtype):
+   the float32 result rounded (the MLP's second matmul reads it). */
+
 /*
  * gelu_forward: out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
  *
  *   out [N]  (written)
  *   inp [N]
  */
-int gelu_forward(float* out, const float* inp, int64_t N);
+int gelu_forward(void* out, const float* inp, int64_t N, int out_dtype);
 
 /*
  * gelu_backward: dinp += gelu'(inp) * dout
@@ -655,7 +695,7 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
  *   out [N, FF]     (written)
  *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
  */
-int swiglu_forward(float* out, const float* inp, int64_t N, int FF);
+int swiglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype);
 
 /*
  * swiglu_backward: gradients of swiglu_forward.
@@ -674,8 +714,8 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N,
  *   out [N, FF]     (written)
  *   inp [N, 2 FF]   gate in columns [0, FF), up in columns [FF, 2 FF)
  */
-int geglu_forward(float* out, const float* inp, int64_t N, int FF);
-int reglu_forward(float* out, const float* inp, int64_t N, int FF);
+int geglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype);
+int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype);
 
 /*
  * geglu_backward, reglu_backward: gradients of geglu_forward, reglu_forward
@@ -696,7 +736,7 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
  *   dout      [N]
  *   inp       [N]  forward input
  */
-int relu_forward(float* out, const float* inp, int64_t N);
+int relu_forward(void* out, const float* inp, int64_t N, int out_dtype);
 int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 
 /*
@@ -707,7 +747,7 @@ int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
  *   dout      [N]
  *   inp       [N]  forward input
  */
-int gelu_erf_forward(float* out, const float* inp, int64_t N);
+int gelu_erf_forward(void* out, const float* inp, int64_t N, int out_dtype);
 int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N);
 
 /*

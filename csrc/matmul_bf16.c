@@ -6,6 +6,9 @@
  *   backward dinp += bf16(dout) . weight             M = BT, N = C,  K = OC
  *   backward dW   += bf16(dout)^T . bf16(inp)        M = OC, N = C,  K = BT
  * and dbias sums dout itself, unrounded, as matmul.c does (llmc_column_sums).
+ * inp may be bf16 already (a norm's or an activation's bf16 output): every
+ * variant then reads it as it is where it would have rounded a float32 one,
+ * so bf16(x) gives bitwise the results of x.
  *
  * variants:
  *   dot product  avx512bf16 only: vdpbf16ps multiplies bf16 pairs as they
@@ -58,6 +61,12 @@
 #include "gemm.h"
 #include "scratch.h"
 
+/* inp's element i as the products read it: float32 rounded, or bf16. */
+static LLMC_ALWAYS_INLINE float inp_value(const void* inp, int inp_bf16, size_t i) {
+    return llmc_bf16_widen(inp_bf16 ? ((const uint16_t*)inp)[i]
+                                    : llmc_bf16_round(((const float*)inp)[i]));
+}
+
 /* out[i] = bf16(x[i]) (rounded), as float32, for i < n. */
 static void round_into(float* out, const float* x, int64_t n) {
     #pragma omp parallel
@@ -84,9 +93,18 @@ static float* scratch_floats(int slot, size_t floats) {
     return floats <= LLMC_MAX_COUNT ? llmc_scratch_acquire(slot, floats * sizeof(float)) : NULL;
 }
 
+/* out[i] = inp's element i as float32 (a float32 inp rounded to bf16, a bf16 one widened). */
+static void inp_into(float* out, const void* inp, int inp_bf16, int64_t n) {
+    if (inp_bf16) {
+        widen_into(out, inp, n);
+    } else {
+        round_into(out, inp, n);
+    }
+}
+
 /* matmul_backward's pointers: dout always; weight for dinp, inp for dweight. */
 static int backward_pointers_ok(const float* dinp, const float* dweight, const float* dout,
-                                const float* inp, const uint16_t* weight) {
+                                const void* inp, const uint16_t* weight) {
     return dout != NULL && (dinp == NULL || weight != NULL) && (dweight == NULL || inp != NULL);
 }
 
@@ -321,14 +339,14 @@ static uint32_t* bf_scratch(int nthreads, size_t words) {
 }
 
 /* matmul_forward_bf16 on the dot-product path. */
-static int bf_forward(float* out, const float* inp, const uint16_t* weight, const float* bias,
-                      int64_t BT, int C, int OC) {
+static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
+                      const float* bias, int64_t BT, int C, int OC) {
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
         const int kp = (C + 1) / 2;
         uint32_t* xp = llmc_scratch_acquire(LLMC_SCRATCH_COPIES, (size_t)BT * kp * sizeof(uint32_t));
         LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
-        bf_round_rows(xp, inp, C, BT);
+        bf_round_rows(xp, inp, inp_bf16, C, BT);
         const int64_t groups = bf_ceil_div(OC, 16);
         #pragma omp parallel for schedule(static)
         for (int64_t grp = 0; grp < groups; grp++) {
@@ -341,7 +359,7 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
     }
     const struct bf16_gemm g = {
         .c = out, .ldc = (size_t)OC,
-        .a = inp, .lda = (size_t)C, .a_kind = BF16_A_ROWS,
+        .a = inp, .lda = (size_t)C, .a_kind = inp_bf16 ? BF16_A_ROWS_BF16 : BF16_A_ROWS,
         .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_COLS_W,
         .init = bias, .init_zero = bias == NULL,
         .M = (int)BT, .N = OC, .K = C};
@@ -356,8 +374,8 @@ static int bf_forward(float* out, const float* inp, const uint16_t* weight, cons
 
 /* matmul_backward_bf16's dinp and dweight on the dot-product path; one
    scratch for both, so that running out of memory changes nothing. */
-static int bf_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                       const uint16_t* weight, int64_t BT, int C, int OC) {
+static int bf_backward(float* dinp, float* dweight, const float* dout, const void* inp,
+                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC) {
     const struct bf16_gemm gi = {
         .c = dinp, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_ROWS,
@@ -366,7 +384,7 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const flo
     const struct bf16_gemm gw = {
         .c = dweight, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_COLS,
-        .b = inp, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_F32,
+        .b = inp, .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
         .M = OC, .N = C, .K = (int)BT};
     const int nthreads = omp_get_max_threads();
     const struct bf_plan pi = bf_plan_gemm(&gi, nthreads), pw = bf_plan_gemm(&gw, nthreads);
@@ -451,8 +469,9 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
             float* a = next;
             float* b = a + (size_t)M * K;
             next = b + (size_t)K * N;
-            const int a_rows = j->a_kind == BF16_A_ROWS, b_cols = j->b_kind == BF16_B_COLS_W;
-            bf16_dense_copy(a, j->a, 0, j->lda, a_rows ? M : K, a_rows ? K : M);
+            const int a_rows = j->a_kind != BF16_A_COLS, b_cols = j->b_kind == BF16_B_COLS_W;
+            bf16_dense_copy(a, j->a, j->a_kind == BF16_A_ROWS_BF16, j->lda, a_rows ? M : K,
+                            a_rows ? K : M);
             bf16_dense_copy(b, j->b, j->b_kind != BF16_B_ROWS_F32, j->ldb, b_cols ? N : K,
                             b_cols ? K : N);
             if (j->init != NULL || j->init_zero) {
@@ -483,21 +502,23 @@ int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count) {
 }
 
 
-int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                        const float* bias, int B, int T, int C, int OC) {
+int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                        const float* bias, int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     // the instruction set is read once, before any parallel region (isa.h)
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        return bf_forward(out, inp, weight, bias, BT, C, OC);
+        return bf_forward(out, inp, inp_bf16, weight, bias, BT, C, OC);
     }
 #endif
     float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C + (size_t)OC * C);
     LLMC_REQUIRE(inp_rounded != NULL, LLMC_ERR_NOMEM);
     float* weight_wide = inp_rounded + (size_t)BT * C;
-    round_into(inp_rounded, inp, BT * C);
+    inp_into(inp_rounded, inp, inp_bf16, BT * C);
     widen_into(weight_wide, weight, (int64_t)OC * C);
     const int status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
     llmc_scratch_done();
@@ -505,14 +526,16 @@ int matmul_forward_bf16(float* out, const float* inp, const uint16_t* weight,
 }
 
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
-                         const float* dout, const float* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC) {
+                         const float* dout, const void* inp, const uint16_t* weight,
+                         int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        const int status = bf_backward(dinp, dweight, dout, inp, weight, BT, C, OC);
+        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC);
         if (status != LLMC_OK || dbias == NULL) { return status; }
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
@@ -527,7 +550,7 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
         float* inp_rounded = dweight != NULL ? dout_rounded + n_dout : NULL;
         float* weight_wide = dinp != NULL ? dout_rounded + n_dout + n_inp : NULL;
         round_into(dout_rounded, dout, (int64_t)n_dout);
-        if (inp_rounded != NULL) { round_into(inp_rounded, inp, (int64_t)n_inp); }
+        if (inp_rounded != NULL) { inp_into(inp_rounded, inp, inp_bf16, (int64_t)n_inp); }
         if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
         status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
                                  B, T, C, OC);
@@ -540,19 +563,20 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
     return status;
 }
 
-int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weight,
-                              const float* bias, int B, int T, int C, int OC) {
+int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weight,
+                              const float* bias, int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, inp) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
-        const float* x = inp + (size_t)bt * C;
         for (int o = 0; o < OC; o++) {
             const uint16_t* w = weight + (size_t)o * C;
             float val = bias != NULL ? bias[o] : 0.0f;
             for (int i = 0; i < C; i++) {
-                val += llmc_bf16_widen(llmc_bf16_round(x[i])) * llmc_bf16_widen(w[i]);
+                val += inp_value(inp, inp_bf16, (size_t)bt * C + i) * llmc_bf16_widen(w[i]);
             }
             out[(size_t)bt * OC + o] = val;
         }
@@ -561,10 +585,12 @@ int matmul_forward_bf16_naive(float* out, const float* inp, const uint16_t* weig
 }
 
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
-                               const float* dout, const float* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC) {
+                               const float* dout, const void* inp, const uint16_t* weight,
+                               int B, int T, int C, int OC, int inp_dtype) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
@@ -586,9 +612,8 @@ int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
             if (dweight != NULL) {
                 const float d_rounded = llmc_bf16_widen(llmc_bf16_round(d));
                 float* dw = dweight + (size_t)o * C;
-                const float* x = inp + (size_t)bt * C;
                 for (int i = 0; i < C; i++) {
-                    dw[i] += d_rounded * llmc_bf16_widen(llmc_bf16_round(x[i]));
+                    dw[i] += d_rounded * inp_value(inp, inp_bf16, (size_t)bt * C + i);
                 }
             }
             db += d;

@@ -12,8 +12,8 @@
  *   B panel  [kp][BF_NR]  the pairs of BF_NR columns, pair by pair (a row
  *                         of the panel is three full vectors)
  * Rows past M and columns past N are zero. Every float32 source is rounded
- * to bf16 as llmc_bf16_round does (bf_round_pairs below); bf16 sources are
- * copied.
+ * to bf16 as llmc_bf16_round does (bf_round_pairs below); bf16 sources (the
+ * weight, a bf16 inp) are copied.
  */
 #ifndef LLMC_MATMUL_BF16_MICRO_H
 #define LLMC_MATMUL_BF16_MICRO_H
@@ -112,9 +112,11 @@ static inline uint32_t bf_pair_a(const struct bf16_gemm* g, int m, int p) {
     for (int h = 0; h < 2; h++) {
         const int k = 2 * p + h;
         if (m >= g->M || k >= g->K) { continue; }
-        const float x = g->a_kind == BF16_A_ROWS ? a[(size_t)m * g->lda + k]
-                                                 : a[(size_t)k * g->lda + m];
-        pair |= (uint32_t)llmc_bf16_round(x) << (16 * h);
+        const uint16_t v = g->a_kind == BF16_A_ROWS_BF16
+                           ? ((const uint16_t*)g->a)[(size_t)m * g->lda + k]
+                           : llmc_bf16_round(g->a_kind == BF16_A_ROWS ? a[(size_t)m * g->lda + k]
+                                                                      : a[(size_t)k * g->lda + m]);
+        pair |= (uint32_t)v << (16 * h);
     }
     return pair;
 }
@@ -122,8 +124,9 @@ static inline uint32_t bf_pair_a(const struct bf16_gemm* g, int m, int p) {
 /*
  * Packs rows m0 .. m0+mc of A, pairs p0 .. p0+kp, as ceil(mc / BF_MR)
  * panels of kp x BF_MR pairs.
- *   rows of A in memory (A_ROWS): per row, 16 pairs are 32 neighbouring
- *     floats; 8 rows are rounded and then transposed in registers.
+ *   rows of A in memory (A_ROWS, A_ROWS_BF16): per row, 16 pairs are 32
+ *     neighbouring floats (rounded) or bf16s (already the pairs); 8 rows are
+ *     then transposed in registers.
  *   columns (A_COLS): the 8 rows of a panel are 8 neighbouring floats of
  *     source rows 2p and 2p+1; two pairs (four source rows) at a time are
  *     rounded and zipped, walking the source rows in order.
@@ -136,19 +139,25 @@ LLMC_TARGET_AVX512BF16 static void bf_pack_a(uint32_t* ap, const struct bf16_gem
     const int K = g->K;
     const int full_mc = (g->M - m0 < mc ? g->M - m0 : mc) / BF_MR * BF_MR;   // whole panels
     int p_done = 0;   // pairs packed for the whole panels
-    if (g->a_kind == BF16_A_ROWS) {
+    if (g->a_kind == BF16_A_ROWS || g->a_kind == BF16_A_ROWS_BF16) {
+        const int a_bf16 = g->a_kind == BF16_A_ROWS_BF16;
         for (int i = 0; i < full_mc; i += BF_MR) {
             uint32_t* panel = ap + (size_t)i * kp;
             for (int p = 0; p < kp; p += 16) {
                 const int np = kp - p < 16 ? kp - p : 16;
                 const int k0 = 2 * (p0 + p);
-                const int nk = K - k0 < 32 ? K - k0 : 32;   // floats of this block
+                const int nk = K - k0 < 32 ? K - k0 : 32;   // elements of this block
                 const __mmask16 lo = bf_first16(nk), hi = bf_first16(nk - 16);
                 __m512i rows[BF_MR], out[BF_MR];
                 for (int r = 0; r < BF_MR; r++) {
-                    const float* x = a + (size_t)(m0 + i + r) * lda + k0;
-                    rows[r] = bf_round_pairs(_mm512_maskz_loadu_ps(lo, x),
-                                             _mm512_maskz_loadu_ps(hi, x + 16));
+                    const size_t at = (size_t)(m0 + i + r) * lda + k0;
+                    if (a_bf16) {
+                        rows[r] = _mm512_maskz_loadu_epi16(bf_first32(nk),
+                                                           (const uint16_t*)g->a + at);
+                    } else {
+                        rows[r] = bf_round_pairs(_mm512_maskz_loadu_ps(lo, a + at),
+                                                 _mm512_maskz_loadu_ps(hi, a + at + 16));
+                    }
                 }
                 bf_transpose8x16(rows, out);
                 uint32_t* dst = panel + (size_t)p * BF_MR;
@@ -318,16 +327,17 @@ static inline struct bf_lines bf_block_lines(const struct bf16_gemm* g, int m0, 
     struct bf_lines w;
     size_t len;
     int64_t rows;
-    if (g->a_kind == BF16_A_ROWS) {
-        w.row = (const char*)((const float*)g->a + (size_t)m0 * g->lda + (size_t)k0);
-        len = (size_t)(k1 - k0) * sizeof(float);
+    const size_t elem = g->a_kind == BF16_A_ROWS_BF16 ? sizeof(uint16_t) : sizeof(float);
+    if (g->a_kind != BF16_A_COLS) {
+        w.row = (const char*)g->a + ((size_t)m0 * g->lda + (size_t)k0) * elem;
+        len = (size_t)(k1 - k0) * elem;
         rows = rows_m;
     } else {
-        w.row = (const char*)((const float*)g->a + (size_t)k0 * g->lda + (size_t)m0);
-        len = (size_t)rows_m * sizeof(float);
+        w.row = (const char*)g->a + ((size_t)k0 * g->lda + (size_t)m0) * elem;
+        len = (size_t)rows_m * elem;
         rows = k1 - k0;
     }
-    w.stride = g->lda * sizeof(float);
+    w.stride = g->lda * elem;
     w.per_row = (int)((len + 63) / 64) + 1;
     w.line = 0;
     w.count = rows * w.per_row;
@@ -482,18 +492,22 @@ LLMC_TARGET_AVX512BF16 static void bf_skinny(float* out, size_t ldo, const uint3
     }
 }
 
-/* The rounded pairs of the M rows of a row-major float32 x [M, K], into
-   xp [M, kp] with kp = ceil(K / 2) (the skinny kernel's inp). */
-LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const float* x, int K, int64_t M) {
+/* The pairs of the M rows of a row-major x [M, K], float32 (rounded) or
+   bf16 (x_bf16: copied), into xp [M, kp] with kp = ceil(K / 2) (the skinny
+   kernel's inp). */
+LLMC_TARGET_AVX512BF16 static void bf_round_rows(uint32_t* xp, const void* x, int x_bf16, int K,
+                                                 int64_t M) {
     const int kp = (K + 1) / 2;
     for (int64_t m = 0; m < M; m++) {
-        const float* x_m = x + (size_t)m * K;
         uint32_t* xp_m = xp + (size_t)m * kp;
         for (int p = 0; p < kp; p += 16) {
             const int nk = K - 2 * p;
-            const __m512i pairs = bf_round_pairs(_mm512_maskz_loadu_ps(bf_first16(nk), x_m + 2 * p),
-                                                 _mm512_maskz_loadu_ps(bf_first16(nk - 16),
-                                                                       x_m + 2 * p + 16));
+            const size_t at = (size_t)m * K + 2 * (size_t)p;
+            const __m512i pairs =
+                x_bf16 ? _mm512_maskz_loadu_epi16(bf_first32(nk), (const uint16_t*)x + at)
+                       : bf_round_pairs(_mm512_maskz_loadu_ps(bf_first16(nk), (const float*)x + at),
+                                        _mm512_maskz_loadu_ps(bf_first16(nk - 16),
+                                                              (const float*)x + at + 16));
             _mm512_mask_storeu_epi32(xp_m + p, bf_first16(kp - p), pairs);
         }
     }

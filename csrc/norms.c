@@ -1,4 +1,5 @@
-/* LayerNorm (GPT-2) and RMSNorm (Llama), each forward and backward. Rows are
+/* LayerNorm (GPT-2) and RMSNorm (Llama), each forward (alone, or after the
+   residual add: residual_*norm_forward) and backward. Rows are
    parallel, each row one call of its per-ISA row function (isa.h); the
    parameter gradients, sums over rows, are llmc_column_sums (colsum.c). */
 #include "llmc.h"
@@ -12,12 +13,30 @@ static LLMC_ALWAYS_INLINE float sum16(const float* a, int n) {
     return llmc_hsum16(acc);
 }
 
-/* One row of the forward. The variance is taken about the mean (two
-   passes), which stays accurate when |mean| is large against the spread;
-   both sums run on 16 lanes. */
-static LLMC_ALWAYS_INLINE void layernorm_forward_row_body(float* y, float* mean, float* rstd,
-                                                          const float* x, const float* weight,
+/* The forward's output element i of a row: float32, or rounded to bf16.
+   Both stores take the same float32 value, so the bf16 one is bitwise the
+   float32 one rounded. */
+static LLMC_ALWAYS_INLINE void store_out(void* y, int y_bf16, int i, float v) {
+    if (y_bf16) { ((uint16_t*)y)[i] = llmc_bf16_round(v); }
+    else { ((float*)y)[i] = v; }
+}
+
+/* x, or with add (the fused residual): r = x + add, written, and then r. */
+static LLMC_ALWAYS_INLINE const float* residual_row(float* r, const float* x, const float* add,
+                                                    int C) {
+    if (add == NULL) { return x; }
+    for (int i = 0; i < C; i++) { r[i] = x[i] + add[i]; }
+    return r;
+}
+
+/* One row of the forward (of x + add, into r, with add). The variance is
+   taken about the mean (two passes), which stays accurate when |mean| is
+   large against the spread; both sums run on 16 lanes. */
+static LLMC_ALWAYS_INLINE void layernorm_forward_row_body(void* y, int y_bf16, float* mean,
+                                                          float* rstd, float* r, const float* x,
+                                                          const float* add, const float* weight,
                                                           const float* bias, int C, float eps) {
+    x = residual_row(r, x, add, C);
     const float m = sum16(x, C) / C;
     vec16f sumsq = {0};
     for (int i = 0; i < C; i += 16) {
@@ -26,35 +45,68 @@ static LLMC_ALWAYS_INLINE void layernorm_forward_row_body(float* y, float* mean,
         sumsq += llmc_select16(llmc_lanes_below(n), d * d, (vec16f){0});
     }
     const float s = 1.0f / sqrtf(llmc_hsum16(sumsq) / C + eps);
-    for (int i = 0; i < C; i++) { y[i] = (x[i] - m) * s * weight[i] + bias[i]; }
+    // one loop per output type, so that each vectorises
+    if (y_bf16) {
+        for (int i = 0; i < C; i++) { store_out(y, 1, i, (x[i] - m) * s * weight[i] + bias[i]); }
+    } else {
+        for (int i = 0; i < C; i++) { store_out(y, 0, i, (x[i] - m) * s * weight[i] + bias[i]); }
+    }
     *mean = m;
     *rstd = s;
 }
-LLMC_ISA_VARIANTS(layernorm_forward_row, (float* y, float* mean, float* rstd, const float* x,
+LLMC_ISA_VARIANTS(layernorm_forward_row, (void* y, int y_bf16, float* mean, float* rstd,
+                                          float* r, const float* x, const float* add,
                                           const float* weight, const float* bias, int C,
                                           float eps),
-                  y, mean, rstd, x, weight, bias, C, eps)
+                  y, y_bf16, mean, rstd, r, x, add, weight, bias, C, eps)
 
-int layernorm_forward(float* out, float* mean, float* rstd,
-                      const float* inp, const float* weight, const float* bias,
-                      int B, int T, int C, float eps) {
+/* Element size of an out_dtype, or 0 if it is none. */
+static size_t out_elem(int out_dtype) {
+    return out_dtype == LLMC_DTYPE_F32 ? sizeof(float)
+           : out_dtype == LLMC_DTYPE_BF16 ? sizeof(uint16_t) : 0;
+}
+
+/* layernorm_forward, and with add (not NULL) residual_layernorm_forward. */
+static int layernorm_rows(float* residual, void* out, float* mean, float* rstd,
+                          const float* inp, const float* add, const float* weight,
+                          const float* bias, int B, int T, int C, float eps, int out_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, mean, rstd) && LLMC_NONNULL3(inp, weight, bias),
                  LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(eps >= 0.0f, LLMC_ERR_VALUE);   // NaN fails too
+    const size_t elem = out_elem(out_dtype);
+    LLMC_REQUIRE(elem > 0, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // rows are independent
     const int isa = llmc_get_isa();
-    void (*const row)(float*, float*, float*, const float*, const float*, const float*, int,
-                      float) = LLMC_ISA_SELECT(isa, layernorm_forward_row);
+    void (*const row)(void*, int, float*, float*, float*, const float*, const float*,
+                      const float*, const float*, int, float) =
+        LLMC_ISA_SELECT(isa, layernorm_forward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
-        row(out + (size_t)bt * C, mean + bt, rstd + bt, inp + (size_t)bt * C, weight, bias, C,
-            eps);
+        row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, mean + bt,
+            rstd + bt, add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
+            add != NULL ? add + (size_t)bt * C : NULL, weight, bias, C, eps);
     }
     return LLMC_OK;
+}
+
+int layernorm_forward(void* out, float* mean, float* rstd,
+                      const float* inp, const float* weight, const float* bias,
+                      int B, int T, int C, float eps, int out_dtype) {
+    return layernorm_rows(NULL, out, mean, rstd, inp, NULL, weight, bias, B, T, C, eps,
+                          out_dtype);
+}
+
+int residual_layernorm_forward(float* residual, void* out, float* mean, float* rstd,
+                               const float* inp1, const float* inp2, const float* weight,
+                               const float* bias, int B, int T, int C, float eps,
+                               int out_dtype) {
+    LLMC_REQUIRE(LLMC_NONNULL2(residual, inp2), LLMC_ERR_NULL);
+    return layernorm_rows(residual, out, mean, rstd, inp1, inp2, weight, bias, B, T, C, eps,
+                          out_dtype);
 }
 
 /* One row of pass 1 of the backward, dinp. With n = (x - mean) * rstd and
@@ -118,34 +170,61 @@ static LLMC_ALWAYS_INLINE float dot3(const float* a, const float* b, const float
     return llmc_hsum16(acc);
 }
 
-/* One row of the forward. The sum of squares runs on 16 lanes (llmc_dot),
-   whose partial sums also round less than one int64_t serial sum. */
-static LLMC_ALWAYS_INLINE void rmsnorm_forward_row_body(float* y, float* rstd, const float* x,
-                                                        const float* weight, int C, float eps) {
+/* One row of the forward (of x + add, into r, with add). The sum of
+   squares runs on 16 lanes (llmc_dot), whose partial sums also round less
+   than one serial sum. */
+static LLMC_ALWAYS_INLINE void rmsnorm_forward_row_body(void* y, int y_bf16, float* rstd,
+                                                        float* r, const float* x,
+                                                        const float* add, const float* weight,
+                                                        int C, float eps) {
+    x = residual_row(r, x, add, C);
     const float s = 1.0f / sqrtf(llmc_dot(x, x, C) / C + eps);
-    for (int i = 0; i < C; i++) { y[i] = x[i] * s * weight[i]; }
+    if (y_bf16) {
+        for (int i = 0; i < C; i++) { store_out(y, 1, i, x[i] * s * weight[i]); }
+    } else {
+        for (int i = 0; i < C; i++) { store_out(y, 0, i, x[i] * s * weight[i]); }
+    }
     *rstd = s;
 }
-LLMC_ISA_VARIANTS(rmsnorm_forward_row, (float* y, float* rstd, const float* x,
-                                        const float* weight, int C, float eps),
-                  y, rstd, x, weight, C, eps)
+LLMC_ISA_VARIANTS(rmsnorm_forward_row, (void* y, int y_bf16, float* rstd, float* r,
+                                        const float* x, const float* add, const float* weight,
+                                        int C, float eps),
+                  y, y_bf16, rstd, r, x, add, weight, C, eps)
 
-int rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight,
-                    int B, int T, int C, float eps) {
+/* rmsnorm_forward, and with add (not NULL) residual_rmsnorm_forward. */
+static int rmsnorm_rows(float* residual, void* out, float* rstd, const float* inp,
+                        const float* add, const float* weight, int B, int T, int C, float eps,
+                        int out_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, rstd, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(eps >= 0.0f, LLMC_ERR_VALUE);   // NaN fails too
+    const size_t elem = out_elem(out_dtype);
+    LLMC_REQUIRE(elem > 0, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // rows are independent
-    void (*const row)(float*, float*, const float*, const float*, int, float) =
-        LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
+    void (*const row)(void*, int, float*, float*, const float*, const float*, const float*, int,
+                      float) = LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
-        row(out + (size_t)bt * C, rstd + bt, inp + (size_t)bt * C, weight, C, eps);
+        row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, rstd + bt,
+            add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
+            add != NULL ? add + (size_t)bt * C : NULL, weight, C, eps);
     }
     return LLMC_OK;
+}
+
+int rmsnorm_forward(void* out, float* rstd, const float* inp, const float* weight,
+                    int B, int T, int C, float eps, int out_dtype) {
+    return rmsnorm_rows(NULL, out, rstd, inp, NULL, weight, B, T, C, eps, out_dtype);
+}
+
+int residual_rmsnorm_forward(float* residual, void* out, float* rstd, const float* inp1,
+                             const float* inp2, const float* weight, int B, int T, int C,
+                             float eps, int out_dtype) {
+    LLMC_REQUIRE(LLMC_NONNULL2(residual, inp2), LLMC_ERR_NULL);
+    return rmsnorm_rows(residual, out, rstd, inp1, inp2, weight, B, T, C, eps, out_dtype);
 }
 
 /* One row of pass 1 of the backward, dinp. With s = rstd, n = x * s and
@@ -207,14 +286,16 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
     const int64_t rows = (int64_t)B * T * nnorm;
 
     // each (b, t, head) is one row of rmsnorm; v heads are copied
-    void (*const norm_row)(float*, float*, const float*, const float*, int, float) =
+    void (*const norm_row)(void*, int, float*, float*, const float*, const float*,
+                           const float*, int, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t bt = r / nnorm;
         const int h = (int)(r % nnorm);
         const size_t at = (size_t)bt * row + (size_t)h * hs;
-        norm_row(out + at, rstd + r, inp + at, h < NH ? qweight : kweight, hs, eps);
+        norm_row(out + at, 0, rstd + r, NULL, inp + at, NULL, h < NH ? qweight : kweight, hs,
+                 eps);
         if (h == nnorm - 1 && out != inp) {
             const size_t v0 = (size_t)bt * row + (size_t)nnorm * hs;
             for (size_t i = 0; i < (size_t)NKV * hs; i++) { out[v0 + i] = inp[v0 + i]; }

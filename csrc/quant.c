@@ -547,7 +547,7 @@ int matmul_forward_quant_panels(float* out, const float* inp, const uint8_t* wei
         const int nr = OC - o0 < R ? OC - o0 : R;
         dequantize_tile_bf16(tile, weight, IC, qtype, o0, nr, 0, IC);
         result = matmul_forward_bf16(part, inp, tile, bias != NULL ? bias + o0 : NULL,
-                                     1, N, IC, nr);
+                                     1, N, IC, nr, LLMC_DTYPE_F32);
         for (int n = 0; n < N && result == LLMC_OK; n++) {
             memcpy(out + (size_t)n * OC + o0, part + (size_t)n * nr, (size_t)nr * sizeof(float));
         }
@@ -572,7 +572,8 @@ int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* 
         for (int n = 0; n < N; n++) {
             memcpy(part + (size_t)n * nc, dinp + (size_t)n * IC + i0, (size_t)nc * sizeof(float));
         }
-        result = matmul_backward_bf16(part, NULL, NULL, dout, NULL, tile, 1, N, nc, OC);
+        result = matmul_backward_bf16(part, NULL, NULL, dout, NULL, tile, 1, N, nc, OC,
+                                      LLMC_DTYPE_F32);
         for (int n = 0; n < N && result == LLMC_OK; n++) {
             memcpy(dinp + (size_t)n * IC + i0, part + (size_t)n * nc, (size_t)nc * sizeof(float));
         }

@@ -344,3 +344,43 @@ def test_new_activations_reject_wrong_shapes(rng, name):
         getattr(K, f"{name}_forward")(np.empty((4, 7), np.float32), x)
     with pytest.raises(llmc_py.ShapeError, match="dout"):
         getattr(K, f"{name}_backward")(np.zeros_like(x), np.zeros((4, 7), np.float32), x)
+
+
+# ---- bf16 outputs: every MLP activation's forward ------------------------------------
+
+@pytest.mark.parametrize("name", K.MLP_ACTIVATIONS)
+def test_bf16_output_is_the_float32_output_rounded(rng, isa, set_threads, name):
+    """out in bf16 is bitwise float_to_bf16 of the float32 out (nearest even;
+    NaN quiet, overflow to inf), whole and partial vectors, rows split across
+    threads, at 1, 2 and 3 threads."""
+    forward_kernel = K.MLP_ACTIVATIONS[name][0]
+    gated = name in ("swiglu", "geglu", "reglu")
+    for shape in ([(37, 2 * 67), (2 * 17,), (1, 2 * 2048), (3, 5, 2 * 40)] if gated
+                  else [(1,), (37, 67), (2, 3, 1000)]):
+        x = randn(rng, *shape, scale=3.0)
+        special = np.array([np.nan, np.inf, -np.inf, 3.4e38, 1e-40, -0.0, 1.0 + 2.0 ** -8],
+                           np.float32)
+        n = min(x.size, special.size)
+        x.reshape(-1)[:n] = special[:n]
+        out_shape = shape[:-1] + (shape[-1] // 2,) if gated else shape
+        f32 = np.empty(out_shape, np.float32)
+        forward_kernel(f32, x)
+        expected = np.empty(out_shape, np.uint16)
+        K.float_to_bf16(expected, f32)
+        for threads in (1, 2, 3):
+            set_threads(threads)
+            ours = np.full(out_shape, 0xFFFF, np.uint16)
+            forward_kernel(ours, x)
+            assert np.array_equal(ours, expected), f"{name} {shape}, {threads} threads"
+
+
+def test_activation_output_dtype_is_checked(rng):
+    from llmc_py._native.lib import ffi, lib
+    x = randn(rng, 4, 6)
+    with pytest.raises(TypeError, match="out must be a float32 or bf16"):
+        K.swiglu_forward(np.empty((4, 3), np.float64), x)
+    fp = lambda a: ffi.cast("float*", a.ctypes.data)
+    out = np.empty_like(x)
+    for kernel in (lib.gelu_forward, lib.relu_forward, lib.gelu_erf_forward):
+        assert kernel(fp(out), fp(x), x.size, 2) == lib.LLMC_ERR_VALUE
+    assert lib.reglu_forward(fp(out), fp(x), 4, 3, -1) == lib.LLMC_ERR_VALUE

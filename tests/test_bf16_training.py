@@ -26,6 +26,7 @@ import model_reference as ref
 import test_llama_step as llama_tests
 from llmc_py import GPT2, load_model
 from llmc_py._native import kernels as K
+from llmc_py.model.layout import float32_of
 from test_gpt2_step import ADAMW, SMALL, make_batch, make_model, max_rel_error
 
 LAYER_TOL = 2e-5
@@ -77,16 +78,18 @@ def check_layers_teacher_forced(model, x, y):
     calls = {"forward": [], "backward": []}
     forward, backward = model._matmul_forward, model._matmul_backward
 
+    # an input the model keeps in bf16 (layout.act_dtypes) is recorded widened: its values
     def recording_forward(out, inp, weight, bias):
         forward(out, inp, weight, bias)
-        calls["forward"].append([a if a is None else a.copy() for a in (out, inp, bias)]
-                                + [weight])
+        calls["forward"].append([a if a is None else a.copy()
+                                 for a in (out, float32_of(inp), bias)] + [weight])
     def recording_backward(dinp, dweight, dbias, dout, inp, weight):
         before = dweight.copy()
         own = np.zeros_like(dinp)   # this call's part of dinp
         backward(own, dweight, dbias, dout, inp, weight)
         dinp += own
-        calls["backward"].append((own, dweight - before, dout.copy(), inp.copy(), weight))
+        calls["backward"].append((own, dweight - before, dout.copy(), float32_of(inp).copy(),
+                                  weight))
     model._matmul_forward, model._matmul_backward = recording_forward, recording_backward
     try:
         model.zero_grad()
@@ -306,3 +309,106 @@ def test_bf16_training_resumes_bitwise_and_samples(shards, tmp_path, monkeypatch
     np.testing.assert_allclose(ours, theirs, rtol=2e-2)
     model = load_model(straight / "model_00000006.bin", precision="bf16")
     assert len(model.generate([50256, 464], 5, temperature=0)) == 5
+
+
+# ---- bf16 storage of the activations only matmuls read -------------------------------
+
+def float32_storage(monkeypatch):
+    """Makes every model lay its activations out in float32 alone (as before
+    bf16 storage), for the comparison below."""
+    from llmc_py.model.transformer import Transformer
+    monkeypatch.setattr(Transformer, "act_dtypes", property(lambda self: {}))
+
+
+STORAGE_CONFIGS = {   # over test_llama_step's BASE, plus MoE layers
+    "llama": {}, "parallel-gptj": llama_tests.CONFIGS["parallel-gptj"],
+    "post-layernorm-learned": llama_tests.CONFIGS["post-layernorm-learned"],
+    "relu-layernorm-bias": llama_tests.CONFIGS["relu-layernorm-bias"],
+    "moe-dense-and-experts": dict(num_experts=3, experts_per_token=2, expert_hidden=24,
+                                  moe_every=2, num_layers=3),
+    "moe-parallel": dict(block="parallel", num_experts=3, experts_per_token=2,
+                         expert_hidden=24),
+}
+
+
+def storage_run(model, x, y):
+    """Everything a step computes, as bits: two forward + backward passes
+    (recompute off, then on, with dropout) and KV-cache decoding."""
+    from llmc_py.model.dropout import Dropout
+    out = {}
+    for recompute in (False, True):
+        model.recompute = recompute
+        model.zero_grad()
+        drop = Dropout(attention=0.1, residual=0.1, seed=5) if recompute else None
+        out[f"loss{recompute}"] = np.float64(model.forward(x, y, dropout=drop))
+        out[f"logits{recompute}"] = model.logits.copy()
+        model.backward()
+        out[f"grads{recompute}"] = model.trained[1].memory.copy()
+    out["generated"] = np.array(model.generate([[1, 2, 3]], 5, temperature=0))
+    return out
+
+
+@pytest.mark.parametrize("name", STORAGE_CONFIGS)
+def test_bf16_activation_storage_changes_no_bit(monkeypatch, name):
+    """A bf16 model keeping ln1, ln2 and fch_act in bf16 (pre-norm, parallel;
+    post-norm keeps them float32) computes bitwise what it computed keeping
+    them in float32: the matmuls read the bf16 values they rounded to before,
+    the MoE gather widens them exactly; through recompute, dropout and
+    KV-cache decoding."""
+    config = dataclasses.replace(llama_tests.BASE, **STORAGE_CONFIGS[name])
+    x, y = make_batch(config, 2, 9, seed=3)
+    model = bf16_twin(llama_tests.make_model(config, seed=4))
+    model.forward(x, y)
+    kept = {n: model.acts[n].dtype for n in ("ln1", "ln2", "fch_act") if n in model.acts}
+    assert kept and all((dtype == np.float32) == (config.block == "post")
+                        for dtype in kept.values()), kept
+    bf16 = storage_run(model, x, y)
+    float32_storage(monkeypatch)
+    model = bf16_twin(llama_tests.make_model(config, seed=4))
+    model.forward(x, y)
+    assert all(model.acts[n].dtype == np.float32 for n in kept)
+    f32 = storage_run(model, x, y)
+    for key, value in bf16.items():
+        assert np.array_equal(value, f32[key]), key
+
+
+def test_lora_on_bf16_activations_changes_no_bit(monkeypatch):
+    """LoRA adapters on a frozen bf16 base read its bf16 ln1, ln2 and
+    fch_act as the base matmuls do: the same bits as from float32 storage."""
+    config = llama_tests.BASE
+    x, y = make_batch(config, 2, 9, seed=3)
+
+    def adapted():
+        base = llama_tests.make_model(config, seed=4)
+        model = type(base)(config, params=base.params.memory, precision="bf16", frozen=True)
+        model.add_lora(4, 8.0, seed=1)
+        model.lora.params.memory[...] = np.random.default_rng(2).standard_normal(
+            model.lora.params.size).astype(np.float32) * 0.1
+        model.zero_grad()
+        loss = model.forward(x, y)
+        logits = model.logits.copy()
+        model.backward()
+        return loss, logits, model.lora.grads.memory.copy()
+
+    bf16 = adapted()
+    float32_storage(monkeypatch)
+    for ours, theirs in zip(bf16, adapted()):
+        assert np.array_equal(ours, theirs)
+
+
+def test_a_quantized_bf16_model_keeps_float32_activations():
+    """A quantized base's matmuls read float32 inputs: quantizing a bf16 model
+    lays its activations out in float32 again (with and without recompute),
+    and it forwards, decodes and plans so."""
+    config = llama_tests.BASE
+    x, y = make_batch(config, 2, 9, seed=3)
+    model = bf16_twin(llama_tests.make_model(config, seed=4))
+    model.forward(x, y)
+    assert model.acts.ln1.dtype == np.uint16
+    model.quantize("q8_0")
+    for recompute in (False, True):
+        model.recompute = recompute
+        assert np.isfinite(model.forward(x, y))
+        assert all(model.acts[n].dtype == np.float32 for n in ("ln1", "ln2", "fch_act"))
+        assert model.acts.buffer.nbytes >= model.memory_plan(2, 9, training=False)["activations"]
+    assert len(model.generate([[1, 2, 3]], 3, temperature=0)[0]) == 3

@@ -98,15 +98,24 @@ _ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights"}),
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
 _GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}))
 
+
+
+def _bad_dtype(param):
+    """An llmc_dtype argument that is neither float32 nor bf16."""
+    return (({param: 2}, "LLMC_ERR_VALUE"), ({param: -1}, "LLMC_ERR_VALUE"))
+
+
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
 ROWS = {
     "encoder_forward": Row(optional=frozenset({"wpe"})),
     "encoder_backward": Row(optional=frozenset({"dwpe"})),
     "sinusoidal_forward": Row(optional=frozenset({"pos"})),
-    "layernorm_forward": Row(bad=_NEGATIVE_EPS),
+    "layernorm_forward": Row(bad=_NEGATIVE_EPS + _bad_dtype("out_dtype")),
+    "residual_layernorm_forward": Row(bad=_NEGATIVE_EPS + _bad_dtype("out_dtype")),
     "layernorm_backward": Row(optional=frozenset({"dweight", "dbias"})),   # frozen norms
-    "rmsnorm_forward": Row(bad=_NEGATIVE_EPS),
+    "rmsnorm_forward": Row(bad=_NEGATIVE_EPS + _bad_dtype("out_dtype")),
+    "residual_rmsnorm_forward": Row(bad=_NEGATIVE_EPS + _bad_dtype("out_dtype")),
     "rmsnorm_backward": Row(optional=frozenset({"dweight"})),
     "head_rmsnorm_forward": Row(bad=(({"eps": -1.0}, "LLMC_ERR_VALUE"),
                                      ({"eps": float("nan")}, "LLMC_ERR_VALUE"),
@@ -118,10 +127,12 @@ ROWS = {
     "matmul_backward_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
     "float_to_bf16": Row(),
     "bf16_to_float": Row(),
-    "matmul_forward_bf16": Row(optional=frozenset({"bias"})),
-    "matmul_backward_bf16": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
-    "matmul_forward_bf16_naive": Row(optional=frozenset({"bias"})),
-    "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "matmul_forward_bf16": Row(optional=frozenset({"bias"}), bad=_bad_dtype("inp_dtype")),
+    "matmul_backward_bf16": Row(optional=frozenset({"dinp", "dweight", "dbias"}),
+                                bad=_bad_dtype("inp_dtype")),
+    "matmul_forward_bf16_naive": Row(optional=frozenset({"bias"}), bad=_bad_dtype("inp_dtype")),
+    "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"}),
+                                      bad=_bad_dtype("inp_dtype")),
     "quantize_rows": Row(**_QUANT),
     "dequantize_rows": Row(**_QUANT),
     "matmul_forward_quant": Row(**_QUANT_MATMUL),
@@ -155,17 +166,17 @@ ROWS = {
                                ({"B": 2}, "LLMC_ERR_RANGE"), ({"B": 2, "P": 2}, "LLMC_OK"),
                                ({"cos_table": ffi.NULL, "sin_table": ffi.NULL, "B": 2, "hs": 3},
                                 "LLMC_OK"))),
-    "swiglu_forward": Row(),
+    "swiglu_forward": Row(bad=_bad_dtype("out_dtype")),
     "swiglu_backward": Row(),
-    "gelu_forward": Row(),
+    "gelu_forward": Row(bad=_bad_dtype("out_dtype")),
     "gelu_backward": Row(),
-    "gelu_erf_forward": Row(),
+    "gelu_erf_forward": Row(bad=_bad_dtype("out_dtype")),
     "gelu_erf_backward": Row(),
-    "relu_forward": Row(),
+    "relu_forward": Row(bad=_bad_dtype("out_dtype")),
     "relu_backward": Row(),
-    "geglu_forward": Row(),
+    "geglu_forward": Row(bad=_bad_dtype("out_dtype")),
     "geglu_backward": Row(),
-    "reglu_forward": Row(),
+    "reglu_forward": Row(bad=_bad_dtype("out_dtype")),
     "reglu_backward": Row(),
     "residual_forward": Row(),
     "residual_backward": Row(),
@@ -227,10 +238,10 @@ def test_raw_call_returns_status_and_process_survives():
     B, T, C = 1, 2, 4
     buf = ffi.new("float[]", B * T * C)
     stat = ffi.new("float[]", B * T)
-    assert lib.layernorm_forward(buf, stat, stat, buf, buf, buf, 0, T, C, 1e-5) \
+    assert lib.layernorm_forward(buf, stat, stat, buf, buf, buf, 0, T, C, 1e-5, lib.LLMC_DTYPE_F32) \
         == lib.LLMC_ERR_SHAPE
     assert lib.layernorm_forward(ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL,
-                                 B, T, C, 1e-5) == lib.LLMC_ERR_NULL
+                                 B, T, C, 1e-5, lib.LLMC_DTYPE_F32) == lib.LLMC_ERR_NULL
     assert lib.attention_forward(buf, buf, buf, 1, 1, 3, 2) == lib.LLMC_ERR_SHAPE   # C % NH
     assert lib.softmax_forward(buf, buf, 1, 1, 5, 4) == lib.LLMC_ERR_SHAPE         # V > Vp
     tokens = ffi.new("int[]", [0, 7])
@@ -272,7 +283,9 @@ class Call:
                 fill = self.row.fill.get(param)
                 if fill is not None:
                     fill = list(fill) if isinstance(fill, tuple) else [fill] * self.row.elements
-                self.buffers[param] = ffi.new(f"{ctype.item.cname}[{self.row.elements}]", fill)
+                # a void* activation: float32 or bf16 (its *_dtype says), floats will do
+                item = "float" if ctype.item.cname == "void" else ctype.item.cname
+                self.buffers[param] = ffi.new(f"{item}[{self.row.elements}]", fill)
                 self.args[param] = self.buffers[param]
             elif ctype.cname in ("int", "int64_t"):
                 self.args[param] = self.row.valid.get(param, 1)
@@ -285,8 +298,9 @@ class Call:
         return [p for p, t in self.types.items() if t.kind == "pointer"]
 
     def sizes(self):
-        return [p for p, t in self.types.items()
-                if t.cname in ("int", "int64_t") and p not in self.row.not_sizes]
+        # an llmc_dtype argument (*_dtype: 1, bf16, by default) is no size
+        return [p for p, t in self.types.items() if t.cname in ("int", "int64_t")
+                and p not in self.row.not_sizes and not p.endswith("_dtype")]
 
     def tokens(self):
         return [p for p, t in self.types.items()
@@ -410,10 +424,11 @@ def test_a_declaration_that_disagrees_with_its_c_function_fails_when_built():
     with pytest.raises(TypeError, match="does not match its C arguments"):
         bind(vars(K), lib, "gelu_forward", "out[...] written | N from out", "")   # no inp
     with pytest.raises(TypeError, match="declared an array but C takes int64_t"):
-        bind(vars(K), lib, "gelu_forward", "out[...] written, inp[...], n[3]", "")
+        bind(vars(K), lib, "gelu_forward", "out[...] written, inp[...], n[3], d[1]", "")
     with pytest.raises(ValueError, match="unknown or repeated qualifiers"):
         bind(vars(K), lib, "gelu_forward", "out[...] writen, inp[...] | N from inp", "")
-    wrapper = bind(vars(K), lib, "gelu_forward", "out[...] written, inp[...] | N from inp", "doc")
+    wrapper = bind(vars(K), lib, "gelu_forward",
+                   "out[...] written, inp[...] | N from inp | dtype(out)", "doc")
     x = np.array([0.0, 1.0], np.float32)
     out = np.empty_like(x)
     wrapper(out, x)

@@ -33,6 +33,7 @@ ISAS = llmc_py.supported_isas()
 WIDENED = [isa for isa in ISAS if isa != "avx512bf16"]   # round, widen, float32 GEMM
 DOT = [isa for isa in ISAS if isa == "avx512bf16"]        # vdpbf16ps
 U = 2.0 ** -24
+F32 = lib.LLMC_DTYPE_F32
 
 SHAPES = [  # B, T, C, OC
     (4, 64, 768, 2304),   # GPT-2 124M at B*T = 256: qkv
@@ -331,7 +332,8 @@ def test_backward_skips_a_product_given_none(use_isa, isa, variant, skip):
     fn = lib.matmul_backward_bf16_naive if variant == "naive" else lib.matmul_backward_bf16
     dbias = np.zeros(45, np.float32)
     status = fn(ffi.NULL, ffi.NULL, ffi.cast("float*", dbias.ctypes.data),
-                ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, 2, 17, 67, 45)
+                ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, 2, 17, 67, 45,
+                lib.LLMC_DTYPE_F32)
     assert status == lib.LLMC_OK
     np.testing.assert_array_equal(dbias, full["dbias"])
 
@@ -379,16 +381,79 @@ def test_rejects_bad_shapes_and_null(variant):
     bwd = lib.matmul_backward_bf16_naive if variant == "naive" else lib.matmul_backward_bf16
     fp = lambda a: ffi.cast("float*", a.ctypes.data)
     hp = ffi.cast("uint16_t*", w16.ctypes.data)
-    assert fwd(fp(out), fp(x), hp, ffi.NULL, 0, 17, 67, 45) == lib.LLMC_ERR_SHAPE
-    assert fwd(fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, -1) == lib.LLMC_ERR_SHAPE
-    assert fwd(ffi.NULL, fp(x), hp, ffi.NULL, 2, 17, 67, 45) == lib.LLMC_ERR_NULL
-    assert fwd(fp(out), fp(x), ffi.NULL, ffi.NULL, 2, 17, 67, 45) == lib.LLMC_ERR_NULL
+    assert fwd(fp(out), fp(x), hp, ffi.NULL, 0, 17, 67, 45, F32) == lib.LLMC_ERR_SHAPE
+    assert fwd(fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, -1, F32) == lib.LLMC_ERR_SHAPE
+    assert fwd(ffi.NULL, fp(x), hp, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
+    assert fwd(fp(out), fp(x), ffi.NULL, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
     dinp = np.zeros_like(x)
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45, F32) \
         == lib.LLMC_ERR_NULL                                        # no dout
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45, F32) \
         == lib.LLMC_ERR_NULL                                        # dinp needs the weight
-    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45) \
+    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45, F32) \
         == lib.LLMC_ERR_NULL                                        # dweight needs inp
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45, F32) \
         == lib.LLMC_ERR_SHAPE
+
+
+# shapes for the bf16 inp: the skinny forward, edge tiles, odd K, two K blocks
+BF16_INP_SHAPES = [(2, 17, 67, 45), (1, 37, 37, 29), (3, 13, 100, 97), (1, 5, 130, 200),
+                   (1, 12, 33, 50), (1, 13, 33, 50), (2, 9, 1000, 70), (1, 801, 40, 1001),
+                   (1, 1, 1, 1), (2, 64, 768, 768)]
+
+
+def special_inputs(x):
+    """x with some elements replaced by values whose rounding is special: the
+    float32 denormals that round up to 2^-126, bf16 denormals, an infinity,
+    values past the largest bf16 and halfway cases (ties to even)."""
+    x = x.copy()
+    specials = np.array([0x007F8000, 0x807FFFFF, 0x00010000, 0x80030000, 0x7F800000,
+                         0x7F7FFFFF, 0x3F808000, 0x3F818000, 0xBF808000], np.uint32)
+    flat = x.reshape(-1)
+    where = np.random.default_rng(flat.size).choice(flat.size, min(flat.size, 9),
+                                                    replace=False)
+    flat[where] = specials[:len(where)].view(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("variant", ["", "naive"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_inp_gives_bitwise_its_float32_sources_results(set_threads, use_isa, isa,
+                                                             variant):
+    """inp given as bf16 (a norm's or an activation's bf16 output) is read as
+    it is where a float32 inp is rounded: the forward, dinp, dweight and dbias
+    are bitwise those of the float32 array it was rounded from, on every path
+    (skinny rows, GEMM tiles, widened copies, the naive loops), at 1, 2 and 3
+    threads."""
+    use_isa(isa)
+    for B, T, C, OC in BF16_INP_SHAPES:
+        if variant == "naive" and B * T * C * OC > 10**7:
+            continue
+        x, w16, bias, dout, _ = layer(B, T, C, OC)
+        x = special_inputs(x)
+        x16 = np.empty(x.shape, np.uint16)
+        K.float_to_bf16(x16, x)
+        zeros = {"dinp": np.zeros(x.shape, np.float32), "dweight": np.zeros(w16.shape, np.float32),
+                 "dbias": np.zeros(OC, np.float32)}
+        expected = {"out": forward(x, w16, bias, variant),
+                    **backward(dout, x, w16, variant, start=zeros)}
+        for threads in (1, 2, 3):
+            set_threads(threads)
+            ours = {"out": forward(x16, w16, bias, variant),
+                    **backward(dout, x16, w16, variant, start=zeros)}
+            for name, value in expected.items():
+                assert np.array_equal(ours[name].view(np.uint32), value.view(np.uint32)), (
+                    f"{name} at {(B, T, C, OC)}, {threads} threads")
+
+
+def test_inp_dtype_is_checked():
+    x, w16, bias, _, _ = layer(2, 17, 67, 45)
+    out = np.empty((2, 17, 45), np.float32)
+    with pytest.raises(TypeError, match="inp must be a float32 or bf16"):
+        K.matmul_forward_bf16(out, x.astype(np.float64), w16, bias)
+    fp = lambda a: ffi.cast("float*", a.ctypes.data)
+    hp = ffi.cast("uint16_t*", w16.ctypes.data)
+    assert lib.matmul_forward_bf16(fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, 45, 2) \
+        == lib.LLMC_ERR_VALUE
+    assert lib.matmul_backward_bf16_naive(ffi.NULL, fp(out), ffi.NULL, fp(out), fp(x), hp,
+                                          2, 17, 67, 45, -1) == lib.LLMC_ERR_VALUE

@@ -143,3 +143,29 @@ def test_return_freed_scratch_applies_under_glibc():
     import platform
     applied = memory.return_freed_scratch()
     assert applied == (platform.libc_ver()[0] == "glibc")
+
+
+def test_bf16_models_plan_their_matmul_inputs_in_half_the_bytes():
+    """A bf16 model keeps ln1, ln2 and the GELU output in bf16: 2 bytes, not
+    4, per element of their 6 C per position and layer (one layer's with
+    recompute); post-norm and a quantized base keep them float32. The plan is
+    the bytes the model allocates."""
+    from llmc_py.model.planning import memory_plan
+    C, L, B, T = 768, 12, 8, 256
+    for recompute, layers in ((False, L), (True, 1)):
+        fp32 = memory_plan(GPT2Config(), B, T, recompute=recompute)
+        bf16 = memory_plan(GPT2Config(), B, T, precision="bf16", recompute=recompute)
+        assert fp32["activations"] - bf16["activations"] == 2 * B * T * 6 * C * layers
+    from llmc_py import LlamaConfig
+    post = LlamaConfig(block="post", num_layers=2, channels=64, num_heads=4)
+    assert memory_plan(post, B, T, precision="bf16")["activations"] \
+        == memory_plan(post, B, T)["activations"]
+    assert memory_plan(GPT2Config(), B, T, precision="bf16", base_weights="q8_0")["activations"] \
+        == memory_plan(GPT2Config(), B, T, base_weights="q8_0")["activations"]
+    small = GPT2Config(max_seq_len=64, vocab_size=100, padded_vocab_size=128, num_layers=2,
+                       num_heads=2, channels=34)   # odd bf16 tensors: 3 * 5 * 34 * 4 / 2
+    for precision in ("fp32", "bf16"):
+        model = GPT2(small, precision=precision)
+        model.forward(np.zeros((3, 5), np.int32))
+        assert model.acts.buffer.nbytes == model.memory_plan(3, 5)["activations"]
+        assert (model.acts.ln1.dtype == np.uint16) == (precision == "bf16")

@@ -318,3 +318,94 @@ def test_frozen_norms_skip_their_weight_gradients_and_keep_dinp(rng):
     assert np.array_equal(dinp, head_backward(dout, x, qw, kw, rstd, NH, NKV)[0])
     with pytest.raises(llmc_py.NullPointerError):   # one of the two alone
         K.head_rmsnorm_backward(dinp, qw.copy(), None, dout, x, qw, kw, rstd, NH, NKV)
+
+
+# ---- bf16 outputs and the fused residual add -------------------------------------
+
+def bf16_of(x):
+    """x rounded to bf16 (uint16) by float_to_bf16, nearest even."""
+    out = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(out, np.ascontiguousarray(x))
+    return out
+
+
+def run_norm(norm, out, stats, x, w, b):
+    """layernorm_forward (stats: mean, rstd) or rmsnorm_forward (stats: rstd) into out."""
+    if norm == "layernorm":
+        K.layernorm_forward(out, *stats, x, w, b)
+    else:
+        K.rmsnorm_forward(out, stats[1], x, w)
+
+
+def norm_outputs(norm, x, w, b, dtype, residual_of=None):
+    """{out, mean, rstd} of norm on x, out in dtype; with residual_of = (a, c)
+    the fused kernel on a + c instead (x unused), adding "residual"."""
+    B, T, C = (residual_of[0] if residual_of else x).shape
+    out = np.full((B, T, C), 0xFFFF if dtype == np.uint16 else np.nan, dtype)
+    stats = np.full((B, T), np.nan, np.float32), np.full((B, T), np.nan, np.float32)
+    if residual_of is None:
+        run_norm(norm, out, stats, x, w, b)
+        return {"out": out, "mean": stats[0], "rstd": stats[1]}
+    residual = np.full((B, T, C), np.nan, np.float32)
+    if norm == "layernorm":
+        K.residual_layernorm_forward(residual, out, *stats, *residual_of, w, b)
+    else:
+        K.residual_rmsnorm_forward(residual, out, stats[1], *residual_of, w)
+    return {"out": out, "mean": stats[0], "rstd": stats[1], "residual": residual}
+
+
+def bits(arrays):
+    return {name: a.view(np.uint16 if a.dtype == np.uint16 else np.uint32)
+            for name, a in arrays.items()}
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("B,T,C", SHAPES + [(1, 3, 1), (2, 3, 17)])
+def test_bf16_output_is_the_float32_output_rounded(rng, isa, set_threads, norm, B, T, C):
+    """out in bf16 is bitwise float_to_bf16 of the float32 out (the same value
+    rounded, nearest even), the statistics bitwise the same, on every
+    instruction set and thread count."""
+    x, w, b, _ = make_inputs(rng, B, T, C)
+    x.reshape(-1)[:3] = [np.inf, 1e38, -3e-39]   # overflow to inf, a denormal
+    f32 = norm_outputs(norm, x, w, b, np.float32)
+    expected = bits({**f32, "out": bf16_of(f32["out"])})
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        ours = bits(norm_outputs(norm, x, w, b, np.uint16))
+        for name, value in expected.items():
+            assert np.array_equal(ours[name], value), f"{name}, {threads} threads"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("B,T,C", SHAPES + [(1, 3, 1)])
+def test_residual_norm_is_residual_forward_then_the_norm_bitwise(rng, isa, set_threads, norm,
+                                                                 dtype, B, T, C):
+    """residual_*norm_forward: residual = inp1 + inp2 and the norm of it, in
+    one pass, bitwise residual_forward followed by the norm (out float32 or
+    bf16), at 1, 2 and 3 threads."""
+    a, w, b, c = make_inputs(rng, B, T, C, offset=3.0)
+    residual = np.empty_like(a)
+    K.residual_forward(residual, a, c)
+    expected = bits({**norm_outputs(norm, residual, w, b, dtype), "residual": residual})
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        ours = bits(norm_outputs(norm, None, w, b, dtype, residual_of=(a, c)))
+        for name, value in expected.items():
+            assert np.array_equal(ours[name], value), f"{name}, {threads} threads"
+
+
+def test_norm_output_dtype_is_checked(rng):
+    from llmc_py._native.lib import ffi, lib
+    x, w, b, _ = make_inputs(rng, 1, 2, 8)
+    stat = np.empty((1, 2), np.float32)
+    with pytest.raises(TypeError, match="out must be a float32 or bf16"):
+        K.layernorm_forward(np.empty(x.shape, np.float64), stat, stat, x, w, b)
+    with pytest.raises(TypeError, match="out must be a float32 or bf16"):
+        K.residual_rmsnorm_forward(np.empty_like(x), np.empty(x.shape, np.int32), stat, x, x, w)
+    fp = lambda a: ffi.cast("float*", a.ctypes.data)
+    out = np.empty_like(x)
+    assert lib.rmsnorm_forward(fp(out), fp(stat), fp(x), fp(w), 1, 2, 8, 1e-5, 2) \
+        == lib.LLMC_ERR_VALUE
+    assert lib.residual_layernorm_forward(fp(out), fp(out), fp(stat), fp(stat), fp(x), ffi.NULL,
+                                          fp(w), fp(b), 1, 2, 8, 1e-5, 0) == lib.LLMC_ERR_NULL

@@ -12,7 +12,8 @@ arrays   name[dims], the dims Python expressions of size letters; then
          its position) or "targets<V" (the same, or IGNORE_INDEX). A dim
          "..." is any leading dims, the size source's; ">=T" is at least T
          rows, of which the first T are passed. The dtype is the C type's
-         (float*, int*, uint16_t*, double*, uint8_t*).
+         (float*, int*, uint16_t*, double*, uint8_t*); a void* array is an
+         activation in float32 or bf16 (uint16), either.
 sizes    the C size arguments in order, "from" the arrays that give them, in
          the order they are checked. A plain source is unpacked by its dims
          (x[N] and x[...] give their size). A rule such as heads(inp, NH, NKV)
@@ -20,7 +21,8 @@ sizes    the C size arguments in order, "from" the arrays that give them, in
          packed layout and returns the sizes it gives in the order listed.
          Sizes no source gives are the caller's.
 scalars  name, name=default, or name:convert[=default], convert one of seed or
-         window (the kernels module's _seed, _window), int, flag (0 or 1).
+         window (the kernels module's _seed, _window), int, flag (0 or 1);
+         or dtype(x), no parameter: the llmc_dtype of void* array x's dtype.
 
 The wrapper takes the arrays, the caller's sizes and the scalars in that order
 (``args`` reorders them), then ``variant=""`` if the kernel has ``variants``:
@@ -36,9 +38,10 @@ from typing import NamedTuple
 from .lib import ffi
 
 _ADAPTER = {"float *": "fptr", "int *": "iptr", "uint16_t *": "hptr", "double *": "dptr",
-            "uint8_t *": "bptr"}
+            "uint8_t *": "bptr", "void *": "aptr"}
 _CONVERT = {"": "{}", "seed": "_seed({})", "window": "_window({})", "int": "int({})",
-            "flag": "int(bool({}))"}
+            "flag": "int(bool({}))", "dtype": "dtype_code({})"}
+_DTYPE_OF = re.compile(r"dtype\((\w+)\)$")
 _ARRAY = re.compile(r"\s*(\w+)\[([^\]]*)\](=None)?([^,]*)(,|$)")
 _SOURCE = re.compile(r"(\w+)(?:\(([^)]*)\))?")
 
@@ -77,7 +80,8 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
     body, bound = [], []
     for source in _SOURCE.finditer(sources):
         body += _bind_sizes(source, arrays, letters, bound)
-    params = _parameters(arrays, [s for s in letters if s not in bound], scalars, args)
+    params = _parameters(arrays, [s for s in letters if s not in bound],
+                         [s for s in scalars if s.convert != "dtype"], args)
     kernel, where = "c_function", f'"{name}"'
     if variants:
         params.append('variant=""')
@@ -124,6 +128,9 @@ def _parse_array(match):
 
 
 def _parse_scalar(text):
+    dtype_of = _DTYPE_OF.match(text.strip())
+    if dtype_of:   # not a parameter: the array's element type
+        return _Scalar(dtype_of.group(1), "dtype", "")
     name, _, default = text.strip().partition("=")
     name, _, convert = name.partition(":")
     if convert not in _CONVERT:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .declare import bind
 # the generated wrappers call check, ffi.NULL and the pointer adapters from here
-from .lib import bptr, check, dptr, ffi, fptr, hptr, iptr, lib
+from .lib import aptr, bptr, check, dptr, dtype_code, ffi, fptr, hptr, iptr, lib  # noqa: F401
 from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 
@@ -48,8 +48,16 @@ sinusoidal_forward = _kernel(
 layernorm_forward = _kernel(
     "layernorm_forward",
     "out[B,T,C] written, mean[B,T] written, rstd[B,T] written, inp[B,T,C], weight[C], bias[C]"
-    " | B T C from inp | eps=1e-5",
-    """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C].""")
+    " | B T C from inp | eps=1e-5, dtype(out)",
+    """out[B,T,C] (written), mean[B,T], rstd[B,T] (written) <- inp, weight[C], bias[C].
+    out float32, or bf16 (uint16): the float32 result rounded to nearest even.""")
+
+residual_layernorm_forward = _kernel(
+    "residual_layernorm_forward",
+    "residual[B,T,C] written, out[B,T,C] written, mean[B,T] written, rstd[B,T] written,"
+    " inp1[B,T,C], inp2[B,T,C], weight[C], bias[C] | B T C from inp1 | eps=1e-5, dtype(out)",
+    """residual[B,T,C] (written) = inp1 + inp2, then layernorm_forward of it into
+    out (float32 or bf16), mean, rstd: bitwise residual_forward, then layernorm_forward.""")
 
 layernorm_backward = _kernel(
     "layernorm_backward",
@@ -60,9 +68,17 @@ layernorm_backward = _kernel(
 
 rmsnorm_forward = _kernel(
     "rmsnorm_forward",
-    "out[B,T,C] written, rstd[B,T] written, inp[B,T,C], weight[C] | B T C from inp | eps=1e-5",
-    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps)."""
-)
+    "out[B,T,C] written, rstd[B,T] written, inp[B,T,C], weight[C] | B T C from inp"
+    " | eps=1e-5, dtype(out)",
+    """out[B,T,C] (written) = inp * rstd * weight; rstd[B,T] (written) = 1/sqrt(mean(inp^2)+eps).
+    out float32, or bf16 (uint16): the float32 result rounded to nearest even.""")
+
+residual_rmsnorm_forward = _kernel(
+    "residual_rmsnorm_forward",
+    "residual[B,T,C] written, out[B,T,C] written, rstd[B,T] written, inp1[B,T,C], inp2[B,T,C],"
+    " weight[C] | B T C from inp1 | eps=1e-5, dtype(out)",
+    """residual[B,T,C] (written) = inp1 + inp2, then rmsnorm_forward of it into out
+    (float32 or bf16) and rstd: bitwise residual_forward, then rmsnorm_forward.""")
 
 rmsnorm_backward = _kernel(
     "rmsnorm_backward",
@@ -106,19 +122,22 @@ matmul_backward = _kernel(
 
 matmul_forward_bf16 = _kernel(
     "matmul_forward_bf16",
-    "out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None | B T C OC from inp, weight",
+    "out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None | B T C OC from inp, weight"
+    " | dtype(inp)",
     """out[B,T,OC] (written) = bf16(inp[B,T,C]) . weight[OC,C]^T + bias[OC], with
     weight bf16 (uint16) and the products summed in float32 (bias may be None).
+    inp float32, or bf16 (uint16), read as it is: bitwise as its float32 source.
 
     ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
 matmul_backward_bf16 = _kernel(
     "matmul_backward_bf16",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
-    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight",
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | dtype(inp)",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight (bf16):
-    matmul_backward with dout and inp rounded to bf16 in the products. Any of
-    dinp, dweight and dbias may be None: that product is skipped.""", variants=("naive",))
+    matmul_backward with dout and inp rounded to bf16 in the products (inp
+    float32, or bf16 as it is). Any of dinp, dweight and dbias may be None:
+    that product is skipped.""", variants=("naive",))
 
 float_to_bf16 = _kernel(
     "float_to_bf16", "out[...] written, inp[...] | N from inp",
@@ -131,7 +150,7 @@ bf16_to_float = _kernel(
 # ---- activations.c ----------------------------------------------------------------
 
 gelu_forward = _kernel(
-    "gelu_forward", "out[...] written, inp[...] | N from inp",
+    "gelu_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
     """out (written) = gelu_tanh(inp), any shape.""")
 
 gelu_backward = _kernel(
@@ -139,7 +158,7 @@ gelu_backward = _kernel(
     """dinp (+=) gelu'(inp) * dout, any shape.""")
 
 relu_forward = _kernel(
-    "relu_forward", "out[...] written, inp[...] | N from inp",
+    "relu_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
     """out (written) = max(inp, 0), any shape.""")
 
 relu_backward = _kernel(
@@ -147,7 +166,7 @@ relu_backward = _kernel(
     """dinp (+=) (inp > 0) * dout, any shape.""")
 
 gelu_erf_forward = _kernel(
-    "gelu_erf_forward", "out[...] written, inp[...] | N from inp",
+    "gelu_erf_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
     """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape.""")
 
 gelu_erf_backward = _kernel(
@@ -163,7 +182,7 @@ residual_backward = _kernel(
     """dinp1, dinp2 (+=) dout, any shape.""")
 
 swiglu_forward = _kernel(
-    "swiglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    "swiglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
     """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows).""")
 
 swiglu_backward = _kernel(
@@ -171,7 +190,7 @@ swiglu_backward = _kernel(
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
 geglu_forward = _kernel(
-    "geglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    "geglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
     """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form).""")
 
 geglu_backward = _kernel(
@@ -179,14 +198,15 @@ geglu_backward = _kernel(
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
 reglu_forward = _kernel(
-    "reglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp)",
+    "reglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
     """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:].""")
 
 reglu_backward = _kernel(
     "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
-# the activation of each MLP choice (config.mlp): forward, backward
+# the activation of each MLP choice (config.mlp): forward (its out float32, or
+# bf16: the float32 result rounded), backward
 MLP_ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward),
                    "gelu_erf": (gelu_erf_forward, gelu_erf_backward),
                    "swiglu": (swiglu_forward, swiglu_backward),

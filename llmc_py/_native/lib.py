@@ -62,6 +62,22 @@ def hptr(arr, name, shape, *, out=False):
     return _pointer(arr, name, shape, np.uint16, "uint16_t[]", out)
 
 
+def aptr(arr, name, shape, *, out=False):
+    """A void* into an activation of exactly ``shape``: float32, or bf16
+    (uint16) numbers (no copy); dtype_code(arr) says which to C."""
+    if isinstance(arr, np.ndarray) and arr.dtype == np.uint16:
+        return _pointer(arr, name, shape, np.uint16, "uint16_t[]", out)
+    if isinstance(arr, np.ndarray) and arr.dtype == np.float32:
+        return _pointer(arr, name, shape, np.float32, "float[]", out)
+    got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
+    raise TypeError(f"{name} must be a float32 or bf16 (uint16) numpy array, got {got}")
+
+
+def dtype_code(arr):
+    """The llmc_dtype of an activation aptr passes: LLMC_DTYPE_BF16 for uint16."""
+    return lib.LLMC_DTYPE_BF16 if arr.dtype == np.uint16 else lib.LLMC_DTYPE_F32
+
+
 def bptr(arr, name, shape, *, out=False):
     """A uint8_t* into a uint8 C-contiguous array of exactly ``shape``: quantized
     blocks (no copy)."""

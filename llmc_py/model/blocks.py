@@ -21,12 +21,19 @@ What forward saves for backward is the block's ``saved``: every layer's norm
 outputs and MLP (or experts') activation (EveryLayer), or, with recompute,
 one layer's slot of each, which backward refills layer by layer (Recomputed); with
 ``recompute_fch`` (recompute level 2, or a quantized base's 1) the MLP's input projection fch too,
-its largest activation, at the cost of running that matmul again."""
+its largest activation, at the cost of running that matmul again.
+
+In a bf16 model the pre-norm and parallel blocks keep their norm outputs
+and MLP activation in bf16 (layout.act_dtypes), written rounded by their
+kernels and read as they are by the bf16 matmuls; the MoE gather widens
+them exactly. A residual add followed by a norm runs as one kernel
+(residual_norm), bitwise the two."""
 import weakref
 
 import numpy as np
 
 from .._native import kernels as K
+from .layout import float32_of
 
 
 def optional(group, name, l=None):
@@ -42,6 +49,16 @@ def apply_norm(config, out, mean, rstd, inp, weight, bias):
         K.rmsnorm_forward(out, rstd, inp, weight, config.norm_eps)
     else:
         K.layernorm_forward(out, mean, rstd, inp, weight, bias, config.norm_eps)
+
+
+def apply_residual_norm(config, residual, out, mean, rstd, inp1, inp2, weight, bias):
+    """residual = inp1 + inp2 and the norm of it into out, in one pass: bitwise
+    residual_forward, then apply_norm."""
+    if config.norm == "rmsnorm":
+        K.residual_rmsnorm_forward(residual, out, rstd, inp1, inp2, weight, config.norm_eps)
+    else:
+        K.residual_layernorm_forward(residual, out, mean, rstd, inp1, inp2, weight, bias,
+                                     config.norm_eps)
 
 
 def apply_norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
@@ -202,11 +219,22 @@ class Block:
 
     def norm(self, a, name, l, inp):
         """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot
-        (every layer's, or one held for each in turn)."""
+        (every layer's, or one held for each in turn; float32 or bf16,
+        layout.act_dtypes)."""
         p = self.model.params
         out = _slot(a[name], l)
         apply_norm(self.config, out, optional(a, name + "_mean", l), a[name + "_rstd"][l],
                    inp, p[name + "w"][l], optional(p, name + "b", l))
+        return out
+
+    def residual_norm(self, a, name, l, residual, x, branch):
+        """residual = x + branch (a.residual2[l] or residual3[l]), then layer
+        l's norm ``name`` of it as norm() does, in one pass over the rows."""
+        p = self.model.params
+        out = _slot(a[name], l)
+        apply_residual_norm(self.config, residual, out, optional(a, name + "_mean", l),
+                            a[name + "_rstd"][l], x, branch, p[name + "w"][l],
+                            optional(p, name + "b", l))
         return out
 
     def mlp_act(self, a, i):
@@ -255,7 +283,7 @@ class Block:
                             experts, self.aux[m], a.router_logits[m].reshape(N, E),
                             norm_topk_prob=c.norm_topk_prob)
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, inp.reshape(N, c.C), positions)
+        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, c.C), positions)
         grouped = _grouped_forward(w.expertfcw)
         grouped(a.expert_fch[m], a.expert_in, w.expertfcw[m], offsets)
         grouped(a.expert_out[m], self.expert_act(a, m), w.expertprojw[m], offsets)
@@ -312,7 +340,7 @@ class Block:
         experts = a.topk_index[m].view(np.int32).reshape(N, k)
         weights = a.topk_weight[m].reshape(N, k)
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, inp.reshape(N, C), positions)
+        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, C), positions)
         expert_act = self.saved.expert_act(a, m)
         grouped = _grouped_backward(w.expertfcw)
         dexpert_out = _rows(d.expert_wide, R, C)
@@ -385,8 +413,7 @@ class PreNorm(Block):
         attend(l)
         self.linear(a.proj, a.atty[l], "attproj", l, dropout)
         drop(a.proj, dropout.site("attention_output", l))
-        K.residual_forward(a.residual2[l], x, a.proj)
-        ln2 = self.norm(a, "ln2", l, a.residual2[l])
+        ln2 = self.residual_norm(a, "ln2", l, a.residual2[l], x, a.proj)
         if self.config.is_moe_layer(l):
             self.experts(a, l, ln2)
         else:
@@ -438,11 +465,9 @@ class PostNorm(Block):
 
     def forward(self, a, l, x, attend, dropout):
         self.attention(a, l, x, attend, dropout)
-        K.residual_forward(a.residual2[l], x, a.proj)
-        ln1 = self.norm(a, "ln1", l, a.residual2[l])
+        ln1 = self.residual_norm(a, "ln1", l, a.residual2[l], x, a.proj)
         self.mlp(a, l, ln1, dropout)
-        K.residual_forward(a.residual3[l], ln1, a.proj)
-        return self.norm(a, "ln2", l, a.residual3[l])
+        return self.residual_norm(a, "ln2", l, a.residual3[l], ln1, a.proj)
 
     def output(self, a, l):
         return a.ln2[l]

@@ -82,7 +82,7 @@ class Decoder:
         self.model = model
         self.cache = KVCache(c, batch_size, max_len)
         # one position per row
-        self.acts = TensorGroup(act_specs(c), c, batch_size, 1)
+        self.acts = TensorGroup(act_specs(c), c, batch_size, 1, dtypes=model.act_dtypes)
         self.q = aligned_zeros(batch_size * c.attn_channels).reshape(batch_size,
                                                                       c.attn_channels)
         slots = self.cache.slots

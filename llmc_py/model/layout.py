@@ -1,4 +1,5 @@
-"""Named tensors carved from one contiguous float32 buffer.
+"""Named tensors carved from one contiguous float32 buffer (some of them
+bf16: act_dtypes).
 
 Each spec is a tuple of (name, shape function), in the order the tensors lie
 in memory. ``param_specs(config)`` follows llm.c's checkpoint order (for
@@ -12,6 +13,7 @@ import math
 
 import numpy as np
 
+from .._native import kernels as K
 from ..config import GPT2Config
 from ..errors import ShapeError
 from .memory import require
@@ -20,9 +22,23 @@ from .memory import require
 ALIGN_BYTES = 64
 
 
-def specs_bytes(specs, *shape_args, dtype=np.float32):
-    """Bytes of the tensors of ``specs`` for the given shape arguments."""
-    return np.dtype(dtype).itemsize * sum(math.prod(fn(*shape_args)) for _, fn in specs)
+def _units(count, dtype, unit):
+    """Elements of a ``unit`` buffer that hold ``count`` elements of ``dtype``."""
+    return -(-count * np.dtype(dtype).itemsize // np.dtype(unit).itemsize)
+
+
+def specs_units(specs, *shape_args, dtype=np.float32, dtypes=None):
+    """Elements of a ``dtype`` buffer that hold the tensors of ``specs`` for the
+    given shape arguments, each in its dtype (``dtypes``: {name: dtype}, others
+    ``dtype``), as TensorGroup lays them out."""
+    dtypes = dtypes or {}
+    return sum(_units(math.prod(fn(*shape_args)), dtypes.get(name, dtype), dtype)
+               for name, fn in specs)
+
+
+def specs_bytes(specs, *shape_args, dtype=np.float32, dtypes=None):
+    """Bytes of the tensors of ``specs`` for the given shape arguments (as specs_units)."""
+    return np.dtype(dtype).itemsize * specs_units(specs, *shape_args, dtype=dtype, dtypes=dtypes)
 
 
 def aligned_empty(count, dtype=np.float32, what=None):
@@ -44,7 +60,9 @@ def aligned_zeros(count, dtype=np.float32, what=None):
 
 class TensorGroup:
     """Named views into one flat buffer, ``memory`` (float32 unless ``dtype``
-    says otherwise).
+    says otherwise); ``dtypes`` {name: dtype} gives some tensors another
+    element type (bf16 activations, uint16, in a float32 buffer), each in as
+    many whole buffer elements as its bytes need.
 
     ``group["qkvw"]`` (or ``group.qkvw``) is a view of shape (L, 3C, C) and
     ``group.qkvw[l]`` is layer l. Views share memory with ``memory``: writing
@@ -53,10 +71,13 @@ class TensorGroup:
     after checking that it fits in the memory available.
     """
 
-    def __init__(self, specs, *shape_args, memory=None, dtype=np.float32):
+    def __init__(self, specs, *shape_args, memory=None, dtype=np.float32, dtypes=None):
         self.shapes = {name: tuple(fn(*shape_args)) for name, fn in specs}
         self.names = tuple(self.shapes)
-        self.size = sum(math.prod(shape) for shape in self.shapes.values())
+        self.dtypes = {name: np.dtype((dtypes or {}).get(name, dtype)) for name in self.names}
+        units = {name: _units(math.prod(shape), self.dtypes[name], dtype)
+                 for name, shape in self.shapes.items()}
+        self.size = sum(units.values())
         if memory is None:
             names = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
             memory = aligned_zeros(self.size, dtype, what=f"the tensors {names}")
@@ -68,9 +89,11 @@ class TensorGroup:
         self._views = {}
         offset = 0
         for name, shape in self.shapes.items():
-            count = math.prod(shape)
-            self._views[name] = self.memory[offset:offset + count].reshape(shape)
-            offset += count
+            part = self.memory[offset:offset + units[name]]
+            if self.dtypes[name] != part.dtype:
+                part = part.view(self.dtypes[name])
+            self._views[name] = part[:math.prod(shape)].reshape(shape)
+            offset += units[name]
 
     def __getitem__(self, name):
         return self._views[name]
@@ -168,7 +191,10 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
     recomputes them; ``recompute_fch`` (recompute level 2, or a quantized
     base's 1) holds the MLP's input projection (fch) for one layer too.
     ``logits=False`` leaves the (B, T, Vp) logits out (the model holds them,
-    or a block of their rows, apart).
+    or a block of their rows, apart). Each is float32, except in a bf16
+    model ln1, ln2 and fch_act (and their recompute slots), which only
+    matmuls read: bf16 (act_dtypes says why, per tensor; not post-norm's ln1
+    and ln2).
 
     By the block (config.block): "pre" as above; "post": residual2 and
     residual3 hold the sums that ln1 and ln2 normalise, and ln2 is the
@@ -230,6 +256,46 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
         ("losses", lambda c, B, T: (B, T), True),
     ]
     return tuple((name, fn) for name, fn, present in specs if present)
+
+
+# the activations that only matmuls read (the bf16 GEMM, whose bf16 input is
+# bitwise what it would round a float32 one to): a bf16 model keeps them in
+# bf16 (act_dtypes)
+BF16_ACTS = ("ln1", "ln2", "fch_act")
+
+
+def act_dtypes(c, bf16):
+    """{name: np.uint16} for the activations of act_specs(c) that a model
+    keeps in bf16: with ``bf16`` (a bf16 model, its linear layers the bf16
+    GEMM), those only a matmul reads (BF16_ACTS), for the pre-norm and
+    parallel blocks; every other one is float32. Per tensor:
+      ln1, ln2   bf16: read by qkv's and the MLP's matmuls (an MoE layer's
+                 router matmul, and its gather, which widens them exactly);
+                 LoRA adapters read them as those matmuls do (their dropout
+                 widens them exactly). Post-norm: float32, as ln1 and ln2
+                 are its residual stream (added into residual3, the next
+                 layer's input).
+      fch_act    bf16: read by the MLP's output matmul alone (its backward
+                 reads fch).
+      float32    the residual stream (encoded, residual2, residual3), the
+                 norms' statistics (mean, rstd), qkv and what attention
+                 reads and writes, fch (the activation's backward reads
+                 it), the MoE layers' tensors (expert_act included: the
+                 grouped GEMM reads float32), lnf, the logits, the loss's
+                 statistics and the losses."""
+    if not bf16 or c.block == "post":
+        return {}
+    return {name: np.uint16 for name, _ in act_specs(c) if name in BF16_ACTS}
+
+
+def float32_of(x):
+    """An activation's values in float32: x itself, or a bf16 one (act_dtypes)
+    widened exactly, for a kernel that reads float32."""
+    if x.dtype == np.float32:
+        return x
+    out = np.empty(x.shape, np.float32)
+    K.bf16_to_float(out, np.ascontiguousarray(x))
+    return out
 
 
 def grad_act_specs(c):

@@ -35,7 +35,7 @@ import numpy as np
 from .._native import kernels as K
 from ..io.files import to_bf16
 from .dropout import NO_DROPOUT
-from .layout import TensorGroup
+from .layout import TensorGroup, float32_of
 
 
 @dataclass(frozen=True)
@@ -165,13 +165,15 @@ class Lora:
             self.params[t.name + ".B"][...] = 0.0
 
     def _input(self, inp, dropout, l, index):
-        """An adapter's input: ``inp``, or a dropped copy of it in a training
-        pass; with the (p, seed) of its masks."""
+        """An adapter's input: ``inp`` (float32, or a bf16 model's bf16
+        activation, which the bf16 products read as they are), or a dropped
+        float32 copy of it in a training pass (of a bf16 one widened
+        exactly); with the (p, seed) of its masks."""
         if dropout is NO_DROPOUT or not self.dropout:
             return inp, (0.0, 0)
         site = dropout.adapter_site(self.dropout, l, index)
-        out = np.empty_like(inp)
-        K.dropout_forward(out, inp, *site)
+        out = np.empty(inp.shape, np.float32)
+        K.dropout_forward(out, float32_of(inp), *site)
         return out, site
 
     def _stacked_a(self, group, l):

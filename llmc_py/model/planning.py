@@ -4,8 +4,8 @@ that a step that cannot fit fails at once, saying what needs how much."""
 import math
 
 from .._native.lib import get_isa, get_num_threads
-from .layout import (act_specs, frozen_bf16_parameters, grad_act_specs, num_parameters,
-                     param_specs, routed_rows, specs_bytes)
+from .layout import (act_dtypes, act_specs, frozen_bf16_parameters, grad_act_specs,
+                     num_parameters, param_specs, routed_rows, specs_bytes, specs_units)
 from .memory import format_bytes, require
 from .quantized import (QUANTIZED_LINEARS, block_bytes, check_weights_type,
                         panel_scratch_bytes)
@@ -96,10 +96,18 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
             "activations": specs_bytes(act_specs(c, recompute=bool(recompute), logits=False,
                                                  recompute_fch=recomputes_fch(recompute,
                                                                               base_weights)),
-                                       c, B, T),
+                                       c, B, T, dtypes=act_dtypes(c, bf16_activations(
+                                           precision, base_weights))),
             "logits": f32 * rows * c.Vp,
             "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
             "scratch": scratch_bytes(c, B, T, rows, precision, base_weights)}
+
+
+def bf16_activations(precision, base_weights=None):
+    """Whether a model keeps the activations only its matmuls read in bf16
+    (layout.act_dtypes): a bf16 model whose linear layers are the bf16 GEMM,
+    not a quantized base's (its matmuls read float32)."""
+    return precision == "bf16" and base_weights is None
 
 
 def quantized_parameters(config, qtype):
@@ -176,9 +184,10 @@ def _fits(group, nbytes):
     return group is not None and group.buffer.nbytes >= nbytes
 
 
-def reusable(group, specs, config, B, T):
-    """The flat buffer of ``group`` if the layout for (B, T) fits in it, else None."""
+def reusable(group, specs, config, B, T, dtypes=None):
+    """The flat buffer of ``group`` if the layout for (B, T) (its tensors in
+    ``dtypes``, as TensorGroup's) fits in it, else None."""
     if group is None:
         return None
-    needed = sum(math.prod(fn(config, B, T)) for _, fn in specs)
+    needed = specs_units(specs, config, B, T, dtypes=dtypes)
     return group.buffer if needed <= group.buffer.size else None

@@ -43,8 +43,11 @@ in llm.c's CUDA trainer: the parameters (the master copy), their gradients
 and AdamW's moments stay float32, and ``params_bf16`` holds a bf16 copy of
 the parameters (rounded to nearest even) that the linear layers read; each
 linear layer multiplies bf16 numbers (its float32 input and, backward, its
-float32 output gradient rounded to bf16) and sums in float32. Norm
-statistics, attention, softmax, the loss and the gradient norm stay float32.
+float32 output gradient rounded to bf16) and sums in float32; the
+activations only those layers read (the norm outputs and the MLP activation
+of pre-norm and parallel blocks: layout.act_dtypes) are kept in bf16, the
+bits the matmuls would round them to. The residual stream, norm statistics,
+attention, softmax, the loss and the gradient norm stay float32.
 update() rewrites the bf16 copy as it updates the parameters.
 
 A frozen bf16 base (``frozen=True``, load_model(path, precision="bf16",
@@ -101,12 +104,13 @@ from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
-from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_specs, aligned_empty,
-                     aligned_zeros, checked_params, grad_act_specs, num_parameters, param_specs)
+from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_dtypes, act_specs,
+                     aligned_empty, aligned_zeros, checked_params, grad_act_specs,
+                     num_parameters, param_specs)
 from .lora import Lora
 from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_input_dim, check_weights_type
-from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, head_rows, memory_plan,
-                       recomputes_fch, require_missing, reusable)
+from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations, head_rows,
+                       memory_plan, recomputes_fch, require_missing, reusable)
 
 INIT_STD = 0.02
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
@@ -428,6 +432,12 @@ class Transformer:
             if level != self._recompute:
                 self._lay_out(level)
 
+    @property
+    def act_dtypes(self):
+        """The activations this model keeps in bf16, {name: np.uint16}
+        (layout.act_dtypes): a bf16 model's, unless its base is quantized."""
+        return act_dtypes(self.config, bf16_activations(self.precision, self.quantized))
+
     def _lay_out(self, recompute):
         """The block and activation layout for recompute level ``recompute``;
         the next forward plans anew."""
@@ -528,9 +538,10 @@ class Transformer:
         c = self.config
         require_missing(self, B, T, training, keep_logits)
         if (B, T) != (self.B, self.T) or self.acts is None:
-            memory = reusable(self.acts, self.act_specs, c, B, T)
+            dtypes = self.act_dtypes
+            memory = reusable(self.acts, self.act_specs, c, B, T, dtypes)
             self.acts = None   # an outgrown buffer is let go before its successor is made
-            self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory)
+            self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory, dtypes=dtypes)
             if self.grads_acts is not None:
                 memory = reusable(self.grads_acts, self.grad_act_specs, c, B, T)
                 self.grads_acts = None
@@ -870,8 +881,8 @@ class Transformer:
         self._matmul_forward = _quantized_matmul
         self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
-        if self.recompute:
-            self._lay_out(self.recompute)
+        # a quantized base's activations: float32 (act_dtypes), also fch with recompute
+        self._lay_out(self.recompute)
 
     def _quantized_tables(self):
         """The embedding and an untied head: whole tensors held at Q8_0."""
