@@ -102,22 +102,6 @@ LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int
 LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-/* The backward through the softmax and the scale, one row of n keys: ds
-   holds dP = dO . v on entry, and on return
-   dS = p * (dP - sum(p * dP)) * scale. */
-static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
-    vec16f acc = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
-    }
-    const float p_dp = llmc_hsum16(acc);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
-    }
-}
-
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
 /* One allocation for every thread's per_thread floats of scratch; NULL if it

@@ -98,12 +98,12 @@ static ALWAYS_INLINE vec16f load_between(const float* x, int k0, int lo, int hi)
 }
 
 /* out[p] for pairs p in [p0, p1) (p1 - p0 a multiple of 16): the pair of
-   x[2p], x[2p+1], elements outside [lo, hi) as 0. */
+   x[2p] * scale, x[2p+1] * scale, elements outside [lo, hi) as 0. */
 static ALWAYS_INLINE void row_pairs(uint32_t* out, const float* x, int p0, int p1, int lo,
-                                   int hi) {
+                                   int hi, float scale) {
     for (int p = p0; p < p1; p += 16) {
-        const vec16f a = load_between(x, 2 * p, lo, hi);
-        const vec16f b = load_between(x, 2 * p + 16, lo, hi);
+        const vec16f a = load_between(x, 2 * p, lo, hi) * scale;
+        const vec16f b = load_between(x, 2 * p + 16, lo, hi) * scale;
         const vec16f even = LLMC_SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                       28, 30);
         const vec16f odd = LLMC_SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
@@ -306,19 +306,12 @@ static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumula
 LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-/* attention.c's dS from dP and P over a row of n keys. */
-static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
-    vec16f acc = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        acc += load_part(p + k0, m) * load_part(ds + k0, m);
-    }
-    const float p_dp = llmc_hsum16(acc);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
-    }
+/* softmax_row without its last pass: p = exp(s - max), stats = max, inv. */
+static ALWAYS_INLINE void softmax_exps_row_body(float* p, int n, float* stats) {
+    stats[1] = softmax_exps(p, n, &stats[0]);
 }
+LLMC_ISA_VARIANTS(softmax_exps_row, (float* p, int n, float* stats), p, n, stats)
+
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
 /* The four variants of a head function: attention.c's three and, on x86,
@@ -380,7 +373,7 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     key_panel(kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
     value_panel(vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
     for (int t = 0; t < T; t++) {
-        row_pairs(qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs);
+        row_pairs(qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
     }
     for (int t0 = 0; t0 < T; t0 += SCORE_ROWS) {
         const int R = T - t0 < SCORE_ROWS ? T - t0 : SCORE_ROWS;
@@ -391,11 +384,16 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         for (int r = 0; r < R; r++) {
             const int t = t0 + r, lo = first_key(t, window);
             float* s_row = s + (size_t)r * T;
-            LLMC_ISA_SELECT(isa, softmax_row)(s_row + lo, t + 1 - lo, stats_bh + 2 * (size_t)t);
+            float* stats_t = stats_bh + 2 * (size_t)t;
+            float inv = 1.0f;   // P's normaliser, applied as P is rounded without dropout
             if (llmc_dropout_on(drop)) {
+                LLMC_ISA_SELECT(isa, softmax_row)(s_row + lo, t + 1 - lo, stats_t);
                 llmc_dropout_row(s_row + lo, s_row + lo, lo, t + 1 - lo, drop, t);
+            } else {
+                LLMC_ISA_SELECT(isa, softmax_exps_row)(s_row + lo, t + 1 - lo, stats_t);
+                inv = stats_t[1];
             }
-            row_pairs(ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo, t + 1);
+            row_pairs(ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo, t + 1, inv);
         }
         for (int r = 0; r < R; r += TILE_ROWS) {
             const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -481,6 +479,26 @@ static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const u
     }
 }
 
+/* dst[t][c] += src[c][t] for t < n, c < hs (rows of dst ldd floats apart,
+   of src lds), 16 x 16 blocks at a time. */
+static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* src, size_t lds,
+                                         int n, int hs) {
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        for (int c0 = 0; c0 < hs; c0 += 16) {
+            const int nc = hs - c0 < 16 ? hs - c0 : 16, nt = n - t0 < 16 ? n - t0 : 16;
+            vec16f r[16];
+            for (int cc = 0; cc < 16; cc++) {
+                r[cc] = cc < nc ? load_part(src + (size_t)(c0 + cc) * lds + t0, nt) : (vec16f){0};
+            }
+            llmc_transpose16(r);   // r[j] lane cc: src[c0 + cc][t0 + j]
+            for (int j = 0; j < nt; j++) {
+                float* d = dst + (size_t)(t0 + j) * ldd + c0;
+                store_part(d, load_part(d, nc) + r[j], nc);
+            }
+        }
+    }
+}
+
 /* The backward of one (b, kv head g): its query heads in order, each in
    blocks of BACKWARD_ROWS rows; per tile of rows, P (recomputed), dP, dS and
    dq as in attention.c; per block, dk^T and dv^T from its row pairs; at the
@@ -512,8 +530,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
         llmc_dropout drop = llmc_dropout_at(a->drop, b, 0);
         drop.first_row = (int64_t)h * T;   // head h's rows start at h T
         for (int t = 0; t < T; t++) {
-            row_pairs(w.qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs);
-            row_pairs(w.dopairs + (size_t)t * z.hp, dout_h + (size_t)t * C, 0, z.hp, 0, hs);
+            row_pairs(w.qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
+            row_pairs(w.dopairs + (size_t)t * z.hp, dout_h + (size_t)t * C, 0, z.hp, 0, hs,
+                      1.0f);
         }
         // q^T and dO^T by row pairs: the value panels of q and dO, transposed
         value_panel(w.rows_tmp, (size_t)z.hsv, q, row, T, hs);
@@ -547,7 +566,7 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                         llmc_dropout_row(p_row + lo, p_row + lo, lo, n, drop, t + r);
                     }
                     row_pairs(w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first, p_last,
-                              lo, t + r + 1);
+                              lo, t + r + 1, 1.0f);
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -581,14 +600,8 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                             k_block, k_end, hs);
         }
     }
-    for (int t2 = 0; t2 < T; t2++) {
-        float* dk = dinp_b + (size_t)t2 * row + k_head;
-        float* dv = dinp_b + (size_t)t2 * row + v_head;
-        for (int c = 0; c < hs; c++) {
-            dk[c] += w.dkT[(size_t)c * Tp + t2];
-            dv[c] += w.dvT[(size_t)c * Tp + t2];
-        }
-    }
+    add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs);
+    add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs);
 }
 BF16_VARIANTS(backward_group, (const attention_call* a, int b, int g, float* scratch),
               a, b, g, scratch)
