@@ -76,6 +76,9 @@
  *   attention_gqa_probs, attention_gqa_entropy
  *                      attention_probs.c: P, or each row's entropy,
  *                      recomputed from stats by the forward's tiles
+ *   attention_gqa_forward_bf16 / _backward_bf16
+ *                      attention_bf16.c: the same contract with the
+ *                      products on bf16 operands (bf16 models)
  *   attention_decode   attention_decode.c: one forward row per (b, h)
  *                      against a KV cache, bitwise the forward's
  *   attention_forward_naive / _backward_naive, attention_entropy_naive
