@@ -171,11 +171,13 @@ static ALWAYS_INLINE void transpose_pairs(uint32_t* out, size_t ldo, const uint3
 
 #ifdef LLMC_X86_DISPATCH
 #include <immintrin.h>
-/* One vdpbf16ps: inlined into the avx512bf16 variants (the others never
-   call it; it is not always-inline, so their builds need not have it). */
-LLMC_TARGET_AVX512BF16 static inline vec16f dp_native(vec16f acc, uint32_t a, vec16u b) {
-    return (vec16f)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32((int)a),
-                                    (__m512bh)b);
+/* *acc += one vdpbf16ps of a (broadcast) and *b: inlined into the
+   avx512bf16 variants. The others never call it: it is not always-inline,
+   so their builds need not have it, and it takes pointers, not vectors,
+   whose passing would change with the caller's instruction set. */
+LLMC_TARGET_AVX512BF16 static inline void dp_native(vec16f* acc, uint32_t a, const vec16u* b) {
+    *acc = (vec16f)_mm512_dpbf16_ps((__m512)*acc, (__m512bh)_mm512_set1_epi32((int)a),
+                                    (__m512bh)*b);
 }
 #endif
 
@@ -201,7 +203,7 @@ static ALWAYS_INLINE void dp_tile(int isa, vec16f* acc, int R, int NV, const uin
             UNROLL for (int r = 0; r < R; r++) {
                 const uint32_t a_rp = a_r[r][p];
                 UNROLL for (int v = 0; v < NV; v++) {
-                    acc[r * NV + v] = dp_native(acc[r * NV + v], a_rp, bv[v]);
+                    dp_native(&acc[r * NV + v], a_rp, &bv[v]);
                 }
             }
         }
