@@ -160,18 +160,34 @@ SMALL_LLAMA = dict(max_seq_len=40, vocab_size=67, padded_vocab_size=128, num_lay
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_models_attend_in_their_precision(precision):
-    """A bf16 model's attention output is the bf16 kernel's on its qkv, bitwise;
-    an fp32 model's the float32 kernel's. (The gradients: test_bf16_training,
-    against the reference that rounds attention's operands.)"""
+    """A bf16 model's attention, forward and backward, is the bf16 kernels', bitwise
+    (and not the float32 ones'); an fp32 model's the float32 kernels'."""
     config = dataclasses.replace(LlamaConfig(**SMALL_LLAMA), position="alibi",
                                  sliding_window=9)
     model = Llama(config, seed=3, precision=precision)
-    x = np.random.default_rng(3).integers(0, 67, size=(2, 23))
-    model.forward(x)
+    rng = np.random.default_rng(3)
+    x, y = rng.integers(0, 67, size=(2, 23)), rng.integers(0, 67, size=(2, 23))
+    calls = []
+    backward = model._attention_backward
+
+    def recording_backward(dinp, dout, inp, stats, *rest):
+        backward(dinp, dout, inp, stats, *rest)
+        calls.append([v.copy() for v in (dinp, dout, inp, stats)] + list(rest))
+    model._attention_backward = recording_backward
+    model.forward(x, y)
     a, c = model.acts, model.config
-    kernel = K.attention_gqa_forward_bf16 if precision == "bf16" else K.attention_gqa_forward
+    kernels = {"bf16": (K.attention_gqa_forward_bf16, K.attention_gqa_backward_bf16),
+               "fp32": (K.attention_gqa_forward, K.attention_gqa_backward)}
     for l in range(c.L):
-        out = np.full_like(a.atty[l], np.nan)
-        stats = np.full_like(a.att_stats[l], np.nan)
-        kernel(out, stats, model._attention_input(a, l), model.slopes, c.NH, c.NKV, 9)
-        assert np.array_equal(out, a.atty[l]) and np.array_equal(stats, a.att_stats[l])
+        for kind, (forward, _) in kernels.items():
+            out = np.full_like(a.atty[l], np.nan)
+            stats = np.full_like(a.att_stats[l], np.nan)
+            forward(out, stats, model._attention_input(a, l), model.slopes, c.NH, c.NKV, 9)
+            assert np.array_equal(out, a.atty[l]) == (kind == precision), (l, kind)
+    model.backward()
+    assert len(calls) == c.L
+    for dinp, dout, inp, stats, *rest in calls:
+        for kind, (_, kernel) in kernels.items():
+            ours = np.zeros_like(dinp)
+            kernel(ours, dout, inp, stats, *rest)
+            assert np.array_equal(ours, dinp) == (kind == precision), kind
