@@ -514,8 +514,6 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     const float scale = a->scale;
     const float* inp_b = inp_of(a, b);
     float* dinp_b = a->out + (size_t)b * T * row;
-    const float* dout_b = a->dout + (size_t)b * T * C;
-    const float* stats_b = a->stats + (size_t)b * a->NH * T * 2;
     bf16_backward_scratch w;
     carve(&w, scratch, T, hs);
     key_panel(w.kpanel, Tp, inp_b + k_head, row, T, hs);
@@ -524,22 +522,16 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     memset(w.dkT, 0, (size_t)hs * Tp * sizeof(float));
     memset(w.dvT, 0, (size_t)hs * Tp * sizeof(float));
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
-        const float* stats_bh = stats_b + (size_t)h * T * 2;
-        const float* q = inp_b + q_offset(a, h);
-        const float* dout_h = dout_b + (size_t)h * hs;
-        float* dq = dinp_b + q_offset(a, h);
-        const float slope = slope_of(a, h);
-        llmc_dropout drop = llmc_dropout_at(a->drop, b, 0);
-        drop.first_row = (int64_t)h * T;   // head h's rows start at h T
+        const backward_head hd = backward_head_of(a, b, h);
         for (int t = 0; t < T; t++) {
-            row_pairs(w.qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
-            row_pairs(w.dopairs + (size_t)t * z.hp, dout_h + (size_t)t * C, 0, z.hp, 0, hs,
+            row_pairs(w.qpairs + (size_t)t * z.hp, hd.q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
+            row_pairs(w.dopairs + (size_t)t * z.hp, hd.dout + (size_t)t * C, 0, z.hp, 0, hs,
                       1.0f);
         }
         // q^T and dO^T by row pairs: the value panels of q and dO, transposed
-        value_panel(w.rows_tmp, (size_t)z.hsv, q, row, T, hs);
+        value_panel(w.rows_tmp, (size_t)z.hsv, hd.q, row, T, hs);
         transpose_pairs(w.qT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
-        value_panel(w.rows_tmp, (size_t)z.hsv, dout_h, C, T, hs);
+        value_panel(w.rows_tmp, (size_t)z.hsv, hd.dout, C, T, hs);
         transpose_pairs(w.doT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
@@ -551,7 +543,7 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 float* ds_t = w.ds + (size_t)(t - t0) * T;
                 const int k_first = first_block_key(t, window);
                 score_rows(isa, p_t, (size_t)T, w.qpairs + (size_t)t * z.hp, (size_t)z.hp,
-                           w.kpanel, Tp, z.hn, R, t + 1, scale, slope, k_first);
+                           w.kpanel, Tp, z.hn, R, t + 1, scale, hd.slope, k_first);
                 score_rows(isa, ds_t, (size_t)T, w.dopairs + (size_t)t * z.hp, (size_t)z.hp,
                            w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f, k_first);
                 const int p_first = first_row_pair(t, window), p_last = (t + R + 31) / 32 * 16;
@@ -559,20 +551,21 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                     float* p_row = p_t + (size_t)r * T;
                     float* ds_row = ds_t + (size_t)r * T;
                     const int lo = first_key(t + r, window), n = t + r + 1 - lo;
-                    LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n, stats_bh + 2 * (size_t)(t + r));
-                    if (llmc_dropout_on(drop)) {
-                        llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, drop, t + r);
+                    LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n,
+                                                    hd.stats + 2 * (size_t)(t + r));
+                    if (llmc_dropout_on(hd.drop)) {
+                        llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, hd.drop, t + r);
                     }
                     LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
-                    if (llmc_dropout_on(drop)) {
-                        llmc_dropout_row(p_row + lo, p_row + lo, lo, n, drop, t + r);
+                    if (llmc_dropout_on(hd.drop)) {
+                        llmc_dropout_row(p_row + lo, p_row + lo, lo, n, hd.drop, t + r);
                     }
                     row_pairs(w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first, p_last,
                               lo, t + r + 1, 1.0f);
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
-                    value_rows(isa, dq + (size_t)(t + r) * row, row, 1,
+                    value_rows(isa, hd.dq + (size_t)(t + r) * row, row, 1,
                                w.dsrows + (size_t)(t - t0 + r) * ldrow, ldrow, w.kvalues,
                                (size_t)z.hsv, nr, first_pair(t + r, window),
                                end_pair(t + r + nr - 1), hs);

@@ -28,9 +28,10 @@
  * Beside them, the row primitives softmax_row_body and probs_row_body: P =
  * exp(s - max) * inv by the same vector operations in both, so the
  * probabilities recomputed from a row's saved max and inv are bitwise the
- * forward's; and dscore_row_body, the backward through the softmax. Bodies only: a file builds the per-ISA variants of those it
- * calls (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so
- * every file runs the same code.
+ * forward's; and dscore_row_body, the backward through the softmax.
+ * Bodies only: a file builds the per-ISA variants of those it calls
+ * (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so every file
+ * runs the same code.
  */
 #ifndef LLMC_ATTENTION_TILES_H
 #define LLMC_ATTENTION_TILES_H
