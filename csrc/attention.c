@@ -76,6 +76,9 @@
  *   attention_gqa_probs, attention_gqa_entropy
  *                      attention_probs.c: P, or each row's entropy,
  *                      recomputed from stats by the forward's tiles
+ *   attention_gqa_forward_bf16 / _backward_bf16
+ *                      attention_bf16.c: the same contract with the
+ *                      products on bf16 operands (bf16 models)
  *   attention_decode   attention_decode.c: one forward row per (b, h)
  *                      against a KV cache, bitwise the forward's
  *   attention_forward_naive / _backward_naive, attention_entropy_naive
@@ -101,22 +104,6 @@ LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int
                   panel, k, stride, n, hs, scale)
 LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
-
-/* The backward through the softmax and the scale, one row of n keys: ds
-   holds dP = dO . v on entry, and on return
-   dS = p * (dP - sum(p * dP)) * scale. */
-static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
-    vec16f acc = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
-    }
-    const float p_dp = llmc_hsum16(acc);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
-    }
-}
 
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
@@ -271,9 +258,6 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     const float scale = a->scale;
     const float* inp_b = inp_of(a, b);
     float* dinp_b = a->out + (size_t)b * T * row;
-    const float* dout_b = a->dout + (size_t)b * T * C;
-    const float* stats_b = a->stats + (size_t)b * a->NH * T * 2;
-    const llmc_dropout drop = llmc_dropout_at(a->drop, b, 0);
     const size_t panel_len = panel_count(T, hs);
     float* kpanel = scratch;
     float* vpanel = kpanel + panel_len;
@@ -283,39 +267,34 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     LLMC_ISA_SELECT(isa, build_panel)(kpanel, k, row, T, hs, scale);
     LLMC_ISA_SELECT(isa, build_panel)(vpanel, inp_b + v_head, row, T, hs, 1.0f);
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
-        const float* stats_bh = stats_b + (size_t)h * T * 2;
-        const float* q = inp_b + q_offset(a, h);
-        const float* dout_h = dout_b + (size_t)h * hs;
-        float* dq = dinp_b + q_offset(a, h);
-        const float slope = slope_of(a, h);
-        llmc_dropout drop_h = drop;   // head h's rows start at h T
-        drop_h.first_row = (int64_t)h * T;
+        const backward_head hd = backward_head_of(a, b, h);
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
             const int k_block = first_block_key(t0, window);
             int t = t0;
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
-                backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, window, drop_h, k_block, t0, t, SCORE_ROWS);
+                backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
+                              row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t,
+                              SCORE_ROWS);
             }
             for (; t < t1; t++) {
-                backward_rows(isa, dq, p, ds, stats_bh, q, dout_h, C, kpanel, vpanel, k, row, T,
-                              hs, slope, scale, window, drop_h, k_block, t0, t, 1);
+                backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
+                              row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t, 1);
             }
             // dk += dS^T q and dv += P^T dO over the block's rows, for every
             // key from the block's first (a multiple of 16, so no tile
             // straddles t0) up to its last row, TILE_KEYS keys at a time
             int t2 = k_block;
             for (; t2 + TILE_KEYS <= t1; t2 += TILE_KEYS) {
-                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, hd.q, row,
                           TILE_KEYS, t2, t0, t1, hs);
-                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, dout_h, C,
+                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, hd.dout, C,
                           TILE_KEYS, t2, t0, t1, hs);
             }
             for (; t2 < t1; t2++) {
-                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, q, row,
+                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, hd.q, row,
                           1, t2, t0, t1, hs);
-                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, dout_h, C,
+                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, hd.dout, C,
                           1, t2, t0, t1, hs);
             }
         }

@@ -88,6 +88,32 @@ static inline float slope_of(const attention_call* a, int h) {
     return a->slopes != NULL ? a->slopes[h] : 0.0f;
 }
 
+/* Query head h of batch row b in a backward call: its saved statistics
+   [T, 2], its q and dout (rows a->row and a->C floats apart), its dq in
+   dinp, its slope, and the dropout of its rows (from h T on). */
+typedef struct {
+    const float* stats;
+    const float* q;
+    const float* dout;
+    float* dq;
+    float slope;
+    llmc_dropout drop;
+} backward_head;
+
+static inline backward_head backward_head_of(const attention_call* a, int b, int h) {
+    const size_t T = (size_t)a->T;
+    llmc_dropout drop = llmc_dropout_at(a->drop, b, 0);
+    drop.first_row = (int64_t)h * a->T;
+    const backward_head head = {
+        .stats = a->stats + ((size_t)b * a->NH + h) * T * 2,
+        .q = inp_of(a, b) + q_offset(a, h),
+        .dout = a->dout + (size_t)b * T * a->C + (size_t)h * a->hs,
+        .dq = a->out + (size_t)b * T * a->row + q_offset(a, h),
+        .slope = slope_of(a, h),
+        .drop = drop};
+    return head;
+}
+
 /* What runs for one (b, head): a variant chosen by LLMC_ISA_SELECT. */
 typedef void (*attention_head_fn)(const attention_call* a, int b, int h, float* scratch);
 

@@ -28,9 +28,10 @@
  * Beside them, the row primitives softmax_row_body and probs_row_body: P =
  * exp(s - max) * inv by the same vector operations in both, so the
  * probabilities recomputed from a row's saved max and inv are bitwise the
- * forward's. Bodies only: a file builds the per-ISA variants of those it
- * calls (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so
- * every file runs the same code.
+ * forward's; and dscore_row_body, the backward through the softmax.
+ * Bodies only: a file builds the per-ISA variants of those it calls
+ * (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so every file
+ * runs the same code.
  */
 #ifndef LLMC_ATTENTION_TILES_H
 #define LLMC_ATTENTION_TILES_H
@@ -175,11 +176,10 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
     }
 }
 
-/* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
-   taken 16 lanes at a time and summed lane by lane, then the lanes in order.
-   Unless stats is NULL, stats[0] = the max and stats[1] = inv, the inverse of
-   the sum. The forward's rows and the decode's both run its variants. */
-static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
+/* The first two passes of softmax_row_body below: p[0 .. n) becomes exp(s - max);
+   returns inv, and the max in *max_out. (attention_bf16.c multiplies by inv
+   as it rounds the row.) */
+static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
     const vec16f neg_inf = (vec16f){0} - INFINITY;
     vec16f max16 = neg_inf;
     for (int k0 = 0; k0 < n; k0 += 16) {
@@ -196,7 +196,17 @@ static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
         store_part(p + k0, e, m);
         expsum16 += llmc_select16(llmc_lanes_below(m), e, (vec16f){0});
     }
-    const float inv = 1.0f / llmc_hsum16(expsum16);
+    *max_out = maxval;
+    return 1.0f / llmc_hsum16(expsum16);
+}
+
+/* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
+   taken 16 lanes at a time and summed lane by lane, then the lanes in order.
+   Unless stats is NULL, stats[0] = the max and stats[1] = inv, the inverse of
+   the sum. The forward's rows and the decode's both run its variants. */
+static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
+    float maxval;
+    const float inv = softmax_exps(p, n, &maxval);
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         store_part(p + k0, load_part(p + k0, m) * inv, m);
@@ -215,6 +225,22 @@ static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         store_part(p + k0, llmc_exp16(load_part(p + k0, m) - maxval) * inv, m);
+    }
+}
+
+/* The backward through the softmax and the scale, one row of n keys: ds
+   holds dP = dO . v on entry, and on return
+   dS = p * (dP - sum(p * dP)) * scale. */
+static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
+    vec16f acc = {0};
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
+    }
+    const float p_dp = llmc_hsum16(acc);
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
     }
 }
 

@@ -497,6 +497,31 @@ int attention_gqa_backward(float* dinp, const float* dout, const float* inp, con
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
                            int window, float dropout, uint64_t seed);
 
+/* ---- attention_bf16.c --------------------------------------------------- */
+
+/*
+ * attention_gqa_forward_bf16: attention_gqa_forward (the same arrays, sizes
+ * and statistics) with its two products on bf16 operands summed in float32,
+ * softmax and statistics in float32 (bf16 models):
+ *   score = bf16(q) . bf16(k) / sqrt(hs) - slopes[h] * (t - t2)
+ *   out   = sum_t2 bf16(att (dropped)) * bf16(v)
+ * bf16(x): x rounded to nearest even as float_to_bf16 does, a denormal
+ * result flushed to 0. The sums' order is stated in attention_bf16.c.
+ */
+int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const float* slopes,
+                               int B, int T, int NH, int NKV, int hs, int window, float dropout,
+                               uint64_t seed);
+
+/*
+ * attention_gqa_backward_bf16: gradients of attention_gqa_forward_bf16
+ * (attention_gqa_backward's arrays), P recomputed bitwise from stats:
+ *   dP = bf16(dout) . bf16(v)    dS = P (dP - sum_t2 P dP) / sqrt(hs)  (float32)
+ *   dq += bf16(dS) bf16(k)   dk += bf16(dS)^T bf16(q)   dv += bf16(P)^T bf16(dout)
+ */
+int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp,
+                                const float* stats, const float* slopes, int B, int T, int NH,
+                                int NKV, int hs, int window, float dropout, uint64_t seed);
+
 /* ---- attention_probs.c -------------------------------------------------- */
 
 /*

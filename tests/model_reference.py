@@ -6,7 +6,8 @@ tensors named and shaped as in llmc_py.model.layout.param_specs.
 precision="bf16" is the mixed precision of llmc_py's bf16 models: every
 linear layer multiplies bf16-rounded operands (its input and weight forward,
 its output gradient and weight or input backward) and sums exactly (float64
-here); everything else stays float64."""
+here), and so do attention's products (reference.attention_gqa_bf16);
+everything else stays float64."""
 import math
 
 import numpy as np
@@ -111,6 +112,7 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks
     output, as a training pass with dropout does."""
     c = config
     matmul = bf16_matmul if precision == "bf16" else R.matmul
+    attention_gqa = R.attention_gqa_bf16 if precision == "bf16" else R.attention_gqa
     inputs = torch.as_tensor(np.asarray(inputs, dtype=np.int64))
     slopes = alibi_slopes(c.num_heads) if c.position == "alibi" else None
 
@@ -162,8 +164,8 @@ def forward(p, config, inputs, targets=None, precision="fp32", trace=None, masks
             if c.position == "rope":
                 qkv = R.rope(qkv, None, c.num_heads, c.num_kv_heads, c.rope_theta,
                              c.rope_inv_freq(), c.rope_interleaved)
-            h, att = R.attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes,
-                                     c.sliding_window, mask("attention", l))
+            h, att = attention_gqa(qkv, c.num_heads, c.num_kv_heads, slopes,
+                                   c.sliding_window, mask("attention", l))
             h = matmul(h, param("attprojw", l), param("attprojb", l))
             return dropped(h, "attention_output", l), att
 

@@ -120,6 +120,57 @@ def attention_gqa(qkv, NH, NKV, slopes=None, window=0, mask=None):
     return out, att
 
 
+def attention_gqa_bf16(qkv, NH, NKV, slopes=None, window=0, mask=None):
+    """attention_gqa_forward_bf16 and _backward_bf16 (bf16 models): attention_gqa
+    with q, k, v and the (dropped) probabilities rounded to bf16 where its
+    products read them, and a gradient by hand that rounds every product's
+    operands too (dout, dS, P), the softmax's backward exact. Returns out
+    [B,T,NH*hs] (differentiable in qkv) and att [B,NH,T,T] (not)."""
+    return _Bf16Attention.apply(qkv, NH, NKV, slopes, window, mask)
+
+
+class _Bf16Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, NH, NKV, slopes, window, mask):
+        B, T, width = qkv.shape
+        hs = width // (NH + 2 * NKV)
+        rounded = _round_bf16(qkv)
+        scores, v = _attention_scores(rounded, NH, NKV, slopes, window)
+        att = _softmax_last(scores)
+        weights = att if mask is None else dropout(att, mask)
+        out = (_round_bf16(weights) @ v).transpose(1, 2).reshape(B, T, NH * hs)
+        ctx.save_for_backward(rounded, att, v, mask)
+        ctx.heads = NH, NKV
+        ctx.mark_non_differentiable(att)
+        return out, att
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        rounded, att, v, mask = ctx.saved_tensors
+        NH, NKV = ctx.heads
+        B, T, width = rounded.shape
+        hs = width // (NH + 2 * NKV)
+        q, k, _ = rounded.split([NH * hs, NKV * hs, NKV * hs], dim=-1)
+        q = q.reshape(B, T, NH, hs).transpose(1, 2)
+        k = k.reshape(B, T, NKV, hs).transpose(1, 2).repeat_interleave(NH // NKV, dim=1)
+        do = _round_bf16(dout).reshape(B, T, NH, hs).transpose(1, 2)
+        datt = do @ v.transpose(-2, -1)
+        weights = att
+        if mask is not None:
+            datt, weights = dropout(datt, mask), dropout(att, mask)
+        ds = _round_bf16(att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(hs))
+        dq, dk, dv = ds @ k, ds.transpose(-2, -1) @ q, _round_bf16(weights).transpose(-2, -1) @ do
+        group = lambda x: x.reshape(B, NKV, NH // NKV, T, hs).sum(2)   # noqa: E731
+        heads = lambda x, n: x.transpose(1, 2).reshape(B, T, n * hs)   # noqa: E731
+        dqkv = torch.cat([heads(dq, NH), heads(group(dk), NKV), heads(group(dv), NKV)], dim=-1)
+        return dqkv, None, None, None, None, None
+
+
+def _round_bf16(x):
+    """x rounded to bf16 via float32, ties to even (a float64 tensor)."""
+    return x.to(torch.float32).to(torch.bfloat16).to(x.dtype)
+
+
 def attention_gqa_stats(qkv, NH, NKV, slopes=None, window=0):
     """The softmax statistics of attention_gqa's rows, [B,NH,T,2]: [0] the max
     of the row's scores (over its unmasked keys), [1] 1 / sum_t2 exp(score - max)."""

@@ -41,6 +41,7 @@ SOURCES = [
     "matmul_bf16.c",
     "quant.c",
     "attention.c",
+    "attention_bf16.c",
     "attention_probs.c",
     "attention_naive.c",
     "attention_decode.c",

@@ -399,6 +399,22 @@ attention_gqa_backward = _kernel(
     """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
     slopes[NH] (the forward's) or None, window, dropout and seed (the forward's).""")
 
+attention_gqa_forward_bf16 = _kernel(
+    "attention_gqa_forward_bf16",
+    f"out[B,T,NH*hs] written, stats[B,NH,T,2] written, inp[B,T,{_QKV}], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """attention_gqa_forward's contract with q, k, v and the probabilities rounded
+    to bf16 in its two products (summed in float32; softmax and stats float32):
+    the attention of bf16 models.""")
+
+attention_gqa_backward_bf16 = _kernel(
+    "attention_gqa_backward_bf16",
+    f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
+    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    """attention_gqa_backward's contract for attention_gqa_forward_bf16: every
+    product's operands (dout, P, dS, q, k, v) rounded to bf16, sums, the
+    softmax's backward and stats float32.""")
+
 attention_gqa_probs = _kernel(
     "attention_gqa_probs",
     f"att[B,NH,T,T] written, inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"

@@ -382,13 +382,13 @@ class Block:
         rope, qk_norm = c.position == "rope", c.qk_norm
         if not (rope or qk_norm):
             d.qkv[...] = 0.0
-            K.attention_gqa_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], m.slopes,
-                                     c.NH, c.NKV, c.sliding_window, *site)
+            m._attention_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], m.slopes,
+                                  c.NH, c.NKV, c.sliding_window, *site)
             return d.qkv
         # with both steps d.qkv is d.qkvr's buffer, used again once RoPE's backward has read it
         d.qkvr[...] = 0.0
-        K.attention_gqa_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l], m.slopes,
-                                 c.NH, c.NKV, c.sliding_window, *site)
+        m._attention_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l], m.slopes,
+                              c.NH, c.NKV, c.sliding_window, *site)
         dnormed = d.qkvr
         if rope:
             d.qkvn[...] = 0.0

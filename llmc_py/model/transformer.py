@@ -43,11 +43,15 @@ in llm.c's CUDA trainer: the parameters (the master copy), their gradients
 and AdamW's moments stay float32, and ``params_bf16`` holds a bf16 copy of
 the parameters (rounded to nearest even) that the linear layers read; each
 linear layer multiplies bf16 numbers (its float32 input and, backward, its
-float32 output gradient rounded to bf16) and sums in float32; the
-activations only those layers read (the norm outputs and the MLP activation
-of pre-norm and parallel blocks: layout.act_dtypes) are kept in bf16, the
-bits the matmuls would round them to. The residual stream, norm statistics,
-attention, softmax, the loss and the gradient norm stay float32.
+float32 output gradient rounded to bf16) and sums in float32; so do
+attention's two products (q k^T and P v, and backward their four, on q, k,
+v, P, dout and dS rounded to bf16), around a float32 softmax and its
+statistics. The activations only linear layers read (the norm outputs and
+the MLP activation of pre-norm and parallel blocks: layout.act_dtypes) are
+kept in bf16, the bits the matmuls would round them to. The residual
+stream, norm statistics, the loss and the gradient norm stay float32.
+KV-cache decoding runs attention_decode's float32 attention (close to the
+full forward, not bitwise).
 update() rewrites the bf16 copy as it updates the parameters.
 
 A frozen bf16 base (``frozen=True``, load_model(path, precision="bf16",
@@ -200,6 +204,10 @@ class Transformer:
             self.params_bf16 = None
             self._weights = self.params
             self._matmul_forward, self._matmul_backward = K.matmul_forward, K.matmul_backward
+        # attention's two products: bf16 operands in a bf16 model (attention_bf16.c)
+        self._attention_forward, self._attention_backward = (
+            (K.attention_gqa_forward_bf16, K.attention_gqa_backward_bf16) if precision == "bf16"
+            else (K.attention_gqa_forward, K.attention_gqa_backward))
         self._grads = None
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
@@ -568,7 +576,7 @@ class Transformer:
 
         def attend(l):
             self.position_qkv(a, l, None)
-            K.attention_gqa_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
+            self._attention_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
                                     self.slopes, c.NH, c.NKV, c.sliding_window,
                                     *dropout.site("attention", l))
 
