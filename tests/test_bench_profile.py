@@ -116,13 +116,17 @@ def test_profile_rows_count_gpt2s_kernel_calls(precision):
     p = profile_step(model, step, 1, **SMALL_PEAKS)
     calls = {(r["phase"], r["row"]): r["calls"] for r in p["rows"]}
     L = 2
-    expected = {("forward", "encoder_forward"): 1, ("forward", "layernorm_forward"): 2 * L + 1,
-                ("forward", "attention_gqa_forward"): L, ("forward", "gelu_forward"): L,
-                ("forward", "residual_forward"): 2 * L,
+    attention = "attention_gqa_forward" + ("_bf16" if precision == "bf16" else "")
+    # each layer's residual2 -> ln2 in one kernel (residual_layernorm_forward)
+    expected = {("forward", "encoder_forward"): 1, ("forward", "layernorm_forward"): L + 1,
+                ("forward", "residual_layernorm_forward"): L,
+                ("forward", attention): L, ("forward", "gelu_forward"): L,
+                ("forward", "residual_forward"): L,
                 ("forward", "softmax_crossentropy_forward"): 1,
                 ("backward", "softmax_crossentropy_backward"): 1,
                 ("backward", "layernorm_backward"): 2 * L + 1,
-                ("backward", "attention_gqa_backward"): L, ("backward", "gelu_backward"): L,
+                ("backward", attention.replace("forward", "backward")): L,
+                ("backward", "gelu_backward"): L,
                 ("backward", "encoder_backward"): 1, ("update", "adamw_update"): 1,
                 ("step", ZERO_GRAD): 1,
                 ("forward", "head fwd"): 1, ("backward", "head dinp"): 1,

@@ -4,7 +4,8 @@ AdamW) split into its kernel calls.
 While a Profiler is installed on a model, every kernel of
 llmc_py._native.kernels that the step calls is timed: those the model calls
 through the module, and those it holds references to (its _matmul_forward
-and _matmul_backward, its block's activation). Each call goes to a phase
+and _matmul_backward, _attention_forward and _attention_backward, its
+block's activation). Each call goes to a phase
 (forward, backward, update) and a row: a matmul by the weight it reads
 (qkv, attproj, fc, fcproj, head; a LoRA adapter's as "lora <layer>") and
 its product (fwd, dinp, dW, dbias), any other kernel by its name. A matmul
@@ -46,7 +47,8 @@ GEMM_BACKWARD = ("matmul_backward", "matmul_backward_bf16", "moe_grouped_backwar
 # a GEMM backward's outputs, each a product of its own
 PRODUCTS = {"dinp": "dinp", "dweight": "dW", "dbias": "dbias"}
 # attention's products over the (query, key) pairs
-ATTENTION_PRODUCTS = {"attention_gqa_forward": 2, "attention_gqa_backward": 5}
+ATTENTION_PRODUCTS = {"attention_gqa_forward": 2, "attention_gqa_backward": 5,
+                      "attention_gqa_forward_bf16": 2, "attention_gqa_backward_bf16": 5}
 # a weight's row name where it is not the tensor's name less its "w"
 SITES = {"wte": "head", "lm_head": "head"}
 PEAK_GEMM = 2048       # the square GEMM of the peak: n x n x n
@@ -104,6 +106,7 @@ class Profiler:
         for name, fn in self.kernels.items():
             self._patch(K, name, timed_kernels[fn])
         for owner, attr in ((model, "_matmul_forward"), (model, "_matmul_backward"),
+                            (model, "_attention_forward"), (model, "_attention_backward"),
                             (model._block, "act_forward"), (model._block, "act_backward")):
             fn = getattr(owner, attr)
             if fn in timed_kernels:
