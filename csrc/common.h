@@ -195,7 +195,11 @@ static LLMC_ALWAYS_INLINE void llmc_store16_as(void* out, int out_bf16, int64_t 
     const llmc_vec16u is_nan = (llmc_vec16u)((u & 0x7fffffffu) > 0x7f800000u);   // lanes -1 or 0
     const llmc_vec16h h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan),
                                                   llmc_vec16h);
-    memcpy((uint16_t*)out + i, &h, (size_t)(n < 16 ? n : 16) * sizeof(uint16_t));
+    if (n >= 16) {   // a constant size: one vector store, not a call
+        memcpy((uint16_t*)out + i, &h, sizeof h);
+    } else {
+        memcpy((uint16_t*)out + i, &h, (size_t)n * sizeof(uint16_t));
+    }
 }
 
 /* A mask whose first n lanes are set. */
