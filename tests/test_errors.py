@@ -99,7 +99,6 @@ _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
 _GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}))
 
 
-
 def _bad_dtype(param):
     """An llmc_dtype argument that is neither float32 nor bf16."""
     return (({param: 2}, "LLMC_ERR_VALUE"), ({param: -1}, "LLMC_ERR_VALUE"))
@@ -144,6 +143,8 @@ ROWS = {
     "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
     "attention_gqa_forward": Row(**_WINDOWED_DROPPED),
     "attention_gqa_backward": Row(**_WINDOWED_DROPPED),
+    "attention_gqa_forward_bf16": Row(**_WINDOWED_DROPPED),
+    "attention_gqa_backward_bf16": Row(**_WINDOWED_DROPPED),
     "attention_gqa_probs": Row(**_WINDOWED),
     "attention_forward_naive": Row(**_WINDOWED_DROPPED),
     "attention_backward_naive": Row(not_sizes=_WINDOWED["not_sizes"],
