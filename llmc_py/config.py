@@ -128,6 +128,11 @@ def same_gguf_key(*names):
     return {"gpt2": GGUFKey(names), "llama": GGUFKey(names)}
 
 
+def moe_gguf_key(name):
+    """A required GGUF key of both families of experts (Mixtral's, Qwen3-MoE's)."""
+    return {"mixtral": GGUFKey((name,)), "qwen3_moe": GGUFKey((name,))}
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """One decoder-only transformer, by its sizes and choices. The presets
@@ -294,6 +299,7 @@ class TransformerConfig:
         shown=", {c.num_experts} experts top-{c.experts_per_token} of {c.expert_hidden}",
         hf={"mixtral": HFKey(("num_local_experts",)),
             "qwen3_moe": HFKey(("num_experts",), also_read=("num_local_experts",))},
+        gguf=moe_gguf_key("{arch}.expert_count"),
         flag=Flag("--experts", "llama: E > 0 makes the MLP of every --moe-every-th layer a "
                   "mixture of E experts, a router sending each token to --experts-per-token "
                   "of them (Mixtral, Qwen3-MoE); 0: one dense MLP per layer", NON_NEGATIVE))
@@ -302,6 +308,7 @@ class TransformerConfig:
         0, slot=Slot(22, NON_NEGATIVE, only_with="num_experts"),
         hf={"mixtral": HFKey(("num_experts_per_tok",)),
             "qwen3_moe": HFKey(("num_experts_per_tok",))},
+        gguf=moe_gguf_key("{arch}.expert_used_count"),
         flag=Flag("--experts-per-token", "llama: k, the experts each token is routed to "
                   "(1 <= k <= --experts)", NON_NEGATIVE))
     # each expert's MLP hidden size (Mixtral's intermediate_size, Qwen3-MoE's
@@ -310,6 +317,8 @@ class TransformerConfig:
         0, slot=Slot(23, NON_NEGATIVE, only_with="num_experts"),
         hf={"mixtral": HFKey(("intermediate_size",)),
             "qwen3_moe": HFKey(("moe_intermediate_size",))},
+        gguf={"mixtral": GGUFKey(("{arch}.feed_forward_length",)),
+              "qwen3_moe": GGUFKey(("{arch}.expert_feed_forward_length",))},
         flag=Flag("--expert-hidden", "llama: each expert's MLP hidden size", NON_NEGATIVE))
     # n: layers n-1, 2n-1, ... are MoE, the others dense (Qwen3-MoE's
     # decoder_sparse_step: layer l when (l + 1) % n == 0); 1: every layer

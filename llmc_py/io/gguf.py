@@ -1,15 +1,29 @@
 """GGUF files (llama.cpp's format), in and out, through the ``gguf`` package
 (llama.cpp's own reader, writer, name tables and quantizers; ``pip install
-"llmc_py[gguf]"``), for GPT-2, Llama, Mistral and Qwen3.
+"llmc_py[gguf]"``), for GPT-2, Llama, Mistral, Qwen3 and the mixtures of
+experts Mixtral and Qwen3-MoE.
 
 Writing follows llama.cpp's convert_hf_to_gguf.py on the Hugging Face model
 of the same config (io.hf.hf_tensors):
-- general.architecture "gpt2", "llama" (Llama and Mistral, as the converter
-  writes Mistral) or "qwen3"; the hyperparameters are the config fields'
-  declared GGUF keys (config.GGUFKey), the only place they are named.
-  Mistral's sliding window is written (we read it back), but llama.cpp's
-  llama architecture attends over every position: past the window its
-  logits differ from ours.
+- general.architecture "gpt2", "llama" (Llama, Mistral and Mixtral, as the
+  converter writes them), "qwen3" or "qwen3moe"; the hyperparameters are
+  the config fields' declared GGUF keys (config.GGUFKey), the only place
+  they are named (the experts': {arch}.expert_count, .expert_used_count,
+  and the expert hidden size as Mixtral's feed_forward_length or
+  Qwen3-MoE's expert_feed_forward_length). A key that is 0 when off (the
+  sliding window) is left out then.
+  Mistral's (and Mixtral's) sliding window is written (we read it back), but
+  llama.cpp's llama architecture attends over every position: past the
+  window its logits differ from ours.
+- The experts: each MoE layer's router is ffn_gate_inp [E, C] (kept F32, as
+  the converter keeps it), and each projection of its E experts one stacked
+  tensor, ffn_gate_exps and ffn_up_exps [E, EH, C], ffn_down_exps [E, C, EH]
+  (expert e at [e]), as the converter stacks them. What llama.cpp's
+  architectures cannot run is refused by name: dense layers among the MoE
+  ones (moe_every > 1, Qwen3-MoE's decoder_sparse_step) and top-k weights
+  left unnormalised (norm_topk_prob=False); both always renormalise and
+  route every layer. The training-only router_aux_loss and router_z_loss
+  are not written (they read back as 0).
 - Tensor names are gguf.tensor_mapping's for the Hugging Face names; GPT-2's
   Conv1D weights are stored (out, in) like every other weight, its q, k, v
   stay fused (attn_qkv). A tied head writes no output tensor.
@@ -29,9 +43,13 @@ of the same config (io.hf.hf_tensors):
   pre-tokenizer named as llama.cpp names it, _pre_tokenizer).
   A tokenizer with more tokens than the embedding has rows is refused.
 
-Reading inverts all of it: the config from the declared keys, every tensor
-dequantised (gguf.quants.dequantize) to float32, q and k permuted back, and
-the tensors checked by io.hf.params_from_tensors as a folder's are. Tensors
+Reading inverts all of it: the config from the declared keys (a llama file
+with an expert count is a Mixtral), every tensor dequantised
+(gguf.quants.dequantize) to float32, q and k permuted back, the experts
+unstacked, and the tensors checked by io.hf.params_from_tensors as a
+folder's are (an MoE layer's four first, by their GGUF names). A quantized
+MoE file is read dequantised: our quantized model (weights="q8_0") holds no
+experts yet. Tensors
 in F32, F16, BF16, Q8_0 and Q4_0 are read, and Q6_K (llama.cpp's quantizer
 keeps the head of a Q4_0 model in it); other types are refused by name.
 """
@@ -54,19 +72,34 @@ MAGIC = b"GGUF"
 # the GGUF architecture of each Hugging Face one (llama.cpp's converter
 # writes MistralForCausalLM as "llama"), and back
 GGUF_ARCHS = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
-              "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
-HF_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+              "MistralForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+              "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}
+HF_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "qwen3moe": "Qwen3MoeForCausalLM"}
 DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def gguf_arch(hf_arch):
-    """The GGUF architecture a Hugging Face one is written as; the experts'
-    (Mixtral, Qwen3-MoE), whose stacked expert tensors are not written yet,
-    are refused."""
-    if hf_arch not in GGUF_ARCHS:
-        raise UnsupportedError(f"{hf_arch}: GGUF export of a mixture-of-experts model is not "
-                               f"supported; supported: {', '.join(GGUF_ARCHS)}")
+    """The GGUF architecture a Hugging Face one is written as."""
     return GGUF_ARCHS[hf_arch]
+
+
+def _refuse_unexpressible(config, hf_arch):
+    """UnsupportedError naming the setting of an MoE ``config`` that
+    llama.cpp's architecture for it cannot run: its qwen3moe (like its llama
+    with experts) has experts in every layer and always renormalises a
+    token's top-k router weights (Mixtral's own rules, which
+    io.hf.architecture already requires of a Mixtral)."""
+    if hf_arch != "Qwen3MoeForCausalLM":
+        return
+    if config.moe_every != 1:
+        raise UnsupportedError(f"moe_every={config.moe_every} (Qwen3-MoE's decoder_sparse_step): "
+                               f"llama.cpp's qwen3moe architecture has experts in every layer "
+                               f"and no dense MLP; GGUF export needs moe_every=1")
+    if not config.norm_topk_prob:
+        raise UnsupportedError("norm_topk_prob=False: llama.cpp's qwen3moe architecture always "
+                               "renormalises a token's top-k router weights to sum to 1; GGUF "
+                               "export needs norm_topk_prob=True")
 
 
 READ_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q6_K")
@@ -95,9 +128,14 @@ def is_gguf(path):
 
 # ---- the hyperparameters -----------------------------------------------------
 
-def _families(gguf_arch):
-    """The config field families a GGUF architecture's keys come from."""
-    return ("gpt2",) if gguf_arch == "gpt2" else ("llama", "mistral")
+def _families(gguf_arch, fields):
+    """The config field families (io.hf.FAMILIES) whose keys a GGUF file of
+    ``gguf_arch`` with metadata ``fields`` holds: a llama file with an
+    expert count is a Mixtral's."""
+    if gguf_arch == "llama":
+        moe = f"{gguf_arch}.expert_count" in fields
+        return FAMILIES["MixtralForCausalLM" if moe else "MistralForCausalLM"]
+    return FAMILIES[HF_ARCHS[gguf_arch]]
 
 
 def _declared_keys(families):
@@ -114,6 +152,8 @@ def _metadata(config, hf_arch, gguf_arch):
     values = {}
     for field, key in _declared_keys(FAMILIES[hf_arch]):
         value = getattr(c, key.written_as or field.name)
+        if value == 0 and key.missing == 0:
+            continue   # off (no sliding window), as the converter leaves out a null
         values.update({name.format(arch=gguf_arch): value for name in key.names})
     if gguf_arch != "gpt2":
         values[f"{gguf_arch}.vocab_size"] = c.vocab_size
@@ -143,7 +183,7 @@ def _config(fields, path, gguf_arch, tensor_shapes):
         return v
 
     config = {}
-    for field, key in _declared_keys(_families(gguf_arch)):
+    for field, key in _declared_keys(_families(gguf_arch, fields)):
         name = key.names[0].format(arch=gguf_arch)
         if name in fields or key.missing is REQUIRED:
             config[field.name] = value(name, field.type)
@@ -170,7 +210,7 @@ def _config(fields, path, gguf_arch, tensor_shapes):
                 return GPT2Config(**{k: v for k, v in config.items() if k not in GPT2_CHOICES})
             return gpt2
         return LlamaConfig(norm="rmsnorm", position="rope", mlp="swiglu",
-                           qk_norm=gguf_arch == "qwen3", **config)
+                           qk_norm=gguf_arch in ("qwen3", "qwen3moe"), **config)
     except ShapeError as e:
         raise CheckpointError(f"{path}: {e}") from None
 
@@ -342,13 +382,15 @@ def tokenizer_vocab(tokenizer):
 
 def _qtype(gguf, name, shape, dtype, head):
     """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
-    norms, biases and position_embd; ``dtype`` for the other weights. With
+    norms, biases, position_embd and the experts' routers (ffn_gate_inp);
+    ``dtype`` for the other weights (each expert's rows quantised as any
+    matrix's: the blocks run along a row of one expert). With
     q4_0 the ``head`` (output.weight, or token_embd.weight when tied) is
     Q8_0, as llama.cpp's quantizer keeps it (Q6_K where its rows are a
     multiple of 256, which we do not write, else Q8_0) and as our quantized
     model holds it."""
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
-            or name == "position_embd.weight":
+            or name == "position_embd.weight" or name.endswith(".ffn_gate_inp.weight"):
         return gguf.GGMLQuantizationType.F32
     if dtype == "q4_0" and name == head:
         return gguf.GGMLQuantizationType.Q8_0
@@ -365,20 +407,58 @@ def _quantized(gguf, data, qtype):
         return gguf.quants.quantize(data, f16), f16
 
 
+def _stacked(hf_name):
+    """(the name of the tensor that stacks every expert of its layer, the
+    expert) for one expert's tensor ``hf_name`` (".experts.{e}." in it), as
+    convert_hf_to_gguf names the stack it makes ([E, rows, columns], expert
+    e's matrix at [e]; gguf.tensor_mapping knows it); None for the others."""
+    head, sep, tail = hf_name.partition(".experts.")
+    expert, dot, rest = tail.partition(".")
+    if not sep or not dot or not expert.isdigit():
+        return None
+    return f"{head}.experts.{rest}", int(expert)
+
+
+def _expert_name(stacked, e):
+    """Expert e's Hugging Face name in the ``stacked`` tensor (_stacked's inverse)."""
+    head, _, rest = stacked.partition(".experts.")
+    return f"{head}.experts.{e}.{rest}"
+
+
 def gguf_tensors(config):
-    """[(GGUF name, Hugging Face name)] of a model of ``config``'s tensors."""
+    """[(GGUF name, Hugging Face name)] of a model of ``config``'s tensors;
+    each stack of experts (_stacked) once, by its stacked name."""
     gguf = _gguf()
     hf_arch = architecture(config)
     arch = gguf.MODEL_ARCH[gguf_arch(hf_arch).upper()]
     names = gguf.get_tensor_name_map(arch, config.num_layers)
     pairs = []
     for hf_name in hf_names(config):
+        stacked = _stacked(hf_name)
+        if stacked is not None:
+            if stacked[1] > 0:
+                continue
+            hf_name = stacked[0]
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UnsupportedError(f"tensor {hf_name}: gguf.tensor_mapping has no GGUF name for "
                                    f"it in a {GGUF_ARCHS[hf_arch]} model")
         pairs.append((name, hf_name))
     return pairs
+
+
+def _stacked_tensors(config, hf):
+    """{Hugging Face name: array} of io.hf.hf_tensors' ``hf`` with each
+    layer's experts stacked into one tensor per projection (_stacked)."""
+    out = {}
+    for hf_name, data in hf.items():
+        stacked = _stacked(hf_name)
+        if stacked is None:
+            out[hf_name] = data
+        elif stacked[1] == 0:
+            out[stacked[0]] = np.stack([hf[_expert_name(stacked[0], e)]
+                                        for e in range(config.num_experts)])
+    return out
 
 
 def _rope_rows(config, name):
@@ -399,9 +479,10 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                                f"{', '.join(DTYPES)}")
     hf_arch = architecture(config)
     arch = gguf_arch(hf_arch)
+    _refuse_unexpressible(config, hf_arch)
     metadata = _metadata(config, hf_arch, arch)
     vocab = _fit_vocab(tokenizer_vocab(tokenizer), config.vocab_size, source or "tokenizer")
-    hf = hf_tensors(config, params)
+    hf = _stacked_tensors(config, hf_tensors(config, params))
     path = Path(path)
     tmp = None
     try:
@@ -514,17 +595,26 @@ def read_gguf_into(path, put):
     return config
 
 
+def _hf_arch(arch, config):
+    """The Hugging Face architecture whose tensor names a GGUF file of
+    ``arch`` and ``config`` is read into."""
+    if config.num_experts or config.sliding_window:
+        return architecture(config)
+    return HF_ARCHS[arch]
+
+
 def _gguf_tensors(path):
     """(Hugging Face architecture, config, _Dequantized tensors) of a GGUF file."""
     gguf, reader, arch, config = _open(path)
-    hf_arch = "MistralForCausalLM" if config.sliding_window else HF_ARCHS[arch]
-    return hf_arch, config, _Dequantized(gguf, path, reader, arch, config)
+    return _hf_arch(arch, config), config, _Dequantized(gguf, path, reader, arch, config)
 
 
 class _Dequantized:
     """A GGUF file's tensors by their Hugging Face names (as io.hf reads a
     folder's), each dequantised to float32 when it is asked for: q, k rows
-    back in Hugging Face's order (llama), GPT-2's Conv1D weights transposed."""
+    back in Hugging Face's order (llama), GPT-2's Conv1D weights transposed,
+    each expert's matrix out of its layer's stack (_stacked; the last stack
+    read is kept for the next expert)."""
 
     def __init__(self, gguf, path, reader, arch, config):
         self._gguf, self._path, self._arch, self._config = gguf, path, arch, config
@@ -535,20 +625,65 @@ class _Dequantized:
                 raise CheckpointError(f"{path}: tensor {t.name} is not part of a {arch} model "
                                       f"with this metadata")
             self._tensors[to_hf[t.name]] = t
+        _check_experts(path, arch, config, {t.name: t for t in reader.tensors})
+        self._stacks = {name for name in self._tensors if ".experts." in name}
+        self._experts = {_expert_name(name, e): (name, e) for name in self._stacks
+                         for e in range(config.num_experts)}
+        self._last = None, None   # (stacked name, its float32 values)
 
     def __contains__(self, hf_name):
-        return hf_name in self._tensors
+        return hf_name in self._experts or (hf_name in self._tensors
+                                            and hf_name not in self._stacks)
 
     def __iter__(self):
-        return iter(self._tensors)
+        yield from (name for name in self._tensors if name not in self._stacks)
+        yield from self._experts
 
     def __getitem__(self, hf_name):
+        if hf_name in self._experts:
+            stacked, e = self._experts[hf_name]
+            if self._last[0] != stacked:
+                self._last = stacked, _dequantized(self._gguf, self._path,
+                                                   self._tensors[stacked])
+            return self._last[1][e]
         t, config = self._tensors[hf_name], self._config
         data = _dequantized(self._gguf, self._path, t)
         heads = _rope_rows(config, t.name) if self._arch == "llama" else None
         if heads and len(data) == heads * config.head_size:   # else our_tensors refuses it
             data = interleaved_to_half_split(data, heads, config.head_size)
         return data.T if self._arch == "gpt2" and hf_name.endswith(CONV1D) else data
+
+
+# each MoE layer's tensors: the router [E, C], then each projection of every
+# expert stacked [E, rows, columns], from the config's C, E and EH
+_EXPERT_SHAPES = {"ffn_gate_inp": lambda c: (c.num_experts, c.C),
+                  "ffn_gate_exps": lambda c: (c.num_experts, c.expert_hidden, c.C),
+                  "ffn_up_exps": lambda c: (c.num_experts, c.expert_hidden, c.C),
+                  "ffn_down_exps": lambda c: (c.num_experts, c.C, c.expert_hidden)}
+
+
+def _check_experts(path, arch, config, tensors):
+    """CheckpointError naming the GGUF tensor of an MoE layer that is
+    missing or whose shape disagrees with the metadata (expert count, expert
+    hidden size, embedding length), before any is read; ``tensors``: the
+    file's, by GGUF name."""
+    c = config
+    if not c.num_experts:
+        return
+    keys = {field.name: key.names[0].format(arch=arch)
+            for field, key in _declared_keys(FAMILIES[_hf_arch(arch, config)])}
+    metadata = (f"{keys['num_experts']} {c.num_experts}, {keys['expert_hidden']} "
+                f"{c.expert_hidden}, {keys['channels']} {c.C}")
+    for l in c.moe_layers:
+        for kind, shape_of in _EXPERT_SHAPES.items():
+            name = f"blk.{l}.{kind}.weight"
+            if name not in tensors:
+                raise CheckpointError(f"{path}: tensor {name} is missing (layer {l}'s experts; "
+                                      f"metadata: {metadata})")
+            shape = [int(n) for n in reversed(tensors[name].shape)]
+            if shape != list(shape_of(c)):
+                raise CheckpointError(f"{path}: tensor {name} has shape {shape}, expected "
+                                      f"{list(shape_of(c))} (metadata: {metadata})")
 
 
 def read_gguf_blocks(path, qtype):
