@@ -411,7 +411,8 @@ def test_convert_refuses_a_gguf_dtype_for_other_formats(folder, tmp_path):
 def rewrite(src, dst, arch=None, tensor=None, fields=None):
     """A copy of the GGUF file ``src`` through the gguf package's writer, with
     ``arch``, ``tensor(name, data, type) -> (data, type, numpy shape or
-    None)`` applied to each tensor and ``fields(name, value) -> value`` to each metadata value."""
+    None)`` (or None: dropped) applied to each tensor and ``fields(name,
+    value) -> value`` to each metadata value."""
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(dst, arch or reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
@@ -426,7 +427,10 @@ def rewrite(src, dst, arch=None, tensor=None, fields=None):
     for t in reader.tensors:
         data, kind, shape = np.asarray(t.data), t.tensor_type, None
         if tensor:
-            data, kind, shape = tensor(t.name, data, kind)
+            kept = tensor(t.name, data, kind)
+            if kept is None:
+                continue
+            data, kind, shape = kept
         writer.add_tensor(t.name, data, raw_shape=shape, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
