@@ -12,10 +12,12 @@ Llama file, or BF16 safetensors). Needs ``pip install "llmc_py[hf]"``.
 
 A DST ending in .gguf is a GGUF file (io.gguf) of any SRC, with SRC's
 tokenizer (a folder's tokenizer.json, else GPT-2's); --dtype fp32, f16, bf16,
-q8_0 or q4_0 (norms, biases and position embeddings stay fp32). A GGUF SRC
-(dequantised) converts to a model file, as a folder does. Needs ``pip install
-"llmc_py[gguf]"``. A sliding window (Mistral's) is written, but llama.cpp's
-llama architecture ignores it; a note says so.
+q8_0 or q4_0 (norms, biases, position embeddings and the experts' routers
+stay fp32). Mixtral and Qwen3-MoE are written as llama.cpp's llama and
+qwen3moe, their experts stacked per layer. A GGUF SRC (dequantised) converts
+to a model file, as a folder does. Needs ``pip install "llmc_py[gguf]"``. A
+sliding window (Mistral's, Mixtral's) is written, but llama.cpp's llama
+architecture ignores it; a note says so.
 """
 import argparse
 import sys

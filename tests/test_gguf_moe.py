@@ -253,6 +253,23 @@ def test_qwen3moe_dense_feed_forward_length_as_the_converter_writes_it(tmp_path)
     assert np.array_equal(back.params.memory, model.params.memory)
 
 
+def test_mixtral_sliding_window_round_trips_with_convert_s_note(tmp_path, capsys):
+    """Written and read back as Mistral's; llama.cpp's llama architecture
+    ignores it, which convert says."""
+    folder = tmp_path / "hf"
+    make_hf("mixtral", sliding_window=7).save_pretrained(folder)
+    write_tokenizer(folder)
+    out = tmp_path / "out.gguf"
+    assert convert_main([str(folder), str(out)]) in (None, 0)
+    assert "note: llama.cpp runs this model (general.architecture llama) without its " \
+           "sliding window of 7 positions" in capsys.readouterr().out
+    assert gguf.GGUFReader(out).fields["llama.attention.sliding_window"].contents() == 7
+    model, back = load_model(folder), load_model(out)
+    assert back.config == model.config and back.config.sliding_window == 7
+    x, _ = batch()
+    assert np.array_equal(logits_of(back, x), logits_of(model, x))
+
+
 # ---- what llama.cpp cannot run -----------------------------------------------
 
 @pytest.mark.parametrize("setting, message", [
@@ -316,3 +333,10 @@ def test_a_truncated_moe_file_is_refused(mixtral, tmp_path):
         bad.write_bytes(mixtral.read_bytes()[:keep])
         with pytest.raises(CheckpointError, match=f"{bad}: "):
             load_model(bad)
+
+
+def test_more_experts_used_than_there_are_is_refused(mixtral, tmp_path):
+    bad = rewrite(mixtral, tmp_path / "k.gguf",
+                  fields=lambda k, v: 5 if k == "llama.expert_used_count" else v)
+    with pytest.raises(CheckpointError, match="experts_per_token=5 is more than num_experts=4"):
+        load_model(bad)
