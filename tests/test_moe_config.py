@@ -370,9 +370,9 @@ def test_export_refuses_experts_no_architecture_holds():
     assert hf_config(moe_config(moe_every=2, qk_norm=True))["decoder_sparse_step"] == 2
     pytest.importorskip("gguf")
     from llmc_py.io.gguf import write_gguf
-    c = moe_config()
-    with pytest.raises(UnsupportedError, match="MixtralForCausalLM: GGUF export of a "
-                                               "mixture-of-experts model is not supported"):
+    c = moe_config(moe_every=2, qk_norm=True)   # a Qwen3-MoE llama.cpp cannot run
+    with pytest.raises(UnsupportedError, match=r"moe_every=2 \(Qwen3-MoE's decoder_sparse_step\)"
+                                               r": llama.cpp's qwen3moe architecture"):
         write_gguf("unused.gguf", c, random_params(c))
 
 
