@@ -116,18 +116,23 @@ def test_gpt2_of_our_init_round_trips_bitwise(gpt2_own):
 def test_lossy_round_trip_within_bounds(folder, tmp_path, dtype):
     name, folder = folder
     model, path = saved(folder, tmp_path, dtype)
-    expected = converter_tensors(name, model.config, model.params.memory)
-    for t in gguf.GGUFReader(path).tensors:
-        weights = expected[t.name].astype(np.float32)
-        error = np.abs(gguf.quants.dequantize(t.data, t.tensor_type).reshape(weights.shape)
-                       - weights)
-        assert (error <= format_bound(weights, t.tensor_type)).all(), t.name
+    check_within_format(path, converter_tensors(name, model.config, model.params.memory))
     x, _ = batch()
     for precision in ("fp32", "bf16"):
         back = load_model(path, precision=precision)
         assert back.params.memory.dtype == np.float32
         assert rel_to_max(logits_of(back, x), logits_of(model, x)) < BOUNDS[dtype] + (
             BOUNDS["bf16"] if precision == "bf16" else 0)
+
+
+def check_within_format(path, expected):
+    """Each tensor of the GGUF file at ``path`` within its format's bound of
+    ``expected`` {GGUF name: array}."""
+    for t in gguf.GGUFReader(path).tensors:
+        weights = expected[t.name].astype(np.float32)
+        error = np.abs(gguf.quants.dequantize(t.data, t.tensor_type).reshape(weights.shape)
+                       - weights)
+        assert (error <= format_bound(weights, t.tensor_type)).all(), t.name
 
 
 def format_bound(weights, kind):
@@ -439,15 +444,20 @@ def rewrite(src, dst, arch=None, tensor=None, fields=None):
     return dst
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A Llama GGUF file (f32) to spoil."""
-    folder = tmp_path_factory.mktemp("small")
-    make_hf("llama-gqa-untied").save_pretrained(folder)
+def gguf_of(folder, hf):
+    """Our f32 GGUF file of the transformers model ``hf``, saved with
+    write_tokenizer's tokenizer in ``folder``."""
+    hf.save_pretrained(folder)
     write_tokenizer(folder)
     path = folder / "model.gguf"
     load_model(folder).save_gguf(path, tokenizer=folder)
     return path
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A Llama GGUF file (f32) to spoil."""
+    return gguf_of(tmp_path_factory.mktemp("small"), make_hf("llama-gqa-untied"))
 
 
 def test_a_copy_through_the_gguf_writer_reads_the_same(small, tmp_path):

@@ -6,7 +6,7 @@ every layer MoE and its top-k weights renormalised, as llama.cpp's qwen3moe
 runs it) with test_gguf's tokenizer.
 
 Round trips: f32 gives the same config, parameters and logits bitwise; the
-others keep each weight within its format (test_gguf.format_bound) and the
+others keep each weight within its format (test_gguf.check_within_format) and the
 logits within test_gguf's BOUNDS of the model's (seen loading in fp32: bf16
 7.5e-3, f16 9.7e-4, q8_0 3.5e-2, q4_0 0.43). Loading in bf16 adds bf16's
 arithmetic, which alone moves these models' logits by up to 1.7e-2 (their
@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as Q
 
 from llmc_py import CheckpointError, UnsupportedError, load_model
 from llmc_py.convert import main as convert_main
-from test_gguf import (BOUNDS, converter_permute, format_bound, logits_of, rewrite,
-                       write_tokenizer)
+from test_gguf import (BOUNDS, check_within_format, converter_permute, gguf_of, logits_of,
+                       rewrite, saved, write_tokenizer)
 from test_hf import batch, rel_to_max
 from test_moe_hf import make_hf
 
@@ -40,14 +40,6 @@ def folder(request, tmp_path_factory):
     return request.param, folder
 
 
-def saved(folder, tmp_path, dtype):
-    """Our model of ``folder`` and its GGUF file of ``dtype``."""
-    model = load_model(folder)
-    path = tmp_path / f"model.{dtype}.gguf"
-    model.save_gguf(path, dtype=dtype, tokenizer=folder)
-    return model, path
-
-
 # ---- round trips -------------------------------------------------------------
 
 def test_f32_round_trip_is_bitwise(folder, tmp_path):
@@ -64,12 +56,7 @@ def test_f32_round_trip_is_bitwise(folder, tmp_path):
 def test_lossy_round_trip_within_bounds(folder, tmp_path, dtype):
     name, folder = folder
     model, path = saved(folder, tmp_path, dtype)
-    expected = converter_tensors(name, model.config, folder)
-    for t in gguf.GGUFReader(path).tensors:
-        weights = expected[t.name].astype(np.float32)
-        error = np.abs(gguf.quants.dequantize(t.data, t.tensor_type).reshape(weights.shape)
-                       - weights)
-        assert (error <= format_bound(weights, t.tensor_type)).all(), t.name
+    check_within_format(path, converter_tensors(name, model.config, folder))
     x, _ = batch()
     for precision in ("fp32", "bf16"):
         back = load_model(path, precision=precision)
@@ -291,12 +278,7 @@ def test_what_llama_cpp_cannot_run_is_refused_by_setting(tmp_path, setting, mess
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     """A Mixtral GGUF file (f32) to spoil."""
-    folder = tmp_path_factory.mktemp("mixtral_small")
-    make_hf("mixtral").save_pretrained(folder)
-    write_tokenizer(folder)
-    path = folder / "model.gguf"
-    load_model(folder).save_gguf(path, tokenizer=folder)
-    return path
+    return gguf_of(tmp_path_factory.mktemp("mixtral_small"), make_hf("mixtral"))
 
 
 def test_a_wrong_expert_count_is_refused_naming_the_tensor(mixtral, tmp_path):
