@@ -380,7 +380,7 @@ def tokenizer_vocab(tokenizer):
 
 # ---- writing -----------------------------------------------------------------
 
-def _qtype(gguf, name, shape, dtype, head):
+def _qtype(gguf, name, shape, dtype, head, experts):
     """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
     norms, biases, position_embd and the experts' routers (ffn_gate_inp);
     ``dtype`` for the other weights (each expert's rows quantised as any
@@ -388,13 +388,16 @@ def _qtype(gguf, name, shape, dtype, head):
     q4_0 the ``head`` (output.weight, or token_embd.weight when tied) is
     Q8_0, as llama.cpp's quantizer keeps it (Q6_K where its rows are a
     multiple of 256, which we do not write, else Q8_0) and as our quantized
-    model holds it."""
+    model holds it; so are attn_k and attn_v of a model of 8 ``experts``,
+    which that quantizer raises to Q8_0 (seen on our f32 file)."""
+    Q = gguf.GGMLQuantizationType
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
             or name == "position_embd.weight" or name.endswith(".ffn_gate_inp.weight"):
-        return gguf.GGMLQuantizationType.F32
-    if dtype == "q4_0" and name == head:
-        return gguf.GGMLQuantizationType.Q8_0
-    return gguf.GGMLQuantizationType[dtype.upper()]
+        return Q.F32
+    if dtype == "q4_0" and (name == head or experts == 8 and name.endswith(
+            (".attn_k.weight", ".attn_v.weight"))):
+        return Q.Q8_0
+    return Q[dtype.upper()]
 
 
 def _quantized(gguf, data, qtype):
@@ -501,7 +504,8 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                 data = half_split_to_interleaved(data, _rope_rows(config, name),
                                                  config.head_size)
             data = np.ascontiguousarray(data, dtype=np.float32)
-            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype, head))
+            raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype, head,
+                                                        config.num_experts))
             writer.add_tensor(name, raw, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
