@@ -47,10 +47,14 @@ def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
 
     train, forward = summary.memory_table(c, B, T, precision)
     assert train == model.memory_plan(B, T, training=True)
-    # a bf16 forward is a frozen bf16 base's (sample, eval load it so)
+    # the forward is sample's and eval's: one layer's activations kept, and in
+    # bf16 a frozen bf16 base's (they load it so; its forward keeps one layer's)
     frozen = (model if precision == "fp32" else
               type(model)(c, params=model.params.memory, precision="bf16", frozen=True))
-    assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True)
+    assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True,
+                                         keep_activations=False)
+    if precision == "bf16":
+        assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True)
     # and what a training step really allocates
     model.reserve(B, T, training=True)
     allocated = {"parameters": model.params.memory.nbytes,
@@ -62,9 +66,11 @@ def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
                  "logits": model._logits_buffer.nbytes,
                  "activation gradients": model.grads_acts.memory.nbytes}
     assert allocated == {part: train[part] for part in allocated}
-    # a forward that keeps its logits holds all B*T rows of them
-    model.forward(np.zeros((B, T), np.int32))
+    # a forward that keeps its logits holds all B*T rows of them; one that
+    # keeps one layer's activations, those of the plan (in the step's buffer)
+    model.forward(np.zeros((B, T), np.int32), keep_activations=False)
     assert model.logits.nbytes == forward["logits"]
+    assert model.acts.memory.nbytes == forward["activations"] < train["activations"]
     assert summary.kv_cache_bytes(c, B, T) == KVCache(c, B, T).nbytes
     assert summary.kv_cache_bytes(c) == 4 * 2 * c.L * c.NKV * c.head_size
 
