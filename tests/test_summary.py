@@ -202,7 +202,8 @@ def test_tensors_of_qwen3_8b_without_allocating(tmp_path, capsys):
 def test_qwen3_8b_lora_step_and_bf16_forward_plans(tmp_path, capsys):
     """The issue's floors: a rank-16 LoRA step on all seven projections of a
     frozen bf16 Qwen3-8B at B=1, T=512 with recompute plans at most 20 GiB;
-    its bf16 forward holds 2 bytes a matrix parameter, not 6."""
+    its bf16 forward holds 2 bytes a matrix parameter, not 6, and one
+    layer's activations: at most 16 GiB in all."""
     folder = tmp_path / "Qwen3-8B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
@@ -219,6 +220,9 @@ def test_qwen3_8b_lora_step_and_bf16_forward_plans(tmp_path, capsys):
         8_190_735_360 - 36 * 2 * 4096 - 4096 - 36 * 2 * 128)
     assert lora["parameters"] == 4 * (36 * 2 * 4096 + 4096 + 36 * 2 * 128)   # the norms
     assert "parameters (bf16 copy)" not in forward
+    # the forward (sample's, eval's) keeps one layer's activations: about 16 GiB
+    assert sum(forward.values()) <= 16 << 30
+    assert forward["activations"] < lora["activations"] // 20
     assert "LoRA step, r=16" in out and "15.26 GiB" in out
     full, _ = summary.memory_table(config, 1, 512, "bf16", True)
     assert sum(full.values()) > 7 * sum(lora.values())
