@@ -9,6 +9,8 @@ HF = ["safetensors>=0.4", "ml_dtypes>=0.3", "tokenizers>=0.15", "jinja2>=3.1.6"]
 MPI = ["mpi4py>=4.0", "mpich"]
 # GGUF files (llmc_py.io.gguf): llama.cpp's own reader, writer and quantizers
 GGUF = ["gguf>=0.17"]
+# Parquet datasets (llmc_py.data --parquet): pyarrow reads them
+PARQUET = ["pyarrow>=14"]
 
 setup(
     name="llmc_py",
@@ -19,10 +21,12 @@ setup(
     setup_requires=["cffi>=1.15"],
     install_requires=["cffi>=1.15", "numpy>=1.22", "tiktoken>=0.5"],
     extras_require={"test": ["pytest>=7", "torch>=2.1,<=2.13.0", "matplotlib", "hypothesis>=6",
-                             "transformers>=4.51", "peft>=0.13", *HF, *MPI, *GGUF],
+                             "transformers>=4.51", "peft>=0.13", *HF, *MPI, *GGUF,
+                             *PARQUET],
                     "plot": ["matplotlib"],
                     "hf": HF,
                     "gguf": GGUF,
+                    "parquet": PARQUET,
                     "mpi": MPI},
     cffi_modules=["llmc_py/_native/build.py:ffibuilder"],
     zip_safe=False,

@@ -296,7 +296,7 @@ def expert_load(args):
     batches = min(ROUTING_BATCHES, (len(tokens) - 1) // (B * T))
     counts = np.zeros((c.num_moe_layers, c.num_experts), np.int64)
     for i in range(batches):
-        model.forward(tokens[i * B * T:(i + 1) * B * T].reshape(B, T))
+        model.forward(tokens[i * B * T:(i + 1) * B * T].reshape(B, T), keep_activations=True)
         chosen = model.acts.topk_index.view(np.int32).reshape(c.num_moe_layers, -1)
         counts += [np.bincount(layer, minlength=c.num_experts) for layer in chosen]
     ratios = [f"{most / fewest:.2f}" if fewest else "inf"

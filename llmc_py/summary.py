@@ -11,9 +11,10 @@ folder or its config.json, or a depth like d12 (GPT-2's shapes, as train's
 -e). The parameters are counted per component from the layout the model
 allocates (model.layout.param_specs); the memory is the model's own plan
 (model.transformer.memory_plan) for a training step and for a forward that
-keeps its logits, and the KV cache is model.kv_cache's. With --precision
-bf16 the forward is a frozen bf16 base's (the matrices in bf16 alone, as
-sample and eval load it); with --lora-rank the training step is a LoRA
+keeps its logits and one layer's activations (no backward follows it: as
+sample and eval run it), and the KV cache is model.kv_cache's. With
+--precision bf16 the forward is a frozen bf16 base's (the matrices in bf16
+alone, as sample and eval load it); with --lora-rank the training step is a LoRA
 step's: the frozen base (bf16 alone with --precision bf16), the adapters,
 their gradients and moments, and the activations it keeps. --base-weights
 plans the base quantized (model.quantize: the linear layers in those
@@ -138,7 +139,8 @@ def parameter_notes(c):
 def memory_table(config, B, T, precision="fp32", recompute=False, lora_rank=0,
                  lora_targets=None, base_weights=None):
     """({part: bytes} of a training step, {part: bytes} of a forward that
-    keeps its (B, T, Vp) logits), as the model plans them: with
+    keeps its (B, T, Vp) logits and one layer's activations), as the model
+    plans them: with
     ``lora_rank`` a LoRA step on ``lora_targets`` (default all); a bf16
     forward, and a bf16 LoRA step, on a frozen bf16 base; with
     ``base_weights`` ("q8_0", "q4_0") both on a quantized base (a LoRA step
@@ -193,7 +195,9 @@ def format_summary(config, B, T, precision="fp32", source=None, recompute=False,
                  f"{_bytes(sum(forward.values())):>20}")
     lines += ["  (training: forward_backward's logits, a block of rows at a time; "
               "forward: all B*T rows",
-              "  of them kept; scratch: estimated for this machine's threads)",
+              "  of them kept, and one layer's activations, as sample and eval run it; "
+              "scratch:",
+              "  estimated for this machine's threads)",
               "", f"KV cache (float32): {kv_cache_bytes(c):,} bytes per token "
                   f"(2 x {c.L} layers x {c.NKV} kv heads x {c.head_size}); "
                   f"{_bytes(kv_cache_bytes(c, B, T))} for {B} x {T} tokens"

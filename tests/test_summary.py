@@ -47,10 +47,14 @@ def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
 
     train, forward = summary.memory_table(c, B, T, precision)
     assert train == model.memory_plan(B, T, training=True)
-    # a bf16 forward is a frozen bf16 base's (sample, eval load it so)
+    # the forward is sample's and eval's: one layer's activations kept, and in
+    # bf16 a frozen bf16 base's (they load it so; its forward keeps one layer's)
     frozen = (model if precision == "fp32" else
               type(model)(c, params=model.params.memory, precision="bf16", frozen=True))
-    assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True)
+    assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True,
+                                         keep_activations=False)
+    if precision == "bf16":
+        assert forward == frozen.memory_plan(B, T, training=False, keep_logits=True)
     # and what a training step really allocates
     model.reserve(B, T, training=True)
     allocated = {"parameters": model.params.memory.nbytes,
@@ -62,9 +66,11 @@ def test_counts_and_memory_equal_what_a_model_allocates(name, precision):
                  "logits": model._logits_buffer.nbytes,
                  "activation gradients": model.grads_acts.memory.nbytes}
     assert allocated == {part: train[part] for part in allocated}
-    # a forward that keeps its logits holds all B*T rows of them
-    model.forward(np.zeros((B, T), np.int32))
+    # a forward that keeps its logits holds all B*T rows of them; one that
+    # keeps one layer's activations, those of the plan (in the step's buffer)
+    model.forward(np.zeros((B, T), np.int32), keep_activations=False)
     assert model.logits.nbytes == forward["logits"]
+    assert model.acts.memory.nbytes == forward["activations"] < train["activations"]
     assert summary.kv_cache_bytes(c, B, T) == KVCache(c, B, T).nbytes
     assert summary.kv_cache_bytes(c) == 4 * 2 * c.L * c.NKV * c.head_size
 
@@ -196,7 +202,8 @@ def test_tensors_of_qwen3_8b_without_allocating(tmp_path, capsys):
 def test_qwen3_8b_lora_step_and_bf16_forward_plans(tmp_path, capsys):
     """The issue's floors: a rank-16 LoRA step on all seven projections of a
     frozen bf16 Qwen3-8B at B=1, T=512 with recompute plans at most 20 GiB;
-    its bf16 forward holds 2 bytes a matrix parameter, not 6."""
+    its bf16 forward holds 2 bytes a matrix parameter, not 6, and one
+    layer's activations: at most 16 GiB in all."""
     folder = tmp_path / "Qwen3-8B"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(QWEN3_8B))
@@ -213,6 +220,9 @@ def test_qwen3_8b_lora_step_and_bf16_forward_plans(tmp_path, capsys):
         8_190_735_360 - 36 * 2 * 4096 - 4096 - 36 * 2 * 128)
     assert lora["parameters"] == 4 * (36 * 2 * 4096 + 4096 + 36 * 2 * 128)   # the norms
     assert "parameters (bf16 copy)" not in forward
+    # the forward (sample's, eval's) keeps one layer's activations: about 16 GiB
+    assert sum(forward.values()) <= 16 << 30
+    assert forward["activations"] < lora["activations"] // 20
     assert "LoRA step, r=16" in out and "15.26 GiB" in out
     full, _ = summary.memory_table(config, 1, 512, "bf16", True)
     assert sum(full.values()) > 7 * sum(lora.values())

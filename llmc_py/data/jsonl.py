@@ -31,7 +31,14 @@ def jsonl_field(path, field, kind):
                 yield number, None, "not a JSON object"
             elif value is None:
                 yield number, None, f'no "{field}" field'
-            elif not isinstance(value, kind):
-                yield number, None, f'"{field}" is a {type(value).__name__}, not a {kind.__name__}'
+            elif wrong_kind(value, field, kind):
+                yield number, None, wrong_kind(value, field, kind)
             else:
                 yield number, value, None
+
+
+def wrong_kind(value, field, kind):
+    """Why ``value`` of ``field`` cannot be used, if it is not a ``kind``; else None."""
+    if not isinstance(value, kind):
+        return f'"{field}" is a {type(value).__name__}, not a {kind.__name__}'
+    return None

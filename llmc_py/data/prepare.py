@@ -1,7 +1,8 @@
 """Dataset preparation: a text into documents into GPT-2 tokens, split into
-OUT/NAME/{train,val}.bin (``python -m llmc_py.data --help``); a JSONL file of
-texts, or of chats with a loss mask beside the tokens ({train,val}.mask, see
-io.tokens) that trains the assistant's tokens alone (data.chat).
+OUT/NAME/{train,val}.bin (``python -m llmc_py.data --help``); a JSONL or
+Parquet file of texts, or of chats with a loss mask beside the tokens
+({train,val}.mask, see io.tokens) that trains the assistant's tokens alone
+(data.chat).
 
 Each document starts with EOT (50256). The first VAL_TOKENS tokens (or a
 tenth of the tokens, if that is fewer) are the validation split, the rest the
@@ -11,6 +12,7 @@ dev/data/tinyshakespeare.py.
 import argparse
 import sys
 import time
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from ..io.tokens import (MANIFEST, TOKEN_DTYPE, TOKEN_DTYPE_32, check_manifest, 
                          write_tokens)
 from .chat import ChatEncoder, ChatRecordError
 from .jsonl import jsonl_field
+from .parquet import parquet_field
 from .shakespeare import SOURCES, shakespeare_text
 
 
@@ -161,10 +164,18 @@ def prepare_text(path, out_dir="data", name=None, *, split_blank_lines=False, en
     return train_path, val_path
 
 
-def _skip(path, number, reason):
-    """Says on stderr, in one line, why line ``number`` of ``path`` is left out."""
+# a file of records: ``read(path, field, kind)`` yields (number, value,
+# reason) per record (jsonl_field's), ``unit`` is what a record is, and
+# ``where`` places record ``number`` of ``path`` in a message
+RecordFormat = namedtuple("RecordFormat", "read unit where")
+JSONL = RecordFormat(jsonl_field, "line", lambda path, number: f"{path}:{number}")
+PARQUET = RecordFormat(parquet_field, "row", lambda path, number: f"{path}: row {number}")
+
+
+def _skip(where, reason):
+    """Says on stderr, in one line, why the record at ``where`` is left out."""
     reason = " ".join(str(reason).split())
-    print(f"{path}:{number}: skipped: {reason}", file=sys.stderr)
+    print(f"{where}: skipped: {reason}", file=sys.stderr)
 
 
 def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False,
@@ -177,6 +188,21 @@ def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False
     training only the assistant's turns (data.chat). A line that cannot be
     used is said on stderr with its number and left out; the rest is
     written. Returns (train_path, val_path)."""
+    return _prepare_records(JSONL, path, out_dir, name, tokenizer=tokenizer, chat=chat,
+                            encoding=encoding, quiet=quiet)
+
+
+def prepare_parquet(path, out_dir="data", name=None, *, tokenizer=None, chat=False,
+                    encoding=None, quiet=False):
+    """prepare_jsonl for a Parquet file (read with pyarrow, data.parquet): its
+    ``text`` column, or with ``chat`` its ``messages`` column (a list of
+    {role, content} structs). A row that cannot be used is said on stderr
+    with its number (from 0) and left out; the rest is written."""
+    return _prepare_records(PARQUET, path, out_dir, name, tokenizer=tokenizer, chat=chat,
+                            encoding=encoding, quiet=quiet)
+
+
+def _prepare_records(fmt, path, out_dir, name, *, tokenizer, chat, encoding, quiet):
     t0 = time.perf_counter()
     path = Path(path)
     name = name or path.stem
@@ -188,8 +214,8 @@ def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False
         from ..tokenizer import load_tokenizer
         encoding = load_tokenizer(tokenizer)
     pieces, skipped = [], 0
-    for number, value, reason in jsonl_field(path, "messages" if chat else "text",
-                                             list if chat else str):
+    for number, value, reason in fmt.read(path, "messages" if chat else "text",
+                                          list if chat else str):
         if reason is None and chat:
             try:
                 value = encoder.encode(value)   # (ids, mask, untrained turns)
@@ -198,10 +224,10 @@ def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False
         if reason is None:
             pieces.append(value)
         else:
-            _skip(path, number, reason)
+            _skip(fmt.where(path, number), reason)
             skipped += 1
     if not pieces:
-        raise DataError(f"{path}: no record to prepare ({skipped} lines skipped)")
+        raise DataError(f"{path}: no record to prepare ({skipped} {fmt.unit}s skipped)")
     if chat:
         ids, masks, turns_left = zip(*pieces)
         tokens, mask = np.concatenate(ids).astype(encoder.dtype), np.concatenate(masks)
@@ -214,7 +240,7 @@ def prepare_jsonl(path, out_dir="data", name=None, *, tokenizer=None, chat=False
             f", {int(mask.sum()):,} of {mask.size:,} tokens trained (the assistant's)"
         left = f", {sum(turns_left)} assistant turns the template renders otherwise left " \
                f"untrained" if sum(turns_left) else ""
-        print(f"{name}: {len(pieces)} records, {skipped} lines skipped{trained}{left}")
+        print(f"{name}: {len(pieces)} records, {skipped} {fmt.unit}s skipped{trained}{left}")
     return train_path, val_path
 
 
@@ -263,14 +289,20 @@ def build_parser():
                         "a document (EOT before each), or with --chat whose \"messages\" "
                         "(a list of {\"role\", \"content\"}) is a chat; a line that cannot "
                         "be used is said on stderr with its number and left out")
+    p.add_argument("--parquet", metavar="FILE",
+                   help="tokenize a Parquet file instead (needs pyarrow): its \"text\" column, "
+                        "or with --chat its \"messages\" column, as --jsonl reads them; a row "
+                        "that cannot be used is said on stderr with its number (from 0) and "
+                        "left out")
     p.add_argument("--chat", action="store_true",
-                   help="with --jsonl and --tokenizer FOLDER: render each chat with the "
+                   help="with --jsonl or --parquet and --tokenizer FOLDER: render each chat "
+                        "with the "
                         "folder's chat template (as transformers' apply_chat_template) and "
                         "write {train,val}.mask beside the tokens, so that only the "
                         "assistant's turns (content and end-of-turn token) are trained")
     p.add_argument("--out", metavar="DIR", default="data", help="output folder (default: data)")
-    p.add_argument("--name", help="dataset folder name for --text or --jsonl (default: the "
-                                  "file's stem)")
+    p.add_argument("--name", help="dataset folder name for --text, --jsonl or --parquet "
+                                  "(default: the file's stem)")
     p.add_argument("--split-blank-lines", action="store_true",
                    help="with --text: every blank-line-separated section is a document "
                         "(EOT before each), as llm.c does for tinyshakespeare; default: "
@@ -287,14 +319,16 @@ def build_parser():
 def parse(argv):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if [args.dataset, args.text, args.jsonl].count(None) != 2:
-        parser.error("give a dataset name, --text FILE or --jsonl FILE (exactly one)")
+    if [args.dataset, args.text, args.jsonl, args.parquet].count(None) != 3:
+        parser.error("give a dataset name, --text FILE, --jsonl FILE or --parquet FILE "
+                     "(exactly one)")
     if args.name and args.dataset:
-        parser.error("--name goes with --text or --jsonl")
+        parser.error("--name goes with --text, --jsonl or --parquet")
     if args.split_blank_lines and not args.text:
         parser.error("--split-blank-lines goes with --text")
-    if args.chat and not (args.jsonl and args.tokenizer):
-        parser.error("--chat goes with --jsonl FILE and --tokenizer FOLDER (its chat template)")
+    if args.chat and not ((args.jsonl or args.parquet) and args.tokenizer):
+        parser.error("--chat goes with --jsonl FILE or --parquet FILE and --tokenizer FOLDER "
+                     "(its chat template)")
     return args
 
 
@@ -304,8 +338,10 @@ def parse(argv):
                      "prepared again); no temporary file is left")
 def main(argv=None):
     args = parse(argv)
-    if args.jsonl:
-        prepare_jsonl(args.jsonl, args.out, args.name, tokenizer=args.tokenizer, chat=args.chat)
+    if args.jsonl or args.parquet:
+        prepare = prepare_jsonl if args.jsonl else prepare_parquet
+        prepare(args.jsonl or args.parquet, args.out, args.name, tokenizer=args.tokenizer,
+                chat=args.chat)
         return
     from ..tokenizer import load_tokenizer
     # GPT-2's is loaded (None) after the text is read, so that a missing file

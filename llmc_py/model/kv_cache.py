@@ -1,8 +1,9 @@
 """Generation with a KV cache, for GPT2 and the Llama family.
 
 A prefill runs the prompts (of any lengths, right-padded into one batch)
-through the ordinary forward and copies every layer's keys and values into
-the cache; then each new token runs the block on one position per row,
+through the ordinary forward, keeping one layer's activations at a time
+(model.prefill), and copies each layer's keys and values into the cache as
+its attention has read them; then each new token runs the block on one position per row,
 writes its key and value into the cache slot at that row's position
 (kv_cache_write, which also turns q and k by RoPE, reading the cos and sin
 of its position from a table made once per decoder: rope_table), and
@@ -22,7 +23,7 @@ import numpy as np
 
 from .._native import kernels as K
 from ..errors import ShapeError
-from .layout import TensorGroup, act_specs, aligned_zeros
+from .layout import aligned_zeros, forward_only_acts
 from .sampling import sample_next
 
 
@@ -70,7 +71,7 @@ class Decoder:
     row's newest position. What it uses of the model is its decoding
     interface (model.transformer.Transformer): config, params, embed, slopes,
     rope_inv_freq, token_ids, normed_qkv, block_forward and head_forward, and
-    forward for the prefill."""
+    prefill."""
 
     def __init__(self, model, batch_size, max_len):
         c = model.config
@@ -81,8 +82,8 @@ class Decoder:
                              f"further")
         self.model = model
         self.cache = KVCache(c, batch_size, max_len)
-        # one position per row
-        self.acts = TensorGroup(act_specs(c), c, batch_size, 1, dtypes=model.act_dtypes)
+        # one position per row, of one layer at a time
+        self.acts = forward_only_acts(c, batch_size, 1, dtypes=model.act_dtypes)
         self.q = aligned_zeros(batch_size * c.attn_channels).reshape(batch_size,
                                                                       c.attn_channels)
         slots = self.cache.slots
@@ -111,15 +112,16 @@ class Decoder:
         tokens = np.zeros((len(prompts), lengths.max()), dtype=np.int64)
         for b, prompt in enumerate(prompts):
             tokens[b, :lengths[b]] = prompt   # right padding: causal rows never see it
-        model = self.model
-        model.forward(tokens)
-        a = model.acts
-        qkv = a.qkvr if "qkvr" in a else a.qkv   # keys after qk_norm and RoPE
         C, kv = c.attn_channels, c.kv_dim
-        for b, n in enumerate(lengths):
-            kept = np.arange(max(0, n - cache.slots), n)   # the positions the ring holds
-            cache.k[:, b, kept % cache.slots] = qkv[:, b, kept, C:C + kv]
-            cache.v[:, b, kept % cache.slots] = qkv[:, b, kept, C + kv:]
+
+        def keep(l, qkv):   # keys after qk_norm and RoPE
+            for b, n in enumerate(lengths):
+                kept = np.arange(max(0, n - cache.slots), n)   # the positions the ring holds
+                cache.k[l, b, kept % cache.slots] = qkv[b, kept, C:C + kv]
+                cache.v[l, b, kept % cache.slots] = qkv[b, kept, C + kv:]
+
+        model = self.model
+        model.prefill(tokens, keep)
         cache.lengths[:] = lengths
         return model.logits[self.rows, lengths - 1, :c.vocab_size]
 

@@ -5,9 +5,10 @@ Each spec is a tuple of (name, shape function), in the order the tensors lie
 in memory. ``param_specs(config)`` follows llm.c's checkpoint order (for
 GPT-2's choices it is exactly llm.c's layout, PARAM_SPECS); the same spec
 lays out the gradients. ``act_specs(config)`` lays out the activations of a
-forward pass that backward reads, and ``grad_act_specs(config)`` the
-gradients backward holds: the residual stream's, and one layer's worth of
-the rest, reused by every layer.
+forward pass that backward reads (or, forward_only, one layer's, which a
+forward that no backward follows reuses layer after layer), and
+``grad_act_specs(config)`` the gradients backward holds: the residual
+stream's, and one layer's worth of the rest, reused by every layer.
 """
 import math
 
@@ -69,9 +70,15 @@ class TensorGroup:
     one writes the other. ``memory`` may be given (at least ``size`` floats,
     from a larger earlier layout); otherwise a zeroed aligned buffer is made,
     after checking that it fits in the memory available.
+
+    ``layers`` {name: n} (a forward-only layout, act_specs(forward_only=True)):
+    those tensors, laid out with a leading axis of 1, are seen as n layers
+    that share that one memory (stride 0), so ``group.qkv[l]`` is the same
+    buffer at every l and each layer overwrites the one before.
     """
 
-    def __init__(self, specs, *shape_args, memory=None, dtype=np.float32, dtypes=None):
+    def __init__(self, specs, *shape_args, memory=None, dtype=np.float32, dtypes=None,
+                 layers=None):
         self.shapes = {name: tuple(fn(*shape_args)) for name, fn in specs}
         self.names = tuple(self.shapes)
         self.dtypes = {name: np.dtype((dtypes or {}).get(name, dtype)) for name in self.names}
@@ -92,7 +99,11 @@ class TensorGroup:
             part = self.memory[offset:offset + units[name]]
             if self.dtypes[name] != part.dtype:
                 part = part.view(self.dtypes[name])
-            self._views[name] = part[:math.prod(shape)].reshape(shape)
+            view = part[:math.prod(shape)].reshape(shape)
+            if layers and name in layers:
+                view = np.lib.stride_tricks.as_strided(
+                    view, (layers[name],) + shape[1:], (0,) + view.strides[1:])
+            self._views[name] = view
             offset += units[name]
 
     def __getitem__(self, name):
@@ -179,7 +190,7 @@ def routed_rows(c, B, T):
     return B * T * c.experts_per_token
 
 
-def act_specs(c, recompute=False, logits=True, recompute_fch=False):
+def act_specs(c, recompute=False, logits=True, recompute_fch=False, forward_only=False):
     """(name, shape function of (config, B, T)) per activation of a forward.
 
     Per layer (a leading L), only what backward reads: the attention keeps
@@ -255,7 +266,35 @@ def act_specs(c, recompute=False, logits=True, recompute_fch=False):
         ("xent_stats", lambda c, B, T: (B, T, 2), True),      # the loss's softmax: max, 1/sum
         ("losses", lambda c, B, T: (B, T), True),
     ]
-    return tuple((name, fn) for name, fn, present in specs if present)
+    specs = tuple((name, fn) for name, fn, present in specs if present)
+    if forward_only:
+        specs = tuple((name, fn if name in WHOLE_ACTS else _one_layer(fn)) for name, fn in specs)
+    return specs
+
+
+# the activations that are one tensor for the model; the others have a
+# leading axis of layers (all of them, or those of the MLP's kind)
+WHOLE_ACTS = ("encoded", "proj", "expert_in", "lnf", "lnf_mean", "lnf_rstd", "logits",
+              "xent_stats", "losses")
+
+
+def _one_layer(fn):
+    """A per-layer activation's shape function with its leading axis cut to 1."""
+    return lambda c, B, T: (1,) + tuple(fn(c, B, T))[1:]
+
+
+def layer_counts(c):
+    """{name: layers} of the per-layer activations of act_specs(c): how many
+    layers a forward-only layout's one slot of each serves (TensorGroup's
+    ``layers``)."""
+    return {name: fn(c, 1, 1)[0] for name, fn in act_specs(c) if name not in WHOLE_ACTS}
+
+
+def forward_only_acts(c, B, T, logits=True, memory=None, dtypes=None):
+    """The TensorGroup of a forward-only layout (act_specs forward_only): every
+    per-layer tensor one layer's memory, seen at every layer."""
+    return TensorGroup(act_specs(c, logits=logits, forward_only=True), c, B, T, memory=memory,
+                       dtypes=dtypes, layers=layer_counts(c))
 
 
 # the activations that only matmuls read (the bf16 GEMM, whose bf16 input is

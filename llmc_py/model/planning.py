@@ -44,7 +44,7 @@ def recomputes_fch(recompute, base_weights=None):
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
                 recompute=False, moment_params=None, adapter_params=0, frozen=False,
-                base_weights=None):
+                base_weights=None, keep_activations=None):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -52,7 +52,11 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     a ZeRO-1 shard) and backward's activation gradients. ``keep_logits``
     (default: not when training) counts all (B, T, Vp) logits, else a block
     of HEAD_ROWS rows of them; ``recompute`` a level as Transformer.recompute
-    (False and True are 0 and 1).
+    (False and True are 0 and 1). ``keep_activations`` (default: when
+    training) counts the activations a backward reads, else a forward-only
+    layout's: one layer's, reused by every layer (layout.act_specs
+    forward_only; evaluation's and sampling's, and the forward of a model
+    that cannot be trained).
     "scratch" is the kernels' temporary memory, estimated for this process's
     thread count and instruction set (see scratch_bytes). ``adapter_params``
     > 0: LoRA adapters of that many parameters (model.lora.adapter_parameters)
@@ -73,6 +77,7 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     trained = adapter_params or n
     moments = trained if moment_params is None else moment_params
     keep = not training if keep_logits is None else keep_logits
+    forward_only = not (training or keep_activations)
     rows = head_rows(B, T, keep)
     adapters = {"LoRA adapters": f32 * adapter_params} if adapter_params else {}
     if frozen:
@@ -95,7 +100,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
             "AdamW moments": 2 * f32 * moments if training else 0,
             "activations": specs_bytes(act_specs(c, recompute=bool(recompute), logits=False,
                                                  recompute_fch=recomputes_fch(recompute,
-                                                                              base_weights)),
+                                                                              base_weights),
+                                                 forward_only=forward_only),
                                        c, B, T, dtypes=act_dtypes(c, bf16_activations(
                                            precision, base_weights))),
             "logits": f32 * rows * c.Vp,
@@ -154,10 +160,11 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
     return total
 
 
-def require_missing(model, B, T, training, keep_logits):
+def require_missing(model, B, T, training, keep_logits, keep_activations):
     """Raises OutOfMemoryError, naming each part, if the parts of
     model.memory_plan(B, T) it has not allocated yet do not fit, all at once."""
-    plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits)
+    plan = model.memory_plan(B, T, training=training, keep_logits=keep_logits,
+                             keep_activations=keep_activations)
     lora = model.lora
     have = {"parameters": True, "parameters (bf16 copy)": True, "parameters (bf16)": True,
             "parameters (q8_0)": True, "parameters (q4_0)": True,

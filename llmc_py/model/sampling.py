@@ -61,10 +61,10 @@ def generate(model, prompt, max_new_tokens, *, temperature=1.0, top_k=None, top_
         rng = np.random.default_rng(seed)
     c = model.config
     context = [int(t) for t in prompt]
-    model.reserve(1, min(len(context) + max_new_tokens, c.max_seq_len))
+    model.reserve(1, min(len(context) + max_new_tokens, c.max_seq_len), keep_activations=False)
     for _ in range(max_new_tokens):
         window = np.array([context[-c.max_seq_len:]], dtype=np.int32)
-        model.forward(window)
+        model.forward(window, keep_activations=False)
         token = sample_next(model.logits[0, -1, :c.vocab_size], rng, temperature, top_k, top_p)
         context.append(token)
         yield token

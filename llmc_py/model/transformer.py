@@ -89,9 +89,19 @@ layer's too, recomputed in backward. memory_plan()
 (model.planning) sums it all, and every allocation is checked against the
 memory available first.
 
+A forward that no backward follows keeps one layer's activations, which
+every layer overwrites in turn (layout.act_specs forward_only), plus the
+head's and the loss's: forward(..., keep_activations=False), as evaluation
+(train.loop.validation_loss), sampling and KV-cache decoding run it, and by
+default the forward of a model that cannot be trained (``trainable``: a
+frozen bf16 or quantized base without adapters), so that a model loaded to
+generate or evaluate holds its weights and little else. Its results are
+the ordinary forward's, to the bit; a backward after it is refused.
+
 Activation buffers are planned for the (B, T) of the first forward. A later
-forward with another (B, T) re-plans them: it reuses the same memory when the
-new shapes fit in it and allocates a larger buffer otherwise.
+forward with another (B, T), or keeping every layer's activations after one
+that did not, re-plans them: it reuses the same memory when the new shapes
+fit in it and allocates a larger buffer otherwise.
 """
 import math
 import os
@@ -109,8 +119,8 @@ from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, o
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
 from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_dtypes, act_specs,
-                     aligned_empty, aligned_zeros, checked_params, grad_act_specs,
-                     num_parameters, param_specs)
+                     aligned_empty, aligned_zeros, checked_params, forward_only_acts,
+                     grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
 from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_input_dim, check_weights_type
 from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations, head_rows,
@@ -134,7 +144,7 @@ class Transformer:
 
     What KV-cache decoding (model.kv_cache) needs from a model is public:
     ``config``, ``params``, ``slopes``, ``rope_inv_freq``, ``token_ids``,
-    ``normed_qkv``, ``block_forward`` and ``head_forward``.
+    ``normed_qkv``, ``block_forward``, ``head_forward`` and ``prefill``.
 
     One model serves one thread at a time (its activations are shared state):
     forward, backward, zero_grad, update, reserve and generate called while
@@ -167,6 +177,8 @@ class Transformer:
         self.frozen = frozen
         self.param_specs = param_specs(config)
         self.act_specs = act_specs(config, logits=False)
+        # a forward that no backward follows: one layer's, reused layer after layer
+        self.forward_act_specs = act_specs(config, logits=False, forward_only=True)
         self.grad_act_specs = grad_act_specs(config)
         # the tensors initialised from N(0, INIT_STD), and decayed by default
         self.matrix_params = tuple(name for name, _ in self.param_specs
@@ -460,6 +472,9 @@ class Transformer:
     def _drop_activations(self):
         """Forgets the activations (and their gradients): the next forward plans anew."""
         self.acts = self.grads_acts = self._logits_buffer = None
+        # whether ``acts`` hold every layer's activations, as backward reads
+        # them (False: a forward-only layout's one layer)
+        self.kept_activations = False
         self.B = self.T = None
         self.inputs = self.targets = None
         self.counted = 0   # the last batch's targets that are not IGNORE_INDEX
@@ -486,7 +501,8 @@ class Transformer:
                              f"[0, {V}){also}")
         return np.ascontiguousarray(arr, dtype=np.int32)
 
-    def _batch(self, inputs, targets, *, training=False, keep_logits=True):
+    def _batch(self, inputs, targets, *, training=False, keep_logits=True,
+               keep_activations=True):
         """Checked int32 (inputs, targets or None); plans the activations for
         their (B, T)."""
         c = self.config
@@ -500,21 +516,37 @@ class Transformer:
             targets = self.token_ids(targets, "targets", allow_ignore=True)
             if targets.shape != inputs.shape:
                 raise ShapeError(f"targets have shape {targets.shape}, inputs {inputs.shape}")
-        self._plan(B, T, training=training, keep_logits=keep_logits)
+        self._plan(B, T, training=training, keep_logits=keep_logits,
+                   keep_activations=keep_activations)
         self.inputs, self.targets = inputs, targets
         # the targets the mean loss is over: all but the ignored ones
         self.counted = (0 if targets is None
                         else targets.size - int(np.count_nonzero(targets == IGNORE_INDEX)))
         return inputs, targets
 
-    def memory_plan(self, B, T, training=True, keep_logits=None):
+    @property
+    def trainable(self):
+        """Whether a backward can follow this model's forward: not on a
+        frozen bf16 or quantized base without LoRA adapters. forward()
+        keeps every layer's activations by default only when it is."""
+        frozen = self.frozen or self.quantized is not None
+        return not frozen or self.lora is not None
+
+    def _keeps_activations(self, keep_activations):
+        """forward's keep_activations: by default, whether the model is trainable."""
+        return self.trainable if keep_activations is None else bool(keep_activations)
+
+    def memory_plan(self, B, T, training=True, keep_logits=None, keep_activations=None):
         """Bytes that a forward of (B, T) needs, by part; with ``training``
         a whole step's: backward's gradients and AdamW's moments too.
         ``keep_logits`` (default: not when training) counts all (B, T, Vp)
-        logits, else a block of HEAD_ROWS rows of them. "scratch" is the
-        kernels' temporary memory, estimated. This model's memory_plan():
-        its precision, recompute, share of the moments and LoRA adapters."""
+        logits, else a block of HEAD_ROWS rows of them; ``keep_activations``
+        (a forward's, default as forward's) every layer's activations, else
+        one layer's. "scratch" is the kernels' temporary memory, estimated.
+        This model's memory_plan(): its precision, recompute, share of the
+        moments and LoRA adapters."""
         return memory_plan(self.config, B, T, training=training, keep_logits=keep_logits,
+                           keep_activations=self._keeps_activations(keep_activations),
                            precision=self.precision, recompute=self.recompute,
                            frozen=self.frozen,
                            moment_params=self.moment_params if self.lora is None else None,
@@ -522,34 +554,44 @@ class Transformer:
                            base_weights=self.quantized)
 
     @held
-    def reserve(self, B, T, training=False, keep_logits=None, moment_params=None):
+    def reserve(self, B, T, training=False, keep_logits=None, moment_params=None,
+                keep_activations=None):
         """Allocates memory for batches up to (B, T) now, so that later
         forwards of any smaller shape reuse it (e.g. a growing context while
         sampling); with ``training``, for whole training steps (forward_backward
         and update): the gradients and AdamW's moments too. Raises
         OutOfMemoryError, saying what needs how much, if it cannot all fit.
         ``moment_params`` < num_parameters: this process keeps the moments of
-        that many parameters only (a ZeRO-1 shard, which its optimizer makes)."""
+        that many parameters only (a ZeRO-1 shard, which its optimizer makes).
+        ``keep_activations`` as forward's (False: for forward-only passes)."""
         keep = not training if keep_logits is None else keep_logits
         if moment_params is not None:
             self.moment_params = moment_params
-        self._plan(B, T, training=training, keep_logits=keep)
+        self._plan(B, T, training=training, keep_logits=keep,
+                   keep_activations=self._keeps_activations(keep_activations))
         if training:
             self.trained   # noqa: B018  (the gradients, made on first use)
             if self.moment_params == self.num_parameters:
                 self.moments()
 
-    def _plan(self, B, T, training=False, keep_logits=True):
+    def _plan(self, B, T, training=False, keep_logits=True, keep_activations=True):
         """Makes the buffers a forward of (B, T) (with ``training``, its
-        backward and update too) needs, reusing those that are large
-        enough; first checks that what is missing fits, all at once."""
+        backward and update too; without ``keep_activations``, a forward
+        alone keeping one layer's activations) needs, reusing those that are
+        large enough; first checks that what is missing fits, all at once."""
         c = self.config
-        require_missing(self, B, T, training, keep_logits)
-        if (B, T) != (self.B, self.T) or self.acts is None:
+        every_layer = training or keep_activations
+        require_missing(self, B, T, training, keep_logits, every_layer)
+        if ((B, T) != (self.B, self.T) or self.acts is None
+                or every_layer != self.kept_activations):
             dtypes = self.act_dtypes
-            memory = reusable(self.acts, self.act_specs, c, B, T, dtypes)
+            specs = self.act_specs if every_layer else self.forward_act_specs
+            memory = reusable(self.acts, specs, c, B, T, dtypes)
             self.acts = None   # an outgrown buffer is let go before its successor is made
-            self.acts = TensorGroup(self.act_specs, c, B, T, memory=memory, dtypes=dtypes)
+            self.acts = (TensorGroup(specs, c, B, T, memory=memory, dtypes=dtypes) if every_layer
+                         else forward_only_acts(c, B, T, logits=False, memory=memory,
+                                                dtypes=dtypes))
+            self.kept_activations = every_layer
             if self.grads_acts is not None:
                 memory = reusable(self.grads_acts, self.grad_act_specs, c, B, T)
                 self.grads_acts = None
@@ -567,18 +609,22 @@ class Transformer:
         Vp = self.config.Vp
         return self._logits_buffer[:rows * Vp].reshape(rows, Vp)
 
-    def _blocks_forward(self, inputs, dropout):
+    def _blocks_forward(self, inputs, dropout, attended=None):
         """The embedding and every block on ``inputs``, with ``dropout`` (a
-        model.dropout.Dropout); the final residual stream."""
+        model.dropout.Dropout); the final residual stream. ``attended(l,
+        qkv)``, if given, is called after layer l's attention with the packed
+        q, k, v it read (prefill)."""
         c = self.config
         a = self.acts
         self._dropout = dropout
 
         def attend(l):
             self.position_qkv(a, l, None)
-            self._attention_forward(a.atty[l], a.att_stats[l], self._attention_input(a, l),
-                                    self.slopes, c.NH, c.NKV, c.sliding_window,
-                                    *dropout.site("attention", l))
+            qkv = self._attention_input(a, l)
+            self._attention_forward(a.atty[l], a.att_stats[l], qkv, self.slopes, c.NH, c.NKV,
+                                    c.sliding_window, *dropout.site("attention", l))
+            if attended is not None:
+                attended(l, qkv)
 
         self.embed(a.encoded, inputs)
         if c.position == "sinusoidal":
@@ -615,7 +661,8 @@ class Transformer:
         return a.qkvr[l] if "qkvr" in a else a.qkv[l]
 
     @held
-    def forward(self, inputs, targets=None, *, keep_logits=True, dropout=None):
+    def forward(self, inputs, targets=None, *, keep_logits=True, dropout=None,
+                keep_activations=None):
         """Runs the model on int tokens (B, T). Returns the mean cross-entropy
         loss as a float when ``targets`` (B, T) are given, else None: the mean
         over the targets that are not IGNORE_INDEX (-1), 0.0 if all are. The
@@ -624,14 +671,32 @@ class Transformer:
         in less memory: evaluation's way). A learned position table limits T
         to max_seq_len; RoPE, ALiBi and sinusoidal positions extrapolate past it.
         ``dropout`` (model.dropout.Dropout) makes it a training pass that
-        drops, and backward() then regenerates its masks; None never drops."""
+        drops, and backward() then regenerates its masks; None never drops.
+        ``keep_activations`` False: no backward will follow, so the forward
+        keeps one layer's activations (reused by every layer; the same
+        results) and backward() is refused; by default it keeps every
+        layer's when the model is ``trainable``."""
+        return self._forward(inputs, targets, keep_logits, dropout,
+                             self._keeps_activations(keep_activations))
+
+    @held
+    def prefill(self, inputs, attended):
+        """forward(inputs) keeping one layer's activations, with
+        ``attended(l, qkv)`` called after each layer l's attention on the
+        (B, T, qkv_channels) q, k, v it read (after qk_norm and RoPE): a
+        KV cache's prefill copies the keys and values there. The logits are
+        in model.logits."""
+        self._forward(inputs, None, True, None, False, attended)
+
+    def _forward(self, inputs, targets, keep_logits, dropout, keep_activations, attended=None):
         if not keep_logits and targets is None:
             raise ValueError("forward(..., keep_logits=False) needs targets: without "
                              "logits or a loss it would compute nothing")
         dropout = _checked_dropout(dropout)
-        inputs, targets = self._batch(inputs, targets, keep_logits=keep_logits)
+        inputs, targets = self._batch(inputs, targets, keep_logits=keep_logits,
+                                      keep_activations=keep_activations)
         c, a = self.config, self.acts
-        residual = self._blocks_forward(inputs, dropout)
+        residual = self._blocks_forward(inputs, dropout, attended)
         self._logits_state = "the last forward did not keep them (keep_logits=False)"
         if not keep_logits:
             self._final_norm(a, residual)
@@ -763,6 +828,12 @@ class Transformer:
         if self.targets is None or self._logits_state != "logits":
             raise RuntimeError("backward needs a forward with targets that kept its logits "
                                "first: call model.forward(inputs, targets)")
+        if not self.kept_activations:
+            raise RuntimeError("backward: the last forward kept one layer's activations, not "
+                               "every layer's as backward reads them (keep_activations=False, "
+                               "the default of a model that is not trainable: a frozen or "
+                               "quantized base without adapters); call model.forward(inputs, "
+                               "targets, keep_activations=True) first")
         c, a = self.config, self.acts
         d = self._start_backward(loss_scale)
         logits = self.logits

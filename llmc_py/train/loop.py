@@ -145,11 +145,12 @@ def validation_loss(model, batches, world=None):
     (not IGNORE_INDEX) of ``batches``, (inputs, targets) pairs, on every rank
     of ``world`` together: the sum of their losses over their number, each
     summed over the ranks (not a mean of batch means, which would weigh a
-    target by how many others its batch counts). ValueError if none counts."""
+    target by how many others its batch counts). ValueError if none counts.
+    No backward follows, so each forward keeps one layer's activations."""
     world = Solo() if world is None else world
     sums, counted = [], 0
     for inputs, targets in batches:
-        model.forward(inputs, targets, keep_logits=False)
+        model.forward(inputs, targets, keep_logits=False, keep_activations=False)
         loss = model.ce_loss   # without a model's auxiliary losses (experts)
         sums.append(loss * model.counted)   # the batch's sum, from its mean over counted targets
         counted += model.counted
