@@ -952,17 +952,21 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
  * moe_route_backward: the router's gradient, from the top-k weights (through
  * their renormalisation, when norm_topk_prob, and the softmax) and from
  * aux_coef * aux[0] + z_coef * aux[1] (f_e taken as constant, as usual).
- * Both coefficients finite, else LLMC_ERR_VALUE.
+ * Both coefficients finite, else LLMC_ERR_VALUE. With fractions, f_e is
+ * fractions[e] (a batch's of which these N tokens are one rank's part: the
+ * load-balancing term's gradient is then aux_coef E f_e / N per token, whose
+ * mean over equal ranks is that of the whole batch); NULL: these tokens'.
  *
- *   dlogits  [N, E]  (+=)
- *   dweights [N, k]  or NULL: no gradient reaches the weights
- *   probs    [N, E]  the forward's
- *   logits   [N, E]  the forward's
- *   experts  [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
+ *   dlogits   [N, E]  (+=)
+ *   dweights  [N, k]  or NULL: no gradient reaches the weights
+ *   probs     [N, E]  the forward's
+ *   logits    [N, E]  the forward's
+ *   experts   [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
+ *   fractions [E]     double, each finite (else LLMC_ERR_VALUE), or NULL
  */
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
-                       const float* logits, const int* experts, int N, int E, int k,
-                       int norm_topk_prob, float aux_coef, float z_coef);
+                       const float* logits, const int* experts, const double* fractions, int N,
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef);
 
 /*
  * moe_permute: the grouped order of the forward's assignments.

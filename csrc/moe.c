@@ -35,6 +35,14 @@ static int offsets_ok(const int* offsets, int E, int64_t R) {
     return 1;
 }
 
+/* Each of x[0 .. n) is finite. */
+static int all_finite(const double* x, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(x[i])) { return 0; }
+    }
+    return 1;
+}
+
 /* ---- routing ---------------------------------------------------------------- */
 
 /* max and sum_e exp(x[e] - max) of a row (the sum in double, in order),
@@ -185,14 +193,15 @@ LLMC_ISA_VARIANTS(route_back_row, (float* dx, float* g, const float* dw, const f
                   dx, g, dw, p, x, expert, balance, E, k, norm, z_scale)
 
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
-                       const float* logits, const int* experts, int N, int E, int k,
-                       int norm_topk_prob, float aux_coef, float z_coef) {
+                       const float* logits, const int* experts, const double* fractions, int N,
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef) {
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, probs, logits, experts), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && E > 0 && k > 0 && k <= E, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(N, E, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE((norm_topk_prob == 0 || norm_topk_prob == 1) && isfinite(aux_coef)
                  && isfinite(z_coef), LLMC_ERR_VALUE);
     LLMC_REQUIRE(experts_in_range(experts, (int64_t)N * k, E), LLMC_ERR_RANGE);
+    LLMC_REQUIRE(fractions == NULL || all_finite(fractions, E), LLMC_ERR_VALUE);
     const int nthreads = omp_get_max_threads();
     // balance[e]: d(aux_coef * load balancing) / d p[n, e] = aux_coef E f_e / N; then
     // each thread's g
@@ -206,7 +215,9 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
     float* balance = scratch;
     count_assignments(counts, experts, (int64_t)N * k, E);
     for (int e = 0; e < E; e++) {
-        balance[e] = (float)((double)aux_coef * E * counts[e] / ((double)N * k * N));
+        balance[e] = fractions != NULL
+                     ? (float)((double)aux_coef * E * fractions[e] / N)
+                     : (float)((double)aux_coef * E * counts[e] / ((double)N * k * N));
     }
     // d(z_coef * mean lse^2) / d x[n, e] = z_coef (2 lse / N) p[n, e]
     const float z_scale = (float)(2.0 * z_coef / N);

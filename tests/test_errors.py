@@ -92,7 +92,7 @@ _QUANT_MATMUL = dict(_QUANT, optional=frozenset({"bias"}))
 # 0 to R (here [0, 1])
 _ROUTE = dict(not_sizes=frozenset({"norm_topk_prob"}),
               bad=(({"k": 2}, "LLMC_ERR_SHAPE"), ({"norm_topk_prob": 2}, "LLMC_ERR_VALUE")))
-_ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights"}),
+_ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights", "fractions"}),
                        bad=_ROUTE["bad"] + (({"aux_coef": float("nan")}, "LLMC_ERR_VALUE"),
                                             ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))

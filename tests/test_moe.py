@@ -95,6 +95,35 @@ def test_route_without_weight_gradient_is_the_aux_losses_alone(rng):
     assert_close("dlogits", dlogits, x.grad, TOL["moe"]["bwd"])
 
 
+@pytest.mark.parametrize("E,k", [(3, 1), (8, 2)])
+def test_route_backward_of_a_rank_with_the_whole_batchs_fractions(rng, isa, E, k):
+    """Rows cut in two "ranks": each rank's gradient with the whole batch's
+    fractions f_e (and its own N), averaged over the ranks as data-parallel
+    training does, is the gradient of the whole batch's balance loss."""
+    N = 48
+    logits = router_logits(rng, N, E)
+    probs, _, experts, _ = route(logits, k)
+    fractions = np.bincount(experts.ravel(), minlength=E) / (N * k)
+    dlogits = np.zeros_like(logits)
+    for rows in (slice(0, N // 2), slice(N // 2, N)):
+        part = np.zeros_like(logits[rows])
+        K.moe_route_backward(part, None, probs[rows], logits[rows], experts[rows], fractions,
+                             aux_coef=0.5, z_coef=0.1)
+        dlogits[rows] = part / 2
+    x = t64(logits, grad=True)
+    _, _, _, balance, z = moe_route(x, k)
+    (0.5 * balance + 0.1 * z).backward()
+    assert_close("dlogits", dlogits, x.grad, TOL["moe"]["bwd"])
+
+
+def test_route_backward_rejects_fractions_that_are_not_finite(rng):
+    logits = randn(rng, 5, 3)
+    probs, weights, experts, _ = route(logits, 2)
+    with pytest.raises(llmc_py.InvalidValueError, match="moe_route_backward"):
+        K.moe_route_backward(np.zeros_like(logits), weights, probs, logits, experts,
+                             np.array([0.5, np.nan, 0.5]), aux_coef=0.1)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_balance_is_transformers_loss_over_k(rng, k):
     """transformers counts f_e per token, (assignments to e) / N: k times ours."""

@@ -494,11 +494,13 @@ moe_route_forward = _kernel(
 
 moe_route_backward = _kernel(
     "moe_route_backward",
-    "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k]"
-    " | N E k from probs, experts | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
+    "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k],"
+    " fractions[E]=None | N E k from probs, experts"
+    " | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
     """dlogits[N,E] (+=) <- dweights[N,k] (or None) through the renormalisation and
     the softmax, plus the gradients of aux_coef * aux[0] + z_coef * aux[1]; probs,
-    logits, experts the forward's.""")
+    logits, experts the forward's. fractions float64 [E]: the balance loss's f_e
+    of the whole batch these N rows are a rank's part of (None: these rows').""")
 
 moe_permute = _kernel(
     "moe_permute",
