@@ -28,6 +28,26 @@ struct llmc_gemm_f32_job {
    jobs' outputs must not overlap. */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count);
 
+/* The most rows matmul_forward gives its few-row (skinny) kernel. */
+#define LLMC_FEW_ROWS_F32 16
+
+/* One forward product of a few rows, out[m*N + n] = (bias[n] or 0) +
+   sum_k inp[m*K + k] weight[n*K + k] for m < M <= LLMC_FEW_ROWS_F32, n < N
+   (bias may be NULL). */
+struct llmc_few_rows_job {
+    float* out;
+    const float* inp;
+    const float* weight;
+    const float* bias;
+    int M;
+};
+
+/* jobs[0 .. count), each [M, K] . [N, K]^T, by matmul_forward's few-row
+   kernel as one parallel loop over the column groups of them all (moe.c's
+   experts when decoding): each weight read once, in place, and every
+   element bitwise llmc_gemm_f32's from the same start. */
+void llmc_forward_few_rows_many(const struct llmc_few_rows_job* jobs, int count, int K, int N);
+
 
 /* Where the bf16 GEMM reads an operand (struct bf16_gemm). */
 enum {

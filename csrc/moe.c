@@ -396,7 +396,8 @@ static int grouped_status(const int* offsets, int R, int C, int OC, int E) {
  *   forward  out_e  += inp_e . W_e^T     M = rows, N = OC, K = C
  *   dinp     dinp_e += dout_e . W_e      M = rows, N = C,  K = OC
  *   dweight  dW_e   += dout_e^T . inp_e  M = OC,   N = C,  K = rows
- * (x_e: the rows offsets[e] .. offsets[e+1] of x). Returns the job count.
+ * (x_e: the rows offsets[e] .. offsets[e+1] of x), but for the forward of
+ * an expert with a few rows (few_rows_forward's). Returns the job count.
  */
 enum { PRODUCT_FORWARD, PRODUCT_DINP, PRODUCT_DWEIGHT };
 
@@ -406,7 +407,7 @@ static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
         const float* w_e = (const float*)w + (size_t)e * OC * C;
-        if (rows == 0) { continue; }
+        if (rows == 0 || (product == PRODUCT_FORWARD && rows <= LLMC_FEW_ROWS_F32)) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct llmc_gemm_f32_job){
                 .c = c + (size_t)m0 * OC, .ldc = (size_t)OC, .a = x + (size_t)m0 * C,
@@ -425,6 +426,26 @@ static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const
         }
     }
     return count;
+}
+
+/* The forward of each expert with 1 .. LLMC_FEW_ROWS_F32 rows (decoding),
+   out_e = inp_e . W_e^T by matmul_forward's few-row kernel: the weight read
+   once, not packed, and the GEMM's bits. */
+static int few_rows_forward(float* out, const float* inp, const float* weight,
+                            const int* offsets, int C, int OC, int E) {
+    struct llmc_few_rows_job* jobs = malloc((size_t)E * sizeof *jobs);
+    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+        if (rows == 0 || rows > LLMC_FEW_ROWS_F32) { continue; }
+        jobs[count++] = (struct llmc_few_rows_job){
+            .out = out + (size_t)m0 * OC, .inp = inp + (size_t)m0 * C,
+            .weight = weight + (size_t)e * OC * C, .bias = NULL, .M = rows};
+    }
+    llmc_forward_few_rows_many(jobs, count, C, OC);
+    free(jobs);
+    return LLMC_OK;
 }
 
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
@@ -472,10 +493,15 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
     LLMC_REQUIRE(f32 != NULL || b16 != NULL, LLMC_ERR_NOMEM);
     int count = 0;
     if (out != NULL && !bf16) {
-        // every row belongs to one expert: start them all from 0
+        // every row belongs to one expert: start them all from 0, the few-row experts' done
         #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             memset(out + (size_t)r * OC, 0, (size_t)OC * sizeof(float));
+        }
+        const int status = few_rows_forward(out, inp, weight, offsets, C, OC, E);
+        if (status != LLMC_OK) {
+            free(f32);
+            return status;
         }
     }
     // the backward's dinp and dweight write apart: one loop over the tiles of both

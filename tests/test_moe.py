@@ -299,6 +299,35 @@ def test_grouped_bf16_matches_reference(rng, use_isa, isa_name, counts, C, OC):
         assert np.array_equal(ours[name], value), name
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+def test_grouped_forward_of_few_rows_is_the_gemms(rng, set_threads, use_isa, isa_name, bf16):
+    """Decoding: experts of 1 .. 16 rows (and one of 40) take the few-row
+    kernel, whose rows are bitwise the GEMM's: those of a linear layer over
+    the expert's rows and 40 more (a row's sum never depends on the others)."""
+    use_isa(isa_name)
+    counts, C, OC = [1, 0, 2, 40, 16, 3, 12, 1], C_ODD, 70
+    offsets, x, _, w = grouped_operands(rng, counts, C, OC, bf16=bf16)
+    forward = K.moe_grouped_forward_bf16 if bf16 else K.moe_grouped_forward
+    linear = K.matmul_forward_bf16 if bf16 else K.matmul_forward
+    extra = randn(rng, 40, C)
+    gemm = np.zeros((x.shape[0], OC), np.float32)
+    for e in range(len(counts)):
+        r0, r1 = offsets[e], offsets[e + 1]
+        rows = np.concatenate([x[r0:r1], extra])[None]
+        out = np.empty((1, rows.shape[1], OC), np.float32)
+        linear(out, rows, w[e])
+        gemm[r0:r1] = out[0, :r1 - r0]
+
+    def run():
+        out = np.full((x.shape[0], OC), np.nan, np.float32)
+        forward(out, x, w, offsets)
+        return {"out": out}
+
+    assert_thread_invariant(set_threads, run)
+    assert np.array_equal(run()["out"], gemm)
+
+
 def test_grouped_backward_skips_what_is_not_wanted(rng):
     offsets, x, dout, w = grouped_operands(rng, [5, 0, 9], C_ODD, 20)
     full = grouped(offsets, x, dout, w)
