@@ -267,20 +267,24 @@ static int positions_in_range(const int* positions, int64_t n) {
     return n <= INT32_MAX && llmc_first_bad_index(positions, n, (int)n) < 0;
 }
 
-/* One token of the gather: its row copied to its k grouped rows. */
-static LLMC_ALWAYS_INLINE void gather_row_body(float* grouped, const float* x, const int* pos,
-                                               int C, int k) {
-    for (int j = 0; j < k; j++) { memcpy(grouped + (size_t)pos[j] * C, x, (size_t)C * sizeof *x); }
+/* One token of the gather: its row (bytes of them) copied to its k grouped rows. */
+static LLMC_ALWAYS_INLINE void gather_row_body(char* grouped, const char* x, const int* pos,
+                                               size_t bytes, int k) {
+    for (int j = 0; j < k; j++) { memcpy(grouped + (size_t)pos[j] * bytes, x, bytes); }
 }
 
-int moe_gather_forward(float* grouped, const float* inp, const int* positions, int N, int C,
-                       int k) {
+int moe_gather_forward(void* grouped, const void* inp, const int* positions, int N, int C, int k,
+                       int grouped_dtype, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(grouped, inp, positions), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && C > 0 && k > 0 && llmc_count_fits(N, k, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE((inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16)
+                 && grouped_dtype == inp_dtype, LLMC_ERR_VALUE);
     LLMC_REQUIRE(positions_in_range(positions, (int64_t)N * k), LLMC_ERR_RANGE);
+    const size_t bytes = (size_t)C * (inp_dtype == LLMC_DTYPE_BF16 ? 2 : 4);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        gather_row_body(grouped, inp + (size_t)n * C, positions + (size_t)n * k, C, k);
+        gather_row_body(grouped, (const char*)inp + (size_t)n * bytes, positions + (size_t)n * k,
+                        bytes, k);
     }
     return LLMC_OK;
 }
@@ -449,9 +453,11 @@ static int few_rows_forward(float* out, const float* inp, const float* weight,
 }
 
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
-   forward starts its rows from 0). */
-static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float* x,
-                     const void* w, const int* offsets, int C, int OC, int E) {
+   forward starts its rows from 0); the forward's inp, dweight's w, bf16 if
+   inp_bf16. */
+static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* x,
+                     const void* w, int inp_bf16, const int* offsets, int C, int OC, int E) {
+    const size_t inp_bytes = inp_bf16 ? 2 : 4;
     int count = 0;
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
@@ -459,20 +465,22 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float*
         if (rows == 0) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)m0 * OC, .ldc = (size_t)OC, .a = x + (size_t)m0 * C,
-                .lda = (size_t)C, .a_kind = BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
+                .c = c + (size_t)m0 * OC, .ldc = (size_t)OC,
+                .a = (const char*)x + (size_t)m0 * C * inp_bytes, .lda = (size_t)C,
+                .a_kind = inp_bf16 ? BF16_A_ROWS_BF16 : BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
                 .b_kind = BF16_B_COLS_W, .init_zero = 1, .M = rows, .N = OC, .K = C};
         } else if (product == PRODUCT_DINP) {
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)m0 * C, .ldc = (size_t)C, .a = x + (size_t)m0 * OC,
+                .c = c + (size_t)m0 * C, .ldc = (size_t)C, .a = (const float*)x + (size_t)m0 * OC,
                 .lda = (size_t)OC, .a_kind = BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
                 .b_kind = BF16_B_ROWS_W, .M = rows, .N = C, .K = OC};
-        } else {   // w is the forward's inp, float32
+        } else {   // w is the forward's inp
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)e * OC * C, .ldc = (size_t)C, .a = x + (size_t)m0 * OC,
-                .lda = (size_t)OC, .a_kind = BF16_A_COLS,
-                .b = (const float*)w + (size_t)m0 * C, .ldb = (size_t)C,
-                .b_kind = BF16_B_ROWS_F32, .M = OC, .N = C, .K = rows};
+                .c = c + (size_t)e * OC * C, .ldc = (size_t)C,
+                .a = (const float*)x + (size_t)m0 * OC, .lda = (size_t)OC,
+                .a_kind = BF16_A_COLS, .b = (const char*)w + (size_t)m0 * C * inp_bytes,
+                .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
+                .M = OC, .N = C, .K = rows};
         }
     }
     return count;
@@ -483,9 +491,9 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float*
  * float32 weights (f32_jobs) or bf16 ones (bf16_jobs): the forward into out,
  * or (out NULL) the backward's dinp and dweight, either of which may be NULL.
  */
-static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const float* inp,
-                            const float* dout, const void* weight, const int* offsets, int R,
-                            int C, int OC, int E) {
+static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const void* inp,
+                            int inp_bf16, const float* dout, const void* weight,
+                            const int* offsets, int R, int C, int OC, int E) {
     const int status = grouped_status(offsets, R, C, OC, E);
     LLMC_REQUIRE(status == LLMC_OK, status);
     struct llmc_gemm_f32_job* f32 = bf16 ? NULL : malloc((size_t)2 * E * sizeof *f32);
@@ -505,13 +513,13 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
         }
     }
     // the backward's dinp and dweight write apart: one loop over the tiles of both
-    const struct { int product; float* c; const float* x; const void* w; } parts[3] = {
+    const struct { int product; float* c; const void* x; const void* w; } parts[3] = {
         {PRODUCT_FORWARD, out, inp, weight}, {PRODUCT_DINP, dinp, dout, weight},
         {PRODUCT_DWEIGHT, dweight, dout, inp}};
     for (int i = 0; i < 3; i++) {
         if (parts[i].c == NULL) { continue; }
         count += bf16 ? bf16_jobs(b16 + count, parts[i].product, parts[i].c, parts[i].x,
-                                  parts[i].w, offsets, C, OC, E)
+                                  parts[i].w, inp_bf16, offsets, C, OC, E)
                       : f32_jobs(f32 + count, parts[i].product, parts[i].c, parts[i].x,
                                  parts[i].w, offsets, C, OC, E);
     }
@@ -524,26 +532,30 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
 int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
                         int R, int C, int OC, int E) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, inp, weight, offsets), LLMC_ERR_NULL);
-    return grouped_products(0, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
+    return grouped_products(0, out, NULL, NULL, inp, 0, NULL, weight, offsets, R, C, OC, E);
 }
 
 int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                          const float* weight, const int* offsets, int R, int C, int OC, int E) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    return grouped_products(0, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
+    return grouped_products(0, NULL, dinp, dweight, inp, 0, dout, weight, offsets, R, C, OC, E);
 }
 
-int moe_grouped_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                             const int* offsets, int R, int C, int OC, int E) {
+int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                             const int* offsets, int R, int C, int OC, int E, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, offsets) && weight != NULL, LLMC_ERR_NULL);
-    return grouped_products(1, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    return grouped_products(1, out, NULL, NULL, inp, inp_dtype == LLMC_DTYPE_BF16, NULL, weight,
+                            offsets, R, C, OC, E);
 }
 
-int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const float* inp,
+int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
-                              int E) {
+                              int E, int inp_dtype) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    return grouped_products(1, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    return grouped_products(1, NULL, dinp, dweight, inp, inp_dtype == LLMC_DTYPE_BF16, dout,
+                            weight, offsets, R, C, OC, E);
 }

@@ -328,6 +328,43 @@ def test_grouped_forward_of_few_rows_is_the_gemms(rng, set_threads, use_isa, isa
     assert np.array_equal(run()["out"], gemm)
 
 
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+@pytest.mark.parametrize("counts,C,OC", GROUPS[1:4])
+def test_grouped_bf16_reads_bf16_rows_as_their_float32(rng, use_isa, isa_name, counts, C, OC):
+    """A bf16 model's gathered rows and expert activations are bf16: the
+    grouped bf16 GEMM reads them as the float32 rows it rounds to them, so
+    every product is bitwise the same."""
+    use_isa(isa_name)
+    offsets, x, dout, w16 = grouped_operands(rng, counts, C, OC, bf16=True)
+    x16 = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(x16, x)
+    results = []
+    for inp in (x, x16):
+        out = np.full((x.shape[0], OC), np.nan, np.float32)
+        K.moe_grouped_forward_bf16(out, inp, w16, offsets)
+        dinp, dweight = np.full(x.shape, 0.5, np.float32), np.full(w16.shape, -0.25, np.float32)
+        K.moe_grouped_backward_bf16(dinp, dweight, dout, inp, w16, offsets)
+        results.append((out, dinp, dweight))
+    for name, a, b in zip(("out", "dinp", "dweight"), *results):
+        assert np.array_equal(a, b), name
+
+
+def test_gather_copies_bf16_rows_and_refuses_mixed_dtypes(rng):
+    N, E, k, C = 23, 4, 2, C_ODD
+    _, positions = permute(expert_choices(rng, N, E, k, "random"), E)
+    x = randn(rng, N, C)
+    x16 = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(x16, x)
+    grouped, grouped16 = np.empty((N * k, C), np.float32), np.empty((N * k, C), np.uint16)
+    K.moe_gather_forward(grouped, x, positions)
+    K.moe_gather_forward(grouped16, x16, positions)
+    rounded = np.empty_like(grouped16)
+    K.float_to_bf16(rounded, grouped)
+    assert np.array_equal(grouped16, rounded)
+    with pytest.raises(llmc_py.InvalidValueError, match="moe_gather_forward"):
+        K.moe_gather_forward(grouped, x16, positions)
+
+
 def test_grouped_backward_skips_what_is_not_wanted(rng):
     offsets, x, dout, w = grouped_operands(rng, [5, 0, 9], C_ODD, 20)
     full = grouped(offsets, x, dout, w)

@@ -512,8 +512,10 @@ moe_permute = _kernel(
 
 moe_gather_forward = _kernel(
     "moe_gather_forward",
-    "grouped[N*k,C] written, inp[N,C], positions[N,k] | N C k from inp, positions",
-    """grouped[N*k,C] (written): row positions[n,j] = inp[n].""")
+    "grouped[N*k,C] written, inp[N,C], positions[N,k] | N C k from inp, positions"
+    " | dtype(grouped), dtype(inp)",
+    """grouped[N*k,C] (written): row positions[n,j] = inp[n]; both float32 or both
+    bf16 (uint16).""")
 
 moe_gather_backward = _kernel(
     "moe_gather_backward",
@@ -548,15 +550,17 @@ moe_grouped_backward = _kernel(
 
 moe_grouped_forward_bf16 = _kernel(
     "moe_grouped_forward_bf16",
-    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight",
-    """moe_grouped_forward with weight bf16 (uint16): each row bitwise
-    matmul_forward_bf16's.""")
+    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight"
+    " | dtype(inp)",
+    """moe_grouped_forward with weight bf16 (uint16) and inp float32 or bf16: each
+    row bitwise matmul_forward_bf16's.""")
 
 moe_grouped_backward_bf16 = _kernel(
     "moe_grouped_backward_bf16",
     "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
-    " offsets[E+1] | R C OC E from inp, weight",
-    """moe_grouped_backward with weight bf16 (uint16): bitwise matmul_backward_bf16's.""")
+    " offsets[E+1] | R C OC E from inp, weight | dtype(inp)",
+    """moe_grouped_backward with weight bf16 (uint16) and inp float32 or bf16:
+    bitwise matmul_backward_bf16's.""")
 
 # ---- what the declarations call: checks of arguments and size rules ---------------
 

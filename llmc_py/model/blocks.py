@@ -25,15 +25,14 @@ its largest activation, at the cost of running that matmul again.
 
 In a bf16 model the pre-norm and parallel blocks keep their norm outputs
 and MLP activation in bf16 (layout.act_dtypes), written rounded by their
-kernels and read as they are by the bf16 matmuls; the MoE gather widens
-them exactly. A residual add followed by a norm runs as one kernel
+kernels and read as they are by the bf16 matmuls; so do the MoE layers'
+gathered rows and expert activations. A residual add followed by a norm runs as one kernel
 (residual_norm), bitwise the two."""
 import weakref
 
 import numpy as np
 
 from .._native import kernels as K
-from .layout import float32_of
 
 
 def optional(group, name, l=None):
@@ -288,7 +287,7 @@ class Block:
         if model.balance_world is not None:
             self.balance_over_ranks(m, model.balance_world, experts, a.router_probs[m].reshape(N, E))
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, c.C), positions)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, c.C), positions)
         grouped = _grouped_forward(w.expertfcw)
         grouped(a.expert_fch[m], a.expert_in, w.expertfcw[m], offsets)
         grouped(a.expert_out[m], self.expert_act(a, m), w.expertprojw[m], offsets)
@@ -359,7 +358,7 @@ class Block:
         experts = a.topk_index[m].view(np.int32).reshape(N, k)
         weights = a.topk_weight[m].reshape(N, k)
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, C), positions)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, C), positions)
         expert_act = self.saved.expert_act(a, m)
         grouped = _grouped_backward(w.expertfcw)
         dexpert_out = _rows(d.expert_wide, R, C)
