@@ -4,6 +4,7 @@
 #define LLMC_GEMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* c[m*ldc + n] += sum_k A(m,k) * B(k,n) for m < M, n < N, in the order
    k = 0, 1, ..., K-1, one fused multiply-add per k where the instruction set
@@ -84,5 +85,28 @@ struct bf16_gemm {
    the operands rounded and widened to float32, then llmc_gemm_f32_many. The
    jobs' outputs must not overlap. */
 int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count);
+
+/* The most rows matmul_forward_bf16 gives its few-row kernel (avx512bf16). */
+#define LLMC_FEW_ROWS_BF16 12
+
+/* One bf16 forward product of a few rows, as struct llmc_few_rows_job's:
+   inp float32 (rounded to bf16) or, if inp_bf16, bf16; weight [N, K] bf16. */
+struct llmc_bf16_few_rows_job {
+    float* out;
+    const void* inp;
+    int inp_bf16;
+    const uint16_t* weight;
+    const float* bias;
+    int M;
+};
+
+/* On avx512bf16 (1, else 0: call nothing), jobs[0 .. count) (each M at most
+   LLMC_FEW_ROWS_BF16) by matmul_forward_bf16's few-row kernel, as one
+   parallel loop over the column groups of them all: every element bitwise
+   the bf16 GEMM's from the same start. Returns LLMC_ERR_NOMEM if its
+   scratch cannot be allocated. */
+int llmc_bf16_few_rows_supported(void);
+int llmc_bf16_forward_few_rows_many(const struct llmc_bf16_few_rows_job* jobs, int count, int K,
+                                    int N);
 
 #endif

@@ -452,17 +452,41 @@ static int few_rows_forward(float* out, const float* inp, const float* weight,
     return LLMC_OK;
 }
 
+/* few_rows_forward with bf16 weights, where matmul_forward_bf16 has its
+   few-row kernel (avx512bf16): each expert with 1 .. LLMC_FEW_ROWS_BF16 rows. */
+static int bf16_few_rows_forward(float* out, const void* inp, int inp_bf16,
+                                 const uint16_t* weight, const int* offsets, int C, int OC,
+                                 int E) {
+    if (!llmc_bf16_few_rows_supported()) { return LLMC_OK; }
+    struct llmc_bf16_few_rows_job* jobs = malloc((size_t)E * sizeof *jobs);
+    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+        if (rows == 0 || rows > LLMC_FEW_ROWS_BF16) { continue; }
+        jobs[count++] = (struct llmc_bf16_few_rows_job){
+            .out = out + (size_t)m0 * OC,
+            .inp = (const char*)inp + (size_t)m0 * C * (inp_bf16 ? 2 : 4), .inp_bf16 = inp_bf16,
+            .weight = weight + (size_t)e * OC * C, .bias = NULL, .M = rows};
+    }
+    const int status = count > 0 ? llmc_bf16_forward_few_rows_many(jobs, count, C, OC) : LLMC_OK;
+    free(jobs);
+    return status;
+}
+
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
-   forward starts its rows from 0); the forward's inp, dweight's w, bf16 if
-   inp_bf16. */
+   forward starts its rows from 0), but for the forward of an expert with a
+   few rows where bf16_few_rows_forward takes it; the forward's inp,
+   dweight's w, bf16 if inp_bf16. */
 static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* x,
                      const void* w, int inp_bf16, const int* offsets, int C, int OC, int E) {
     const size_t inp_bytes = inp_bf16 ? 2 : 4;
+    const int few_rows = llmc_bf16_few_rows_supported() ? LLMC_FEW_ROWS_BF16 : 0;
     int count = 0;
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
         const uint16_t* w_e = (const uint16_t*)w + (size_t)e * OC * C;
-        if (rows == 0) { continue; }
+        if (rows == 0 || (product == PRODUCT_FORWARD && rows <= few_rows)) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct bf16_gemm){
                 .c = c + (size_t)m0 * OC, .ldc = (size_t)OC,
@@ -509,6 +533,13 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
         const int status = few_rows_forward(out, inp, weight, offsets, C, OC, E);
         if (status != LLMC_OK) {
             free(f32);
+            return status;
+        }
+    }
+    if (out != NULL && bf16) {
+        const int status = bf16_few_rows_forward(out, inp, inp_bf16, weight, offsets, C, OC, E);
+        if (status != LLMC_OK) {
+            free(b16);
             return status;
         }
     }
