@@ -4,6 +4,7 @@
 #define LLMC_GEMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* c[m*ldc + n] += sum_k A(m,k) * B(k,n) for m < M, n < N, in the order
    k = 0, 1, ..., K-1, one fused multiply-add per k where the instruction set
@@ -27,6 +28,26 @@ struct llmc_gemm_f32_job {
    them all (moe.c's experts); every element as llmc_gemm_f32 sums it. The
    jobs' outputs must not overlap. */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count);
+
+/* The most rows matmul_forward gives its few-row (skinny) kernel. */
+#define LLMC_FEW_ROWS_F32 16
+
+/* One forward product of a few rows, out[m*N + n] = (bias[n] or 0) +
+   sum_k inp[m*K + k] weight[n*K + k] for m < M <= LLMC_FEW_ROWS_F32, n < N
+   (bias may be NULL). */
+struct llmc_few_rows_job {
+    float* out;
+    const float* inp;
+    const float* weight;
+    const float* bias;
+    int M;
+};
+
+/* jobs[0 .. count), each [M, K] . [N, K]^T, by matmul_forward's few-row
+   kernel as one parallel loop over the column groups of them all (moe.c's
+   experts when decoding): each weight read once, in place, and every
+   element bitwise llmc_gemm_f32's from the same start. */
+void llmc_forward_few_rows_many(const struct llmc_few_rows_job* jobs, int count, int K, int N);
 
 
 /* Where the bf16 GEMM reads an operand (struct bf16_gemm). */
@@ -64,5 +85,28 @@ struct bf16_gemm {
    the operands rounded and widened to float32, then llmc_gemm_f32_many. The
    jobs' outputs must not overlap. */
 int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count);
+
+/* The most rows matmul_forward_bf16 gives its few-row kernel (avx512bf16). */
+#define LLMC_FEW_ROWS_BF16 12
+
+/* One bf16 forward product of a few rows, as struct llmc_few_rows_job's:
+   inp float32 (rounded to bf16) or, if inp_bf16, bf16; weight [N, K] bf16. */
+struct llmc_bf16_few_rows_job {
+    float* out;
+    const void* inp;
+    int inp_bf16;
+    const uint16_t* weight;
+    const float* bias;
+    int M;
+};
+
+/* On avx512bf16 (1, else 0: call nothing), jobs[0 .. count) (each M at most
+   LLMC_FEW_ROWS_BF16) by matmul_forward_bf16's few-row kernel, as one
+   parallel loop over the column groups of them all: every element bitwise
+   the bf16 GEMM's from the same start. Returns LLMC_ERR_NOMEM if its
+   scratch cannot be allocated. */
+int llmc_bf16_few_rows_supported(void);
+int llmc_bf16_forward_few_rows_many(const struct llmc_bf16_few_rows_job* jobs, int count, int K,
+                                    int N);
 
 #endif

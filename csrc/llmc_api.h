@@ -952,17 +952,21 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
  * moe_route_backward: the router's gradient, from the top-k weights (through
  * their renormalisation, when norm_topk_prob, and the softmax) and from
  * aux_coef * aux[0] + z_coef * aux[1] (f_e taken as constant, as usual).
- * Both coefficients finite, else LLMC_ERR_VALUE.
+ * Both coefficients finite, else LLMC_ERR_VALUE. With fractions, f_e is
+ * fractions[e] (a batch's of which these N tokens are one rank's part: the
+ * load-balancing term's gradient is then aux_coef E f_e / N per token, whose
+ * mean over equal ranks is that of the whole batch); NULL: these tokens'.
  *
- *   dlogits  [N, E]  (+=)
- *   dweights [N, k]  or NULL: no gradient reaches the weights
- *   probs    [N, E]  the forward's
- *   logits   [N, E]  the forward's
- *   experts  [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
+ *   dlogits   [N, E]  (+=)
+ *   dweights  [N, k]  or NULL: no gradient reaches the weights
+ *   probs     [N, E]  the forward's
+ *   logits    [N, E]  the forward's
+ *   experts   [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
+ *   fractions [E]     double, each finite (else LLMC_ERR_VALUE), or NULL
  */
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
-                       const float* logits, const int* experts, int N, int E, int k,
-                       int norm_topk_prob, float aux_coef, float z_coef);
+                       const float* logits, const int* experts, const double* fractions, int N,
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef);
 
 /*
  * moe_permute: the grouped order of the forward's assignments.
@@ -975,7 +979,9 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
 int moe_permute(int* offsets, int* positions, const int* experts, int N, int E, int k);
 
 /*
- * moe_gather_forward: grouped[positions[n, j], :] = inp[n, :]
+ * moe_gather_forward: grouped[positions[n, j], :] = inp[n, :], copied as
+ * they are: both float32 or both bf16 (grouped_dtype and inp_dtype equal,
+ * else LLMC_ERR_VALUE; a bf16 model's rows for its bf16 grouped GEMM).
  * moe_gather_backward: dinp[n, :] += sum_j dgrouped[positions[n, j], :], in
  * the order j = 0 .. k-1.
  *
@@ -984,8 +990,8 @@ int moe_permute(int* offsets, int* positions, const int* experts, int N, int E, 
  *   positions         [N, k]    int32 from moe_permute, each in [0, N k)
  *                               (else LLMC_ERR_RANGE)
  */
-int moe_gather_forward(float* grouped, const float* inp, const int* positions, int N, int C,
-                       int k);
+int moe_gather_forward(void* grouped, const void* inp, const int* positions, int N, int C, int k,
+                       int grouped_dtype, int inp_dtype);
 int moe_gather_backward(float* dinp, const float* dgrouped, const int* positions, int N, int C,
                         int k);
 
@@ -1028,12 +1034,13 @@ int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const f
                          const float* weight, const int* offsets, int R, int C, int OC, int E);
 
 /*
- * The same with bf16 weights [E, OC, C]: each row and each dweight[e]
- * bitwise what matmul_forward_bf16 / matmul_backward_bf16 give for it (the
- * products' roundings and order are theirs, on the same instruction set).
+ * The same with bf16 weights [E, OC, C] and inp float32 or bf16 (inp_dtype,
+ * as matmul_forward_bf16's): each row and each dweight[e] bitwise what
+ * matmul_forward_bf16 / matmul_backward_bf16 give for it (the products'
+ * roundings and order are theirs, on the same instruction set).
  */
-int moe_grouped_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                             const int* offsets, int R, int C, int OC, int E);
-int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const float* inp,
+int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                             const int* offsets, int R, int C, int OC, int E, int inp_dtype);
+int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
-                              int E);
+                              int E, int inp_dtype);

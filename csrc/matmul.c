@@ -73,7 +73,7 @@
    shapes (B*T >= 64) and everything above 16. SKINNY_ROWS rows share one
    pass over the weight (8 accumulators + 8 or 16 block vectors fit the
    registers of each build; 8 beat 4 by 10-30% at 8 rows). */
-#define SKINNY_MAX_ROWS 16
+#define SKINNY_MAX_ROWS LLMC_FEW_ROWS_F32
 #define SKINNY_ROWS 8
 
 /*
@@ -401,6 +401,19 @@ int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count) {
     return LLMC_OK;
 }
 
+void llmc_forward_few_rows_many(const struct llmc_few_rows_job* jobs, int count, int K, int N) {
+    int width;
+    const skinny_kernel_fn skinny = active_skinny_kernel(&width);
+    const int64_t groups = ceil_div(N, width);
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count * groups; i++) {
+        const struct llmc_few_rows_job* job = &jobs[i / groups];
+        const int o0 = (int)(i % groups) * width;
+        const int o1 = N - o0 < width ? N : o0 + width;
+        skinny(job->out, (size_t)N, job->inp, job->weight, job->bias, job->M, K, o0, o1);
+    }
+}
+
 /* One product: a batch of one job. */
 int llmc_gemm_f32(float* c, size_t ldc, const float* a, size_t ars, size_t aks,
                   const float* b, size_t brs, size_t bcs, int M, int N, int K) {
@@ -432,15 +445,9 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
 
     if (BT <= SKINNY_MAX_ROWS) {
         // few rows (decoding): stream the weight once, columns over threads
-        int width;
-        const skinny_kernel_fn skinny = active_skinny_kernel(&width);
-        const int64_t groups = ceil_div(OC, width);
-        #pragma omp parallel for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            const int o0 = (int)g * width;
-            const int o1 = OC - o0 < width ? OC : o0 + width;
-            skinny(out, (size_t)OC, inp, weight, bias, (int)BT, C, o0, o1);
-        }
+        const struct llmc_few_rows_job job = {.out = out, .inp = inp, .weight = weight,
+                                              .bias = bias, .M = (int)BT};
+        llmc_forward_few_rows_many(&job, 1, C, OC);
         return LLMC_OK;
     }
 

@@ -131,7 +131,7 @@ static int sizes_ok(int B, int T, int C, int OC) {
    GPT-2 124M decoding step (Zen 4, 2 threads) it beat the GEMM up to 11
    rows (by 15% at 9), tied at 12 and 13, and lost by 20-25% at 16, where
    the GEMM's 8 x 48 tiles reuse each broadcast three times */
-#define BF_SKINNY_MAX_ROWS 12
+#define BF_SKINNY_MAX_ROWS LLMC_FEW_ROWS_BF16
 
 static int64_t bf_ceil_div(int64_t x, int64_t y) { return (x + y - 1) / y; }
 
@@ -338,24 +338,48 @@ static uint32_t* bf_scratch(int nthreads, size_t words) {
     return llmc_scratch_acquire(LLMC_SCRATCH_PANELS, (size_t)nthreads * words * sizeof(uint32_t));
 }
 
+int llmc_bf16_forward_few_rows_many(const struct llmc_bf16_few_rows_job* jobs, int count, int K,
+                                    int N) {
+    // each job's rows as bf16 pairs, one after another
+    const int kp = (K + 1) / 2;
+    size_t rows = 0;
+    for (int j = 0; j < count; j++) { rows += (size_t)jobs[j].M; }
+    uint32_t* xp = llmc_scratch_acquire(LLMC_SCRATCH_COPIES,
+                                        (rows > 0 ? rows : 1) * kp * sizeof(uint32_t));
+    LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
+    size_t row0 = 0;
+    for (int j = 0; j < count; j++) {
+        bf_round_rows(xp + row0 * kp, jobs[j].inp, jobs[j].inp_bf16, K, jobs[j].M);
+        row0 += (size_t)jobs[j].M;
+    }
+    const int64_t groups = bf_ceil_div(N, 16);
+    #pragma omp parallel
+    {
+        // a thread's iterations ascend, so its job and first row only move forward
+        int j = 0;
+        size_t first_row = 0;
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < count * groups; i++) {
+            for (; j < i / groups; j++) { first_row += (size_t)jobs[j].M; }
+            const struct llmc_bf16_few_rows_job* job = &jobs[j];
+            const int o0 = (int)(i % groups) * 16;
+            const int o1 = N - o0 < 16 ? N : o0 + 16;
+            bf_skinny(job->out, (size_t)N, xp + first_row * kp, job->weight, job->bias, job->M, K,
+                      o0, o1);
+        }
+    }
+    llmc_scratch_done();
+    return LLMC_OK;
+}
+
 /* matmul_forward_bf16 on the dot-product path. */
 static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
                       const float* bias, int64_t BT, int C, int OC) {
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
-        const int kp = (C + 1) / 2;
-        uint32_t* xp = llmc_scratch_acquire(LLMC_SCRATCH_COPIES, (size_t)BT * kp * sizeof(uint32_t));
-        LLMC_REQUIRE(xp != NULL, LLMC_ERR_NOMEM);
-        bf_round_rows(xp, inp, inp_bf16, C, BT);
-        const int64_t groups = bf_ceil_div(OC, 16);
-        #pragma omp parallel for schedule(static)
-        for (int64_t grp = 0; grp < groups; grp++) {
-            const int o0 = (int)grp * 16;
-            const int o1 = OC - o0 < 16 ? OC : o0 + 16;
-            bf_skinny(out, (size_t)OC, xp, weight, bias, (int)BT, C, o0, o1);
-        }
-        llmc_scratch_done();
-        return LLMC_OK;
+        const struct llmc_bf16_few_rows_job job = {.out = out, .inp = inp, .inp_bf16 = inp_bf16,
+                                                   .weight = weight, .bias = bias, .M = (int)BT};
+        return llmc_bf16_forward_few_rows_many(&job, 1, C, OC);
     }
     const struct bf16_gemm g = {
         .c = out, .ldc = (size_t)OC,
@@ -492,6 +516,18 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
     free(f32);
     return status;
 }
+
+#ifdef LLMC_X86_DISPATCH
+int llmc_bf16_few_rows_supported(void) { return llmc_get_isa() == LLMC_ISA_AVX512BF16; }
+#else
+int llmc_bf16_few_rows_supported(void) { return 0; }
+
+int llmc_bf16_forward_few_rows_many(const struct llmc_bf16_few_rows_job* jobs, int count, int K,
+                                    int N) {
+    (void)jobs, (void)count, (void)K, (void)N;
+    return LLMC_ERR_UNSUPPORTED;
+}
+#endif
 
 int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count) {
     if (count <= 0) { return LLMC_OK; }

@@ -35,6 +35,14 @@ static int offsets_ok(const int* offsets, int E, int64_t R) {
     return 1;
 }
 
+/* Each of x[0 .. n) is finite. */
+static int all_finite(const double* x, int n) {
+    for (int i = 0; i < n; i++) {
+        if (!isfinite(x[i])) { return 0; }
+    }
+    return 1;
+}
+
 /* ---- routing ---------------------------------------------------------------- */
 
 /* max and sum_e exp(x[e] - max) of a row (the sum in double, in order),
@@ -185,14 +193,15 @@ LLMC_ISA_VARIANTS(route_back_row, (float* dx, float* g, const float* dw, const f
                   dx, g, dw, p, x, expert, balance, E, k, norm, z_scale)
 
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
-                       const float* logits, const int* experts, int N, int E, int k,
-                       int norm_topk_prob, float aux_coef, float z_coef) {
+                       const float* logits, const int* experts, const double* fractions, int N,
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef) {
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, probs, logits, experts), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && E > 0 && k > 0 && k <= E, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(N, E, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE((norm_topk_prob == 0 || norm_topk_prob == 1) && isfinite(aux_coef)
                  && isfinite(z_coef), LLMC_ERR_VALUE);
     LLMC_REQUIRE(experts_in_range(experts, (int64_t)N * k, E), LLMC_ERR_RANGE);
+    LLMC_REQUIRE(fractions == NULL || all_finite(fractions, E), LLMC_ERR_VALUE);
     const int nthreads = omp_get_max_threads();
     // balance[e]: d(aux_coef * load balancing) / d p[n, e] = aux_coef E f_e / N; then
     // each thread's g
@@ -206,7 +215,9 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
     float* balance = scratch;
     count_assignments(counts, experts, (int64_t)N * k, E);
     for (int e = 0; e < E; e++) {
-        balance[e] = (float)((double)aux_coef * E * counts[e] / ((double)N * k * N));
+        balance[e] = fractions != NULL
+                     ? (float)((double)aux_coef * E * fractions[e] / N)
+                     : (float)((double)aux_coef * E * counts[e] / ((double)N * k * N));
     }
     // d(z_coef * mean lse^2) / d x[n, e] = z_coef (2 lse / N) p[n, e]
     const float z_scale = (float)(2.0 * z_coef / N);
@@ -256,20 +267,24 @@ static int positions_in_range(const int* positions, int64_t n) {
     return n <= INT32_MAX && llmc_first_bad_index(positions, n, (int)n) < 0;
 }
 
-/* One token of the gather: its row copied to its k grouped rows. */
-static LLMC_ALWAYS_INLINE void gather_row_body(float* grouped, const float* x, const int* pos,
-                                               int C, int k) {
-    for (int j = 0; j < k; j++) { memcpy(grouped + (size_t)pos[j] * C, x, (size_t)C * sizeof *x); }
+/* One token of the gather: its row (bytes of them) copied to its k grouped rows. */
+static LLMC_ALWAYS_INLINE void gather_row_body(char* grouped, const char* x, const int* pos,
+                                               size_t bytes, int k) {
+    for (int j = 0; j < k; j++) { memcpy(grouped + (size_t)pos[j] * bytes, x, bytes); }
 }
 
-int moe_gather_forward(float* grouped, const float* inp, const int* positions, int N, int C,
-                       int k) {
+int moe_gather_forward(void* grouped, const void* inp, const int* positions, int N, int C, int k,
+                       int grouped_dtype, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(grouped, inp, positions), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && C > 0 && k > 0 && llmc_count_fits(N, k, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE((inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16)
+                 && grouped_dtype == inp_dtype, LLMC_ERR_VALUE);
     LLMC_REQUIRE(positions_in_range(positions, (int64_t)N * k), LLMC_ERR_RANGE);
+    const size_t bytes = (size_t)C * (inp_dtype == LLMC_DTYPE_BF16 ? 2 : 4);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        gather_row_body(grouped, inp + (size_t)n * C, positions + (size_t)n * k, C, k);
+        gather_row_body(grouped, (const char*)inp + (size_t)n * bytes, positions + (size_t)n * k,
+                        bytes, k);
     }
     return LLMC_OK;
 }
@@ -385,7 +400,8 @@ static int grouped_status(const int* offsets, int R, int C, int OC, int E) {
  *   forward  out_e  += inp_e . W_e^T     M = rows, N = OC, K = C
  *   dinp     dinp_e += dout_e . W_e      M = rows, N = C,  K = OC
  *   dweight  dW_e   += dout_e^T . inp_e  M = OC,   N = C,  K = rows
- * (x_e: the rows offsets[e] .. offsets[e+1] of x). Returns the job count.
+ * (x_e: the rows offsets[e] .. offsets[e+1] of x), but for the forward of
+ * an expert with a few rows (few_rows_forward's). Returns the job count.
  */
 enum { PRODUCT_FORWARD, PRODUCT_DINP, PRODUCT_DWEIGHT };
 
@@ -395,7 +411,7 @@ static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
         const float* w_e = (const float*)w + (size_t)e * OC * C;
-        if (rows == 0) { continue; }
+        if (rows == 0 || (product == PRODUCT_FORWARD && rows <= LLMC_FEW_ROWS_F32)) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct llmc_gemm_f32_job){
                 .c = c + (size_t)m0 * OC, .ldc = (size_t)OC, .a = x + (size_t)m0 * C,
@@ -416,31 +432,79 @@ static int f32_jobs(struct llmc_gemm_f32_job* jobs, int product, float* c, const
     return count;
 }
 
+/* The forward of each expert with 1 .. LLMC_FEW_ROWS_F32 rows (decoding),
+   out_e = inp_e . W_e^T by matmul_forward's few-row kernel: the weight read
+   once, not packed, and the GEMM's bits. */
+static int few_rows_forward(float* out, const float* inp, const float* weight,
+                            const int* offsets, int C, int OC, int E) {
+    struct llmc_few_rows_job* jobs = malloc((size_t)E * sizeof *jobs);
+    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+        if (rows == 0 || rows > LLMC_FEW_ROWS_F32) { continue; }
+        jobs[count++] = (struct llmc_few_rows_job){
+            .out = out + (size_t)m0 * OC, .inp = inp + (size_t)m0 * C,
+            .weight = weight + (size_t)e * OC * C, .bias = NULL, .M = rows};
+    }
+    llmc_forward_few_rows_many(jobs, count, C, OC);
+    free(jobs);
+    return LLMC_OK;
+}
+
+/* few_rows_forward with bf16 weights, where matmul_forward_bf16 has its
+   few-row kernel (avx512bf16): each expert with 1 .. LLMC_FEW_ROWS_BF16 rows. */
+static int bf16_few_rows_forward(float* out, const void* inp, int inp_bf16,
+                                 const uint16_t* weight, const int* offsets, int C, int OC,
+                                 int E) {
+    if (!llmc_bf16_few_rows_supported()) { return LLMC_OK; }
+    struct llmc_bf16_few_rows_job* jobs = malloc((size_t)E * sizeof *jobs);
+    LLMC_REQUIRE(jobs != NULL, LLMC_ERR_NOMEM);
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+        if (rows == 0 || rows > LLMC_FEW_ROWS_BF16) { continue; }
+        jobs[count++] = (struct llmc_bf16_few_rows_job){
+            .out = out + (size_t)m0 * OC,
+            .inp = (const char*)inp + (size_t)m0 * C * (inp_bf16 ? 2 : 4), .inp_bf16 = inp_bf16,
+            .weight = weight + (size_t)e * OC * C, .bias = NULL, .M = rows};
+    }
+    const int status = count > 0 ? llmc_bf16_forward_few_rows_many(jobs, count, C, OC) : LLMC_OK;
+    free(jobs);
+    return status;
+}
+
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
-   forward starts its rows from 0). */
-static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float* x,
-                     const void* w, const int* offsets, int C, int OC, int E) {
+   forward starts its rows from 0), but for the forward of an expert with a
+   few rows where bf16_few_rows_forward takes it; the forward's inp,
+   dweight's w, bf16 if inp_bf16. */
+static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* x,
+                     const void* w, int inp_bf16, const int* offsets, int C, int OC, int E) {
+    const size_t inp_bytes = inp_bf16 ? 2 : 4;
+    const int few_rows = llmc_bf16_few_rows_supported() ? LLMC_FEW_ROWS_BF16 : 0;
     int count = 0;
     for (int e = 0; e < E; e++) {
         const int m0 = offsets[e], rows = offsets[e + 1] - offsets[e];
         const uint16_t* w_e = (const uint16_t*)w + (size_t)e * OC * C;
-        if (rows == 0) { continue; }
+        if (rows == 0 || (product == PRODUCT_FORWARD && rows <= few_rows)) { continue; }
         if (product == PRODUCT_FORWARD) {
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)m0 * OC, .ldc = (size_t)OC, .a = x + (size_t)m0 * C,
-                .lda = (size_t)C, .a_kind = BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
+                .c = c + (size_t)m0 * OC, .ldc = (size_t)OC,
+                .a = (const char*)x + (size_t)m0 * C * inp_bytes, .lda = (size_t)C,
+                .a_kind = inp_bf16 ? BF16_A_ROWS_BF16 : BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
                 .b_kind = BF16_B_COLS_W, .init_zero = 1, .M = rows, .N = OC, .K = C};
         } else if (product == PRODUCT_DINP) {
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)m0 * C, .ldc = (size_t)C, .a = x + (size_t)m0 * OC,
+                .c = c + (size_t)m0 * C, .ldc = (size_t)C, .a = (const float*)x + (size_t)m0 * OC,
                 .lda = (size_t)OC, .a_kind = BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
                 .b_kind = BF16_B_ROWS_W, .M = rows, .N = C, .K = OC};
-        } else {   // w is the forward's inp, float32
+        } else {   // w is the forward's inp
             jobs[count++] = (struct bf16_gemm){
-                .c = c + (size_t)e * OC * C, .ldc = (size_t)C, .a = x + (size_t)m0 * OC,
-                .lda = (size_t)OC, .a_kind = BF16_A_COLS,
-                .b = (const float*)w + (size_t)m0 * C, .ldb = (size_t)C,
-                .b_kind = BF16_B_ROWS_F32, .M = OC, .N = C, .K = rows};
+                .c = c + (size_t)e * OC * C, .ldc = (size_t)C,
+                .a = (const float*)x + (size_t)m0 * OC, .lda = (size_t)OC,
+                .a_kind = BF16_A_COLS, .b = (const char*)w + (size_t)m0 * C * inp_bytes,
+                .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
+                .M = OC, .N = C, .K = rows};
         }
     }
     return count;
@@ -451,9 +515,9 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const float*
  * float32 weights (f32_jobs) or bf16 ones (bf16_jobs): the forward into out,
  * or (out NULL) the backward's dinp and dweight, either of which may be NULL.
  */
-static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const float* inp,
-                            const float* dout, const void* weight, const int* offsets, int R,
-                            int C, int OC, int E) {
+static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const void* inp,
+                            int inp_bf16, const float* dout, const void* weight,
+                            const int* offsets, int R, int C, int OC, int E) {
     const int status = grouped_status(offsets, R, C, OC, E);
     LLMC_REQUIRE(status == LLMC_OK, status);
     struct llmc_gemm_f32_job* f32 = bf16 ? NULL : malloc((size_t)2 * E * sizeof *f32);
@@ -461,20 +525,32 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
     LLMC_REQUIRE(f32 != NULL || b16 != NULL, LLMC_ERR_NOMEM);
     int count = 0;
     if (out != NULL && !bf16) {
-        // every row belongs to one expert: start them all from 0
+        // every row belongs to one expert: start them all from 0, the few-row experts' done
         #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             memset(out + (size_t)r * OC, 0, (size_t)OC * sizeof(float));
         }
+        const int status = few_rows_forward(out, inp, weight, offsets, C, OC, E);
+        if (status != LLMC_OK) {
+            free(f32);
+            return status;
+        }
+    }
+    if (out != NULL && bf16) {
+        const int status = bf16_few_rows_forward(out, inp, inp_bf16, weight, offsets, C, OC, E);
+        if (status != LLMC_OK) {
+            free(b16);
+            return status;
+        }
     }
     // the backward's dinp and dweight write apart: one loop over the tiles of both
-    const struct { int product; float* c; const float* x; const void* w; } parts[3] = {
+    const struct { int product; float* c; const void* x; const void* w; } parts[3] = {
         {PRODUCT_FORWARD, out, inp, weight}, {PRODUCT_DINP, dinp, dout, weight},
         {PRODUCT_DWEIGHT, dweight, dout, inp}};
     for (int i = 0; i < 3; i++) {
         if (parts[i].c == NULL) { continue; }
         count += bf16 ? bf16_jobs(b16 + count, parts[i].product, parts[i].c, parts[i].x,
-                                  parts[i].w, offsets, C, OC, E)
+                                  parts[i].w, inp_bf16, offsets, C, OC, E)
                       : f32_jobs(f32 + count, parts[i].product, parts[i].c, parts[i].x,
                                  parts[i].w, offsets, C, OC, E);
     }
@@ -487,26 +563,30 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
 int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
                         int R, int C, int OC, int E) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, inp, weight, offsets), LLMC_ERR_NULL);
-    return grouped_products(0, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
+    return grouped_products(0, out, NULL, NULL, inp, 0, NULL, weight, offsets, R, C, OC, E);
 }
 
 int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
                          const float* weight, const int* offsets, int R, int C, int OC, int E) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    return grouped_products(0, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
+    return grouped_products(0, NULL, dinp, dweight, inp, 0, dout, weight, offsets, R, C, OC, E);
 }
 
-int moe_grouped_forward_bf16(float* out, const float* inp, const uint16_t* weight,
-                             const int* offsets, int R, int C, int OC, int E) {
+int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight,
+                             const int* offsets, int R, int C, int OC, int E, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, offsets) && weight != NULL, LLMC_ERR_NULL);
-    return grouped_products(1, out, NULL, NULL, inp, NULL, weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    return grouped_products(1, out, NULL, NULL, inp, inp_dtype == LLMC_DTYPE_BF16, NULL, weight,
+                            offsets, R, C, OC, E);
 }
 
-int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const float* inp,
+int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
-                              int E) {
+                              int E, int inp_dtype) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    return grouped_products(1, NULL, dinp, dweight, inp, dout, weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    return grouped_products(1, NULL, dinp, dweight, inp, inp_dtype == LLMC_DTYPE_BF16, dout,
+                            weight, offsets, R, C, OC, E);
 }

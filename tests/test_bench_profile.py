@@ -220,3 +220,33 @@ def test_bench_profile_is_a_mode_of_its_own():
     with pytest.raises(SystemExit):
         cli.parse(["--profile", "--lora"])
     assert cli.parse(["--profile"]).batch == (4, 64)
+    assert cli.parse(["--profile", "--moe"]).batch == (4, 256)
+
+
+def test_bench_profile_of_the_moe_model(tiny_cli, monkeypatch, capsys):
+    """--profile --moe: the profile of --moe's model (here a tiny one), its
+    router, permutation, gather, grouped GEMMs and combine in rows of their own."""
+    monkeypatch.setattr(cli, "moe_config", lambda: dict(
+        {k: v for k, v in LLAMA_TINY.items() if k != "ffn_hidden"}, num_experts=4,
+        experts_per_token=2, expert_hidden=16, router_aux_loss=0.01))
+    cli.main(["--profile", "--moe", "--layers", "1", "--batch", "2", "8", "--repeats", "1",
+              "--precision", "bf16"])
+    out = capsys.readouterr().out
+    assert "Llama with 4 experts, top-2, 1 layers" in out
+    for row in ("moe_route_forward", "moe_permute", "moe_gather_forward", "expertfc fwd",
+                "expertproj dW", "moe_combine_backward", "moe_route_backward"):
+        assert row in out, row
+
+
+def test_matmuls_alone_count_an_moe_layers_calls_whatever_its_routing():
+    """The grouped GEMM's calls are one row per product however the
+    offsets change from layer to layer and step to step (replayed with the
+    first call's), with their time in every step."""
+    config = dict({k: v for k, v in LLAMA_TINY.items() if k != "ffn_hidden"}, num_experts=4,
+                  experts_per_token=2, expert_hidden=16)
+    p = own_step_job(2, B, T, 3, "fp32", config=config, arch="llama", profile=SMALL_PEAKS)
+    rows = {r["row"]: r for r in p["matmuls_alone"]["rows"]
+            if r["kernel"].startswith("moe_grouped")}
+    assert set(rows) == {"expertfc fwd", "expertproj fwd", "expertfc dinp", "expertfc dW",
+                         "expertproj dinp", "expertproj dW"}
+    assert all(r["calls"] == 2 and r["in_step_ms"] > 0 for r in rows.values())

@@ -92,7 +92,7 @@ _QUANT_MATMUL = dict(_QUANT, optional=frozenset({"bias"}))
 # 0 to R (here [0, 1])
 _ROUTE = dict(not_sizes=frozenset({"norm_topk_prob"}),
               bad=(({"k": 2}, "LLMC_ERR_SHAPE"), ({"norm_topk_prob": 2}, "LLMC_ERR_VALUE")))
-_ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights"}),
+_ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights", "fractions"}),
                        bad=_ROUTE["bad"] + (({"aux_coef": float("nan")}, "LLMC_ERR_VALUE"),
                                             ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
@@ -195,14 +195,18 @@ ROWS = {
     "moe_route_forward": Row(**_ROUTE),
     "moe_route_backward": Row(**_ROUTE_BACKWARD),
     "moe_permute": Row(bad=(({"k": 2}, "LLMC_ERR_SHAPE"),)),
-    "moe_gather_forward": Row(),
+    # the grouped rows of the tokens' dtype: both float32 or both bf16
+    "moe_gather_forward": Row(bad=_bad_dtype("inp_dtype")
+                              + (({"grouped_dtype": 0}, "LLMC_ERR_VALUE"),)),
     "moe_gather_backward": Row(),
     "moe_combine_forward": Row(),
     "moe_combine_backward": Row(),
     "moe_grouped_forward": Row(**_GROUPED),
     "moe_grouped_backward": Row(**_GROUPED_BACKWARD),
-    "moe_grouped_forward_bf16": Row(**_GROUPED),
-    "moe_grouped_backward_bf16": Row(**_GROUPED_BACKWARD),
+    "moe_grouped_forward_bf16": Row(**dict(_GROUPED, bad=_GROUPED["bad"]
+                                           + _bad_dtype("inp_dtype"))),
+    "moe_grouped_backward_bf16": Row(**dict(_GROUPED_BACKWARD, bad=_GROUPED_BACKWARD["bad"]
+                                            + _bad_dtype("inp_dtype"))),
 }
 
 @pytest.mark.parametrize("status,cls,builtin", [

@@ -95,6 +95,35 @@ def test_route_without_weight_gradient_is_the_aux_losses_alone(rng):
     assert_close("dlogits", dlogits, x.grad, TOL["moe"]["bwd"])
 
 
+@pytest.mark.parametrize("E,k", [(3, 1), (8, 2)])
+def test_route_backward_of_a_rank_with_the_whole_batchs_fractions(rng, isa, E, k):
+    """Rows cut in two "ranks": each rank's gradient with the whole batch's
+    fractions f_e (and its own N), averaged over the ranks as data-parallel
+    training does, is the gradient of the whole batch's balance loss."""
+    N = 48
+    logits = router_logits(rng, N, E)
+    probs, _, experts, _ = route(logits, k)
+    fractions = np.bincount(experts.ravel(), minlength=E) / (N * k)
+    dlogits = np.zeros_like(logits)
+    for rows in (slice(0, N // 2), slice(N // 2, N)):
+        part = np.zeros_like(logits[rows])
+        K.moe_route_backward(part, None, probs[rows], logits[rows], experts[rows], fractions,
+                             aux_coef=0.5, z_coef=0.1)
+        dlogits[rows] = part / 2
+    x = t64(logits, grad=True)
+    _, _, _, balance, z = moe_route(x, k)
+    (0.5 * balance + 0.1 * z).backward()
+    assert_close("dlogits", dlogits, x.grad, TOL["moe"]["bwd"])
+
+
+def test_route_backward_rejects_fractions_that_are_not_finite(rng):
+    logits = randn(rng, 5, 3)
+    probs, weights, experts, _ = route(logits, 2)
+    with pytest.raises(llmc_py.InvalidValueError, match="moe_route_backward"):
+        K.moe_route_backward(np.zeros_like(logits), weights, probs, logits, experts,
+                             np.array([0.5, np.nan, 0.5]), aux_coef=0.1)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_balance_is_transformers_loss_over_k(rng, k):
     """transformers counts f_e per token, (assignments to e) / N: k times ours."""
@@ -268,6 +297,72 @@ def test_grouped_bf16_matches_reference(rng, use_isa, isa_name, counts, C, OC):
         assert_close(name, ours[name], value, TOL["moe"]["fwd" if name == "out" else "bwd"])
     for name, value in per_expert(offsets, x, dout, w16, bf16=True).items():
         assert np.array_equal(ours[name], value), name
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+def test_grouped_forward_of_few_rows_is_the_gemms(rng, set_threads, use_isa, isa_name, bf16):
+    """Decoding: experts of 1 .. 16 rows (and one of 40) take the few-row
+    kernel, whose rows are bitwise the GEMM's: those of a linear layer over
+    the expert's rows and 40 more (a row's sum never depends on the others)."""
+    use_isa(isa_name)
+    counts, C, OC = [1, 0, 2, 40, 16, 3, 12, 1], C_ODD, 70
+    offsets, x, _, w = grouped_operands(rng, counts, C, OC, bf16=bf16)
+    forward = K.moe_grouped_forward_bf16 if bf16 else K.moe_grouped_forward
+    linear = K.matmul_forward_bf16 if bf16 else K.matmul_forward
+    extra = randn(rng, 40, C)
+    gemm = np.zeros((x.shape[0], OC), np.float32)
+    for e in range(len(counts)):
+        r0, r1 = offsets[e], offsets[e + 1]
+        rows = np.concatenate([x[r0:r1], extra])[None]
+        out = np.empty((1, rows.shape[1], OC), np.float32)
+        linear(out, rows, w[e])
+        gemm[r0:r1] = out[0, :r1 - r0]
+
+    def run():
+        out = np.full((x.shape[0], OC), np.nan, np.float32)
+        forward(out, x, w, offsets)
+        return {"out": out}
+
+    assert_thread_invariant(set_threads, run)
+    assert np.array_equal(run()["out"], gemm)
+
+
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+@pytest.mark.parametrize("counts,C,OC", GROUPS[1:4])
+def test_grouped_bf16_reads_bf16_rows_as_their_float32(rng, use_isa, isa_name, counts, C, OC):
+    """A bf16 model's gathered rows and expert activations are bf16: the
+    grouped bf16 GEMM reads them as the float32 rows it rounds to them, so
+    every product is bitwise the same."""
+    use_isa(isa_name)
+    offsets, x, dout, w16 = grouped_operands(rng, counts, C, OC, bf16=True)
+    x16 = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(x16, x)
+    results = []
+    for inp in (x, x16):
+        out = np.full((x.shape[0], OC), np.nan, np.float32)
+        K.moe_grouped_forward_bf16(out, inp, w16, offsets)
+        dinp, dweight = np.full(x.shape, 0.5, np.float32), np.full(w16.shape, -0.25, np.float32)
+        K.moe_grouped_backward_bf16(dinp, dweight, dout, inp, w16, offsets)
+        results.append((out, dinp, dweight))
+    for name, a, b in zip(("out", "dinp", "dweight"), *results):
+        assert np.array_equal(a, b), name
+
+
+def test_gather_copies_bf16_rows_and_refuses_mixed_dtypes(rng):
+    N, E, k, C = 23, 4, 2, C_ODD
+    _, positions = permute(expert_choices(rng, N, E, k, "random"), E)
+    x = randn(rng, N, C)
+    x16 = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(x16, x)
+    grouped, grouped16 = np.empty((N * k, C), np.float32), np.empty((N * k, C), np.uint16)
+    K.moe_gather_forward(grouped, x, positions)
+    K.moe_gather_forward(grouped16, x16, positions)
+    rounded = np.empty_like(grouped16)
+    K.float_to_bf16(rounded, grouped)
+    assert np.array_equal(grouped16, rounded)
+    with pytest.raises(llmc_py.InvalidValueError, match="moe_gather_forward"):
+        K.moe_gather_forward(grouped, x16, positions)
 
 
 def test_grouped_backward_skips_what_is_not_wanted(rng):

@@ -494,11 +494,13 @@ moe_route_forward = _kernel(
 
 moe_route_backward = _kernel(
     "moe_route_backward",
-    "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k]"
-    " | N E k from probs, experts | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
+    "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k],"
+    " fractions[E]=None | N E k from probs, experts"
+    " | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
     """dlogits[N,E] (+=) <- dweights[N,k] (or None) through the renormalisation and
     the softmax, plus the gradients of aux_coef * aux[0] + z_coef * aux[1]; probs,
-    logits, experts the forward's.""")
+    logits, experts the forward's. fractions float64 [E]: the balance loss's f_e
+    of the whole batch these N rows are a rank's part of (None: these rows').""")
 
 moe_permute = _kernel(
     "moe_permute",
@@ -510,8 +512,10 @@ moe_permute = _kernel(
 
 moe_gather_forward = _kernel(
     "moe_gather_forward",
-    "grouped[N*k,C] written, inp[N,C], positions[N,k] | N C k from inp, positions",
-    """grouped[N*k,C] (written): row positions[n,j] = inp[n].""")
+    "grouped[N*k,C] written, inp[N,C], positions[N,k] | N C k from inp, positions"
+    " | dtype(grouped), dtype(inp)",
+    """grouped[N*k,C] (written): row positions[n,j] = inp[n]; both float32 or both
+    bf16 (uint16).""")
 
 moe_gather_backward = _kernel(
     "moe_gather_backward",
@@ -546,15 +550,17 @@ moe_grouped_backward = _kernel(
 
 moe_grouped_forward_bf16 = _kernel(
     "moe_grouped_forward_bf16",
-    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight",
-    """moe_grouped_forward with weight bf16 (uint16): each row bitwise
-    matmul_forward_bf16's.""")
+    "out[R,OC] written, inp[R,C], weight[E,OC,C], offsets[E+1] | R C OC E from inp, weight"
+    " | dtype(inp)",
+    """moe_grouped_forward with weight bf16 (uint16) and inp float32 or bf16: each
+    row bitwise matmul_forward_bf16's.""")
 
 moe_grouped_backward_bf16 = _kernel(
     "moe_grouped_backward_bf16",
     "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
-    " offsets[E+1] | R C OC E from inp, weight",
-    """moe_grouped_backward with weight bf16 (uint16): bitwise matmul_backward_bf16's.""")
+    " offsets[E+1] | R C OC E from inp, weight | dtype(inp)",
+    """moe_grouped_backward with weight bf16 (uint16) and inp float32 or bf16:
+    bitwise matmul_backward_bf16's.""")
 
 # ---- what the declarations call: checks of arguments and size rules ---------------
 

@@ -18,7 +18,7 @@ from ..model import PRECISIONS, RECOMPUTE_LEVELS
 from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .lora import QWEN3_0_6B_LAYERS, measure_lora
-from .moe import MOE_BATCH, MOE_LAYERS, measure_moe
+from .moe import MOE_BATCH, MOE_LAYERS, measure_moe, moe_config
 from .quality import bench_quality, lora_quality
 from .profile import PEAK_COPY_MIB, PEAK_GEMM
 from .step import measure_steps, own_step_job
@@ -85,7 +85,8 @@ def build_parser():
                         "GFLOP/s or GB/s beside this machine's peaks measured in the same run "
                         "(our GEMM on 2048^3, our residual add over 256 MiB arrays); the time "
                         "between the kernels; then every GEMM call of the step replayed alone, "
-                        "and the step over their sum")
+                        "and the step over their sum; with --moe, --moe's 8-expert model at "
+                        "its --batch and --layers")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,
@@ -145,7 +146,7 @@ def parse(argv):
                                    ("--moe", args.moe),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
-    if len(modes) > 1:
+    if len(modes) > 1 and modes != ["--profile", "--moe"]:   # the one pair: the MoE step's profile
         parser.error(f"{' and '.join(modes)}: one mode at a time")
     if args.batch is None:
         args.batch = (4, 256) if args.lora else MOE_BATCH if args.moe else (4, 64)
@@ -209,8 +210,12 @@ def main(argv=None):
         results, print_results = measure_generation(args, rng), print_generation
     elif args.profile:
         B, T = args.batch
+        moe = moe_config() if args.moe else None
         results = own_step_job(args.layers, B, T, args.repeats, args.precision, args.recompute,
-                               profile=dict(peak_gemm=PEAK_GEMM, peak_copy_mib=PEAK_COPY_MIB))
+                               profile=dict(peak_gemm=PEAK_GEMM, peak_copy_mib=PEAK_COPY_MIB),
+                               **(dict(config=moe, arch="llama") if moe else {}))
+        results["model"] = (f"Llama with {moe['num_experts']} experts, "
+                            f"top-{moe['experts_per_token']}," if moe else "GPT-2")
         print_results = print_profile
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}

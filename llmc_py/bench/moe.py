@@ -30,6 +30,11 @@ DENSE_CEILING = 1.3
 FLOORS = {"fp32": 2.0, "bf16": 3.0}
 
 
+def moe_config(shapes=None):
+    """The LlamaConfig fields (but num_layers) of the MoE model measured."""
+    return dict(SHAPES if shapes is None else shapes, **MOE_MLP)
+
+
 def measure_moe(args, shapes=None):
     """{"step": {name: timing}, "decode": {B: {name: timing}}}: our MoE and
     dense steps in fp32 and bf16 at --batch and --layers, transformers'
@@ -38,7 +43,7 @@ def measure_moe(args, shapes=None):
     decoding of --gen's tokens at batch 1 and 8. ``shapes``: LlamaConfig
     fields other than the MLP's and num_layers (default SHAPES)."""
     shapes = SHAPES if shapes is None else shapes
-    moe, dense = dict(shapes, **MOE_MLP), dict(shapes, **DENSE_MLP)
+    moe, dense = moe_config(shapes), dict(shapes, **DENSE_MLP)
     B, T = args.batch
     own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats, arch="llama")
     steps = {}

@@ -25,15 +25,14 @@ its largest activation, at the cost of running that matmul again.
 
 In a bf16 model the pre-norm and parallel blocks keep their norm outputs
 and MLP activation in bf16 (layout.act_dtypes), written rounded by their
-kernels and read as they are by the bf16 matmuls; the MoE gather widens
-them exactly. A residual add followed by a norm runs as one kernel
+kernels and read as they are by the bf16 matmuls; so do the MoE layers'
+gathered rows and expert activations. A residual add followed by a norm runs as one kernel
 (residual_norm), bitwise the two."""
 import weakref
 
 import numpy as np
 
 from .._native import kernels as K
-from .layout import float32_of
 
 
 def optional(group, name, l=None):
@@ -200,8 +199,10 @@ class Block:
         # (fcw, fch, ...) or the MoE ones (routerw, the experts, ...)
         self.mlp_index = {l: i for i, l in enumerate(c.dense_mlp_layers)}
         self.mlp_index |= {l: m for m, l in enumerate(c.moe_layers)}
-        # each MoE layer's auxiliary losses of the last forward: (load balancing, z-loss)
+        # each MoE layer's auxiliary losses of the last forward: (load balancing, z-loss),
+        # and its balance loss's f_e over every rank's rows (model.balance_over), or None
         self.aux = np.zeros((c.num_moe_layers, 2), np.float32)
+        self.fractions = [None] * c.num_moe_layers
 
     def output(self, a, l):
         """Layer l's output, the next layer's input."""
@@ -282,13 +283,30 @@ class Block:
         K.moe_route_forward(a.router_probs[m].reshape(N, E), a.topk_weight[m].reshape(N, k),
                             experts, self.aux[m], a.router_logits[m].reshape(N, E),
                             norm_topk_prob=c.norm_topk_prob)
+        self.fractions[m] = None
+        if model.balance_world is not None:
+            self.balance_over_ranks(m, model.balance_world, experts, a.router_probs[m].reshape(N, E))
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, c.C), positions)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, c.C), positions)
         grouped = _grouped_forward(w.expertfcw)
         grouped(a.expert_fch[m], a.expert_in, w.expertfcw[m], offsets)
         grouped(a.expert_out[m], self.expert_act(a, m), w.expertprojw[m], offsets)
         K.moe_combine_forward(a.proj.reshape(N, c.C), a.expert_out[m],
                               a.topk_weight[m].reshape(N, k), positions)
+
+    def balance_over_ranks(self, m, world, experts, probs):
+        """MoE layer m's load-balancing loss over the rows of every rank of
+        ``world``: each rank's row count, assignments per expert and summed
+        router probabilities, added over ranks in rank order, give
+        self.aux[m, 0] = E sum_e f_e P_e of all the rows and self.fractions[m]
+        = f_e, which the backward uses in place of this rank's."""
+        E, k = self.config.num_experts, self.config.experts_per_token
+        mine = np.concatenate([[len(probs)], np.bincount(experts.ravel(), minlength=E),
+                               probs.sum(axis=0, dtype=np.float64)])
+        total = world.sum_arrays(mine)
+        rows, counts, prob_sums = total[0], total[1:E + 1], total[E + 1:]
+        self.fractions[m] = counts / (rows * k)
+        self.aux[m, 0] = E * np.dot(self.fractions[m], prob_sums / rows)
 
     # ---- backward pieces ---------------------------------------------------
 
@@ -340,7 +358,7 @@ class Block:
         experts = a.topk_index[m].view(np.int32).reshape(N, k)
         weights = a.topk_weight[m].reshape(N, k)
         offsets, positions = _grouping(experts, E)
-        K.moe_gather_forward(a.expert_in, float32_of(inp).reshape(N, C), positions)
+        K.moe_gather_forward(a.expert_in, inp.reshape(N, C), positions)
         expert_act = self.saved.expert_act(a, m)
         grouped = _grouped_backward(w.expertfcw)
         dexpert_out = _rows(d.expert_wide, R, C)
@@ -362,7 +380,7 @@ class Block:
         d.router[...] = 0.0
         scale = model.loss_scale / c.num_moe_layers
         K.moe_route_backward(d.router.reshape(N, E), dweights, a.router_probs[m].reshape(N, E),
-                             a.router_logits[m].reshape(N, E), experts,
+                             a.router_logits[m].reshape(N, E), experts, self.fractions[m],
                              norm_topk_prob=c.norm_topk_prob,
                              aux_coef=c.router_aux_loss * scale, z_coef=c.router_z_loss * scale)
         model._matmul_backward(dinp, model.base_grad("routerw", m), None, d.router, inp,

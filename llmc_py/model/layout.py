@@ -300,7 +300,7 @@ def forward_only_acts(c, B, T, logits=True, memory=None, dtypes=None):
 # the activations that only matmuls read (the bf16 GEMM, whose bf16 input is
 # bitwise what it would round a float32 one to): a bf16 model keeps them in
 # bf16 (act_dtypes)
-BF16_ACTS = ("ln1", "ln2", "fch_act")
+BF16_ACTS = ("ln1", "ln2", "fch_act", "expert_in", "expert_act")
 
 
 def act_dtypes(c, bf16):
@@ -309,18 +309,21 @@ def act_dtypes(c, bf16):
     GEMM), those only a matmul reads (BF16_ACTS), for the pre-norm and
     parallel blocks; every other one is float32. Per tensor:
       ln1, ln2   bf16: read by qkv's and the MLP's matmuls (an MoE layer's
-                 router matmul, and its gather, which widens them exactly);
+                 router matmul, and its gather into expert_in);
                  LoRA adapters read them as those matmuls do (their dropout
                  widens them exactly). Post-norm: float32, as ln1 and ln2
                  are its residual stream (added into residual3, the next
                  layer's input).
       fch_act    bf16: read by the MLP's output matmul alone (its backward
                  reads fch).
+      expert_in, expert_act
+                 bf16: the MoE layers' rows for the experts' first and
+                 second grouped matmuls, which read nothing else of them
+                 (the activation's backward reads expert_fch).
       float32    the residual stream (encoded, residual2, residual3), the
                  norms' statistics (mean, rstd), qkv and what attention
                  reads and writes, fch (the activation's backward reads
-                 it), the MoE layers' tensors (expert_act included: the
-                 grouped GEMM reads float32), lnf, the logits, the loss's
+                 it), the MoE layers' other tensors, lnf, the logits, the loss's
                  statistics and the losses."""
     if not bf16 or c.block == "post":
         return {}

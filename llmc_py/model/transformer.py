@@ -29,7 +29,9 @@ Mixture of experts (config.num_experts > 0): the MLP of every moe_every-th
 layer is E expert MLPs of the model's kind, a router sending each token to
 k of them (model.blocks); forward's loss then adds router_aux_loss times the
 load-balancing loss and router_z_loss times the z-loss (aux_losses; the
-cross-entropy alone is ce_loss), and backward their gradients.
+cross-entropy alone is ce_loss), and backward their gradients. Inside
+``balance_over(world)`` (a data-parallel training step) the load-balancing
+loss is that of every rank's rows together.
 
 Dropout (model.dropout) applies only to the training passes given one:
 forward_backward(..., dropout=...) or forward(..., dropout=...) then
@@ -103,6 +105,7 @@ forward with another (B, T), or keeping every layer's activations after one
 that did not, re-plans them: it reuses the same memory when the new shapes
 fit in it and allocates a larger buffer otherwise.
 """
+import contextlib
 import math
 import os
 
@@ -184,6 +187,8 @@ class Transformer:
         self.matrix_params = tuple(name for name, _ in self.param_specs
                                    if name in MATRIX_PARAMS)
         self._recompute = 0
+        # the ranks whose rows the load-balancing loss spans (balance_over), or None: this one's
+        self.balance_world = None
         self._block = BLOCKS[config.block](self)
         self.slopes = K.alibi_slopes(config.num_heads) if config.position == "alibi" else None
         self.rope_inv_freq = config.rope_inv_freq()   # a scaled RoPE's frequencies, or None
@@ -722,6 +727,19 @@ class Transformer:
             c, aux = self.config, self.aux_losses
             self.mean_loss += c.router_aux_loss * aux["balance"] + c.router_z_loss * aux["z"]
         return self.mean_loss
+
+    @contextlib.contextmanager
+    def balance_over(self, world):
+        """Within: each MoE layer's load-balancing loss is that of the rows
+        of every rank of ``world`` (train.distributed's) together, its
+        fractions added over ranks inside the forward (a small collective per
+        MoE layer, so every rank must run the same forwards), so N ranks of
+        B rows train as one process of N B rows. One rank changes nothing."""
+        self.balance_world = world if world.size > 1 and self.config.moe_layers else None
+        try:
+            yield
+        finally:
+            self.balance_world = None
 
     @property
     def aux_losses(self):

@@ -14,11 +14,13 @@ then scales by 1/N; an Allgatherv then gives every rank every shard. Both
 only move bytes, so the same N gives bitwise the same run. The exchange goes
 CHUNK floats per shard at a time, so its scratch is N * CHUNK floats.
 
-With experts, a rank's load-balancing loss is over its own rows (per
-micro-batch), and the averaged gradient is that of the mean over ranks of
-theirs: N ranks of B rows train as one process of N micro-batches of B
-rows, not as one batch of N B rows (the balance loss is not linear in the
-batch; the cross-entropy and the z-loss are, as means over tokens).
+With experts, the load-balancing loss (not linear in the batch) is that of
+every rank's rows together: inside each MoE layer's forward the ranks add
+their per-expert assignment counts and summed router probabilities
+(sum_arrays, in rank order), and each backward uses the whole batch's
+fractions, so N ranks of B rows train as one process of N B rows (with -d,
+micro-batch by micro-batch). The cross-entropy and the z-loss are means over
+tokens: the mean over ranks of theirs is already the whole batch's.
 
 ZeRO-1 (``zero=1``): each rank keeps AdamW's moments for its shard only,
 updates its shard of the parameters, and the all-gather moves parameters
@@ -92,6 +94,9 @@ class Solo:
     def sum_counts(self, counts):
         return counts
 
+    def sum_arrays(self, values):
+        return values
+
     def reduce_scatter_mean(self, buf):
         return 0, buf.size
 
@@ -155,6 +160,17 @@ class MPIWorld:
         the others: None."""
         total = np.empty_like(counts) if self.is_root else None
         self.comm.Reduce(counts, total, op=self.MPI.SUM, root=0)
+        return total
+
+    def sum_arrays(self, values):
+        """The sum over ranks of a small float64 array, added in rank order,
+        on every rank (the same bits everywhere)."""
+        values = np.ascontiguousarray(values, np.float64)
+        gathered = np.empty((self.size, values.size), np.float64)
+        self.comm.Allgather(values, gathered)
+        total = gathered[0].copy()
+        for row in gathered[1:]:
+            total += row
         return total
 
     def broadcast_object(self, obj):

@@ -83,8 +83,9 @@ class Trainer:
         parts = {}
         for micro in range(n):
             x, y = self.next_batch()
-            loss += model.forward_backward(x, y, loss_scale=1.0 / n,
-                                           dropout=self._dropout_at(step, micro, len(x))) / n
+            with model.balance_over(self.world):
+                loss += model.forward_backward(x, y, loss_scale=1.0 / n,
+                                               dropout=self._dropout_at(step, micro, len(x))) / n
             for hook in self.after_micro_batch:
                 hook(self, step)
             if model.config.num_experts:
