@@ -8,8 +8,8 @@
  * and inverse normaliser (8 bytes a row) beside its loss, and the backward
  * turns each logit into its gradient from them, in place if asked, so a
  * training step needs one (B, T, Vp) buffer, not three. Each probability is
- * the very product softmax_forward computes (one lane of exp_nonpositive16, times
- * inv), so the losses and gradients are bitwise those of
+ * the very product softmax_forward computes (one lane of
+ * llmc_exp_nonpositive16, times inv), so the losses and gradients are bitwise those of
  * softmax, then -log p[target], then (p - onehot) * dloss.
  *
  * A row whose target is LLMC_IGNORE_INDEX has loss 0 and gradient 0 (its
@@ -22,24 +22,6 @@
 typedef float vec8f __attribute__((vector_size(32)));
 typedef double vec8d __attribute__((vector_size(64)));
 typedef int32_t vec8i __attribute__((vector_size(32)));
-
-/* exp(x) for x <= 0, -inf or NaN, as a softmax takes it (a logit minus the
-   row's max): bitwise llmc_exp16 there, with the steps only x > 0 needs left
-   out. Below -87.34 (lo) llmc_exp16 gives 0, so n >= -126 and 2^n is one
-   normal float: p * 2^n rounds once, as llmc_exp16's two exact halves do. */
-static LLMC_ALWAYS_INLINE vec16f exp_nonpositive16(vec16f x) {
-    const vec16f zero = {0};
-    const float lo = -87.3365478515625f;
-    const vec16i too_small = x < zero + lo, nan = x != x;
-    const vec16f xc = llmc_select16(too_small | nan, zero, x);
-    // n = floor(x / ln2 + 0.5), as llmc_exp16 takes it
-    const vec16f t = xc * 1.44269504088896341f + 0.5f;
-    vec16i n = __builtin_convertvector(t, vec16i);
-    n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
-    const vec16f p = llmc_exp_reduced16(xc, __builtin_convertvector(n, vec16f));
-    const vec16f result = p * (vec16f)((n + 127) << 23);
-    return llmc_select16(nan, x, llmc_select16(too_small, zero, result));
-}
 
 /* The 16 lanes of v widened to double and added into sum_lo (lanes 0-7) and
    sum_hi (8-15). */
@@ -75,14 +57,15 @@ static LLMC_ALWAYS_INLINE void row_stats(float* p, const float* x, int V, float*
     for (int l = 0; l < 16; l++) { if (max16[l] > maxval) { maxval = max16[l]; } }
     vec8d sum_lo = {0}, sum_hi = {0};
     for (int i = 0; i < whole; i += 16) {
-        const vec16f ex = exp_nonpositive16(llmc_load16(x + i, 16) - maxval);
+        const vec16f ex = llmc_exp_nonpositive16(llmc_load16(x + i, 16) - maxval);
         if (p != NULL) { llmc_store16(p + i, ex, 16); }
         add_widened(&sum_lo, &sum_hi, ex);
     }
     if (whole < V) {
         const int n = V - whole;
         const vec16f e = llmc_load16(x + whole, n) - maxval;
-        const vec16f ex = llmc_select16(llmc_lanes_below(n), exp_nonpositive16(e), (vec16f){0});
+        const vec16f ex = llmc_select16(llmc_lanes_below(n), llmc_exp_nonpositive16(e),
+                                        (vec16f){0});
         if (p != NULL) { llmc_store16(p + whole, ex, n); }
         add_widened(&sum_lo, &sum_hi, ex);
     }
@@ -94,9 +77,10 @@ static LLMC_ALWAYS_INLINE void row_stats(float* p, const float* x, int V, float*
 }
 
 /* The probability of column i of a row with statistics (max, inv): the
-   same exponential (one lane of exp_nonpositive16) and product as softmax_row's. */
+   same exponential (one lane of llmc_exp_nonpositive16) and product as
+   softmax_row's. */
 static LLMC_ALWAYS_INLINE float row_prob(const float* x, int i, float maxval, float inv) {
-    const vec16f e = exp_nonpositive16(llmc_load16(x + i, 1) - maxval);
+    const vec16f e = llmc_exp_nonpositive16(llmc_load16(x + i, 1) - maxval);
     return e[0] * inv;
 }
 
@@ -163,7 +147,7 @@ static LLMC_ALWAYS_INLINE void xent_backward_row_body(float* dx, const float* x,
     const float maxval = stats[0], inv = stats[1];
     for (int i = 0; i < V; i += 16) {
         const int n = V - i < 16 ? V - i : 16;
-        const vec16f p = exp_nonpositive16(llmc_load16(x + i, n) - maxval) * inv;
+        const vec16f p = llmc_exp_nonpositive16(llmc_load16(x + i, n) - maxval) * inv;
         llmc_store16(dx + i, p * dloss, n);
     }
     dx[target] -= dloss;
