@@ -14,36 +14,21 @@
 #include "isa.h"
 
 /* The MLP activations' bf16 stores. The avx512bf16 build of gelu_forward
-   and relu_forward (FORWARD_VARIANTS) stores whole vectors with
+   and relu_forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
    vcvtneps2bf16, which rounds to nearest even as llmc_bf16_round does, NaNs
    too, but reads float32 denormals as 0. So it also gathers which lanes held
-   a denormal (vfpclassps, AVX512DQ: every AVX512_BF16 CPU has it, and
-   FORWARD_SELECT checks); if any did, the caller stores that run of vectors
-   again through llmc_store16_as. Not always-inline: the other builds hold a
-   call to it that their constant isa removes; the avx512bf16 build inlines it. */
+   a denormal (vfpclassps, AVX512DQ: part of isa.h's avx512bf16); if any
+   did, the caller stores that run of vectors again through llmc_store16_as.
+   Not always-inline, and v by pointer (a vector argument's passing would
+   change with the caller's instruction set): the other builds hold a call
+   to it that their constant isa removes; the avx512bf16 build inlines it. */
 #ifdef LLMC_X86_DISPATCH
 #include <immintrin.h>
-#define TARGET_AVX512BF16_DQ __attribute__((target("avx512f,avx512bf16,avx512dq,avx2,fma")))
-TARGET_AVX512BF16_DQ static inline void store16_bf16_converted(uint16_t* out, vec16f v,
-                                                               unsigned* denormal_lanes) {
-    *denormal_lanes |= _mm512_fpclass_ps_mask((__m512)v, 0x20);   // 0x20: denormal
-    _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh((__m512)v));
+LLMC_TARGET_AVX512BF16 static inline void store16_bf16_converted(uint16_t* out, const vec16f* v,
+                                                                 unsigned* denormal_lanes) {
+    *denormal_lanes |= _mm512_fpclass_ps_mask((__m512)*v, 0x20);   // 0x20: denormal
+    _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh((__m512)*v));
 }
-#endif
-
-/* A forward's variants: isa.h's, the body taking the instruction set first,
-   and on x86 an avx512bf16 one (FORWARD_SELECT picks it on such a CPU). */
-#ifdef LLMC_X86_DISPATCH
-#define FORWARD_VARIANTS(name, params, ...)                                             \
-    LLMC_ISA_VARIANTS_ISA(name, params, __VA_ARGS__)                                    \
-    LLMC_ISA_VARIANT_(TARGET_AVX512BF16_DQ, name##_avx512bf16, params,                  \
-                      name##_body(LLMC_ISA_AVX512BF16, __VA_ARGS__))
-#define FORWARD_SELECT(isa, name)                                                       \
-    ((isa) == LLMC_ISA_AVX512BF16 && __builtin_cpu_supports("avx512dq")                 \
-         ? name##_avx512bf16 : LLMC_ISA_SELECT(isa, name))
-#else
-#define FORWARD_VARIANTS(name, params, ...) LLMC_ISA_VARIANTS_ISA(name, params, __VA_ARGS__)
-#define FORWARD_SELECT(isa, name) LLMC_ISA_SELECT(isa, name)
 #endif
 
 /* The element-wise kernels' one calling pattern: checks, then each thread
@@ -143,9 +128,8 @@ static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const in
         if (isa == LLMC_ISA_AVX512BF16) {
             unsigned denormal_lanes = 0;
             for (int64_t i = run * 16; i < end; i += 16) {
-                store16_bf16_converted((uint16_t*)out + i,
-                                       activation16(act, llmc_load16(inp + i, 16)),
-                                       &denormal_lanes);
+                const vec16f y = activation16(act, llmc_load16(inp + i, 16));
+                store16_bf16_converted((uint16_t*)out + i, &y, &denormal_lanes);
             }
             if (denormal_lanes == 0) { continue; }
         }
@@ -164,20 +148,25 @@ static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const in
     }
 }
 
-static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(const int isa, void* out, int out_bf16,
-                                                        const float* inp, int64_t N,
-                                                        int64_t blk0, int64_t blk1) {
-    activation_forward_blocks(isa, ACT_GELU, out, out_bf16, inp, N, blk0, blk1);
-}
-FORWARD_VARIANTS(gelu_forward_blocks,
-                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  out, out_bf16, inp, N, blk0, blk1)
+/* name_forward: its blocks' variants (the avx512bf16 one's bf16 stores
+   converted) and the kernel itself, for activation act. */
+#define ACTIVATION_FORWARD(name, act)                                                      \
+    static LLMC_ALWAYS_INLINE void name##_forward_blocks_body(                             \
+            const int isa, void* out, int out_bf16, const float* inp, int64_t N,          \
+            int64_t blk0, int64_t blk1) {                                                  \
+        activation_forward_blocks(isa, act, out, out_bf16, inp, N, blk0, blk1);            \
+    }                                                                                      \
+    LLMC_ISA_VARIANTS_BF16(name##_forward_blocks,                                         \
+                           (void* out, int out_bf16, const float* inp, int64_t N,         \
+                            int64_t blk0, int64_t blk1),                                   \
+                           out, out_bf16, inp, N, blk0, blk1)                              \
+    int name##_forward(void* out, const float* inp, int64_t N, int out_dtype) {           \
+        return elementwise_forward(LLMC_ISA_SELECT_BF16(llmc_get_isa(),                    \
+                                                        name##_forward_blocks),            \
+                                   out, inp, N, out_dtype);                                \
+    }
 
-int gelu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
-    return elementwise_forward(FORWARD_SELECT(llmc_get_isa(), gelu_forward_blocks), out, inp,
-                               N, out_dtype);
-}
+ACTIVATION_FORWARD(gelu, ACT_GELU)
 
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
    = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
@@ -377,20 +366,7 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
                           inp, N, FF);
 }
 
-static LLMC_ALWAYS_INLINE void relu_forward_blocks_body(const int isa, void* out, int out_bf16,
-                                                        const float* inp, int64_t N,
-                                                        int64_t blk0, int64_t blk1) {
-    activation_forward_blocks(isa, ACT_RELU, out, out_bf16, inp, N, blk0, blk1);
-}
-FORWARD_VARIANTS(relu_forward_blocks,
-                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  out, out_bf16, inp, N, blk0, blk1)
-
-int relu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
-    return elementwise_forward(FORWARD_SELECT(llmc_get_isa(), relu_forward_blocks), out, inp,
-                               N, out_dtype);
-}
+ACTIVATION_FORWARD(relu, ACT_RELU)
 
 static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
                                                          const float* inp, int64_t N, int64_t blk0,

@@ -108,11 +108,11 @@ static ALWAYS_INLINE vec16f load_between(const float* x, int k0, int lo, int hi)
    taking pointers, for dp_native's reasons below. */
 LLMC_TARGET_AVX512BF16 static inline void pairs_native(uint32_t* out, const vec16f* lo,
                                                        const vec16f* hi) {
-    store16u(out, (vec16u)bf_round_pairs((__m512)*lo, (__m512)*hi));
+    _mm512_storeu_si512(out, bf_round_pairs((__m512)*lo, (__m512)*hi));
 }
 LLMC_TARGET_AVX512BF16 static inline void zip_native(uint32_t* out, const vec16f* even,
                                                      const vec16f* odd) {
-    store16u(out, (vec16u)bf_round_zip((__m512)*even, (__m512)*odd));
+    _mm512_storeu_si512(out, bf_round_zip((__m512)*even, (__m512)*odd));
 }
 #endif
 
@@ -353,20 +353,6 @@ LLMC_ISA_VARIANTS(softmax_exps_row, (float* p, int n, float* stats), p, n, stats
 
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
-/* The four variants of a head function: attention.c's three and, on x86,
-   the avx512bf16 one. */
-#ifdef LLMC_X86_DISPATCH
-#define BF16_VARIANTS(name, params, ...)                                                  \
-    LLMC_ISA_VARIANTS_ISA(name, params, __VA_ARGS__)                                      \
-    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512BF16, name##_avx512bf16, params,                  \
-                      name##_body(LLMC_ISA_AVX512BF16, __VA_ARGS__))
-#define BF16_SELECT(isa, name) \
-    ((isa) == LLMC_ISA_AVX512BF16 ? name##_avx512bf16 : LLMC_ISA_SELECT(isa, name))
-#else
-#define BF16_VARIANTS LLMC_ISA_VARIANTS_ISA
-#define BF16_SELECT LLMC_ISA_SELECT
-#endif
-
 /* The sizes of one call's panels: hn channel pairs (the last may hold one
    channel), hp pairs a row of q's and dO's row pairs (hn rounded up to 16),
    Tp keys (T rounded up to 32: whole pairs of vectors), hsv channels (hs
@@ -442,8 +428,9 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         }
     }
 }
-BF16_VARIANTS(forward_head, (const attention_call* a, int b, int h, float* scratch),
-              a, b, h, scratch)
+LLMC_ISA_VARIANTS_BF16(forward_head,
+                       (const attention_call* a, int b, int h, float* scratch),
+                       a, b, h, scratch)
 
 /* The forward's scratch floats per thread. */
 static size_t forward_scratch(int T, int hs) {
@@ -636,8 +623,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs);
     add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs);
 }
-BF16_VARIANTS(backward_group, (const attention_call* a, int b, int g, float* scratch),
-              a, b, g, scratch)
+LLMC_ISA_VARIANTS_BF16(backward_group,
+                       (const attention_call* a, int b, int g, float* scratch),
+                       a, b, g, scratch)
 
 int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const float* slopes,
                                int B, int T, int NH, int NKV, int hs, int window, float dropout,
@@ -650,7 +638,7 @@ int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const
     a.out = out;
     a.stats_out = stats;
     return llmc_attention_heads(&a, NH, forward_scratch(T, hs),
-                                BF16_SELECT(llmc_get_isa(), forward_head));
+                                LLMC_ISA_SELECT_BF16(llmc_get_isa(), forward_head));
 }
 
 int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp,
@@ -665,5 +653,5 @@ int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp
     a.dout = dout;
     a.stats = stats;
     return llmc_attention_heads(&a, NKV, carve(&(bf16_backward_scratch){0}, NULL, T, hs),
-                                BF16_SELECT(llmc_get_isa(), backward_group));
+                                LLMC_ISA_SELECT_BF16(llmc_get_isa(), backward_group));
 }

@@ -363,15 +363,22 @@ def test_bf16_output_is_the_float32_output_rounded(rng, isa, set_threads, name):
         n = min(x.size, special.size)
         x.reshape(-1)[:n] = special[:n]
         out_shape = shape[:-1] + (shape[-1] // 2,) if gated else shape
-        f32 = np.empty(out_shape, np.float32)
-        forward_kernel(f32, x)
-        expected = np.empty(out_shape, np.uint16)
-        K.float_to_bf16(expected, f32)
-        for threads in (1, 2, 3):
-            set_threads(threads)
-            ours = np.full(out_shape, 0xFFFF, np.uint16)
-            forward_kernel(ours, x)
-            assert np.array_equal(ours, expected), f"{name} {shape}, {threads} threads"
+        assert_bf16_out_rounded(forward_kernel, x, out_shape, set_threads, f"{name} {shape}")
+
+
+def assert_bf16_out_rounded(forward_kernel, x, out_shape, set_threads, what):
+    """forward_kernel's bf16 out of x is bitwise float_to_bf16 of its float32
+    out, at 1, 2 and 3 threads; returns the float32 out."""
+    f32 = np.empty(out_shape, np.float32)
+    forward_kernel(f32, x)
+    expected = np.empty(out_shape, np.uint16)
+    K.float_to_bf16(expected, f32)
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        ours = np.full(out_shape, 0xFFFF, np.uint16)
+        forward_kernel(ours, x)
+        assert np.array_equal(ours, expected), f"{what}, {threads} threads"
+    return f32
 
 
 def test_activation_output_dtype_is_checked(rng):
@@ -406,13 +413,5 @@ def test_bf16_output_converted_is_the_integer_rounding(rng, use_isa, set_threads
     bits[4095] = 0x80008000
     bits[2 * 1024 + 5: 2 * 1024 + 13] = [0x7fc00001, 0xffa00000, 0x7f800000, 0xff800000,
                                           0x7f7fffff, 0x3f808000, 0x3f818000, 0x00800000]
-    f32 = np.empty(N, np.float32)
-    forward_kernel(f32, x)
+    f32 = assert_bf16_out_rounded(forward_kernel, x, (N,), set_threads, f"{name}, {isa_name}")
     assert ((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny)).sum() >= 10
-    expected = np.empty(N, np.uint16)
-    K.float_to_bf16(expected, f32)
-    for threads in (1, 2, 3):
-        set_threads(threads)
-        ours = np.full(N, 0xFFFF, np.uint16)
-        forward_kernel(ours, x)
-        assert np.array_equal(ours, expected), f"{name}, {isa_name}, {threads} threads"
