@@ -13,6 +13,24 @@
 #include "common.h"
 #include "isa.h"
 
+/* The MLP activations' bf16 stores. The avx512bf16 build of gelu_forward
+   and relu_forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
+   vcvtneps2bf16, which rounds to nearest even as llmc_bf16_round does, NaNs
+   too, but reads float32 denormals as 0. So it also gathers which lanes held
+   a denormal (vfpclassps, AVX512DQ: part of isa.h's avx512bf16); if any
+   did, the caller stores that run of vectors again through llmc_store16_as.
+   Not always-inline, and v by pointer (a vector argument's passing would
+   change with the caller's instruction set): the other builds hold a call
+   to it that their constant isa removes; the avx512bf16 build inlines it. */
+#ifdef LLMC_X86_DISPATCH
+#include <immintrin.h>
+LLMC_TARGET_AVX512BF16 static inline void store16_bf16_converted(uint16_t* out, const vec16f* v,
+                                                                 unsigned* denormal_lanes) {
+    *denormal_lanes |= _mm512_fpclass_ps_mask((__m512)*v, 0x20);   // 0x20: denormal
+    _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh((__m512)*v));
+}
+#endif
+
 /* The element-wise kernels' one calling pattern: checks, then each thread
    runs its share of the N / 16 blocks of 16 elements with the kernel's
    blocks function for this instruction set. */
@@ -75,31 +93,80 @@ static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     const vec16i n = (vec16i)shifted - (vec16i)shifter;
     const vec16f nf = shifted - shifter;
     *e = llmc_exp_reduced16(t, nf) * (vec16f)((n + 127) << 23);
-    *s = llmc_select16(vanishes, zero, 1.0f / (1.0f + *e));
+    // s = 0 where vanishes: a mask, not llmc_select16, after which GCC divides twice
+    *s = (vec16f)((vec16i)(1.0f / (1.0f + *e)) & ~vanishes);
 }
 
-/* Blocks [blk0, blk1) of 16 elements of the forward; the last block of N may be partial. */
-static LLMC_ALWAYS_INLINE void gelu_forward_blocks_body(void* out, int out_bf16,
-                                                        const float* inp, int64_t N,
-                                                        int64_t blk0, int64_t blk1) {
-    for (int64_t blk = blk0; blk < blk1; blk++) {
-        const int64_t i = blk * 16;
-        const int n = N - i < 16 ? (int)(N - i) : 16;
-        const vec16f x = llmc_load16(inp + i, n);
+/* The element-wise MLP activations' forwards (gelu_forward, relu_forward). */
+enum { ACT_GELU, ACT_RELU };
+
+static LLMC_ALWAYS_INLINE vec16f activation16(const int act, vec16f x) {
+    if (act == ACT_GELU) {
         vec16f s, e;
         gelu_sigmoid16(x, &s, &e);
-        llmc_store16_as(out, out_bf16, i, x * s, n);
+        return x * s;
+    }
+    // relu(x) = x for x >= 0, else 0 (NaN stays NaN), as gate16's
+    return llmc_select16(x < (vec16f){0}, (vec16f){0}, x);
+}
+
+/* Vectors a bf16 store converts before it checks for denormals (a run
+   holding one is stored again, rounded in integers). */
+#define CONVERTED_RUN 64
+
+/* Blocks [blk0, blk1) of 16 elements of an activation's forward; the last
+   block of N may be partial. Whole blocks run in a loop per output type,
+   so that no block tests its type or its size. */
+static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const int act, void* out,
+                                                         int out_bf16, const float* inp,
+                                                         int64_t N, int64_t blk0,
+                                                         int64_t blk1) {
+    const int64_t whole = blk1 < N / 16 ? blk1 : N / 16;
+    for (int64_t run = blk0; out_bf16 && run < whole; run += CONVERTED_RUN) {
+        const int64_t end = (whole - run < CONVERTED_RUN ? whole : run + CONVERTED_RUN) * 16;
+#ifdef LLMC_X86_DISPATCH
+        if (isa == LLMC_ISA_AVX512BF16) {
+            unsigned denormal_lanes = 0;
+            for (int64_t i = run * 16; i < end; i += 16) {
+                const vec16f y = activation16(act, llmc_load16(inp + i, 16));
+                store16_bf16_converted((uint16_t*)out + i, &y, &denormal_lanes);
+            }
+            if (denormal_lanes == 0) { continue; }
+        }
+#endif
+        for (int64_t i = run * 16; i < end; i += 16) {
+            llmc_store16_as(out, 1, i, activation16(act, llmc_load16(inp + i, 16)), 16);
+        }
+    }
+    for (int64_t i = blk0 * 16; !out_bf16 && i < whole * 16; i += 16) {
+        llmc_store16((float*)out + i, activation16(act, llmc_load16(inp + i, 16)), 16);
+    }
+    for (int64_t blk = whole > blk0 ? whole : blk0; blk < blk1; blk++) {
+        const int64_t i = blk * 16;
+        const int n = N - i < 16 ? (int)(N - i) : 16;
+        llmc_store16_as(out, out_bf16, i, activation16(act, llmc_load16(inp + i, n)), n);
     }
 }
-LLMC_ISA_VARIANTS(gelu_forward_blocks,
-                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  out, out_bf16, inp, N, blk0, blk1)
 
-int gelu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
-    return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), gelu_forward_blocks), out, inp,
-                               N, out_dtype);
-}
+/* name_forward: its blocks' variants (the avx512bf16 one's bf16 stores
+   converted) and the kernel itself, for activation act. */
+#define ACTIVATION_FORWARD(name, act)                                                      \
+    static LLMC_ALWAYS_INLINE void name##_forward_blocks_body(                             \
+            const int isa, void* out, int out_bf16, const float* inp, int64_t N,          \
+            int64_t blk0, int64_t blk1) {                                                  \
+        activation_forward_blocks(isa, act, out, out_bf16, inp, N, blk0, blk1);            \
+    }                                                                                      \
+    LLMC_ISA_VARIANTS_BF16(name##_forward_blocks,                                         \
+                           (void* out, int out_bf16, const float* inp, int64_t N,         \
+                            int64_t blk0, int64_t blk1),                                   \
+                           out, out_bf16, inp, N, blk0, blk1)                              \
+    int name##_forward(void* out, const float* inp, int64_t N, int out_dtype) {           \
+        return elementwise_forward(LLMC_ISA_SELECT_BF16(llmc_get_isa(),                    \
+                                                        name##_forward_blocks),            \
+                                   out, inp, N, out_dtype);                                \
+    }
+
+ACTIVATION_FORWARD(gelu, ACT_GELU)
 
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
    = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
@@ -299,27 +366,7 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
                           inp, N, FF);
 }
 
-/* ReLU, blocks [blk0, blk1) of 16 elements; the last block of N may be partial. */
-static LLMC_ALWAYS_INLINE void relu_forward_blocks_body(void* out, int out_bf16,
-                                                        const float* inp, int64_t N,
-                                                        int64_t blk0, int64_t blk1) {
-    for (int64_t blk = blk0; blk < blk1; blk++) {
-        const int64_t i = blk * 16;
-        const int n = N - i < 16 ? (int)(N - i) : 16;
-        vec16f a, da;
-        gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
-        llmc_store16_as(out, out_bf16, i, a, n);
-    }
-}
-LLMC_ISA_VARIANTS(relu_forward_blocks,
-                  (void* out, int out_bf16, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  out, out_bf16, inp, N, blk0, blk1)
-
-int relu_forward(void* out, const float* inp, int64_t N, int out_dtype) {
-    return elementwise_forward(LLMC_ISA_SELECT(llmc_get_isa(), relu_forward_blocks), out, inp,
-                               N, out_dtype);
-}
+ACTIVATION_FORWARD(relu, ACT_RELU)
 
 static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
                                                          const float* inp, int64_t N, int64_t blk0,

@@ -97,13 +97,62 @@ static ALWAYS_INLINE vec16f load_between(const float* x, int k0, int lo, int hi)
     return lo > k0 ? llmc_select16(llmc_lanes_below(lo - k0), (vec16f){0}, v) : v;
 }
 
+#ifdef LLMC_X86_DISPATCH
+#include <immintrin.h>
+#include "bf16_round.h"
+
+/* The pairs of 32 consecutive floats, lo then hi (pair i = (x[2i],
+   x[2i+1])), and the pairs (even[i], odd[i]) of two vectors, rounded by
+   vcvtne2ps2bf16 after the matmul's denormal fix: bitwise zip_pairs' (a
+   denormal bf16 flushed to a signed 0 either way). Not always-inline,
+   taking pointers, for dp_native's reasons below. */
+LLMC_TARGET_AVX512BF16 static inline void pairs_native(uint32_t* out, const vec16f* lo,
+                                                       const vec16f* hi) {
+    _mm512_storeu_si512(out, bf_round_pairs((__m512)*lo, (__m512)*hi));
+}
+LLMC_TARGET_AVX512BF16 static inline void zip_native(uint32_t* out, const vec16f* even,
+                                                     const vec16f* odd) {
+    _mm512_storeu_si512(out, bf_round_zip((__m512)*even, (__m512)*odd));
+}
+#endif
+
+/* out[0 .. 16) = zip_pairs(even, odd), on isa. */
+static ALWAYS_INLINE void store_zipped(int isa, uint32_t* out, vec16f even, vec16f odd) {
+#ifdef LLMC_X86_DISPATCH
+    if (isa == LLMC_ISA_AVX512BF16) {
+        zip_native(out, &even, &odd);
+        return;
+    }
+#endif
+    (void)isa;
+    store16u(out, zip_pairs(even, odd));
+}
+
+#ifdef LLMC_X86_DISPATCH
+/* *acc += one vdpbf16ps of a (broadcast) and *b: inlined into the
+   avx512bf16 variants. The others never call it: it is not always-inline,
+   so their builds need not have it, and it takes pointers, not vectors,
+   whose passing would change with the caller's instruction set. */
+LLMC_TARGET_AVX512BF16 static inline void dp_native(vec16f* acc, uint32_t a, const vec16u* b) {
+    *acc = (vec16f)_mm512_dpbf16_ps((__m512)*acc, (__m512bh)_mm512_set1_epi32((int)a),
+                                    (__m512bh)*b);
+}
+#endif
+
 /* out[p] for pairs p in [p0, p1) (p1 - p0 a multiple of 16): the pair of
    x[2p] * scale, x[2p+1] * scale, elements outside [lo, hi) as 0. */
-static ALWAYS_INLINE void row_pairs(uint32_t* out, const float* x, int p0, int p1, int lo,
-                                   int hi, float scale) {
+static ALWAYS_INLINE void row_pairs(int isa, uint32_t* out, const float* x, int p0, int p1,
+                                    int lo, int hi, float scale) {
     for (int p = p0; p < p1; p += 16) {
         const vec16f a = load_between(x, 2 * p, lo, hi) * scale;
         const vec16f b = load_between(x, 2 * p + 16, lo, hi) * scale;
+#ifdef LLMC_X86_DISPATCH
+        if (isa == LLMC_ISA_AVX512BF16) {
+            pairs_native(out + p, &a, &b);
+            continue;
+        }
+#endif
+        (void)isa;
         const vec16f even = LLMC_SHUF(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
                                       28, 30);
         const vec16f odd = LLMC_SHUF(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
@@ -115,15 +164,15 @@ static ALWAYS_INLINE void row_pairs(uint32_t* out, const float* x, int p0, int p
 /* The panel of n rows of x (ldx floats apart) with pairs of rows in the
    lanes' halves: out[j][c] = (x[2j][c], x[2j+1][c]) for c < hs (16 columns
    a vector, ldo pairs a row of out, hs rounded up to 16), rows past n 0. */
-static ALWAYS_INLINE void value_panel(uint32_t* out, size_t ldo, const float* x, size_t ldx,
-                                      int n, int hs) {
+static ALWAYS_INLINE void value_panel(int isa, uint32_t* out, size_t ldo, const float* x,
+                                      size_t ldx, int n, int hs) {
     for (int j = 0; 2 * j < n; j++) {
         const float* x0 = x + (size_t)(2 * j) * ldx;
         const float* x1 = x0 + ldx;
         for (int c0 = 0; c0 < hs; c0 += 16) {
             const int m = hs - c0 < 16 ? hs - c0 : 16;
             const vec16f odd = 2 * j + 1 < n ? load_part(x1 + c0, m) : (vec16f){0};
-            store16u(out + (size_t)j * ldo + c0, zip_pairs(load_part(x0 + c0, m), odd));
+            store_zipped(isa, out + (size_t)j * ldo + c0, load_part(x0 + c0, m), odd);
         }
     }
 }
@@ -134,8 +183,8 @@ static ALWAYS_INLINE void value_panel(uint32_t* out, size_t ldo, const float* x,
    rounded up to 16), rows past n and a last odd channel's half 0. The key
    panel of the scores (x = k or v) and q^T, dO^T of dk, dv (x = their
    row pairs, already pairs: then "channel" 2i, 2i+1 are halves) share it. */
-static ALWAYS_INLINE void key_panel(uint32_t* out, size_t ldo, const float* x, size_t ldx,
-                                    int n, int hs) {
+static ALWAYS_INLINE void key_panel(int isa, uint32_t* out, size_t ldo, const float* x,
+                                    size_t ldx, int n, int hs) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         for (int i0 = 0; i0 < hs; i0 += 16) {
@@ -143,7 +192,7 @@ static ALWAYS_INLINE void key_panel(uint32_t* out, size_t ldo, const float* x, s
             vec16f r[16];
             key_block(r, x, ldx, k0, m, i0, ci, 1.0f);   // r[ii] lane j: x[k0 + j][i0 + ii]
             for (int ii = 0; ii < ci; ii += 2) {
-                store16u(out + (size_t)((i0 + ii) / 2) * ldo + k0, zip_pairs(r[ii], r[ii + 1]));
+                store_zipped(isa, out + (size_t)((i0 + ii) / 2) * ldo + k0, r[ii], r[ii + 1]);
             }
         }
     }
@@ -168,18 +217,6 @@ static ALWAYS_INLINE void transpose_pairs(uint32_t* out, size_t ldo, const uint3
         }
     }
 }
-
-#ifdef LLMC_X86_DISPATCH
-#include <immintrin.h>
-/* *acc += one vdpbf16ps of a (broadcast) and *b: inlined into the
-   avx512bf16 variants. The others never call it: it is not always-inline,
-   so their builds need not have it, and it takes pointers, not vectors,
-   whose passing would change with the caller's instruction set. */
-LLMC_TARGET_AVX512BF16 static inline void dp_native(vec16f* acc, uint32_t a, const vec16u* b) {
-    *acc = (vec16f)_mm512_dpbf16_ps((__m512)*acc, (__m512bh)_mm512_set1_epi32((int)a),
-                                    (__m512bh)*b);
-}
-#endif
 
 /*
  * dp_tile: R rows x NV vectors (compile-time constants at every call),
@@ -316,20 +353,6 @@ LLMC_ISA_VARIANTS(softmax_exps_row, (float* p, int n, float* stats), p, n, stats
 
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
-/* The four variants of a head function: attention.c's three and, on x86,
-   the avx512bf16 one. */
-#ifdef LLMC_X86_DISPATCH
-#define BF16_VARIANTS(name, params, ...)                                                  \
-    LLMC_ISA_VARIANTS_ISA(name, params, __VA_ARGS__)                                      \
-    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512BF16, name##_avx512bf16, params,                  \
-                      name##_body(LLMC_ISA_AVX512BF16, __VA_ARGS__))
-#define BF16_SELECT(isa, name) \
-    ((isa) == LLMC_ISA_AVX512BF16 ? name##_avx512bf16 : LLMC_ISA_SELECT(isa, name))
-#else
-#define BF16_VARIANTS LLMC_ISA_VARIANTS_ISA
-#define BF16_SELECT LLMC_ISA_SELECT
-#endif
-
 /* The sizes of one call's panels: hn channel pairs (the last may hold one
    channel), hp pairs a row of q's and dO's row pairs (hn rounded up to 16),
    Tp keys (T rounded up to 32: whole pairs of vectors), hsv channels (hs
@@ -372,10 +395,10 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     float* s = (float*)(qpairs + (size_t)T * z.hp);
     uint32_t* ppairs = (uint32_t*)(s + (size_t)SCORE_ROWS * T);
     const size_t ldpp = (size_t)z.Tp / 2;
-    key_panel(kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
-    value_panel(vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+    key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
+    value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
     for (int t = 0; t < T; t++) {
-        row_pairs(qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
+        row_pairs(isa, qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
     }
     for (int t0 = 0; t0 < T; t0 += SCORE_ROWS) {
         const int R = T - t0 < SCORE_ROWS ? T - t0 : SCORE_ROWS;
@@ -395,7 +418,7 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
                 LLMC_ISA_SELECT(isa, softmax_exps_row)(s_row + lo, t + 1 - lo, stats_t);
                 inv = stats_t[1];
             }
-            row_pairs(ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo, t + 1, inv);
+            row_pairs(isa, ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo, t + 1, inv);
         }
         for (int r = 0; r < R; r += TILE_ROWS) {
             const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -405,8 +428,9 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         }
     }
 }
-BF16_VARIANTS(forward_head, (const attention_call* a, int b, int h, float* scratch),
-              a, b, h, scratch)
+LLMC_ISA_VARIANTS_BF16(forward_head,
+                       (const attention_call* a, int b, int h, float* scratch),
+                       a, b, h, scratch)
 
 /* The forward's scratch floats per thread. */
 static size_t forward_scratch(int T, int hs) {
@@ -516,22 +540,23 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     float* dinp_b = a->out + (size_t)b * T * row;
     bf16_backward_scratch w;
     carve(&w, scratch, T, hs);
-    key_panel(w.kpanel, Tp, inp_b + k_head, row, T, hs);
-    key_panel(w.vpanel, Tp, inp_b + v_head, row, T, hs);
-    value_panel(w.kvalues, (size_t)z.hsv, inp_b + k_head, row, T, hs);
+    key_panel(isa, w.kpanel, Tp, inp_b + k_head, row, T, hs);
+    key_panel(isa, w.vpanel, Tp, inp_b + v_head, row, T, hs);
+    value_panel(isa, w.kvalues, (size_t)z.hsv, inp_b + k_head, row, T, hs);
     memset(w.dkT, 0, (size_t)hs * Tp * sizeof(float));
     memset(w.dvT, 0, (size_t)hs * Tp * sizeof(float));
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
         const backward_head hd = backward_head_of(a, b, h);
         for (int t = 0; t < T; t++) {
-            row_pairs(w.qpairs + (size_t)t * z.hp, hd.q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
-            row_pairs(w.dopairs + (size_t)t * z.hp, hd.dout + (size_t)t * C, 0, z.hp, 0, hs,
+            row_pairs(isa, w.qpairs + (size_t)t * z.hp, hd.q + (size_t)t * row, 0, z.hp, 0, hs,
                       1.0f);
+            row_pairs(isa, w.dopairs + (size_t)t * z.hp, hd.dout + (size_t)t * C, 0, z.hp, 0,
+                      hs, 1.0f);
         }
         // q^T and dO^T by row pairs: the value panels of q and dO, transposed
-        value_panel(w.rows_tmp, (size_t)z.hsv, hd.q, row, T, hs);
+        value_panel(isa, w.rows_tmp, (size_t)z.hsv, hd.q, row, T, hs);
         transpose_pairs(w.qT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
-        value_panel(w.rows_tmp, (size_t)z.hsv, hd.dout, C, T, hs);
+        value_panel(isa, w.rows_tmp, (size_t)z.hsv, hd.dout, C, T, hs);
         transpose_pairs(w.doT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
@@ -560,8 +585,8 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                     if (llmc_dropout_on(hd.drop)) {
                         llmc_dropout_row(p_row + lo, p_row + lo, lo, n, hd.drop, t + r);
                     }
-                    row_pairs(w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first, p_last,
-                              lo, t + r + 1, 1.0f);
+                    row_pairs(isa, w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first,
+                              p_last, lo, t + r + 1, 1.0f);
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -583,10 +608,10 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                     const int hi_b = tb < t1 ? tb + 1 : 0;   // a padding row: all 0
                     vec16f p_b = load_between(pa + T, k, lo_b, hi_b);
                     vec16f ds_b = load_between(dsa + T, k, lo_b, hi_b);
-                    store16u(w.ppairs + (size_t)j * Tp + k,
-                             zip_pairs(load_between(pa, k, lo_a, ta + 1), p_b));
-                    store16u(w.dspairs + (size_t)j * Tp + k,
-                             zip_pairs(load_between(dsa, k, lo_a, ta + 1), ds_b));
+                    store_zipped(isa, w.ppairs + (size_t)j * Tp + k,
+                                 load_between(pa, k, lo_a, ta + 1), p_b);
+                    store_zipped(isa, w.dspairs + (size_t)j * Tp + k,
+                                 load_between(dsa, k, lo_a, ta + 1), ds_b);
                 }
             }
             transposed_rows(isa, w.dkT, Tp, w.qT + t0 / 2, (size_t)z.Tq, w.dspairs, Tp, nj,
@@ -598,8 +623,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs);
     add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs);
 }
-BF16_VARIANTS(backward_group, (const attention_call* a, int b, int g, float* scratch),
-              a, b, g, scratch)
+LLMC_ISA_VARIANTS_BF16(backward_group,
+                       (const attention_call* a, int b, int g, float* scratch),
+                       a, b, g, scratch)
 
 int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const float* slopes,
                                int B, int T, int NH, int NKV, int hs, int window, float dropout,
@@ -612,7 +638,7 @@ int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const
     a.out = out;
     a.stats_out = stats;
     return llmc_attention_heads(&a, NH, forward_scratch(T, hs),
-                                BF16_SELECT(llmc_get_isa(), forward_head));
+                                LLMC_ISA_SELECT_BF16(llmc_get_isa(), forward_head));
 }
 
 int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp,
@@ -627,5 +653,5 @@ int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp
     a.dout = dout;
     a.stats = stats;
     return llmc_attention_heads(&a, NKV, carve(&(bf16_backward_scratch){0}, NULL, T, hs),
-                                BF16_SELECT(llmc_get_isa(), backward_group));
+                                LLMC_ISA_SELECT_BF16(llmc_get_isa(), backward_group));
 }

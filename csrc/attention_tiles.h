@@ -180,20 +180,29 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
    returns inv, and the max in *max_out. (attention_bf16.c multiplies by inv
    as it rounds the row.) */
 static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
-    const vec16f neg_inf = (vec16f){0} - INFINITY;
-    vec16f max16 = neg_inf;
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        const vec16f x = llmc_select16(llmc_lanes_below(m), load_part(p + k0, m), neg_inf);
+    // whole vectors in loops of their own, then the tail, whose lanes past
+    // n take no part (the same max and sum as a masked loop over all)
+    const int whole = n & ~15, m = n - whole;
+    vec16f max16 = (vec16f){0} - INFINITY;
+    for (int k0 = 0; k0 < whole; k0 += 16) {
+        const vec16f x = load_part(p + k0, 16);
+        max16 = llmc_select16(x > max16, x, max16);
+    }
+    if (m > 0) {
+        const vec16f x = llmc_select16(llmc_lanes_below(m), load_part(p + whole, m), max16);
         max16 = llmc_select16(x > max16, x, max16);
     }
     float maxval = -INFINITY;
     for (int j = 0; j < 16; j++) { maxval = max16[j] > maxval ? max16[j] : maxval; }
     vec16f expsum16 = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        const vec16f e = llmc_exp16(load_part(p + k0, m) - maxval);
-        store_part(p + k0, e, m);
+    for (int k0 = 0; k0 < whole; k0 += 16) {
+        const vec16f e = llmc_exp_nonpositive16(load_part(p + k0, 16) - maxval);
+        store_part(p + k0, e, 16);
+        expsum16 += e;
+    }
+    if (m > 0) {
+        const vec16f e = llmc_exp_nonpositive16(load_part(p + whole, m) - maxval);
+        store_part(p + whole, e, m);
         expsum16 += llmc_select16(llmc_lanes_below(m), e, (vec16f){0});
     }
     *max_out = maxval;
@@ -224,7 +233,7 @@ static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
     const float maxval = stats[0], inv = stats[1];
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(p + k0, llmc_exp16(load_part(p + k0, m) - maxval) * inv, m);
+        store_part(p + k0, llmc_exp_nonpositive16(load_part(p + k0, m) - maxval) * inv, m);
     }
 }
 

@@ -165,6 +165,25 @@ static LLMC_ALWAYS_INLINE vec16f llmc_exp16(vec16f x) {
     return llmc_select16(nan, x, result);
 }
 
+/* exp(x) for x <= 0, -inf or NaN, as a softmax takes it (a score minus its
+   row's max): bitwise llmc_exp16 there, with the steps only x > 0 needs left
+   out (a lane with x > 0 gets garbage: callers drop such lanes). Below
+   -87.34 (lo) llmc_exp16 gives 0, so n >= -126 and 2^n is one normal
+   float: p * 2^n rounds once, as llmc_exp16's two exact halves do. */
+static LLMC_ALWAYS_INLINE vec16f llmc_exp_nonpositive16(vec16f x) {
+    const vec16f zero = {0};
+    const float lo = -87.3365478515625f;
+    const vec16i too_small = x < zero + lo, nan = x != x;
+    const vec16f xc = llmc_select16(too_small | nan, zero, x);
+    // n = floor(x / ln2 + 0.5), as llmc_exp16 takes it
+    const vec16f t = xc * 1.44269504088896341f + 0.5f;
+    vec16i n = __builtin_convertvector(t, vec16i);
+    n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
+    const vec16f p = llmc_exp_reduced16(xc, __builtin_convertvector(n, vec16f));
+    const vec16f result = p * (vec16f)((n + 127) << 23);
+    return llmc_select16(nan, x, llmc_select16(too_small, zero, result));
+}
+
 /* Loads min(n, 16) floats into a vector, zero-filling the rest; stores
    min(n, 16) back. A whole vector is a constant-size copy, which compiles to
    one vector load or store; only a partial one (a tail) calls memcpy. */

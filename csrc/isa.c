@@ -19,7 +19,8 @@ static int isa_supported(int isa) {
             return __builtin_cpu_supports("avx512f") && isa_supported(LLMC_ISA_AVX2);
         case LLMC_ISA_AVX512BF16:
             __builtin_cpu_init();
-            return __builtin_cpu_supports("avx512bf16") && isa_supported(LLMC_ISA_AVX512);
+            return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512dq")
+                   && isa_supported(LLMC_ISA_AVX512);
 #endif
         default: return 0;
     }

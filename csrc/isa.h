@@ -10,9 +10,11 @@
  * into one function per instruction set:
  *   avx512   AVX-512F: Intel Skylake-SP/X (2017) and later Xeons, Ice Lake,
  *            Tiger Lake, Sapphire Rapids; AMD Zen 4 (2022) and later
- *   avx512bf16  AVX-512F + AVX512_BF16: AMD Zen 4 and later, Intel Cooper
- *            Lake and Sapphire Rapids; only the bf16 matmul has kernels of
- *            its own (vdpbf16ps), every other family runs its avx512 build
+ *   avx512bf16  AVX-512F + AVX512_BF16 (+ AVX512DQ, which every such CPU
+ *            has): AMD Zen 4 and later, Intel Cooper Lake and Sapphire
+ *            Rapids; the bf16 matmul, bf16 attention and the MLP
+ *            activations' bf16 stores have builds of their own
+ *            (LLMC_ISA_VARIANTS_BF16), every other family runs its avx512 build
  *   avx2     AVX2 + FMA: Intel Haswell (2013) and later, AMD Zen (2017) and
  *            later (and Excavator)
  *   portable no attribute: whatever the build's flags allow (SSE2 on a
@@ -41,7 +43,8 @@
 #define LLMC_X86_DISPATCH 1
 #define LLMC_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define LLMC_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#define LLMC_TARGET_AVX512BF16 __attribute__((target("avx512f,avx512bf16,avx2,fma")))
+#define LLMC_TARGET_AVX512BF16 \
+    __attribute__((target("avx512f,avx512bf16,avx512dq,avx2,fma")))
 #endif
 
 /*
@@ -79,6 +82,21 @@
 #define LLMC_ISA_VARIANTS_ISA(name, params, ...) \
     LLMC_ISA_VARIANT_(, name##_portable, params, name##_body(LLMC_ISA_PORTABLE, __VA_ARGS__))
 #define LLMC_ISA_SELECT(isa, name) ((void)(isa), name##_portable)
+#endif
+
+/* LLMC_ISA_VARIANTS_BF16(name, (params), args...): LLMC_ISA_VARIANTS_ISA's
+   variants and, on x86, name_avx512bf16 (LLMC_TARGET_AVX512BF16), whose
+   body gets LLMC_ISA_AVX512BF16; LLMC_ISA_SELECT_BF16 picks among the four. */
+#ifdef LLMC_X86_DISPATCH
+#define LLMC_ISA_VARIANTS_BF16(name, params, ...)                                         \
+    LLMC_ISA_VARIANTS_ISA(name, params, __VA_ARGS__)                                      \
+    LLMC_ISA_VARIANT_(LLMC_TARGET_AVX512BF16, name##_avx512bf16, params,                  \
+                      name##_body(LLMC_ISA_AVX512BF16, __VA_ARGS__))
+#define LLMC_ISA_SELECT_BF16(isa, name) \
+    ((isa) == LLMC_ISA_AVX512BF16 ? name##_avx512bf16 : LLMC_ISA_SELECT(isa, name))
+#else
+#define LLMC_ISA_VARIANTS_BF16 LLMC_ISA_VARIANTS_ISA
+#define LLMC_ISA_SELECT_BF16 LLMC_ISA_SELECT
 #endif
 
 #endif

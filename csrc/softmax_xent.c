@@ -8,8 +8,8 @@
  * and inverse normaliser (8 bytes a row) beside its loss, and the backward
  * turns each logit into its gradient from them, in place if asked, so a
  * training step needs one (B, T, Vp) buffer, not three. Each probability is
- * the very product softmax_forward computes (one lane of llmc_exp16, times
- * inv), so the losses and gradients are bitwise those of
+ * the very product softmax_forward computes (one lane of
+ * llmc_exp_nonpositive16, times inv), so the losses and gradients are bitwise those of
  * softmax, then -log p[target], then (p - onehot) * dloss.
  *
  * A row whose target is LLMC_IGNORE_INDEX has loss 0 and gradient 0 (its
@@ -21,35 +21,53 @@
 
 typedef float vec8f __attribute__((vector_size(32)));
 typedef double vec8d __attribute__((vector_size(64)));
+typedef int32_t vec8i __attribute__((vector_size(32)));
+
+/* The 16 lanes of v widened to double and added into sum_lo (lanes 0-7) and
+   sum_hi (8-15). */
+static LLMC_ALWAYS_INLINE void add_widened(vec8d* sum_lo, vec8d* sum_hi, vec16f v) {
+    const vec8f lo = LLMC_SHUF_T(vec8i, v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    const vec8f hi = LLMC_SHUF_T(vec8i, v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    *sum_lo += __builtin_convertvector(lo, vec8d);
+    *sum_hi += __builtin_convertvector(hi, vec8d);
+}
 
 /* The statistics of one row's softmax over x[0 .. V): its max, and inv = 1 /
    sum_i exp(x[i] - max), the sum kept in 16 double lanes (up to ~50k terms)
    and added in order at the end. With p != NULL the exponentials are also
-   stored in p[0 .. V). */
+   stored in p[0 .. V). Whole vectors and the tail run as loops of their own,
+   so that the whole ones load and store straight from and to memory. */
 static LLMC_ALWAYS_INLINE void row_stats(float* p, const float* x, int V, float* max_out,
                                          float* inv_out) {
     // the max on 16 lanes (a NaN logit is skipped here, as by a scalar
     // max, and poisons the sum below)
     vec16f max16 = {0};
     max16 += -INFINITY;
-    for (int i = 0; i < V; i += 16) {
-        const int n = V - i < 16 ? V - i : 16;
-        const vec16f v = llmc_select16(llmc_lanes_below(n), llmc_load16(x + i, n), max16);
+    const int whole = V & ~15;
+    for (int i = 0; i < whole; i += 16) {
+        const vec16f v = llmc_load16(x + i, 16);
+        max16 = llmc_select16(v > max16, v, max16);
+    }
+    if (whole < V) {
+        const int n = V - whole;
+        const vec16f v = llmc_select16(llmc_lanes_below(n), llmc_load16(x + whole, n), max16);
         max16 = llmc_select16(v > max16, v, max16);
     }
     float maxval = -INFINITY;
     for (int l = 0; l < 16; l++) { if (max16[l] > maxval) { maxval = max16[l]; } }
     vec8d sum_lo = {0}, sum_hi = {0};
-    for (int i = 0; i < V; i += 16) {
-        const int n = V - i < 16 ? V - i : 16;
-        const vec16f e = llmc_load16(x + i, n) - maxval;
-        const vec16f ex = llmc_select16(llmc_lanes_below(n), llmc_exp16(e), (vec16f){0});
-        if (p != NULL) { llmc_store16(p + i, ex, n); }
-        vec8f lo, hi;
-        memcpy(&lo, &ex, sizeof lo);
-        memcpy(&hi, (const float*)&ex + 8, sizeof hi);
-        sum_lo += __builtin_convertvector(lo, vec8d);
-        sum_hi += __builtin_convertvector(hi, vec8d);
+    for (int i = 0; i < whole; i += 16) {
+        const vec16f ex = llmc_exp_nonpositive16(llmc_load16(x + i, 16) - maxval);
+        if (p != NULL) { llmc_store16(p + i, ex, 16); }
+        add_widened(&sum_lo, &sum_hi, ex);
+    }
+    if (whole < V) {
+        const int n = V - whole;
+        const vec16f e = llmc_load16(x + whole, n) - maxval;
+        const vec16f ex = llmc_select16(llmc_lanes_below(n), llmc_exp_nonpositive16(e),
+                                        (vec16f){0});
+        if (p != NULL) { llmc_store16(p + whole, ex, n); }
+        add_widened(&sum_lo, &sum_hi, ex);
     }
     double sum = 0.0;
     for (int l = 0; l < 8; l++) { sum += sum_lo[l]; }
@@ -59,9 +77,10 @@ static LLMC_ALWAYS_INLINE void row_stats(float* p, const float* x, int V, float*
 }
 
 /* The probability of column i of a row with statistics (max, inv): the
-   same exponential (one lane of llmc_exp16) and product as softmax_row's. */
+   same exponential (one lane of llmc_exp_nonpositive16) and product as
+   softmax_row's. */
 static LLMC_ALWAYS_INLINE float row_prob(const float* x, int i, float maxval, float inv) {
-    const vec16f e = llmc_exp16(llmc_load16(x + i, 1) - maxval);
+    const vec16f e = llmc_exp_nonpositive16(llmc_load16(x + i, 1) - maxval);
     return e[0] * inv;
 }
 
@@ -128,7 +147,7 @@ static LLMC_ALWAYS_INLINE void xent_backward_row_body(float* dx, const float* x,
     const float maxval = stats[0], inv = stats[1];
     for (int i = 0; i < V; i += 16) {
         const int n = V - i < 16 ? V - i : 16;
-        const vec16f p = llmc_exp16(llmc_load16(x + i, n) - maxval) * inv;
+        const vec16f p = llmc_exp_nonpositive16(llmc_load16(x + i, n) - maxval) * inv;
         llmc_store16(dx + i, p * dloss, n);
     }
     dx[target] -= dloss;

@@ -363,15 +363,22 @@ def test_bf16_output_is_the_float32_output_rounded(rng, isa, set_threads, name):
         n = min(x.size, special.size)
         x.reshape(-1)[:n] = special[:n]
         out_shape = shape[:-1] + (shape[-1] // 2,) if gated else shape
-        f32 = np.empty(out_shape, np.float32)
-        forward_kernel(f32, x)
-        expected = np.empty(out_shape, np.uint16)
-        K.float_to_bf16(expected, f32)
-        for threads in (1, 2, 3):
-            set_threads(threads)
-            ours = np.full(out_shape, 0xFFFF, np.uint16)
-            forward_kernel(ours, x)
-            assert np.array_equal(ours, expected), f"{name} {shape}, {threads} threads"
+        assert_bf16_out_rounded(forward_kernel, x, out_shape, set_threads, f"{name} {shape}")
+
+
+def assert_bf16_out_rounded(forward_kernel, x, out_shape, set_threads, what):
+    """forward_kernel's bf16 out of x is bitwise float_to_bf16 of its float32
+    out, at 1, 2 and 3 threads; returns the float32 out."""
+    f32 = np.empty(out_shape, np.float32)
+    forward_kernel(f32, x)
+    expected = np.empty(out_shape, np.uint16)
+    K.float_to_bf16(expected, f32)
+    for threads in (1, 2, 3):
+        set_threads(threads)
+        ours = np.full(out_shape, 0xFFFF, np.uint16)
+        forward_kernel(ours, x)
+        assert np.array_equal(ours, expected), f"{what}, {threads} threads"
+    return f32
 
 
 def test_activation_output_dtype_is_checked(rng):
@@ -384,3 +391,27 @@ def test_activation_output_dtype_is_checked(rng):
     for kernel in (lib.gelu_forward, lib.relu_forward, lib.gelu_erf_forward):
         assert kernel(fp(out), fp(x), x.size, 2) == lib.LLMC_ERR_VALUE
     assert lib.reglu_forward(fp(out), fp(x), 4, 3, -1) == lib.LLMC_ERR_VALUE
+
+
+@pytest.mark.parametrize("isa_name", llmc_py.supported_isas())
+@pytest.mark.parametrize("name", ["gelu", "relu"])
+def test_bf16_output_converted_is_the_integer_rounding(rng, use_isa, set_threads, isa_name,
+                                                       name):
+    """Every instruction set's bf16 out, avx512bf16's vcvtneps2bf16 too, is
+    bitwise float_to_bf16 of the float32 out: over many whole vectors, with
+    denormal outputs (which that instruction reads as 0) in some runs of
+    vectors and not in others, ties, NaNs with payloads, infinities and the
+    largest floats, at 1, 2 and 3 threads."""
+    use_isa(isa_name)
+    forward_kernel = K.MLP_ACTIVATIONS[name][0]
+    N = 64 * 16 * 5 + 7     # five runs of 64 vectors and a partial block
+    x = randn(rng, N, scale=3.0)
+    bits = x.view(np.uint32)
+    # denormals scattered in the second run, and at the edges of the fourth
+    bits[1024 + rng.integers(0, 1024, 40)] = rng.integers(1, 0x00800000, 40, dtype=np.uint32)
+    bits[3072] = 0x007fffff
+    bits[4095] = 0x80008000
+    bits[2 * 1024 + 5: 2 * 1024 + 13] = [0x7fc00001, 0xffa00000, 0x7f800000, 0xff800000,
+                                          0x7f7fffff, 0x3f808000, 0x3f818000, 0x00800000]
+    f32 = assert_bf16_out_rounded(forward_kernel, x, (N,), set_threads, f"{name}, {isa_name}")
+    assert ((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny)).sum() >= 10

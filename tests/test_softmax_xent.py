@@ -203,3 +203,31 @@ def test_softmax_xent_reject_wrong_dtype(rng):
         backward(dlosses, logits, stats, targets.astype(np.int64), 5)
     with pytest.raises(TypeError, match="logits"):
         K.softmax_forward(np.empty_like(logits), logits.astype(np.float64), 5)
+
+
+def test_softmax_exponentials_down_to_the_smallest_denormal(rng, isa):
+    """Logits 0 to 110 below their row's max: each probability within 2 ulp of
+    exp(x - max) / sum in float64 while normal, within 2 ulp of the smallest
+    denormal below that, exactly 0 past exp's underflow (x - max < -87.34),
+    and a -inf logit's exactly 0; a NaN logit makes its row NaN, a +inf one
+    too (inf - inf), as in float64."""
+    V = 1000
+    logits = -rng.uniform(0, 110, (4, V)).astype(np.float32)
+    logits[:, 0] = 0.0
+    logits[1, 3] = -np.inf
+    logits[2, 5] = np.nan
+    logits[3, 7] = np.inf
+    probs = np.full_like(logits[None], np.nan)
+    K.softmax_forward(probs, logits[None], V)
+    probs = probs[0]
+    for row in (0, 1):
+        x = logits[row].astype(np.float64)
+        e = np.exp(x - x.max())
+        e[x - x.max() < -87.3365478515625] = 0.0
+        ref = e / e.sum()
+        ulp = np.spacing(np.maximum(ref, np.finfo(np.float32).tiny).astype(np.float32))
+        assert np.all(np.abs(probs[row] - ref) <= 2 * ulp.astype(np.float64)), row
+        assert (probs[row][ref == 0] == 0).all()
+        assert ((probs[row] > 0) & (probs[row] < np.finfo(np.float32).tiny)).any()
+    assert probs[1, 3] == 0.0
+    assert np.isnan(probs[2]).all() and np.isnan(probs[3]).all()

@@ -155,7 +155,7 @@ def make_builder():
         include_dirs=["csrc"],
         depends=[f"csrc/{name}" for name in ("llmc_api.h", "llmc.h", "common.h", "isa.h",
                                                  "gemm.h", "scratch.h", "matmul_micro.h", "matmul_skinny.h",
-                                                 "matmul_bf16_micro.h")],
+                                                 "matmul_bf16_micro.h", "bf16_round.h")],
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )
