@@ -234,8 +234,9 @@ class Lora:
         matmul_backward(out, None, None, h, out, self._up_t(group, l))
 
     def backward(self, dinp, dout, inp, linear, l, dropout):
-        """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
-        layer's output); x A^T is recomputed (r numbers a row)."""
+        """Adds into A's and B's gradients and d(inp) (None: not wanted) from
+        ``dout`` = d(the layer's output); x A^T is recomputed (r numbers a
+        row)."""
         group = self._by_linear.get(linear)
         if not group:
             return
@@ -267,9 +268,9 @@ class Lora:
         for j, ((x, (p, seed)), (_, t)) in enumerate(zip(inputs, group)):
             dA = self.grads[t.name + ".A"][l]
             dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
-            dx = dinp if not p else np.zeros_like(x)
+            dx = dinp if not p or dinp is None else np.zeros_like(x)
             matmul_backward(dx, dA, None, dh_t, x, A[j * r:(j + 1) * r])
-            if p:
+            if dx is not dinp:
                 K.dropout_backward(dx, dx, p, seed)
                 dinp += dx
 
