@@ -108,8 +108,12 @@ def test_lora_adapters_products_are_rows_of_their_own():
     assert ("backward", "qkv dinp") in rows and ("backward", "qkv dW") not in rows
     for linear in ("qkv", "attproj", "fc", "fcproj"):
         assert rows[("forward", f"lora {linear} fwd")] == 2   # x A^T, per layer
-        assert rows[("forward", f"lora {linear} dinp")] == 2  # h (scale B)^T added into out
-        assert rows[("backward", f"lora {linear} dW")] == 2 * 2   # dA and dB
+        # h (scale B)^T added into out, per adapter over its columns (lora_bf16.c)
+        assert rows[("forward", f"lora {linear} up")] == 2
+        assert rows[("backward", f"lora {linear} fwd")] == 2   # x A^T again
+        assert rows[("backward", f"lora {linear} up dh+dB")] == 2   # d h and d B
+        assert rows[("backward", f"lora {linear} dW")] == 2   # dA
+        assert rows[("backward", f"lora {linear} dinp")] == (1 if linear == "qkv" else 2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
