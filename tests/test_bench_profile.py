@@ -239,7 +239,7 @@ def test_bench_profile_lora_profiles_bench_loras_step(monkeypatch, capsys):
     cli.main(["--profile", "--lora", "--layers", "2", "--batch", "2", "8", "--repeats", "1"])
     out = capsys.readouterr().out
     assert "Qwen3-0.6B-shaped, LoRA rank 16 alpha 32 on q_proj" in out and "2 layers" in out
-    for row in ("forward  qkv fwd", "forward  lora qkv", "backward lora fcproj", "backward head dinp",
-                "update   adamw_update"):
+    for row in ("forward  qkv fwd", "forward  lora qkv", "backward lora fcproj",
+                "backward head dinp", "update   adamw_update"):
         assert row in out
     assert "head dW" not in out and "qkv dW" not in out.replace("lora qkv dW", "")
