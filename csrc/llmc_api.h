@@ -1044,3 +1044,30 @@ int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight
 int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
                               int E, int inp_dtype);
+
+/* ---- lora_bf16.c -------------------------------------------------------------- */
+
+/*
+ * The up side of one linear layer's n LoRA adapters of rank r, in bf16
+ * (model/lora.py): adapter j adapts the output columns
+ * rows[j][0] <= o < rows[j][1] of a layer of W outputs (ascending, disjoint,
+ * non-empty ranges, else LLMC_ERR_RANGE); h holds x A^T of every adapter
+ * side by side, up_t their scaled B's transposed, of which adapter j's
+ * block up_t[j, :, its columns] alone is read. Each product is the bf16
+ * GEMM's (float32 operands rounded to bf16, sums in float32), one batch for
+ * all adapters:
+ *   lora_up_forward_bf16:  out[t, o] += sum_i h[t, j, i] up_t[j, i, o]
+ *   lora_up_backward_bf16: dh[t, j, i] = sum_o dout[t, o] up_t[j, i, o]
+ *                          dup_t[j, i, o] = sum_t h[t, j, i] dout[t, o]
+ * (o over adapter j's columns; dup_t's other entries are left as they are).
+ *
+ *   out, dout    [B, T, W]   (+=), the layer output's gradient
+ *   h, dh        [B, T, n, r]      (written)
+ *   up_t, dup_t  [n, r, W]   bf16, float32 (written in each adapter's columns)
+ *   rows         [n, 2]      int32
+ */
+int lora_up_forward_bf16(float* out, const float* h, const uint16_t* up_t, const int* rows,
+                         int B, int T, int W, int n, int r);
+int lora_up_backward_bf16(float* dh, float* dup_t, const float* dout, const float* h,
+                          const uint16_t* up_t, const int* rows, int B, int T, int W, int n,
+                          int r);

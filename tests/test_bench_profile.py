@@ -12,10 +12,12 @@ import pytest
 from llmc_py import kernels as K
 from llmc_py.bench import cli
 from llmc_py.bench.profile import ZERO_GRAD, Profiler, profile_step
+from llmc_py.bench.lora import lora_step_job
 from llmc_py.bench.step import CONFIGS, own_step_job, step_setup
 
 TINY = dict(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_heads=2, channels=32)
 LLAMA_TINY = dict(TINY, num_kv_heads=1, ffn_hidden=48)
+TINY_QWEN3 = dict(LLAMA_TINY, qk_norm=True, tied_embeddings=True)   # k_proj's 16 rows: rank 16
 # the peaks' problems shrunk to a test's size
 SMALL_PEAKS = dict(peak_gemm=64, peak_copy_mib=1)
 B, T = 2, 8
@@ -106,8 +108,12 @@ def test_lora_adapters_products_are_rows_of_their_own():
     assert ("backward", "qkv dinp") in rows and ("backward", "qkv dW") not in rows
     for linear in ("qkv", "attproj", "fc", "fcproj"):
         assert rows[("forward", f"lora {linear} fwd")] == 2   # x A^T, per layer
-        assert rows[("forward", f"lora {linear} dinp")] == 2  # h (scale B)^T added into out
-        assert rows[("backward", f"lora {linear} dW")] == 2 * 2   # dA and dB
+        # h (scale B)^T added into out, per adapter over its columns (lora_bf16.c)
+        assert rows[("forward", f"lora {linear} up")] == 2
+        assert rows[("backward", f"lora {linear} fwd")] == 2   # x A^T again
+        assert rows[("backward", f"lora {linear} up dh+dB")] == 2   # d h and d B
+        assert rows[("backward", f"lora {linear} dW")] == 2   # dA
+        assert rows[("backward", f"lora {linear} dinp")] == (1 if linear == "qkv" else 2)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -217,8 +223,9 @@ def test_bench_profile_flag_prints_the_tables(tiny_cli, capsys):
 
 
 def test_bench_profile_is_a_mode_of_its_own():
-    with pytest.raises(SystemExit):
-        cli.parse(["--profile", "--lora"])
+    for modes in (["--profile", "--generate"], ["--profile", "--lora", "--moe"]):
+        with pytest.raises(SystemExit):
+            cli.parse(modes)
     assert cli.parse(["--profile"]).batch == (4, 64)
     assert cli.parse(["--profile", "--moe"]).batch == (4, 256)
 
@@ -250,3 +257,20 @@ def test_matmuls_alone_count_an_moe_layers_calls_whatever_its_routing():
     assert set(rows) == {"expertfc fwd", "expertproj fwd", "expertfc dinp", "expertfc dW",
                          "expertproj dinp", "expertproj dW"}
     assert all(r["calls"] == 2 and r["in_step_ms"] > 0 for r in rows.values())
+
+
+def test_bench_profile_lora_profiles_bench_loras_step(monkeypatch, capsys):
+    """--profile --lora: --lora's step (its defaults: Qwen3-0.6B's 28 layers,
+    B=4 T=256; here a tiny Qwen3), its adapters' products as rows of their own."""
+    args = cli.parse(["--profile", "--lora"])
+    assert (args.layers, args.batch) == (28, (4, 256))
+    monkeypatch.setattr(cli, "lora_step_job", functools.partial(lora_step_job, config=TINY_QWEN3))
+    monkeypatch.setattr(cli, "PEAK_GEMM", SMALL_PEAKS["peak_gemm"])
+    monkeypatch.setattr(cli, "PEAK_COPY_MIB", SMALL_PEAKS["peak_copy_mib"])
+    cli.main(["--profile", "--lora", "--layers", "2", "--batch", "2", "8", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "Qwen3-0.6B-shaped, LoRA rank 16 alpha 32 on q_proj" in out and "2 layers" in out
+    for row in ("forward  qkv fwd", "forward  lora qkv", "backward lora fcproj",
+                "backward head dinp", "update   adamw_update"):
+        assert row in out
+    assert "head dW" not in out and "qkv dW" not in out.replace("lora qkv dW", "")

@@ -97,6 +97,8 @@ _ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights", "fractions"}),
                                             ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
 _GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}))
+# one adapter's columns (0, 1); a second one, (0, 0), would be empty and overlap it
+_ADAPTER_COLUMNS = dict(fill={"rows": (0, 1)}, bad=(({"n": 2}, "LLMC_ERR_RANGE"),))
 
 
 def _bad_dtype(param):
@@ -207,6 +209,8 @@ ROWS = {
                                            + _bad_dtype("inp_dtype"))),
     "moe_grouped_backward_bf16": Row(**dict(_GROUPED_BACKWARD, bad=_GROUPED_BACKWARD["bad"]
                                             + _bad_dtype("inp_dtype"))),
+    "lora_up_forward_bf16": Row(**_ADAPTER_COLUMNS),
+    "lora_up_backward_bf16": Row(**_ADAPTER_COLUMNS),
 }
 
 @pytest.mark.parametrize("status,cls,builtin", [

@@ -50,6 +50,7 @@ SOURCES = [
     "dropout.c",
     "softmax_xent.c",
     "moe.c",
+    "lora_bf16.c",
     "adamw.c",
 ]
 

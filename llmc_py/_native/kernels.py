@@ -562,6 +562,23 @@ moe_grouped_backward_bf16 = _kernel(
     """moe_grouped_backward with weight bf16 (uint16) and inp float32 or bf16:
     bitwise matmul_backward_bf16's.""")
 
+# ---- lora_bf16.c -------------------------------------------------------------------
+
+lora_up_forward_bf16 = _kernel(
+    "lora_up_forward_bf16",
+    "out[B,T,W] +=, h[B,T,n,r], up_t[n,r,W], rows[n,2] | B T W n r from out, h",
+    """out[B,T,W] (+=) h_j . up_t[j] over adapter j's columns rows[j] (int32
+    (start, stop), ascending, disjoint): n LoRA adapters' up products in bf16,
+    up_t bf16 (uint16), each over its own columns only.""")
+
+lora_up_backward_bf16 = _kernel(
+    "lora_up_backward_bf16",
+    "dh[B,T,n,r] written, dup_t[n,r,W] written, dout[B,T,W], h[B,T,n,r], up_t[n,r,W],"
+    " rows[n,2] | B T W n r from dout, h",
+    """dh[B,T,n,r] (written) = dout . up_t[j]^T over adapter j's columns, and
+    dup_t[j] (written in adapter j's columns only) = h_j^T . dout there:
+    lora_up_forward_bf16's gradients.""")
+
 # ---- what the declarations call: checks of arguments and size rules ---------------
 
 def _dims(arr, name, ndim=None):

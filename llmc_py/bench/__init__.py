@@ -44,7 +44,8 @@
    with its phase, ms, share of the step and GFLOP/s or GB/s beside this
    machine's peaks measured in the same run (our GEMM on a square problem,
    streaming: our residual add over large arrays); the time between the kernels; every GEMM call of the step
-   replayed alone, and the step over their sum.
+   replayed alone, and the step over their sum. With --lora: the LoRA step
+   of 7 instead.
 Every time is the median of several repeats (min and max shown too). Every
 PyTorch measurement, and our training step, runs in a process of its own.
 

@@ -17,7 +17,7 @@ from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS, RECOMPUTE_LEVELS
 from .generate import WEIGHT_TYPES, measure_generation, measure_weights
 from .kernels import measure_kernels
-from .lora import QWEN3_0_6B_LAYERS, measure_lora
+from .lora import LORA_MODEL, QWEN3_0_6B_LAYERS, lora_step_job, measure_lora
 from .moe import MOE_BATCH, MOE_LAYERS, measure_moe, moe_config
 from .quality import bench_quality, lora_quality
 from .profile import PEAK_COPY_MIB, PEAK_GEMM
@@ -86,7 +86,8 @@ def build_parser():
                         "(our GEMM on 2048^3, our residual add over 256 MiB arrays); the time "
                         "between the kernels; then every GEMM call of the step replayed alone, "
                         "and the step over their sum; with --moe, --moe's 8-expert model at "
-                        "its --batch and --layers")
+                        "its --batch and --layers; with --lora, --lora's LoRA step "
+                        "(Qwen3-0.6B's shapes, --layers, --batch, bf16)")
     p.add_argument("--generate", action="store_true",
                    help="benchmark generation (KV cache) instead of training")
     p.add_argument("--weights", nargs="+", choices=WEIGHT_TYPES, default=None,
@@ -103,7 +104,7 @@ def build_parser():
                         "its base frozen in bf16, beside our full bf16 fine-tuning step of "
                         "the same model and transformers + peft (bf16 weights, autocast "
                         "bf16, the same adapters); each in a process of its own, with its "
-                        "peak RSS")
+                        "peak RSS; with --profile, that LoRA step profiled")
     p.add_argument("--moe", action="store_true",
                    help="instead: a training step of a Llama-style model (C=512) with 8 "
                         "experts of 1024, top-2, beside a dense SwiGLU of 2048 (the same "
@@ -141,13 +142,16 @@ def parse(argv):
     if train_flags and not args.lora_quality:
         parser.error("flags after -- go to --lora-quality's training runs")
     args.train_flags = train_flags
+    # --profile --lora and --profile --moe: the profile of that mode's step
     modes = [flag for flag, on in (("--profile", args.profile),
-                                   ("--generate", args.generate), ("--lora", args.lora),
-                                   ("--moe", args.moe),
+                                   ("--generate", args.generate),
+                                   ("--lora", args.lora and not args.profile),
+                                   ("--moe", args.moe and not args.profile),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
-    if len(modes) > 1 and modes != ["--profile", "--moe"]:   # the one pair: the MoE step's profile
-        parser.error(f"{' and '.join(modes)}: one mode at a time")
+    if len(modes) > 1 or (args.lora and args.moe):
+        parser.error(f"{' and '.join(modes) if len(modes) > 1 else '--lora and --moe'}: "
+                     "one mode at a time")
     if args.batch is None:
         args.batch = (4, 256) if args.lora else MOE_BATCH if args.moe else (4, 64)
     if args.layers is None:
@@ -210,12 +214,17 @@ def main(argv=None):
         results, print_results = measure_generation(args, rng), print_generation
     elif args.profile:
         B, T = args.batch
-        moe = moe_config() if args.moe else None
-        results = own_step_job(args.layers, B, T, args.repeats, args.precision, args.recompute,
-                               profile=dict(peak_gemm=PEAK_GEMM, peak_copy_mib=PEAK_COPY_MIB),
-                               **(dict(config=moe, arch="llama") if moe else {}))
-        results["model"] = (f"Llama with {moe['num_experts']} experts, "
-                            f"top-{moe['experts_per_token']}," if moe else "GPT-2")
+        profile = dict(peak_gemm=PEAK_GEMM, peak_copy_mib=PEAK_COPY_MIB)
+        if args.lora:
+            results = dict(lora_step_job(args, recompute=args.recompute, profile=profile),
+                           model=LORA_MODEL)
+        else:
+            moe = moe_config() if args.moe else None
+            results = own_step_job(args.layers, B, T, args.repeats, args.precision,
+                                   args.recompute, profile=profile,
+                                   **(dict(config=moe, arch="llama") if moe else {}))
+            results["model"] = (f"Llama with {moe['num_experts']} experts, "
+                                f"top-{moe['experts_per_token']}," if moe else "GPT-2")
         print_results = print_profile
     elif args.lora:
         results = {"threads": get_num_threads(), "isa": get_isa(), "step": measure_lora(args)}

@@ -13,8 +13,22 @@ QWEN3_0_6B = dict(vocab_size=151936, padded_vocab_size=151936, max_seq_len=40960
 QWEN3_0_6B_LAYERS = 28
 RANK, ALPHA = 16, 32
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# the model --profile --lora names
+LORA_MODEL = (f"Qwen3-0.6B-shaped, LoRA rank {RANK} alpha {ALPHA} on {', '.join(TARGETS)} "
+              f"(its base frozen in bf16)")
 # the issue's floors: LoRA's speed over each of the others, and peak memory
 FLOORS = {"llmc_py_full_bf16": 1.4, "peft_bf16": 2.0}
+
+
+def lora_step_job(args, config=None, recompute=0, profile=None):
+    """Our LoRA step's timing (step.own_step_job's) at --batch, --layers and
+    --repeats, with ``recompute``: rank RANK, alpha ALPHA on TARGETS, its base
+    frozen in bf16; with ``profile`` (profile_step's keyword arguments) its
+    profile instead. ``config``: as measure_lora's."""
+    B, T = args.batch
+    return own_step_job(args.layers, B, T, args.repeats, "bf16", recompute,
+                        config=QWEN3_0_6B if config is None else config, arch="llama",
+                        lora=dict(rank=RANK, alpha=ALPHA, targets=TARGETS), profile=profile)
 
 
 def measure_lora(args, config=None):
@@ -28,7 +42,7 @@ def measure_lora(args, config=None):
     B, T = args.batch
     own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats, "bf16",
                                  config=config, arch="llama")
-    steps = {"llmc_py_lora": own_step(lora=dict(rank=RANK, alpha=ALPHA, targets=TARGETS)),
+    steps = {"llmc_py_lora": lora_step_job(args, config),
              "llmc_py_full_bf16": own_step()}
     if not args.skip_torch:
         steps["peft_bf16"] = torch_job("lora", config=dict(config, num_layers=args.layers),

@@ -8,7 +8,9 @@ and _matmul_backward, _attention_forward and _attention_backward, its
 block's activation). Each call goes to a phase
 (forward, backward, update) and a row: a matmul by the weight it reads
 (qkv, attproj, fc, fcproj, head; a LoRA adapter's as "lora <layer>") and
-its product (fwd, dinp, dW, dbias), any other kernel by its name. A matmul
+its product (fwd, dinp, dW, dbias; a bf16 model's adapters' up products,
+one call for all of a layer's, "up" and "up dh+dB"), any other kernel by
+its name. A matmul
 backward runs its products as calls of their own, which give the same bits
 as one call (in C each product is a loop of its own), so that each is
 timed apart. The classifier runs forward and backward a block of rows at a
@@ -49,6 +51,9 @@ PRODUCTS = {"dinp": "dinp", "dweight": "dW", "dbias": "dbias"}
 # attention's products over the (query, key) pairs
 ATTENTION_PRODUCTS = {"attention_gqa_forward": 2, "attention_gqa_backward": 5,
                       "attention_gqa_forward_bf16": 2, "attention_gqa_backward_bf16": 5}
+# the bf16 LoRA adapters' up products (lora_bf16.c): their row's product, and
+# the GEMM products each makes over the adapted columns
+LORA_UP = {"lora_up_forward_bf16": ("up", 1), "lora_up_backward_bf16": ("up dh+dB", 2)}
 # a weight's row name where it is not the tensor's name less its "w"
 SITES = {"wte": "head", "lm_head": "head"}
 PEAK_GEMM = 2048       # the square GEMM of the peak: n x n x n
@@ -193,6 +198,14 @@ class Profiler:
         phase = "backward" if self.in_head and "backward" in name else self.phase
         if name in ATTENTION_PRODUCTS:
             return Call(phase, name, name, "attention", seconds, _attention_flop(name, arguments))
+        if name in LORA_UP:
+            product, products = LORA_UP[name]
+            h, rows = arguments["h"], arguments["rows"]
+            BT, r = h.shape[0] * h.shape[1], h.shape[-1]
+            columns = int(np.sum(rows[:, 1] - rows[:, 0]))
+            return Call(phase, f"lora {self.adapted} {product}", name, "gemm", seconds,
+                        2.0 * products * BT * r * columns, f"{BT}x{r}x{columns}",
+                        (name, product, _replay_key(arguments)))
         if not product:
             return Call(phase, name, name, "memory", seconds, _bytes(kernel, arguments))
         site = self._site(arguments["weight"])

@@ -311,14 +311,21 @@ class Block:
     # ---- backward pieces ---------------------------------------------------
 
     def linear_backward(self, dinp, dout, inp, name, l, dropout):
-        """Adds into d(inp) and layer l's weight and bias gradients (none for
-        a frozen base: those products are skipped) and its adapters' from
-        ``dout``."""
+        """Adds into d(inp) (None: not wanted) and layer l's weight and bias
+        gradients (none for a frozen base: those products are skipped) and
+        its adapters' from ``dout``."""
         m = self.model
-        m._matmul_backward(dinp, m.base_grad(name + "w", l), m.base_grad(name + "b", l), dout,
-                           inp, m._weights[name + "w"][l])
+        dweight, dbias = m.base_grad(name + "w", l), m.base_grad(name + "b", l)
+        if dinp is not None or dweight is not None or dbias is not None:
+            m._matmul_backward(dinp, dweight, dbias, dout, inp, m._weights[name + "w"][l])
         if m.lora is not None:
             m.lora.backward(dinp, dout, inp, name, l, dropout)
+
+    def input_gradient(self, l):
+        """Whether backward needs d(layer l's input): not layer 0's under
+        LoRA, whose frozen embedding takes no gradient (the first layer's
+        input-gradient products and its ln1's backward are skipped)."""
+        return l > 0 or self.model.lora is None
 
     def norm_backward(self, a, dinp, dout, inp, name, l):
         m = self.model
@@ -451,6 +458,9 @@ class PreNorm(Block):
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln2", l)
         # now d(residual2[l])
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
+        if not self.input_gradient(l):
+            self.linear_backward(None, dqkv, ln1, "qkv", l, dropout)
+            return
         d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
         self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
@@ -501,7 +511,8 @@ class PostNorm(Block):
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l)
         # now d(residual2[l]); attention's input gradient adds into it
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
-        self.linear_backward(d.residual, dqkv, x, "qkv", l, dropout)
+        self.linear_backward(d.residual if self.input_gradient(l) else None, dqkv, x, "qkv", l,
+                             dropout)
 
 
 BLOCKS = {"pre": PreNorm, "parallel": Parallel, "post": PostNorm}

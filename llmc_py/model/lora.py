@@ -21,7 +21,10 @@ B stay float32. The adapters of one
 linear layer (q, k and v; gate and up) run as one: x times their A's
 stacked, then times their scaled B's laid side by side in one matrix (zero
 where an adapter has no rows), so that a layer's input and output are each
-read once, not once per adapter.
+read once, not once per adapter. In bf16 the products with that matrix
+(forward, and backward's d(x A^T) and d(B)) read each adapter's block over
+its own columns alone, all of a layer's in one call (lora_bf16.c), never
+multiplying by its zeros.
 
 LoRA dropout drops an adapter's input in the training passes, the ones
 given a Dropout (model.dropout): each adapter of each layer has its own
@@ -152,6 +155,10 @@ class Lora:
         # each linear layer's output width (its adapters' rows are in it)
         self._width = {"qkv": config.qkv_channels, "attproj": config.C,
                        "fc": config.fc_channels, "fcproj": config.C}
+        # each linear layer's adapters' output columns, (start, stop) a row
+        self._columns = {linear: np.array([(t.rows.start, t.rows.stop) for _, t in group],
+                                          np.int32)
+                         for linear, group in self._by_linear.items()}
         self.bf16 = False   # bf16 products: a bf16 model's (set when it takes the adapters)
 
     def initialize(self, seed):
@@ -192,6 +199,11 @@ class Lora:
         up_t = np.ascontiguousarray(self._up(group, l).T)
         return to_bf16(up_t) if self.bf16 else up_t
 
+    def _by_adapter(self, x, group):
+        """x (B, T, n r) of the adapters ``group`` as the bf16 up products
+        (lora_up_forward_bf16) read it: (B, T, n, r)."""
+        return x.reshape(x.shape[:-1] + (len(group), self.rank))
+
     def _up(self, group, l):
         """Layer l's scale * B of the adapters ``group`` (of one linear
         layer) as one (width, n r) matrix: adapter j's B in the rows it
@@ -227,15 +239,20 @@ class Lora:
         if not group:
             return
         h, _ = self._down(inp, group, l, dropout, self._a(group, l))
+        if self.bf16:   # each adapter's block of up^T over its own columns
+            up_t = self._up_t(group, l)
+            K.lora_up_forward_bf16(out, self._by_adapter(h, group),
+                                   up_t.reshape(len(group), self.rank, -1), self._columns[linear])
+            return
         # out += h up^T in one product, with no (B, T, out) temporary: the GEMM
         # that adds into its output is matmul_backward's input gradient
         # (``out`` stands in for the input it would read for a weight gradient)
-        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
-        matmul_backward(out, None, None, h, out, self._up_t(group, l))
+        K.matmul_backward(out, None, None, h, out, self._up_t(group, l))
 
     def backward(self, dinp, dout, inp, linear, l, dropout):
-        """Adds into A's and B's gradients and d(inp) from ``dout`` = d(the
-        layer's output); x A^T is recomputed (r numbers a row)."""
+        """Adds into A's and B's gradients and d(inp) (None: not wanted) from
+        ``dout`` = d(the layer's output); x A^T is recomputed (r numbers a
+        row)."""
         group = self._by_linear.get(linear)
         if not group:
             return
@@ -244,11 +261,13 @@ class Lora:
         h, inputs = self._down(inp, group, l, dropout, A)
         if self.bf16:
             up_t = self._up_t(group, l)
-            dh = np.zeros_like(h)
-            K.matmul_forward_bf16(dh, dout, up_t, None)
-            # d(up)^T = h^T dout: the weight gradient of a layer reading dout with output h
-            dup_t = np.zeros(up_t.shape, np.float32)
-            K.matmul_backward_bf16(None, dup_t, None, h, dout, up_t)
+            dh = np.empty_like(h)
+            # d(up)^T = h^T dout, in each adapter's block (the rest is never read)
+            dup_t = np.empty(up_t.shape, np.float32)
+            n_r = (len(group), r, up_t.shape[1])
+            K.lora_up_backward_bf16(self._by_adapter(dh, group), dup_t.reshape(n_r), dout,
+                                    self._by_adapter(h, group), up_t.reshape(n_r),
+                                    self._columns[linear])
             dup = dup_t.T
         else:
             up = self._up(group, l)
@@ -267,9 +286,9 @@ class Lora:
         for j, ((x, (p, seed)), (_, t)) in enumerate(zip(inputs, group)):
             dA = self.grads[t.name + ".A"][l]
             dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
-            dx = dinp if not p else np.zeros_like(x)
+            dx = dinp if not p or dinp is None else np.zeros_like(x)
             matmul_backward(dx, dA, None, dh_t, x, A[j * r:(j + 1) * r])
-            if p:
+            if dx is not dinp:
                 K.dropout_backward(dx, dx, p, seed)
                 dinp += dx
 

@@ -1,0 +1,136 @@
+"""csrc/lora_bf16.c: the up side of a linear layer's LoRA adapters in bf16
+(lora_up_forward_bf16, lora_up_backward_bf16), on every instruction set this
+CPU runs.
+
+Each adapter's block is one job of the bf16 GEMM with the operands, sizes and
+kinds of a matmul_*_bf16 call on that block alone, so with more rows than the
+few-row forward path takes (12) every block is bitwise that call's; at any
+size it is within the bf16 GEMM's bound of float64 sums of the rounded
+operands (tests/test_matmul_bf16.py: 1.01 gamma_K (|start| + sum |a b|)).
+"""
+import numpy as np
+import pytest
+import torch
+
+import llmc_py
+from llmc_py import kernels as K
+from llmc_py.errors import RangeError
+from llmc_py.io.files import from_bf16, to_bf16
+from helpers import assert_thread_invariant
+
+ISAS = llmc_py.supported_isas()
+U = 2.0 ** -24
+CASES = [  # B, T, W, r, the adapters' columns
+    (4, 64, 96, 16, [(0, 48), (48, 72), (72, 96)]),   # q, k, v of a qkv layer
+    (1, 37, 70, 3, [(0, 35), (35, 70)]),              # gate and up; odd T, W
+    (2, 9, 53, 1, [(5, 20), (31, 53)]),               # rank 1, columns left out
+    (3, 5, 40, 7, [(0, 40)]),                         # one adapter, few rows
+]
+
+
+def operands(B, T, W, r, columns, seed=0):
+    """Random out, dout (B, T, W), h (B, T, n, r), up_t bf16 (n, r, W), rows."""
+    rng = np.random.default_rng(seed)
+    n = len(columns)
+    out, dout = rng.standard_normal((2, B, T, W)).astype(np.float32)
+    h = rng.standard_normal((B, T, n, r)).astype(np.float32)
+    up_t = to_bf16(rng.standard_normal((n, r, W)).astype(np.float32))
+    return out, dout, h, up_t, np.array(columns, np.int32)
+
+
+def run(out, dout, h, up_t, rows):
+    """Both kernels on copies: out after the forward, dh, and dup_t (started at NaN)."""
+    out = out.copy()
+    K.lora_up_forward_bf16(out, h, up_t, rows)
+    dh = np.full(h.shape, np.nan, np.float32)
+    dup_t = np.full(up_t.shape, np.nan, np.float32)
+    K.lora_up_backward_bf16(dh, dup_t, dout, h, up_t, rows)
+    return {"out": out, "dh": dh, "dup_t": dup_t}
+
+
+def rounded(x):
+    return torch.from_numpy(from_bf16(to_bf16(np.ascontiguousarray(x))).astype(np.float64))
+
+
+def within_bound(ours, start, a, b, K_):
+    """ours (M, N) against start + a @ b in float64 (a (M, K), b (K, N)
+    already rounded), within the bf16 GEMM's bound."""
+    ref = start + a @ b
+    scale = start.abs() + a.abs() @ b.abs()
+    gamma = K_ * U / (1 - K_ * U)
+    excess = (torch.from_numpy(ours.astype(np.float64)) - ref).abs() - 1.01 * gamma * scale
+    assert excess.max() <= 0, float(excess.max())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_each_adapter_is_its_own_product_within_the_bound(use_isa, isa, case):
+    use_isa(isa)
+    B, T, W, r, columns = CASES[case]
+    out, dout, h, up_t, rows = operands(B, T, W, r, columns)
+    ours = run(out, dout, h, up_t, rows)
+    adapted = np.zeros(W, bool)
+    x2 = lambda x: x.reshape(B * T, -1)   # noqa: E731
+    up = from_bf16(up_t).astype(np.float64)
+    for j, (s, e) in enumerate(columns):
+        adapted[s:e] = True
+        assert np.isnan(np.delete(ours["dup_t"][j], np.s_[s:e], axis=1)).all()
+        h_j, dout_j, up_j = rounded(x2(h[:, :, j])), rounded(x2(dout[..., s:e])), up[j][:, s:e]
+        up_j = torch.from_numpy(up_j)
+        within_bound(x2(ours["out"][..., s:e]), torch.from_numpy(x2(out[..., s:e])).double(),
+                     h_j, up_j, r)
+        within_bound(x2(ours["dh"][:, :, j]), torch.zeros(B * T, r, dtype=torch.float64),
+                     dout_j, up_j.T, e - s)
+        within_bound(ours["dup_t"][j][:, s:e], torch.zeros(r, e - s, dtype=torch.float64),
+                     h_j.T, dout_j, B * T)
+    # what no adapter owns is left as it was
+    assert np.array_equal(ours["out"][..., ~adapted], out[..., ~adapted])
+    assert not np.isnan(ours["dh"]).any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", [0, 1])
+def test_each_adapter_is_bitwise_the_matmul_of_its_block(use_isa, isa, case):
+    """Above the few-row path (B T > 12): each block bitwise matmul_*_bf16's."""
+    use_isa(isa)
+    B, T, W, r, columns = CASES[case]
+    out, dout, h, up_t, rows = operands(B, T, W, r, columns, seed=1)
+    ours = run(out, dout, h, up_t, rows)
+    for j, (s, e) in enumerate(columns):
+        h_j = np.ascontiguousarray(h[:, :, j])
+        dout_j = np.ascontiguousarray(dout[..., s:e])
+        up_j = np.ascontiguousarray(up_t[j][:, s:e])   # (r, e - s) bf16
+        out_j = np.ascontiguousarray(out[..., s:e])
+        K.matmul_backward_bf16(out_j, None, None, h_j, out_j, up_j)   # out_j += h_j up_j
+        dh_j = np.empty_like(h_j)
+        K.matmul_forward_bf16(dh_j, dout_j, up_j, None)
+        dup_j = np.zeros((r, e - s), np.float32)
+        K.matmul_backward_bf16(None, dup_j, None, h_j, dout_j, up_j)
+        assert np.array_equal(ours["out"][..., s:e], out_j)
+        assert np.array_equal(ours["dh"][:, :, j], dh_j)
+        assert np.array_equal(ours["dup_t"][j][:, s:e], dup_j)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_results_do_not_depend_on_the_thread_count(use_isa, set_threads, isa):
+    use_isa(isa)
+    arrays = operands(*CASES[0])
+    # dup_t's entries outside each adapter's columns stay NaN: compared as 0
+    assert_thread_invariant(set_threads, lambda: {name: np.nan_to_num(x)
+                                                  for name, x in run(*arrays).items()})
+
+
+@pytest.mark.parametrize("columns", [[(0, 10), (5, 20)],     # overlapping
+                                     [(10, 20), (0, 5)],     # descending
+                                     [(0, 10), (10, 10)],    # empty
+                                     [(0, 10), (20, 41)],    # past W
+                                     [(-1, 10)]])
+def test_bad_columns_are_refused_before_anything_is_written(columns):
+    out, dout, h, up_t, rows = operands(1, 3, 40, 2, columns)
+    before = out.copy()
+    dh, dup_t = np.zeros(h.shape, np.float32), np.zeros(up_t.shape, np.float32)
+    with pytest.raises(RangeError):
+        K.lora_up_forward_bf16(out, h, up_t, rows)
+    with pytest.raises(RangeError):
+        K.lora_up_backward_bf16(dh, dup_t, dout, h, up_t, rows)
+    assert np.array_equal(out, before) and not dh.any() and not dup_t.any()
