@@ -225,8 +225,7 @@ def print_profile(args, results):
     plain = p["unprofiled_ms"]
     print(f"threads: {p['threads']}; kernels: {p['isa']}, {p['precision']}; training step "
           f"(zero_grad, forward_backward, AdamW), {p.get('model', 'GPT-2')} {p['layers']} layers, "
-          f"B={p['B']} "
-          f"T={p['T']}; {p['repeats']} profiled steps, medians")
+          f"B={p['B']} T={p['T']}; {p['repeats']} profiled steps, medians")
     print(f"peaks in this run: our GEMM {peaks['gemm_n']}^3 ({peaks['gemm']}) "
           f"{peaks['gemm_gflops']:.1f} GFLOP/s; streaming (residual add, {peaks['copy_mib']} "
           f"MiB arrays) {peaks['copy_gbps']:.1f} GB/s (bytes read + written)")
