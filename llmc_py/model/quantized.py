@@ -74,8 +74,10 @@ def check_input_dim(name, shape, qtype):
 
 class QuantizedLinear:
     """weight [OC, IC] as OC rows of IC/32 blocks of ``qtype`` ("q8_0": 34
-    bytes a block, "q4_0": 18), byte for byte as GGUF stores it. ``name``
-    (the tensor's) is what errors name."""
+    bytes a block, "q4_0": 18). Held in the kernels' packed layout (each
+    row's bytes moved within the row: quant_pack_rows); ``blocks`` gives
+    them byte for byte as GGUF stores them. ``name`` (the tensor's) is what
+    errors name."""
 
     def __init__(self, blocks, IC, qtype, name="weight"):
         self.qtype, self.name = qtype, name
@@ -85,7 +87,8 @@ class QuantizedLinear:
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != row_bytes:
             raise ShapeError(f"{name}: blocks of {blocks.dtype} {blocks.shape}, expected uint8 "
                              f"[OC, {row_bytes}] for {qtype} with {IC} inputs")
-        self.blocks = np.ascontiguousarray(blocks)
+        self.packed = np.empty(blocks.shape, np.uint8)
+        K.quant_pack_rows(self.packed, np.ascontiguousarray(blocks), self._type)
         self.shape = (blocks.shape[0], IC)
 
     @classmethod
@@ -103,7 +106,17 @@ class QuantizedLinear:
 
     @property
     def nbytes(self):
-        return self.blocks.nbytes
+        return self.packed.nbytes
+
+    @property
+    def blocks(self):
+        """The weight's blocks as GGUF stores them (a new array)."""
+        return self._unpacked(self.packed)
+
+    def _unpacked(self, packed):
+        blocks = np.empty_like(packed)
+        K.quant_unpack_rows(blocks, packed, self._type)
+        return blocks
 
     def dequantize(self):
         """The weight [OC, IC] in fp32 (d * q per block)."""
@@ -114,8 +127,8 @@ class QuantizedLinear:
     def rows(self, out, ids):
         """out[..., IC] (written) = the weight's rows ``ids`` (int, any shape),
         dequantised exactly (d * q): an embedding's gather."""
-        K.dequantize_rows(out.reshape(-1, self.shape[1]), self.blocks[ids.reshape(-1)],
-                          self._type)
+        K.dequantize_rows(out.reshape(-1, self.shape[1]),
+                          self._unpacked(self.packed[ids.reshape(-1)]), self._type)
 
     def __call__(self, out, inp, bias=None):
         """out[..., OC] (written) = inp[..., IC] . W^T + bias[OC] (or None), as
@@ -126,7 +139,7 @@ class QuantizedLinear:
         rows = np.ascontiguousarray(inp).reshape(-1, IC)
         kernel = (K.matmul_forward_quant if len(rows) <= FEW_ROWS
                   else K.matmul_forward_quant_panels)
-        kernel(out.reshape(-1, OC), rows, self.blocks, bias, self._type)
+        kernel(out.reshape(-1, OC), rows, self.packed, bias, self._type)
 
     def backward(self, dinp, dout):
         """dinp[..., IC] (+=) dout[..., OC] . W, on the panel path; the weight
@@ -135,7 +148,7 @@ class QuantizedLinear:
         self._check(dinp, dout, "input gradient", "output gradient", dinp)
         K.matmul_backward_quant_panels(dinp.reshape(-1, IC),
                                        np.ascontiguousarray(dout).reshape(-1, OC),
-                                       self.blocks, self._type)
+                                       self.packed, self._type)
 
     def _check(self, inp, out, inp_name, out_name, written):
         """ShapeError unless inp [..., IC] and out [..., OC] fit the weight
