@@ -268,6 +268,10 @@ static LLMC_ALWAYS_INLINE float packed_block(int8_t w[QK], const uint8_t* row, i
  * d [N, nb] their scales, corr [N, nb] per block minus the weight offset
  * times the sum of the block's q (below).
  */
+/* input rows a call of a path's kernel serves at once (their lanes live on
+   the stack) */
+#define MAX_ROWS 64
+
 typedef struct {
     const int8_t* q;
     const float* d;
@@ -276,15 +280,32 @@ typedef struct {
 } quant_input;
 
 /*
- * A path's kernel for one output row: acc[n][j] (written) = the sum over
- * the row's groups, in order, of fmaf(float(S), d_w * d_x, acc) for lane j
- * of the group (block b0 + j; S = the block's exact int32 dot product, d_w
- * and d_x its scales), for each of the N input rows. S < 2^24 is exact in
- * float, and d_w * d_x (two fp16 numbers) too, so every path rounds the same
- * single fused multiply-add: all paths agree bitwise.
+ * A path's kernel for nrows (1 or ROWS) consecutive output rows at w0, each
+ * row_bytes: sums[r * N + n] (written) = lane_tree of the row's 16 float
+ * lanes for input row n, lane j (written) = the sum over the row's groups,
+ * in order, of fmaf(float(S), d_w * d_x, lane) for block b0 + j of the
+ * group (S = the block's exact int32 dot product, d_w and d_x its scales).
+ * S < 2^24 is exact in float, and d_w * d_x (two fp16 numbers) too, so
+ * every path rounds the same single fused multiply-add, then sums the lanes
+ * in the same tree: all paths agree bitwise.
  */
-typedef void (*row_fn)(float (*acc)[GROUP], const uint8_t* wrow, const quant_input* in,
-                       int qtype);
+typedef void (*rows_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+                        const quant_input* in, int qtype);
+
+/* output rows a kernel call computes together: each chunk of the input is
+   loaded once for all of them, and their accumulations are independent */
+#define ROWS 4
+
+/* The fixed tree every path sums a row's 16 lanes in, in double: lane j
+   plus lane j + 8, then + 4, + 2, + 1. */
+static LLMC_ALWAYS_INLINE double lane_tree(const float lanes[GROUP]) {
+    double l[GROUP];
+    for (int j = 0; j < GROUP; j++) { l[j] = lanes[j]; }
+    for (int width = GROUP / 2; width > 0; width /= 2) {
+        for (int j = 0; j < width; j++) { l[j] += l[j + width]; }
+    }
+    return l[0];
+}
 
 /* The offset that makes a block's weights unsigned bytes u = w + offset
    for vpdpbusd and maddubs (unsigned times signed): Q8_0's w ^ 0x80, Q4_0's
@@ -292,97 +313,133 @@ typedef void (*row_fn)(float (*acc)[GROUP], const uint8_t* wrow, const quant_inp
    and the last term is the input's alone: corr. */
 static int weight_offset(int qtype) { return qtype == LLMC_QUANT_Q8_0 ? 128 : 8; }
 
-/* the plain twin (signed weights: no corr) */
-static void row_portable(float (*acc)[GROUP], const uint8_t* wrow, const quant_input* in,
-                         int qtype) {
+/* the plain twin (signed weights: no corr), a row at a time */
+static void rows_portable(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+                          const quant_input* in, int qtype) {
     const int nb = in->nb;
-    for (int n = 0; n < in->N; n++) {
-        for (int j = 0; j < GROUP; j++) { acc[n][j] = 0.0f; }
-    }
-    for (int b = 0; b < nb; b++) {
-        int8_t w[QK];
-        const float dw = packed_block(w, wrow, nb, b, qtype);
+    for (int r = 0; r < nrows; r++) {
+        const uint8_t* wrow = w0 + (size_t)r * row_bytes;
         for (int n = 0; n < in->N; n++) {
+            float lanes[GROUP] = {0};
             const int8_t* x = in->q + (size_t)n * nb * QK;
-            int32_t s = 0;
-            for (int i = 0; i < QK; i++) {
-                s += (int32_t)w[i] * x[chunk_offset(nb, b, i / 4, QK) + i % 4];
+            for (int b = 0; b < nb; b++) {
+                int8_t w[QK];
+                const float dw = packed_block(w, wrow, nb, b, qtype);
+                int32_t s = 0;
+                for (int i = 0; i < QK; i++) {
+                    s += (int32_t)w[i] * x[chunk_offset(nb, b, i / 4, QK) + i % 4];
+                }
+                float* lane = &lanes[b % GROUP];
+                *lane = fmaf((float)s, dw * in->d[(size_t)n * nb + b], *lane);
             }
-            float* lane = &acc[n][b % GROUP];
-            *lane = fmaf((float)s, dw * in->d[(size_t)n * nb + b], *lane);
+            sums[r * in->N + n] = lane_tree(lanes);
         }
     }
 }
 
 #ifdef LLMC_X86_DISPATCH
 
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 4096
-#endif
-#ifndef PREFETCH_HINT
-#define PREFETCH_HINT _MM_HINT_T0
-#endif
-/* the n bytes PREFETCH_AHEAD past p, towards L1: one weight stream a thread
-   keeps too few misses in flight on the hardware prefetchers alone */
-static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n) {
+/* n bytes at p, 2 calls of ROWS rows (each row_bytes) ahead, into L1: the
+   hardware prefetchers alone lose ROWS interleaved weight streams (timed on
+   Zen 5: 2 ahead beat 1, 4 and 8, and L2 hints) */
+static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n, size_t row_bytes) {
     for (size_t at = 0; at < n; at += 64) {
-        _mm_prefetch((const char*)p + PREFETCH_AHEAD + at, PREFETCH_HINT);
+        _mm_prefetch((const char*)p + 2 * ROWS * row_bytes + at, _MM_HINT_T0);
     }
 }
 
-/* 64 bytes at p, the first `bytes` of them by mask (the rest 0) */
+/* 512 bits. Masked loads only in a last group of g < 16 blocks (zeros
+   beyond g: they add 0 * 0): masked loads from memory are slow on Zen. */
 TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_bytes(const void* p, __mmask64 bytes) {
     return bytes == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bytes, p);
 }
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_ints(const void* p, __mmask16 lanes) {
+    return lanes == 0xffff ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(lanes, p);
+}
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512 load_halves(const uint8_t* p,
+                                                               __mmask16 lanes) {
+    return _mm512_cvtph_ps(lanes == 0xffff ? _mm256_loadu_si256((const __m256i*)p)
+                                           : _mm256_maskz_loadu_epi16(lanes, p));
+}
 
-/* 512 bits: a group's 16 lanes in one zmm; a last group of g < 16 blocks
-   through masked loads (zeros beyond: they add 0 * 0) */
-TARGET_AVX512VNNI static void row_avx512vnni(float (*acc)[GROUP], const uint8_t* wrow,
-                                             const quant_input* in, int qtype) {
+/* lane_tree on a zmm of 16 floats */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE double lane_tree_512(__m512 lanes) {
+    const __m512d s8 = _mm512_add_pd(
+        _mm512_cvtps_pd(_mm512_castps512_ps256(lanes)),
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1))));
+    const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+}
+
+/* R rows, a group's 16 lanes in one zmm per row; per input row n, the
+   input's 8 chunks of a group are loaded once for the R rows (the weights,
+   read from memory for n = 0, come from cache for the others) */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(
+        double* sums, const uint8_t* w0, size_t row_bytes, const int R,
+        const quant_input* in, int qtype) {
     const int nb = in->nb;
     const size_t qbytes = quant_bytes(qtype);
-    const uint8_t* quants = wrow + (size_t)nb * 2;
-    for (int n = 0; n < in->N; n++) { _mm512_storeu_ps(acc[n], _mm512_setzero_ps()); }
-    for (int b0 = 0; b0 < nb; b0 += GROUP) {
-        const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
-        const __mmask16 lanes = (__mmask16)((1u << g) - 1);
-        const __mmask64 bytes = g == GROUP ? ~(__mmask64)0 : ((__mmask64)1 << (4 * g)) - 1;
-        const uint8_t* wq = quants + (size_t)b0 * qbytes;
-        prefetch_ahead(wq, (size_t)g * qbytes);
-        __m512i u[8];   // unsigned weights, chunk c pairs with the input's chunk c
-        if (qtype == LLMC_QUANT_Q8_0) {
-            for (int c = 0; c < 8; c++) {
-                u[c] = _mm512_xor_si512(load_bytes(wq + (size_t)c * g * 4, bytes),
-                                        _mm512_set1_epi8((char)0x80));
-            }
-        } else {
-            for (int k = 0; k < 4; k++) {
-                const __m512i raw = load_bytes(wq + (size_t)k * g * 4, bytes);
-                u[k] = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
-                u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
+    for (int n = 0; n < in->N; n++) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); }
+        for (int b0 = 0; b0 < nb; b0 += GROUP) {
+            const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
+            const __mmask16 lanes = (__mmask16)((1u << g) - 1);
+            const __mmask64 bytes = g == GROUP ? ~(__mmask64)0 : ((__mmask64)1 << (4 * g)) - 1;
+            const int8_t* x = in->q + ((size_t)n * nb + b0) * QK;
+            __m512i xc[8];
+            for (int c = 0; c < 8; c++) { xc[c] = load_bytes(x + (size_t)c * g * 4, bytes); }
+            const __m512i corr = load_ints(in->corr + (size_t)n * nb + b0, lanes);
+            const __m512 dx = _mm512_castsi512_ps(load_ints(in->d + (size_t)n * nb + b0, lanes));
+            for (int r = 0; r < R; r++) {
+                const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+                const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;
+                if (n == 0) {
+                    prefetch_ahead(wrow + (size_t)b0 * 2, (size_t)g * 2, row_bytes);
+                    prefetch_ahead(wq, (size_t)g * qbytes, row_bytes);
+                }
+                __m512i s0 = corr, s1 = _mm512_setzero_si512();
+                if (qtype == LLMC_QUANT_Q8_0) {
+                    for (int c = 0; c < 8; c += 2) {
+                        const __m512i flip = _mm512_set1_epi8((char)0x80);
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(
+                            load_bytes(wq + (size_t)c * g * 4, bytes), flip), xc[c]);
+                        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(
+                            load_bytes(wq + (size_t)(c + 1) * g * 4, bytes), flip), xc[c + 1]);
+                    }
+                } else {
+                    for (int k = 0; k < 4; k++) {
+                        const __m512i raw = load_bytes(wq + (size_t)k * g * 4, bytes);
+                        const __m512i low = _mm512_set1_epi8(0x0f);
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low), xc[k]);
+                        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                                 xc[k + 4]);
+                    }
+                }
+                const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, lanes), dx);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale,
+                                         acc[r]);
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, wrow + (size_t)b0 * 2));
-        for (int n = 0; n < in->N; n++) {
-            const int8_t* x = in->q + (size_t)n * nb * QK + (size_t)b0 * QK;
-            __m512i s0 = _mm512_maskz_loadu_epi32(lanes, in->corr + (size_t)n * nb + b0);
-            __m512i s1 = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, u[c], load_bytes(x + (size_t)c * g * 4, bytes));
-                s1 = _mm512_dpbusd_epi32(s1, u[c + 1],
-                                         load_bytes(x + (size_t)(c + 1) * g * 4, bytes));
-            }
-            const __m512 scale = _mm512_mul_ps(
-                dw, _mm512_maskz_loadu_ps(lanes, in->d + (size_t)n * nb + b0));
-            _mm512_storeu_ps(acc[n], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                                                     scale, _mm512_loadu_ps(acc[n])));
+        for (int r = 0; r < R; r++) { sums[r * in->N + n] = lane_tree_512(acc[r]); }
+    }
+}
+
+TARGET_AVX512VNNI static void rows_avx512vnni(double* sums, const uint8_t* w0,
+                                              size_t row_bytes, int nrows,
+                                              const quant_input* in, int qtype) {
+    if (nrows == ROWS) { rows_512(sums, w0, row_bytes, ROWS, in, qtype); }
+    else {
+        for (int r = 0; r < nrows; r++) {
+            rows_512(sums + r * in->N, w0 + (size_t)r * row_bytes, row_bytes, 1, in, qtype);
         }
     }
 }
 
-/* 256 bits: a group as two halves of 8 lanes; a partial half (a last group
-   of g blocks not a multiple of 8) through masked loads of 4-byte lanes.
-   8 int32 at p, the first `count` of them (the rest 0). */
+/* 256 bits: a group as two halves of 8 lanes, a row at a time; a partial
+   half (a last group of g blocks not a multiple of 8) through masked loads
+   of 4-byte lanes. 8 int32 at p, the first `count` of them (the rest 0). */
 TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256i load_lanes(const void* p, int count) {
     if (count == 8) { return _mm256_loadu_si256((const __m256i*)p); }
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
@@ -397,45 +454,50 @@ TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256 load_scales(const uint8_t* p, int c
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
 }
 
-/* The 256-bit paths' shared loop: DOT(u, x) is the 8 int32 lane sums of
-   one chunk (unsigned weights u times the input's int8s x), INIT the
-   starting sums (corr, or 0 where DOT takes signed weights), UNSIGNED the
+/* The 256-bit paths' shared loop: DOT(s, u, x) adds the 8 int32 lane sums
+   of one chunk (weights u times the input's int8s x) to s, INIT the
+   starting sums (corr, or 0 where DOT takes signed weights), WEIGHTS the
    weights' form DOT wants. */
-#define ROW_256(NAME, TARGET, DOT, INIT, WEIGHTS)                                         \
-TARGET static void NAME(float (*acc)[GROUP], const uint8_t* wrow, const quant_input* in,  \
-                        int qtype) {                                                      \
+#define ROWS_256(NAME, TARGET, DOT, INIT, WEIGHTS)                                        \
+TARGET static void NAME(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,     \
+                        const quant_input* in, int qtype) {                               \
     const int nb = in->nb;                                                                \
     const size_t qbytes = quant_bytes(qtype);                                             \
-    const uint8_t* quants = wrow + (size_t)nb * 2;                                        \
-    for (int n = 0; n < in->N; n++) {                                                     \
-        _mm256_storeu_ps(acc[n], _mm256_setzero_ps());                                    \
-        _mm256_storeu_ps(acc[n] + 8, _mm256_setzero_ps());                                \
-    }                                                                                     \
-    for (int b0 = 0; b0 < nb; b0 += GROUP) {                                              \
-        const int g = nb - b0 < GROUP ? nb - b0 : GROUP;                                  \
-        const uint8_t* wq = quants + (size_t)b0 * qbytes;                                 \
-        prefetch_ahead(wq, (size_t)g * qbytes);                                           \
-        for (int h = 0; h * 8 < g; h++) {                                                 \
-            const int count = g - 8 * h < 8 ? g - 8 * h : 8;                              \
-            __m256i u[8];                                                                 \
-            WEIGHTS(u, wq + 32 * h, (size_t)g * 4, count, qtype);                         \
-            const __m256 dw = load_scales(wrow + (size_t)(b0 + 8 * h) * 2, count);         \
-            for (int n = 0; n < in->N; n++) {                                             \
-                const size_t at = (size_t)n * nb + b0 + 8 * h;                            \
-                const int8_t* x = in->q + (size_t)n * nb * QK + (size_t)b0 * QK + 32 * h; \
-                __m256i s0 = INIT(in->corr + at, count), s1 = _mm256_setzero_si256();     \
-                for (int c = 0; c < 8; c += 2) {                                          \
-                    s0 = DOT(s0, u[c], load_lanes(x + (size_t)c * g * 4, count));         \
-                    s1 = DOT(s1, u[c + 1], load_lanes(x + (size_t)(c + 1) * g * 4, count)); \
+    for (int r = 0; r < nrows; r++) {                                                     \
+        const uint8_t* wrow = w0 + (size_t)r * row_bytes;                                 \
+        float acc[MAX_ROWS][GROUP];                                                       \
+        for (int n = 0; n < in->N; n++) {                                                 \
+            _mm256_storeu_ps(acc[n], _mm256_setzero_ps());                                \
+            _mm256_storeu_ps(acc[n] + 8, _mm256_setzero_ps());                            \
+        }                                                                                 \
+        for (int b0 = 0; b0 < nb; b0 += GROUP) {                                          \
+            const int g = nb - b0 < GROUP ? nb - b0 : GROUP;                              \
+            const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;              \
+            prefetch_ahead(wrow + (size_t)b0 * 2, (size_t)g * 2, row_bytes);              \
+            prefetch_ahead(wq, (size_t)g * qbytes, row_bytes);                            \
+            for (int h = 0; h * 8 < g; h++) {                                             \
+                const int count = g - 8 * h < 8 ? g - 8 * h : 8;                          \
+                __m256i u[8];                                                             \
+                WEIGHTS(u, wq + 32 * h, (size_t)g * 4, count, qtype);                     \
+                const __m256 dw = load_scales(wrow + (size_t)(b0 + 8 * h) * 2, count);     \
+                for (int n = 0; n < in->N; n++) {                                         \
+                    const size_t at = (size_t)n * nb + b0 + 8 * h;                        \
+                    const int8_t* x = in->q + ((size_t)n * nb + b0) * QK + 32 * h;        \
+                    __m256i s0 = INIT(in->corr + at, count), s1 = _mm256_setzero_si256(); \
+                    for (int c = 0; c < 8; c += 2) {                                      \
+                        s0 = DOT(s0, u[c], load_lanes(x + (size_t)c * g * 4, count));     \
+                        s1 = DOT(s1, u[c + 1], load_lanes(x + (size_t)(c + 1) * g * 4, count)); \
+                    }                                                                     \
+                    const __m256 scale = _mm256_mul_ps(                                   \
+                        dw, _mm256_castsi256_ps(load_lanes(in->d + at, count)));          \
+                    float* lane = acc[n] + 8 * h;                                         \
+                    _mm256_storeu_ps(lane, _mm256_fmadd_ps(                               \
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale,              \
+                        _mm256_loadu_ps(lane)));                                          \
                 }                                                                         \
-                const __m256 scale = _mm256_mul_ps(                                       \
-                    dw, _mm256_castsi256_ps(load_lanes(in->d + at, count)));              \
-                float* lane = acc[n] + 8 * h;                                             \
-                _mm256_storeu_ps(lane, _mm256_fmadd_ps(                                   \
-                    _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale,                  \
-                    _mm256_loadu_ps(lane)));                                              \
             }                                                                             \
         }                                                                                 \
+        for (int n = 0; n < in->N; n++) { sums[r * in->N + n] = lane_tree(acc[n]); }      \
     }                                                                                     \
 }
 
@@ -480,8 +542,8 @@ TARGET_AVX2 static LLMC_ALWAYS_INLINE void avx2_weights(__m256i u[8], const uint
 #define DOT_AVXVNNI(s, u, x) _mm256_dpbusd_avx_epi32(s, u, x)
 #define INIT_CORR(corr, count) load_lanes(corr, count)
 
-ROW_256(row_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
-ROW_256(row_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
+ROWS_256(rows_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
+ROWS_256(rows_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
 #endif
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
@@ -528,17 +590,17 @@ static int path_supported(int path) {
     return known;
 }
 
-static row_fn path_function(int path) {
+static rows_fn path_function(int path) {
 #ifdef LLMC_X86_DISPATCH
     switch (path) {
-        case PATH_AVX2: return row_avx2;
-        case PATH_AVXVNNI: return row_avxvnni;
-        case PATH_AVX512VNNI: return row_avx512vnni;
+        case PATH_AVX2: return rows_avx2;
+        case PATH_AVXVNNI: return rows_avxvnni;
+        case PATH_AVX512VNNI: return rows_avx512vnni;
         default: break;
     }
 #endif
     (void)path;
-    return row_portable;
+    return rows_portable;
 }
 
 /* The best path under the chosen instruction set: AVX-512 may use
@@ -551,8 +613,6 @@ static int best_path(void) {
     return PATH_PORTABLE;
 }
 
-/* input rows a weight row serves at once (their lanes live on the stack) */
-#define MAX_ROWS 64
 
 static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
                         const float* bias, int N, int IC, int OC, int qtype) {
@@ -563,7 +623,7 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
                  && llmc_count_fits((size_t)OC, (size_t)IC, 1, 1)
                  && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
-    const row_fn row = path_function(path);
+    const rows_fn rows = path_function(path);
 
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
@@ -588,27 +648,27 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
         }
     }
 
-    // each thread a contiguous run of output rows, each row's weights read
-    // once for all N input rows; every out[n, o] is summed by one thread:
-    // its 16 lanes in group order, then the lanes in a fixed tree in double
-    // with the bias, rounded once to float
+    // each thread a contiguous run of groups of ROWS output rows, each
+    // row's weights read from memory once for all N input rows; every
+    // out[n, o] is summed by one thread: its 16 lanes in group order, then
+    // the lanes in a fixed tree in double with the bias, rounded once to float
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    const int groups = (OC + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static)
-    for (int o = 0; o < OC; o++) {
+    for (int grp = 0; grp < groups; grp++) {
+        const int o0 = grp * ROWS, nrows = OC - o0 < ROWS ? OC - o0 : ROWS;
         for (int n0 = 0; n0 < N; n0 += MAX_ROWS) {
             const quant_input part = {xq + (size_t)n0 * IC, xd + (size_t)n0 * nb,
                                       corr + (size_t)n0 * nb,
                                       N - n0 < MAX_ROWS ? N - n0 : MAX_ROWS, nb};
-            float acc[MAX_ROWS][GROUP];
-            row(acc, weight + (size_t)o * row_bytes, &part, qtype);
-            for (int n = 0; n < part.N; n++) {
-                double l[GROUP];
-                for (int j = 0; j < GROUP; j++) { l[j] = acc[n][j]; }
-                for (int width = GROUP / 2; width > 0; width /= 2) {
-                    for (int j = 0; j < width; j++) { l[j] += l[j + width]; }
+            double sums[ROWS * MAX_ROWS];
+            rows(sums, weight + (size_t)o0 * row_bytes, row_bytes, nrows, &part, qtype);
+            for (int r = 0; r < nrows; r++) {
+                for (int n = 0; n < part.N; n++) {
+                    const int o = o0 + r;
+                    out[(size_t)(n0 + n) * OC + o] =
+                        (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o] : 0.0));
                 }
-                out[(size_t)(n0 + n) * OC + o] =
-                    (float)(l[0] + (bias != NULL ? (double)bias[o] : 0.0));
             }
         }
     }
