@@ -292,8 +292,8 @@ typedef struct {
 typedef void (*rows_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
                         const quant_input* in, int qtype);
 
-/* output rows a kernel call computes together: each chunk of the input is
-   loaded once for all of them, and their accumulations are independent */
+/* output rows a kernel call computes together (their accumulations are
+   independent chains, and the lane trees and call overhead are shared) */
 #define ROWS 4
 
 /* The fixed tree every path sums a row's 16 lanes in, in double: lane j
@@ -339,12 +339,12 @@ static void rows_portable(double* sums, const uint8_t* w0, size_t row_bytes, int
 
 #ifdef LLMC_X86_DISPATCH
 
-/* n bytes at p, 2 calls of ROWS rows (each row_bytes) ahead, into L1: the
-   hardware prefetchers alone lose ROWS interleaved weight streams (timed on
-   Zen 5: 2 ahead beat 1, 4 and 8, and L2 hints) */
-static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n, size_t row_bytes) {
+/* the n bytes 8 KiB past p, into L1: one weight stream a thread keeps too
+   few misses in flight on the hardware prefetchers alone (timed on Zen 5,
+   2 threads: 8 KiB ahead beat 2, 4, 16 and 32, and L2 hints) */
+static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n) {
     for (size_t at = 0; at < n; at += 64) {
-        _mm_prefetch((const char*)p + 2 * ROWS * row_bytes + at, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + 8192 + at, _MM_HINT_T0);
     }
 }
 
@@ -372,57 +372,55 @@ TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE double lane_tree_512(__m512 lanes) {
     return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
 }
 
-/* R rows, a group's 16 lanes in one zmm per row; per input row n, the
-   input's 8 chunks of a group are loaded once for the R rows (the weights,
-   read from memory for n = 0, come from cache for the others) */
+/* R rows, a group's 16 lanes in one zmm per row, a row after another (one
+   sequential stream: the prefetchers keep up with it); the R rows' chains
+   are independent, so their work overlaps */
 TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(
         double* sums, const uint8_t* w0, size_t row_bytes, const int R,
         const quant_input* in, int qtype) {
     const int nb = in->nb;
     const size_t qbytes = quant_bytes(qtype);
     for (int n = 0; n < in->N; n++) {
-        __m512 acc[ROWS];
-        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); }
-        for (int b0 = 0; b0 < nb; b0 += GROUP) {
-            const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
-            const __mmask16 lanes = (__mmask16)((1u << g) - 1);
-            const __mmask64 bytes = g == GROUP ? ~(__mmask64)0 : ((__mmask64)1 << (4 * g)) - 1;
-            const int8_t* x = in->q + ((size_t)n * nb + b0) * QK;
-            __m512i xc[8];
-            for (int c = 0; c < 8; c++) { xc[c] = load_bytes(x + (size_t)c * g * 4, bytes); }
-            const __m512i corr = load_ints(in->corr + (size_t)n * nb + b0, lanes);
-            const __m512 dx = _mm512_castsi512_ps(load_ints(in->d + (size_t)n * nb + b0, lanes));
-            for (int r = 0; r < R; r++) {
-                const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+        const int8_t* xrow = in->q + (size_t)n * nb * QK;
+        for (int r = 0; r < R; r++) {
+            const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+            if (n == 0) { prefetch_ahead(wrow, row_bytes); }
+            __m512 acc = _mm512_setzero_ps();
+            for (int b0 = 0; b0 < nb; b0 += GROUP) {
+                const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
+                const __mmask16 lanes = (__mmask16)((1u << g) - 1);
+                const __mmask64 bytes = g == GROUP ? ~(__mmask64)0
+                                                   : ((__mmask64)1 << (4 * g)) - 1;
+                const int8_t* x = xrow + (size_t)b0 * QK;
                 const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;
-                if (n == 0) {
-                    prefetch_ahead(wrow + (size_t)b0 * 2, (size_t)g * 2, row_bytes);
-                    prefetch_ahead(wq, (size_t)g * qbytes, row_bytes);
-                }
-                __m512i s0 = corr, s1 = _mm512_setzero_si512();
+                __m512i s0 = load_ints(in->corr + (size_t)n * nb + b0, lanes);
+                __m512i s1 = _mm512_setzero_si512();
                 if (qtype == LLMC_QUANT_Q8_0) {
+                    const __m512i flip = _mm512_set1_epi8((char)0x80);
                     for (int c = 0; c < 8; c += 2) {
-                        const __m512i flip = _mm512_set1_epi8((char)0x80);
                         s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(
-                            load_bytes(wq + (size_t)c * g * 4, bytes), flip), xc[c]);
+                            load_bytes(wq + (size_t)c * g * 4, bytes), flip),
+                            load_bytes(x + (size_t)c * g * 4, bytes));
                         s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(
-                            load_bytes(wq + (size_t)(c + 1) * g * 4, bytes), flip), xc[c + 1]);
+                            load_bytes(wq + (size_t)(c + 1) * g * 4, bytes), flip),
+                            load_bytes(x + (size_t)(c + 1) * g * 4, bytes));
                     }
                 } else {
+                    const __m512i low = _mm512_set1_epi8(0x0f);
                     for (int k = 0; k < 4; k++) {
                         const __m512i raw = load_bytes(wq + (size_t)k * g * 4, bytes);
-                        const __m512i low = _mm512_set1_epi8(0x0f);
-                        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low), xc[k]);
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low),
+                                                 load_bytes(x + (size_t)k * g * 4, bytes));
                         s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                                 xc[k + 4]);
+                                                 load_bytes(x + (size_t)(k + 4) * g * 4, bytes));
                     }
                 }
+                const __m512 dx = _mm512_castsi512_ps(load_ints(in->d + (size_t)n * nb + b0, lanes));
                 const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, lanes), dx);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale,
-                                         acc[r]);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc);
             }
+            sums[r * in->N + n] = lane_tree_512(acc);
         }
-        for (int r = 0; r < R; r++) { sums[r * in->N + n] = lane_tree_512(acc[r]); }
     }
 }
 
@@ -465,6 +463,7 @@ TARGET static void NAME(double* sums, const uint8_t* w0, size_t row_bytes, int n
     const size_t qbytes = quant_bytes(qtype);                                             \
     for (int r = 0; r < nrows; r++) {                                                     \
         const uint8_t* wrow = w0 + (size_t)r * row_bytes;                                 \
+        prefetch_ahead(wrow, row_bytes);                                                  \
         float acc[MAX_ROWS][GROUP];                                                       \
         for (int n = 0; n < in->N; n++) {                                                 \
             _mm256_storeu_ps(acc[n], _mm256_setzero_ps());                                \
@@ -473,8 +472,6 @@ TARGET static void NAME(double* sums, const uint8_t* w0, size_t row_bytes, int n
         for (int b0 = 0; b0 < nb; b0 += GROUP) {                                          \
             const int g = nb - b0 < GROUP ? nb - b0 : GROUP;                              \
             const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;              \
-            prefetch_ahead(wrow + (size_t)b0 * 2, (size_t)g * 2, row_bytes);              \
-            prefetch_ahead(wq, (size_t)g * qbytes, row_bytes);                            \
             for (int h = 0; h * 8 < g; h++) {                                             \
                 const int count = g - 8 * h < 8 ? g - 8 * h : 8;                          \
                 __m256i u[8];                                                             \

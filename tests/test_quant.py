@@ -272,6 +272,17 @@ def test_quantized_linear_is_the_kernels(rng, qtype):
     layer(out, x, bias)
     np.testing.assert_array_equal(out.reshape(6, 19),
                                   matmul(x.reshape(6, 96), layer.blocks, bias, qtype))
+    unbiased = np.empty_like(out)
+    layer(unbiased, x)
+    np.testing.assert_array_equal(unbiased.reshape(6, 19),
+                                  matmul(x.reshape(6, 96), layer.blocks, None, qtype))
+    # what the decoding call's own checks leave to the kernel's wrapper: its errors
+    with pytest.raises(TypeError, match="inp must be a float32"):
+        layer(unbiased, x.astype(np.float64))
+    with pytest.raises(TypeError, match="bias must be a float32"):
+        layer(unbiased, x, bias.astype(np.float64))
+    with pytest.raises(ShapeError, match="bias"):
+        layer(unbiased, x, bias[:5])
     # made again from its bytes (as a GGUF tensor is), the same layer
     again = QuantizedLinear(layer.blocks.copy(), 96, qtype)
     out2 = np.empty_like(out)
