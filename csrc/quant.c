@@ -9,21 +9,22 @@
  * with ggml-quants.c's rounding (quantize_row_q8_0_ref, _q4_0_ref), which
  * gguf.quants reproduces in numpy.
  *
- * paths of matmul_forward_quant (a lane-sums function per instruction set
- * under one shared loop; the unsuffixed function picks the best this CPU
- * has under llmc_get_isa(), each suffixed one forces its path):
+ * paths of matmul_forward_quant (a rows function per instruction set under
+ * one shared driver; the unsuffixed function picks the best this CPU has
+ * under llmc_get_isa(), each suffixed one forces its path):
  *   portable    plain C
- *   avx2        AVX2: maddubs + madd (Haswell, Zen)
- *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
- *   avx512vnni  AVX512-VNNI: vpdpbusd on 256 bits, the 8 lanes in one zmm
- *               of doubles (Ice Lake, Sapphire Rapids, Zen 4)
- * As llama.cpp does, each input row is first quantized to Q8_0 blocks; then
- * per block an integer dot product, ROWS weight rows a pass. Every path splits a block's dot product
- * into the same 8 int32 lane sums (lane j: elements 4j..4j+3, vpdpbusd's and
- * maddubs+madd's grouping), which are exact. Each lane sum times the float
- * d_w*d_x is exact in double (17 + 24 bits), and each lane accumulates its
- * products in double in block order, so no fusing of multiply and add can
- * change the result: all paths agree bitwise, for any thread count.
+ *   avx2        AVX2: maddubs + madd, 8 blocks a ymm (Haswell, Zen)
+ *   avxvnni     AVX-VNNI vpdpbusd, 8 blocks a ymm (Alder Lake, Zen 5)
+ *   avx512vnni  AVX512-VNNI vpdpbusd, 16 blocks a zmm (Ice Lake, Zen 4)
+ * As llama.cpp does, each input row is first quantized to Q8_0 blocks. The
+ * weights are read in a packed layout (below: 16 blocks interleaved so that
+ * one vpdpbusd lane sums a whole block), ROWS weight rows a call, every
+ * input row served by one pass over them. A block's int32 dot product S is
+ * exact, and exact in float (|S| < 2^24), as is the product of its two fp16
+ * scales; each block adds S * d_w * d_x into float lane b mod 16 by one
+ * fused multiply-add, in block order, and the 16 lanes are summed in a fixed
+ * tree in double: every path rounds the same operations, so all agree
+ * bitwise, for any thread count (each output is one thread's).
  */
 #include "llmc.h"
 #include "common.h"
@@ -723,14 +724,24 @@ static int panel_tile(int total, int other) {
    multiples of 32): rows of the weight's blocks, rounded as stated above. */
 static void dequantize_tile_bf16(uint16_t* tile, const uint8_t* weight, int IC, int qtype,
                                  int o0, int nrows, int i0, int ncols) {
-    const size_t row_bytes = (size_t)(IC / QK) * block_bytes(qtype);
-    const int nb = ncols / QK;
+    const int nb_row = IC / QK, nb = ncols / QK;
+    const size_t row_bytes = (size_t)nb_row * block_bytes(qtype), qbytes = quant_bytes(qtype);
     #pragma omp parallel for schedule(static)
     for (int64_t rb = 0; rb < (int64_t)nrows * nb; rb++) {
-        const int r = (int)(rb / nb), b = (int)(rb % nb);
+        const int r = (int)(rb / nb), b = (int)(rb % nb), block = i0 / QK + b;
+        const uint8_t* row = weight + (size_t)(o0 + r) * row_bytes;
+        // the block's 4-byte chunks, g * 4 bytes apart (the packed layout)
+        const int b0 = block / GROUP * GROUP, g = nb_row - b0 < GROUP ? nb_row - b0 : GROUP;
+        const uint8_t* chunks = row + (size_t)nb_row * 2 + (size_t)b0 * qbytes
+                                + (size_t)(block - b0) * 4;
+        uint8_t packed[2 + QK];   // the block as GGUF stores it
+        memcpy(packed, row + (size_t)block * 2, 2);
+        for (size_t k = 0; k < qbytes / 4; k++) {
+            memcpy(packed + 2 + 4 * k, chunks + k * (size_t)g * 4, 4);
+        }
         int8_t q[QK];
-        const float d = packed_block(q, weight + (size_t)(o0 + r) * row_bytes, IC / QK,
-                                     i0 / QK + b, qtype);
+        unpack_block(q, packed, qtype);
+        const float d = block_scale(packed);
         uint16_t* dst = tile + (size_t)r * ncols + (size_t)b * QK;
         for (int i = 0; i < QK; i++) { dst[i] = llmc_bf16_round((float)q[i] * d); }
     }
