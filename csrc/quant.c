@@ -734,16 +734,22 @@ static void dequantize_tile_bf16(uint16_t* tile, const uint8_t* weight, int IC, 
         const int b0 = block / GROUP * GROUP, g = nb_row - b0 < GROUP ? nb_row - b0 : GROUP;
         const uint8_t* chunks = row + (size_t)nb_row * 2 + (size_t)b0 * qbytes
                                 + (size_t)(block - b0) * 4;
-        uint8_t packed[2 + QK];   // the block as GGUF stores it
-        memcpy(packed, row + (size_t)block * 2, 2);
-        for (size_t k = 0; k < qbytes / 4; k++) {
-            memcpy(packed + 2 + 4 * k, chunks + k * (size_t)g * 4, 4);
-        }
-        int8_t q[QK];
-        unpack_block(q, packed, qtype);
-        const float d = block_scale(packed);
+        const float d = block_scale(row + (size_t)block * 2);
         uint16_t* dst = tile + (size_t)r * ncols + (size_t)b * QK;
-        for (int i = 0; i < QK; i++) { dst[i] = llmc_bf16_round((float)q[i] * d); }
+        if (qtype == LLMC_QUANT_Q8_0) {
+            for (int k = 0; k < QK / 4; k++) {
+                const int8_t* q = (const int8_t*)chunks + (size_t)k * g * 4;
+                for (int t = 0; t < 4; t++) { dst[4 * k + t] = llmc_bf16_round((float)q[t] * d); }
+            }
+        } else {
+            for (int k = 0; k < QK / 8; k++) {
+                const uint8_t* q = chunks + (size_t)k * g * 4;
+                for (int t = 0; t < 4; t++) {
+                    dst[4 * k + t] = llmc_bf16_round((float)((q[t] & 0x0f) - 8) * d);
+                    dst[16 + 4 * k + t] = llmc_bf16_round((float)((q[t] >> 4) - 8) * d);
+                }
+            }
+        }
     }
 }
 
