@@ -377,15 +377,26 @@ int quantize_rows(uint8_t* out, const float* inp, int rows, int IC, int qtype);
 int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype);
 
 /*
+ * quant_pack_rows, quant_unpack_rows: quantize_rows' blocks (GGUF's bytes)
+ * to the decoding layout the products below read, and back: the same bytes
+ * per row, moved within each row (quant.c says where).
+ *   out, blocks / packed  [rows, IC/32 * block bytes]
+ */
+int quant_pack_rows(uint8_t* out, const uint8_t* blocks, int rows, int IC, int qtype);
+int quant_unpack_rows(uint8_t* out, const uint8_t* packed, int rows, int IC, int qtype);
+
+/*
  * matmul_forward_quant: out[n,o] = bias[o] + sum_i x[n,i] * w[o,i], for few
  * rows (decoding), with each row x[n] first quantized to Q8_0 blocks (as
  * llama.cpp does) and w dequantized from weight's blocks: per block an
- * integer dot product times both scales, added in block order (8 partial
- * lanes in double, then the lanes and bias in a fixed order, rounded once).
+ * exact integer dot product times both scales, added into one of 16 float
+ * lanes (lane b mod 16) in block order by a fused multiply-add, then the
+ * lanes in a fixed tree in double with the bias, rounded once to float.
  *
  *   out    [N, OC]                        (written)
  *   inp    [N, IC]
- *   weight [OC, IC/32 * block bytes]      Q8_0 int8s in [-127, 127]
+ *   weight [OC, IC/32 * block bytes]      quant_pack_rows' layout; Q8_0
+ *                                         int8s in [-127, 127]
  *   bias   [OC] or NULL
  * Variants _portable, _avx2, _avxvnni, _avx512vnni force a path
  * (LLMC_ERR_UNSUPPORTED where the CPU or build lacks it); all give the same
@@ -412,7 +423,7 @@ int matmul_forward_quant_avx512vnni(float* out, const float* inp, const uint8_t*
  *
  *   forward   out  [N, OC] (written) = inp [N, IC] . W^T + bias [OC] (or NULL)
  *   backward  dinp [N, IC] (+=)       = dout [N, OC] . W
- *   weight    [OC, IC/32 * block bytes]
+ *   weight    [OC, IC/32 * block bytes]   quant_pack_rows' layout
  * Returns LLMC_ERR_NOMEM if a tile (at most 8 MiB of bf16, or 192 columns)
  * and an [N, tile] float part cannot be allocated.
  */

@@ -9,21 +9,22 @@
  * with ggml-quants.c's rounding (quantize_row_q8_0_ref, _q4_0_ref), which
  * gguf.quants reproduces in numpy.
  *
- * paths of matmul_forward_quant (a lane-sums function per instruction set
- * under one shared loop; the unsuffixed function picks the best this CPU
- * has under llmc_get_isa(), each suffixed one forces its path):
+ * paths of matmul_forward_quant (a rows function per instruction set under
+ * one shared driver; the unsuffixed function picks the best this CPU has
+ * under llmc_get_isa(), each suffixed one forces its path):
  *   portable    plain C
- *   avx2        AVX2: maddubs + madd (Haswell, Zen)
- *   avxvnni     AVX-VNNI vpdpbusd on 256 bits (Alder Lake, Zen 5)
- *   avx512vnni  AVX512-VNNI: vpdpbusd on 256 bits, the 8 lanes in one zmm
- *               of doubles (Ice Lake, Sapphire Rapids, Zen 4)
- * As llama.cpp does, each input row is first quantized to Q8_0 blocks; then
- * per block an integer dot product, ROWS weight rows a pass. Every path splits a block's dot product
- * into the same 8 int32 lane sums (lane j: elements 4j..4j+3, vpdpbusd's and
- * maddubs+madd's grouping), which are exact. Each lane sum times the float
- * d_w*d_x is exact in double (17 + 24 bits), and each lane accumulates its
- * products in double in block order, so no fusing of multiply and add can
- * change the result: all paths agree bitwise, for any thread count.
+ *   avx2        AVX2: maddubs + madd, 8 blocks a ymm (Haswell, Zen)
+ *   avxvnni     AVX-VNNI vpdpbusd, 8 blocks a ymm (Alder Lake, Zen 5)
+ *   avx512vnni  AVX512-VNNI vpdpbusd, 16 blocks a zmm (Ice Lake, Zen 4)
+ * As llama.cpp does, each input row is first quantized to Q8_0 blocks. The
+ * weights are read in a packed layout (below: 16 blocks interleaved so that
+ * one vpdpbusd lane sums a whole block), ROWS weight rows a call, every
+ * input row served by one pass over them. A block's int32 dot product S is
+ * exact, and exact in float (|S| < 2^24), as is the product of its two fp16
+ * scales; each block adds S * d_w * d_x into float lane b mod 16 by one
+ * fused multiply-add, in block order, and the 16 lanes are summed in a fixed
+ * tree in double: every path rounds the same operations, so all agree
+ * bitwise, for any thread count (each output is one thread's).
  */
 #include "llmc.h"
 #include "common.h"
@@ -182,150 +183,365 @@ int dequantize_rows(float* out, const uint8_t* inp, int rows, int IC, int qtype)
     return LLMC_OK;
 }
 
-/* ---- the decoding matmul ------------------------------------------------- */
-
-/* output rows a kernel call computes together, so that each block of the
-   quantized input row is loaded once for all of them and their double
-   accumulations form independent chains */
-#define ROWS 4
+/* ---- the decoding layout ------------------------------------------------- */
 
 /*
- * A path's kernel: for r < nrows (1 or ROWS), lane[r][j] (written) = sum
- * over the nb blocks, in order, of (int32 sum of w[i] * q[i] for
- * i = 4j .. 4j+3 of the block) * (d_w * d_x), each term exact in double, w
- * the weight row at w0 + r * row_bytes; q, d the input row's int8s and
- * scales, qoff its lane sums times minus the weight offset (below).
+ * The decoding kernel reads weights in a packed layout, made once at
+ * quantize or load time (quant_pack_rows) and undone for GGUF
+ * (quant_unpack_rows). A row keeps its bytes (row_bytes = nb blocks *
+ * block_bytes) and its place; inside it:
+ *   [2 nb bytes]  the blocks' fp16 scales, in block order
+ *   [the rest]    the quants, in groups of GROUP blocks (the last group
+ *                 holds what is left, g = 1..GROUP blocks): within a group
+ *                 of g blocks, bytes 4k..4k+3 of block j's quants (Q8_0:
+ *                 int8s 4k..4k+3; Q4_0: the bytes holding q[4k..4k+3] and
+ *                 q[16+4k..16+4k+3]) at (k*g + j)*4.
+ * So one 64-byte load of a group holds 4 bytes of each of 16 blocks, and
+ * vpdpbusd sums a whole block into one int32 lane: no horizontal sums, and
+ * the 16 lanes take their 16 scales as one vector.
  */
-typedef void (*lane_sums_fn)(double (*lane)[8], const uint8_t* w0, size_t row_bytes,
-                             int nrows, const int8_t* q, const int32_t* qoff,
-                             const float* d, int nb, int qtype);
+#define GROUP 16
+
+/* quant bytes of a block (32 or 16) */
+static size_t quant_bytes(int qtype) { return block_bytes(qtype) - 2; }
+
+/* the offset, in a packed row (from its quants) or a packed input row, of
+   4-byte chunk k of block b's quants, nb blocks a row */
+static LLMC_ALWAYS_INLINE size_t chunk_offset(int nb, int b, int k, size_t qbytes) {
+    const int b0 = b / GROUP * GROUP, g = nb - b0 < GROUP ? nb - b0 : GROUP;
+    return (size_t)b0 * qbytes + ((size_t)k * g + (size_t)(b - b0)) * 4;
+}
+
+/* packed[r] <-> blocks[r] for every row: pack = 1 packs, 0 unpacks */
+static int permute_rows(uint8_t* out, const uint8_t* inp, int rows, int IC, int qtype, int pack) {
+    LLMC_REQUIRE(LLMC_NONNULL2(out, inp), LLMC_ERR_NULL);
+    LLMC_REQUIRE(block_bytes(qtype) != 0, LLMC_ERR_VALUE);
+    LLMC_REQUIRE(rows > 0 && IC > 0 && IC % QK == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits((size_t)rows, (size_t)IC, 1, 1), LLMC_ERR_SHAPE);
+    const int nb = IC / QK;
+    const size_t bb = block_bytes(qtype), qbytes = quant_bytes(qtype), row_bytes = nb * bb;
+    #pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const uint8_t* src = inp + (size_t)r * row_bytes;
+        uint8_t* dst = out + (size_t)r * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            uint8_t* block = (uint8_t*)(pack ? src : dst) + (size_t)b * bb;
+            uint8_t* scale = (uint8_t*)(pack ? dst : src) + (size_t)b * 2;
+            uint8_t* quants = (uint8_t*)(pack ? dst : src) + (size_t)nb * 2;
+            for (size_t k = 0; k < qbytes / 4; k++) {
+                uint8_t* chunk = quants + chunk_offset(nb, b, (int)k, qbytes);
+                if (pack) { memcpy(chunk, block + 2 + 4 * k, 4); }
+                else { memcpy(block + 2 + 4 * k, chunk, 4); }
+            }
+            if (pack) { memcpy(scale, block, 2); }
+            else { memcpy(block, scale, 2); }
+        }
+    }
+    return LLMC_OK;
+}
+
+int quant_pack_rows(uint8_t* out, const uint8_t* blocks, int rows, int IC, int qtype) {
+    return permute_rows(out, blocks, rows, IC, qtype, 1);
+}
+
+int quant_unpack_rows(uint8_t* out, const uint8_t* packed, int rows, int IC, int qtype) {
+    return permute_rows(out, packed, rows, IC, qtype, 0);
+}
+
+/* block b of a packed row as in unpack_block, and its scale */
+static LLMC_ALWAYS_INLINE float packed_block(int8_t w[QK], const uint8_t* row, int nb, int b,
+                                             int qtype) {
+    const size_t qbytes = quant_bytes(qtype);
+    uint8_t block[2 + QK];
+    memcpy(block, row + (size_t)b * 2, 2);
+    for (size_t k = 0; k < qbytes / 4; k++) {
+        memcpy(block + 2 + 4 * k, row + (size_t)nb * 2 + chunk_offset(nb, b, (int)k, qbytes), 4);
+    }
+    unpack_block(w, block, qtype);
+    return block_scale(block);
+}
+
+/* ---- the decoding matmul ------------------------------------------------- */
+
+/*
+ * The input rows, quantized to Q8_0 (llama.cpp's vec_dot_type of both
+ * formats) in the packed layout of Q8_0 quants (no scales): q [N, nb*32],
+ * d [N, nb] their scales, corr [N, nb] per block minus the weight offset
+ * times the sum of the block's q (below).
+ */
+/* input rows a call of a path's kernel serves at once (their lanes live on
+   the stack) */
+#define MAX_ROWS 64
+
+typedef struct {
+    const int8_t* q;
+    const float* d;
+    const int32_t* corr;
+    int N, nb;
+} quant_input;
+
+/*
+ * A path's kernel for nrows (1 or ROWS) consecutive output rows at w0, each
+ * row_bytes: sums[r * N + n] (written) = lane_tree of the row's 16 float
+ * lanes for input row n, lane j (written) = the sum over the row's groups,
+ * in order, of fmaf(float(S), d_w * d_x, lane) for block b0 + j of the
+ * group (S = the block's exact int32 dot product, d_w and d_x its scales).
+ * S < 2^24 is exact in float, and d_w * d_x (two fp16 numbers) too, so
+ * every path rounds the same single fused multiply-add, then sums the lanes
+ * in the same tree: all paths agree bitwise.
+ */
+typedef void (*rows_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+                        const quant_input* in, int qtype);
+
+/* output rows a kernel call computes together (their accumulations are
+   independent chains, and the lane trees and call overhead are shared) */
+#define ROWS 4
+
+/* The fixed tree every path sums a row's 16 lanes in, in double: lane j
+   plus lane j + 8, then + 4, + 2, + 1. */
+static LLMC_ALWAYS_INLINE double lane_tree(const float lanes[GROUP]) {
+    double l[GROUP];
+    for (int j = 0; j < GROUP; j++) { l[j] = lanes[j]; }
+    for (int width = GROUP / 2; width > 0; width /= 2) {
+        for (int j = 0; j < width; j++) { l[j] += l[j + width]; }
+    }
+    return l[0];
+}
 
 /* The offset that makes a block's weights unsigned bytes u = w + offset
    for vpdpbusd and maddubs (unsigned times signed): Q8_0's w ^ 0x80, Q4_0's
-   bare nibble. Then sum w*q = sum u*q - offset * sum q exactly in int32, and
-   the last term is the input's alone: qoff, computed once per input row. */
+   bare nibble. Then sum w*q = sum u*q - offset * sum q exactly in int32,
+   and the last term is the input's alone: corr. */
 static int weight_offset(int qtype) { return qtype == LLMC_QUANT_Q8_0 ? 128 : 8; }
 
-/* the plain twin (w unpacked to signed bytes: no qoff) */
-static void lane_sums_portable(double (*lane)[8], const uint8_t* w0, size_t row_bytes,
-                               int nrows, const int8_t* q, const int32_t* qoff,
-                               const float* d, int nb, int qtype) {
-    (void)qoff;
-    const size_t bb = block_bytes(qtype);
+/* the plain twin (signed weights: no corr), a row at a time */
+static void rows_portable(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+                          const quant_input* in, int qtype) {
+    const int nb = in->nb;
     for (int r = 0; r < nrows; r++) {
         const uint8_t* wrow = w0 + (size_t)r * row_bytes;
-        for (int j = 0; j < 8; j++) { lane[r][j] = 0.0; }
-        for (int b = 0; b < nb; b++) {
-            int8_t w[QK];
-            unpack_block(w, wrow + (size_t)b * bb, qtype);
-            const int8_t* qb = q + (size_t)b * QK;
-            const float scale = block_scale(wrow + (size_t)b * bb) * d[b];
-            for (int j = 0; j < 8; j++) {
+        for (int n = 0; n < in->N; n++) {
+            float lanes[GROUP] = {0};
+            const int8_t* x = in->q + (size_t)n * nb * QK;
+            for (int b = 0; b < nb; b++) {
+                int8_t w[QK];
+                const float dw = packed_block(w, wrow, nb, b, qtype);
                 int32_t s = 0;
-                for (int i = 4 * j; i < 4 * j + 4; i++) { s += (int32_t)w[i] * qb[i]; }
-                lane[r][j] += (double)s * (double)scale;
+                for (int i = 0; i < QK; i++) {
+                    s += (int32_t)w[i] * x[chunk_offset(nb, b, i / 4, QK) + i % 4];
+                }
+                float* lane = &lanes[b % GROUP];
+                *lane = fmaf((float)s, dw * in->d[(size_t)n * nb + b], *lane);
             }
+            sums[r * in->N + n] = lane_tree(lanes);
         }
     }
 }
 
 #ifdef LLMC_X86_DISPATCH
 
-/* A block's 32 weights plus weight_offset as unsigned bytes in one ymm. Q4_0:
-   the 16 packed bytes in both halves, the upper half shifted by a nibble, so
-   the low nibbles are elements 0..15 and the high ones 16..31. */
-#define UNSIGNED_WEIGHTS_256(block, qtype)                                                \
-    ((qtype) == LLMC_QUANT_Q8_0                                                           \
-         ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)((block) + 2)),             \
-                            _mm256_set1_epi8((char)0x80))                                 \
-         : _mm256_and_si256(_mm256_srlv_epi32(                                             \
-               _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)((block) + 2))), \
-               _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0f)))
+/* the n bytes 8 KiB past p, into L1: one weight stream a thread keeps too
+   few misses in flight on the hardware prefetchers alone (timed on Zen 5,
+   2 threads: 8 KiB ahead beat 2, 4, 16 and 32, and L2 hints) */
+static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n) {
+    for (size_t at = 0; at < n; at += 64) {
+        _mm_prefetch((const char*)p + 8192 + at, _MM_HINT_T0);
+    }
+}
 
-#define SCALE_F16C(block) _cvtsh_ss((unsigned short)((block)[0] | ((block)[1] << 8)))
+/* 512 bits. Masked loads only in a last group of g < 16 blocks (zeros
+   beyond g: they add 0 * 0): masked loads from memory are slow on Zen. */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_bytes(const void* p, __mmask64 bytes) {
+    return bytes == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bytes, p);
+}
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_ints(const void* p, __mmask16 lanes) {
+    return lanes == 0xffff ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(lanes, p);
+}
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512 load_halves(const uint8_t* p,
+                                                               __mmask16 lanes) {
+    return _mm512_cvtph_ps(lanes == 0xffff ? _mm256_loadu_si256((const __m256i*)p)
+                                           : _mm256_maskz_loadu_epi16(lanes, p));
+}
 
-/*
- * The SIMD paths share this loop: per block, the input's 32 int8s and qoff
- * are loaded once for the ROWS weight rows; per row, DOT4 gives the block's
- * 8 int32 lane sums, which ACCUMULATE adds times the scale to the row's
- * double lanes (a fused multiply-add: the product is exact, so it rounds as
- * the sum alone). ACC is the accumulator type, ZERO / STORE its set and
- * store of 8 doubles. Each row is prefetched 4 groups of ROWS rows ahead
- * (into L2): the hardware prefetchers alone lose ROWS interleaved streams.
- */
-#define LANE_SUMS(NAME, TARGET, ACC, ZERO, DOT4, ACCUMULATE, STORE)                        \
-TARGET static LLMC_ALWAYS_INLINE void NAME##_rows(                                          \
-        double (*lane)[8], const uint8_t* w0, size_t row_bytes, const int R,             \
-        const int8_t* q, const int32_t* qoff, const float* d, int nb, int qtype) {       \
-    const size_t bb = block_bytes(qtype);                                                 \
-    ACC acc[ROWS];                                                                        \
-    for (int r = 0; r < R; r++) { ZERO(acc[r]); }                                         \
-    for (int b = 0; b < nb; b++) {                                                        \
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(q + (size_t)b * QK));       \
-        const __m256i off = _mm256_loadu_si256((const __m256i*)(qoff + (size_t)b * 8));   \
-        const float dx = d[b];                                                            \
-        for (int r = 0; r < R; r++) {                                                     \
-            const uint8_t* block = w0 + (size_t)r * row_bytes + (size_t)b * bb;           \
-            _mm_prefetch((const char*)block + 4 * ROWS * row_bytes, _MM_HINT_T1);               \
-            const __m256i s = DOT4(block, x, off, qtype);                                 \
-            ACCUMULATE(acc[r], s, (double)(SCALE_F16C(block) * dx));                      \
+/* lane_tree on a zmm of 16 floats */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE double lane_tree_512(__m512 lanes) {
+    const __m512d s8 = _mm512_add_pd(
+        _mm512_cvtps_pd(_mm512_castps512_ps256(lanes)),
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes), 1))));
+    const __m256d s4 = _mm256_add_pd(_mm512_castpd512_pd256(s8), _mm512_extractf64x4_pd(s8, 1));
+    const __m128d s2 = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
+}
+
+/* R rows, a group's 16 lanes in one zmm per row, a row after another (one
+   sequential stream: the prefetchers keep up with it); the R rows' chains
+   are independent, so their work overlaps */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(
+        double* sums, const uint8_t* w0, size_t row_bytes, const int R,
+        const quant_input* in, int qtype) {
+    const int nb = in->nb;
+    const size_t qbytes = quant_bytes(qtype);
+    for (int n = 0; n < in->N; n++) {
+        const int8_t* xrow = in->q + (size_t)n * nb * QK;
+        for (int r = 0; r < R; r++) {
+            const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+            if (n == 0) { prefetch_ahead(wrow, row_bytes); }
+            __m512 acc = _mm512_setzero_ps();
+            for (int b0 = 0; b0 < nb; b0 += GROUP) {
+                const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
+                const __mmask16 lanes = (__mmask16)((1u << g) - 1);
+                const __mmask64 bytes = g == GROUP ? ~(__mmask64)0
+                                                   : ((__mmask64)1 << (4 * g)) - 1;
+                const int8_t* x = xrow + (size_t)b0 * QK;
+                const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;
+                __m512i s0 = load_ints(in->corr + (size_t)n * nb + b0, lanes);
+                __m512i s1 = _mm512_setzero_si512();
+                if (qtype == LLMC_QUANT_Q8_0) {
+                    const __m512i flip = _mm512_set1_epi8((char)0x80);
+                    for (int c = 0; c < 8; c += 2) {
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(
+                            load_bytes(wq + (size_t)c * g * 4, bytes), flip),
+                            load_bytes(x + (size_t)c * g * 4, bytes));
+                        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(
+                            load_bytes(wq + (size_t)(c + 1) * g * 4, bytes), flip),
+                            load_bytes(x + (size_t)(c + 1) * g * 4, bytes));
+                    }
+                } else {
+                    const __m512i low = _mm512_set1_epi8(0x0f);
+                    for (int k = 0; k < 4; k++) {
+                        const __m512i raw = load_bytes(wq + (size_t)k * g * 4, bytes);
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low),
+                                                 load_bytes(x + (size_t)k * g * 4, bytes));
+                        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                                 load_bytes(x + (size_t)(k + 4) * g * 4, bytes));
+                    }
+                }
+                const __m512 dx = _mm512_castsi512_ps(load_ints(in->d + (size_t)n * nb + b0, lanes));
+                const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, lanes), dx);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc);
+            }
+            sums[r * in->N + n] = lane_tree_512(acc);
+        }
+    }
+}
+
+TARGET_AVX512VNNI static void rows_avx512vnni(double* sums, const uint8_t* w0,
+                                              size_t row_bytes, int nrows,
+                                              const quant_input* in, int qtype) {
+    if (nrows == ROWS) { rows_512(sums, w0, row_bytes, ROWS, in, qtype); }
+    else {
+        for (int r = 0; r < nrows; r++) {
+            rows_512(sums + r * in->N, w0 + (size_t)r * row_bytes, row_bytes, 1, in, qtype);
+        }
+    }
+}
+
+/* 256 bits: a group as two halves of 8 lanes, a row at a time; a partial
+   half (a last group of g blocks not a multiple of 8) through masked loads
+   of 4-byte lanes. 8 int32 at p, the first `count` of them (the rest 0). */
+TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256i load_lanes(const void* p, int count) {
+    if (count == 8) { return _mm256_loadu_si256((const __m256i*)p); }
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_maskload_epi32((const int*)p, mask);
+}
+
+/* the 8 fp16 scales at p as floats, the first `count` (the rest 0) */
+TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256 load_scales(const uint8_t* p, int count) {
+    uint16_t h[8] = {0};
+    memcpy(h, p, (size_t)count * 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
+}
+
+/* The 256-bit paths' shared loop: DOT(s, u, x) adds the 8 int32 lane sums
+   of one chunk (weights u times the input's int8s x) to s, INIT the
+   starting sums (corr, or 0 where DOT takes signed weights), WEIGHTS the
+   weights' form DOT wants. */
+#define ROWS_256(NAME, TARGET, DOT, INIT, WEIGHTS)                                        \
+TARGET static void NAME(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,     \
+                        const quant_input* in, int qtype) {                               \
+    const int nb = in->nb;                                                                \
+    const size_t qbytes = quant_bytes(qtype);                                             \
+    for (int r = 0; r < nrows; r++) {                                                     \
+        const uint8_t* wrow = w0 + (size_t)r * row_bytes;                                 \
+        prefetch_ahead(wrow, row_bytes);                                                  \
+        float acc[MAX_ROWS][GROUP];                                                       \
+        for (int n = 0; n < in->N; n++) {                                                 \
+            _mm256_storeu_ps(acc[n], _mm256_setzero_ps());                                \
+            _mm256_storeu_ps(acc[n] + 8, _mm256_setzero_ps());                            \
         }                                                                                 \
-    }                                                                                     \
-    for (int r = 0; r < R; r++) { STORE(lane[r], acc[r]); }                               \
-}                                                                                         \
-TARGET static void NAME(double (*lane)[8], const uint8_t* w0, size_t row_bytes,          \
-                        int nrows, const int8_t* q, const int32_t* qoff, const float* d, \
-                        int nb, int qtype) {                                              \
-    if (nrows == ROWS) { NAME##_rows(lane, w0, row_bytes, ROWS, q, qoff, d, nb, qtype); } \
-    else {                                                                                \
-        for (int r = 0; r < nrows; r++) {                                                 \
-            NAME##_rows(lane + r, w0 + (size_t)r * row_bytes, row_bytes, 1, q, qoff, d,   \
-                        nb, qtype);                                                       \
+        for (int b0 = 0; b0 < nb; b0 += GROUP) {                                          \
+            const int g = nb - b0 < GROUP ? nb - b0 : GROUP;                              \
+            const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;              \
+            for (int h = 0; h * 8 < g; h++) {                                             \
+                const int count = g - 8 * h < 8 ? g - 8 * h : 8;                          \
+                __m256i u[8];                                                             \
+                WEIGHTS(u, wq + 32 * h, (size_t)g * 4, count, qtype);                     \
+                const __m256 dw = load_scales(wrow + (size_t)(b0 + 8 * h) * 2, count);     \
+                for (int n = 0; n < in->N; n++) {                                         \
+                    const size_t at = (size_t)n * nb + b0 + 8 * h;                        \
+                    const int8_t* x = in->q + ((size_t)n * nb + b0) * QK + 32 * h;        \
+                    __m256i s0 = INIT(in->corr + at, count), s1 = _mm256_setzero_si256(); \
+                    for (int c = 0; c < 8; c += 2) {                                      \
+                        s0 = DOT(s0, u[c], load_lanes(x + (size_t)c * g * 4, count));     \
+                        s1 = DOT(s1, u[c + 1], load_lanes(x + (size_t)(c + 1) * g * 4, count)); \
+                    }                                                                     \
+                    const __m256 scale = _mm256_mul_ps(                                   \
+                        dw, _mm256_castsi256_ps(load_lanes(in->d + at, count)));          \
+                    float* lane = acc[n] + 8 * h;                                         \
+                    _mm256_storeu_ps(lane, _mm256_fmadd_ps(                               \
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale,              \
+                        _mm256_loadu_ps(lane)));                                          \
+                }                                                                         \
+            }                                                                             \
         }                                                                                 \
+        for (int n = 0; n < in->N; n++) { sums[r * in->N + n] = lane_tree(acc[n]); }      \
     }                                                                                     \
 }
 
-/* 256 bits: the 8 lanes in two ymm of 4 doubles */
-typedef struct { __m256d lo, hi; } acc256;
-#define ZERO_256(a) ((a).lo = (a).hi = _mm256_setzero_pd())
-#define ACCUMULATE_256(a, s, scale) do {                                                  \
-        const __m256d sc = _mm256_set1_pd(scale);                                         \
-        (a).lo = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), sc, (a).lo); \
-        (a).hi = _mm256_fmadd_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), sc,   \
-                                 (a).hi);                                                 \
-    } while (0)
-#define STORE_256(p, a) (_mm256_storeu_pd((p), (a).lo), _mm256_storeu_pd((p) + 4, (a).hi))
+/* the 8 chunks' weights of a half group (lanes `count`, chunk stride
+   `stride` bytes) as unsigned bytes w + offset */
+TARGET_AVX2 static LLMC_ALWAYS_INLINE void unsigned_weights(__m256i u[8], const uint8_t* wq,
+                                                            size_t stride, int count, int qtype) {
+    if (qtype == LLMC_QUANT_Q8_0) {
+        for (int c = 0; c < 8; c++) {
+            u[c] = _mm256_xor_si256(load_lanes(wq + c * stride, count), _mm256_set1_epi8((char)0x80));
+        }
+    } else {
+        for (int k = 0; k < 4; k++) {
+            const __m256i raw = load_lanes(wq + k * stride, count);
+            u[k] = _mm256_and_si256(raw, _mm256_set1_epi8(0x0f));
+            u[k + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0f));
+        }
+    }
+}
 
-/* 512 bits: the 8 lanes in one zmm */
-#define ZERO_512(a) ((a) = _mm512_setzero_pd())
-#define ACCUMULATE_512(a, s, scale) \
-    ((a) = _mm512_fmadd_pd(_mm512_cvtepi32_pd(s), _mm512_set1_pd(scale), (a)))
-#define STORE_512(p, a) _mm512_storeu_pd((p), (a))
+/* AVX2 keeps Q8_0's weights signed (maddubs's u <= 255 times 127 could
+   saturate its int16 pairs): |x| times w with x's sign, no corr; Q4_0's
+   u <= 15 cannot (2*15*127), so it is unsigned with corr */
+TARGET_AVX2 static LLMC_ALWAYS_INLINE void avx2_weights(__m256i u[8], const uint8_t* wq,
+                                                        size_t stride, int count, int qtype) {
+    if (qtype == LLMC_QUANT_Q8_0) {
+        for (int c = 0; c < 8; c++) { u[c] = load_lanes(wq + c * stride, count); }
+    } else {
+        unsigned_weights(u, wq, stride, count, qtype);
+    }
+}
+/* maddubs sums pairs u*x into int16, madd with ones pairs those into int32.
+   For Q8_0 the sign trick: w is signed, and every x and w stay within
+   [-127, 127] (quantize_block_q8_0's range) */
+#define DOT_AVX2(s, w, x)                                                                 \
+    _mm256_add_epi32((s), _mm256_madd_epi16(                                              \
+        qtype == LLMC_QUANT_Q8_0                                                          \
+            ? _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(w, x))        \
+            : _mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#define INIT_AVX2(corr, count) \
+    (qtype == LLMC_QUANT_Q8_0 ? _mm256_setzero_si256() : load_lanes(corr, count))
+#define DOT_AVXVNNI(s, u, x) _mm256_dpbusd_avx_epi32(s, u, x)
+#define INIT_CORR(corr, count) load_lanes(corr, count)
 
-/* AVX2: maddubs sums pairs u*x into int16 and madd with ones pairs those
-   into int32. Q4_0's u <= 15 cannot saturate the int16 (2*15*127), Q8_0's
-   u <= 255 can, so Q8_0 keeps signed weights: |x| times w with x's sign
-   (|x|, |w| <= 127). */
-#define DOT4_AVX2(block, x, off, qtype)                                                   \
-    ((qtype) == LLMC_QUANT_Q8_0                                                           \
-         ? _mm256_madd_epi16(_mm256_maddubs_epi16(                                        \
-               _mm256_sign_epi8(x, x),                                                    \
-               _mm256_sign_epi8(_mm256_loadu_si256((const __m256i*)((block) + 2)), x)),    \
-               _mm256_set1_epi16(1))                                                      \
-         : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(                       \
-               UNSIGNED_WEIGHTS_256(block, qtype), x), _mm256_set1_epi16(1)), off))
-/* vpdpbusd adds the 4 products u*x of a lane to qoff's lane exactly
-   (|sum| < 2^31) */
-#define DOT4_AVXVNNI(block, x, off, qtype) \
-    _mm256_dpbusd_avx_epi32(off, UNSIGNED_WEIGHTS_256(block, qtype), x)
-#define DOT4_AVX512VNNI(block, x, off, qtype) \
-    _mm256_dpbusd_epi32(off, UNSIGNED_WEIGHTS_256(block, qtype), x)
-
-LANE_SUMS(lane_sums_avx2, TARGET_AVX2, acc256, ZERO_256, DOT4_AVX2, ACCUMULATE_256, STORE_256)
-LANE_SUMS(lane_sums_avxvnni, TARGET_AVXVNNI, acc256, ZERO_256, DOT4_AVXVNNI, ACCUMULATE_256,
-          STORE_256)
-LANE_SUMS(lane_sums_avx512vnni, TARGET_AVX512VNNI, __m512d, ZERO_512, DOT4_AVX512VNNI,
-          ACCUMULATE_512, STORE_512)
+ROWS_256(rows_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
+ROWS_256(rows_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
 #endif
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
@@ -372,17 +588,17 @@ static int path_supported(int path) {
     return known;
 }
 
-static lane_sums_fn path_function(int path) {
+static rows_fn path_function(int path) {
 #ifdef LLMC_X86_DISPATCH
     switch (path) {
-        case PATH_AVX2: return lane_sums_avx2;
-        case PATH_AVXVNNI: return lane_sums_avxvnni;
-        case PATH_AVX512VNNI: return lane_sums_avx512vnni;
+        case PATH_AVX2: return rows_avx2;
+        case PATH_AVXVNNI: return rows_avxvnni;
+        case PATH_AVX512VNNI: return rows_avx512vnni;
         default: break;
     }
 #endif
     (void)path;
-    return lane_sums_portable;
+    return rows_portable;
 }
 
 /* The best path under the chosen instruction set: AVX-512 may use
@@ -395,6 +611,7 @@ static int best_path(void) {
     return PATH_PORTABLE;
 }
 
+
 static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
                         const float* bias, int N, int IC, int OC, int qtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
@@ -404,59 +621,56 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
                  && llmc_count_fits((size_t)OC, (size_t)IC, 1, 1)
                  && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
-    const lane_sums_fn lane_sums = path_function(path);
+    const rows_fn rows = path_function(path);
 
-    // the input rows as Q8_0 (llama.cpp's vec_dot_type of both formats),
-    // unpacked: the int8s contiguous, one float scale a block, and per
-    // block the 8 lane sums times minus the weight offset
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
     float* xd = malloc((size_t)N * nb * sizeof(float));
-    int32_t* xoff = malloc((size_t)N * nb * 8 * sizeof(int32_t));
-    if (xq == NULL || xd == NULL || xoff == NULL) {
-        free(xq); free(xd); free(xoff);
+    int32_t* corr = malloc((size_t)N * nb * sizeof(int32_t));
+    if (xq == NULL || xd == NULL || corr == NULL) {
+        free(xq); free(xd); free(corr);
         return LLMC_ERR_NOMEM;
     }
     const int offset = weight_offset(qtype);
     for (int n = 0; n < N; n++) {
         for (int b = 0; b < nb; b++) {
             uint8_t block[2 + QK];
-            const size_t at = (size_t)n * IC + (size_t)b * QK;
-            quantize_block_q8_0(block, inp + at);
+            quantize_block_q8_0(block, inp + (size_t)n * IC + (size_t)b * QK);
             xd[(size_t)n * nb + b] = block_scale(block);
-            memcpy(xq + at, block + 2, QK);
-            for (int j = 0; j < 8; j++) {
-                const int8_t* q4 = xq + at + 4 * j;
-                xoff[at / 4 + j] = -offset * (q4[0] + q4[1] + q4[2] + q4[3]);
+            int32_t sum = 0;
+            for (int k = 0; k < QK / 4; k++) {
+                memcpy(xq + (size_t)n * IC + chunk_offset(nb, b, k, QK), block + 2 + 4 * k, 4);
             }
+            for (int i = 0; i < QK; i++) { sum += (int8_t)block[2 + i]; }
+            corr[(size_t)n * nb + b] = -offset * sum;
         }
     }
 
-    // each thread a contiguous run of groups of ROWS output rows (a weight
-    // row is read once from memory, then from cache for the other input
-    // rows); every out[n, o] is summed by one thread: the lanes in block
-    // order, then the lanes in a fixed tree and the bias, rounded once to
-    // float
+    // each thread a contiguous run of groups of ROWS output rows, each
+    // row's weights read from memory once for all N input rows; every
+    // out[n, o] is summed by one thread: its 16 lanes in group order, then
+    // the lanes in a fixed tree in double with the bias, rounded once to float
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
     const int groups = (OC + ROWS - 1) / ROWS;
     #pragma omp parallel for schedule(static)
-    for (int g = 0; g < groups; g++) {
-        const int o0 = g * ROWS;
-        const int nrows = OC - o0 < ROWS ? OC - o0 : ROWS;
-        for (int n = 0; n < N; n++) {
-            double lane[ROWS][8];
-            lane_sums(lane, weight + (size_t)o0 * row_bytes, row_bytes, nrows,
-                      xq + (size_t)n * IC, xoff + (size_t)n * nb * 8, xd + (size_t)n * nb,
-                      nb, qtype);
+    for (int grp = 0; grp < groups; grp++) {
+        const int o0 = grp * ROWS, nrows = OC - o0 < ROWS ? OC - o0 : ROWS;
+        for (int n0 = 0; n0 < N; n0 += MAX_ROWS) {
+            const quant_input part = {xq + (size_t)n0 * IC, xd + (size_t)n0 * nb,
+                                      corr + (size_t)n0 * nb,
+                                      N - n0 < MAX_ROWS ? N - n0 : MAX_ROWS, nb};
+            double sums[ROWS * MAX_ROWS];
+            rows(sums, weight + (size_t)o0 * row_bytes, row_bytes, nrows, &part, qtype);
             for (int r = 0; r < nrows; r++) {
-                const double* l = lane[r];
-                const double sum = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-                const int o = o0 + r;
-                out[(size_t)n * OC + o] = (float)(sum + (bias != NULL ? (double)bias[o] : 0.0));
+                for (int n = 0; n < part.N; n++) {
+                    const int o = o0 + r;
+                    out[(size_t)(n0 + n) * OC + o] =
+                        (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o] : 0.0));
+                }
             }
         }
     }
-    free(xq); free(xd); free(xoff);
+    free(xq); free(xd); free(corr);
     return LLMC_OK;
 }
 
@@ -510,17 +724,32 @@ static int panel_tile(int total, int other) {
    multiples of 32): rows of the weight's blocks, rounded as stated above. */
 static void dequantize_tile_bf16(uint16_t* tile, const uint8_t* weight, int IC, int qtype,
                                  int o0, int nrows, int i0, int ncols) {
-    const size_t bb = block_bytes(qtype), row_bytes = (size_t)(IC / QK) * bb;
-    const int nb = ncols / QK;
+    const int nb_row = IC / QK, nb = ncols / QK;
+    const size_t row_bytes = (size_t)nb_row * block_bytes(qtype), qbytes = quant_bytes(qtype);
     #pragma omp parallel for schedule(static)
     for (int64_t rb = 0; rb < (int64_t)nrows * nb; rb++) {
-        const int r = (int)(rb / nb), b = (int)(rb % nb);
-        const uint8_t* block = weight + (size_t)(o0 + r) * row_bytes + (size_t)(i0 / QK + b) * bb;
-        int8_t q[QK];
-        unpack_block(q, block, qtype);
-        const float d = block_scale(block);
+        const int r = (int)(rb / nb), b = (int)(rb % nb), block = i0 / QK + b;
+        const uint8_t* row = weight + (size_t)(o0 + r) * row_bytes;
+        // the block's 4-byte chunks, g * 4 bytes apart (the packed layout)
+        const int b0 = block / GROUP * GROUP, g = nb_row - b0 < GROUP ? nb_row - b0 : GROUP;
+        const uint8_t* chunks = row + (size_t)nb_row * 2 + (size_t)b0 * qbytes
+                                + (size_t)(block - b0) * 4;
+        const float d = block_scale(row + (size_t)block * 2);
         uint16_t* dst = tile + (size_t)r * ncols + (size_t)b * QK;
-        for (int i = 0; i < QK; i++) { dst[i] = llmc_bf16_round((float)q[i] * d); }
+        if (qtype == LLMC_QUANT_Q8_0) {
+            for (int k = 0; k < QK / 4; k++) {
+                const int8_t* q = (const int8_t*)chunks + (size_t)k * g * 4;
+                for (int t = 0; t < 4; t++) { dst[4 * k + t] = llmc_bf16_round((float)q[t] * d); }
+            }
+        } else {
+            for (int k = 0; k < QK / 8; k++) {
+                const uint8_t* q = chunks + (size_t)k * g * 4;
+                for (int t = 0; t < 4; t++) {
+                    dst[4 * k + t] = llmc_bf16_round((float)((q[t] & 0x0f) - 8) * d);
+                    dst[16 + 4 * k + t] = llmc_bf16_round((float)((q[t] >> 4) - 8) * d);
+                }
+            }
+        }
     }
 }
 

@@ -136,6 +136,8 @@ ROWS = {
                                       bad=_bad_dtype("inp_dtype")),
     "quantize_rows": Row(**_QUANT),
     "dequantize_rows": Row(**_QUANT),
+    "quant_pack_rows": Row(**_QUANT),
+    "quant_unpack_rows": Row(**_QUANT),
     "matmul_forward_quant": Row(**_QUANT_MATMUL),
     **{f"matmul_forward_quant_{path}": Row(**_QUANT_MATMUL, cpu_path=path != "portable")
        for path in ("portable", "avx2", "avxvnni", "avx512vnni")},

@@ -37,7 +37,9 @@ def blocks_of(rng, OC, IC, qtype):
     K.quantize_rows(blocks, w, kind)
     dequantised = np.empty((OC, IC), np.float32)
     K.dequantize_rows(dequantised, blocks, kind)
-    return blocks, dequantised
+    packed = np.empty_like(blocks)   # the layout the products read (quant_pack_rows)
+    K.quant_pack_rows(packed, blocks, kind)
+    return packed, dequantised
 
 
 def products(x, dout, dinp0, blocks, bias, qtype):
@@ -128,12 +130,12 @@ def test_quantized_linear_picks_the_kernel_by_row_count(rng, qtype):
         x = rng.standard_normal((1, rows, 64)).astype(np.float32)
         out, want = np.empty((1, rows, 40), np.float32), np.empty((rows, 40), np.float32)
         layer(out, x, bias)
-        kernel(want, x[0], layer.blocks, bias, kind)
+        kernel(want, x[0], layer.packed, bias, kind)
         np.testing.assert_array_equal(out[0].view(np.uint32), want.view(np.uint32))
     dout = rng.standard_normal((3, 40)).astype(np.float32)
     dinp, want = np.ones((3, 64), np.float32), np.ones((3, 64), np.float32)
     layer.backward(dinp, dout)
-    K.matmul_backward_quant_panels(want, dout, layer.blocks, kind)
+    K.matmul_backward_quant_panels(want, dout, layer.packed, kind)
     np.testing.assert_array_equal(dinp, want)
     with pytest.raises(ShapeError, match=r"weight \[40, 64\]: input gradient \(3, 32\) and output "
                                       r"gradient \(3, 40\) do not fit it"):

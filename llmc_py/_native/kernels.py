@@ -338,6 +338,19 @@ dequantize_rows = _kernel(
     " | qtype:int",
     """out[R, IC] (written) = the weights of inp's blocks (= gguf.quants.dequantize).""")
 
+quant_pack_rows = _kernel(
+    "quant_pack_rows",
+    "out[R,IC//32*_block_bytes(qtype)] written, blocks[R,IC//32*_block_bytes(qtype)]"
+    " | R IC from blocks, packed_ic(blocks, qtype) | qtype:int",
+    """out (written) = quantize_rows' blocks moved, within each row, to the
+    layout matmul_forward_quant and the panel products read.""")
+
+quant_unpack_rows = _kernel(
+    "quant_unpack_rows",
+    "out[R,IC//32*_block_bytes(qtype)] written, packed[R,IC//32*_block_bytes(qtype)]"
+    " | R IC from packed, packed_ic(packed, qtype) | qtype:int",
+    """out (written) = quant_pack_rows' inverse: GGUF's blocks again.""")
+
 matmul_forward_quant = _kernel(
     "matmul_forward_quant",
     "out[N,OC] written, inp[N,IC], weight[OC,IC//32*_block_bytes(qtype)], bias[OC] or None"
@@ -667,6 +680,19 @@ def _quant_rows(arr, name, qtype):
         raise ShapeError(f"{name} has shape {arr.shape}: its input dimension {IC} is not a "
                          f"multiple of {QUANT_BLOCK}, the quantisation block")
     return rows, IC
+
+
+def _packed_ic(arr, name, qtype):
+    """(IC,): the input dimension of quantized rows [rows, bytes] of qtype,
+    after checking that qtype is known and the rows whole blocks."""
+    if qtype not in _BLOCK_BYTES:
+        known = ", ".join(f"{k} ({v})" for k, v in QUANT_TYPES.items())
+        raise ValueError(f"unknown quantisation type {qtype!r}; known: {known}")
+    _, row_bytes = _dims(arr, name, 2)
+    if row_bytes == 0 or row_bytes % _BLOCK_BYTES[qtype] != 0:
+        raise ShapeError(f"{name} has shape {arr.shape}: its rows are not whole blocks of "
+                         f"{_BLOCK_BYTES[qtype]} bytes")
+    return (row_bytes // _BLOCK_BYTES[qtype] * QUANT_BLOCK,)
 
 
 def _kv_heads(k_cache, name, NH, NKV):

@@ -13,13 +13,15 @@ Two kernels, picked by the number of rows of a call:
 The few-row kernel's time grows with every row while the panel path's is
 first its dequantisation of the whole weight; timed once at a 1024 x 3072
 Q8_0 weight on a shared Zen 5 (2 threads) they crossed near 8 rows (8 rows:
-0.46 against 0.50 ms; 4 rows: 0.22 against 0.47), so a decoding batch of up
-to 8 keeps the integer kernel. A row's result thus
+0.46 against 0.50 ms; 4 rows: 0.22 against 0.47; an earlier few-row kernel,
+slower per row than today's), so a decoding batch of up to 8 keeps the
+integer kernel. A row's result thus
 depends on which side of FEW_ROWS its call is, not on the rows beside it
 otherwise. The backward (no decoding use) is the panel path for any count."""
 import numpy as np
 
 from .._native import kernels as K
+from .._native.lib import check, ffi, lib
 from ..errors import ShapeError
 
 FEW_ROWS = 8   # calls of at most this many rows take the decoding kernel
@@ -74,8 +76,10 @@ def check_input_dim(name, shape, qtype):
 
 class QuantizedLinear:
     """weight [OC, IC] as OC rows of IC/32 blocks of ``qtype`` ("q8_0": 34
-    bytes a block, "q4_0": 18), byte for byte as GGUF stores it. ``name``
-    (the tensor's) is what errors name."""
+    bytes a block, "q4_0": 18). Held in the kernels' packed layout (each
+    row's bytes moved within the row: quant_pack_rows); ``blocks`` gives
+    them byte for byte as GGUF stores them. ``name`` (the tensor's) is what
+    errors name."""
 
     def __init__(self, blocks, IC, qtype, name="weight"):
         self.qtype, self.name = qtype, name
@@ -85,7 +89,9 @@ class QuantizedLinear:
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != row_bytes:
             raise ShapeError(f"{name}: blocks of {blocks.dtype} {blocks.shape}, expected uint8 "
                              f"[OC, {row_bytes}] for {qtype} with {IC} inputs")
-        self.blocks = np.ascontiguousarray(blocks)
+        self.packed = np.empty(blocks.shape, np.uint8)
+        K.quant_pack_rows(self.packed, np.ascontiguousarray(blocks), self._type)
+        self._packed_pointer = ffi.from_buffer("uint8_t[]", self.packed)
         self.shape = (blocks.shape[0], IC)
 
     @classmethod
@@ -103,7 +109,17 @@ class QuantizedLinear:
 
     @property
     def nbytes(self):
-        return self.blocks.nbytes
+        return self.packed.nbytes
+
+    @property
+    def blocks(self):
+        """The weight's blocks as GGUF stores them (a new array)."""
+        return self._unpacked(self.packed)
+
+    def _unpacked(self, packed):
+        blocks = np.empty_like(packed)
+        K.quant_unpack_rows(blocks, packed, self._type)
+        return blocks
 
     def dequantize(self):
         """The weight [OC, IC] in fp32 (d * q per block)."""
@@ -114,8 +130,8 @@ class QuantizedLinear:
     def rows(self, out, ids):
         """out[..., IC] (written) = the weight's rows ``ids`` (int, any shape),
         dequantised exactly (d * q): an embedding's gather."""
-        K.dequantize_rows(out.reshape(-1, self.shape[1]), self.blocks[ids.reshape(-1)],
-                          self._type)
+        K.dequantize_rows(out.reshape(-1, self.shape[1]),
+                          self._unpacked(self.packed[ids.reshape(-1)]), self._type)
 
     def __call__(self, out, inp, bias=None):
         """out[..., OC] (written) = inp[..., IC] . W^T + bias[OC] (or None), as
@@ -124,9 +140,22 @@ class QuantizedLinear:
         OC, IC = self.shape
         self._check(inp, out, "input", "output", out)
         rows = np.ascontiguousarray(inp).reshape(-1, IC)
-        kernel = (K.matmul_forward_quant if len(rows) <= FEW_ROWS
-                  else K.matmul_forward_quant_panels)
-        kernel(out.reshape(-1, OC), rows, self.blocks, bias, self._type)
+        if len(rows) > FEW_ROWS:
+            K.matmul_forward_quant_panels(out.reshape(-1, OC), rows, self.packed, bias,
+                                          self._type)
+        elif (rows.dtype == out.dtype == np.float32
+              and (bias is None or (bias.dtype == np.float32 and bias.shape == (OC,)
+                                    and bias.flags.c_contiguous))):
+            # decoding calls the C function itself: _check and the line above
+            # are the wrapper's checks, at a third of its ~14 us (a step makes
+            # four or more calls a layer)
+            check(lib.matmul_forward_quant(
+                ffi.from_buffer("float[]", out, require_writable=True),
+                ffi.from_buffer("float[]", rows), self._packed_pointer,
+                ffi.NULL if bias is None else ffi.from_buffer("float[]", bias),
+                len(rows), IC, OC, self._type), f"{self.name}: matmul_forward_quant")
+        else:   # the wrapper, for its errors
+            K.matmul_forward_quant(out.reshape(-1, OC), rows, self.packed, bias, self._type)
 
     def backward(self, dinp, dout):
         """dinp[..., IC] (+=) dout[..., OC] . W, on the panel path; the weight
@@ -135,7 +164,7 @@ class QuantizedLinear:
         self._check(dinp, dout, "input gradient", "output gradient", dinp)
         K.matmul_backward_quant_panels(dinp.reshape(-1, IC),
                                        np.ascontiguousarray(dout).reshape(-1, OC),
-                                       self.blocks, self._type)
+                                       self.packed, self._type)
 
     def _check(self, inp, out, inp_name, out_name, written):
         """ShapeError unless inp [..., IC] and out [..., OC] fit the weight
