@@ -220,7 +220,10 @@ def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys, monke
     assert [(t[0], t[1], t[2]) for t in table] == [(m, str(b), w) for m in models
                                                    for w in WEIGHT_TYPES for b in (1, 8)]
     # columns: model batch weights tok/s min-max step-MiB limit of-limit vs-bf16 [floor]
-    assert all(float(t[8]) > 0 for t in table)
+    # vs bf16: each row's median over the bf16 median of its model and batch
+    bf16 = {(r["model"], r["batch"]): r["median"] for r in rows if r["weights"] == "bf16"}
+    assert [float(t[8]) for t in table] == [round(r["median"] / bf16[r["model"], r["batch"]], 2)
+                                            for r in rows]
     assert [t[8] for t in table if t[2] == "bf16"] == ["1.00"] * 4
     assert [t[9] for t in table if len(t) > 9] == [">=1.7", ">=2.6"] * 2
     assert all(t[1] == "1" for t in table if len(t) > 9)
