@@ -422,35 +422,130 @@ static int bf_backward(float* dinp, float* dweight, const float* dout, const voi
     llmc_scratch_done();
     return LLMC_OK;
 }
-/* llmc_gemm_bf16_many on the dot-product path: each job cut for its share
-   of the threads, one scratch for all. */
+/*
+ * A thread's share of llmc_gemm_bf16_many's jobs: rows [m0, m1) and columns
+ * [n0, n1) of job `job` (all of K), with its tiles planned for one thread.
+ */
+struct bf_part {
+    int job;
+    int m0, m1, n0, n1;
+    struct bf_plan plan;
+};
+
+/* A job's work in the balance: its vdpbf16ps (M N Kp / 16) and its packing
+   (each operand about once), in cycles (bf_choose_tiles' model). */
+static double bf_job_work(const struct bf16_gemm* g) {
+    const double Kp = (double)((g->K + 1) / 2);
+    return Kp * ((double)g->M * g->N / 16.0 + g->M + g->N);
+}
+
+/* Whether bf_job_cut splits job g along its rows (else its columns): the
+   dimension with more panels (8 rows, 48 columns). */
+static int bf_splits_rows(const struct bf16_gemm* g) {
+    return bf_ceil_div(g->M, BF_MR) > bf_ceil_div(g->N, BF_NR);
+}
+
+/* Where a thread boundary `at` (in [0, 1] of the job's work) cuts job g, in
+   rows or columns (bf_splits_rows): at a whole panel, computed alike by the
+   threads on both sides of the boundary. */
+static int bf_job_cut(const struct bf16_gemm* g, double at) {
+    const int rows = bf_splits_rows(g);
+    const int64_t panels = rows ? bf_ceil_div(g->M, BF_MR) : bf_ceil_div(g->N, BF_NR);
+    const int64_t cut = (int64_t)(at * (double)panels + 0.5) * (rows ? BF_MR : BF_NR);
+    const int64_t size = rows ? g->M : g->N;
+    return (int)(cut < size ? cut : size);
+}
+
+/*
+ * jobs[0 .. count) cut into parts[]: thread t's parts are parts[first[t] ..
+ * first[t+1]), for t < nthreads. The jobs' work, end to end, is cut into
+ * nthreads equal shares; a job that a share's boundary crosses is split
+ * between the two threads along its rows or columns (bf_job_cut), and every
+ * part is planned for one thread. The parts hold at most count + nthreads
+ * entries. Returns the largest part's scratch (uint32s a thread).
+ */
+static size_t bf_balance(const struct bf16_gemm* jobs, int count, int nthreads,
+                         struct bf_part* parts, int* first) {
+    double total = 0.0;
+    for (int g = 0; g < count; g++) { total += bf_job_work(&jobs[g]); }
+    size_t words = 16;
+    int n = 0;
+    for (int t = 0; t < nthreads; t++) {
+        first[t] = n;
+        const double lo = total * t / nthreads, hi = total * (t + 1) / nthreads;
+        double start = 0.0;
+        for (int g = 0; g < count; g++) {
+            const struct bf16_gemm* job = &jobs[g];
+            const double work = bf_job_work(job), end = start + work;
+            if (job->M > 0 && job->N > 0 && job->K > 0 && end > lo && start < hi) {
+                // this thread's cut of the job: from boundary lo to boundary hi
+                const int by_rows = bf_splits_rows(job);
+                const int c0 = lo > start ? bf_job_cut(job, (lo - start) / work) : 0;
+                const int c1 = hi < end ? bf_job_cut(job, (hi - start) / work)
+                                        : by_rows ? job->M : job->N;
+                if (c0 < c1) {
+                    struct bf_part* p = &parts[n++];
+                    *p = (struct bf_part){.job = g, .m0 = 0, .m1 = job->M, .n0 = 0, .n1 = job->N};
+                    if (by_rows) { p->m0 = c0, p->m1 = c1; } else { p->n0 = c0, p->n1 = c1; }
+                    struct bf16_gemm shape = *job;
+                    shape.M = p->m1 - p->m0, shape.N = p->n1 - p->n0;
+                    p->plan = bf_plan_gemm(&shape, 1);
+                    words = p->plan.per_thread > words ? p->plan.per_thread : words;
+                }
+            }
+            start = end;
+        }
+    }
+    first[nthreads] = n;
+    return words;
+}
+
+/* The parts of one thread (bf_balance), in order, each tile by tile with
+   scratch ap (per_thread uint32s). */
+static void bf_run_parts(const struct bf16_gemm* jobs, const struct bf_part* parts, int count,
+                         uint32_t* ap) {
+    for (int i = 0; i < count; i++) {
+        const struct bf_part* p = &parts[i];
+        const struct bf16_gemm* job = &jobs[p->job];
+        const struct bf_plan* plan = &p->plan;
+        const int one_block = (job->K + 1) / 2 <= bf_block_pairs(job->K);
+        for (int64_t mi = 0; mi < plan->m_blocks; mi++) {
+            const int m0 = p->m0 + (int)mi * plan->MC;
+            const int mc = p->m1 - m0 < plan->MC ? p->m1 - m0 : plan->MC;
+            for (int64_t ni = 0; ni < plan->n_blocks; ni++) {
+                const int n0 = p->n0 + (int)ni * plan->NC;
+                const int nc = p->n1 - n0 < plan->NC ? p->n1 - n0 : plan->NC;
+                // with K one block, the tiles of a row block share its packed A
+                bf_tile(job, ap, ap + plan->ap_words, m0, mc, n0, nc, one_block && ni > 0,
+                        plan->whole_b);
+            }
+        }
+    }
+}
+
+/* llmc_gemm_bf16_many on the dot-product path: the jobs' work cut into
+   equal shares of the threads (bf_balance), so that experts of unequal
+   rows, or jobs fewer than the threads, keep every thread busy. */
 static int bf_gemm_many(const struct bf16_gemm* jobs, int count) {
     const int nthreads = omp_get_max_threads();
-    const int job_threads = (int)bf_ceil_div(nthreads, count);
-    struct bf_plan* plans = malloc((size_t)count * sizeof *plans);
-    int64_t* first_tile = malloc(((size_t)count + 1) * sizeof *first_tile);
-    if (plans == NULL || first_tile == NULL) {
-        free(plans);
-        free(first_tile);
-        return LLMC_ERR_NOMEM;
-    }
-    size_t words = 16;
-    first_tile[0] = 0;
-    for (int g = 0; g < count; g++) {
-        const int empty = jobs[g].M <= 0 || jobs[g].N <= 0 || jobs[g].K <= 0;
-        if (!empty) {
-            plans[g] = bf_plan_gemm(&jobs[g], job_threads);
-            words = plans[g].per_thread > words ? plans[g].per_thread : words;
-        }
-        first_tile[g + 1] = first_tile[g] + (empty ? 0 : plans[g].m_blocks * plans[g].n_blocks);
-    }
-    uint32_t* scratch = bf_scratch(nthreads, words);
+    struct bf_part* parts = malloc(((size_t)count + nthreads) * sizeof *parts);
+    int* first = malloc(((size_t)nthreads + 1) * sizeof *first);
+    const size_t words = parts != NULL && first != NULL
+                         ? bf_balance(jobs, count, nthreads, parts, first) : 0;
+    uint32_t* scratch = words > 0 ? bf_scratch(nthreads, words) : NULL;
     if (scratch != NULL) {
-        bf_gemm_run_many(jobs, plans, first_tile, count, words, scratch);
+        #pragma omp parallel num_threads(nthreads)
+        {
+            // a smaller team than asked takes the missing threads' shares too
+            for (int t = omp_get_thread_num(); t < nthreads; t += omp_get_num_threads()) {
+                bf_run_parts(jobs, parts + first[t], first[t + 1] - first[t],
+                             scratch + (size_t)omp_get_thread_num() * words);
+            }
+        }
         llmc_scratch_done();
     }
-    free(plans);
-    free(first_tile);
+    free(parts);
+    free(first);
     return scratch != NULL ? LLMC_OK : LLMC_ERR_NOMEM;
 }
 #endif

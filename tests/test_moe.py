@@ -299,6 +299,29 @@ def test_grouped_bf16_matches_reference(rng, use_isa, isa_name, counts, C, OC):
         assert np.array_equal(ours[name], value), name
 
 
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+@pytest.mark.parametrize("counts,C,OC", [
+    ([700], 40, 30),                   # one job: every thread's share a cut of its rows
+    ([13, 0, 300, 41], 33, 150),       # unequal experts, one without rows
+    ([0, 90, 0], 70, 800),             # the forward cut along its columns (17 panels of
+                                       # 48 against 12 of 8 rows)
+])
+def test_grouped_bf16_cut_between_threads_is_each_experts_layer(rng, set_threads, use_isa,
+                                                                isa_name, counts, C, OC):
+    """The bf16 grouped GEMM cuts the experts' work into equal shares of the
+    threads, splitting an expert (its rows, or columns) where a share ends:
+    on 1, 2, 3, 5 and 7 threads (more cuts than experts) every product is
+    bitwise each expert's own linear layer."""
+    use_isa(isa_name)
+    offsets, x, dout, w16 = grouped_operands(rng, counts, C, OC, bf16=True)
+    set_threads(1)
+    expected = per_expert(offsets, x, dout, w16, bf16=True)
+    for threads in (1, 2, 3, 5, 7):
+        set_threads(threads)
+        for name, value in grouped(offsets, x, dout, w16, bf16=True).items():
+            assert np.array_equal(value, expected[name]), (name, threads)
+
+
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("isa_name", ALL_ISAS)
 def test_grouped_forward_of_few_rows_is_the_gemms(rng, set_threads, use_isa, isa_name, bf16):
