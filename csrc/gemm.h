@@ -81,9 +81,10 @@ struct bf16_gemm {
 
 /* The bf16 products jobs[0 .. count), each element summed as matmul_bf16.c's
    layer sums it on the active instruction set: vdpbf16ps pairs on
-   avx512bf16, as one parallel loop over the tiles of all jobs; elsewhere
-   the operands rounded and widened to float32, then llmc_gemm_f32_many. The
-   jobs' outputs must not overlap. */
+   avx512bf16, in one parallel region where the jobs' work, end to end, is
+   cut into equal shares of the threads (a job split along its rows or
+   columns where a share ends); elsewhere the operands rounded and widened
+   to float32, then llmc_gemm_f32_many. The jobs' outputs must not overlap. */
 int llmc_gemm_bf16_many(const struct bf16_gemm* jobs, int count);
 
 /* The most rows matmul_forward_bf16 gives its few-row kernel (avx512bf16). */

@@ -1027,8 +1027,10 @@ int moe_combine_backward(float* dexpert_out, float* dweights, const float* dout,
  * moe_grouped_forward: each expert's linear layer (no bias) over its rows of
  * the grouped buffer, R = N k rows in all:
  *   out[r, :] = inp[r, :] . weight[e]^T   for offsets[e] <= r < offsets[e+1]
- * as one parallel loop over the tiles of all experts. Each row is bitwise
- * what matmul_forward gives for it with weight[e].
+ * as one parallel loop over the tiles of all experts (bf16: the experts'
+ * work cut into equal shares of the threads, an expert split between two
+ * threads where a share ends). Each row is bitwise what matmul_forward
+ * gives for it with weight[e].
  * moe_grouped_backward: its gradients, each bitwise matmul_backward's:
  *   dinp[r, :] += dout[r, :] . weight[e]; dweight[e] += dout_e^T . inp_e
  *

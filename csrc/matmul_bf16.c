@@ -23,6 +23,12 @@
  *                all their B panels of a K block first and walk C in whole
  *                rows, since its C is read and written on every call. The
  *                packed panels live in scratch.c's arena, kept between calls.
+ *                A batch of products (llmc_gemm_bf16_many: moe.c's experts,
+ *                lora_bf16.c's adapters) is cut into equal shares of work,
+ *                one a thread, a product split where a share ends, and each
+ *                part tiled for one thread: experts of unequal rows keep
+ *                both threads busy (the tiles dealt out by count left one
+ *                thread idle 12% of the time at bench --moe's experts).
  *   dot product, skinny
  *                the forward with B*T <= 12 rows (decoding): the GEMM would
  *                repack the whole weight per call for a few rows, so the

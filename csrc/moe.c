@@ -543,7 +543,7 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
             return status;
         }
     }
-    // the backward's dinp and dweight write apart: one loop over the tiles of both
+    // the backward's dinp and dweight write apart: one batch of jobs for both
     const struct { int product; float* c; const void* x; const void* w; } parts[3] = {
         {PRODUCT_FORWARD, out, inp, weight}, {PRODUCT_DINP, dinp, dout, weight},
         {PRODUCT_DWEIGHT, dweight, dout, inp}};
