@@ -102,7 +102,6 @@
 LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int n, int hs,
                                 float scale),
                   panel, k, stride, n, hs, scale)
-LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
 LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
@@ -123,10 +122,14 @@ int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
     float* scratch = alloc_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < heads; h++) {
-            head(a, b, h, scratch + (size_t)omp_get_thread_num() * per_thread);
+    #pragma omp parallel
+    {
+        int64_t lo, hi;
+        llmc_thread_share((int64_t)B * heads, &lo, &hi);
+        float* mine = scratch + (size_t)omp_get_thread_num() * per_thread;
+        for (int64_t i = lo; i < hi; i++) {
+            const int nb = i + 1 < hi ? (int)((i + 1) / heads) : -1;
+            head(a, (int)(i / heads), (int)(i % heads), nb, (int)((i + 1) % heads), mine);
         }
     }
     free(scratch);
@@ -147,14 +150,20 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
                                        int window, llmc_dropout drop, int t0, int R) {
     score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
                first_block_key(t0, window));
+    // each row's softmax_row, its reductions run for the tile's rows at once
+    int lo[SCORE_ROWS], n[SCORE_ROWS];
+    float maxval[SCORE_ROWS], inv[SCORE_ROWS];
     for (int r = 0; r < R; r++) {
-        const int lo = first_key(t0 + r, window);
-        LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T + lo, t0 + r + 1 - lo,
-                                          stats_bh + 2 * (size_t)(t0 + r));
-        if (llmc_dropout_on(drop)) {
-            float* p_row = s + (size_t)r * T + lo;
-            llmc_dropout_row(p_row, p_row, lo, t0 + r + 1 - lo, drop, t0 + r);
-        }
+        lo[r] = first_key(t0 + r, window);
+        n[r] = t0 + r + 1 - lo[r];
+    }
+    softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
+    for (int r = 0; r < R; r++) {
+        float* p_row = s + (size_t)r * T + lo[r];
+        scale_row(p_row, n[r], inv[r]);
+        stats_bh[2 * (size_t)(t0 + r)] = maxval[r];
+        stats_bh[2 * (size_t)(t0 + r) + 1] = inv[r];
+        if (llmc_dropout_on(drop)) { llmc_dropout_row(p_row, p_row, lo[r], n[r], drop, t0 + r); }
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_pv) {
@@ -170,7 +179,7 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
 /* The forward of one (b, h): its kv head's key panel, then the query rows
    in tiles, their scores in s [SCORE_ROWS, T] after the panel in scratch. */
 static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, int b, int h,
-                                            float* scratch) {
+                                            int nb, int nh, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, g = h / a->kv_mul;
     const size_t row = a->row, C = a->C;
     const float* inp_b = inp_of(a, b);
@@ -185,16 +194,19 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, g), row, T, hs, a->scale);
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+        prefetch_forward(a, b, g, nb, nh, t0, SCORE_ROWS);
         forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
                      t0, SCORE_ROWS);
     }
+    prefetch_forward(a, b, g, nb, nh, t0, T - t0);
     for (; t0 < T; t0++) {
         forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
                      t0, 1);
     }
 }
-LLMC_ISA_VARIANTS_ISA(forward_head, (const attention_call* a, int b, int h, float* scratch),
-                      a, b, h, scratch)
+LLMC_ISA_VARIANTS_ISA(forward_head,
+                      (const attention_call* a, int b, int h, int nb, int nh, float* scratch),
+                      a, b, h, nb, nh, scratch)
 
 /* The forward core; sizes already checked. */
 static int gqa_forward(float* out, float* stats, attention_call a) {
@@ -252,7 +264,7 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
    of v (panel_count(T, hs) each), then the blocks of P and dS
    ([min(T, BACKWARD_ROWS), T] each). */
 static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, int b, int g,
-                                              float* scratch) {
+                                              int nb, int ng, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, kv_mul = a->kv_mul;
     const size_t row = a->row, C = a->C, k_head = k_offset(a, g), v_head = v_offset(a, g);
     const float scale = a->scale;
@@ -273,10 +285,12 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
             const int k_block = first_block_key(t0, window);
             int t = t0;
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
+                prefetch_backward(a, nb, ng, h - g * kv_mul, t, SCORE_ROWS);
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
                               row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t,
                               SCORE_ROWS);
             }
+            prefetch_backward(a, nb, ng, h - g * kv_mul, t, t1 - t);
             for (; t < t1; t++) {
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
                               row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t, 1);
@@ -300,8 +314,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
         }
     }
 }
-LLMC_ISA_VARIANTS_ISA(backward_group, (const attention_call* a, int b, int g, float* scratch),
-                      a, b, g, scratch)
+LLMC_ISA_VARIANTS_ISA(backward_group,
+                      (const attention_call* a, int b, int g, int nb, int ng, float* scratch),
+                      a, b, g, nb, ng, scratch)
 
 /* The backward core; sizes already checked. */
 static int gqa_backward(float* dinp, const float* dout, const float* stats, attention_call a) {
