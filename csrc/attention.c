@@ -18,8 +18,9 @@
  * the backward's P is bitwise the forward's, and so is every sum built on it.
  *
  * One driver (llmc_attention_heads) runs every tiled kernel but the decode:
- * parallel over (b, head), each thread with its own scratch, one malloc per
- * call. The forward, probabilities and entropy take a query head each, the
+ * parallel over (b, head), each thread a contiguous share with its own
+ * scratch, a slice of the kernels' arena (scratch.h), kept between calls.
+ * The forward, probabilities and entropy take a query head each, the
  * backward a kv head with its group.
  *
  * Forward, per (b, h): the key panel of the head's kv head is built with
@@ -37,7 +38,7 @@
  * rows t0 .. t1-1. With dO = dout of head h, per tile of the block's rows:
  *   P  = exp(score_tile(q, key panel) - max) * inv     probs_row
  *   dP = dO V^T                  score_tile against a panel of v, no scale
- *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)          dscore_row
+ *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)          dscore_tile
  *   dq += dS K                   rows_tile
  * then, for every key t2 < t1, over the block's rows t >= t2:
  *   dk += dS^T Q                 cols_tile
@@ -55,7 +56,7 @@
  * A sliding window of W keys (window > 0) bounds every key loop below: row
  * t's keys are lo(t) = max(0, t - W + 1) .. t. A tile's scores start at the
  * panel block of its first row's lo; each row's softmax (and probs_row,
- * dscore_row, entropy_row) runs over its own window; the sums over keys
+ * dscore_tile, entropy_row) runs over its own window; the sums over keys
  * that a tile's rows share start at the first row's lo, and the later rows'
  * entries before their own lo are set to 0 first (an added 0 * x changes no
  * bit). So time is O(T W), and a row sums the same terms in the same order
@@ -65,7 +66,7 @@
  * Dropout on the probabilities (training): the forward drops each row of P
  * after softmax_row, P M / (1 - p) with M a hash of (b, h T + t, t2)
  * (dropout.h), so stats stay those of P; the backward regenerates the mask
- * row by row: dP goes through it before dscore_row, and P, once dS is made,
+ * row by row: dP goes through it before dscore_tile, and P, once dS is made,
  * takes it for dv. A row's mask covers its window's keys only.
  *
  * variants (the family's files):
@@ -86,13 +87,13 @@
  *                      whole of att [B, NH, T, T], the reference the tests
  *                      and the benchmark check the tiled kernels against
  */
-#include <stdlib.h>
 #include "llmc.h"
 #include "common.h"
 #include "dropout.h"
 #include "isa.h"
 #include "attention.h"
 #include "attention_tiles.h"
+#include "scratch.h"
 
 /* Query rows per block of the backward, whose P and dS it recomputes at
    once: a multiple of SCORE_ROWS and of TILE_KEYS (so that no key tile
@@ -104,14 +105,16 @@ LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int
                   panel, k, stride, n, hs, scale)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
-/* One allocation for every thread's per_thread floats of scratch; NULL if it
-   fails or its size would not fit. */
-static float* alloc_scratch(size_t per_thread) {
+/* Every thread's per_thread floats of scratch in the kernels' arena (the
+   GEMM panels' buffer, already large enough at a model's shapes): a call
+   allocates nothing, and touches no fresh pages, once the arena has grown.
+   NULL, unlocked, if it fails or its size would not fit; else paired with
+   llmc_scratch_done. */
+static float* acquire_scratch(size_t per_thread) {
     const size_t threads = (size_t)omp_get_max_threads();
     if (!llmc_count_fits(threads, per_thread, 1, 1)) { return NULL; }
-    return malloc(threads * per_thread * sizeof(float));
+    return llmc_scratch_acquire(LLMC_SCRATCH_PANELS, threads * per_thread * sizeof(float));
 }
 
 /* head is a variant already chosen (LLMC_ISA_SELECT): the parallel region
@@ -119,7 +122,7 @@ static float* alloc_scratch(size_t per_thread) {
 int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
                          attention_head_fn head) {
     const int B = a->B;
-    float* scratch = alloc_scratch(per_thread);
+    float* scratch = acquire_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
     #pragma omp parallel
@@ -132,7 +135,7 @@ int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
             head(a, (int)(i / heads), (int)(i % heads), nb, (int)((i + 1) % heads), mine);
         }
     }
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 
@@ -240,16 +243,25 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope, k_first);
     score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
                k_first);
+    int lo[SCORE_ROWS], n[SCORE_ROWS];
+    for (int r = 0; r < R; r++) {
+        float* ds_row = ds_t + (size_t)r * T;
+        lo[r] = first_key(t + r, window);
+        n[r] = t + r + 1 - lo[r];
+        LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
+                                        stats_bh + 2 * (size_t)(t + r));
+        if (llmc_dropout_on(drop)) {
+            llmc_dropout_row(ds_row + lo[r], ds_row + lo[r], lo[r], n[r], drop, t + r);
+        }
+    }
+    dscore_tile(ds_t, p_t, (size_t)T, lo, n, R, scale);
     for (int r = 0; r < R; r++) {
         float* p_row = p_t + (size_t)r * T;
-        float* ds_row = ds_t + (size_t)r * T;
-        const int lo = first_key(t + r, window), n = t + r + 1 - lo;
-        LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n, stats_bh + 2 * (size_t)(t + r));
-        if (llmc_dropout_on(drop)) { llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, drop, t + r); }
-        LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
-        if (llmc_dropout_on(drop)) { llmc_dropout_row(p_row + lo, p_row + lo, lo, n, drop, t + r); }
-        zero_keys(p_row, k_block, lo);
-        zero_keys(ds_row, k_block, lo);
+        if (llmc_dropout_on(drop)) {
+            llmc_dropout_row(p_row + lo[r], p_row + lo[r], lo[r], n[r], drop, t + r);
+        }
+        zero_keys(p_row, k_block, lo[r]);
+        zero_keys(ds_t + (size_t)r * T, k_block, lo[r]);
     }
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {

@@ -344,7 +344,6 @@ static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumula
 
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
 /* The sizes of one call's panels: hn channel pairs (the last may hold one
    channel), hp pairs a row of q's and dO's row pairs (hn rounded up to 16),
@@ -574,21 +573,26 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 score_rows(isa, ds_t, (size_t)T, w.dopairs + (size_t)t * z.hp, (size_t)z.hp,
                            w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f, k_first);
                 const int p_first = first_row_pair(t, window), p_last = (t + R + 31) / 32 * 16;
+                int lo[SCORE_ROWS], n[SCORE_ROWS];
                 for (int r = 0; r < R; r++) {
-                    float* p_row = p_t + (size_t)r * T;
                     float* ds_row = ds_t + (size_t)r * T;
-                    const int lo = first_key(t + r, window), n = t + r + 1 - lo;
-                    LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n,
+                    lo[r] = first_key(t + r, window);
+                    n[r] = t + r + 1 - lo[r];
+                    LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
                                                     hd.stats + 2 * (size_t)(t + r));
                     if (llmc_dropout_on(hd.drop)) {
-                        llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, hd.drop, t + r);
+                        llmc_dropout_row(ds_row + lo[r], ds_row + lo[r], lo[r], n[r], hd.drop,
+                                         t + r);
                     }
-                    LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
+                }
+                dscore_tile(ds_t, p_t, (size_t)T, lo, n, R, scale);
+                for (int r = 0; r < R; r++) {
+                    float* p_row = p_t + (size_t)r * T;
                     if (llmc_dropout_on(hd.drop)) {
-                        llmc_dropout_row(p_row + lo, p_row + lo, lo, n, hd.drop, t + r);
+                        llmc_dropout_row(p_row + lo[r], p_row + lo[r], lo[r], n[r], hd.drop, t + r);
                     }
-                    row_pairs(isa, w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first,
-                              p_last, lo, t + r + 1, 1.0f);
+                    row_pairs(isa, w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_t + (size_t)r * T,
+                              p_first, p_last, lo[r], t + r + 1, 1.0f);
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;

@@ -28,7 +28,7 @@
  * Beside them, the row primitives softmax_row_body and probs_row_body: P =
  * exp(s - max) * inv by the same vector operations in both, so the
  * probabilities recomputed from a row's saved max and inv are bitwise the
- * forward's; and dscore_row_body, the backward through the softmax.
+ * forward's; and dscore_tile, the backward through the softmax.
  * Bodies only: a file builds the per-ISA variants of those it calls
  * (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so every file
  * runs the same code.
@@ -282,19 +282,36 @@ static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
     }
 }
 
-/* The backward through the softmax and the scale, one row of n keys: ds
-   holds dP = dO . v on entry, and on return
-   dS = p * (dP - sum(p * dP)) * scale. */
-static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
-    vec16f acc = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
+/* The backward through the softmax and the scale, for the R rows (R <= 16)
+   of a tile: row r is n[r] keys from lo[r] on of ds, which holds dP = dO . v
+   on entry, and of p (rows of both ld floats apart); on return
+   dS = p * (dP - sum(p * dP)) * scale. A row's sum runs 16 lanes at a time,
+   then its lanes in order, one chain a row: transposed, as in
+   softmax_tile_exps, one vector add takes the same step of every row's. */
+static ALWAYS_INLINE void dscore_tile(float* ds, const float* p, size_t ld, const int* lo,
+                                      const int* n, int R, float scale) {
+    vec16f lanes[16];
+    for (int r = 0; r < 16; r++) {
+        vec16f acc = {0};
+        const float* p_r = p + (size_t)r * ld + (r < R ? lo[r] : 0);
+        const float* ds_r = ds + (size_t)r * ld + (r < R ? lo[r] : 0);
+        for (int k0 = 0; r < R && k0 < n[r]; k0 += 16) {
+            const int m = n[r] - k0 < 16 ? n[r] - k0 : 16;
+            acc += load_part(p_r + k0, m) * load_part(ds_r + k0, m);   // lanes past m: 0 * 0
+        }
+        lanes[r] = acc;
     }
-    const float p_dp = llmc_hsum16(acc);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
+    llmc_transpose16(lanes);   // lanes[j] lane r: row r's lane j
+    vec16f p_dp = {0};
+    for (int j = 0; j < 16; j++) { p_dp += lanes[j]; }
+    for (int r = 0; r < R; r++) {
+        const float* p_r = p + (size_t)r * ld + lo[r];
+        float* ds_r = ds + (size_t)r * ld + lo[r];
+        for (int k0 = 0; k0 < n[r]; k0 += 16) {
+            const int m = n[r] - k0 < 16 ? n[r] - k0 : 16;
+            store_part(ds_r + k0, load_part(p_r + k0, m) * (load_part(ds_r + k0, m) - p_dp[r])
+                                      * scale, m);
+        }
     }
 }
 
