@@ -179,8 +179,9 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
     }
 }
 
-/* The forward of one (b, h): its kv head's key panel, then the query rows
-   in tiles, their scores in s [SCORE_ROWS, T] after the panel in scratch. */
+/* The forward of one (b, h): its kv head's key panel (unless the thread's
+   previous head built it), then the query rows in tiles, their scores in
+   s [SCORE_ROWS, T] after the panel in scratch. */
 static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, int b, int h,
                                             int nb, int nh, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, g = h / a->kv_mul;
@@ -194,7 +195,9 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     const llmc_dropout drop = llmc_dropout_at(a->drop, b, (int64_t)h * T);
     float* panel = scratch;
     float* s = panel + panel_count(T, hs);
-    LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, g), row, T, hs, a->scale);
+    if (!follows_its_kv_head(a, b, h)) {
+        LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, g), row, T, hs, a->scale);
+    }
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
         prefetch_forward(a, b, g, nb, nh, t0, SCORE_ROWS);

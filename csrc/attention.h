@@ -98,6 +98,17 @@ static inline void prefetch_rows(const float* x, size_t ld, int n, int hs) {
     }
 }
 
+/* Whether the thread that runs query head h of batch row b in a forward ran
+   head h - 1 of the same kv head just before it (llmc_attention_heads gives
+   each thread llmc_thread_share's contiguous share of the (b, h) in order):
+   its scratch then still holds that kv head's panels, which this head would
+   build again bit for bit. Inside the driver's parallel region only. */
+static inline int follows_its_kv_head(const attention_call* a, int b, int h) {
+    int64_t lo, hi;
+    llmc_thread_share((int64_t)a->B * a->NH, &lo, &hi);
+    return h % a->kv_mul != 0 && (int64_t)b * a->NH + h > lo;
+}
+
 /* The forward's rows t0 .. t0+n-1 of (b, h) = (nb, nh) when nb >= 0: q,
    k and v (unless those are cur_g's of cur_b, already in the cache) and
    out. */

@@ -368,7 +368,8 @@ static int first_row_pair(int t, int window) { return first_key(t, window) / 32 
 static int end_pair(int t_last) { return (t_last + 2) / 2; }
 
 /* The forward of one (b, h). Scratch: the key panel [hp][Tp], the value
-   panel [Tp/2][hsv] and q's row pairs [T][hp] (uint32), then the scores of a
+   panel [Tp/2][hsv] (kept from the thread's previous head when that one had
+   the same kv head) and q's row pairs [T][hp] (uint32), then the scores of a
    tile [SCORE_ROWS][T] (float) and bf16(P)'s rows [SCORE_ROWS][Tp/2]. */
 static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, int b, int h,
                                             int nb, int nh, float* scratch) {
@@ -387,8 +388,10 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     float* s = (float*)(qpairs + (size_t)T * z.hp);
     uint32_t* ppairs = (uint32_t*)(s + (size_t)SCORE_ROWS * T);
     const size_t ldpp = (size_t)z.Tp / 2;
-    key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
-    value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+    if (!follows_its_kv_head(a, b, h)) {
+        key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
+        value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+    }
     for (int t = 0; t < T; t++) {
         row_pairs(isa, qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
     }

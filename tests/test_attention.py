@@ -475,6 +475,32 @@ def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
     assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_attention_forward_builds_panels_where_a_share_starts_inside_a_kv_group(
+        rng, isa, set_threads, precision):
+    """A thread keeps its previous query head's k, v panels for the next head
+    of the same kv head, and builds them where its share of the (b, h) starts
+    inside a group: 6 query heads over 4 threads start shares at heads 2, 4
+    and 5 (3 a kv head), with another call's panels left in the arena."""
+    forward = K.attention_gqa_forward_bf16 if precision == "bf16" else K.attention_gqa_forward
+    other, _, slopes = make_gqa_inputs(rng, 1, 40, 6, 2, 16, "alibi")
+    qkv = randn(rng, *other.shape)
+
+    def run(x):
+        out, stats = np.empty((1, 40, 6 * 16), np.float32), np.empty((1, 6, 40, 2), np.float32)
+        forward(out, stats, x, slopes, 6, 2)
+        return out, stats
+
+    set_threads(1)
+    expected = run(qkv)
+    set_threads(4)
+    if llmc_py.get_num_threads() != 4:
+        pytest.skip("no OpenMP")
+    run(other)
+    for want, got in zip(expected, run(qkv)):
+        assert np.array_equal(want, got)
+
+
 # ---- sliding-window attention -----------------------------------------------
 
 
