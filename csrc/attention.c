@@ -156,10 +156,7 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
     // each row's softmax_row, its reductions run for the tile's rows at once
     int lo[SCORE_ROWS], n[SCORE_ROWS];
     float maxval[SCORE_ROWS], inv[SCORE_ROWS];
-    for (int r = 0; r < R; r++) {
-        lo[r] = first_key(t0 + r, window);
-        n[r] = t0 + r + 1 - lo[r];
-    }
+    row_windows(lo, n, t0, R, window);
     softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
     for (int r = 0; r < R; r++) {
         float* p_row = s + (size_t)r * T + lo[r];
@@ -247,10 +244,9 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
                k_first);
     int lo[SCORE_ROWS], n[SCORE_ROWS];
+    row_windows(lo, n, t, R, window);
     for (int r = 0; r < R; r++) {
         float* ds_row = ds_t + (size_t)r * T;
-        lo[r] = first_key(t + r, window);
-        n[r] = t + r + 1 - lo[r];
         LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
                                         stats_bh + 2 * (size_t)(t + r));
         if (llmc_dropout_on(drop)) {

@@ -17,6 +17,15 @@ static inline int first_key(int t, int window) {
     return window > 0 && t >= window ? t - window + 1 : 0;
 }
 
+/* The windows of rows t0 .. t0+R-1: row t0 + r's first key lo[r] and its
+   number of keys n[r]. */
+static inline void row_windows(int* lo, int* n, int t0, int R, int window) {
+    for (int r = 0; r < R; r++) {
+        lo[r] = first_key(t0 + r, window);
+        n[r] = t0 + r + 1 - lo[r];
+    }
+}
+
 /* The first key of the panel block (16 keys) that holds row t's first key. */
 static inline int first_block_key(int t, int window) { return first_key(t, window) / 16 * 16; }
 

@@ -404,10 +404,7 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         const int p_last = (t0 + R + 31) / 32 * 16;   // whole vectors of pairs
         int lo[SCORE_ROWS], n[SCORE_ROWS];
         float maxval[SCORE_ROWS], inv[SCORE_ROWS];
-        for (int r = 0; r < R; r++) {
-            lo[r] = first_key(t0 + r, window);
-            n[r] = t0 + r + 1 - lo[r];
-        }
+        row_windows(lo, n, t0, R, window);
         softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
         for (int r = 0; r < R; r++) {
             const int t = t0 + r;
@@ -577,10 +574,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                            w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f, k_first);
                 const int p_first = first_row_pair(t, window), p_last = (t + R + 31) / 32 * 16;
                 int lo[SCORE_ROWS], n[SCORE_ROWS];
+                row_windows(lo, n, t, R, window);
                 for (int r = 0; r < R; r++) {
                     float* ds_row = ds_t + (size_t)r * T;
-                    lo[r] = first_key(t + r, window);
-                    n[r] = t + r + 1 - lo[r];
                     LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
                                                     hd.stats + 2 * (size_t)(t + r));
                     if (llmc_dropout_on(hd.drop)) {
