@@ -28,7 +28,8 @@
  * then per tile of SCORE_ROWS query rows, in a per-thread scratch of
  * SCORE_ROWS x T scores,
  *   scores = score_tile(q, panel), starting from the bias -slope * (t - t2)
- *   P      = softmax_row of each row, which also writes the row's max, inv
+ *   P      = softmax_row of each row (its reductions for the tile at once:
+ *            softmax_tile_exps), which also writes the row's max, inv
  *   out    = rows_tile(P, v)
  * Scratch per thread: the panel (T hs) and the tile (SCORE_ROWS T) floats.
  *
