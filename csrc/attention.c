@@ -18,8 +18,9 @@
  * the backward's P is bitwise the forward's, and so is every sum built on it.
  *
  * One driver (llmc_attention_heads) runs every tiled kernel but the decode:
- * parallel over (b, head), each thread with its own scratch, one malloc per
- * call. The forward, probabilities and entropy take a query head each, the
+ * parallel over (b, head), each thread a contiguous share with its own
+ * scratch, a slice of the kernels' arena (scratch.h), kept between calls.
+ * The forward, probabilities and entropy take a query head each, the
  * backward a kv head with its group.
  *
  * Forward, per (b, h): the key panel of the head's kv head is built with
@@ -27,7 +28,8 @@
  * then per tile of SCORE_ROWS query rows, in a per-thread scratch of
  * SCORE_ROWS x T scores,
  *   scores = score_tile(q, panel), starting from the bias -slope * (t - t2)
- *   P      = softmax_row of each row, which also writes the row's max, inv
+ *   P      = softmax_row of each row (its reductions for the tile at once:
+ *            softmax_tile_exps), which also writes the row's max, inv
  *   out    = rows_tile(P, v)
  * Scratch per thread: the panel (T hs) and the tile (SCORE_ROWS T) floats.
  *
@@ -37,7 +39,7 @@
  * rows t0 .. t1-1. With dO = dout of head h, per tile of the block's rows:
  *   P  = exp(score_tile(q, key panel) - max) * inv     probs_row
  *   dP = dO V^T                  score_tile against a panel of v, no scale
- *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)          dscore_row
+ *   dS = P * (dP - rowsum(P * dP)) / sqrt(hs)          dscore_tile
  *   dq += dS K                   rows_tile
  * then, for every key t2 < t1, over the block's rows t >= t2:
  *   dk += dS^T Q                 cols_tile
@@ -55,7 +57,7 @@
  * A sliding window of W keys (window > 0) bounds every key loop below: row
  * t's keys are lo(t) = max(0, t - W + 1) .. t. A tile's scores start at the
  * panel block of its first row's lo; each row's softmax (and probs_row,
- * dscore_row, entropy_row) runs over its own window; the sums over keys
+ * dscore_tile, entropy_row) runs over its own window; the sums over keys
  * that a tile's rows share start at the first row's lo, and the later rows'
  * entries before their own lo are set to 0 first (an added 0 * x changes no
  * bit). So time is O(T W), and a row sums the same terms in the same order
@@ -65,7 +67,7 @@
  * Dropout on the probabilities (training): the forward drops each row of P
  * after softmax_row, P M / (1 - p) with M a hash of (b, h T + t, t2)
  * (dropout.h), so stats stay those of P; the backward regenerates the mask
- * row by row: dP goes through it before dscore_row, and P, once dS is made,
+ * row by row: dP goes through it before dscore_tile, and P, once dS is made,
  * takes it for dv. A row's mask covers its window's keys only.
  *
  * variants (the family's files):
@@ -86,13 +88,13 @@
  *                      whole of att [B, NH, T, T], the reference the tests
  *                      and the benchmark check the tiled kernels against
  */
-#include <stdlib.h>
 #include "llmc.h"
 #include "common.h"
 #include "dropout.h"
 #include "isa.h"
 #include "attention.h"
 #include "attention_tiles.h"
+#include "scratch.h"
 
 /* Query rows per block of the backward, whose P and dS it recomputes at
    once: a multiple of SCORE_ROWS and of TILE_KEYS (so that no key tile
@@ -102,17 +104,18 @@
 LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int n, int hs,
                                 float scale),
                   panel, k, stride, n, hs, scale)
-LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
-/* One allocation for every thread's per_thread floats of scratch; NULL if it
-   fails or its size would not fit. */
-static float* alloc_scratch(size_t per_thread) {
+/* Every thread's per_thread floats of scratch in the kernels' arena (the
+   GEMM panels' buffer, already large enough at a model's shapes): a call
+   allocates nothing, and touches no fresh pages, once the arena has grown.
+   NULL, unlocked, if it fails or its size would not fit; else paired with
+   llmc_scratch_done. */
+static float* acquire_scratch(size_t per_thread) {
     const size_t threads = (size_t)omp_get_max_threads();
     if (!llmc_count_fits(threads, per_thread, 1, 1)) { return NULL; }
-    return malloc(threads * per_thread * sizeof(float));
+    return llmc_scratch_acquire(LLMC_SCRATCH_PANELS, threads * per_thread * sizeof(float));
 }
 
 /* head is a variant already chosen (LLMC_ISA_SELECT): the parallel region
@@ -120,16 +123,20 @@ static float* alloc_scratch(size_t per_thread) {
 int llmc_attention_heads(const attention_call* a, int heads, size_t per_thread,
                          attention_head_fn head) {
     const int B = a->B;
-    float* scratch = alloc_scratch(per_thread);
+    float* scratch = acquire_scratch(per_thread);
     LLMC_REQUIRE(scratch != NULL, LLMC_ERR_NOMEM);
 
-    #pragma omp parallel for collapse(2) schedule(static)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < heads; h++) {
-            head(a, b, h, scratch + (size_t)omp_get_thread_num() * per_thread);
+    #pragma omp parallel
+    {
+        int64_t lo, hi;
+        llmc_thread_share((int64_t)B * heads, &lo, &hi);
+        float* mine = scratch + (size_t)omp_get_thread_num() * per_thread;
+        for (int64_t i = lo; i < hi; i++) {
+            const int nb = i + 1 < hi ? (int)((i + 1) / heads) : -1;
+            head(a, (int)(i / heads), (int)(i % heads), nb, (int)((i + 1) % heads), mine);
         }
     }
-    free(scratch);
+    llmc_scratch_done();
     return LLMC_OK;
 }
 
@@ -147,14 +154,17 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
                                        int window, llmc_dropout drop, int t0, int R) {
     score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
                first_block_key(t0, window));
+    // each row's softmax_row, its reductions run for the tile's rows at once
+    int lo[SCORE_ROWS], n[SCORE_ROWS];
+    float maxval[SCORE_ROWS], inv[SCORE_ROWS];
+    row_windows(lo, n, t0, R, window);
+    softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
     for (int r = 0; r < R; r++) {
-        const int lo = first_key(t0 + r, window);
-        LLMC_ISA_SELECT(isa, softmax_row)(s + (size_t)r * T + lo, t0 + r + 1 - lo,
-                                          stats_bh + 2 * (size_t)(t0 + r));
-        if (llmc_dropout_on(drop)) {
-            float* p_row = s + (size_t)r * T + lo;
-            llmc_dropout_row(p_row, p_row, lo, t0 + r + 1 - lo, drop, t0 + r);
-        }
+        float* p_row = s + (size_t)r * T + lo[r];
+        scale_row(p_row, n[r], inv[r]);
+        stats_bh[2 * (size_t)(t0 + r)] = maxval[r];
+        stats_bh[2 * (size_t)(t0 + r) + 1] = inv[r];
+        if (llmc_dropout_on(drop)) { llmc_dropout_row(p_row, p_row, lo[r], n[r], drop, t0 + r); }
     }
     const int R_pv = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_pv) {
@@ -167,10 +177,11 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
     }
 }
 
-/* The forward of one (b, h): its kv head's key panel, then the query rows
-   in tiles, their scores in s [SCORE_ROWS, T] after the panel in scratch. */
+/* The forward of one (b, h): its kv head's key panel (unless the thread's
+   previous head built it), then the query rows in tiles, their scores in
+   s [SCORE_ROWS, T] after the panel in scratch. */
 static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, int b, int h,
-                                            float* scratch) {
+                                            int nb, int nh, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, g = h / a->kv_mul;
     const size_t row = a->row, C = a->C;
     const float* inp_b = inp_of(a, b);
@@ -182,19 +193,24 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     const llmc_dropout drop = llmc_dropout_at(a->drop, b, (int64_t)h * T);
     float* panel = scratch;
     float* s = panel + panel_count(T, hs);
-    LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, g), row, T, hs, a->scale);
+    if (!follows_its_kv_head(a, b, h)) {
+        LLMC_ISA_SELECT(isa, build_panel)(panel, inp_b + k_offset(a, g), row, T, hs, a->scale);
+    }
     int t0 = 0;
     for (; t0 + SCORE_ROWS <= T; t0 += SCORE_ROWS) {
+        prefetch_forward(a, b, g, nb, nh, t0, SCORE_ROWS);
         forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
                      t0, SCORE_ROWS);
     }
+    prefetch_forward(a, b, g, nb, nh, t0, T - t0);
     for (; t0 < T; t0++) {
         forward_rows(isa, out_bh, C, stats_bh, s, q, panel, v, row, T, hs, slope, window, drop,
                      t0, 1);
     }
 }
-LLMC_ISA_VARIANTS_ISA(forward_head, (const attention_call* a, int b, int h, float* scratch),
-                      a, b, h, scratch)
+LLMC_ISA_VARIANTS_ISA(forward_head,
+                      (const attention_call* a, int b, int h, int nb, int nh, float* scratch),
+                      a, b, h, nb, nh, scratch)
 
 /* The forward core; sizes already checked. */
 static int gqa_forward(float* out, float* stats, attention_call a) {
@@ -228,16 +244,24 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope, k_first);
     score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
                k_first);
+    int lo[SCORE_ROWS], n[SCORE_ROWS];
+    row_windows(lo, n, t, R, window);
+    for (int r = 0; r < R; r++) {
+        float* ds_row = ds_t + (size_t)r * T;
+        LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
+                                        stats_bh + 2 * (size_t)(t + r));
+        if (llmc_dropout_on(drop)) {
+            llmc_dropout_row(ds_row + lo[r], ds_row + lo[r], lo[r], n[r], drop, t + r);
+        }
+    }
+    dscore_tile(ds_t, p_t, (size_t)T, lo, n, R, scale);
     for (int r = 0; r < R; r++) {
         float* p_row = p_t + (size_t)r * T;
-        float* ds_row = ds_t + (size_t)r * T;
-        const int lo = first_key(t + r, window), n = t + r + 1 - lo;
-        LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n, stats_bh + 2 * (size_t)(t + r));
-        if (llmc_dropout_on(drop)) { llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, drop, t + r); }
-        LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
-        if (llmc_dropout_on(drop)) { llmc_dropout_row(p_row + lo, p_row + lo, lo, n, drop, t + r); }
-        zero_keys(p_row, k_block, lo);
-        zero_keys(ds_row, k_block, lo);
+        if (llmc_dropout_on(drop)) {
+            llmc_dropout_row(p_row + lo[r], p_row + lo[r], lo[r], n[r], drop, t + r);
+        }
+        zero_keys(p_row, k_block, lo[r]);
+        zero_keys(ds_t + (size_t)r * T, k_block, lo[r]);
     }
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
@@ -252,7 +276,7 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
    of v (panel_count(T, hs) each), then the blocks of P and dS
    ([min(T, BACKWARD_ROWS), T] each). */
 static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, int b, int g,
-                                              float* scratch) {
+                                              int nb, int ng, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, kv_mul = a->kv_mul;
     const size_t row = a->row, C = a->C, k_head = k_offset(a, g), v_head = v_offset(a, g);
     const float scale = a->scale;
@@ -273,10 +297,12 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
             const int k_block = first_block_key(t0, window);
             int t = t0;
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
+                prefetch_backward(a, nb, ng, h - g * kv_mul, t, SCORE_ROWS);
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
                               row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t,
                               SCORE_ROWS);
             }
+            prefetch_backward(a, nb, ng, h - g * kv_mul, t, t1 - t);
             for (; t < t1; t++) {
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
                               row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t, 1);
@@ -300,8 +326,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
         }
     }
 }
-LLMC_ISA_VARIANTS_ISA(backward_group, (const attention_call* a, int b, int g, float* scratch),
-                      a, b, g, scratch)
+LLMC_ISA_VARIANTS_ISA(backward_group,
+                      (const attention_call* a, int b, int g, int nb, int ng, float* scratch),
+                      a, b, g, nb, ng, scratch)
 
 /* The backward core; sizes already checked. */
 static int gqa_backward(float* dinp, const float* dout, const float* stats, attention_call a) {

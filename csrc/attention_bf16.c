@@ -342,16 +342,8 @@ static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumula
     }
 }
 
-LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
-/* softmax_row without its last pass: p = exp(s - max), stats = max, inv. */
-static ALWAYS_INLINE void softmax_exps_row_body(float* p, int n, float* stats) {
-    stats[1] = softmax_exps(p, n, &stats[0]);
-}
-LLMC_ISA_VARIANTS(softmax_exps_row, (float* p, int n, float* stats), p, n, stats)
-
-LLMC_ISA_VARIANTS(dscore_row, (float* ds, const float* p, int n, float scale), ds, p, n, scale)
 
 /* The sizes of one call's panels: hn channel pairs (the last may hold one
    channel), hp pairs a row of q's and dO's row pairs (hn rounded up to 16),
@@ -376,10 +368,11 @@ static int first_row_pair(int t, int window) { return first_key(t, window) / 32 
 static int end_pair(int t_last) { return (t_last + 2) / 2; }
 
 /* The forward of one (b, h). Scratch: the key panel [hp][Tp], the value
-   panel [Tp/2][hsv] and q's row pairs [T][hp] (uint32), then the scores of a
+   panel [Tp/2][hsv] (kept from the thread's previous head when that one had
+   the same kv head) and q's row pairs [T][hp] (uint32), then the scores of a
    tile [SCORE_ROWS][T] (float) and bf16(P)'s rows [SCORE_ROWS][Tp/2]. */
 static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, int b, int h,
-                                            float* scratch) {
+                                            int nb, int nh, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, g = h / a->kv_mul;
     const size_t row = a->row, C = a->C;
     const bf16_sizes z = sizes_of(T, hs);
@@ -395,30 +388,37 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     float* s = (float*)(qpairs + (size_t)T * z.hp);
     uint32_t* ppairs = (uint32_t*)(s + (size_t)SCORE_ROWS * T);
     const size_t ldpp = (size_t)z.Tp / 2;
-    key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
-    value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+    if (!follows_its_kv_head(a, b, h)) {
+        key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
+        value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+    }
     for (int t = 0; t < T; t++) {
         row_pairs(isa, qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
     }
     for (int t0 = 0; t0 < T; t0 += SCORE_ROWS) {
         const int R = T - t0 < SCORE_ROWS ? T - t0 : SCORE_ROWS;
+        prefetch_forward(a, b, g, nb, nh, t0, R);
         score_rows(isa, s, (size_t)T, qpairs + (size_t)t0 * z.hp, (size_t)z.hp, kpanel,
                    (size_t)z.Tp, z.hn, R, t0 + 1, a->scale, slope, first_block_key(t0, window));
         const int p_first = first_row_pair(t0, window);
         const int p_last = (t0 + R + 31) / 32 * 16;   // whole vectors of pairs
+        int lo[SCORE_ROWS], n[SCORE_ROWS];
+        float maxval[SCORE_ROWS], inv[SCORE_ROWS];
+        row_windows(lo, n, t0, R, window);
+        softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
         for (int r = 0; r < R; r++) {
-            const int t = t0 + r, lo = first_key(t, window);
+            const int t = t0 + r;
             float* s_row = s + (size_t)r * T;
-            float* stats_t = stats_bh + 2 * (size_t)t;
-            float inv = 1.0f;   // P's normaliser, applied as P is rounded without dropout
+            stats_bh[2 * (size_t)t] = maxval[r];
+            stats_bh[2 * (size_t)t + 1] = inv[r];
+            float scale = inv[r];   // P's normaliser, applied as P is rounded without dropout
             if (llmc_dropout_on(drop)) {
-                LLMC_ISA_SELECT(isa, softmax_row)(s_row + lo, t + 1 - lo, stats_t);
-                llmc_dropout_row(s_row + lo, s_row + lo, lo, t + 1 - lo, drop, t);
-            } else {
-                LLMC_ISA_SELECT(isa, softmax_exps_row)(s_row + lo, t + 1 - lo, stats_t);
-                inv = stats_t[1];
+                scale_row(s_row + lo[r], n[r], inv[r]);
+                llmc_dropout_row(s_row + lo[r], s_row + lo[r], lo[r], n[r], drop, t);
+                scale = 1.0f;
             }
-            row_pairs(isa, ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo, t + 1, inv);
+            row_pairs(isa, ppairs + (size_t)r * ldpp, s_row, p_first, p_last, lo[r], t + 1,
+                      scale);
         }
         for (int r = 0; r < R; r += TILE_ROWS) {
             const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -429,8 +429,8 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     }
 }
 LLMC_ISA_VARIANTS_BF16(forward_head,
-                       (const attention_call* a, int b, int h, float* scratch),
-                       a, b, h, scratch)
+                       (const attention_call* a, int b, int h, int nb, int nh, float* scratch),
+                       a, b, h, nb, nh, scratch)
 
 /* The forward's scratch floats per thread. */
 static size_t forward_scratch(int T, int hs) {
@@ -530,7 +530,7 @@ static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* sr
    dq as in attention.c; per block, dk^T and dv^T from its row pairs; at the
    end, dk and dv added to dinp. */
 static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, int b, int g,
-                                              float* scratch) {
+                                              int nb, int ng, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, kv_mul = a->kv_mul;
     const size_t row = a->row, C = a->C, k_head = k_offset(a, g), v_head = v_offset(a, g);
     const bf16_sizes z = sizes_of(T, hs);
@@ -564,6 +564,7 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
             const int k_end = (t1 + 15) / 16 * 16;
             for (int t = t0; t < t1; t += SCORE_ROWS) {
                 const int R = t1 - t < SCORE_ROWS ? t1 - t : SCORE_ROWS;
+                prefetch_backward(a, nb, ng, h - g * kv_mul, t, R);
                 float* p_t = w.p + (size_t)(t - t0) * T;
                 float* ds_t = w.ds + (size_t)(t - t0) * T;
                 const int k_first = first_block_key(t, window);
@@ -572,21 +573,25 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 score_rows(isa, ds_t, (size_t)T, w.dopairs + (size_t)t * z.hp, (size_t)z.hp,
                            w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f, k_first);
                 const int p_first = first_row_pair(t, window), p_last = (t + R + 31) / 32 * 16;
+                int lo[SCORE_ROWS], n[SCORE_ROWS];
+                row_windows(lo, n, t, R, window);
                 for (int r = 0; r < R; r++) {
-                    float* p_row = p_t + (size_t)r * T;
                     float* ds_row = ds_t + (size_t)r * T;
-                    const int lo = first_key(t + r, window), n = t + r + 1 - lo;
-                    LLMC_ISA_SELECT(isa, probs_row)(p_row + lo, n,
+                    LLMC_ISA_SELECT(isa, probs_row)(p_t + (size_t)r * T + lo[r], n[r],
                                                     hd.stats + 2 * (size_t)(t + r));
                     if (llmc_dropout_on(hd.drop)) {
-                        llmc_dropout_row(ds_row + lo, ds_row + lo, lo, n, hd.drop, t + r);
+                        llmc_dropout_row(ds_row + lo[r], ds_row + lo[r], lo[r], n[r], hd.drop,
+                                         t + r);
                     }
-                    LLMC_ISA_SELECT(isa, dscore_row)(ds_row + lo, p_row + lo, n, scale);
+                }
+                dscore_tile(ds_t, p_t, (size_t)T, lo, n, R, scale);
+                for (int r = 0; r < R; r++) {
+                    float* p_row = p_t + (size_t)r * T;
                     if (llmc_dropout_on(hd.drop)) {
-                        llmc_dropout_row(p_row + lo, p_row + lo, lo, n, hd.drop, t + r);
+                        llmc_dropout_row(p_row + lo[r], p_row + lo[r], lo[r], n[r], hd.drop, t + r);
                     }
-                    row_pairs(isa, w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_row, p_first,
-                              p_last, lo, t + r + 1, 1.0f);
+                    row_pairs(isa, w.dsrows + (size_t)(t - t0 + r) * ldrow, ds_t + (size_t)r * T,
+                              p_first, p_last, lo[r], t + r + 1, 1.0f);
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
@@ -624,8 +629,8 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs);
 }
 LLMC_ISA_VARIANTS_BF16(backward_group,
-                       (const attention_call* a, int b, int g, float* scratch),
-                       a, b, g, scratch)
+                       (const attention_call* a, int b, int g, int nb, int ng, float* scratch),
+                       a, b, g, nb, ng, scratch)
 
 int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const float* slopes,
                                int B, int T, int NH, int NKV, int hs, int window, float dropout,

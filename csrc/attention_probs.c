@@ -98,18 +98,22 @@ static ALWAYS_INLINE void recompute_head(int isa, const attention_call* a, int b
 }
 
 static ALWAYS_INLINE void probs_head_body(int isa, const attention_call* a, int b, int h,
-                                          float* scratch) {
+                                          int nb, int nh, float* scratch) {
+    (void)nb, (void)nh;   // (prefetching is the training kernels')
     recompute_head(isa, a, b, h, scratch, 0);
 }
-LLMC_ISA_VARIANTS_ISA(probs_head, (const attention_call* a, int b, int h, float* scratch),
-                      a, b, h, scratch)
+LLMC_ISA_VARIANTS_ISA(probs_head,
+                      (const attention_call* a, int b, int h, int nb, int nh, float* scratch),
+                      a, b, h, nb, nh, scratch)
 
 static ALWAYS_INLINE void entropy_head_body(int isa, const attention_call* a, int b, int h,
-                                            float* scratch) {
+                                            int nb, int nh, float* scratch) {
+    (void)nb, (void)nh;   // (prefetching is the training kernels')
     recompute_head(isa, a, b, h, scratch, 1);
 }
-LLMC_ISA_VARIANTS_ISA(entropy_head, (const attention_call* a, int b, int h, float* scratch),
-                      a, b, h, scratch)
+LLMC_ISA_VARIANTS_ISA(entropy_head,
+                      (const attention_call* a, int b, int h, int nb, int nh, float* scratch),
+                      a, b, h, nb, nh, scratch)
 
 int attention_gqa_probs(float* att, const float* inp, const float* stats, const float* slopes,
                         int B, int T, int NH, int NKV, int hs, int window) {

@@ -28,7 +28,7 @@
  * Beside them, the row primitives softmax_row_body and probs_row_body: P =
  * exp(s - max) * inv by the same vector operations in both, so the
  * probabilities recomputed from a row's saved max and inv are bitwise the
- * forward's; and dscore_row_body, the backward through the softmax.
+ * forward's; and dscore_tile, the backward through the softmax.
  * Bodies only: a file builds the per-ISA variants of those it calls
  * (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so every file
  * runs the same code.
@@ -176,12 +176,10 @@ static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_
     }
 }
 
-/* The first two passes of softmax_row_body below: p[0 .. n) becomes exp(s - max);
-   returns inv, and the max in *max_out. (attention_bf16.c multiplies by inv
-   as it rounds the row.) */
-static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
-    // whole vectors in loops of their own, then the tail, whose lanes past
-    // n take no part (the same max and sum as a masked loop over all)
+/* The lane-wise max of p[0 .. n): whole vectors in a loop of their own, then
+   the tail, whose lanes past n take no part (the same max as a masked loop
+   over all). A lane holds -inf, never a NaN. */
+static ALWAYS_INLINE vec16f row_max16(const float* p, int n) {
     const int whole = n & ~15, m = n - whole;
     vec16f max16 = (vec16f){0} - INFINITY;
     for (int k0 = 0; k0 < whole; k0 += 16) {
@@ -192,8 +190,13 @@ static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
         const vec16f x = llmc_select16(llmc_lanes_below(m), load_part(p + whole, m), max16);
         max16 = llmc_select16(x > max16, x, max16);
     }
-    float maxval = -INFINITY;
-    for (int j = 0; j < 16; j++) { maxval = max16[j] > maxval ? max16[j] : maxval; }
+    return max16;
+}
+
+/* p[0 .. n) becomes exp(p - maxval); returns their lane-wise sum (lanes past
+   n take no part). */
+static ALWAYS_INLINE vec16f row_exps16(float* p, int n, float maxval) {
+    const int whole = n & ~15, m = n - whole;
     vec16f expsum16 = {0};
     for (int k0 = 0; k0 < whole; k0 += 16) {
         const vec16f e = llmc_exp_nonpositive16(load_part(p + k0, 16) - maxval);
@@ -205,8 +208,53 @@ static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
         store_part(p + whole, e, m);
         expsum16 += llmc_select16(llmc_lanes_below(m), e, (vec16f){0});
     }
+    return expsum16;
+}
+
+/* The first two passes of softmax_row_body below: p[0 .. n) becomes
+   exp(s - max), its max the lanes' in order; returns inv, the inverse of
+   the lanes' sum in order, and the max in *max_out. */
+static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
+    const vec16f max16 = row_max16(p, n);
+    float maxval = -INFINITY;
+    for (int j = 0; j < 16; j++) { maxval = max16[j] > maxval ? max16[j] : maxval; }
     *max_out = maxval;
-    return 1.0f / llmc_hsum16(expsum16);
+    return 1.0f / llmc_hsum16(row_exps16(p, n, maxval));
+}
+
+/* softmax_exps of the R rows of a tile (R <= 16) at once, bitwise the same:
+   row r is n[r] floats at s + r lds + lo[r]; its max goes to max_out[r], its
+   inv to inv_out[r]. One row's reductions over its 16 lanes are serial
+   chains; here the rows' lanes are transposed so that one vector operation
+   takes the same step, in the same order, of every row's chain. */
+static ALWAYS_INLINE void softmax_tile_exps(float* s, size_t lds, const int* lo, const int* n,
+                                            int R, float* max_out, float* inv_out) {
+    vec16f lanes[16];
+    for (int r = 0; r < 16; r++) {
+        lanes[r] = r < R ? row_max16(s + (size_t)r * lds + lo[r], n[r]) : (vec16f){0};
+    }
+    llmc_transpose16(lanes);   // lanes[j] lane r: row r's lane j
+    vec16f maxv = (vec16f){0} - INFINITY;
+    for (int j = 0; j < 16; j++) { maxv = llmc_select16(lanes[j] > maxv, lanes[j], maxv); }
+    for (int r = 0; r < 16; r++) {
+        lanes[r] = r < R ? row_exps16(s + (size_t)r * lds + lo[r], n[r], maxv[r]) : (vec16f){0};
+    }
+    llmc_transpose16(lanes);
+    vec16f sum = {0};
+    for (int j = 0; j < 16; j++) { sum += lanes[j]; }
+    const vec16f inv = 1.0f / sum;   // rows past R: inf, dropped
+    for (int r = 0; r < R; r++) {
+        max_out[r] = maxv[r];
+        inv_out[r] = inv[r];
+    }
+}
+
+/* p[0 .. n) *= inv: the last pass of softmax_row_body. */
+static ALWAYS_INLINE void scale_row(float* p, int n, float inv) {
+    for (int k0 = 0; k0 < n; k0 += 16) {
+        const int m = n - k0 < 16 ? n - k0 : 16;
+        store_part(p + k0, load_part(p + k0, m) * inv, m);
+    }
 }
 
 /* Softmax of p[0 .. n) in place: the max is subtracted, exponentials are
@@ -216,10 +264,7 @@ static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
 static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
     float maxval;
     const float inv = softmax_exps(p, n, &maxval);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(p + k0, load_part(p + k0, m) * inv, m);
-    }
+    scale_row(p, n, inv);
     if (stats != NULL) {
         stats[0] = maxval;
         stats[1] = inv;
@@ -237,19 +282,36 @@ static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
     }
 }
 
-/* The backward through the softmax and the scale, one row of n keys: ds
-   holds dP = dO . v on entry, and on return
-   dS = p * (dP - sum(p * dP)) * scale. */
-static ALWAYS_INLINE void dscore_row_body(float* ds, const float* p, int n, float scale) {
-    vec16f acc = {0};
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        acc += load_part(p + k0, m) * load_part(ds + k0, m);   // lanes past m: 0 * 0
+/* The backward through the softmax and the scale, for the R rows (R <= 16)
+   of a tile: row r is n[r] keys from lo[r] on of ds, which holds dP = dO . v
+   on entry, and of p (rows of both ld floats apart); on return
+   dS = p * (dP - sum(p * dP)) * scale. A row's sum runs 16 lanes at a time,
+   then its lanes in order, one chain a row: transposed, as in
+   softmax_tile_exps, one vector add takes the same step of every row's. */
+static ALWAYS_INLINE void dscore_tile(float* ds, const float* p, size_t ld, const int* lo,
+                                      const int* n, int R, float scale) {
+    vec16f lanes[16];
+    for (int r = 0; r < 16; r++) {
+        vec16f acc = {0};
+        const float* p_r = p + (size_t)r * ld + (r < R ? lo[r] : 0);
+        const float* ds_r = ds + (size_t)r * ld + (r < R ? lo[r] : 0);
+        for (int k0 = 0; r < R && k0 < n[r]; k0 += 16) {
+            const int m = n[r] - k0 < 16 ? n[r] - k0 : 16;
+            acc += load_part(p_r + k0, m) * load_part(ds_r + k0, m);   // lanes past m: 0 * 0
+        }
+        lanes[r] = acc;
     }
-    const float p_dp = llmc_hsum16(acc);
-    for (int k0 = 0; k0 < n; k0 += 16) {
-        const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(ds + k0, load_part(p + k0, m) * (load_part(ds + k0, m) - p_dp) * scale, m);
+    llmc_transpose16(lanes);   // lanes[j] lane r: row r's lane j
+    vec16f p_dp = {0};
+    for (int j = 0; j < 16; j++) { p_dp += lanes[j]; }
+    for (int r = 0; r < R; r++) {
+        const float* p_r = p + (size_t)r * ld + lo[r];
+        float* ds_r = ds + (size_t)r * ld + lo[r];
+        for (int k0 = 0; k0 < n[r]; k0 += 16) {
+            const int m = n[r] - k0 < 16 ? n[r] - k0 : 16;
+            store_part(ds_r + k0, load_part(p_r + k0, m) * (load_part(ds_r + k0, m) - p_dp[r])
+                                      * scale, m);
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-/* scratch.c's arena: the matmul kernels' scratch, kept between calls. Private. */
+/* scratch.c's arena: the matmul and attention kernels' scratch, kept between calls. Private. */
 #ifndef LLMC_SCRATCH_H
 #define LLMC_SCRATCH_H
 
@@ -7,7 +7,8 @@
 /* The arena's buffers, one per kind of scratch, so that a kernel can hold
    two at once. */
 enum {
-    LLMC_SCRATCH_PANELS,   /* a GEMM's packed panels, a slice per thread     */
+    LLMC_SCRATCH_PANELS,   /* a GEMM's packed panels, a slice per thread;
+                              attention's panels and score blocks          */
     LLMC_SCRATCH_COPIES,   /* operands rounded or widened into float32 (the
                               bf16 matmul without vdpbf16ps), decoding rows  */
     LLMC_SCRATCH_SLOTS

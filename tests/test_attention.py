@@ -400,6 +400,41 @@ def test_attention_scratch_grows_with_T_not_T_squared():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
 
 
+def test_attention_scratch_is_the_kernels_arena_kept_between_calls(rng):
+    """The tiled kernels' per-thread scratch is a slice of the kernels' arena
+    (llmc_py.scratch_bytes), not an allocation per call: a call grows it from
+    empty, the same calls again grow it no more, and their bits are those of
+    a call on a freshly released arena (fp32 and bf16, forward and backward)."""
+    qkv, dout, slopes = make_gqa_inputs(rng, 2, 300, 4, 2, 64, "alibi")
+
+    def run():
+        results = {}
+        for name, forward, backward in (
+                ("fp32", K.attention_gqa_forward, K.attention_gqa_backward),
+                ("bf16", K.attention_gqa_forward_bf16, K.attention_gqa_backward_bf16)):
+            out = np.empty((2, 300, 4 * 64), np.float32)
+            stats = np.empty((2, 4, 300, 2), np.float32)
+            forward(out, stats, qkv, slopes, 4, 2)
+            dinp = np.zeros_like(qkv)
+            backward(dinp, dout, qkv, stats, slopes, 4, 2)
+            results.update({f"{name} out": out, f"{name} stats": stats, f"{name} dinp": dinp})
+        return results
+
+    llmc_py.release_scratch()
+    assert llmc_py.scratch_bytes() == 0
+    first = run()
+    held = llmc_py.scratch_bytes()
+    assert held > 0
+    for again in (run(), run()):
+        assert llmc_py.scratch_bytes() == held
+        for name, value in first.items():
+            assert np.array_equal(value, again[name]), name
+    llmc_py.release_scratch()
+    fresh = run()
+    for name, value in first.items():
+        assert np.array_equal(value, fresh[name]), name
+
+
 # ---- ALiBi slopes -----------------------------------------------------------
 
 
@@ -438,6 +473,32 @@ def test_attention_gqa_tiles_thread_invariant(rng, isa, set_threads):
         return {"out": out, "stats": stats, "att": att,
                 "dinp": gqa_backward(dout, qkv, stats, slopes, 6, 1)}
     assert_thread_invariant(set_threads, run, counts=(1, 2, 3))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_attention_forward_builds_panels_where_a_share_starts_inside_a_kv_group(
+        rng, isa, set_threads, precision):
+    """A thread keeps its previous query head's k, v panels for the next head
+    of the same kv head, and builds them where its share of the (b, h) starts
+    inside a group: 6 query heads over 4 threads start shares at heads 2, 4
+    and 5 (3 a kv head), with another call's panels left in the arena."""
+    forward = K.attention_gqa_forward_bf16 if precision == "bf16" else K.attention_gqa_forward
+    other, _, slopes = make_gqa_inputs(rng, 1, 40, 6, 2, 16, "alibi")
+    qkv = randn(rng, *other.shape)
+
+    def run(x):
+        out, stats = np.empty((1, 40, 6 * 16), np.float32), np.empty((1, 6, 40, 2), np.float32)
+        forward(out, stats, x, slopes, 6, 2)
+        return out, stats
+
+    set_threads(1)
+    expected = run(qkv)
+    set_threads(4)
+    if llmc_py.get_num_threads() != 4:
+        pytest.skip("no OpenMP")
+    run(other)
+    for want, got in zip(expected, run(qkv)):
+        assert np.array_equal(want, got)
 
 
 # ---- sliding-window attention -----------------------------------------------

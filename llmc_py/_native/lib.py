@@ -103,13 +103,14 @@ def has_openmp():
 
 
 def release_scratch():
-    """Frees the matmul kernels' scratch arena (kept between calls, grown to
-    the largest call's need); the next matmul grows it again."""
+    """Frees the matmul and attention kernels' scratch arena (kept between
+    calls, grown to the largest call's need); the next such call grows it
+    again."""
     check(lib.llmc_scratch_release(), "release_scratch")
 
 
 def scratch_bytes():
-    """Bytes the matmul kernels' scratch arena holds now."""
+    """Bytes the matmul and attention kernels' scratch arena holds now."""
     return int(lib.llmc_scratch_bytes())
 
 
