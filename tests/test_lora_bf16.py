@@ -27,6 +27,8 @@ CASES = [  # B, T, W, r, the adapters' columns
     (3, 5, 40, 7, [(0, 40)]),                         # one adapter, few rows
     # the forward's rows in slices of 128 (lora_bf16.c), the last one short
     (3, 100, 200, 16, [(0, 100), (100, 150), (150, 200)]),
+    # one block over every column: the adapters' d(input) += dh A (model/lora.py)
+    (3, 100, 200, 48, [(0, 200)]),
 ]
 
 
@@ -91,7 +93,7 @@ def test_each_adapter_is_its_own_product_within_the_bound(use_isa, isa, case):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", [0, 1, 4])
+@pytest.mark.parametrize("case", [0, 1, 4, 5])
 def test_each_adapter_is_bitwise_the_matmul_of_its_block(use_isa, isa, case):
     """Above the few-row path (B T > 12): each block bitwise matmul_*_bf16's."""
     use_isa(isa)

@@ -276,10 +276,9 @@ class Lora:
         for j, (_, t) in enumerate(group):
             self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
                 self.scale)
-        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
             dA = np.zeros(A.shape, np.float32)
-            matmul_backward(dinp, dA, None, dh, inp, A)
+            self._down_backward(dinp, dA, dh, inp, A)
             for j, (_, t) in enumerate(group):
                 self.grads[t.name + ".A"][l] += dA[j * r:(j + 1) * r]
             return
@@ -287,10 +286,24 @@ class Lora:
             dA = self.grads[t.name + ".A"][l]
             dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
             dx = dinp if not p or dinp is None else np.zeros_like(x)
-            matmul_backward(dx, dA, None, dh_t, x, A[j * r:(j + 1) * r])
+            self._down_backward(dx, dA, dh_t, x, A[j * r:(j + 1) * r])
             if dx is not dinp:
                 K.dropout_backward(dx, dx, p, seed)
                 dinp += dx
+
+    def _down_backward(self, dx, dA, dh, x, A):
+        """dx += dh A (dx None: not wanted) and dA += dh^T x: matmul_backward's
+        products. In bf16, dx's, a product of rank K = n r onto a wide
+        output, is the up product's kernel (lora_up_forward_bf16, one block
+        over every column), which walks dx in whole rows: bitwise
+        matmul_backward_bf16's, 3x faster at Qwen3's down_proj."""
+        if not self.bf16:
+            K.matmul_backward(dx, dA, None, dh, x, A)
+            return
+        if dx is not None:
+            K.lora_up_forward_bf16(dx, dh[..., None, :], A[None],
+                                   np.array([(0, A.shape[1])], np.int32))
+        K.matmul_backward_bf16(None, dA, None, dh, x, A)
 
     def delta(self, t, l):
         """scale * B A of target ``t`` in layer l: (out, in), float32."""
