@@ -9,7 +9,8 @@ block's activation). Each call goes to a phase
 (forward, backward, update) and a row: a matmul by the weight it reads
 (qkv, attproj, fc, fcproj, head; a LoRA adapter's as "lora <layer>") and
 its product (fwd, dinp, dW, dbias; a bf16 model's adapters' up products,
-one call for all of a layer's, "up" and "up dh+dB"), any other kernel by
+one call for all of a layer's, "up" and "up dh+dB", and their d(input),
+"dinp", by the up product's kernel), any other kernel by
 its name. A matmul
 backward runs its products as calls of their own, which give the same bits
 as one call (in C each product is a loop of its own), so that each is
