@@ -64,7 +64,10 @@ enum {
 /* c[m*ldc + n] (+)= sum_k A(m,k) B(k,n) for m < M, n < N, k < K, with A and B
    read as a_kind and b_kind say, float32 operands rounded to bf16. init: NULL
    adds onto c (the (+=) products); else c starts from init[n] (a bias) in
-   every row, or from 0 if init_zero. */
+   every row, or from 0 if init_zero. walk_rows: the dot-product path walks
+   C in whole rows where a K block's B panels fit (as it does for A_COLS): a
+   product whose C is large beside its K (a few-rank update of a wide
+   output), which column panel by column panel would stride through C. */
 struct bf16_gemm {
     float* c;
     size_t ldc;
@@ -76,6 +79,7 @@ struct bf16_gemm {
     int b_kind;
     const float* init;
     int init_zero;
+    int walk_rows;
     int M, N, K;
 };
 

@@ -291,7 +291,7 @@ static struct bf_plan bf_plan_gemm(const struct bf16_gemm* g, int nthreads) {
     plan.n_blocks = bf_ceil_div(g->N, plan.NC);
     const size_t kpb = (size_t)bf_block_pairs(g->K);
     const size_t b_words = (size_t)bf_ceil_div(plan.NC, BF_NR) * BF_NR * kpb;
-    plan.whole_b = g->a_kind == BF16_A_COLS && plan.MC > BF_MR
+    plan.whole_b = (g->a_kind == BF16_A_COLS || g->walk_rows) && plan.MC > BF_MR
                    && b_words * sizeof(uint32_t) <= BF_B_BYTES;
     plan.ap_words = (size_t)plan.MC * kpb;
     plan.per_thread = (plan.ap_words + (plan.whole_b ? b_words : kpb * BF_NR) + 15) / 16 * 16;

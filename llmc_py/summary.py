@@ -40,7 +40,7 @@ from .cli import command
 from .errors import UsageError
 from .model.kv_cache import kv_cache_floats
 from .model.layout import param_specs
-from .model.lora import adapter_parameters
+from .model.lora import adapter_parameters, adapter_width
 from .model.memory import format_bytes
 from .model.planning import RECOMPUTE_LEVELS
 from .model.presets import config_from_depth, describe
@@ -150,7 +150,8 @@ def memory_table(config, B, T, precision="fp32", recompute=False, lora_rank=0,
                 base_weights=base_weights)
     if lora_rank:
         train = memory_plan(config, B, T, training=True, **base,
-                            adapter_params=adapter_parameters(config, lora_rank, lora_targets))
+                            adapter_params=adapter_parameters(config, lora_rank, lora_targets),
+                            adapter_width=adapter_width(config, lora_rank, lora_targets))
     elif base_weights is None:
         train = memory_plan(config, B, T, training=True, precision=precision,
                             recompute=recompute)

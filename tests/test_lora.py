@@ -563,15 +563,49 @@ def test_the_memory_plan_counts_the_adapters_and_no_base_gradients(llama):
     full = load_model(llama[2]).memory_plan(B, T, training=True)
     assert plan["LoRA adapters"] == plan["parameter gradients"] == 4 * count
     assert plan["AdamW moments"] == 8 * count
-    assert {part: n for part, n in plan.items() if part != "LoRA adapters"} == {
+    # x A^T of each layer's q and down adapters, kept from forward to backward
+    assert plan["LoRA activations"] == 4 * model.config.L * B * T * 2 * 4
+    adapters = ("LoRA adapters", "LoRA activations")
+    assert {part: n for part, n in plan.items() if part not in adapters} == {
         **full, "parameter gradients": 4 * count, "AdamW moments": 8 * count}
     model.reserve(B, T, training=True)
     lora = model.lora
     assert model._grads is None and model.m_memory is None
     assert (lora.params.memory.nbytes, lora.grads.memory.nbytes,
-            lora.m.nbytes + lora.v.nbytes) == (plan["LoRA adapters"],
-                                               plan["parameter gradients"],
-                                               plan["AdamW moments"])
+            lora.m.nbytes + lora.v.nbytes, lora._kept_memory.nbytes) == (
+        plan["LoRA adapters"], plan["parameter gradients"], plan["AdamW moments"],
+        plan["LoRA activations"])
+    # a forward that keeps one layer's activations keeps no x A^T
+    assert "LoRA activations" not in model.memory_plan(B, T, training=False,
+                                                       keep_activations=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("p", [0.0, 0.25])
+def test_backward_reads_x_a_t_as_forward_kept_it(llama, monkeypatch, precision, p):
+    """A training forward keeps every adapter's x A^T; backward reads it
+    instead of multiplying again, with gradients bitwise those of the
+    recomputed x A^T (as where none is kept: Lora._kept None)."""
+    from llmc_py.model.lora import Lora
+    x, y = batch()
+    grads = []
+    for keep in (True, False):
+        model = with_lora(llama[2], 4, 8, dropout=p, precision=precision)
+        rng = np.random.default_rng(3)
+        model.lora.params.buffer[...] = rng.standard_normal(model.lora.params.size) * 0.1
+        dropout = Dropout(seed=5) if p else None
+        if not keep:
+            monkeypatch.setattr(Lora, "_kept", lambda self, linear, l, inp: None)
+        model.zero_grad()
+        model.forward(x, y, dropout=dropout)
+        downs = []
+        monkeypatch.setattr(Lora, "_down", lambda self, *a, _down=Lora._down, **k: (
+            downs.append(1), _down(self, *a, **k))[1])
+        model.backward()
+        monkeypatch.undo()
+        assert len(downs) == (0 if keep else model.config.L * 4)
+        grads.append(model.lora.grads.buffer.copy())
+    assert np.array_equal(grads[0], grads[1])
 
 
 @pytest.mark.parametrize("isa", llmc_py.supported_isas())

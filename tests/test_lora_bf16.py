@@ -25,6 +25,10 @@ CASES = [  # B, T, W, r, the adapters' columns
     (1, 37, 70, 3, [(0, 35), (35, 70)]),              # gate and up; odd T, W
     (2, 9, 53, 1, [(5, 20), (31, 53)]),               # rank 1, columns left out
     (3, 5, 40, 7, [(0, 40)]),                         # one adapter, few rows
+    # the forward's rows in slices of 128 (lora_bf16.c), the last one short
+    (3, 100, 200, 16, [(0, 100), (100, 150), (150, 200)]),
+    # one block over every column: the adapters' d(input) += dh A (model/lora.py)
+    (3, 100, 200, 48, [(0, 200)]),
 ]
 
 
@@ -89,7 +93,7 @@ def test_each_adapter_is_its_own_product_within_the_bound(use_isa, isa, case):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", [0, 1])
+@pytest.mark.parametrize("case", [0, 1, 4, 5])
 def test_each_adapter_is_bitwise_the_matmul_of_its_block(use_isa, isa, case):
     """Above the few-row path (B T > 12): each block bitwise matmul_*_bf16's."""
     use_isa(isa)
@@ -112,9 +116,10 @@ def test_each_adapter_is_bitwise_the_matmul_of_its_block(use_isa, isa, case):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_results_do_not_depend_on_the_thread_count(use_isa, set_threads, isa):
+@pytest.mark.parametrize("case", [0, 4])
+def test_results_do_not_depend_on_the_thread_count(use_isa, set_threads, isa, case):
     use_isa(isa)
-    arrays = operands(*CASES[0])
+    arrays = operands(*CASES[case])
     # dup_t's entries outside each adapter's columns stay NaN: compared as 0
     assert_thread_invariant(set_threads, lambda: {name: np.nan_to_num(x)
                                                   for name, x in run(*arrays).items()})

@@ -183,6 +183,7 @@ def test_the_plan_is_what_a_qlora_step_allocates(name, qtype):
     allocated = {"parameters": model.params.memory.nbytes,
                  **{f"parameters ({kind})": nbytes for kind, nbytes in blocks.items()},
                  "LoRA adapters": model.lora.params.memory.nbytes,
+                 "LoRA activations": model.lora._kept_memory.nbytes,
                  "parameter gradients": model.lora.grads.memory.nbytes,
                  "AdamW moments": model.lora.m.nbytes + model.lora.v.nbytes,
                  "activations": model.acts.memory.nbytes,

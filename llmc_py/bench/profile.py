@@ -9,7 +9,8 @@ block's activation). Each call goes to a phase
 (forward, backward, update) and a row: a matmul by the weight it reads
 (qkv, attproj, fc, fcproj, head; a LoRA adapter's as "lora <layer>") and
 its product (fwd, dinp, dW, dbias; a bf16 model's adapters' up products,
-one call for all of a layer's, "up" and "up dh+dB"), any other kernel by
+one call for all of a layer's, "up" and "up dh+dB", and their d(input),
+"dinp", by the up product's kernel), any other kernel by
 its name. A matmul
 backward runs its products as calls of their own, which give the same bits
 as one call (in C each product is a loop of its own), so that each is
@@ -52,7 +53,8 @@ PRODUCTS = {"dinp": "dinp", "dweight": "dW", "dbias": "dbias"}
 ATTENTION_PRODUCTS = {"attention_gqa_forward": 2, "attention_gqa_backward": 5,
                       "attention_gqa_forward_bf16": 2, "attention_gqa_backward_bf16": 5}
 # the bf16 LoRA adapters' up products (lora_bf16.c): their row's product, and
-# the GEMM products each makes over the adapted columns
+# the GEMM products each makes over the adapted columns (in backward the
+# forward's kernel is the adapters' d(input), model/lora.py)
 LORA_UP = {"lora_up_forward_bf16": ("up", 1), "lora_up_backward_bf16": ("up dh+dB", 2)}
 # a weight's row name where it is not the tensor's name less its "w"
 SITES = {"wte": "head", "lm_head": "head"}
@@ -200,6 +202,8 @@ class Profiler:
             return Call(phase, name, name, "attention", seconds, _attention_flop(name, arguments))
         if name in LORA_UP:
             product, products = LORA_UP[name]
+            if phase == "backward" and name == "lora_up_forward_bf16":
+                product = "dinp"
             h, rows = arguments["h"], arguments["rows"]
             BT, r = h.shape[0] * h.shape[1], h.shape[-1]
             columns = int(np.sum(rows[:, 1] - rows[:, 0]))

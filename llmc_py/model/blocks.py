@@ -216,7 +216,7 @@ class Block:
         m = self.model
         m._matmul_forward(out, inp, m._weights[name + "w"][l], optional(m.params, name + "b", l))
         if m.lora is not None:
-            m.lora.forward(out, inp, name, l, dropout)
+            m.lora.forward(out, inp, name, l, dropout, m.kept_activations)
 
     def norm(self, a, name, l, inp):
         """Layer l's norm ``name`` ("ln1", "ln2") of ``inp``, into its slot

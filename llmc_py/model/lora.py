@@ -24,7 +24,9 @@ where an adapter has no rows), so that a layer's input and output are each
 read once, not once per adapter. In bf16 the products with that matrix
 (forward, and backward's d(x A^T) and d(B)) read each adapter's block over
 its own columns alone, all of a layer's in one call (lora_bf16.c), never
-multiplying by its zeros.
+multiplying by its zeros. A training forward keeps every layer's x A^T
+(``kept``: rank x targets floats a row and layer, memory_plan's "LoRA
+activations") for backward, which would otherwise multiply again.
 
 LoRA dropout drops an adapter's input in the training passes, the ones
 given a Dropout (model.dropout): each adapter of each layer has its own
@@ -120,6 +122,11 @@ def adapter_parameters(config, rank, names=None):
     return sum(config.L * rank * (t.in_features + t.out_features) for t in chosen)
 
 
+def adapter_width(config, rank, names=None):
+    """Lora.width of those adapters: the numbers of x A^T a layer has a row."""
+    return rank * len(targets(config) if names is None else select(config, names))
+
+
 class Lora:
     """A model's adapters: ``params`` and ``grads`` (TensorGroups of one
     float32 buffer each), AdamW's moments ``m`` and ``v`` (made by the
@@ -160,6 +167,35 @@ class Lora:
                                           np.int32)
                          for linear, group in self._by_linear.items()}
         self.bf16 = False   # bf16 products: a bf16 model's (set when it takes the adapters)
+        # x A^T of every layer, by linear layer (L, B, T, n r), that a training
+        # forward keeps for backward (keep()), in one buffer; None until the
+        # model plans a step
+        self.kept = self._kept_memory = None
+
+    @property
+    def width(self):
+        """The numbers of x A^T a layer's adapters have a row (rank times targets)."""
+        return self.rank * len(self.targets)
+
+    def keeps(self, B, T):
+        """Whether the buffer keep(B, T) needs is made already."""
+        memory = self._kept_memory
+        return memory is not None and memory.size >= self.config.L * B * T * self.width
+
+    def keep(self, B, T):
+        """Lays out ``kept`` for a training forward of (B, T), which writes
+        x A^T there for its backward: width floats a row and layer
+        (memory_plan's "LoRA activations"), in a buffer made anew only when
+        it is outgrown."""
+        L, r = self.config.L, self.rank
+        if not self.keeps(B, T):
+            self.kept = self._kept_memory = None
+            self._kept_memory = np.empty(L * B * T * self.width, np.float32)
+        self.kept, start = {}, 0
+        for linear, group in self._by_linear.items():
+            shape = (L, B, T, len(group) * r)
+            self.kept[linear] = self._kept_memory[start:start + math.prod(shape)].reshape(shape)
+            start += math.prod(shape)
 
     def initialize(self, seed):
         """peft's initialisation: A Kaiming-uniform as torch's nn.Linear
@@ -215,12 +251,13 @@ class Lora:
             up[t.rows, j * r:(j + 1) * r] = self.params[t.name + ".B"][l] * np.float32(self.scale)
         return up
 
-    def _down(self, inp, group, l, dropout, A):
-        """x A^T of every adapter of ``group``, side by side: (B, T, n r), with
-        A their A's stacked (_a); with the adapters' inputs and the (p, seed)
-        of their dropout (_input)."""
+    def _down(self, inp, group, l, dropout, A, h=None):
+        """x A^T of every adapter of ``group``, side by side: (B, T, n r), into
+        ``h`` if given, with A their A's stacked (_a); with the adapters'
+        inputs and the (p, seed) of their dropout (_input)."""
         r = self.rank
-        h = np.empty(inp.shape[:-1] + (len(group) * r,), np.float32)
+        if h is None:
+            h = np.empty(inp.shape[:-1] + (len(group) * r,), np.float32)
         inputs = [self._input(inp, dropout, l, index) for index, _ in group]
         matmul = K.matmul_forward_bf16 if self.bf16 else K.matmul_forward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
@@ -232,13 +269,15 @@ class Lora:
             h[..., j * r:(j + 1) * r] = part
         return h, inputs
 
-    def forward(self, out, inp, linear, l, dropout):
+    def forward(self, out, inp, linear, l, dropout, keep=False):
         """Adds layer l's adapters of ``linear`` into its output ``out``
-        (the base layer's, of ``inp``)."""
+        (the base layer's, of ``inp``); with ``keep`` (a forward that keeps
+        every layer's activations, after keep()) x A^T stays for backward."""
         group = self._by_linear.get(linear)
         if not group:
             return
-        h, _ = self._down(inp, group, l, dropout, self._a(group, l))
+        h, _ = self._down(inp, group, l, dropout, self._a(group, l), self._kept(linear, l, inp)
+                          if keep else None)
         if self.bf16:   # each adapter's block of up^T over its own columns
             up_t = self._up_t(group, l)
             K.lora_up_forward_bf16(out, self._by_adapter(h, group),
@@ -249,16 +288,26 @@ class Lora:
         # (``out`` stands in for the input it would read for a weight gradient)
         K.matmul_backward(out, None, None, h, out, self._up_t(group, l))
 
+    def _kept(self, linear, l, inp):
+        """Layer l's kept x A^T of ``linear`` (B, T, n r) for an input
+        ``inp``, or None when keep() made none of its shape."""
+        kept = None if self.kept is None else self.kept[linear]
+        return kept[l] if kept is not None and kept.shape[1:3] == inp.shape[:2] else None
+
     def backward(self, dinp, dout, inp, linear, l, dropout):
         """Adds into A's and B's gradients and d(inp) (None: not wanted) from
-        ``dout`` = d(the layer's output); x A^T is recomputed (r numbers a
-        row)."""
+        ``dout`` = d(the layer's output), with x A^T as forward kept it (else
+        recomputed, bitwise the same: r numbers a row)."""
         group = self._by_linear.get(linear)
         if not group:
             return
         r = self.rank
         A = self._a(group, l)
-        h, inputs = self._down(inp, group, l, dropout, A)
+        h = self._kept(linear, l, inp)
+        if h is None:
+            h, inputs = self._down(inp, group, l, dropout, A)
+        else:
+            inputs = [self._input(inp, dropout, l, index) for index, _ in group]
         if self.bf16:
             up_t = self._up_t(group, l)
             dh = np.empty_like(h)
@@ -276,10 +325,9 @@ class Lora:
         for j, (_, t) in enumerate(group):
             self.grads[t.name + ".B"][l] += dup[t.rows, j * r:(j + 1) * r] * np.float32(
                 self.scale)
-        matmul_backward = K.matmul_backward_bf16 if self.bf16 else K.matmul_backward
         if all(x is inp for x, _ in inputs):   # no dropout: one product for all
             dA = np.zeros(A.shape, np.float32)
-            matmul_backward(dinp, dA, None, dh, inp, A)
+            self._down_backward(dinp, dA, dh, inp, A)
             for j, (_, t) in enumerate(group):
                 self.grads[t.name + ".A"][l] += dA[j * r:(j + 1) * r]
             return
@@ -287,10 +335,24 @@ class Lora:
             dA = self.grads[t.name + ".A"][l]
             dh_t = np.ascontiguousarray(dh[..., j * r:(j + 1) * r])
             dx = dinp if not p or dinp is None else np.zeros_like(x)
-            matmul_backward(dx, dA, None, dh_t, x, A[j * r:(j + 1) * r])
+            self._down_backward(dx, dA, dh_t, x, A[j * r:(j + 1) * r])
             if dx is not dinp:
                 K.dropout_backward(dx, dx, p, seed)
                 dinp += dx
+
+    def _down_backward(self, dx, dA, dh, x, A):
+        """dx += dh A (dx None: not wanted) and dA += dh^T x: matmul_backward's
+        products. In bf16, dx's, a product of rank K = n r onto a wide
+        output, is the up product's kernel (lora_up_forward_bf16, one block
+        over every column), which walks dx in whole rows: bitwise
+        matmul_backward_bf16's, 3x faster at Qwen3's down_proj."""
+        if not self.bf16:
+            K.matmul_backward(dx, dA, None, dh, x, A)
+            return
+        if dx is not None:
+            K.lora_up_forward_bf16(dx, dh[..., None, :], A[None],
+                                   np.array([(0, A.shape[1])], np.int32))
+        K.matmul_backward_bf16(None, dA, None, dh, x, A)
 
     def delta(self, t, l):
         """scale * B A of target ``t`` in layer l: (out, in), float32."""

@@ -43,8 +43,8 @@ def recomputes_fch(recompute, base_weights=None):
 
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
-                recompute=False, moment_params=None, adapter_params=0, frozen=False,
-                base_weights=None, keep_activations=None):
+                recompute=False, moment_params=None, adapter_params=0, adapter_width=0,
+                frozen=False, base_weights=None, keep_activations=None):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -61,7 +61,9 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     thread count and instruction set (see scratch_bytes). ``adapter_params``
     > 0: LoRA adapters of that many parameters (model.lora.adapter_parameters)
     on a frozen base, whose gradients and moments are then the adapters'
-    alone. ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
+    alone; ``adapter_width``: the numbers of x A^T a layer's adapters have a
+    row (Lora.width), which a step keeps from forward to backward ("LoRA
+    activations"). ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
     alone ("parameters (bf16)"), the rest float32; training it needs
     adapters. ``base_weights`` "q8_0" or "q4_0": a quantized base
     (Transformer.quantize), its linear layers in those blocks, the embedding
@@ -80,6 +82,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     forward_only = not (training or keep_activations)
     rows = head_rows(B, T, keep)
     adapters = {"LoRA adapters": f32 * adapter_params} if adapter_params else {}
+    if adapter_width and not forward_only:
+        adapters["LoRA activations"] = f32 * c.L * B * T * adapter_width
     if frozen:
         if precision != "bf16":
             raise ValueError(f"frozen is a base held in bf16 alone: precision must be 'bf16', "
@@ -169,6 +173,7 @@ def require_missing(model, B, T, training, keep_logits, keep_activations):
     have = {"parameters": True, "parameters (bf16 copy)": True, "parameters (bf16)": True,
             "parameters (q8_0)": True, "parameters (q4_0)": True,
             "LoRA adapters": True,
+            "LoRA activations": lora is not None and lora.keeps(B, T),
             # the adapters' are made with them
             "parameter gradients": model._grads is not None or lora is not None,
             # made by moments(); a shard of them, by its optimizer (ZeRO-1)

@@ -556,6 +556,7 @@ class Transformer:
                            frozen=self.frozen,
                            moment_params=self.moment_params if self.lora is None else None,
                            adapter_params=0 if self.lora is None else self.lora.params.size,
+                           adapter_width=0 if self.lora is None else self.lora.width,
                            base_weights=self.quantized)
 
     @held
@@ -604,6 +605,8 @@ class Transformer:
             self.B, self.T = B, T
         if training and self.grads_acts is None:
             self.grads_acts = TensorGroup(self.grad_act_specs, c, B, T)
+        if every_layer and self.lora is not None:
+            self.lora.keep(B, T)
         head = head_rows(B, T, keep_logits) * c.Vp
         if self._logits_buffer is None or self._logits_buffer.size < head:
             self._logits_buffer = None
