@@ -131,13 +131,17 @@ def test_grouped_kernel_thread_invariant(rng, set_threads, path, qtype):
 
 @pytest.mark.parametrize("isa", llmc_py.supported_isas())
 def test_grouped_kernel_follows_the_chosen_isa(rng, use_isa, isa):
-    w = rng.standard_normal((2, 9, 64)).astype(np.float32)
+    """Under every instruction set: the few-row experts give the portable
+    path's bits, the many-row one the panel path's on that instruction set
+    (the bf16 GEMM's)."""
+    w = rng.standard_normal((3, 9, 64)).astype(np.float32)
     stack = QuantizedExperts.quantize(w, "q4_0", "w")
-    offsets = offsets_of([2, 3])
-    x = rng.standard_normal((5, 64)).astype(np.float32)
+    offsets = offsets_of([2, 3, 11])
+    x = rng.standard_normal((16, 64)).astype(np.float32)
     use_isa(isa)
-    np.testing.assert_array_equal(grouped(x, stack, offsets), grouped(x, stack, offsets,
-                                                                      "portable"))
+    got = grouped(x, stack, offsets)
+    np.testing.assert_array_equal(got[:5], grouped(x, stack, offsets, "portable")[:5])
+    np.testing.assert_array_equal(got, per_expert(x, w, offsets, "q4_0"))
 
 
 def test_grouped_kernel_refuses_bad_offsets_and_shapes(rng):
@@ -275,6 +279,24 @@ def test_decoding_does_not_depend_on_thread_count(set_threads, name):
         return {"tokens": np.array(out), "logits": logits(model, tokens(2, 6))}
 
     assert_thread_invariant(set_threads, run)
+
+
+def test_a_quantized_bf16_moe_model_releases_its_bf16_copy():
+    """Its experts quantized from the float32 master; its attention's
+    products stay bf16 (as a dense bf16 model's do when quantized): near
+    the fp32 model quantized, within test_gguf_moe's 3e-2 for bf16's
+    arithmetic."""
+    x = tokens(1, 4)
+    want = make("mixtral")
+    want.quantize("q8_0")
+    model = Llama(CONFIGS["mixtral"], seed=1, precision="bf16")
+    model.quantize("q8_0")
+    assert model.params_bf16 is None
+    for n in STACKS:
+        for got, same in zip(model._weights[n], want._weights[n]):
+            assert np.array_equal(got.packed, same.packed)
+    want = logits(want, x)
+    assert np.abs(logits(model, x) - want).max() <= 3e-2 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("name", CONFIGS)
