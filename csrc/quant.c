@@ -858,6 +858,45 @@ typedef struct {
     int expert, o0;
 } expert_group;
 
+/* grouped_quant's experts of 1 .. few_rows rows (`few` of them): their
+   input rows quantized, then all their groups of output rows in one
+   parallel loop. */
+static int few_row_experts(rows_fn rows, float* out, const float* inp, const uint8_t* weight,
+                           const int* offsets, int R, int IC, int OC, int E, int qtype,
+                           int few_rows, int few) {
+    const int nb = IC / QK, groups = (OC + ROWS - 1) / ROWS;
+    const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    // indexed by the grouped row r (the many-row experts' slots unused)
+    int8_t* xq = malloc((size_t)R * IC);
+    float* xd = malloc((size_t)R * nb * sizeof(float));
+    int32_t* corr = malloc((size_t)R * nb * sizeof(int32_t));
+    expert_group* jobs = malloc((size_t)few * groups * sizeof *jobs);
+    if (xq == NULL || xd == NULL || corr == NULL || jobs == NULL) {
+        free(xq); free(xd); free(corr); free(jobs);
+        return LLMC_ERR_NOMEM;
+    }
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int r0 = offsets[e], n = offsets[e + 1] - r0;
+        if (n == 0 || n > few_rows) { continue; }
+        for (int r = r0; r < r0 + n; r++) {
+            quantize_input_row(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
+                               inp + (size_t)r * IC, nb, qtype);
+        }
+        for (int grp = 0; grp < groups; grp++) { jobs[count++] = (expert_group){e, grp * ROWS}; }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int j = 0; j < count; j++) {
+        const int e = jobs[j].expert, r0 = offsets[e];
+        const quant_input mine = {xq + (size_t)r0 * IC, xd + (size_t)r0 * nb,
+                                  corr + (size_t)r0 * nb, offsets[e + 1] - r0, nb};
+        quant_output_rows(rows, out + (size_t)r0 * OC, &mine, weight + (size_t)e * OC * row_bytes,
+                          row_bytes, jobs[j].o0, OC, NULL, qtype);
+    }
+    free(xq); free(xd); free(corr); free(jobs);
+    return LLMC_OK;
+}
+
 static int grouped_quant(int path, float* out, const float* inp, const uint8_t* weight,
                          const int* offsets, int R, int IC, int OC, int E, int qtype,
                          int few_rows) {
@@ -869,50 +908,21 @@ static int grouped_quant(int path, float* out, const float* inp, const uint8_t* 
                  && llmc_count_fits((size_t)R, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(quant_offsets_ok(offsets, E, R), LLMC_ERR_RANGE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
-    const rows_fn rows = path_function(path);
-    const int nb = IC / QK, groups = (OC + ROWS - 1) / ROWS;
-    const size_t row_bytes = (size_t)nb * block_bytes(qtype);
-
-    // the few-row experts' input rows, quantized (the others' slots unused)
     int few = 0;
     for (int e = 0; e < E; e++) {
         const int n = offsets[e + 1] - offsets[e];
         few += n > 0 && n <= few_rows;
     }
-    int8_t* xq = malloc((size_t)R * IC);
-    float* xd = malloc((size_t)R * nb * sizeof(float));
-    int32_t* corr = malloc((size_t)R * nb * sizeof(int32_t));
-    expert_group* jobs = malloc((size_t)(few > 0 ? few : 1) * groups * sizeof *jobs);
-    int status = xq != NULL && xd != NULL && corr != NULL && jobs != NULL ? LLMC_OK
-                                                                          : LLMC_ERR_NOMEM;
-    int count = 0;
-    for (int e = 0; e < E && status == LLMC_OK; e++) {
-        const int r0 = offsets[e], n = offsets[e + 1] - r0;
-        if (n == 0 || n > few_rows) { continue; }
-        for (int r = r0; r < r0 + n; r++) {
-            quantize_input_row(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
-                               inp + (size_t)r * IC, nb, qtype);
-        }
-        for (int grp = 0; grp < groups; grp++) { jobs[count++] = (expert_group){e, grp * ROWS}; }
-    }
-    if (status == LLMC_OK) {
-        #pragma omp parallel for schedule(static)
-        for (int j = 0; j < count; j++) {
-            const int e = jobs[j].expert, r0 = offsets[e];
-            const quant_input mine = {xq + (size_t)r0 * IC, xd + (size_t)r0 * nb,
-                                      corr + (size_t)r0 * nb, offsets[e + 1] - r0, nb};
-            quant_output_rows(rows, out + (size_t)r0 * OC, &mine,
-                              weight + (size_t)e * OC * row_bytes, row_bytes, jobs[j].o0, OC,
-                              NULL, qtype);
-        }
-    }
-    free(xq); free(xd); free(corr); free(jobs);
+    int status = few > 0 ? few_row_experts(path_function(path), out, inp, weight, offsets, R,
+                                           IC, OC, E, qtype, few_rows, few)
+                         : LLMC_OK;
+    const size_t expert_bytes = (size_t)OC * (IC / QK) * block_bytes(qtype);
     for (int e = 0; e < E && status == LLMC_OK; e++) {
         const int r0 = offsets[e], n = offsets[e + 1] - r0;
         if (n <= few_rows) { continue; }
         status = matmul_forward_quant_panels(out + (size_t)r0 * OC, inp + (size_t)r0 * IC,
-                                             weight + (size_t)e * OC * row_bytes, NULL, n, IC,
-                                             OC, qtype);
+                                             weight + (size_t)e * expert_bytes, NULL, n, IC, OC,
+                                             qtype);
     }
     return status;
 }
