@@ -432,6 +432,39 @@ int matmul_forward_quant_panels(float* out, const float* inp, const uint8_t* wei
 int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* weight,
                                  int N, int IC, int OC, int qtype);
 
+/*
+ * moe_grouped_forward_quant: moe_grouped_forward (no bias) on quantized
+ * experts, R = N k grouped rows:
+ *   out[r, :] = inp[r, :] . W_e^T   for offsets[e] <= r < offsets[e+1]
+ * An expert with 1 .. few_rows rows is bitwise matmul_forward_quant on its
+ * rows (all such experts' output rows in one parallel loop: decoding), one
+ * with more bitwise matmul_forward_quant_panels (prefill).
+ *
+ *   out      [R, OC]                          (written)
+ *   inp      [R, IC]
+ *   weight   [E * OC, IC/32 * block bytes]    quant_pack_rows' layout,
+ *                                             expert e's rows at e * OC
+ *   offsets  [E + 1]   int32 from moe_permute: 0, non-decreasing, R at the
+ *                      end (else LLMC_ERR_RANGE)
+ * Variants _portable, _avx2, _avxvnni, _avx512vnni force the few-row path,
+ * as matmul_forward_quant's.
+ */
+int moe_grouped_forward_quant(float* out, const float* inp, const uint8_t* weight,
+                              const int* offsets, int R, int IC, int OC, int E, int qtype,
+                              int few_rows);
+int moe_grouped_forward_quant_portable(float* out, const float* inp, const uint8_t* weight,
+                                       const int* offsets, int R, int IC, int OC, int E,
+                                       int qtype, int few_rows);
+int moe_grouped_forward_quant_avx2(float* out, const float* inp, const uint8_t* weight,
+                                   const int* offsets, int R, int IC, int OC, int E, int qtype,
+                                   int few_rows);
+int moe_grouped_forward_quant_avxvnni(float* out, const float* inp, const uint8_t* weight,
+                                      const int* offsets, int R, int IC, int OC, int E,
+                                      int qtype, int few_rows);
+int moe_grouped_forward_quant_avx512vnni(float* out, const float* inp, const uint8_t* weight,
+                                         const int* offsets, int R, int IC, int OC, int E,
+                                         int qtype, int few_rows);
+
 /* ---- attention.c -------------------------------------------------------- */
 
 /*

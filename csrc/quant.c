@@ -612,6 +612,49 @@ static int best_path(void) {
 }
 
 
+/* Row x [nb * 32] quantized to Q8_0 as matmul_forward_quant's input
+   (quant_input): its quants q [nb * 32] in the packed layout, scales d
+   [nb] and corr [nb] against qtype's weight offset. */
+static void quantize_input_row(int8_t* q, float* d, int32_t* corr, const float* x, int nb,
+                               int qtype) {
+    const int offset = weight_offset(qtype);
+    for (int b = 0; b < nb; b++) {
+        uint8_t block[2 + QK];
+        quantize_block_q8_0(block, x + (size_t)b * QK);
+        d[b] = block_scale(block);
+        int32_t sum = 0;
+        for (int k = 0; k < QK / 4; k++) {
+            memcpy(q + chunk_offset(nb, b, k, QK), block + 2 + 4 * k, 4);
+        }
+        for (int i = 0; i < QK; i++) { sum += (int8_t)block[2 + i]; }
+        corr[b] = -offset * sum;
+    }
+}
+
+/* out[n, o0 .. o0 + ROWS) (at most OC; out rows OC apart) for each input
+   row n of `in`, from the packed weight rows at weight (row_bytes each):
+   the rows function's sums, MAX_ROWS input rows a call, plus bias[o] (or
+   none) in double, rounded once to float. */
+static void quant_output_rows(rows_fn rows, float* out, const quant_input* in,
+                              const uint8_t* weight, size_t row_bytes, int o0, int OC,
+                              const float* bias, int qtype) {
+    const int nrows = OC - o0 < ROWS ? OC - o0 : ROWS, nb = in->nb;
+    for (int n0 = 0; n0 < in->N; n0 += MAX_ROWS) {
+        const quant_input part = {in->q + (size_t)n0 * nb * QK, in->d + (size_t)n0 * nb,
+                                  in->corr + (size_t)n0 * nb,
+                                  in->N - n0 < MAX_ROWS ? in->N - n0 : MAX_ROWS, nb};
+        double sums[ROWS * MAX_ROWS];
+        rows(sums, weight + (size_t)o0 * row_bytes, row_bytes, nrows, &part, qtype);
+        for (int r = 0; r < nrows; r++) {
+            for (int n = 0; n < part.N; n++) {
+                const int o = o0 + r;
+                out[(size_t)(n0 + n) * OC + o] =
+                    (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o] : 0.0));
+            }
+        }
+    }
+}
+
 static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
                         const float* bias, int N, int IC, int OC, int qtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
@@ -631,19 +674,9 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
         free(xq); free(xd); free(corr);
         return LLMC_ERR_NOMEM;
     }
-    const int offset = weight_offset(qtype);
     for (int n = 0; n < N; n++) {
-        for (int b = 0; b < nb; b++) {
-            uint8_t block[2 + QK];
-            quantize_block_q8_0(block, inp + (size_t)n * IC + (size_t)b * QK);
-            xd[(size_t)n * nb + b] = block_scale(block);
-            int32_t sum = 0;
-            for (int k = 0; k < QK / 4; k++) {
-                memcpy(xq + (size_t)n * IC + chunk_offset(nb, b, k, QK), block + 2 + 4 * k, 4);
-            }
-            for (int i = 0; i < QK; i++) { sum += (int8_t)block[2 + i]; }
-            corr[(size_t)n * nb + b] = -offset * sum;
-        }
+        quantize_input_row(xq + (size_t)n * IC, xd + (size_t)n * nb, corr + (size_t)n * nb,
+                           inp + (size_t)n * IC, nb, qtype);
     }
 
     // each thread a contiguous run of groups of ROWS output rows, each
@@ -652,23 +685,10 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
     // the lanes in a fixed tree in double with the bias, rounded once to float
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
     const int groups = (OC + ROWS - 1) / ROWS;
+    const quant_input all = {xq, xd, corr, N, nb};
     #pragma omp parallel for schedule(static)
     for (int grp = 0; grp < groups; grp++) {
-        const int o0 = grp * ROWS, nrows = OC - o0 < ROWS ? OC - o0 : ROWS;
-        for (int n0 = 0; n0 < N; n0 += MAX_ROWS) {
-            const quant_input part = {xq + (size_t)n0 * IC, xd + (size_t)n0 * nb,
-                                      corr + (size_t)n0 * nb,
-                                      N - n0 < MAX_ROWS ? N - n0 : MAX_ROWS, nb};
-            double sums[ROWS * MAX_ROWS];
-            rows(sums, weight + (size_t)o0 * row_bytes, row_bytes, nrows, &part, qtype);
-            for (int r = 0; r < nrows; r++) {
-                for (int n = 0; n < part.N; n++) {
-                    const int o = o0 + r;
-                    out[(size_t)(n0 + n) * OC + o] =
-                        (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o] : 0.0));
-                }
-            }
-        }
+        quant_output_rows(rows, out, &all, weight, row_bytes, grp * ROWS, OC, bias, qtype);
     }
     free(xq); free(xd); free(corr);
     return LLMC_OK;
@@ -810,3 +830,112 @@ int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* 
     free(tile); free(part);
     return result;
 }
+
+/* ---- the experts of a mixture: each one's rows, grouped ------------------- */
+
+/*
+ * moe_grouped_forward_quant: moe.c's grouped forward on quantized experts
+ * (weight [E * OC] packed rows, expert e's OC rows at e * OC). Experts with
+ * 1 .. few_rows rows (decoding) take the few-row arithmetic above, their
+ * input rows quantized once and every expert's groups of ROWS output rows
+ * in one parallel loop (each weight row read once); experts with more
+ * (prefill) the panel path, one expert at a time. Each output is one
+ * thread's, so the result is bitwise matmul_forward_quant's (or _panels')
+ * on each expert's rows alone, for any thread count.
+ */
+
+/* offsets[0 .. E] runs from 0 to R without stepping back. */
+static int quant_offsets_ok(const int* offsets, int E, int R) {
+    if (offsets[0] != 0 || offsets[E] != R) { return 0; }
+    for (int e = 0; e < E; e++) {
+        if (offsets[e + 1] < offsets[e]) { return 0; }
+    }
+    return 1;
+}
+
+/* One group of ROWS output rows of one few-row expert. */
+typedef struct {
+    int expert, o0;
+} expert_group;
+
+/* grouped_quant's experts of 1 .. few_rows rows (`few` of them): their
+   input rows quantized, then all their groups of output rows in one
+   parallel loop. */
+static int few_row_experts(rows_fn rows, float* out, const float* inp, const uint8_t* weight,
+                           const int* offsets, int R, int IC, int OC, int E, int qtype,
+                           int few_rows, int few) {
+    const int nb = IC / QK, groups = (OC + ROWS - 1) / ROWS;
+    const size_t row_bytes = (size_t)nb * block_bytes(qtype);
+    // indexed by the grouped row r (the many-row experts' slots unused)
+    int8_t* xq = malloc((size_t)R * IC);
+    float* xd = malloc((size_t)R * nb * sizeof(float));
+    int32_t* corr = malloc((size_t)R * nb * sizeof(int32_t));
+    expert_group* jobs = malloc((size_t)few * groups * sizeof *jobs);
+    if (xq == NULL || xd == NULL || corr == NULL || jobs == NULL) {
+        free(xq); free(xd); free(corr); free(jobs);
+        return LLMC_ERR_NOMEM;
+    }
+    int count = 0;
+    for (int e = 0; e < E; e++) {
+        const int r0 = offsets[e], n = offsets[e + 1] - r0;
+        if (n == 0 || n > few_rows) { continue; }
+        for (int r = r0; r < r0 + n; r++) {
+            quantize_input_row(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
+                               inp + (size_t)r * IC, nb, qtype);
+        }
+        for (int grp = 0; grp < groups; grp++) { jobs[count++] = (expert_group){e, grp * ROWS}; }
+    }
+    #pragma omp parallel for schedule(static)
+    for (int j = 0; j < count; j++) {
+        const int e = jobs[j].expert, r0 = offsets[e];
+        const quant_input mine = {xq + (size_t)r0 * IC, xd + (size_t)r0 * nb,
+                                  corr + (size_t)r0 * nb, offsets[e + 1] - r0, nb};
+        quant_output_rows(rows, out + (size_t)r0 * OC, &mine, weight + (size_t)e * OC * row_bytes,
+                          row_bytes, jobs[j].o0, OC, NULL, qtype);
+    }
+    free(xq); free(xd); free(corr); free(jobs);
+    return LLMC_OK;
+}
+
+static int grouped_quant(int path, float* out, const float* inp, const uint8_t* weight,
+                         const int* offsets, int R, int IC, int OC, int E, int qtype,
+                         int few_rows) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight) && offsets != NULL, LLMC_ERR_NULL);
+    LLMC_REQUIRE(block_bytes(qtype) != 0, LLMC_ERR_VALUE);
+    LLMC_REQUIRE(R > 0 && IC > 0 && OC > 0 && E > 0 && IC % QK == 0, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_count_fits((size_t)R, (size_t)IC, 1, 1)
+                 && llmc_count_fits((size_t)E, (size_t)OC, (size_t)IC, 1)
+                 && llmc_count_fits((size_t)R, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(quant_offsets_ok(offsets, E, R), LLMC_ERR_RANGE);
+    LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
+    int few = 0;
+    for (int e = 0; e < E; e++) {
+        const int n = offsets[e + 1] - offsets[e];
+        few += n > 0 && n <= few_rows;
+    }
+    int status = few > 0 ? few_row_experts(path_function(path), out, inp, weight, offsets, R,
+                                           IC, OC, E, qtype, few_rows, few)
+                         : LLMC_OK;
+    const size_t expert_bytes = (size_t)OC * (IC / QK) * block_bytes(qtype);
+    for (int e = 0; e < E && status == LLMC_OK; e++) {
+        const int r0 = offsets[e], n = offsets[e + 1] - r0;
+        if (n <= few_rows) { continue; }
+        status = matmul_forward_quant_panels(out + (size_t)r0 * OC, inp + (size_t)r0 * IC,
+                                             weight + (size_t)e * expert_bytes, NULL, n, IC, OC,
+                                             qtype);
+    }
+    return status;
+}
+
+/* the exported entry points: the best few-row path, then each forced */
+#define GROUPED_QUANT(name, path)                                                          \
+    int name(float* out, const float* inp, const uint8_t* weight, const int* offsets,      \
+             int R, int IC, int OC, int E, int qtype, int few_rows) {                      \
+        return grouped_quant(path, out, inp, weight, offsets, R, IC, OC, E, qtype,         \
+                             few_rows);                                                    \
+    }
+GROUPED_QUANT(moe_grouped_forward_quant, best_path())
+GROUPED_QUANT(moe_grouped_forward_quant_portable, PATH_PORTABLE)
+GROUPED_QUANT(moe_grouped_forward_quant_avx2, PATH_AVX2)
+GROUPED_QUANT(moe_grouped_forward_quant_avxvnni, PATH_AVXVNNI)
+GROUPED_QUANT(moe_grouped_forward_quant_avx512vnni, PATH_AVX512VNNI)

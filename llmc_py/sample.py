@@ -47,8 +47,8 @@ def build_parser():
                         "no float32 copy: half the memory and bytes per token)")
     p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
                    help="decode on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
-                        "weights (the embedding and head at q8_0; a GGUF file's blocks of that "
-                        "type are used as they are)")
+                        "and experts' weights (the embedding and head at q8_0, routers float32; "
+                        "a GGUF file's blocks of that type are used as they are)")
     p.add_argument("--lora", metavar="FOLDER", default=None,
                    help="a PEFT LoRA adapter folder (adapter_config.json, "
                         "adapter_model.safetensors) to load onto the model -e")

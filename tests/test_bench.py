@@ -229,6 +229,43 @@ def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys, monke
     assert all(t[1] == "1" for t in table if len(t) > 9)
 
 
+def test_generate_weights_with_experts(monkeypatch):
+    """--generate --weights --moe: the MoE-shaped model's rows (here a tiny
+    one), a step's expert bytes k of E experts at batch 1 and min(E, 8 k)
+    at batch 8, quantized stacks included."""
+    from llmc_py import LlamaConfig
+    from llmc_py.bench import cli, generate
+    monkeypatch.setattr(generate, "llama_cpp_peer", lambda: None)
+    args = cli.parse(["--generate", "--weights", "bf16", "q8_0", "q4_0", "--moe", "--gen", "4",
+                      "2", "--repeats", "1"])
+    assert args.moe and args.weights == ["bf16", "q8_0", "q4_0"]
+    assert list(generate.decoding_moe_models()) == ["Qwen3-MoE shape"]
+    moe = LlamaConfig(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, channels=64, num_experts=8,
+                      experts_per_token=2, expert_hidden=32)
+    monkeypatch.setattr(cli, "decoding_moe_models", lambda: {"moe": moe})
+    seen = {}
+    original = generate.measure_weights
+    monkeypatch.setattr(cli, "measure_weights", lambda a, rng, models: seen.setdefault(
+        "rows", original(a, rng, models, bandwidth_bytes=2**22)))
+    monkeypatch.setattr(cli, "print_weights", lambda a, results: None)
+    cli.main(["--generate", "--weights", "bf16", "q8_0", "q4_0", "--moe", "--gen", "4", "2",
+              "--repeats", "1"])
+    rows = seen["rows"]["weights"]
+    assert [(r["model"], r["weights"], r["batch"]) for r in rows] == [
+        ("moe", w, b) for w in ("bf16", "q8_0", "q4_0") for b in (1, 8)]
+    steps = [r["step_mib"] for r in rows if r["batch"] == 1]
+    assert steps == sorted(steps, reverse=True) and len(set(steps)) == 3
+    fp32 = generate.preset_for(moe)(moe, seed=0)
+    for kind, stack in (("bf16", 2 * 3 * 32 * 64), ("q4_0", 3 * 32 * 64 // 32 * 18)):
+        model = generate.with_weights(fp32, kind)
+        router = 4 * 2 * 8 * 64
+        assert generate.expert_bytes(model, 1) == router + 2 * 2 * stack   # 2 layers, k = 2
+        assert generate.expert_bytes(model, 8) == router + 2 * 8 * stack   # every expert
+    with pytest.raises(SystemExit):
+        cli.parse(["--generate", "--moe"])   # --moe's own decoding is its mode's
+
+
 TINY_MIXTRAL = dict(vocab_size=64, padded_vocab_size=64, max_seq_len=16, channels=32,
                     num_heads=2, num_kv_heads=2, tied_embeddings=False)
 

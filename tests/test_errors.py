@@ -97,6 +97,10 @@ _ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights", "fractions"}),
                                             ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
 _GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}))
+# on quantized experts: few_rows is a threshold (0: every expert on the panel path)
+_GROUPED_QUANT = dict(_QUANT, fill=_GROUPED["fill"],
+                      not_sizes=frozenset({"qtype", "few_rows"}),
+                      bad=_QUANT["bad"] + _GROUPED["bad"])
 # one adapter's columns (0, 1); a second one, (0, 0), would be empty and overlap it
 _ADAPTER_COLUMNS = dict(fill={"rows": (0, 1)}, bad=(({"n": 2}, "LLMC_ERR_RANGE"),))
 
@@ -211,6 +215,9 @@ ROWS = {
                                            + _bad_dtype("inp_dtype"))),
     "moe_grouped_backward_bf16": Row(**dict(_GROUPED_BACKWARD, bad=_GROUPED_BACKWARD["bad"]
                                             + _bad_dtype("inp_dtype"))),
+    "moe_grouped_forward_quant": Row(**_GROUPED_QUANT),
+    **{f"moe_grouped_forward_quant_{path}": Row(**_GROUPED_QUANT, cpu_path=path != "portable")
+       for path in ("portable", "avx2", "avxvnni", "avx512vnni")},
     "lora_up_forward_bf16": Row(**_ADAPTER_COLUMNS),
     "lora_up_backward_bf16": Row(**_ADAPTER_COLUMNS),
 }

@@ -136,11 +136,11 @@ def test_moe_step_does_not_depend_on_thread_count(set_threads):
     assert_thread_invariant(set_threads, run)
 
 
-@pytest.mark.parametrize("what", ["add_lora", "quantize"])
-def test_lora_and_quantized_weights_refuse_experts(what):
+def test_lora_refuses_experts():
+    """(Quantized experts are test_quantized_moe's.)"""
     model = make_model(moe_config("e3-k2"), seed=1)
     with pytest.raises(UnsupportedError, match="num_experts=3"):
-        model.add_lora(4, 8) if what == "add_lora" else model.quantize("q8_0")
+        model.add_lora(4, 8)
 
 
 def test_train_cli_runs_experts_and_logs_the_loss_parts(shards, tmp_path, capsys):

@@ -378,6 +378,20 @@ matmul_backward_quant_panels = _kernel(
     """dinp[N,IC] (+=) <- dout[N,OC] . W, W as in matmul_forward_quant_panels:
     bitwise matmul_backward_bf16's dinp on bf16(W); no weight gradient.""")
 
+moe_grouped_forward_quant = _kernel(
+    "moe_grouped_forward_quant",
+    "out[R,OC] written, inp[R,IC], weight[E*OC,IC//32*_block_bytes(qtype)], offsets[E+1]"
+    " | R IC OC E from out, grouped_quant(offsets, inp, qtype)"
+    " | qtype:int, few_rows:int",
+    """out[R,OC] (written): rows offsets[e] .. offsets[e+1] = those rows of
+    inp[R,IC] . W_e^T, W_e the OC rows of weight from e*OC (quant_pack_rows'
+    layout): bitwise matmul_forward_quant on an expert of 1 .. few_rows rows
+    (all such experts in one parallel loop), matmul_forward_quant_panels on
+    one of more.
+
+    ``variant`` forces the few-row path, as matmul_forward_quant's.""",
+    variants=("portable", "avx2", "avxvnni", "avx512vnni"))
+
 # ---- attention.c ----------------------------------------------------------------
 
 attention_forward = _kernel(
@@ -680,6 +694,16 @@ def _quant_rows(arr, name, qtype):
         raise ShapeError(f"{name} has shape {arr.shape}: its input dimension {IC} is not a "
                          f"multiple of {QUANT_BLOCK}, the quantisation block")
     return rows, IC
+
+
+def _grouped_quant(offsets, name, inp, qtype):
+    """(IC, E) of a grouped product on quantized experts: inp's [R, IC] (a
+    whole number of blocks of a known qtype) and offsets' [E+1]."""
+    _, IC = _quant_rows(inp, "inp", qtype)
+    size = _dims(offsets, name, 1)[0]
+    if size < 2:
+        raise ShapeError(f"{name} has shape {offsets.shape}: expected [E+1] offsets, E >= 1")
+    return IC, size - 1
 
 
 def _packed_ic(arr, name, qtype):

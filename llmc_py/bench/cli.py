@@ -15,7 +15,7 @@ from .._native.lib import get_isa, get_num_threads, set_isa, set_num_threads, su
 from ..cli import command
 from ..flags import NON_NEGATIVE, POSITIVE, check_flags
 from ..model import PRECISIONS, RECOMPUTE_LEVELS
-from .generate import WEIGHT_TYPES, measure_generation, measure_weights
+from .generate import WEIGHT_TYPES, decoding_moe_models, measure_generation, measure_weights
 from .kernels import measure_kernels
 from .lora import LORA_MODEL, QWEN3_0_6B_LAYERS, lora_step_job, measure_lora
 from .moe import MOE_BATCH, MOE_LAYERS, measure_moe, moe_config
@@ -95,7 +95,9 @@ def build_parser():
                         "a Qwen3-0.6B-shaped model (random weights) with each of these weight "
                         "types, batch 1 and 8, beside the bandwidth limit measured in the same "
                         "run (a streaming read's GB/s over the bytes a step reads: weights + "
-                        "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0)")
+                        "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0); "
+                        "with --moe, a Qwen3-MoE-shaped model instead (8 layers of Qwen3-0.6B's "
+                        "width, 32 experts of 384, top-8)")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),
                    help="--generate and --moe's decoding: prompt tokens and new tokens")
     p.add_argument("--lora", action="store_true",
@@ -146,7 +148,8 @@ def parse(argv):
     modes = [flag for flag, on in (("--profile", args.profile),
                                    ("--generate", args.generate),
                                    ("--lora", args.lora and not args.profile),
-                                   ("--moe", args.moe and not args.profile),
+                                   ("--moe", args.moe and not args.profile
+                                    and not (args.generate and args.weights)),
                                    ("--quality", args.quality),
                                    ("--lora-quality", args.lora_quality)) if on]
     if len(modes) > 1 or (args.lora and args.moe):
@@ -209,7 +212,8 @@ def main(argv=None):
         return
     rng = np.random.default_rng(0)
     if args.generate and args.weights:
-        results, print_results = measure_weights(args, rng), print_weights
+        models = decoding_moe_models() if args.moe else None
+        results, print_results = measure_weights(args, rng, models), print_weights
     elif args.generate:
         results, print_results = measure_generation(args, rng), print_generation
     elif args.profile:

@@ -1,6 +1,7 @@
 """Greedy generation: ours with the KV cache, without it (a full forward per
 token) and PyTorch with a KV cache of its own; and (--weights) our decoding
 with each weight type beside the bandwidth limit."""
+import dataclasses
 import statistics
 import time
 
@@ -13,6 +14,7 @@ from ..generate import Decoder, KVCache
 from ..model import GPT2
 from ..model.layout import aligned_zeros
 from ..model.presets import preset_for
+from ..model.quantized import QUANTIZED_EXPERTS
 from ..model.transformer import QUANTIZED_LINEARS
 from .pytorch import torch_job
 from .timing import timed
@@ -81,6 +83,11 @@ QWEN3_06B = LlamaConfig(max_seq_len=40960, vocab_size=151936,
                         padded_vocab_size=padded_vocab(151936), num_layers=28, num_heads=16,
                         num_kv_heads=8, channels=1024, head_dim=128, ffn_hidden=3072,
                         qk_norm=True, tied_embeddings=True, rope_theta=1e6, norm_eps=1e-6)
+# --moe: Qwen3-30B-A3B's top-8 experts, each 3/8 of the width wide (768 of
+# 2048), at Qwen3-0.6B's width and attention, 32 experts, 8 layers (524M
+# parameters, random weights)
+QWEN3_MOE_SHAPE = dataclasses.replace(QWEN3_06B, num_layers=8, num_experts=32,
+                                      experts_per_token=8, expert_hidden=384)
 BANDWIDTH_BYTES = 2**30   # the streaming read's buffer: far past any cache
 
 
@@ -89,6 +96,11 @@ def decoding_models(layers):
     (124M at 12) and Qwen3-0.6B's shape."""
     return {f"GPT-2 {layers} layers": GPT2Config(num_layers=layers),
             "Qwen3-0.6B shape": QWEN3_06B}
+
+
+def decoding_moe_models():
+    """{name: config} of the --weights table with --moe."""
+    return {"Qwen3-MoE shape": QWEN3_MOE_SHAPE}
 
 
 def stream_bandwidth(repeats, nbytes=BANDWIDTH_BYTES):
@@ -120,11 +132,27 @@ def linear_bytes(model):
     layers' and the head's (the embedding's gather reads B rows, the norms
     and biases are small)."""
     names = QUANTIZED_LINEARS + ("wte" if model.config.tied_embeddings else "lm_head",)
-    total = 0
-    for name in names:
-        weight = model._weights[name]
-        total += sum(w.nbytes for w in weight) if isinstance(weight, list) else weight.nbytes
-    return total
+    return sum(_weight_bytes(model, name) for name in names)
+
+
+def expert_bytes(model, B):
+    """Bytes of the experts a decoding step of B rows reads at most: per MoE
+    layer its router and min(E, B k) of its E experts (a row's k are
+    distinct; rows may share them)."""
+    c = model.config
+    if not c.num_experts:
+        return 0
+    share = min(c.num_experts, B * c.experts_per_token) / c.num_experts
+    return (4 * c.num_moe_layers * c.num_experts * c.C
+            + share * sum(_weight_bytes(model, name) for name in QUANTIZED_EXPERTS))
+
+
+def _weight_bytes(model, name):
+    """Bytes of weight ``name`` as the model holds it (0 if its config has none)."""
+    if name not in dict(model.param_specs):
+        return 0
+    weight = model._weights[name]
+    return sum(w.nbytes for w in weight) if isinstance(weight, list) else weight.nbytes
 
 
 def time_decoding(model, prompts, new_tokens, repeats):
@@ -154,8 +182,8 @@ def bench_weights(name, config, weights, prompt_len, new_tokens, repeats, bandwi
                   peer=None):
     """Rows of the --weights table for one model: per batch (1 and 8) and
     weight type, tokens/s beside the bandwidth limit: bandwidth over the
-    bytes of a step (linear_bytes, plus the KV cache at the mean position,
-    per row). ``peer``: the optional llama.cpp row's function (llama_cpp_peer)."""
+    bytes of a step (linear_bytes and expert_bytes, plus the KV cache at the
+    mean position, per row). ``peer``: the optional llama.cpp row's function (llama_cpp_peer)."""
     fp32 = preset_for(config)(config, seed=0)
     prompts = rng.integers(0, config.vocab_size, size=(max(WEIGHTS_BATCHES), prompt_len))
     # every step reads the keys and values of prompt_len + i positions, per row
@@ -164,7 +192,7 @@ def bench_weights(name, config, weights, prompt_len, new_tokens, repeats, bandwi
     for kind in weights:
         model = with_weights(fp32, kind)
         for B in WEIGHTS_BATCHES:
-            step_bytes = linear_bytes(model) + B * kv_bytes
+            step_bytes = linear_bytes(model) + expert_bytes(model, B) + B * kv_bytes
             rows.append({"model": name, "weights": kind, "batch": B,
                          "step_mib": step_bytes / 2**20,
                          "limit": B * bandwidth * 1e9 / step_bytes,

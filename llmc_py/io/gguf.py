@@ -48,8 +48,8 @@ with an expert count is a Mixtral), every tensor dequantised
 (gguf.quants.dequantize) to float32, q and k permuted back, the experts
 unstacked, and the tensors checked by io.hf.params_from_tensors as a
 folder's are (an MoE layer's four first, by their GGUF names). A quantized
-MoE file is read dequantised: our quantized model (weights="q8_0") holds no
-experts yet. Tensors
+model (weights="q8_0", read_gguf_blocks) keeps the blocks of the linear
+layers and stacks of experts stored in its type. Tensors
 in F32, F16, BF16, Q8_0 and Q4_0 are read, and Q6_K (llama.cpp's quantizer
 keeps the head of a Q4_0 model in it); other types are refused by name.
 """
@@ -690,15 +690,21 @@ def _check_experts(path, arch, config, tensors):
                                       f"{list(shape_of(c))} (metadata: {metadata})")
 
 
+# our stacks of experts, from each MoE layer's GGUF stacks (expertfcw: gate then up)
+_EXPERT_STACKS = {"expertfcw": ("ffn_gate_exps", "ffn_up_exps"),
+                  "expertprojw": ("ffn_down_exps",)}
+
+
 def read_gguf_blocks(path, qtype):
     """{our weight name: [QuantizedLinear per layer]} of the linear layers
     (qkvw, attprojw, fcw, fcprojw) whose every GGUF tensor is stored as
     ``qtype`` ("q8_0", "q4_0"): the file's blocks themselves, rows stacked
     and q, k rows permuted as read_gguf does to the floats (a block is a
-    piece of one row, so rows move whole)."""
+    piece of one row, so rows move whole); likewise [QuantizedExperts per
+    MoE layer] of the stacks of experts (expertfcw, expertprojw)."""
     from ..model.quantized import QuantizedLinear
     gguf, reader, arch, config = _open(path)
-    hf_arch = "MistralForCausalLM" if config.sliding_window else HF_ARCHS[arch]
+    hf_arch = _hf_arch(arch, config)
     stored = {t.name: t for t in reader.tensors}
     gguf_name = {hf: name for name, hf in gguf_tensors(config)}
     kind = gguf.GGMLQuantizationType[qtype.upper()]
@@ -720,6 +726,29 @@ def read_gguf_blocks(path, qtype):
                                           f"{path}: {name}[{l}]"))
         else:
             blocks[name] = layers
+    return blocks | _expert_blocks(path, arch, config, stored, kind, qtype)
+
+
+def _expert_blocks(path, arch, config, stored, kind, qtype):
+    """read_gguf_blocks' stacks of experts: {name: [QuantizedExperts per MoE
+    layer]} where every layer's GGUF stacks are stored as ``kind``, gate's
+    rows then up's of each expert (each [E, rows, bytes])."""
+    from ..model.quantized import QuantizedExperts
+    _check_experts(path, arch, config, stored)
+    blocks = {}
+    for name, kinds in _EXPERT_STACKS.items():
+        layers = []
+        for m, l in enumerate(config.moe_layers):
+            parts = [stored[f"blk.{l}.{k}.weight"] for k in kinds]
+            if any(t.tensor_type != kind for t in parts):
+                break   # read_gguf's floats serve it
+            layers.append(QuantizedExperts(
+                np.concatenate([np.asarray(t.data) for t in parts], axis=1),
+                int(parts[0].shape[0]), qtype,
+                f"{path}: {name}[{m}] ({', '.join(t.name for t in parts)})"))
+        else:
+            if layers:
+                blocks[name] = layers
     return blocks
 
 

@@ -105,8 +105,15 @@ def _grouping(experts, E):
 
 
 def _grouped_forward(weight):
-    """The grouped matmul for experts' weights as the model holds them (bf16 or float32)."""
+    """The grouped matmul for an MoE layer's experts' weights as the model
+    holds them (bf16, float32 or QuantizedExperts)."""
+    if not isinstance(weight, np.ndarray):
+        return _quantized_grouped
     return K.moe_grouped_forward_bf16 if weight.dtype == np.uint16 else K.moe_grouped_forward
+
+
+def _quantized_grouped(out, inp, weight, offsets):
+    weight(out, inp, offsets)
 
 
 def _grouped_backward(weight):
@@ -278,7 +285,9 @@ class Block:
         m = self.mlp_index[l]
         w = model._weights
         N, k, E = inp.shape[0] * inp.shape[1], c.experts_per_token, c.num_experts
-        model._matmul_forward(a.router_logits[m], inp, w.routerw[m], None)
+        # a quantized model keeps its routers float32 (with its other float32 tensors)
+        router = (model.params if model.quantized else w).routerw[m]
+        model._matmul_forward(a.router_logits[m], inp, router, None)
         experts = a.topk_index[m].view(np.int32).reshape(N, k)
         K.moe_route_forward(a.router_probs[m].reshape(N, E), a.topk_weight[m].reshape(N, k),
                             experts, self.aux[m], a.router_logits[m].reshape(N, E),
@@ -288,7 +297,7 @@ class Block:
             self.balance_over_ranks(m, model.balance_world, experts, a.router_probs[m].reshape(N, E))
         offsets, positions = _grouping(experts, E)
         K.moe_gather_forward(a.expert_in, inp.reshape(N, c.C), positions)
-        grouped = _grouped_forward(w.expertfcw)
+        grouped = _grouped_forward(w.expertfcw[m])
         grouped(a.expert_fch[m], a.expert_in, w.expertfcw[m], offsets)
         grouped(a.expert_out[m], self.expert_act(a, m), w.expertprojw[m], offsets)
         K.moe_combine_forward(a.proj.reshape(N, c.C), a.expert_out[m],

@@ -7,7 +7,7 @@ from .._native.lib import get_isa, get_num_threads
 from .layout import (act_dtypes, act_specs, frozen_bf16_parameters, grad_act_specs,
                      num_parameters, param_specs, routed_rows, specs_bytes, specs_units)
 from .memory import format_bytes, require
-from .quantized import (QUANTIZED_LINEARS, block_bytes, check_weights_type,
+from .quantized import (QUANTIZED_EXPERTS, QUANTIZED_LINEARS, block_bytes, check_weights_type,
                         panel_scratch_bytes)
 
 PRECISIONS = ("fp32", "bf16")
@@ -122,14 +122,15 @@ def bf16_activations(precision, base_weights=None):
 
 def quantized_parameters(config, qtype):
     """{block type: (parameters, bytes)} a model quantized to ``qtype``
-    holds in blocks: its linear layers (qkv, attention projection, MLP) in
-    qtype, the embedding table and an untied head in Q8_0 (one table when
-    tied)."""
+    holds in blocks: its linear layers (qkv, attention projection, MLP,
+    the experts) in qtype, the embedding table and an untied head in Q8_0
+    (one table when tied); the routers stay float32."""
     check_weights_type(qtype)
     held = {}
+    in_qtype = QUANTIZED_LINEARS + QUANTIZED_EXPERTS
     for name, fn in param_specs(config):
-        if name in QUANTIZED_LINEARS or name in ("wte", "lm_head"):
-            kind = qtype if name in QUANTIZED_LINEARS else "q8_0"
+        if name in in_qtype or name in ("wte", "lm_head"):
+            kind = qtype if name in in_qtype else "q8_0"
             count = math.prod(fn(config))
             before = held.get(kind, (0, 0))
             held[kind] = (before[0] + count, before[1] + count // 32 * block_bytes(kind))
@@ -160,7 +161,11 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
                            + c.num_experts * c.expert_fc_channels * c.C)
     if base_weights is not None:
         widened = get_isa() != "avx512bf16"
-        total += max(panel_scratch_bytes(B * T, OC, IC, widened) for OC, IC in linears)
+        products = [(B * T, OC, IC) for OC, IC in linears]
+        if c.moe_layers:   # an expert's rows: at most all R routed rows
+            R = routed_rows(c, B, T)
+            products += [(R, c.expert_fc_channels, c.C), (R, c.C, c.expert_hidden)]
+        total += max(panel_scratch_bytes(N, OC, IC, widened) for N, OC, IC in products)
     return total
 
 

@@ -79,8 +79,14 @@ def load_model(path, precision="fp32", weights=None, frozen=False):
         config = read_config(path)
         model = preset_for(config)(config, precision=precision, weights=weights)
         blocks = read_quantized_blocks(path, weights)
-        read_model_file_into(path, config, lambda name, l, values: model.put_quantized(
-            name, l, blocks[name][l] if name in blocks else values))
+
+        def put(name, l, values):
+            if name in blocks:   # the file's blocks; a stack of experts whole, at each expert
+                l = l[0] if isinstance(l, tuple) else l
+                values = blocks[name][l]
+            model.put_quantized(name, l, values)
+
+        read_model_file_into(path, config, put)
         return model
     if frozen:
         config = read_config(path)

@@ -17,7 +17,13 @@ Q8_0 weight on a shared Zen 5 (2 threads) they crossed near 8 rows (8 rows:
 slower per row than today's), so a decoding batch of up to 8 keeps the
 integer kernel. A row's result thus
 depends on which side of FEW_ROWS its call is, not on the rows beside it
-otherwise. The backward (no decoding use) is the panel path for any count."""
+otherwise. The backward (no decoding use) is the panel path for any count.
+
+QuantizedExperts holds an MoE layer's stack of expert weights the same way
+(each expert's rows packed as QuantizedLinear's, one after another) for
+the grouped forward: each expert of at most FEW_ROWS rows takes the
+decoding kernel, all of them in one parallel loop; an expert of more the
+panel path."""
 import numpy as np
 
 from .._native import kernels as K
@@ -28,6 +34,9 @@ FEW_ROWS = 8   # calls of at most this many rows take the decoding kernel
 # the weights of a model's linear layers that Transformer.quantize replaces
 # (besides the embedding and the head)
 QUANTIZED_LINEARS = ("qkvw", "attprojw", "fcw", "fcprojw")
+# the MoE layers' stacks of expert weights [E, OC, IC] it replaces (their
+# routers stay float32, as llama.cpp keeps ffn_gate_inp)
+QUANTIZED_EXPERTS = ("expertfcw", "expertprojw")
 # quant.c's panel tiles: at most this many bytes of bf16, at least this many columns
 _PANEL_TILE_BYTES, _PANEL_MIN_TILE = 8 << 20, 192
 
@@ -176,3 +185,62 @@ class QuantizedLinear:
         if not written.flags.c_contiguous:
             name = out_name if written is out else inp_name
             raise ShapeError(f"{self.name}: the {name} must be C-contiguous")
+
+
+class QuantizedExperts(QuantizedLinear):
+    """An MoE layer's stack of expert weights [E, OC, IC] as E * OC rows of
+    ``qtype`` blocks (expert e's OC rows from e * OC), in QuantizedLinear's
+    packed layout; ``blocks`` gives them [E, OC, bytes] as GGUF stores a
+    stack (ffn_gate_exps, ...). Called as moe.c's grouped forward."""
+
+    def __init__(self, blocks, IC, qtype, name="experts"):
+        if blocks.ndim != 3:
+            raise ShapeError(f"{name}: blocks of shape {blocks.shape}, expected uint8 "
+                             f"[E, OC, bytes] (a stack of experts)")
+        E, OC, row_bytes = blocks.shape
+        super().__init__(blocks.reshape(E * OC, row_bytes), IC, qtype, name)
+        self.shape = (E, OC, IC)
+
+    @classmethod
+    def quantize(cls, weight, qtype, name="experts"):
+        """The blocks of an fp32 stack [E, OC, IC], rounded as llama.cpp rounds."""
+        weight = np.asarray(weight)
+        if weight.ndim != 3:
+            raise ShapeError(f"{name} has shape {weight.shape}, expected [E, OC, IC]")
+        E, OC, IC = weight.shape
+        rows = QuantizedLinear.quantize(weight.reshape(E * OC, IC), qtype, name)
+        return cls(rows.blocks.reshape(E, OC, -1), IC, qtype, name)
+
+    @classmethod
+    def zeros(cls, shape, qtype, name="experts"):
+        """A stack [E, OC, IC] of zero weights, for put_expert to fill."""
+        E, OC, IC = shape
+        check_input_dim(name, shape, qtype)
+        return cls(np.zeros((E, OC, IC // K.QUANT_BLOCK * block_bytes(qtype)), np.uint8), IC,
+                   qtype, name)
+
+    def put_expert(self, e, weight):
+        """Expert e's weight [OC, IC] (float) quantized into its rows."""
+        E, OC, IC = self.shape
+        if np.shape(weight) != (OC, IC):
+            raise ShapeError(f"{self.name}: expert {e}'s weight has shape {np.shape(weight)}, "
+                             f"expected {[OC, IC]}")
+        rows = QuantizedLinear.quantize(weight, self.qtype, f"{self.name}[{e}]")
+        self.packed[e * OC:(e + 1) * OC] = rows.packed
+
+    @property
+    def blocks(self):
+        return super().blocks.reshape(self.shape[0], self.shape[1], -1)
+
+    def dequantize(self):
+        """The stack [E, OC, IC] in fp32 (d * q per block)."""
+        E, OC, IC = self.shape
+        out = np.empty((E * OC, IC), np.float32)
+        K.dequantize_rows(out, self._unpacked(self.packed), self._type)
+        return out.reshape(self.shape)
+
+    def __call__(self, out, inp, offsets):
+        """out[R, OC] (written): rows offsets[e] .. offsets[e+1] of inp[R, IC]
+        times expert e's weight^T (moe_grouped_forward_quant)."""
+        K.moe_grouped_forward_quant(out, np.ascontiguousarray(inp), self.packed, offsets,
+                                    self._type, FEW_ROWS)

@@ -125,7 +125,8 @@ from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_dtypes, act_spe
                      aligned_empty, aligned_zeros, checked_params, forward_only_acts,
                      grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
-from .quantized import QUANTIZED_LINEARS, QuantizedLinear, check_input_dim, check_weights_type
+from .quantized import (QUANTIZED_EXPERTS, QUANTIZED_LINEARS, QuantizedExperts, QuantizedLinear,
+                        check_input_dim, check_weights_type)
 from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations, head_rows,
                        memory_plan, recomputes_fch, require_missing, reusable)
 
@@ -172,9 +173,6 @@ class Transformer:
         if weights is not None and (frozen or params is not None):
             raise ValueError(f"weights={weights!r} is a quantized model filled by "
                              f"put_quantized: give neither params nor frozen=True")
-        if weights is not None and config.num_experts:
-            raise UnsupportedError(f"weights={weights!r}: this model has experts (num_experts="
-                                   f"{config.num_experts}); quantized experts are not supported")
         self.config = config
         self.precision = precision
         self.frozen = frozen
@@ -941,8 +939,11 @@ class Transformer:
         keeps its output tensor at 8 bits or more; a tied head is the
         embedding's blocks themselves); their float32 copies are released.
         The embedding's gather dequantises its rows (exact: d * q); norms,
-        biases and a learned position table stay float32.
-        ``blocks`` {name: [QuantizedLinear per
+        biases and a learned position table stay float32. A mixture of
+        experts' stacks of expert weights take ``qtype`` too (QuantizedExperts:
+        decoding's few rows an expert by the decoding kernel, all experts in
+        one parallel loop); their routers stay float32, as llama.cpp keeps them.
+        ``blocks`` {name: [QuantizedLinear (or QuantizedExperts) per
         layer]} gives some of them already quantized (a GGUF file's bytes). Every linear layer then runs
         QuantizedLinear's kernels (few rows: decoding; many: the panel path):
         forward, evaluation, generate, and LoRA adapters on the frozen
@@ -950,7 +951,6 @@ class Transformer:
         the input gradients through the panel path; training the base and
         saving it are refused."""
         check_weights_type(qtype)
-        self._refuse_experts("quantize")
         self._refuse_adapters("quantize")
         self._refuse_frozen("quantize")
         if self.quantized is not None:
@@ -961,7 +961,7 @@ class Transformer:
         self.params = TensorGroup(_float32_when_quantized(self.param_specs), self.config)
         self.params_bf16 = None
         for name in whole.names:
-            for l in [None] if name in WHOLE_PARAMS else range(self.config.L):
+            for l in [None] if name in WHOLE_PARAMS else range(len(whole[name])):
                 self.put_quantized(name, l, blocks[name][l] if name in blocks else
                                    whole[name] if l is None else whole[name][l])
 
@@ -971,11 +971,14 @@ class Transformer:
         and every weight's input dimension checked."""
         check_weights_type(qtype)
         shapes, tables = dict(self.param_specs), self._quantized_tables()
-        for name in QUANTIZED_LINEARS:
+        # the linear layers and stacks of experts this config has (a model
+        # whose every MLP has experts has no fcw)
+        linears = [name for name in QUANTIZED_LINEARS + QUANTIZED_EXPERTS if name in shapes]
+        for name in linears:
             check_input_dim(f"{name}[0]", shapes[name](self.config)[1:], qtype)
         for name in tables:
             check_input_dim(name, shapes[name](self.config), "q8_0")
-        slots = {name: [None] * self.config.L for name in QUANTIZED_LINEARS}
+        slots = {name: [None] * shapes[name](self.config)[0] for name in linears}
         slots.update(dict.fromkeys(tables))
         self._weights = QuantizedWeights(slots)
         self._matmul_forward = _quantized_matmul
@@ -995,11 +998,17 @@ class Transformer:
         given as a QuantizedLinear (a GGUF file's blocks, kept as they are);
         the other tensors go into ``params`` in float32. ``values`` may be
         float32, float16 or bf16, with fewer rows than the tensor for the
-        unpadded vocabulary (the padding rows stay zero)."""
+        unpadded vocabulary (the padding rows stay zero). A stack of experts
+        (expertfcw, expertprojw of MoE layer l) is given whole ([E, OC, IC],
+        or a QuantizedExperts) or one expert at a time (l a pair (layer,
+        expert), as loaders give it)."""
         c = self.config
         if name in self.params:
             view = self.params[name] if l is None else self.params[name][l]
             view[:len(values)] = values
+            return
+        if name in QUANTIZED_EXPERTS:
+            self._put_experts(name, l, values)
             return
         if l is None and not isinstance(values, QuantizedLinear) and len(values) < c.Vp:
             padded = np.zeros((c.Vp, c.C), np.float32)
@@ -1013,6 +1022,26 @@ class Transformer:
         if values.shape != shape:
             raise ShapeError(f"{values.name}: quantized weight of shape {list(values.shape)}, "
                              f"expected {list(shape)} for {label}")
+        self._weights.put(name, l, values)
+
+    def _put_experts(self, name, l, values):
+        """put_quantized's stack of experts ``name`` of MoE layer l (or of
+        expert e of it, l = (layer, e))."""
+        shape = dict(self.param_specs)[name](self.config)[1:]
+        if isinstance(l, tuple):
+            l, e = l
+            stack = self._weights[name][l]
+            if stack is None:
+                stack = QuantizedExperts.zeros(shape, self.quantized, f"{name}[{l}]")
+                self._weights.put(name, l, stack)
+            stack.put_expert(e, values)
+            return
+        if not isinstance(values, QuantizedExperts):
+            values = QuantizedExperts.quantize(values, self.quantized, f"{name}[{l}]")
+        if values.shape != shape:
+            raise ShapeError(f"{values.name}: quantized experts of shape {list(values.shape)} "
+                             f"([experts, rows, columns]), expected {list(shape)} for "
+                             f"{name}[{l}]")
         self._weights.put(name, l, values)
 
     def _refuse_quantized(self, what):
@@ -1104,8 +1133,8 @@ class Transformer:
     def _refuse_experts(self, what):
         if self.config.num_experts:
             raise UnsupportedError(f"{what}: this model has experts (num_experts="
-                                   f"{self.config.num_experts}); LoRA adapters and quantized "
-                                   f"weights cover dense MLPs only")
+                                   f"{self.config.num_experts}); LoRA adapters cover dense "
+                                   f"MLPs only")
 
     def _refuse_frozen(self, what):
         if self.frozen:
@@ -1161,7 +1190,8 @@ class Transformer:
 
 class QuantizedWeights:
     """A quantized model's ``_weights``: weights["qkvw"][l], the embedding
-    (.wte) and an untied head (.lm_head) as QuantizedLinear blocks."""
+    (.wte) and an untied head (.lm_head) as QuantizedLinear blocks, an MoE
+    layer's stacks of experts (weights["expertfcw"][m]) as QuantizedExperts."""
 
     def __init__(self, weights):
         self._weights = weights
@@ -1185,14 +1215,18 @@ class QuantizedWeights:
 
 def _float32_when_quantized(specs):
     """The parameter specs a quantized model keeps in float32: all but the
-    linear layers' weights, the embedding and an untied head."""
+    linear layers' weights, the experts', the embedding and an untied head."""
     return [(name, fn) for name, fn in specs
-            if name not in QUANTIZED_LINEARS + ("wte", "lm_head")]
+            if name not in QUANTIZED_LINEARS + QUANTIZED_EXPERTS + ("wte", "lm_head")]
 
 
 def _quantized_matmul(out, inp, weight, bias):
-    """matmul_forward's call on a QuantizedLinear weight."""
-    weight(out, inp, bias)
+    """matmul_forward's call on a QuantizedLinear weight, or on a float32
+    one it keeps (an MoE layer's router)."""
+    if isinstance(weight, np.ndarray):
+        K.matmul_forward(out, inp, weight, bias)
+    else:
+        weight(out, inp, bias)
 
 
 def _quantized_matmul_backward(dinp, dweight, dbias, dout, inp, weight):
