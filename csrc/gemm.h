@@ -29,6 +29,10 @@ struct llmc_gemm_f32_job {
    jobs' outputs must not overlap. */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count);
 
+/* Zeroes what matmul_backward's `written` asks it to write (matmul.c): the
+   paths that only add into dinp [BT, C] and dweight [OC, C]. */
+void llmc_zero_written(float* dinp, float* dweight, int written, int64_t BT, int C, int OC);
+
 /* The most rows matmul_forward gives its few-row (skinny) kernel. */
 #define LLMC_FEW_ROWS_F32 16
 

@@ -399,16 +399,20 @@ static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t*
 /* matmul_backward_bf16's dinp and dweight on the dot-product path; one
    scratch for both, so that running out of memory changes nothing. */
 static int bf_backward(float* dinp, float* dweight, const float* dout, const void* inp,
-                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC) {
+                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC,
+                       int written) {
+    // a written output starts from 0 in its first K block instead of being read
     const struct bf16_gemm gi = {
         .c = dinp, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_ROWS,
         .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_W,
+        .init_zero = (written & LLMC_WRITE_DINP) != 0,
         .M = (int)BT, .N = C, .K = OC};
     const struct bf16_gemm gw = {
         .c = dweight, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_COLS,
         .b = inp, .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
+        .init_zero = (written & LLMC_WRITE_DWEIGHT) != 0,
         .M = OC, .N = C, .K = (int)BT};
     const int nthreads = omp_get_max_threads();
     const struct bf_plan pi = bf_plan_gemm(&gi, nthreads), pw = bf_plan_gemm(&gw, nthreads);
@@ -563,7 +567,7 @@ int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
 
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
                          const float* dout, const void* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC, int inp_dtype) {
+                         int B, int T, int C, int OC, int inp_dtype, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
@@ -571,7 +575,8 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC);
+        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC,
+                                       written);
         if (status != LLMC_OK || dbias == NULL) { return status; }
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
@@ -589,7 +594,7 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
         if (inp_rounded != NULL) { inp_into(inp_rounded, inp, inp_bf16, (int64_t)n_inp); }
         if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
         status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
-                                 B, T, C, OC);
+                                 B, T, C, OC, written);
         llmc_scratch_done();
     }
     // dbias sums dout itself, unrounded, as the float32 layer does
@@ -622,12 +627,13 @@ int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weigh
 
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
                                const float* dout, const void* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC, int inp_dtype) {
+                               int B, int T, int C, int OC, int inp_dtype, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
     const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
+    llmc_zero_written(dinp, dweight, written, BT, C, OC);
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {

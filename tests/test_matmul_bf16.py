@@ -333,7 +333,7 @@ def test_backward_skips_a_product_given_none(use_isa, isa, variant, skip):
     dbias = np.zeros(45, np.float32)
     status = fn(ffi.NULL, ffi.NULL, ffi.cast("float*", dbias.ctypes.data),
                 ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, 2, 17, 67, 45,
-                lib.LLMC_DTYPE_F32)
+                lib.LLMC_DTYPE_F32, 0)
     assert status == lib.LLMC_OK
     np.testing.assert_array_equal(dbias, full["dbias"])
 
@@ -386,13 +386,13 @@ def test_rejects_bad_shapes_and_null(variant):
     assert fwd(ffi.NULL, fp(x), hp, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
     assert fwd(fp(out), fp(x), ffi.NULL, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
     dinp = np.zeros_like(x)
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # no dout
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # dinp needs the weight
-    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45, F32) \
+    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # dweight needs inp
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45, F32, 0) \
         == lib.LLMC_ERR_SHAPE
 
 
@@ -456,4 +456,40 @@ def test_inp_dtype_is_checked():
     assert lib.matmul_forward_bf16(fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, 45, 2) \
         == lib.LLMC_ERR_VALUE
     assert lib.matmul_backward_bf16_naive(ffi.NULL, fp(out), ffi.NULL, fp(out), fp(x), hp,
-                                          2, 17, 67, 45, -1) == lib.LLMC_ERR_VALUE
+                                          2, 17, 67, 45, -1, 0) == lib.LLMC_ERR_VALUE
+
+
+# the dinp GEMM (K = OC) and the dweight GEMM (K = B*T) each over several K blocks
+WRITTEN_SHAPES = [(2, 37, 130, 97), (1, 5, 67, 1100), (4, 300, 67, 45)]
+
+
+@pytest.mark.parametrize("B,T,C,OC", WRITTEN_SHAPES)
+@pytest.mark.parametrize("variant", ["", "naive"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_written_outputs_are_the_sum_into_zeros_bitwise(set_threads, use_isa, isa, variant,
+                                                        B, T, C, OC):
+    """`written` outputs hold garbage before the call and end bitwise as a
+    call adding into zeros; the others still add onto what they hold."""
+    x, w16, _, dout, _ = layer(B, T, C, OC)
+    use_isa(isa)
+    start = backward(dout, x, w16, variant)   # nonzero start values
+    into_zeros = backward(dout, x, w16, variant)
+    names = {K.WRITE_DINP: "dinp", K.WRITE_DWEIGHT: "dweight"}
+    for written in (K.WRITE_DINP, K.WRITE_DWEIGHT, K.WRITE_DINP | K.WRITE_DWEIGHT):
+        def run():
+            grads = {name: value.copy() for name, value in start.items()}
+            for flag, name in names.items():
+                if written & flag:
+                    grads[name][...] = np.nan
+            K.matmul_backward_bf16(grads["dinp"], grads["dweight"], grads["dbias"], dout, x,
+                                   w16, variant=variant, written=written)
+            return grads
+        expected = backward(dout, x, w16, variant, start=start)
+        for flag, name in names.items():
+            if written & flag:
+                expected[name] = into_zeros[name]
+        grads = run()
+        for name in expected:
+            assert np.array_equal(grads[name].view(np.uint32), expected[name].view(np.uint32)), \
+                f"{isa} {variant} written={written} {name}"
+        assert_thread_invariant(set_threads, run)

@@ -113,12 +113,18 @@ matmul_forward = _kernel(
 
     ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
+# matmul_backward's ``written``: the outputs written instead of added into
+WRITE_DINP, WRITE_DWEIGHT = lib.LLMC_WRITE_DINP, lib.LLMC_WRITE_DWEIGHT
+
 matmul_backward = _kernel(
     "matmul_backward",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
-    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight",
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | written:int=0",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight.
-    Any of dinp, dweight and dbias may be None: that product is skipped.""", variants=("naive",))
+    Any of dinp, dweight and dbias may be None: that product is skipped.
+    ``written`` WRITE_DINP | WRITE_DWEIGHT: those are written instead of
+    added into (bitwise the sum into zeros; the caller need not zero them).""",
+    variants=("naive",))
 
 matmul_forward_bf16 = _kernel(
     "matmul_forward_bf16",
@@ -133,11 +139,11 @@ matmul_forward_bf16 = _kernel(
 matmul_backward_bf16 = _kernel(
     "matmul_backward_bf16",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
-    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | dtype(inp)",
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | dtype(inp), written:int=0",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight (bf16):
     matmul_backward with dout and inp rounded to bf16 in the products (inp
     float32, or bf16 as it is). Any of dinp, dweight and dbias may be None:
-    that product is skipped.""", variants=("naive",))
+    that product is skipped. ``written`` as matmul_backward's.""", variants=("naive",))
 
 float_to_bf16 = _kernel(
     "float_to_bf16", "out[...] written, inp[...] | N from inp",
@@ -154,7 +160,7 @@ gelu_forward = _kernel(
     """out (written) = gelu_tanh(inp), any shape.""")
 
 gelu_backward = _kernel(
-    "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
     """dinp (+=) gelu'(inp) * dout, any shape.""")
 
 relu_forward = _kernel(
@@ -162,7 +168,7 @@ relu_forward = _kernel(
     """out (written) = max(inp, 0), any shape.""")
 
 relu_backward = _kernel(
-    "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
     """dinp (+=) (inp > 0) * dout, any shape.""")
 
 gelu_erf_forward = _kernel(
@@ -170,7 +176,7 @@ gelu_erf_forward = _kernel(
     """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape.""")
 
 gelu_erf_backward = _kernel(
-    "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
+    "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
     """dinp (+=) gelu_erf'(inp) * dout, any shape.""")
 
 residual_forward = _kernel(
@@ -186,7 +192,8 @@ swiglu_forward = _kernel(
     """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows).""")
 
 swiglu_backward = _kernel(
-    "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
 geglu_forward = _kernel(
@@ -194,7 +201,8 @@ geglu_forward = _kernel(
     """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form).""")
 
 geglu_backward = _kernel(
-    "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
 reglu_forward = _kernel(
@@ -202,11 +210,12 @@ reglu_forward = _kernel(
     """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:].""")
 
 reglu_backward = _kernel(
-    "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
+    "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
     """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
 
 # the activation of each MLP choice (config.mlp): forward (its out float32, or
-# bf16: the float32 result rounded), backward
+# bf16: the float32 result rounded), backward (written=True: dinp written, not added into)
 MLP_ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward),
                    "gelu_erf": (gelu_erf_forward, gelu_erf_backward),
                    "swiglu": (swiglu_forward, swiglu_backward),
