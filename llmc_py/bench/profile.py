@@ -166,11 +166,13 @@ class Profiler:
 
     def _timed_zero_grad(self, zero_grad):
         def timed_zero_grad():
+            # read before: model.grads would zero what zero_grad leaves to backward
+            model, total = self.model, self.model.trained[1].memory.nbytes
             start = time.perf_counter()
             zero_grad()
             seconds = time.perf_counter() - start
-            written = self.model.trained[1].memory.nbytes
-            self.calls.append(Call("step", ZERO_GRAD, "", "numpy", seconds, written))
+            left = sum(model.base_grad(name, l).nbytes for name, l in model._unwritten)
+            self.calls.append(Call("step", ZERO_GRAD, "", "numpy", seconds, total - left))
         return timed_zero_grad
 
     def _timed_kernel(self, name, kernel):
