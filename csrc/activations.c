@@ -12,6 +12,7 @@
 #include "llmc.h"
 #include "common.h"
 #include "isa.h"
+#include "gemm.h"
 
 /* The MLP activations' bf16 stores. The avx512bf16 build of gelu_forward
    and relu_forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
@@ -57,6 +58,7 @@ static int elementwise_backward(elementwise_backward_fn blocks, float* dinp, con
                                 const float* inp, int64_t N, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t blk0, blk1;
@@ -174,6 +176,10 @@ static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const in
     }
 
 ACTIVATION_FORWARD(gelu, ACT_GELU)
+
+llmc_forward_blocks_fn llmc_gelu_forward_blocks(int isa) {
+    return LLMC_ISA_SELECT_BF16(isa, gelu_forward_blocks);
+}
 
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
    = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
@@ -336,6 +342,7 @@ static int gated_backward(gated_backward_fn blocks, float* dinp, const float* do
                           const float* inp, int64_t N, int FF, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t k0, k1;
@@ -430,6 +437,7 @@ int gelu_erf_forward(void* out, const float* inp, int64_t N, int out_dtype) {
 int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t i0, i1;

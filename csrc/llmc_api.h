@@ -341,6 +341,18 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
                          const float* dout, const void* inp, const uint16_t* weight,
                          int B, int T, int C, int OC, int inp_dtype, int written);
 
+/*
+ * matmul_gelu_forward_bf16: matmul_forward_bf16 into out, and gelu_forward
+ * of it into act_out, bitwise the two calls; on avx512bf16 each output tile
+ * is activated as the GEMM completes it, while it is in cache.
+ *
+ *   out     [B, T, OC]  (written) float32
+ *   act_out [B, T, OC]  (written) float32, or bf16 (act_dtype)
+ */
+int matmul_gelu_forward_bf16(float* out, void* act_out, const void* inp, const uint16_t* weight,
+                             const float* bias, int B, int T, int C, int OC, int inp_dtype,
+                             int act_dtype);
+
 /* The plain loops (k = 0, 1, ..., K-1 in float32), kept as the reference the
    fast paths are checked against; same contracts. */
 int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weight,

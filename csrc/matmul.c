@@ -485,6 +485,7 @@ int matmul_backward(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
     llmc_zero_written(dinp, dweight, written, BT, C, OC);
 
     if (dinp != NULL) {
@@ -528,6 +529,7 @@ int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
     llmc_zero_written(dinp, dweight, written, BT, C, OC);
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)

@@ -12,7 +12,8 @@ import pytest
 import llmc_py
 from llmc_py import kernels as K
 from llmc_py._native.lib import ffi, lib
-from helpers import FP32_ISAS, TOL, assert_close, assert_thread_invariant, randn, t64
+from helpers import (FP32_ISAS, TOL, WRITTEN_MASKS, WRITTEN_OUTPUTS, assert_close,
+                     assert_thread_invariant, backward_written, randn, t64)
 from reference import matmul as ref_matmul
 
 VARIANTS = ["", "naive"]
@@ -298,20 +299,14 @@ def test_matmul_backward_written_outputs_are_the_sum_into_zeros(rng, set_threads
     call adding into zeros; the others still add onto what they hold."""
     x, w, _, dout = make_inputs(rng, 3, 100, 300, 33)
     into_zeros = backward(dout, x, w, variant)
-    names = {K.WRITE_DINP: "dinp", K.WRITE_DWEIGHT: "dweight"}
-    for written in (K.WRITE_DINP, K.WRITE_DWEIGHT, K.WRITE_DINP | K.WRITE_DWEIGHT):
+    for written in WRITTEN_MASKS:
         def run():
-            grads = {name: value.copy() for name, value in into_zeros.items()}
-            for flag, name in names.items():
-                if written & flag:
-                    grads[name][...] = np.nan
-            K.matmul_backward(grads["dinp"], grads["dweight"], grads["dbias"], dout, x, w,
-                              variant=variant, written=written)
-            return grads
+            return backward_written(K.matmul_backward, into_zeros, written, dout, x, w,
+                                    variant=variant)
         twice = backward(dout, x, w, variant, calls=2)
         grads = run()
         for name in into_zeros:
             expected = into_zeros[name] if any(
-                written & f and n == name for f, n in names.items()) else twice[name]
+                written & f and n == name for f, n in WRITTEN_OUTPUTS.items()) else twice[name]
             assert np.array_equal(grads[name], expected), f"{variant} written={written} {name}"
         assert_thread_invariant(set_threads, run)

@@ -136,6 +136,14 @@ matmul_forward_bf16 = _kernel(
 
     ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
+matmul_gelu_forward_bf16 = _kernel(
+    "matmul_gelu_forward_bf16",
+    "out[B,T,OC] written, act_out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None"
+    " | B T C OC from inp, weight | dtype(inp), dtype(act_out)",
+    """out[B,T,OC] (written) = matmul_forward_bf16(inp, weight, bias) and act_out
+    (written; float32 or bf16) = gelu_forward(out): bitwise the two calls, the
+    GELU applied to each tile of out as the GEMM completes it (avx512bf16).""")
+
 matmul_backward_bf16 = _kernel(
     "matmul_backward_bf16",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"

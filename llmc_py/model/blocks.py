@@ -238,6 +238,21 @@ class Block:
                             optional(p, name + "b", l))
         return out
 
+    def mlp_in(self, a, i, inp, dropout):
+        """Dense MLP layer i's input projection fch = linear "fc" of ``inp``
+        and its activation, into their slots; returns the activation. A bf16
+        model's GELU (without adapters) runs in the GEMM's epilogue: the same
+        bits, without reading fch back."""
+        m = self.model
+        if self.config.mlp == "gelu" and m.lora is None \
+                and m._matmul_forward is K.matmul_forward_bf16:
+            out = _slot(a.fch_act, i)
+            K.matmul_gelu_forward_bf16(_slot(a.fch, i), out, inp, m._weights.fcw[i],
+                                       optional(m.params, "fcb", i))
+            return out
+        self.linear(_slot(a.fch, i), inp, "fc", i, dropout)
+        return self.mlp_act(a, i)
+
     def mlp_act(self, a, i):
         """Dense MLP layer i's activation of a.fch[i], into its fch_act slot."""
         out = _slot(a.fch_act, i)
@@ -263,8 +278,7 @@ class Block:
             self.experts(a, l, inp)
         else:
             i = self.mlp_index[l]
-            self.linear(_slot(a.fch, i), inp, "fc", i, dropout)
-            self.linear(a.proj, self.mlp_act(a, i), "fcproj", i, dropout)
+            self.linear(a.proj, self.mlp_in(a, i, inp, dropout), "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
 
     def experts(self, a, l, inp):
@@ -448,9 +462,7 @@ class PreNorm(Block):
             self.experts(a, l, ln2)
         else:
             i = self.mlp_index[l]
-            self.linear(_slot(a.fch, i), ln2, "fc", i, dropout)
-            fch_act = self.mlp_act(a, i)
-            self.linear(a.proj, fch_act, "fcproj", i, dropout)
+            self.linear(a.proj, self.mlp_in(a, i, ln2, dropout), "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
         K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
