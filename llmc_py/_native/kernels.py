@@ -169,7 +169,7 @@ gelu_forward = _kernel(
 
 gelu_backward = _kernel(
     "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
-    """dinp (+=) gelu'(inp) * dout, any shape.""")
+    """dinp (+=) gelu'(inp) * dout, any shape (written=True: written, not added into).""")
 
 relu_forward = _kernel(
     "relu_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
@@ -177,7 +177,7 @@ relu_forward = _kernel(
 
 relu_backward = _kernel(
     "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
-    """dinp (+=) (inp > 0) * dout, any shape.""")
+    """dinp (+=) (inp > 0) * dout, any shape (written=True: written, not added into).""")
 
 gelu_erf_forward = _kernel(
     "gelu_erf_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
@@ -185,7 +185,7 @@ gelu_erf_forward = _kernel(
 
 gelu_erf_backward = _kernel(
     "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
-    """dinp (+=) gelu_erf'(inp) * dout, any shape.""")
+    """dinp (+=) gelu_erf'(inp) * dout, any shape (written=True: written, not added into).""")
 
 residual_forward = _kernel(
     "residual_forward", "out[...] written, inp1[...], inp2[...] | N from inp1",
@@ -202,7 +202,7 @@ swiglu_forward = _kernel(
 swiglu_backward = _kernel(
     "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
     " | written:flag=0",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 geglu_forward = _kernel(
     "geglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
@@ -211,7 +211,7 @@ geglu_forward = _kernel(
 geglu_backward = _kernel(
     "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
     " | written:flag=0",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 reglu_forward = _kernel(
     "reglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
@@ -220,7 +220,7 @@ reglu_forward = _kernel(
 reglu_backward = _kernel(
     "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
     " | written:flag=0",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 # the activation of each MLP choice (config.mlp): forward (its out float32, or
 # bf16: the float32 result rounded), backward (written=True: dinp written, not added into)
