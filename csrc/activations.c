@@ -12,6 +12,7 @@
 #include "llmc.h"
 #include "common.h"
 #include "isa.h"
+#include "gemm.h"
 
 /* The MLP activations' bf16 stores. The avx512bf16 build of gelu_forward
    and relu_forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
@@ -36,7 +37,7 @@ LLMC_TARGET_AVX512BF16 static inline void store16_bf16_converted(uint16_t* out, 
    blocks function for this instruction set. */
 typedef void (*elementwise_forward_fn)(void*, int, const float*, int64_t, int64_t, int64_t);
 typedef void (*elementwise_backward_fn)(float*, const float*, const float*, int64_t, int64_t,
-                                        int64_t);
+                                        int64_t, int);
 
 static int elementwise_forward(elementwise_forward_fn blocks, void* out, const float* inp,
                                int64_t N, int out_dtype) {
@@ -54,16 +55,24 @@ static int elementwise_forward(elementwise_forward_fn blocks, void* out, const f
 }
 
 static int elementwise_backward(elementwise_backward_fn blocks, float* dinp, const float* dout,
-                                const float* inp, int64_t N) {
+                                const float* inp, int64_t N, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t blk0, blk1;
         llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1); }
+        if (blk0 < blk1) { blocks(dinp, dout, inp, N, blk0, blk1, written); }
     }
     return LLMC_OK;
+}
+
+/* What a backward adds its gradient onto: dinp's n values (+=), or 0 when
+   dinp is written (the sum 0 + g, so bitwise a zeroed dinp's result). */
+static LLMC_ALWAYS_INLINE vec16f dinp_start(const float* dinp, int n, int written) {
+    const vec16f zero = {0};
+    return written ? zero : llmc_load16(dinp, n);
 }
 
 #define GELU_SCALE 0.7978845608028654f   /* sqrt(2 / pi) */
@@ -168,11 +177,15 @@ static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const in
 
 ACTIVATION_FORWARD(gelu, ACT_GELU)
 
+llmc_forward_blocks_fn llmc_gelu_forward_blocks(int isa) {
+    return LLMC_ISA_SELECT_BF16(isa, gelu_forward_blocks);
+}
+
 /* Blocks [blk0, blk1) of the backward. d/dx [x s(2u)] = s + x * 2 s (1 - s) du/dx
    = s (1 + 2 x (e s) du/dx), with du/dx = GELU_SCALE (1 + 3 GELU_CUBIC x^2) */
 static LLMC_ALWAYS_INLINE void gelu_backward_blocks_body(float* dinp, const float* dout,
                                                          const float* inp, int64_t N, int64_t blk0,
-                                                         int64_t blk1) {
+                                                         int64_t blk1, int written) {
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
@@ -181,17 +194,18 @@ static LLMC_ALWAYS_INLINE void gelu_backward_blocks_body(float* dinp, const floa
         gelu_sigmoid16(x, &s, &e);
         const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
         const vec16f grad = s * (1.0f + 2.0f * x * (e * s) * du);
-        llmc_store16(dinp + i, llmc_load16(dinp + i, n) + grad * llmc_load16(dout + i, n), n);
+        llmc_store16(dinp + i, dinp_start(dinp + i, n, written) + grad * llmc_load16(dout + i, n),
+                     n);
     }
 }
 LLMC_ISA_VARIANTS(gelu_backward_blocks,
                   (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  dinp, dout, inp, N, blk0, blk1)
+                   int64_t blk1, int written),
+                  dinp, dout, inp, N, blk0, blk1, written)
 
-int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written) {
     return elementwise_backward(LLMC_ISA_SELECT(llmc_get_isa(), gelu_backward_blocks), dinp,
-                                dout, inp, N);
+                                dout, inp, N, written);
 }
 
 /*
@@ -262,10 +276,10 @@ static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, void* out, in
     }
 }
 
-/* dgate += dout * up * act'(gate),  dup += dout * act(gate) */
+/* dgate += dout * up * act'(gate),  dup += dout * act(gate) (or = when written) */
 static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp, const float* dout,
                                                      const float* inp, int FF, int64_t k0,
-                                                     int64_t k1) {
+                                                     int64_t k1, int written) {
     const int64_t row_blocks = (FF + 15) / 16;
     for (int64_t k = k0; k < k1; k++) {
         const int64_t r = k / row_blocks;
@@ -277,8 +291,8 @@ static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp,
         const vec16f dy = llmc_load16(dout + (size_t)r * FF + i, n);
         vec16f a, da;
         gate16(act, g, &a, &da);
-        llmc_store16(dgate, llmc_load16(dgate, n) + dy * u * da, n);
-        llmc_store16(dgate + FF, llmc_load16(dgate + FF, n) + dy * a, n);
+        llmc_store16(dgate, dinp_start(dgate, n, written) + dy * u * da, n);
+        llmc_store16(dgate + FF, dinp_start(dgate + FF, n, written) + dy * a, n);
     }
 }
 
@@ -293,20 +307,21 @@ static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp,
                       out, out_bf16, inp, FF, k0, k1)                                      \
     static LLMC_ALWAYS_INLINE void name##_backward_blocks_body(                            \
             float* dinp, const float* dout, const float* inp, int FF, int64_t k0,         \
-            int64_t k1) {                                                                  \
-        gated_backward_blocks(act, dinp, dout, inp, FF, k0, k1);                           \
+            int64_t k1, int written) {                                                     \
+        gated_backward_blocks(act, dinp, dout, inp, FF, k0, k1, written);                  \
     }                                                                                      \
     LLMC_ISA_VARIANTS(name##_backward_blocks, (float* dinp, const float* dout,            \
                                                const float* inp, int FF, int64_t k0,      \
-                                               int64_t k1),                                \
-                      dinp, dout, inp, FF, k0, k1)
+                                               int64_t k1, int written),                   \
+                      dinp, dout, inp, FF, k0, k1, written)
 
 GATED_VARIANTS(swiglu, GATE_SILU)
 GATED_VARIANTS(geglu, GATE_GELU)
 GATED_VARIANTS(reglu, GATE_RELU)
 
 typedef void (*gated_forward_fn)(void*, int, const float*, int, int64_t, int64_t);
-typedef void (*gated_backward_fn)(float*, const float*, const float*, int, int64_t, int64_t);
+typedef void (*gated_backward_fn)(float*, const float*, const float*, int, int64_t, int64_t,
+                                  int);
 
 static int gated_forward(gated_forward_fn blocks, void* out, const float* inp, int64_t N,
                          int FF, int out_dtype) {
@@ -324,14 +339,15 @@ static int gated_forward(gated_forward_fn blocks, void* out, const float* inp, i
 }
 
 static int gated_backward(gated_backward_fn blocks, float* dinp, const float* dout,
-                          const float* inp, int64_t N, int FF) {
+                          const float* inp, int64_t N, int FF, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t k0, k1;
         llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
-        if (k0 < k1) { blocks(dinp, dout, inp, FF, k0, k1); }
+        if (k0 < k1) { blocks(dinp, dout, inp, FF, k0, k1, written); }
     }
     return LLMC_OK;
 }
@@ -341,9 +357,10 @@ int swiglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype
                          FF, out_dtype);
 }
 
-int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                    int written) {
     return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), swiglu_backward_blocks), dinp, dout,
-                          inp, N, FF);
+                          inp, N, FF, written);
 }
 
 int geglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
@@ -351,9 +368,10 @@ int geglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype)
                          FF, out_dtype);
 }
 
-int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                    int written) {
     return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), geglu_backward_blocks), dinp, dout,
-                          inp, N, FF);
+                          inp, N, FF, written);
 }
 
 int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
@@ -361,32 +379,34 @@ int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype)
                          FF, out_dtype);
 }
 
-int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF) {
+int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                    int written) {
     return gated_backward(LLMC_ISA_SELECT(llmc_get_isa(), reglu_backward_blocks), dinp, dout,
-                          inp, N, FF);
+                          inp, N, FF, written);
 }
 
 ACTIVATION_FORWARD(relu, ACT_RELU)
 
 static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
                                                          const float* inp, int64_t N, int64_t blk0,
-                                                         int64_t blk1) {
+                                                         int64_t blk1, int written) {
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         vec16f a, da;
         gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
-        llmc_store16(dinp + i, llmc_load16(dinp + i, n) + da * llmc_load16(dout + i, n), n);
+        llmc_store16(dinp + i, dinp_start(dinp + i, n, written) + da * llmc_load16(dout + i, n),
+                     n);
     }
 }
 LLMC_ISA_VARIANTS(relu_backward_blocks,
                   (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1),
-                  dinp, dout, inp, N, blk0, blk1)
+                   int64_t blk1, int written),
+                  dinp, dout, inp, N, blk0, blk1, written)
 
-int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written) {
     return elementwise_backward(LLMC_ISA_SELECT(llmc_get_isa(), relu_backward_blocks), dinp,
-                                dout, inp, N);
+                                dout, inp, N, written);
 }
 
 /* Exact GELU, x Phi(x), with Phi(x) = erfc(-x / sqrt 2) / 2: erfc keeps the
@@ -414,9 +434,10 @@ int gelu_erf_forward(void* out, const float* inp, int64_t N, int out_dtype) {
 }
 
 /* d/dx [x Phi(x)] = Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) */
-int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N) {
+int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dout, inp), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     #pragma omp parallel
     {
         int64_t i0, i1;
@@ -425,7 +446,7 @@ int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t 
             const float x = inp[i];
             const float grad = 0.5f * erfcf(-x * INV_SQRT2)
                                + x * (INV_SQRT_2PI * expf(-0.5f * x * x));
-            dinp[i] += grad * dout[i];
+            dinp[i] = (written ? 0.0f : dinp[i]) + grad * dout[i];
         }
     }
     return LLMC_OK;

@@ -29,6 +29,22 @@ struct llmc_gemm_f32_job {
    jobs' outputs must not overlap. */
 int llmc_gemm_f32_many(const struct llmc_gemm_f32_job* jobs, int count);
 
+/* An activation's forward over blocks [blk0, blk1) of 16 of n elements:
+   out[i] (float32, or bf16 if out_bf16) = act(inp[i]). */
+typedef void (*llmc_forward_blocks_fn)(void* out, int out_bf16, const float* inp, int64_t n,
+                                       int64_t blk0, int64_t blk1);
+
+/* activations.c: the blocks gelu_forward runs on instruction set isa (read
+   before a parallel region, as isa.h asks). */
+llmc_forward_blocks_fn llmc_gelu_forward_blocks(int isa);
+
+/* Zeroes what matmul_backward's `written` asks it to write (matmul.c): the
+   paths that only add into dinp [BT, C] and dweight [OC, C]. */
+void llmc_zero_written(float* dinp, float* dweight, int written, int64_t BT, int C, int OC);
+static inline int llmc_written_ok(int written) {
+    return (written & ~(LLMC_WRITE_DINP | LLMC_WRITE_DWEIGHT)) == 0;
+}
+
 /* The most rows matmul_forward gives its few-row (skinny) kernel. */
 #define LLMC_FEW_ROWS_F32 16
 
@@ -81,6 +97,12 @@ struct bf16_gemm {
     int init_zero;
     int walk_rows;
     int M, N, K;
+    /* act, if not NULL: once a tile of c is complete, act(out, out_bf16, c
+       row, n, 0, blocks) writes its activation into act_out at the same
+       (m, n), ld ldc, bf16 if act_bf16 (the tile still in cache) */
+    llmc_forward_blocks_fn act;
+    void* act_out;
+    int act_bf16;
 };
 
 /* The bf16 products jobs[0 .. count), each element summed as matmul_bf16.c's

@@ -276,11 +276,15 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
  *   dout    [B, T, OC]
  *   inp     [B, T, C]  (may be NULL when dweight is)
  *   weight  [OC, C]    (may be NULL when dinp is)
+ *   written            LLMC_WRITE_DINP | LLMC_WRITE_DWEIGHT, or 0: those
+ *                      outputs are written instead (bitwise the sum into a
+ *                      zeroed output, which the caller then need not zero)
  * Each product is computed only when its output is given.
  */
+typedef enum { LLMC_WRITE_DINP = 1, LLMC_WRITE_DWEIGHT = 2 } llmc_write;
 int matmul_backward(float* dinp, float* dweight, float* dbias,
                     const float* dout, const float* inp, const float* weight,
-                    int B, int T, int C, int OC);
+                    int B, int T, int C, int OC, int written);
 
 /* The plain triple loops, kept as the reference the fast path is checked
    against; same contracts as matmul_forward / matmul_backward. */
@@ -288,7 +292,7 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
                          int B, int T, int C, int OC);
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
-                          int B, int T, int C, int OC);
+                          int B, int T, int C, int OC, int written);
 
 /* ---- bf16.c ------------------------------------------------------------- */
 
@@ -329,12 +333,25 @@ int bf16_to_float(float* out, const uint16_t* inp, int64_t N);
  *   dinp    [B, T, C]   (+=) bf16(dout) . weight; or NULL
  *   dweight [OC, C]     (+=) float32: bf16(dout)^T . bf16(inp); or NULL
  *   dbias   [OC]        (+=) sum of dout over B, T in float32; or NULL
+ *   written             as matmul_backward's
  */
 int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
                         const float* bias, int B, int T, int C, int OC, int inp_dtype);
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
                          const float* dout, const void* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC, int inp_dtype);
+                         int B, int T, int C, int OC, int inp_dtype, int written);
+
+/*
+ * matmul_gelu_forward_bf16: matmul_forward_bf16 into out, and gelu_forward
+ * of it into act_out, bitwise the two calls; on avx512bf16 each output tile
+ * is activated as the GEMM completes it, while it is in cache.
+ *
+ *   out     [B, T, OC]  (written) float32
+ *   act_out [B, T, OC]  (written) float32, or bf16 (act_dtype)
+ */
+int matmul_gelu_forward_bf16(float* out, void* act_out, const void* inp, const uint16_t* weight,
+                             const float* bias, int B, int T, int C, int OC, int inp_dtype,
+                             int act_dtype);
 
 /* The plain loops (k = 0, 1, ..., K-1 in float32), kept as the reference the
    fast paths are checked against; same contracts. */
@@ -342,7 +359,7 @@ int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weigh
                               const float* bias, int B, int T, int C, int OC, int inp_dtype);
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
                                const float* dout, const void* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC, int inp_dtype);
+                               int B, int T, int C, int OC, int inp_dtype, int written);
 
 /* ---- quant.c ------------------------------------------------------------ */
 
@@ -737,7 +754,9 @@ int kv_cache_write(float* q, float* k_cache, float* v_cache, const float* qkv, c
 /* ---- activations.c ------------------------------------------------------ */
 
 /* Every MLP activation's forward writes its out float32, or bf16 (out_dtype):
-   the float32 result rounded (the MLP's second matmul reads it). */
+   the float32 result rounded (the MLP's second matmul reads it). Every
+   backward adds into dinp, or with written = 1 writes it (bitwise the sum
+   into a zeroed dinp, without reading or zeroing it first). */
 
 /*
  * gelu_forward: out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
@@ -754,7 +773,7 @@ int gelu_forward(void* out, const float* inp, int64_t N, int out_dtype);
  *   dout [N]
  *   inp  [N]  forward input
  */
-int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
+int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written);
 
 /*
  * swiglu_forward: out = silu(gate) * up with silu(x) = x / (1 + exp(-x)),
@@ -773,7 +792,8 @@ int swiglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype
  *   dout [N, FF]
  *   inp  [N, 2 FF]  forward input
  */
-int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
+int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                    int written);
 
 /*
  * geglu_forward, reglu_forward: as swiglu_forward with another gate:
@@ -794,8 +814,10 @@ int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype)
  *   dout [N, FF]
  *   inp  [N, 2 FF]  forward input
  */
-int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
-int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF);
+int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                   int written);
+int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int FF,
+                   int written);
 
 /*
  * relu_forward: out = max(inp, 0) (NaN stays NaN)
@@ -806,7 +828,7 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
  *   inp       [N]  forward input
  */
 int relu_forward(void* out, const float* inp, int64_t N, int out_dtype);
-int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
+int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written);
 
 /*
  * gelu_erf_forward: out = x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)), the exact GELU
@@ -817,7 +839,8 @@ int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N);
  *   inp       [N]  forward input
  */
 int gelu_erf_forward(void* out, const float* inp, int64_t N, int out_dtype);
-int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N);
+int gelu_erf_backward(float* dinp, const float* dout, const float* inp, int64_t N,
+                      int written);
 
 /*
  * residual_forward: out = inp1 + inp2

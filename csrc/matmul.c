@@ -462,14 +462,31 @@ int matmul_forward(float* out, const float* inp, const float* weight, const floa
                            (int)BT, OC, C);
 }
 
+/* Zeroes the outputs that `written` (matmul_backward's) asks to be written:
+   the (+=) products then write them. */
+void llmc_zero_written(float* dinp, float* dweight, int written, int64_t BT, int C, int OC) {
+    float* outs[2] = {written & LLMC_WRITE_DINP ? dinp : NULL,
+                      written & LLMC_WRITE_DWEIGHT ? dweight : NULL};
+    const int64_t rows[2] = {BT, OC};
+    for (int k = 0; k < 2; k++) {
+        if (outs[k] == NULL) { continue; }
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows[k]; r++) {
+            memset(outs[k] + (size_t)r * C, 0, (size_t)C * sizeof(float));
+        }
+    }
+}
+
 int matmul_backward(float* dinp, float* dweight, float* dbias,
                     const float* dout, const float* inp, const float* weight,
-                    int B, int T, int C, int OC) {
+                    int B, int T, int C, int OC, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
     LLMC_REQUIRE(BT <= (int64_t)INT32_MAX, LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
+    llmc_zero_written(dinp, dweight, written, BT, C, OC);
 
     if (dinp != NULL) {
         const int status = llmc_gemm_f32(dinp, (size_t)C, dout, (size_t)OC, 1,
@@ -507,11 +524,13 @@ int matmul_forward_naive(float* out, const float* inp, const float* weight, cons
 
 int matmul_backward_naive(float* dinp, float* dweight, float* dbias,
                           const float* dout, const float* inp, const float* weight,
-                          int B, int T, int C, int OC) {
+                          int B, int T, int C, int OC, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && OC > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(matmul_sizes_fit(B, T, C, OC), LLMC_ERR_SHAPE);
     const int64_t BT = (int64_t)B * T;
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
+    llmc_zero_written(dinp, dweight, written, BT, C, OC);
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {

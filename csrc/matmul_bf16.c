@@ -184,6 +184,16 @@ static void bf_choose_tiles(int M, int N, int K, int nthreads, int* MC, int* NC)
     }
 }
 
+/* g->act of the complete micro-tile of C at rows [i, i+mr), columns [j, j+nr). */
+static void bf_tile_act(const struct bf16_gemm* g, int i, int mr, int j, int nr) {
+    for (int r = 0; r < mr; r++) {
+        const size_t at = (size_t)(i + r) * g->ldc + j;
+        void* out = g->act_bf16 ? (void*)((uint16_t*)g->act_out + at)
+                                : (void*)((float*)g->act_out + at);
+        g->act(out, g->act_bf16, g->c + at, nr, 0, (nr + 15) / 16);
+    }
+}
+
 /*
  * One tile of C, rows [m0, m0+mc) and columns [n0, n0+nc), over all of K.
  * a_ready: ap already holds these rows' packed A (K is then one block).
@@ -261,15 +271,18 @@ LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* 
             float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
             if (mr < BF_MR || nr < BF_NR) {
                 bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a);
-                continue;
+            } else {
+                const float* next_c = NULL;
+                if (call + 1 < block_calls) {
+                    const int64_t next_i = whole_b ? (call + 1) / col_panels
+                                                   : (call + 1) % row_panels;
+                    const int64_t next_j = whole_b ? (call + 1) % col_panels
+                                                   : (call + 1) / row_panels;
+                    next_c = g->c + (size_t)(m0 + next_i * BF_MR) * g->ldc + n0 + next_j * BF_NR;
+                }
+                bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
             }
-            const float* next_c = NULL;
-            if (call + 1 < block_calls) {
-                const int64_t next_i = whole_b ? (call + 1) / col_panels : (call + 1) % row_panels;
-                const int64_t next_j = whole_b ? (call + 1) % col_panels : (call + 1) / row_panels;
-                next_c = g->c + (size_t)(m0 + next_i * BF_MR) * g->ldc + n0 + next_j * BF_NR;
-            }
-            bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
+            if (g->act != NULL && p0 + kp == Kp) { bf_tile_act(g, m0 + i0, mr, j0, nr); }
         }
     }
 }
@@ -378,9 +391,11 @@ int llmc_bf16_forward_few_rows_many(const struct llmc_bf16_few_rows_job* jobs, i
     return LLMC_OK;
 }
 
-/* matmul_forward_bf16 on the dot-product path. */
+/* matmul_forward_bf16 on the dot-product path; with act (not on the few-row
+   path) its activation into act_out too, as struct bf16_gemm's act. */
 static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
-                      const float* bias, int64_t BT, int C, int OC) {
+                      const float* bias, int64_t BT, int C, int OC, llmc_forward_blocks_fn act,
+                      void* act_out, int act_bf16) {
     if (BT <= BF_SKINNY_MAX_ROWS) {
         // few rows (decoding): the weight streamed once, in place
         const struct llmc_bf16_few_rows_job job = {.out = out, .inp = inp, .inp_bf16 = inp_bf16,
@@ -392,7 +407,8 @@ static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t*
         .a = inp, .lda = (size_t)C, .a_kind = inp_bf16 ? BF16_A_ROWS_BF16 : BF16_A_ROWS,
         .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_COLS_W,
         .init = bias, .init_zero = bias == NULL,
-        .M = (int)BT, .N = OC, .K = C};
+        .M = (int)BT, .N = OC, .K = C,
+        .act = act, .act_out = act_out, .act_bf16 = act_bf16};
     const int nthreads = omp_get_max_threads();
     const struct bf_plan plan = bf_plan_gemm(&g, nthreads);
     uint32_t* scratch = bf_scratch(nthreads, plan.per_thread);
@@ -405,16 +421,20 @@ static int bf_forward(float* out, const void* inp, int inp_bf16, const uint16_t*
 /* matmul_backward_bf16's dinp and dweight on the dot-product path; one
    scratch for both, so that running out of memory changes nothing. */
 static int bf_backward(float* dinp, float* dweight, const float* dout, const void* inp,
-                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC) {
+                       int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC,
+                       int written) {
+    // a written output starts from 0 in its first K block instead of being read
     const struct bf16_gemm gi = {
         .c = dinp, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_ROWS,
         .b = weight, .ldb = (size_t)C, .b_kind = BF16_B_ROWS_W,
+        .init_zero = (written & LLMC_WRITE_DINP) != 0,
         .M = (int)BT, .N = C, .K = OC};
     const struct bf16_gemm gw = {
         .c = dweight, .ldc = (size_t)C,
         .a = dout, .lda = (size_t)OC, .a_kind = BF16_A_COLS,
         .b = inp, .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
+        .init_zero = (written & LLMC_WRITE_DWEIGHT) != 0,
         .M = OC, .N = C, .K = (int)BT};
     const int nthreads = omp_get_max_threads();
     const struct bf_plan pi = bf_plan_gemm(&gi, nthreads), pw = bf_plan_gemm(&gw, nthreads);
@@ -649,7 +669,7 @@ int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
 #ifdef LLMC_X86_DISPATCH
     // the instruction set is read once, before any parallel region (isa.h)
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        return bf_forward(out, inp, inp_bf16, weight, bias, BT, C, OC);
+        return bf_forward(out, inp, inp_bf16, weight, bias, BT, C, OC, NULL, NULL, 0);
     }
 #endif
     float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C + (size_t)OC * C);
@@ -662,17 +682,39 @@ int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
     return status;
 }
 
+int matmul_gelu_forward_bf16(float* out, void* act_out, const void* inp, const uint16_t* weight,
+                             const float* bias, int B, int T, int C, int OC, int inp_dtype,
+                             int act_dtype) {
+    LLMC_REQUIRE(LLMC_NONNULL3(out, act_out, inp) && weight != NULL, LLMC_ERR_NULL);
+    LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    LLMC_REQUIRE(act_dtype == LLMC_DTYPE_F32 || act_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    const int64_t BT = (int64_t)B * T;
+#ifdef LLMC_X86_DISPATCH
+    if (llmc_get_isa() == LLMC_ISA_AVX512BF16 && BT > BF_SKINNY_MAX_ROWS) {
+        return bf_forward(out, inp, inp_dtype == LLMC_DTYPE_BF16, weight, bias, BT, C, OC,
+                          llmc_gelu_forward_blocks(LLMC_ISA_AVX512BF16), act_out,
+                          act_dtype == LLMC_DTYPE_BF16);
+    }
+#endif
+    // the unfused twin: the product, then the activation reading it back
+    const int status = matmul_forward_bf16(out, inp, weight, bias, B, T, C, OC, inp_dtype);
+    return status != LLMC_OK ? status : gelu_forward(act_out, out, BT * OC, act_dtype);
+}
+
 int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
                          const float* dout, const void* inp, const uint16_t* weight,
-                         int B, int T, int C, int OC, int inp_dtype) {
+                         int B, int T, int C, int OC, int inp_dtype, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
     const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
     const int64_t BT = (int64_t)B * T;
 #ifdef LLMC_X86_DISPATCH
     if (llmc_get_isa() == LLMC_ISA_AVX512BF16) {
-        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC);
+        const int status = bf_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC,
+                                       written);
         if (status != LLMC_OK || dbias == NULL) { return status; }
         return llmc_column_sums(NULL, dbias, dout, NULL, NULL, NULL, BT, OC);
     }
@@ -690,7 +732,7 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
         if (inp_rounded != NULL) { inp_into(inp_rounded, inp, inp_bf16, (int64_t)n_inp); }
         if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
         status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
-                                 B, T, C, OC);
+                                 B, T, C, OC, written);
         llmc_scratch_done();
     }
     // dbias sums dout itself, unrounded, as the float32 layer does
@@ -723,12 +765,14 @@ int matmul_forward_bf16_naive(float* out, const void* inp, const uint16_t* weigh
 
 int matmul_backward_bf16_naive(float* dinp, float* dweight, float* dbias,
                                const float* dout, const void* inp, const uint16_t* weight,
-                               int B, int T, int C, int OC, int inp_dtype) {
+                               int B, int T, int C, int OC, int inp_dtype, int written) {
     LLMC_REQUIRE(backward_pointers_ok(dinp, dweight, dout, inp, weight), LLMC_ERR_NULL);
     LLMC_REQUIRE(sizes_ok(B, T, C, OC), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
     const int inp_bf16 = inp_dtype == LLMC_DTYPE_BF16;
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
+    llmc_zero_written(dinp, dweight, written, BT, C, OC);
     // dinp: rows are independent
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < (dinp != NULL ? BT : 0); bt++) {

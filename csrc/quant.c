@@ -822,7 +822,7 @@ int matmul_backward_quant_panels(float* dinp, const float* dout, const uint8_t* 
             memcpy(part + (size_t)n * nc, dinp + (size_t)n * IC + i0, (size_t)nc * sizeof(float));
         }
         result = matmul_backward_bf16(part, NULL, NULL, dout, NULL, tile, 1, N, nc, OC,
-                                      LLMC_DTYPE_F32);
+                                      LLMC_DTYPE_F32, 0);
         for (int n = 0; n < N && result == LLMC_OK; n++) {
             memcpy(dinp + (size_t)n * IC + i0, part + (size_t)n * nc, (size_t)nc * sizeof(float));
         }

@@ -3,6 +3,7 @@ import numpy as np
 import torch
 
 import llmc_py
+from llmc_py import kernels as K
 
 # The instruction sets the float32 kernels are tested on: all this CPU runs
 # but avx512bf16, whose float32 kernels are the avx512 build itself (only the
@@ -146,3 +147,19 @@ def assert_thread_invariant(set_threads, run, counts=(1, 2, 3)):
             assert np.array_equal(one, other), (
                 f"{name}: {counts[0]} vs {n} threads differ by up to "
                 f"{np.max(np.abs(one - other)):.3e}")
+
+
+# matmul_backward's `written` outputs by flag, and every mask of them
+WRITTEN_OUTPUTS = {K.WRITE_DINP: "dinp", K.WRITE_DWEIGHT: "dweight"}
+WRITTEN_MASKS = (K.WRITE_DINP, K.WRITE_DWEIGHT, K.WRITE_DINP | K.WRITE_DWEIGHT)
+
+
+def backward_written(kernel, start, written, *args, **kwargs):
+    """Copies of ``start`` {dinp, dweight, dbias} after kernel(dinp, dweight,
+    dbias, *args, written=written): the written ones NaN before the call."""
+    grads = {name: value.copy() for name, value in start.items()}
+    for flag, name in WRITTEN_OUTPUTS.items():
+        if written & flag:
+            grads[name][...] = np.nan
+    kernel(grads["dinp"], grads["dweight"], grads["dbias"], *args, written=written, **kwargs)
+    return grads

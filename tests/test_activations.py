@@ -415,3 +415,24 @@ def test_bf16_output_converted_is_the_integer_rounding(rng, use_isa, set_threads
                                           0x7f7fffff, 0x3f808000, 0x3f818000, 0x00800000]
     f32 = assert_bf16_out_rounded(forward_kernel, x, (N,), set_threads, f"{name}, {isa_name}")
     assert ((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny)).sum() >= 10
+
+
+@pytest.mark.parametrize("name", K.MLP_ACTIVATIONS)
+def test_written_backward_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, name):
+    """written=True ignores what dinp held (NaN here) and gives bitwise the
+    (+=) result on a zeroed dinp, the sign of a zero included."""
+    if name in ("swiglu", "geglu", "reglu"):
+        x, dout = swiglu_inputs(rng, (37, 2 * 67))
+    else:
+        x, dout = gelu_inputs(rng, (3, 37, 67))
+    dout.reshape(-1)[:5] = -0.0   # a -0 gradient: 0 + (-0) is +0
+    backward = K.MLP_ACTIVATIONS[name][1]
+    into_zeros = np.zeros_like(x)
+    backward(into_zeros, dout, x)
+
+    def run():
+        dinp = np.full_like(x, np.nan)
+        backward(dinp, dout, x, written=True)
+        return {"dinp": dinp}
+    assert np.array_equal(run()["dinp"].view(np.uint32), into_zeros.view(np.uint32))
+    assert_thread_invariant(set_threads, run)

@@ -83,11 +83,16 @@ def check_layers_teacher_forced(model, x, y):
         forward(out, inp, weight, bias)
         calls["forward"].append([a if a is None else a.copy()
                                  for a in (out, float32_of(inp), bias)] + [weight])
-    def recording_backward(dinp, dweight, dbias, dout, inp, weight):
-        before = dweight.copy()
+    def recording_backward(dinp, dweight, dbias, dout, inp, weight, written=0):
+        # a written output holds no start value: its part is what the call writes
+        written_w = written & K.WRITE_DWEIGHT
+        before = np.zeros_like(dweight) if written_w else dweight.copy()
         own = np.zeros_like(dinp)   # this call's part of dinp
-        backward(own, dweight, dbias, dout, inp, weight)
-        dinp += own
+        backward(own, dweight, dbias, dout, inp, weight, written=written_w)
+        if written & K.WRITE_DINP:
+            dinp[...] = own
+        else:
+            dinp += own
         calls["backward"].append((own, dweight - before, dout.copy(), float32_of(inp).copy(),
                                   weight))
     model._matmul_forward, model._matmul_backward = recording_forward, recording_backward

@@ -110,6 +110,13 @@ def _bad_dtype(param):
     return (({param: 2}, "LLMC_ERR_VALUE"), ({param: -1}, "LLMC_ERR_VALUE"))
 
 
+# a backward's `written`: matmul_backward's mask of its outputs, an activation's 0 or 1
+_WRITTEN_MASK = dict(not_sizes=frozenset({"written"}),
+                     bad=(({"written": 4}, "LLMC_ERR_VALUE"), ({"written": -1}, "LLMC_ERR_VALUE")))
+_WRITTEN_FLAG = dict(not_sizes=frozenset({"written"}),
+                     bad=(({"written": 2}, "LLMC_ERR_VALUE"), ({"written": -1}, "LLMC_ERR_VALUE")))
+
+
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
 # test_every_kernel_has_a_row. Add yours here (usually just `Row()`).
 ROWS = {
@@ -127,17 +134,21 @@ ROWS = {
                                      ({"eps": -1.0, "hs": 0}, "LLMC_ERR_SHAPE"))),
     "head_rmsnorm_backward": Row(),
     "matmul_forward": Row(optional=frozenset({"bias"})),
-    "matmul_backward": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "matmul_backward": Row(optional=frozenset({"dinp", "dweight", "dbias"}), **_WRITTEN_MASK),
     "matmul_forward_naive": Row(optional=frozenset({"bias"})),
-    "matmul_backward_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"})),
+    "matmul_backward_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"}), **_WRITTEN_MASK),
     "float_to_bf16": Row(),
     "bf16_to_float": Row(),
     "matmul_forward_bf16": Row(optional=frozenset({"bias"}), bad=_bad_dtype("inp_dtype")),
     "matmul_backward_bf16": Row(optional=frozenset({"dinp", "dweight", "dbias"}),
-                                bad=_bad_dtype("inp_dtype")),
+                                not_sizes=_WRITTEN_MASK["not_sizes"],
+                                bad=_bad_dtype("inp_dtype") + _WRITTEN_MASK["bad"]),
+    "matmul_gelu_forward_bf16": Row(optional=frozenset({"bias"}),
+                                    bad=_bad_dtype("inp_dtype") + _bad_dtype("act_dtype")),
     "matmul_forward_bf16_naive": Row(optional=frozenset({"bias"}), bad=_bad_dtype("inp_dtype")),
     "matmul_backward_bf16_naive": Row(optional=frozenset({"dinp", "dweight", "dbias"}),
-                                      bad=_bad_dtype("inp_dtype")),
+                                      not_sizes=_WRITTEN_MASK["not_sizes"],
+                                      bad=_bad_dtype("inp_dtype") + _WRITTEN_MASK["bad"]),
     "quantize_rows": Row(**_QUANT),
     "dequantize_rows": Row(**_QUANT),
     "quant_pack_rows": Row(**_QUANT),
@@ -177,17 +188,17 @@ ROWS = {
                                ({"cos_table": ffi.NULL, "sin_table": ffi.NULL, "hs": 3},
                                 "LLMC_OK"))),
     "swiglu_forward": Row(bad=_bad_dtype("out_dtype")),
-    "swiglu_backward": Row(),
+    "swiglu_backward": Row(**_WRITTEN_FLAG),
     "gelu_forward": Row(bad=_bad_dtype("out_dtype")),
-    "gelu_backward": Row(),
+    "gelu_backward": Row(**_WRITTEN_FLAG),
     "gelu_erf_forward": Row(bad=_bad_dtype("out_dtype")),
-    "gelu_erf_backward": Row(),
+    "gelu_erf_backward": Row(**_WRITTEN_FLAG),
     "relu_forward": Row(bad=_bad_dtype("out_dtype")),
-    "relu_backward": Row(),
+    "relu_backward": Row(**_WRITTEN_FLAG),
     "geglu_forward": Row(bad=_bad_dtype("out_dtype")),
-    "geglu_backward": Row(),
+    "geglu_backward": Row(**_WRITTEN_FLAG),
     "reglu_forward": Row(bad=_bad_dtype("out_dtype")),
-    "reglu_backward": Row(),
+    "reglu_backward": Row(**_WRITTEN_FLAG),
     "residual_forward": Row(),
     "residual_backward": Row(),
     "dropout_forward": Row(bad=_bad_probability("p")),

@@ -186,9 +186,9 @@ def test_the_frozen_base_gets_no_weight_gradient_products(saved):
     model = with_lora(saved[2])
     calls, matmul_backward = [], model._matmul_backward
 
-    def spy(dinp, dweight, dbias, *rest):
+    def spy(dinp, dweight, dbias, *rest, **written):
         calls.append((dinp is not None, dweight, dbias))
-        return matmul_backward(dinp, dweight, dbias, *rest)
+        return matmul_backward(dinp, dweight, dbias, *rest, **written)
     model._matmul_backward = spy   # the base's linear layers and head
     model.forward_backward(*batch())
     # the head's input gradient and each layer's four, but the first layer's

@@ -12,7 +12,8 @@ import pytest
 import llmc_py
 from llmc_py import kernels as K
 from llmc_py._native.lib import ffi, lib
-from helpers import FP32_ISAS, TOL, assert_close, assert_thread_invariant, randn, t64
+from helpers import (FP32_ISAS, TOL, WRITTEN_MASKS, WRITTEN_OUTPUTS, assert_close,
+                     assert_thread_invariant, backward_written, randn, t64)
 from reference import matmul as ref_matmul
 
 VARIANTS = ["", "naive"]
@@ -253,7 +254,7 @@ def test_matmul_backward_skips_a_product_given_none(rng, variant, skip):
     OC = w.shape[0]
     dbias = np.zeros(OC, np.float32)
     status = fn(ffi.NULL, ffi.NULL, ffi.cast("float*", dbias.ctypes.data),
-                ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, B, T, C, OC)
+                ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, B, T, C, OC, 0)
     assert status == lib.LLMC_OK
     np.testing.assert_array_equal(dbias, full["dbias"])
 
@@ -290,3 +291,22 @@ def test_matmul_rejects_wrong_dtype(rng):
     x, w, bias, _ = make_inputs(rng, 2, 3, 8, 5)
     with pytest.raises(TypeError, match="bias"):
         forward(x, w, bias.astype(np.float16), "")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matmul_backward_written_outputs_are_the_sum_into_zeros(rng, set_threads, variant):
+    """`written` outputs hold garbage before the call and end bitwise as a
+    call adding into zeros; the others still add onto what they hold."""
+    x, w, _, dout = make_inputs(rng, 3, 100, 300, 33)
+    into_zeros = backward(dout, x, w, variant)
+    for written in WRITTEN_MASKS:
+        def run():
+            return backward_written(K.matmul_backward, into_zeros, written, dout, x, w,
+                                    variant=variant)
+        twice = backward(dout, x, w, variant, calls=2)
+        grads = run()
+        for name in into_zeros:
+            expected = into_zeros[name] if any(
+                written & f and n == name for f, n in WRITTEN_OUTPUTS.items()) else twice[name]
+            assert np.array_equal(grads[name], expected), f"{variant} written={written} {name}"
+        assert_thread_invariant(set_threads, run)

@@ -27,7 +27,8 @@ import torch
 import llmc_py
 from llmc_py import kernels as K
 from llmc_py._native.lib import ffi, lib
-from helpers import TOL, assert_close, assert_thread_invariant
+from helpers import (TOL, WRITTEN_MASKS, WRITTEN_OUTPUTS, assert_close, assert_thread_invariant,
+                     backward_written)
 
 ISAS = llmc_py.supported_isas()
 WIDENED = [isa for isa in ISAS if isa != "avx512bf16"]   # round, widen, float32 GEMM
@@ -333,7 +334,7 @@ def test_backward_skips_a_product_given_none(use_isa, isa, variant, skip):
     dbias = np.zeros(45, np.float32)
     status = fn(ffi.NULL, ffi.NULL, ffi.cast("float*", dbias.ctypes.data),
                 ffi.cast("float*", dout.ctypes.data), ffi.NULL, ffi.NULL, 2, 17, 67, 45,
-                lib.LLMC_DTYPE_F32)
+                lib.LLMC_DTYPE_F32, 0)
     assert status == lib.LLMC_OK
     np.testing.assert_array_equal(dbias, full["dbias"])
 
@@ -386,13 +387,13 @@ def test_rejects_bad_shapes_and_null(variant):
     assert fwd(ffi.NULL, fp(x), hp, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
     assert fwd(fp(out), fp(x), ffi.NULL, ffi.NULL, 2, 17, 67, 45, F32) == lib.LLMC_ERR_NULL
     dinp = np.zeros_like(x)
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, ffi.NULL, fp(x), hp, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # no dout
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), ffi.NULL, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # dinp needs the weight
-    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45, F32) \
+    assert bwd(ffi.NULL, fp(dinp), ffi.NULL, fp(dout), ffi.NULL, hp, 2, 17, 67, 45, F32, 0) \
         == lib.LLMC_ERR_NULL                                        # dweight needs inp
-    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45, F32) \
+    assert bwd(fp(dinp), ffi.NULL, ffi.NULL, fp(dout), fp(x), hp, 2, 0, 67, 45, F32, 0) \
         == lib.LLMC_ERR_SHAPE
 
 
@@ -456,4 +457,81 @@ def test_inp_dtype_is_checked():
     assert lib.matmul_forward_bf16(fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, 45, 2) \
         == lib.LLMC_ERR_VALUE
     assert lib.matmul_backward_bf16_naive(ffi.NULL, fp(out), ffi.NULL, fp(out), fp(x), hp,
-                                          2, 17, 67, 45, -1) == lib.LLMC_ERR_VALUE
+                                          2, 17, 67, 45, -1, 0) == lib.LLMC_ERR_VALUE
+
+
+# the dinp GEMM (K = OC) and the dweight GEMM (K = B*T) each over several K blocks
+WRITTEN_SHAPES = [(2, 37, 130, 97), (1, 5, 67, 1100), (4, 300, 67, 45)]
+
+
+@pytest.mark.parametrize("B,T,C,OC", WRITTEN_SHAPES)
+@pytest.mark.parametrize("variant", ["", "naive"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_written_outputs_are_the_sum_into_zeros_bitwise(set_threads, use_isa, isa, variant,
+                                                        B, T, C, OC):
+    """`written` outputs hold garbage before the call and end bitwise as a
+    call adding into zeros; the others still add onto what they hold."""
+    x, w16, _, dout, _ = layer(B, T, C, OC)
+    use_isa(isa)
+    start = backward(dout, x, w16, variant)   # nonzero start values
+    into_zeros = backward(dout, x, w16, variant)
+    for written in WRITTEN_MASKS:
+        def run():
+            return backward_written(K.matmul_backward_bf16, start, written, dout, x, w16,
+                                    variant=variant)
+        expected = backward(dout, x, w16, variant, start=start)
+        for flag, name in WRITTEN_OUTPUTS.items():
+            if written & flag:
+                expected[name] = into_zeros[name]
+        grads = run()
+        for name in expected:
+            assert np.array_equal(grads[name].view(np.uint32), expected[name].view(np.uint32)), \
+                f"{isa} {variant} written={written} {name}"
+        assert_thread_invariant(set_threads, run)
+
+
+# the few-row forward (unfused there), edge tiles, two K blocks, GPT-2's fc at B*T = 64
+GELU_SHAPES = [(1, 5, 67, 45), (2, 17, 67, 45), (3, 13, 100, 97), (1, 37, 700, 130),
+               (1, 64, 768, 3072)]
+
+
+@pytest.mark.parametrize("B,T,C,OC", GELU_SHAPES)
+@pytest.mark.parametrize("act_dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_gelu_epilogue_is_the_product_then_gelu_forward_bitwise(set_threads, use_isa, isa,
+                                                                act_dtype, B, T, C, OC):
+    x, w16, bias, _, _ = layer(B, T, C, OC)
+    x = x.copy()
+    x[0, 0, :3] = [30.0, -30.0, 0.0]   # GELU's saturated tails in the products
+    x16 = np.empty(x.shape, np.uint16)
+    K.float_to_bf16(x16, x)
+    use_isa(isa)
+    for inp in (x, x16):
+        for b in (bias, None):
+            out = forward(inp, w16, b)
+            act = np.empty(out.shape, act_dtype)
+            K.gelu_forward(act, out)
+
+            def run():
+                ours = {"out": np.full(out.shape, np.nan, np.float32),
+                        "act": np.full(out.shape, 0x7FC1, act_dtype)}   # (written)
+                K.matmul_gelu_forward_bf16(ours["out"], ours["act"], inp, w16, b)
+                return ours
+            ours = run()
+            assert np.array_equal(ours["out"], out), f"{isa} out"
+            assert np.array_equal(ours["act"].view(act.dtype), act), f"{isa} act"
+    assert_thread_invariant(set_threads, run)
+
+
+def test_gelu_epilogue_checks_its_arguments():
+    x, w16, bias, _, _ = layer(2, 17, 67, 45)
+    out = np.empty((2, 17, 45), np.float32)
+    with pytest.raises(TypeError, match="act_out"):
+        K.matmul_gelu_forward_bf16(out, np.empty((2, 17, 45), np.float64), x, w16, bias)
+    with pytest.raises(llmc_py.ShapeError, match="act_out"):
+        K.matmul_gelu_forward_bf16(out, np.empty((2, 17, 44), np.float32), x, w16, bias)
+    fp = lambda a: ffi.cast("float*", a.ctypes.data)
+    hp = ffi.cast("uint16_t*", w16.ctypes.data)
+    fused = lib.matmul_gelu_forward_bf16
+    assert fused(fp(out), fp(out), fp(x), hp, ffi.NULL, 2, 17, 67, 45, 0, 2) == lib.LLMC_ERR_VALUE
+    assert fused(fp(out), ffi.NULL, fp(x), hp, ffi.NULL, 2, 17, 67, 45, 0, 0) == lib.LLMC_ERR_NULL

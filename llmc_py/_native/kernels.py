@@ -113,12 +113,18 @@ matmul_forward = _kernel(
 
     ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
+# matmul_backward's ``written``: the outputs written instead of added into
+WRITE_DINP, WRITE_DWEIGHT = lib.LLMC_WRITE_DINP, lib.LLMC_WRITE_DWEIGHT
+
 matmul_backward = _kernel(
     "matmul_backward",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
-    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight",
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | written:int=0",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight.
-    Any of dinp, dweight and dbias may be None: that product is skipped.""", variants=("naive",))
+    Any of dinp, dweight and dbias may be None: that product is skipped.
+    ``written`` WRITE_DINP | WRITE_DWEIGHT: those are written instead of
+    added into (bitwise the sum into zeros; the caller need not zero them).""",
+    variants=("naive",))
 
 matmul_forward_bf16 = _kernel(
     "matmul_forward_bf16",
@@ -130,14 +136,22 @@ matmul_forward_bf16 = _kernel(
 
     ``variant="naive"`` runs the plain reference loops.""", variants=("naive",))
 
+matmul_gelu_forward_bf16 = _kernel(
+    "matmul_gelu_forward_bf16",
+    "out[B,T,OC] written, act_out[B,T,OC] written, inp[B,T,C], weight[OC,C], bias[OC]=None"
+    " | B T C OC from inp, weight | dtype(inp), dtype(act_out)",
+    """out[B,T,OC] (written) = matmul_forward_bf16(inp, weight, bias) and act_out
+    (written; float32 or bf16) = gelu_forward(out): bitwise the two calls, the
+    GELU applied to each tile of out as the GEMM completes it (avx512bf16).""")
+
 matmul_backward_bf16 = _kernel(
     "matmul_backward_bf16",
     "dinp[B,T,C] += or None, dweight[OC,C] += or None, dbias[OC] += or None, dout[B,T,OC],"
-    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | dtype(inp)",
+    " inp[B,T,C], weight[OC,C] | B T C OC from inp, weight | dtype(inp), written:int=0",
     """dinp[B,T,C], dweight[OC,C], dbias[OC] (+=) <- dout[B,T,OC], inp, weight (bf16):
     matmul_backward with dout and inp rounded to bf16 in the products (inp
     float32, or bf16 as it is). Any of dinp, dweight and dbias may be None:
-    that product is skipped.""", variants=("naive",))
+    that product is skipped. ``written`` as matmul_backward's.""", variants=("naive",))
 
 float_to_bf16 = _kernel(
     "float_to_bf16", "out[...] written, inp[...] | N from inp",
@@ -154,24 +168,24 @@ gelu_forward = _kernel(
     """out (written) = gelu_tanh(inp), any shape.""")
 
 gelu_backward = _kernel(
-    "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
-    """dinp (+=) gelu'(inp) * dout, any shape.""")
+    "gelu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
+    """dinp (+=) gelu'(inp) * dout, any shape (written=True: written, not added into).""")
 
 relu_forward = _kernel(
     "relu_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
     """out (written) = max(inp, 0), any shape.""")
 
 relu_backward = _kernel(
-    "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
-    """dinp (+=) (inp > 0) * dout, any shape.""")
+    "relu_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
+    """dinp (+=) (inp > 0) * dout, any shape (written=True: written, not added into).""")
 
 gelu_erf_forward = _kernel(
     "gelu_erf_forward", "out[...] written, inp[...] | N from inp | dtype(out)",
     """out (written) = inp * Phi(inp), the exact (erf) GELU, any shape.""")
 
 gelu_erf_backward = _kernel(
-    "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp",
-    """dinp (+=) gelu_erf'(inp) * dout, any shape.""")
+    "gelu_erf_backward", "dinp[...] +=, dout[...], inp[...] | N from inp | written:flag=0",
+    """dinp (+=) gelu_erf'(inp) * dout, any shape (written=True: written, not added into).""")
 
 residual_forward = _kernel(
     "residual_forward", "out[...] written, inp1[...], inp2[...] | N from inp1",
@@ -186,27 +200,30 @@ swiglu_forward = _kernel(
     """out[...,FF] (written) = silu(inp[...,:FF]) * inp[...,FF:]; any leading dims (N rows).""")
 
 swiglu_backward = _kernel(
-    "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    "swiglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 geglu_forward = _kernel(
     "geglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
     """out[...,FF] (written) = gelu(inp[...,:FF]) * inp[...,FF:] (gelu_forward's tanh form).""")
 
 geglu_backward = _kernel(
-    "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    "geglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 reglu_forward = _kernel(
     "reglu_forward", "out[...,FF] written, inp[...,2*FF] | N FF from gated(inp) | dtype(out)",
     """out[...,FF] (written) = relu(inp[...,:FF]) * inp[...,FF:].""")
 
 reglu_backward = _kernel(
-    "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)",
-    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF].""")
+    "reglu_backward", "dinp[...,2*FF] +=, dout[...,FF], inp[...,2*FF] | N FF from gated(inp)"
+    " | written:flag=0",
+    """dinp[...,2FF] (+=) dgate, dup <- dout[...,FF], inp[...,2FF] (written=True: written).""")
 
 # the activation of each MLP choice (config.mlp): forward (its out float32, or
-# bf16: the float32 result rounded), backward
+# bf16: the float32 result rounded), backward (written=True: dinp written, not added into)
 MLP_ACTIVATIONS = {"gelu": (gelu_forward, gelu_backward), "relu": (relu_forward, relu_backward),
                    "gelu_erf": (gelu_erf_forward, gelu_erf_backward),
                    "swiglu": (swiglu_forward, swiglu_backward),

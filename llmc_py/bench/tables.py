@@ -251,10 +251,11 @@ def print_profile(args, results):
           "as calls of their own); attention's 2*hs FLOP per causal (query, key) pair and "
           "product, 2 forward, 5 backward (the scores again, dP, dq, dk, dv); GB/s: each "
           "array argument's bytes, twice for an output added into or updated")
-    print("  between the kernels: the step less its kernel calls: Python, numpy's zeroing of "
-          "the activation gradients (d.fch_act[...] = 0.0, ...), zero_grad's fill of the "
-          "gradient buffer, the loss's sum, allocation, and the profiler's timing of each "
-          "call (profiled - unprofiled is its cost)")
+    print("  between the kernels: the step less its kernel calls: Python, the numpy zeroing "
+          "left (activation gradients that no product writes first, d.qkv[...] = 0.0, ...), "
+          "zero_grad's fill of the gradients that no weight-gradient product writes first, "
+          "the loss's sum, allocation, and the profiler's timing of each call (profiled - "
+          "unprofiled is its cost)")
     alone = p["matmuls_alone"]
     print(f"\nmatmuls alone: each GEMM call of a step replayed on fresh arrays of its shapes "
           f"and dtypes (median of {p['repeats']}), beside its time in the profiled step")

@@ -245,6 +245,21 @@ class Block:
                             optional(p, name + "b", l))
         return out
 
+    def mlp_in(self, a, i, inp, dropout):
+        """Dense MLP layer i's input projection fch = linear "fc" of ``inp``
+        and its activation, into their slots; returns the activation. A bf16
+        model's GELU (without adapters) runs in the GEMM's epilogue: the same
+        bits, without reading fch back."""
+        m = self.model
+        if self.config.mlp == "gelu" and m.lora is None \
+                and m._matmul_forward is K.matmul_forward_bf16:
+            out = _slot(a.fch_act, i)
+            K.matmul_gelu_forward_bf16(_slot(a.fch, i), out, inp, m._weights.fcw[i],
+                                       optional(m.params, "fcb", i))
+            return out
+        self.linear(_slot(a.fch, i), inp, "fc", i, dropout)
+        return self.mlp_act(a, i)
+
     def mlp_act(self, a, i):
         """Dense MLP layer i's activation of a.fch[i], into its fch_act slot."""
         out = _slot(a.fch_act, i)
@@ -270,8 +285,7 @@ class Block:
             self.experts(a, l, inp)
         else:
             i = self.mlp_index[l]
-            self.linear(_slot(a.fch, i), inp, "fc", i, dropout)
-            self.linear(a.proj, self.mlp_act(a, i), "fcproj", i, dropout)
+            self.linear(a.proj, self.mlp_in(a, i, inp, dropout), "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
 
     def experts(self, a, l, inp):
@@ -319,14 +333,19 @@ class Block:
 
     # ---- backward pieces ---------------------------------------------------
 
-    def linear_backward(self, dinp, dout, inp, name, l, dropout):
-        """Adds into d(inp) (None: not wanted) and layer l's weight and bias
-        gradients (none for a frozen base: those products are skipped) and
-        its adapters' from ``dout``."""
+    def linear_backward(self, dinp, dout, inp, name, l, dropout, write_dinp=False):
+        """Adds into d(inp) (None: not wanted; with ``write_dinp`` written,
+        as into zeros) and layer l's weight and bias gradients (none for a
+        frozen base: those products are skipped) and its adapters' from
+        ``dout``."""
         m = self.model
         dweight, dbias = m.base_grad(name + "w", l), m.base_grad(name + "b", l)
         if dinp is not None or dweight is not None or dbias is not None:
-            m._matmul_backward(dinp, dweight, dbias, dout, inp, m._weights[name + "w"][l])
+            written = K.WRITE_DINP if write_dinp else 0
+            if dweight is not None:
+                written |= m.grad_written(name + "w", l)
+            m._matmul_backward(dinp, dweight, dbias, dout, inp, m._weights[name + "w"][l],
+                               written=written)
         if m.lora is not None:
             m.lora.backward(dinp, dout, inp, name, l, dropout)
 
@@ -342,22 +361,23 @@ class Block:
                             m.base_grad(name + "b", l), dout, inp, m.params[name + "w"][l],
                             optional(a, name + "_mean", l), a[name + "_rstd"][l])
 
-    def mlp_backward(self, a, d, l, dinp, dout, inp, dropout):
-        """Adds d(layer l's MLP input ``inp``) into ``dinp`` from ``dout`` =
-        d(the MLP's output after its dropout), and into the MLP's gradients;
-        dout is spent before dinp changes (they may be one buffer)."""
+    def mlp_backward(self, a, d, l, dinp, dout, inp, dropout, write_dinp=False):
+        """Adds d(layer l's MLP input ``inp``) into ``dinp`` (``write_dinp``:
+        writes it, as into zeros) from ``dout`` = d(the MLP's output after
+        its dropout), and into the MLP's gradients; dout is spent before dinp
+        changes (they may be one buffer)."""
         dout = undrop(dout, d.mlp_output, dropout.site("mlp_output", l))
         if self.config.is_moe_layer(l):
+            if write_dinp:
+                dinp[...] = 0.0
             self.experts_backward(a, d, l, dinp, dout, inp)
             return
         i = self.mlp_index[l]
         self.saved.fch(a, i, inp, dropout)
         fch_act = self.saved.mlp_act(a, i)
-        d.fch_act[...] = 0.0
-        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", i, dropout)
-        d.fch[...] = 0.0
-        self.act_backward(d.fch, d.fch_act, _slot(a.fch, i))
-        self.linear_backward(dinp, d.fch, inp, "fc", i, dropout)
+        self.linear_backward(d.fch_act, dout, fch_act, "fcproj", i, dropout, write_dinp=True)
+        self.act_backward(d.fch, d.fch_act, _slot(a.fch, i), written=True)
+        self.linear_backward(dinp, d.fch, inp, "fc", i, dropout, write_dinp)
 
     def experts_backward(self, a, d, l, dinp, dout, inp):
         """experts() backward: from ``dout`` (B, T, C), d(inp) added into
@@ -410,8 +430,7 @@ class Block:
         c, m = self.config, self.model
         p = m.params
         dout = undrop(dout, d.attention_output, dropout.site("attention_output", l))
-        d.atty[...] = 0.0
-        self.linear_backward(d.atty, dout, a.atty[l], "attproj", l, dropout)
+        self.linear_backward(d.atty, dout, a.atty[l], "attproj", l, dropout, write_dinp=True)
         site = dropout.site("attention", l)
         rope, qk_norm = c.position == "rope", c.qk_norm
         if not (rope or qk_norm):
@@ -452,9 +471,7 @@ class PreNorm(Block):
             self.experts(a, l, ln2)
         else:
             i = self.mlp_index[l]
-            self.linear(_slot(a.fch, i), ln2, "fc", i, dropout)
-            fch_act = self.mlp_act(a, i)
-            self.linear(a.proj, fch_act, "fcproj", i, dropout)
+            self.linear(a.proj, self.mlp_in(a, i, ln2, dropout), "fcproj", i, dropout)
         drop(a.proj, dropout.site("mlp_output", l))
         K.residual_forward(a.residual3[l], a.residual2[l], a.proj)
         return a.residual3[l]
@@ -462,16 +479,15 @@ class PreNorm(Block):
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, x)
         ln2 = self.saved.norm(a, "ln2", l, a.residual2[l])
-        d.ln[...] = 0.0
-        self.mlp_backward(a, d, l, d.ln, d.residual, ln2, dropout)
+        self.mlp_backward(a, d, l, d.ln, d.residual, ln2, dropout, write_dinp=True)
         self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln2", l)
         # now d(residual2[l])
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
         if not self.input_gradient(l):
             self.linear_backward(None, dqkv, ln1, "qkv", l, dropout)
             return
-        d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
-        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
+        # d.ln written over d.atty, in the same buffer and spent
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout, write_dinp=True)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
 
 
@@ -490,8 +506,8 @@ class Parallel(Block):
         ln1 = self.saved.norm(a, "ln1", l, x)
         # d.residual = d(residual3[l]) = d(residual2[l]): both branches' output's
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
-        d.ln[...] = 0.0   # d.atty, in the same buffer, is spent
-        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout)
+        # d.ln written over d.atty, in the same buffer and spent
+        self.linear_backward(d.ln, dqkv, ln1, "qkv", l, dropout, write_dinp=True)
         self.mlp_backward(a, d, l, d.ln, d.residual, ln1, dropout)
         self.norm_backward(a, d.residual, d.ln, x, "ln1", l)
 

@@ -131,6 +131,9 @@ from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations
                        memory_plan, recomputes_fch, require_missing, reusable)
 
 INIT_STD = 0.02
+# the weights whose gradient backward's first product into it writes (a dense
+# linear layer's weight-gradient GEMM): zero_grad leaves zeroing them to it
+FIRST_WRITTEN_GRADS = ("qkvw", "attprojw", "fcw", "fcprojw")
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
@@ -224,6 +227,9 @@ class Transformer:
             (K.attention_gqa_forward_bf16, K.attention_gqa_backward_bf16) if precision == "bf16"
             else (K.attention_gqa_forward, K.attention_gqa_backward))
         self._grads = None
+        # (name, layer or None) of the gradients zero_grad left for backward
+        # to write (FIRST_WRITTEN_GRADS and the head's): not zero in memory yet
+        self._unwritten = set()
         self.m_memory = None   # update()'s AdamW moments, made on its first call
         self.v_memory = None
         self.moment_params = self.num_parameters   # parameters whose moments we keep
@@ -401,9 +407,31 @@ class Transformer:
             raise RuntimeError("model.grads: the base is frozen (LoRA) and has no gradients; "
                                "model.trained or model.lora.grads are the adapters'")
         self._refuse_frozen("gradients of the base")
+        self._zero_unwritten()
+        return self._grad_tensors()
+
+    def _grad_tensors(self):
+        """The gradients as they are in memory (the ones zero_grad left to
+        backward not yet zero)."""
         if self._grads is None:
             self._grads = TensorGroup(self.param_specs, self.config)
         return self._grads
+
+    def _zero_unwritten(self):
+        """Zeroes the gradients zero_grad left to backward that it has not written."""
+        for name, l in self._unwritten:
+            tensor = self._grads[name]
+            (tensor if l is None else tensor[l])[...] = 0.0
+        self._unwritten = set()
+
+    def grad_written(self, name, l=None):
+        """For the product about to give parameter ``name``'s (layer l's)
+        gradient: WRITE_DWEIGHT if zero_grad left that gradient to it (it
+        then writes it, as into zeros), else 0 (it adds into it)."""
+        if (name, l) not in self._unwritten:
+            return 0
+        self._unwritten.remove((name, l))
+        return K.WRITE_DWEIGHT
 
     @property
     def trained(self):
@@ -421,7 +449,8 @@ class Transformer:
         lacks."""
         if self.lora is not None or self.frozen or name not in self.params:
             return None
-        return self.grads[name] if l is None else self.grads[name][l]
+        grads = self._grad_tensors()   # backward writes those zero_grad left it
+        return grads[name] if l is None else grads[name][l]
 
     @property
     def logits(self):
@@ -778,8 +807,9 @@ class Transformer:
         if d is not None:
             K.softmax_crossentropy_backward(logits, logits, stats,
                                             d.losses.reshape(1, -1)[:, rows], row_targets, c.V)
-            self._matmul_backward(self._grads_as(d.narrow, c.C).reshape(1, -1, c.C)[:, rows],
-                                  self._head_grad(), None, logits, lnf, head)
+            # the blocks' rows part d.narrow: each block writes its own
+            self._head_backward(self._grads_as(d.narrow, c.C).reshape(1, -1, c.C)[:, rows],
+                                logits, lnf)
 
     # the block and the head on activations ``a`` laid out by act_specs: the
     # forward above runs them on (B, T), KV-cache decoding on one position
@@ -787,8 +817,17 @@ class Transformer:
     def _head(self, group):
         return group.wte if self.config.tied_embeddings else group.lm_head
 
-    def _head_grad(self):
-        return self.base_grad("wte" if self.config.tied_embeddings else "lm_head")
+    def _head_name(self):
+        return "wte" if self.config.tied_embeddings else "lm_head"
+
+    def _head_backward(self, dinp, dout, inp):
+        """The head's matmul backward on rows: dinp (written) and the head
+        weight's gradient."""
+        name = self._head_name()
+        grad = self.base_grad(name)
+        written = K.WRITE_DINP | (self.grad_written(name) if grad is not None else 0)
+        self._matmul_backward(dinp, grad, None, dout, inp, self._head(self._weights),
+                              written=written)
 
     def _grads_as(self, buffer, width):
         """The first B * T * width floats of a gradient buffer, as (B, T, width)."""
@@ -823,8 +862,21 @@ class Transformer:
     @held
     def zero_grad(self):
         """Zeroes the gradients of what is trained (backward adds into them):
-        the parameters', or the adapters' (trained)."""
-        self.trained[1].zero()
+        the parameters', or the adapters' (trained). The dense linear layers'
+        and the head's weight gradients are left to backward, whose first
+        product into each writes it (grad_written); model.grads zeroes those
+        it has not written when read before."""
+        if self.lora is not None:
+            self.lora.grads.zero()
+            return
+        grads = self.grads   # also refuses a frozen base
+        unwritten = {(self._head_name(), None)}
+        unwritten |= {(name, l) for name in FIRST_WRITTEN_GRADS if name in grads.names
+                      for l in range(grads[name].shape[0])}
+        for name in grads.names:
+            if (name, None) not in unwritten and name not in FIRST_WRITTEN_GRADS:
+                grads[name][...] = 0.0
+        self._unwritten = unwritten
 
     def _start_backward(self, loss_scale):
         """Backward's activation gradients, with d(scaled mean loss)/d(loss[b, t])
@@ -859,9 +911,7 @@ class Transformer:
         K.softmax_crossentropy_backward(logits, logits, a.xent_stats, d.losses, self.targets,
                                         c.V)
         self._logits_state = "backward replaced them by their gradient"
-        d.narrow[...] = 0.0
-        self._matmul_backward(self._grads_as(d.narrow, c.C), self._head_grad(), None, logits,
-                              a.lnf, self._head(self._weights))
+        self._head_backward(self._grads_as(d.narrow, c.C), logits, a.lnf)
         self._blocks_backward(d, self._dropout)
 
     @held
@@ -884,7 +934,6 @@ class Transformer:
         self._logits_state = "forward_backward does not keep them"
         self._final_norm(a, residual)
         d = self._start_backward(loss_scale)
-        d.narrow[...] = 0.0
         for rows in self._head_blocks():
             self._classifier_rows(rows, targets, d)
         loss = self._mean_loss()
@@ -908,7 +957,7 @@ class Transformer:
             self._block.backward(a, layer, l, x, dropout)
         if self.lora is not None:
             return   # a frozen embedding: nothing below needs the input gradient
-        g = self.grads
+        g = self.grads   # (zeroes any gradient zero_grad left that no product wrote)
         p_embedding, seed = dropout.site("embedding")
         if p_embedding:   # now d(encoded before its dropout), in place
             K.dropout_backward(d.residual, d.residual, p_embedding, seed)
@@ -1079,6 +1128,7 @@ class Transformer:
         self.lora = lora
         lora.bf16 = self.precision == "bf16"   # its products as the base layers'
         self._grads = None
+        self._unwritten = set()
         self.m_memory = self.v_memory = None
 
     @held
@@ -1229,10 +1279,12 @@ def _quantized_matmul(out, inp, weight, bias):
         weight(out, inp, bias)
 
 
-def _quantized_matmul_backward(dinp, dweight, dbias, dout, inp, weight):
+def _quantized_matmul_backward(dinp, dweight, dbias, dout, inp, weight, written=0):
     """matmul_backward's call on a frozen QuantizedLinear weight (LoRA):
     the input gradient alone (base_grad gives no weight or bias gradient)."""
     assert dweight is None and dbias is None, "a quantized base has no gradients"
+    if written & K.WRITE_DINP:
+        dinp[...] = 0.0
     weight.backward(dinp, dout)
 
 
