@@ -79,9 +79,11 @@ class QuantizedLinear:
     bytes a block, "q4_0": 18). Held in the kernels' packed layout (each
     row's bytes moved within the row: quant_pack_rows); ``blocks`` gives
     them byte for byte as GGUF stores them. ``name`` (the tensor's) is what
-    errors name."""
+    errors name. ``packed``: the uint8 [OC, row bytes] memory to hold them
+    (a part of a model's one buffer for all its quantized weights), else
+    a new array."""
 
-    def __init__(self, blocks, IC, qtype, name="weight"):
+    def __init__(self, blocks, IC, qtype, name="weight", packed=None):
         self.qtype, self.name = qtype, name
         self._type = _quant_type(qtype)
         check_input_dim(name, (len(blocks), IC), qtype)
@@ -89,14 +91,20 @@ class QuantizedLinear:
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != row_bytes:
             raise ShapeError(f"{name}: blocks of {blocks.dtype} {blocks.shape}, expected uint8 "
                              f"[OC, {row_bytes}] for {qtype} with {IC} inputs")
-        self.packed = np.empty(blocks.shape, np.uint8)
+        if packed is None:
+            packed = np.empty(blocks.shape, np.uint8)
+        elif packed.dtype != np.uint8 or packed.shape != blocks.shape:
+            raise ShapeError(f"{name}: memory of {packed.dtype} {packed.shape} for its packed "
+                             f"blocks, expected uint8 {list(blocks.shape)}")
+        self.packed = packed
         K.quant_pack_rows(self.packed, np.ascontiguousarray(blocks), self._type)
         self._packed_pointer = ffi.from_buffer("uint8_t[]", self.packed)
         self.shape = (blocks.shape[0], IC)
 
     @classmethod
-    def quantize(cls, weight, qtype, name="weight"):
-        """The blocks of an fp32 weight [OC, IC], rounded as llama.cpp rounds."""
+    def quantize(cls, weight, qtype, name="weight", packed=None):
+        """The blocks of an fp32 weight [OC, IC], rounded as llama.cpp rounds
+        (held in ``packed``, as the constructor's)."""
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if weight.ndim != 2:
             raise ShapeError(f"{name} has shape {weight.shape}, expected [OC, IC]")
@@ -105,7 +113,7 @@ class QuantizedLinear:
         OC, IC = weight.shape
         blocks = np.empty((OC, IC // K.QUANT_BLOCK * K._BLOCK_BYTES[kind]), np.uint8)
         K.quantize_rows(blocks, weight, kind)
-        return cls(blocks, IC, qtype, name)
+        return cls(blocks, IC, qtype, name, packed)
 
     @property
     def nbytes(self):
