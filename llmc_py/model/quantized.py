@@ -21,7 +21,7 @@ otherwise. The backward (no decoding use) is the panel path for any count."""
 import numpy as np
 
 from .._native import kernels as K
-from .._native.lib import check, ffi, lib
+from .._native.lib import called, check, ffi, lib
 from ..errors import ShapeError
 
 FEW_ROWS = 8   # calls of at most this many rows take the decoding kernel
@@ -157,11 +157,11 @@ class QuantizedLinear:
             # decoding calls the C function itself: _check and the line above
             # are the wrapper's checks, at a third of its ~14 us (a step makes
             # four or more calls a layer)
-            check(lib.matmul_forward_quant(
+            check(called(lib.matmul_forward_quant, (
                 ffi.from_buffer("float[]", out, require_writable=True),
                 ffi.from_buffer("float[]", rows), self._packed_pointer,
                 ffi.NULL if bias is None else ffi.from_buffer("float[]", bias),
-                len(rows), IC, OC, self._type), f"{self.name}: matmul_forward_quant")
+                len(rows), IC, OC, self._type)), f"{self.name}: matmul_forward_quant")
         else:   # the wrapper, for its errors
             K.matmul_forward_quant(out.reshape(-1, OC), rows, self.packed, bias, self._type)
 
