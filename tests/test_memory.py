@@ -1,8 +1,5 @@
 """Requests that cannot fit in memory fail up front with OutOfMemoryError (a
 MemoryError) saying how much they needed and what for."""
-import sys
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -10,8 +7,7 @@ from llmc_py import GPT2, GPT2Config, OutOfMemoryError
 from llmc_py.model import memory
 from llmc_py import train as train_mod
 from llmc_py.data import write_tokens
-from llmc_py.model import layout
-from llmc_py.model.layout import aligned_empty, aligned_zeros
+from llmc_py.model.layout import aligned_empty
 from llmc_py.model.transformer import HEAD_ROWS
 
 GIB = 1 << 30
@@ -173,49 +169,3 @@ def test_bf16_models_plan_their_matmul_inputs_in_half_the_bytes():
         model.forward(np.zeros((3, 5), np.int32))
         assert model.acts.buffer.nbytes == model.memory_plan(3, 5)["activations"]
         assert (model.acts.ln1.dtype == np.uint16) == (precision == "bf16")
-
-
-def vm_flags(address):
-    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split()[0]
-            if "-" in first and not first.endswith(":"):
-                low, high = (int(x, 16) for x in first.split("-"))
-                inside = low <= address < high
-            elif inside and first == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def test_large_buffers_are_advised_onto_huge_pages():
-    """A buffer of HUGE_PAGE bytes or more starts on a huge page and, on
-    Linux, its mapping carries the MADV_HUGEPAGE advice (smaps' "hg"): the
-    call made, whatever pages the kernel then grants; elsewhere, an
-    ordinary array. Either way zeroed, aligned, counted by tracemalloc."""
-    assert layout.HUGE_PAGES_ADVISABLE == sys.platform.startswith("linux")
-    nbytes = 5 * layout.HUGE_PAGE + 12
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        big = aligned_zeros(nbytes // 4, np.float32)
-        assert tracemalloc.get_traced_memory()[0] - before >= big.nbytes
-    finally:
-        tracemalloc.stop()
-    assert big.size == nbytes // 4 and not big.any()
-    big[-1] = 1   # writable to its end
-    if layout.HUGE_PAGES_ADVISABLE:
-        assert big.ctypes.data % layout.HUGE_PAGE == 0
-        assert "hg" in vm_flags(big.ctypes.data)
-        # the last part page stays in small pages: no more memory than asked for
-        assert "hg" not in vm_flags(big.ctypes.data + big.nbytes - 1)
-    small = aligned_empty(1000, np.uint8)
-    assert small.ctypes.data % layout.ALIGN_BYTES == 0 and small.size == 1000
-
-
-def test_without_huge_pages_buffers_are_ordinary_arrays(monkeypatch):
-    monkeypatch.setattr(layout, "HUGE_PAGES_ADVISABLE", False)
-    big = aligned_zeros(layout.HUGE_PAGE, np.float32)
-    assert big.ctypes.data % layout.ALIGN_BYTES == 0 and big.size == layout.HUGE_PAGE
-    assert not big.any()

@@ -167,8 +167,9 @@ def one_buffer(model):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_the_quantized_weights_are_one_buffer(name):
-    """One buffer (on huge pages where the kernel has them: test_memory) a
-    decoding step streams from start to end."""
+    """One buffer a decoding step streams from start to end (numpy asks for
+    huge pages for an allocation of 4 MiB or more, not for most single
+    weights)."""
     model = MODELS[name]()
     model.quantize("q4_0")
     assert one_buffer(model)

@@ -10,11 +10,7 @@ forward that no backward follows reuses layer after layer), and
 ``grad_act_specs(config)`` the gradients backward holds: the residual
 stream's, and one layer's worth of the rest, reused by every layer.
 """
-import ctypes
 import math
-import mmap
-import tracemalloc
-import weakref
 
 import numpy as np
 
@@ -49,55 +45,12 @@ def specs_bytes(specs, *shape_args, dtype=np.float32, dtypes=None):
 def aligned_empty(count, dtype=np.float32, what=None):
     """A 1-D array of ``count`` elements whose data starts on ALIGN_BYTES.
     Raises OutOfMemoryError, naming ``what`` the buffer is for, if it cannot
-    fit in the memory available. One of at least HUGE_PAGE bytes is
-    huge_page_backed."""
+    fit in the memory available."""
     itemsize = np.dtype(dtype).itemsize
-    nbytes = count * itemsize
-    require(nbytes + ALIGN_BYTES, what or f"a buffer of {count} {np.dtype(dtype).name}")
-    if nbytes >= HUGE_PAGE and HUGE_PAGES_ADVISABLE:
-        return huge_page_backed(nbytes).view(dtype)
-    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    require(count * itemsize + ALIGN_BYTES, what or f"a buffer of {count} {np.dtype(dtype).name}")
+    raw = np.empty(count * itemsize + ALIGN_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % ALIGN_BYTES
-    return raw[start:start + nbytes].view(dtype)
-
-
-# Linux's transparent huge pages: 2 MiB pages for the memory a madvise asks
-# for (the usual setting, "madvise"). A decoding step streams every weight
-# once; with 4 KiB pages that is a TLB miss every 4 KiB.
-HUGE_PAGE = 2 << 20
-HUGE_PAGES_ADVISABLE = hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def huge_page_backed(nbytes):
-    """``nbytes`` of zeroed memory (uint8) in an anonymous mapping of its
-    own, starting on a HUGE_PAGE boundary, its whole huge pages madvised
-    MADV_HUGEPAGE (the last part page stays in small pages: no more
-    resident memory than the bytes asked for). Where the kernel refuses
-    the advice (no THP support), ordinary pages."""
-    # private (not shared with a forked child); the slack: room to align the start
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    memory = np.frombuffer(mapping, np.uint8)
-    start = -memory.ctypes.data % HUGE_PAGE
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    try:
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    except OSError:
-        pass
-    if tracemalloc.is_tracing():   # counted as numpy's own buffers are
-        _traced(mapping, memory.ctypes.data, nbytes)
-    return memory[start:start + nbytes]
-
-
-NUMPY_TRACE_DOMAIN = 389047   # numpy's domain in tracemalloc's accounts
-
-
-def _traced(mapping, address, nbytes):
-    """Reports ``nbytes`` at ``address`` to tracemalloc while ``mapping`` lives."""
-    api = ctypes.pythonapi
-    api.PyTraceMalloc_Track(ctypes.c_uint(NUMPY_TRACE_DOMAIN), ctypes.c_size_t(address),
-                            ctypes.c_size_t(nbytes))
-    weakref.finalize(mapping, api.PyTraceMalloc_Untrack, ctypes.c_uint(NUMPY_TRACE_DOMAIN),
-                     ctypes.c_size_t(address))
+    return raw[start:start + count * itemsize].view(dtype)
 
 
 def aligned_zeros(count, dtype=np.float32, what=None):

@@ -985,9 +985,10 @@ class Transformer:
 
     def _lay_out_quantized(self, qtype, shapes, tables):
         """One buffer for every quantized weight's packed blocks, in the order
-        a step reads them (a decoding step streams it once, on huge pages:
-        layout.aligned_empty); ``_quantized_parts`` {(name, l): its [OC, row
-        bytes] part}, each starting on ALIGN_BYTES."""
+        a decoding step reads them: like the float32 and bf16 parameters, an
+        allocation numpy asks Linux to back with huge pages (those of 4 MiB
+        or more), where a weight of its own is often smaller; ``_quantized_parts``
+        {(name, l): its [OC, row bytes] part}, each starting on ALIGN_BYTES."""
         c, extents, total = self.config, {}, 0
         order = [(name, l) for l in range(c.L) for name in QUANTIZED_LINEARS]
         for name, l in order + [(name, None) for name in tables]:
