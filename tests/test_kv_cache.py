@@ -102,6 +102,31 @@ def test_cached_logits_equal_full_recompute_bitwise_at_every_step(use_isa, name,
         for b, n in enumerate(lengths):
             assert_logits_equal(logits[b], references[b][n + step], f"{name} step {step} row {b}")
     assert decoder.cache.lengths.tolist() == [n + 30 for n in lengths]
+    # steps after the first replayed its kernel calls, but for experts (routed in numpy)
+    assert (decoder.calls is None) == bool(model.config.num_experts)
+
+
+def test_steps_after_the_first_replay_its_kernel_calls(monkeypatch):
+    """The layers' and the head's kernels are called again as the first step
+    called them, without the model's Python; the token, its position and
+    each row's length still change (the embedding runs every step)."""
+    model = MODELS["qwen3-qknorm"]()
+    prompts = [[5, 6, 7], [8]]
+    want = Decoder(model, 2, 10)
+    got = Decoder(model, 2, 10)
+    steps = [np.array([1, 2]), np.array([3, 4]), np.array([9, 9])]
+    expected = [want.prefill(prompts).copy()]
+    for tokens in steps:
+        want.calls = None   # each step through the model's Python
+        expected.append(want.step(tokens).copy())
+    logits = [got.prefill(prompts).copy(), got.step(steps[0]).copy()]
+    assert got.calls   # recorded
+    monkeypatch.setattr(model, "block_forward", None)
+    monkeypatch.setattr(model, "head_forward", None)
+    logits += [got.step(tokens).copy() for tokens in steps[1:]]
+    for i, (ours, ref) in enumerate(zip(logits, expected)):
+        assert_logits_equal(ours, ref, f"step {i}")
+    assert got.cache.lengths.tolist() == [6, 4]
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-rope-gqa", "alibi-gqa"])

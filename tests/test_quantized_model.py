@@ -152,6 +152,29 @@ def test_the_float32_weights_are_released(name):
     assert (head is model._weights.wte) == c.tied_embeddings and head.qtype == "q8_0"
 
 
+def one_buffer(model):
+    """True if the quantized weights' packed blocks lie one after another,
+    each on ALIGN_BYTES, in one buffer in the order a step reads them."""
+    tables = [model._weights.wte] + ([] if model.config.tied_embeddings
+                                     else [model._weights.lm_head])
+    parts = [model._weights[n][l] for l in range(model.config.L) for n in LINEARS] + tables
+    starts = [w.packed.ctypes.data for w in parts]
+    gaps = [b - (a + w.nbytes) for a, b, w in zip(starts, starts[1:], parts)]
+    base = parts[0].packed.base
+    return (all(0 <= g < 64 and b % 64 == 0 for g, b in zip(gaps, starts[1:]))
+            and all(w.packed.base is base for w in parts))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_quantized_weights_are_one_buffer(name):
+    """One buffer a decoding step streams from start to end (numpy asks for
+    huge pages for an allocation of 4 MiB or more, not for most single
+    weights)."""
+    model = MODELS[name]()
+    model.quantize("q4_0")
+    assert one_buffer(model)
+
+
 def test_a_quantized_bf16_model_releases_its_bf16_copy():
     model = Llama(LLAMA, seed=2, precision="bf16")
     model.quantize("q8_0")
@@ -208,13 +231,15 @@ def test_a_gguf_file_keeps_its_blocks(tmp_path, monkeypatch, name, qtype):
     quantized = []
     original = QuantizedLinear.quantize.__func__
     monkeypatch.setattr(QuantizedLinear, "quantize", classmethod(
-        lambda cls, w, kind, n="weight": quantized.append(n) or original(cls, w, kind, n)))
+        lambda cls, w, kind, n="weight", *packed: quantized.append(n) or original(cls, w, kind, n,
+                                                                               *packed)))
     model = load_model(path, weights=qtype)
     # only the embedding and the head are re-made
     assert quantized == (["wte", "lm_head"] if "untied" in name else ["wte"])
     for n in LINEARS:
         for got, same in zip(model._weights[n], want._weights[n]):
             assert np.array_equal(got.blocks, same.blocks)
+    assert one_buffer(model)   # the file's blocks moved into the model's buffer
     x = tokens(2, 7)
     model.forward(x)
     want.forward(x)

@@ -29,7 +29,8 @@ The wrapper takes the arrays, the caller's sizes and the scalars in that order
 C twins named <name>_<variant>. It is generated as Python source once, at
 import, so that a call runs just what a hand-written wrapper would, in the
 same order: the size sources' checks, each array's in C order, the C
-function, and its status raised as an exception. Its source is kept in
+function (through lib.called, so that lib.record_calls can record it), and
+its status raised as an exception. Its source is kept in
 linecache, so tracebacks printed by the traceback module (and pytest) show it."""
 import linecache
 import re
@@ -90,7 +91,7 @@ def bind(namespace, lib, name, declaration, doc, *, args=None, variants=()):
 
     call = [_pointer(a, c_type.cname, name) for a, c_type in zip(arrays.values(), c_args)]
     call += letters + [_CONVERT[s.convert].format(s.name) for s in scalars]
-    status = f"{kernel}(\n            " + ",\n            ".join(call) + ")"
+    status = f"called({kernel}, (\n            " + ",\n            ".join(call) + "))"
     tokens = [a for a in arrays.values() if a.tokens]
     if tokens:
         (a,) = tokens

@@ -9,7 +9,8 @@ import numpy as np
 
 from .declare import bind
 # the generated wrappers call check, ffi.NULL and the pointer adapters from here
-from .lib import aptr, bptr, check, dptr, dtype_code, ffi, fptr, hptr, iptr, lib  # noqa: F401
+from .lib import (aptr, bptr, called, check, dptr, dtype_code, ffi, fptr, hptr, iptr,  # noqa: F401
+                  lib)
 from .tokens import IGNORE_INDEX, first_out_of_vocab
 from ..errors import RangeError, ShapeError
 

@@ -1,6 +1,9 @@
 """The only module that sees cffi: status checks, array-to-pointer adapters,
-threads and the instruction set of the kernels."""
+threads and the instruction set of the kernels; the record of a sequence
+of kernel calls, to run again as it was (record_calls, replay)."""
+import contextlib
 import os
+import threading
 
 import numpy as np
 
@@ -31,6 +34,40 @@ def check(status, where):
     err = _ERROR_FOR_STATUS.get(status, LlmcError)(f"{where}: {text} (status {status})")
     err.status = status
     raise err
+
+
+# the calls record_calls is recording in this thread (.calls), if any
+_recording = threading.local()
+
+
+def called(c_function, args):
+    """c_function(*args), the C function's status; inside record_calls, the
+    call is recorded too."""
+    calls = getattr(_recording, "calls", None)
+    if calls is not None:
+        calls.append((c_function, args))
+    return c_function(*args)
+
+
+@contextlib.contextmanager
+def record_calls():
+    """Yields a list that gets (C function, arguments) of every kernel this
+    thread calls inside the block, in order: the arguments as the wrappers
+    made them (cffi pointers, which keep their arrays alive, and numbers),
+    so that replay() makes the same calls on the same memory without the
+    wrappers' Python."""
+    calls = []
+    _recording.calls = calls
+    try:
+        yield calls
+    finally:
+        _recording.calls = None
+
+
+def replay(calls):
+    """Makes the C calls of a record_calls list again, in order, each status checked."""
+    for c_function, args in calls:
+        check(c_function(*args), c_function.__name__)
 
 
 def _pointer(arr, name, shape, dtype, ctype, out):

@@ -22,6 +22,7 @@ O(W), not O(max_len)); for other models slots = max_len and nothing rolls.
 import numpy as np
 
 from .._native import kernels as K
+from .._native.lib import record_calls, replay
 from ..errors import ShapeError
 from .layout import aligned_zeros, forward_only_acts
 from .sampling import sample_next
@@ -90,6 +91,14 @@ class Decoder:
         self.att = aligned_zeros(batch_size * c.num_heads * slots).reshape(
             batch_size, c.num_heads, slots)   # attention_decode's scores
         self.rows = np.arange(batch_size)
+        # a step's positions and lengths per row, in place: the layers' calls read them
+        self.pos = np.zeros(batch_size, np.int32)
+        self.lengths = np.zeros(batch_size, np.int32)
+        # the layers' and the head's kernel calls, recorded at the first step
+        # and replayed after (_layers); None: not yet recorded, or a model
+        # whose step is more than kernel calls on fixed memory: adapters
+        # (numpy temporaries), MoE layers (the routing's grouping in numpy)
+        self.calls = None
         # RoPE's cos and sin at every position the cache can hold, made once
         # (rope_forward's floats): a step reads its positions' rows
         self.rope_cos = self.rope_sin = None
@@ -127,37 +136,57 @@ class Decoder:
 
     def step(self, tokens):
         """Runs one new token per row (int array (B,)) at each row's next
-        position; returns the (B, V) logits (a view, valid until the next step)."""
+        position; returns the (B, V) logits (a view, valid until the next step).
+        After the first step, the layers' and the head's kernels are called
+        again as that step called them (the wrappers' Python and checks
+        skipped: _layers), so the weights are the model's at the first step."""
         with self.model.exclusive("generate"):
             return self._step(tokens)
 
     def _step(self, tokens):
         model, cache, a = self.model, self.cache, self.acts
         c = model.config
-        pos = cache.lengths.copy()   # the new token's position in each row
-        if pos.max() >= cache.max_len:
+        pos = self.pos   # the new token's position in each row
+        if cache.lengths.max() >= cache.max_len:
             raise ShapeError(f"the KV cache holds {cache.max_len} positions and is full")
         tokens = model.token_ids(np.asarray(tokens).reshape(-1, 1))[:, 0]
+        pos[:] = cache.lengths
+        self.lengths[:] = pos + 1
 
         model.embed(a.encoded, tokens[:, None], pos)
         if c.position == "sinusoidal":
             K.sinusoidal_forward(a.encoded, a.encoded, pos)
-        lengths = pos + 1
+        if self.calls is not None:
+            replay(self.calls)
+        elif model.lora is None and not c.num_experts:
+            with record_calls() as self.calls:
+                self._layers()
+        else:
+            self._layers()
+        cache.lengths[:] = self.lengths
+        return a.logits[:, 0, :c.vocab_size]
+
+    def _layers(self):
+        """Every layer and the head on the embedded a.encoded, one position
+        per row (self.pos): kernel calls on memory made once per decoder,
+        with the same arguments at every step, which is what lets a step
+        replay the first's (_step)."""
+        model, cache, a = self.model, self.cache, self.acts
+        c = model.config
 
         def attend(l):
             # q, and k, v into slot pos % slots (over the oldest position a
             # sliding window has left), each rotated at its position by RoPE
-            K.kv_cache_write(self.q, cache.k[l], cache.v[l], model.normed_qkv(a, l)[:, 0], pos,
-                             self.rope_cos, self.rope_sin, c.NH, c.NKV, c.rope_interleaved)
+            K.kv_cache_write(self.q, cache.k[l], cache.v[l], model.normed_qkv(a, l)[:, 0],
+                             self.pos, self.rope_cos, self.rope_sin, c.NH, c.NKV,
+                             c.rope_interleaved)
             K.attention_decode(a.atty[l][:, 0], self.att, self.q, cache.k[l], cache.v[l],
-                               lengths, model.slopes, c.NH, c.NKV, c.sliding_window)
+                               self.lengths, model.slopes, c.NH, c.NKV, c.sliding_window)
 
         residual = a.encoded
         for l in range(c.num_layers):
             residual = model.block_forward(a, l, residual, attend)
         model.head_forward(a, residual)
-        cache.lengths[:] = lengths
-        return a.logits[:, 0, :c.vocab_size]
 
 
 def stream(model, prompts, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,

@@ -27,7 +27,7 @@ panel path."""
 import numpy as np
 
 from .._native import kernels as K
-from .._native.lib import check, ffi, lib
+from .._native.lib import called, check, ffi, lib
 from ..errors import ShapeError
 
 FEW_ROWS = 8   # calls of at most this many rows take the decoding kernel
@@ -88,9 +88,11 @@ class QuantizedLinear:
     bytes a block, "q4_0": 18). Held in the kernels' packed layout (each
     row's bytes moved within the row: quant_pack_rows); ``blocks`` gives
     them byte for byte as GGUF stores them. ``name`` (the tensor's) is what
-    errors name."""
+    errors name. ``packed``: the uint8 [OC, row bytes] memory to hold them
+    (a part of a model's one buffer for all its quantized weights), else
+    a new array."""
 
-    def __init__(self, blocks, IC, qtype, name="weight"):
+    def __init__(self, blocks, IC, qtype, name="weight", packed=None):
         self.qtype, self.name = qtype, name
         self._type = _quant_type(qtype)
         check_input_dim(name, (len(blocks), IC), qtype)
@@ -98,14 +100,20 @@ class QuantizedLinear:
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != row_bytes:
             raise ShapeError(f"{name}: blocks of {blocks.dtype} {blocks.shape}, expected uint8 "
                              f"[OC, {row_bytes}] for {qtype} with {IC} inputs")
-        self.packed = np.empty(blocks.shape, np.uint8)
+        if packed is None:
+            packed = np.empty(blocks.shape, np.uint8)
+        elif packed.dtype != np.uint8 or packed.shape != blocks.shape:
+            raise ShapeError(f"{name}: memory of {packed.dtype} {packed.shape} for its packed "
+                             f"blocks, expected uint8 {list(blocks.shape)}")
+        self.packed = packed
         K.quant_pack_rows(self.packed, np.ascontiguousarray(blocks), self._type)
         self._packed_pointer = ffi.from_buffer("uint8_t[]", self.packed)
         self.shape = (blocks.shape[0], IC)
 
     @classmethod
-    def quantize(cls, weight, qtype, name="weight"):
-        """The blocks of an fp32 weight [OC, IC], rounded as llama.cpp rounds."""
+    def quantize(cls, weight, qtype, name="weight", packed=None):
+        """The blocks of an fp32 weight [OC, IC], rounded as llama.cpp rounds
+        (held in ``packed``, as the constructor's)."""
         weight = np.ascontiguousarray(weight, dtype=np.float32)
         if weight.ndim != 2:
             raise ShapeError(f"{name} has shape {weight.shape}, expected [OC, IC]")
@@ -114,7 +122,7 @@ class QuantizedLinear:
         OC, IC = weight.shape
         blocks = np.empty((OC, IC // K.QUANT_BLOCK * K._BLOCK_BYTES[kind]), np.uint8)
         K.quantize_rows(blocks, weight, kind)
-        return cls(blocks, IC, qtype, name)
+        return cls(blocks, IC, qtype, name, packed)
 
     @property
     def nbytes(self):
@@ -158,11 +166,11 @@ class QuantizedLinear:
             # decoding calls the C function itself: _check and the line above
             # are the wrapper's checks, at a third of its ~14 us (a step makes
             # four or more calls a layer)
-            check(lib.matmul_forward_quant(
+            check(called(lib.matmul_forward_quant, (
                 ffi.from_buffer("float[]", out, require_writable=True),
                 ffi.from_buffer("float[]", rows), self._packed_pointer,
                 ffi.NULL if bias is None else ffi.from_buffer("float[]", bias),
-                len(rows), IC, OC, self._type), f"{self.name}: matmul_forward_quant")
+                len(rows), IC, OC, self._type)), f"{self.name}: matmul_forward_quant")
         else:   # the wrapper, for its errors
             K.matmul_forward_quant(out.reshape(-1, OC), rows, self.packed, bias, self._type)
 

@@ -121,12 +121,12 @@ from .adamw import adamw_step
 from .blocks import BLOCKS, LayerGrads, apply_norm, apply_norm_backward, drop, optional
 from .dropout import NO_DROPOUT, Dropout
 from .guard import ThreadGuard, held
-from .layout import (FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_dtypes, act_specs,
+from .layout import (ALIGN_BYTES, FROZEN_BF16, WHOLE_PARAMS, TensorGroup, act_dtypes, act_specs,
                      aligned_empty, aligned_zeros, checked_params, forward_only_acts,
                      grad_act_specs, num_parameters, param_specs)
 from .lora import Lora
 from .quantized import (QUANTIZED_EXPERTS, QUANTIZED_LINEARS, QuantizedExperts, QuantizedLinear,
-                        check_input_dim, check_weights_type)
+                        block_bytes, check_input_dim, check_weights_type)
 from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations, head_rows,
                        memory_plan, recomputes_fch, require_missing, reusable)
 
@@ -1030,11 +1030,32 @@ class Transformer:
         slots = {name: [None] * shapes[name](self.config)[0] for name in linears}
         slots.update(dict.fromkeys(tables))
         self._weights = QuantizedWeights(slots)
+        self._lay_out_quantized(qtype, shapes, tables)
         self._matmul_forward = _quantized_matmul
         self._matmul_backward = _quantized_matmul_backward
         self.quantized = qtype
         # a quantized base's activations: float32 (act_dtypes), also fch with recompute
         self._lay_out(self.recompute)
+
+    def _lay_out_quantized(self, qtype, shapes, tables):
+        """One buffer for every quantized weight's packed blocks, in the order
+        a decoding step reads them: like the float32 and bf16 parameters, an
+        allocation numpy asks Linux to back with huge pages (those of 4 MiB
+        or more), where a weight of its own is often smaller; ``_quantized_parts``
+        {(name, l): its [OC, row bytes] part}, each starting on ALIGN_BYTES."""
+        c, extents, total = self.config, {}, 0
+        # (an MoE model's expert stacks have buffers of their own)
+        layers = {name: shapes[name](c)[0] for name in QUANTIZED_LINEARS if name in shapes}
+        order = [(name, l) for l in range(c.L) for name in layers if l < layers[name]]
+        for name, l in order + [(name, None) for name in tables]:
+            OC, IC = shapes[name](c)[-2:]
+            # the embedding and an untied head at Q8_0
+            row_bytes = IC // K.QUANT_BLOCK * block_bytes(qtype if l is not None else "q8_0")
+            extents[name, l] = (total, OC, row_bytes)
+            total += -(-OC * row_bytes // ALIGN_BYTES) * ALIGN_BYTES
+        memory = aligned_empty(total, np.uint8, what=f"the {qtype} weights")
+        self._quantized_parts = {key: memory[start:start + OC * row_bytes].reshape(OC, row_bytes)
+                                 for key, (start, OC, row_bytes) in extents.items()}
 
     def _quantized_tables(self):
         """The embedding and an untied head: whole tensors held at Q8_0."""
@@ -1064,13 +1085,15 @@ class Transformer:
             padded[:len(values)] = values
             values = padded
         label = name if l is None else f"{name}[{l}]"
+        qtype, part = "q8_0" if l is None else self.quantized, self._quantized_parts[name, l]
         if not isinstance(values, QuantizedLinear):
-            values = QuantizedLinear.quantize(values, "q8_0" if l is None else self.quantized,
-                                              label)
+            values = QuantizedLinear.quantize(values, qtype, label, part)
         shape = dict(self.param_specs)[name](c)[0 if l is None else 1:]
         if values.shape != shape:
             raise ShapeError(f"{values.name}: quantized weight of shape {list(values.shape)}, "
                              f"expected {list(shape)} for {label}")
+        if values.packed is not part and values.qtype == qtype:   # given: into the buffer
+            values = QuantizedLinear(values.blocks, shape[1], values.qtype, values.name, part)
         self._weights.put(name, l, values)
 
     def _put_experts(self, name, l, values):
