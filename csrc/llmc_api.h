@@ -1094,13 +1094,17 @@ int moe_combine_backward(float* dexpert_out, float* dweights, const float* dout,
  *   inp, dinp    [R, C]      the grouped rows, (+=) or NULL (not wanted)
  *   weight       [E, OC, C]  (may be NULL when dinp is)
  *   dweight      [E, OC, C]  (+=) or NULL; an expert with no rows keeps its
+ *                            gradient (is zeroed if written)
  *   offsets      [E + 1]     int32 from moe_permute: 0, non-decreasing, R at
  *                            the end (else LLMC_ERR_RANGE)
+ *   written      0 or LLMC_WRITE_DWEIGHT: dweight written instead of added
+ *                into (bitwise the sum into zeros), as matmul_backward's
  */
 int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
                         int R, int C, int OC, int E);
 int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                         const float* weight, const int* offsets, int R, int C, int OC, int E);
+                         const float* weight, const int* offsets, int R, int C, int OC, int E,
+                         int written);
 
 /*
  * The same with bf16 weights [E, OC, C] and inp float32 or bf16 (inp_dtype,
@@ -1112,7 +1116,7 @@ int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight
                              const int* offsets, int R, int C, int OC, int E, int inp_dtype);
 int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
-                              int E, int inp_dtype);
+                              int E, int inp_dtype, int written);
 
 /* ---- lora_bf16.c -------------------------------------------------------------- */
 

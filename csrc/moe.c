@@ -475,11 +475,12 @@ static int bf16_few_rows_forward(float* out, const void* inp, int inp_bf16,
 }
 
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
-   forward starts its rows from 0), but for the forward of an expert with a
-   few rows where bf16_few_rows_forward takes it; the forward's inp,
-   dweight's w, bf16 if inp_bf16. */
+   forward starts its rows from 0, dweight too if write_c), but for the
+   forward of an expert with a few rows where bf16_few_rows_forward takes it;
+   the forward's inp, dweight's w, bf16 if inp_bf16. */
 static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* x,
-                     const void* w, int inp_bf16, const int* offsets, int C, int OC, int E) {
+                     const void* w, int inp_bf16, int write_c, const int* offsets, int C,
+                     int OC, int E) {
     const size_t inp_bytes = inp_bf16 ? 2 : 4;
     const int few_rows = llmc_bf16_few_rows_supported() ? LLMC_FEW_ROWS_BF16 : 0;
     int count = 0;
@@ -504,22 +505,40 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* 
                 .a = (const float*)x + (size_t)m0 * OC, .lda = (size_t)OC,
                 .a_kind = BF16_A_COLS, .b = (const char*)w + (size_t)m0 * C * inp_bytes,
                 .ldb = (size_t)C, .b_kind = inp_bf16 ? BF16_B_ROWS_W : BF16_B_ROWS_F32,
-                .M = OC, .N = C, .K = rows};
+                .init_zero = write_c, .M = OC, .N = C, .K = rows};
         }
     }
     return count;
 }
 
+/* Zeroes dweight[e] [OC, C] of the experts a written dweight's products do
+   not write: every expert's for the float32 products (which add), the ones
+   with no rows for the bf16 products (the others start from 0). */
+static void zero_unwritten_experts(int bf16, float* dweight, const int* offsets, int C, int OC,
+                                   int E) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < (int64_t)E * OC; r++) {
+        const int e = (int)(r / OC);
+        if (!bf16 || offsets[e + 1] == offsets[e]) {
+            memset(dweight + (size_t)r * C, 0, (size_t)C * sizeof(float));
+        }
+    }
+}
+
 /*
  * The grouped products of the experts with rows as one batch of jobs, with
  * float32 weights (f32_jobs) or bf16 ones (bf16_jobs): the forward into out,
- * or (out NULL) the backward's dinp and dweight, either of which may be NULL.
+ * or (out NULL) the backward's dinp and dweight, either of which may be NULL
+ * (dweight written if write_dweight, else added into).
  */
-static int grouped_products(int bf16, float* out, float* dinp, float* dweight, const void* inp,
-                            int inp_bf16, const float* dout, const void* weight,
+static int grouped_products(int bf16, float* out, float* dinp, float* dweight, int write_dweight,
+                            const void* inp, int inp_bf16, const float* dout, const void* weight,
                             const int* offsets, int R, int C, int OC, int E) {
     const int status = grouped_status(offsets, R, C, OC, E);
     LLMC_REQUIRE(status == LLMC_OK, status);
+    if (dweight != NULL && write_dweight) {
+        zero_unwritten_experts(bf16, dweight, offsets, C, OC, E);
+    }
     struct llmc_gemm_f32_job* f32 = bf16 ? NULL : malloc((size_t)2 * E * sizeof *f32);
     struct bf16_gemm* b16 = bf16 ? malloc((size_t)2 * E * sizeof *b16) : NULL;
     LLMC_REQUIRE(f32 != NULL || b16 != NULL, LLMC_ERR_NOMEM);
@@ -549,8 +568,9 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
         {PRODUCT_DWEIGHT, dweight, dout, inp}};
     for (int i = 0; i < 3; i++) {
         if (parts[i].c == NULL) { continue; }
+        const int write_c = parts[i].product == PRODUCT_DWEIGHT && write_dweight;
         count += bf16 ? bf16_jobs(b16 + count, parts[i].product, parts[i].c, parts[i].x,
-                                  parts[i].w, inp_bf16, offsets, C, OC, E)
+                                  parts[i].w, inp_bf16, write_c, offsets, C, OC, E)
                       : f32_jobs(f32 + count, parts[i].product, parts[i].c, parts[i].x,
                                  parts[i].w, offsets, C, OC, E);
     }
@@ -563,30 +583,34 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, c
 int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
                         int R, int C, int OC, int E) {
     LLMC_REQUIRE(LLMC_NONNULL4(out, inp, weight, offsets), LLMC_ERR_NULL);
-    return grouped_products(0, out, NULL, NULL, inp, 0, NULL, weight, offsets, R, C, OC, E);
+    return grouped_products(0, out, NULL, NULL, 0, inp, 0, NULL, weight, offsets, R, C, OC, E);
 }
 
 int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                         const float* weight, const int* offsets, int R, int C, int OC, int E) {
+                         const float* weight, const int* offsets, int R, int C, int OC, int E,
+                         int written) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    return grouped_products(0, NULL, dinp, dweight, inp, 0, dout, weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(written == 0 || written == LLMC_WRITE_DWEIGHT, LLMC_ERR_VALUE);
+    return grouped_products(0, NULL, dinp, dweight, written != 0, inp, 0, dout, weight, offsets,
+                            R, C, OC, E);
 }
 
 int moe_grouped_forward_bf16(float* out, const void* inp, const uint16_t* weight,
                              const int* offsets, int R, int C, int OC, int E, int inp_dtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, offsets) && weight != NULL, LLMC_ERR_NULL);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
-    return grouped_products(1, out, NULL, NULL, inp, inp_dtype == LLMC_DTYPE_BF16, NULL, weight,
-                            offsets, R, C, OC, E);
+    return grouped_products(1, out, NULL, NULL, 0, inp, inp_dtype == LLMC_DTYPE_BF16, NULL,
+                            weight, offsets, R, C, OC, E);
 }
 
 int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, const void* inp,
                               const uint16_t* weight, const int* offsets, int R, int C, int OC,
-                              int E, int inp_dtype) {
+                              int E, int inp_dtype, int written) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
-    return grouped_products(1, NULL, dinp, dweight, inp, inp_dtype == LLMC_DTYPE_BF16, dout,
-                            weight, offsets, R, C, OC, E);
+    LLMC_REQUIRE(written == 0 || written == LLMC_WRITE_DWEIGHT, LLMC_ERR_VALUE);
+    return grouped_products(1, NULL, dinp, dweight, written != 0, inp,
+                            inp_dtype == LLMC_DTYPE_BF16, dout, weight, offsets, R, C, OC, E);
 }

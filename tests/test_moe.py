@@ -299,6 +299,28 @@ def test_grouped_bf16_matches_reference(rng, use_isa, isa_name, counts, C, OC):
         assert np.array_equal(ours[name], value), name
 
 
+def written_dweight_is_the_sum_into_zeros(offsets, x, dout, w, bf16):
+    backward = K.moe_grouped_backward_bf16 if bf16 else K.moe_grouped_backward
+    into_zeros = np.zeros(w.shape, np.float32)
+    backward(None, into_zeros, dout, x, w, offsets)
+    written = np.full(w.shape, np.nan, np.float32)   # never read; an expert without rows zeroed
+    backward(None, written, dout, x, w, offsets, written=K.WRITE_DWEIGHT)
+    assert np.array_equal(written.view(np.uint32), into_zeros.view(np.uint32))
+
+
+@pytest.mark.parametrize("counts,C,OC", GROUPS)
+def test_grouped_written_dweight(rng, isa, counts, C, OC):
+    written_dweight_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC), bf16=False)
+
+
+@pytest.mark.parametrize("isa_name", ALL_ISAS)
+@pytest.mark.parametrize("counts,C,OC", GROUPS)
+def test_grouped_bf16_written_dweight(rng, use_isa, isa_name, counts, C, OC):
+    use_isa(isa_name)
+    written_dweight_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC, bf16=True),
+                                          bf16=True)
+
+
 @pytest.mark.parametrize("isa_name", ALL_ISAS)
 @pytest.mark.parametrize("counts,C,OC", [
     ([700], 40, 30),                   # one job: every thread's share a cut of its rows

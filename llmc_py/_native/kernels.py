@@ -589,9 +589,11 @@ moe_grouped_forward = _kernel(
 moe_grouped_backward = _kernel(
     "moe_grouped_backward",
     "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
-    " offsets[E+1] | R C OC E from inp, weight",
+    " offsets[E+1] | R C OC E from inp, weight | written:int=0",
     """dinp[R,C] (+=) dout . weight[e] on expert e's rows, dweight[E,OC,C] (+=)
-    dout_e^T . inp_e; either may be None (skipped).""")
+    dout_e^T . inp_e; either may be None (skipped). ``written`` WRITE_DWEIGHT:
+    dweight written instead (bitwise the sum into zeros; an expert with no
+    rows zeroed).""")
 
 moe_grouped_forward_bf16 = _kernel(
     "moe_grouped_forward_bf16",
@@ -603,9 +605,9 @@ moe_grouped_forward_bf16 = _kernel(
 moe_grouped_backward_bf16 = _kernel(
     "moe_grouped_backward_bf16",
     "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
-    " offsets[E+1] | R C OC E from inp, weight | dtype(inp)",
+    " offsets[E+1] | R C OC E from inp, weight | dtype(inp), written:int=0",
     """moe_grouped_backward with weight bf16 (uint16) and inp float32 or bf16:
-    bitwise matmul_backward_bf16's.""")
+    bitwise matmul_backward_bf16's (written as there).""")
 
 # ---- lora_bf16.c -------------------------------------------------------------------
 

@@ -379,6 +379,12 @@ class Block:
         self.act_backward(d.fch, d.fch_act, _slot(a.fch, i), written=True)
         self.linear_backward(dinp, d.fch, inp, "fc", i, dropout, write_dinp)
 
+    def _expert_grad(self, name, m):
+        """MoE layer m's gradient of the stack of experts ``name`` (None: it
+        has none) and the written flag its weight-gradient product takes."""
+        grad = self.model.base_grad(name, m)
+        return grad, (self.model.grad_written(name, m) if grad is not None else 0)
+
     def experts_backward(self, a, d, l, dinp, dout, inp):
         """experts() backward: from ``dout`` (B, T, C), d(inp) added into
         ``dinp`` through the experts and the router, whose logits' gradient
@@ -403,15 +409,17 @@ class Block:
                                weights, positions)
         dact = _rows(d.expert_narrow, R, c.expert_hidden)
         dact[...] = 0.0
-        grouped(dact, model.base_grad("expertprojw", m), dexpert_out, expert_act,
-                w.expertprojw[m], offsets)
+        dweight, written = self._expert_grad("expertprojw", m)
+        grouped(dact, dweight, dexpert_out, expert_act, w.expertprojw[m], offsets,
+                written=written)
         dfch = _rows(d.expert_wide, R, c.expert_fc_channels)
         dfch[...] = 0.0
         self.act_backward(dfch, dact, a.expert_fch[m])
         dgathered = _rows(d.expert_narrow, R, C)
         dgathered[...] = 0.0
-        grouped(dgathered, model.base_grad("expertfcw", m), dfch, a.expert_in,
-                w.expertfcw[m], offsets)
+        dweight, written = self._expert_grad("expertfcw", m)
+        grouped(dgathered, dweight, dfch, a.expert_in, w.expertfcw[m], offsets,
+                written=written)
         K.moe_gather_backward(dinp.reshape(N, C), dgathered, positions)
         d.router[...] = 0.0
         scale = model.loss_scale / c.num_moe_layers

@@ -132,8 +132,9 @@ from .planning import (HEAD_ROWS, PRECISIONS, RECOMPUTE_LEVELS, bf16_activations
 
 INIT_STD = 0.02
 # the weights whose gradient backward's first product into it writes (a dense
-# linear layer's weight-gradient GEMM): zero_grad leaves zeroing them to it
-FIRST_WRITTEN_GRADS = ("qkvw", "attprojw", "fcw", "fcprojw")
+# linear layer's or an MoE layer's stack of experts' weight-gradient GEMM):
+# zero_grad leaves zeroing them to it
+FIRST_WRITTEN_GRADS = ("qkvw", "attprojw", "fcw", "fcprojw", "expertfcw", "expertprojw")
 INIT_SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform")   # see Transformer.initialize
 # the weight matrices (2-D per layer): initialised from N(0, INIT_STD), and the
 # tensors weight decay is meant for; the rest start at 1 (norm weights) or 0.
@@ -862,10 +863,10 @@ class Transformer:
     @held
     def zero_grad(self):
         """Zeroes the gradients of what is trained (backward adds into them):
-        the parameters', or the adapters' (trained). The dense linear layers'
-        and the head's weight gradients are left to backward, whose first
-        product into each writes it (grad_written); model.grads zeroes those
-        it has not written when read before."""
+        the parameters', or the adapters' (trained). The dense linear layers',
+        the stacks of experts' and the head's weight gradients are left to
+        backward, whose first product into each writes it (grad_written);
+        model.grads zeroes those it has not written when read before."""
         if self.lora is not None:
             self.lora.grads.zero()
             return
