@@ -1,6 +1,7 @@
-"""zero_grad leaves the dense linear layers' and the head's weight gradients
-to backward, whose first product into each writes it (matmul_backward's
-`written`), and backward writes its activation gradients' first products
+"""zero_grad leaves the dense linear layers', the stacks of experts' and the
+head's weight gradients to backward, whose first product into each writes it
+(matmul_backward's and moe_grouped_backward's `written`; an expert given no
+token zeroed), and backward writes its activation gradients' first products
 instead of zeroing them: the gradients stay bitwise those of a backward adding
 into zeroed buffers, whatever the memory held, and model.grads read before a
 backward is zero."""
@@ -22,7 +23,16 @@ MODELS = {
        for name in ("llama", "mqa-untied-bias", "post-rope-qknorm", "parallel-gptj",
                     "relu-layernorm-bias", "geglu")},
     "moe-every2": lambda: make_llama(moe_config("every2-dense-and-moe"), seed=5),
+    # a zero router ties every expert: the first k take every token, the rest none
+    "moe-k1-one-expert": lambda: routed_to_the_first(moe_config("e3-k1-no-aux")),
+    "moe-k2-idle-experts": lambda: routed_to_the_first(moe_config("e8-k2")),
 }
+
+
+def routed_to_the_first(config):
+    model = make_llama(config, seed=5)
+    model.params.routerw[...] = 0.0
+    return model
 
 
 def twin(model, precision):
@@ -80,3 +90,10 @@ def test_grads_read_after_zero_grad_are_zero(precision):
     assert not model._unwritten
     zero_grad_over_garbage(model)
     assert not np.any(model.grads.memory)
+
+
+def test_zero_grad_leaves_the_stacks_of_experts_to_backward():
+    model = MODELS["moe-k2-idle-experts"]()
+    zero_grad_over_garbage(model)
+    assert {("expertfcw", 0), ("expertprojw", 0)} <= model._unwritten
+    assert np.isnan(model._grad_tensors().expertfcw).all()   # not filled by zero_grad
