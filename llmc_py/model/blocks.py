@@ -413,8 +413,7 @@ class Block:
         grouped(dact, dweight, dexpert_out, expert_act, w.expertprojw[m], offsets,
                 written=written)
         dfch = _rows(d.expert_wide, R, c.expert_fc_channels)
-        dfch[...] = 0.0
-        self.act_backward(dfch, dact, a.expert_fch[m])
+        self.act_backward(dfch, dact, a.expert_fch[m], written=True)
         dgathered = _rows(d.expert_narrow, R, C)
         dgathered[...] = 0.0
         dweight, written = self._expert_grad("expertfcw", m)
