@@ -1097,8 +1097,9 @@ int moe_combine_backward(float* dexpert_out, float* dweights, const float* dout,
  *                            gradient (is zeroed if written)
  *   offsets      [E + 1]     int32 from moe_permute: 0, non-decreasing, R at
  *                            the end (else LLMC_ERR_RANGE)
- *   written      0 or LLMC_WRITE_DWEIGHT: dweight written instead of added
- *                into (bitwise the sum into zeros), as matmul_backward's
+ *   written      LLMC_WRITE_DINP | LLMC_WRITE_DWEIGHT, or 0: those outputs
+ *                written instead (bitwise the sum into zeros), as
+ *                matmul_backward's
  */
 int moe_grouped_forward(float* out, const float* inp, const float* weight, const int* offsets,
                         int R, int C, int OC, int E);

@@ -475,7 +475,7 @@ static int bf16_few_rows_forward(float* out, const void* inp, int inp_bf16,
 }
 
 /* f32_jobs' products with bf16 weights, as llmc_gemm_bf16_many jobs (the
-   forward starts its rows from 0, dweight too if write_c), but for the
+   forward starts its rows from 0, dinp and dweight too if write_c), but for the
    forward of an expert with a few rows where bf16_few_rows_forward takes it;
    the forward's inp, dweight's w, bf16 if inp_bf16. */
 static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* x,
@@ -498,7 +498,7 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* 
             jobs[count++] = (struct bf16_gemm){
                 .c = c + (size_t)m0 * C, .ldc = (size_t)C, .a = (const float*)x + (size_t)m0 * OC,
                 .lda = (size_t)OC, .a_kind = BF16_A_ROWS, .b = w_e, .ldb = (size_t)C,
-                .b_kind = BF16_B_ROWS_W, .M = rows, .N = C, .K = OC};
+                .b_kind = BF16_B_ROWS_W, .init_zero = write_c, .M = rows, .N = C, .K = OC};
         } else {   // w is the forward's inp
             jobs[count++] = (struct bf16_gemm){
                 .c = c + (size_t)e * OC * C, .ldc = (size_t)C,
@@ -511,16 +511,12 @@ static int bf16_jobs(struct bf16_gemm* jobs, int product, float* c, const void* 
     return count;
 }
 
-/* Zeroes dweight[e] [OC, C] of the experts a written dweight's products do
-   not write: every expert's for the float32 products (which add), the ones
-   with no rows for the bf16 products (the others start from 0). */
-static void zero_unwritten_experts(int bf16, float* dweight, const int* offsets, int C, int OC,
-                                   int E) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < (int64_t)E * OC; r++) {
-        const int e = (int)(r / OC);
-        if (!bf16 || offsets[e + 1] == offsets[e]) {
-            memset(dweight + (size_t)r * C, 0, (size_t)C * sizeof(float));
+/* Zeroes dweight[e] [OC, C] of the experts with no rows, which no bf16 job
+   writes. */
+static void zero_experts_without_rows(float* dweight, const int* offsets, int C, int OC, int E) {
+    for (int e = 0; e < E; e++) {
+        if (offsets[e + 1] == offsets[e]) {
+            memset(dweight + (size_t)e * OC * C, 0, (size_t)OC * C * sizeof(float));
         }
     }
 }
@@ -529,15 +525,17 @@ static void zero_unwritten_experts(int bf16, float* dweight, const int* offsets,
  * The grouped products of the experts with rows as one batch of jobs, with
  * float32 weights (f32_jobs) or bf16 ones (bf16_jobs): the forward into out,
  * or (out NULL) the backward's dinp and dweight, either of which may be NULL
- * (dweight written if write_dweight, else added into).
+ * (written as matmul_backward's `written` asks, else added into).
  */
-static int grouped_products(int bf16, float* out, float* dinp, float* dweight, int write_dweight,
+static int grouped_products(int bf16, float* out, float* dinp, float* dweight, int written,
                             const void* inp, int inp_bf16, const float* dout, const void* weight,
                             const int* offsets, int R, int C, int OC, int E) {
     const int status = grouped_status(offsets, R, C, OC, E);
     LLMC_REQUIRE(status == LLMC_OK, status);
-    if (dweight != NULL && write_dweight) {
-        zero_unwritten_experts(bf16, dweight, offsets, C, OC, E);
+    if (!bf16) {   // the float32 products add: into zeros where written
+        llmc_zero_written(dinp, dweight, written, R, C, E * OC);
+    } else if (dweight != NULL && (written & LLMC_WRITE_DWEIGHT)) {
+        zero_experts_without_rows(dweight, offsets, C, OC, E);
     }
     struct llmc_gemm_f32_job* f32 = bf16 ? NULL : malloc((size_t)2 * E * sizeof *f32);
     struct bf16_gemm* b16 = bf16 ? malloc((size_t)2 * E * sizeof *b16) : NULL;
@@ -568,7 +566,9 @@ static int grouped_products(int bf16, float* out, float* dinp, float* dweight, i
         {PRODUCT_DWEIGHT, dweight, dout, inp}};
     for (int i = 0; i < 3; i++) {
         if (parts[i].c == NULL) { continue; }
-        const int write_c = parts[i].product == PRODUCT_DWEIGHT && write_dweight;
+        const int write_c = (parts[i].product == PRODUCT_DINP && (written & LLMC_WRITE_DINP))
+                            || (parts[i].product == PRODUCT_DWEIGHT
+                                && (written & LLMC_WRITE_DWEIGHT));
         count += bf16 ? bf16_jobs(b16 + count, parts[i].product, parts[i].c, parts[i].x,
                                   parts[i].w, inp_bf16, write_c, offsets, C, OC, E)
                       : f32_jobs(f32 + count, parts[i].product, parts[i].c, parts[i].x,
@@ -591,8 +591,8 @@ int moe_grouped_backward(float* dinp, float* dweight, const float* dout, const f
                          int written) {
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
-    LLMC_REQUIRE(written == 0 || written == LLMC_WRITE_DWEIGHT, LLMC_ERR_VALUE);
-    return grouped_products(0, NULL, dinp, dweight, written != 0, inp, 0, dout, weight, offsets,
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
+    return grouped_products(0, NULL, dinp, dweight, written, inp, 0, dout, weight, offsets,
                             R, C, OC, E);
 }
 
@@ -610,7 +610,7 @@ int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, co
     LLMC_REQUIRE(dout != NULL && offsets != NULL && (dinp == NULL || weight != NULL)
                  && (dweight == NULL || inp != NULL), LLMC_ERR_NULL);
     LLMC_REQUIRE(inp_dtype == LLMC_DTYPE_F32 || inp_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
-    LLMC_REQUIRE(written == 0 || written == LLMC_WRITE_DWEIGHT, LLMC_ERR_VALUE);
-    return grouped_products(1, NULL, dinp, dweight, written != 0, inp,
+    LLMC_REQUIRE(llmc_written_ok(written), LLMC_ERR_VALUE);
+    return grouped_products(1, NULL, dinp, dweight, written, inp,
                             inp_dtype == LLMC_DTYPE_BF16, dout, weight, offsets, R, C, OC, E);
 }

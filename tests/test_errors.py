@@ -96,10 +96,10 @@ _ROUTE_BACKWARD = dict(_ROUTE, optional=frozenset({"dweights", "fractions"}),
                        bad=_ROUTE["bad"] + (({"aux_coef": float("nan")}, "LLMC_ERR_VALUE"),
                                             ({"z_coef": float("inf")}, "LLMC_ERR_VALUE")))
 _GROUPED = dict(fill={"offsets": (0, 1)}, bad=(({"R": 2}, "LLMC_ERR_RANGE"),))
-# written: 0 or LLMC_WRITE_DWEIGHT (2), dinp is always added into
+# written: LLMC_WRITE_DINP | LLMC_WRITE_DWEIGHT (3) or less
 _GROUPED_BACKWARD = dict(_GROUPED, optional=frozenset({"dinp", "dweight"}),
-                         not_sizes=frozenset({"written"}), valid={"written": 2},
-                         bad=_GROUPED["bad"] + (({"written": 1}, "LLMC_ERR_VALUE"),
+                         not_sizes=frozenset({"written"}),
+                         bad=_GROUPED["bad"] + (({"written": 4}, "LLMC_ERR_VALUE"),
                                                 ({"written": -1}, "LLMC_ERR_VALUE")))
 # on quantized experts: few_rows is a threshold (0: every expert on the panel path)
 _GROUPED_QUANT = dict(_QUANT, fill=_GROUPED["fill"],

@@ -299,26 +299,31 @@ def test_grouped_bf16_matches_reference(rng, use_isa, isa_name, counts, C, OC):
         assert np.array_equal(ours[name], value), name
 
 
-def written_dweight_is_the_sum_into_zeros(offsets, x, dout, w, bf16):
+def written_is_the_sum_into_zeros(offsets, x, dout, w, bf16):
     backward = K.moe_grouped_backward_bf16 if bf16 else K.moe_grouped_backward
-    into_zeros = np.zeros(w.shape, np.float32)
-    backward(None, into_zeros, dout, x, w, offsets)
-    written = np.full(w.shape, np.nan, np.float32)   # never read; an expert without rows zeroed
-    backward(None, written, dout, x, w, offsets, written=K.WRITE_DWEIGHT)
-    assert np.array_equal(written.view(np.uint32), into_zeros.view(np.uint32))
+    for flags in (K.WRITE_DINP, K.WRITE_DWEIGHT, K.WRITE_DINP | K.WRITE_DWEIGHT):
+        into_zeros = {"dinp": np.zeros(x.shape, np.float32),
+                      "dweight": np.zeros(w.shape, np.float32)}
+        backward(into_zeros["dinp"], into_zeros["dweight"], dout, x, w, offsets)
+        # what is written is never read (an expert without rows zeroed), the rest added into
+        ours = {name: np.full(a.shape, np.nan if flags & flag else 0.0, np.float32)
+                for (name, a), flag in zip(into_zeros.items(), (K.WRITE_DINP, K.WRITE_DWEIGHT))}
+        backward(ours["dinp"], ours["dweight"], dout, x, w, offsets, written=flags)
+        for name, a in into_zeros.items():
+            assert np.array_equal(ours[name].view(np.uint32), a.view(np.uint32)), (name, flags)
 
 
 @pytest.mark.parametrize("counts,C,OC", GROUPS)
-def test_grouped_written_dweight(rng, isa, counts, C, OC):
-    written_dweight_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC), bf16=False)
+def test_grouped_written(rng, isa, counts, C, OC):
+    written_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC), bf16=False)
 
 
 @pytest.mark.parametrize("isa_name", ALL_ISAS)
 @pytest.mark.parametrize("counts,C,OC", GROUPS)
-def test_grouped_bf16_written_dweight(rng, use_isa, isa_name, counts, C, OC):
+def test_grouped_bf16_written(rng, use_isa, isa_name, counts, C, OC):
     use_isa(isa_name)
-    written_dweight_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC, bf16=True),
-                                          bf16=True)
+    written_is_the_sum_into_zeros(*grouped_operands(rng, counts, C, OC, bf16=True),
+                                  bf16=True)
 
 
 @pytest.mark.parametrize("isa_name", ALL_ISAS)

@@ -591,9 +591,9 @@ moe_grouped_backward = _kernel(
     "dinp[R,C] += or None, dweight[E,OC,C] += or None, dout[R,OC], inp[R,C], weight[E,OC,C],"
     " offsets[E+1] | R C OC E from inp, weight | written:int=0",
     """dinp[R,C] (+=) dout . weight[e] on expert e's rows, dweight[E,OC,C] (+=)
-    dout_e^T . inp_e; either may be None (skipped). ``written`` WRITE_DWEIGHT:
-    dweight written instead (bitwise the sum into zeros; an expert with no
-    rows zeroed).""")
+    dout_e^T . inp_e; either may be None (skipped). ``written`` WRITE_DINP |
+    WRITE_DWEIGHT: those written instead (bitwise the sum into zeros; an
+    expert with no rows zeroed).""")
 
 moe_grouped_forward_bf16 = _kernel(
     "moe_grouped_forward_bf16",

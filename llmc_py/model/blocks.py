@@ -408,17 +408,15 @@ class Block:
         K.moe_combine_backward(dexpert_out, dweights, dout.reshape(N, C), a.expert_out[m],
                                weights, positions)
         dact = _rows(d.expert_narrow, R, c.expert_hidden)
-        dact[...] = 0.0
         dweight, written = self._expert_grad("expertprojw", m)
         grouped(dact, dweight, dexpert_out, expert_act, w.expertprojw[m], offsets,
-                written=written)
+                written=K.WRITE_DINP | written)
         dfch = _rows(d.expert_wide, R, c.expert_fc_channels)
         self.act_backward(dfch, dact, a.expert_fch[m], written=True)
         dgathered = _rows(d.expert_narrow, R, C)
-        dgathered[...] = 0.0
         dweight, written = self._expert_grad("expertfcw", m)
         grouped(dgathered, dweight, dfch, a.expert_in, w.expertfcw[m], offsets,
-                written=written)
+                written=K.WRITE_DINP | written)
         K.moe_gather_backward(dinp.reshape(N, C), dgathered, positions)
         d.router[...] = 0.0
         scale = model.loss_scale / c.num_moe_layers
