@@ -493,9 +493,7 @@ def test_attention_forward_builds_panels_where_a_share_starts_inside_a_kv_group(
 
     set_threads(1)
     expected = run(qkv)
-    set_threads(4)
-    if llmc_py.get_num_threads() != 4:
-        pytest.skip("no OpenMP")
+    set_threads(4)   # without OpenMP one thread: its share is every head, the reuse across all
     run(other)
     for want, got in zip(expected, run(qkv)):
         assert np.array_equal(want, got)

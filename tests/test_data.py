@@ -395,7 +395,10 @@ def test_cli_text_end_to_end_with_gpt2(tmp_path):
 # a preparation in a child process whose token-file writes hang in fsync,
 # after the temporary file is made and filled, until a signal comes
 HANGING_PREPARATION = """
-import os, sys, time
+import os, signal, sys, time
+# SIGINT as an interactive Python has it, even where the test runs in a
+# background job that inherited it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from data_helpers import tiny_encoding
 import llmc_py.tokenizer as tok

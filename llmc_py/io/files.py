@@ -2,9 +2,9 @@
 binary file here (llm.c's and ours) starts with, its checksum slots, and bf16
 numbers as files store them."""
 import os
+import random
 import re
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -30,6 +30,8 @@ INT32_MAX = 2**31 - 1
 CHECKSUM_MARKER_SLOT = 254
 CHECKSUM_SLOT = 255
 CHECKSUM_MARKER = 20261125
+# the random part of a temporary file's name (remove_temporaries knows it)
+NAME_CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 
 
 def read_header(path, what, error=CheckpointError):
@@ -136,10 +138,9 @@ def atomic_write(path, chunks, checksummed=False):
     chunks are written and put in its slot last, so nothing is read back."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
-    tmp = None
+    made = []
     try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-        os.chmod(tmp, 0o666 & ~_umask())   # mkstemp makes it 0600; give a normal file's mode
+        fd = open_temporary(path, made)
         with os.fdopen(fd, "wb") as f:
             crc = 0
             for i, chunk in enumerate(chunks):
@@ -156,13 +157,10 @@ def atomic_write(path, chunks, checksummed=False):
                 f.write(struct.pack("<I", crc))
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(made[0], path)
     except BaseException as e:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+        for tmp in made:
+            Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError) and not isinstance(e, WriteError):
             raise WriteError(e.errno, f"{path}: cannot write ({e.strerror or e})") from e
         raise
@@ -178,6 +176,21 @@ def atomic_write(path, chunks, checksummed=False):
         os.close(dir_fd)
 
 
+def open_temporary(path, made):
+    """Creates atomic_write's temporary file for ``path`` beside it
+    (".NAME.<8 random characters>.tmp", a normal file's mode) and returns
+    its descriptor; its name is appended to ``made`` before the file exists,
+    so that a signal raised anywhere after (Ctrl-C, SIGTERM) still finds it
+    to remove."""
+    folder = path.parent if str(path.parent) else Path(".")
+    while True:
+        made.append(folder / f".{path.name}.{''.join(random.choices(NAME_CHARACTERS, k=8))}.tmp")
+        try:
+            return os.open(made[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            made.pop()   # another writer's
+
+
 def remove_temporaries(folder, names):
     """Deletes atomic_write's temporary files for the files ``names`` in
     ``folder`` (".NAME.<mkstemp's 8 characters>.tmp"), which stay behind only
@@ -187,9 +200,3 @@ def remove_temporaries(folder, names):
     for path in stale:
         path.unlink(missing_ok=True)
     return len(stale)
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -55,7 +55,6 @@ keeps the head of a Q4_0 model in it); other types are refused by name.
 """
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,6 +62,7 @@ import numpy as np
 
 from ..config import MODEL_FIELDS, REQUIRED, GPT2_CHOICES, GPT2Config, LlamaConfig, padded_vocab
 from ..errors import CheckpointError, ShapeError, UnsupportedError, WriteError
+from .files import open_temporary
 from .hf import (FAMILIES, _tensor_map, architecture, hf_names, hf_tensors, our_tensors,
                  params_from_tensors)
 from .rope_layout import half_split_to_interleaved, interleaved_to_half_split
@@ -487,11 +487,10 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
     vocab = _fit_vocab(tokenizer_vocab(tokenizer), config.vocab_size, source or "tokenizer")
     hf = _stacked_tensors(config, hf_tensors(config, params))
     path = Path(path)
-    tmp = None
+    made = []
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                                   prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
+        os.close(open_temporary(path, made))
+        tmp = str(made[0])
         head = "token_embd.weight" if config.tied_embeddings else "output.weight"
         writer = gguf.GGUFWriter(tmp, arch)
         _add_metadata(gguf, writer, metadata, dtype)
@@ -513,8 +512,8 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
         writer.close()
         os.replace(tmp, path)
     except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in made:
+            tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
             raise WriteError(e.errno, f"{path}: cannot write ({e.strerror or e})") from e
         raise
