@@ -88,6 +88,7 @@
  *                      whole of att [B, NH, T, T], the reference the tests
  *                      and the benchmark check the tiled kernels against
  */
+#include <string.h>
 #include "llmc.h"
 #include "common.h"
 #include "dropout.h"
@@ -231,13 +232,16 @@ static int backward_block_rows(int T) { return T < BACKWARD_ROWS ? T : BACKWARD_
    sums read keys from k_block (the first block key of its first row) on:
    a row's P and dS before its own first key are set to 0. With dropout
    (drop at the (b, h)), dP is d(P M / (1 - p)) through the mask, and p then
-   holds P M / (1 - p), what the forward summed v with, for dv. */
+   holds P M / (1 - p), what the forward summed v with, for dv. written:
+   dq's rows are written (each row's one sum starts from 0, as it would
+   from a zeroed dq). */
 static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
                                         const float* stats_bh, const float* q,
                                         const float* dout_h, size_t C, const float* kpanel,
                                         const float* vpanel, const float* k, size_t row, int T,
                                         int hs, float slope, float scale, int window,
-                                        llmc_dropout drop, int k_block, int t0, int t, int R) {
+                                        llmc_dropout drop, int written, int k_block, int t0,
+                                        int t, int R) {
     float* p_t = p + (size_t)(t - t0) * T;
     float* ds_t = ds + (size_t)(t - t0) * T;
     const int k_first = first_block_key(t, window);
@@ -266,7 +270,8 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
         const int lo = first_key(t + r, window);
-        rows_tile(dq + (size_t)(t + r) * row, row, 1, ds_t + (size_t)r * T + lo, (size_t)T,
+        rows_tile(dq + (size_t)(t + r) * row, row, !written, ds_t + (size_t)r * T + lo,
+                  (size_t)T,
                   k + (size_t)lo * row, row, R_dq, t + r + 1 - lo, hs);
     }
 }
@@ -290,6 +295,12 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     const float* k = inp_b + k_head;
     LLMC_ISA_SELECT(isa, build_panel)(kpanel, k, row, T, hs, scale);
     LLMC_ISA_SELECT(isa, build_panel)(vpanel, inp_b + v_head, row, T, hs, 1.0f);
+    if (a->written) {   // dk and dv gather over blocks and heads: their sums start from 0
+        for (int t = 0; t < T; t++) {
+            memset(dinp_b + (size_t)t * row + k_head, 0, (size_t)hs * sizeof(float));
+            memset(dinp_b + (size_t)t * row + v_head, 0, (size_t)hs * sizeof(float));
+        }
+    }
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
         const backward_head hd = backward_head_of(a, b, h);
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
@@ -299,13 +310,14 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
             for (; t + SCORE_ROWS <= t1; t += SCORE_ROWS) {
                 prefetch_backward(a, nb, ng, h - g * kv_mul, t, SCORE_ROWS);
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
-                              row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t,
-                              SCORE_ROWS);
+                              row, T, hs, hd.slope, scale, window, hd.drop, a->written, k_block,
+                              t0, t, SCORE_ROWS);
             }
             prefetch_backward(a, nb, ng, h - g * kv_mul, t, t1 - t);
             for (; t < t1; t++) {
                 backward_rows(isa, hd.dq, p, ds, hd.stats, hd.q, hd.dout, C, kpanel, vpanel, k,
-                              row, T, hs, hd.slope, scale, window, hd.drop, k_block, t0, t, 1);
+                              row, T, hs, hd.slope, scale, window, hd.drop, a->written, k_block,
+                              t0, t, 1);
             }
             // dk += dS^T q and dv += P^T dO over the block's rows, for every
             // key from the block's first (a multiple of 16, so no tile
@@ -331,8 +343,10 @@ LLMC_ISA_VARIANTS_ISA(backward_group,
                       a, b, g, nb, ng, scratch)
 
 /* The backward core; sizes already checked. */
-static int gqa_backward(float* dinp, const float* dout, const float* stats, attention_call a) {
+static int gqa_backward(float* dinp, const float* dout, const float* stats, int written,
+                        attention_call a) {
     a.out = dinp;
+    a.written = written;
     a.dout = dout;
     a.stats = stats;
     // per thread: a key panel, a panel of v, then a block of P and one of dS
@@ -351,12 +365,14 @@ int attention_forward(float* out, float* stats, const float* inp,
 }
 
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                       int B, int T, int C, int NH) {
+                       int B, int T, int C, int NH, int written) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0 && NH > 0 && C % NH == 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, 3, C) && llmc_count_fits(B, NH, T, 2), LLMC_ERR_SHAPE);
-    return gqa_backward(dinp, dout, stats, attention_call_of(inp, NULL, B, T, NH, NH, C / NH, 0,
-                                                             llmc_dropout_of(0.0f, 0)));
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
+    return gqa_backward(dinp, dout, stats, written,
+                        attention_call_of(inp, NULL, B, T, NH, NH, C / NH, 0,
+                                          llmc_dropout_of(0.0f, 0)));
 }
 
 int attention_gqa_forward(float* out, float* stats, const float* inp, const float* slopes,
@@ -371,11 +387,12 @@ int attention_gqa_forward(float* out, float* stats, const float* inp, const floa
 
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
-                           int window, float dropout, uint64_t seed) {
+                           int window, float dropout, uint64_t seed, int written) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
-    return gqa_backward(dinp, dout, stats,
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
+    return gqa_backward(dinp, dout, stats, written,
                         attention_call_of(inp, slopes, B, T, NH, NKV, hs, window,
                                           llmc_dropout_of(dropout, seed)));
 }

@@ -61,6 +61,7 @@ typedef struct {
     const float* slopes;   /* or NULL: no bias */
     int B, T, NH, NKV, hs, window;
     llmc_dropout drop;     /* p = 0 unless the forward or backward drops */
+    int written;           /* the backward writes dinp instead of adding to it */
     size_t C;              /* NH hs: a row of q heads, of out and of dout */
     size_t row;            /* (NH + 2 NKV) hs: a row of inp */
     int kv_mul;            /* query heads per kv head */

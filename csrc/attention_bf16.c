@@ -506,9 +506,10 @@ static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const u
 }
 
 /* dst[t][c] += src[c][t] for t < n, c < hs (rows of dst ldd floats apart,
-   of src lds), 16 x 16 blocks at a time. */
+   of src lds), 16 x 16 blocks at a time; written: dst[t][c] = 0 + src[c][t]
+   (the sign of a zero as in the sum into zeros), dst not read. */
 static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* src, size_t lds,
-                                         int n, int hs) {
+                                         int n, int hs, int written) {
     for (int t0 = 0; t0 < n; t0 += 16) {
         for (int c0 = 0; c0 < hs; c0 += 16) {
             const int nc = hs - c0 < 16 ? hs - c0 : 16, nt = n - t0 < 16 ? n - t0 : 16;
@@ -519,7 +520,8 @@ static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* sr
             llmc_transpose16(r);   // r[j] lane cc: src[c0 + cc][t0 + j]
             for (int j = 0; j < nt; j++) {
                 float* d = dst + (size_t)(t0 + j) * ldd + c0;
-                store_part(d, load_part(d, nc) + r[j], nc);
+                const vec16f before = written ? (vec16f){0} : load_part(d, nc);
+                store_part(d, before + r[j], nc);
             }
         }
     }
@@ -527,8 +529,9 @@ static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* sr
 
 /* The backward of one (b, kv head g): its query heads in order, each in
    blocks of BACKWARD_ROWS rows; per tile of rows, P (recomputed), dP, dS and
-   dq as in attention.c; per block, dk^T and dv^T from its row pairs; at the
-   end, dk and dv added to dinp. */
+   dq as in attention.c (each row's dq one sum, from 0 when written); per
+   block, dk^T and dv^T from its row pairs; at the end, dk and dv added to
+   dinp (written into it when written). */
 static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, int b, int g,
                                               int nb, int ng, float* scratch) {
     const int T = a->T, hs = a->hs, window = a->window, kv_mul = a->kv_mul;
@@ -595,7 +598,7 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
-                    value_rows(isa, hd.dq + (size_t)(t + r) * row, row, 1,
+                    value_rows(isa, hd.dq + (size_t)(t + r) * row, row, !a->written,
                                w.dsrows + (size_t)(t - t0 + r) * ldrow, ldrow, w.kvalues,
                                (size_t)z.hsv, nr, first_pair(t + r, window),
                                end_pair(t + r + nr - 1), hs);
@@ -625,8 +628,8 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                             k_block, k_end, hs);
         }
     }
-    add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs);
-    add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs);
+    add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs, a->written);
+    add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs, a->written);
 }
 LLMC_ISA_VARIANTS_BF16(backward_group,
                        (const attention_call* a, int b, int g, int nb, int ng, float* scratch),
@@ -648,13 +651,16 @@ int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const
 
 int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp,
                                 const float* stats, const float* slopes, int B, int T, int NH,
-                                int NKV, int hs, int window, float dropout, uint64_t seed) {
+                                int NKV, int hs, int window, float dropout, uint64_t seed,
+                                int written) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, stats), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     attention_call a = attention_call_of(inp, slopes, B, T, NH, NKV, hs, window,
                                          llmc_dropout_of(dropout, seed));
     a.out = dinp;
+    a.written = written;
     a.dout = dout;
     a.stats = stats;
     return llmc_attention_heads(&a, NKV, carve(&(bf16_backward_scratch){0}, NULL, T, hs),

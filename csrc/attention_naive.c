@@ -11,6 +11,7 @@
  * entropies from a whole att by libm's logf, twins attention_gqa_entropy.
  * All are the same everywhere (no per-ISA build).
  */
+#include <string.h>
 #include "llmc.h"
 #include "common.h"
 #include "dropout.h"
@@ -78,10 +79,11 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
 
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
                              int B, int T, int NH, int NKV, int hs, int window, float dropout,
-                             uint64_t seed) {
+                             uint64_t seed, int written) {
     LLMC_REQUIRE(LLMC_NONNULL4(dinp, dout, inp, att), LLMC_ERR_NULL);
     LLMC_REQUIRE(gqa_att_sizes_ok(B, T, NH, NKV, hs, window), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_dropout_valid(dropout), LLMC_ERR_VALUE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const llmc_dropout drop = llmc_dropout_of(dropout, seed);
     const size_t C = (size_t)NH * hs, row = ((size_t)NH + 2 * (size_t)NKV) * hs;
     const int kv_mul = NH / NKV;
@@ -95,6 +97,14 @@ int attention_backward_naive(float* dinp, const float* dout, const float* inp, c
             const float* inp_b = inp + (size_t)b * T * row;
             float* dinp_b = dinp + (size_t)b * T * row;
             const size_t k_off = C + (size_t)g * hs, v_off = k_off + (size_t)NKV * hs;
+            if (written) {   // this (b, g)'s dq, dk and dv, summed into from 0
+                for (int t = 0; t < T; t++) {
+                    float* drow = dinp_b + (size_t)t * row;
+                    memset(drow + (size_t)g * kv_mul * hs, 0, (size_t)kv_mul * hs * sizeof(float));
+                    memset(drow + k_off, 0, (size_t)hs * sizeof(float));
+                    memset(drow + v_off, 0, (size_t)hs * sizeof(float));
+                }
+            }
             for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
                 for (int t = 0; t < T; t++) {
                     const float* att_bth = att + (((size_t)b * NH + h) * T + t) * T;

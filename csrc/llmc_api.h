@@ -505,13 +505,15 @@ int attention_forward(float* out, float* stats, const float* inp,
 /*
  * attention_backward: gradients of attention_forward.
  *
- *   dinp  [B, T, 3C]      (+=) dq, dk, dv side by side
- *   dout  [B, T, C]
- *   inp   [B, T, 3C]      forward input
- *   stats [B, NH, T, 2]   saved by attention_forward
+ *   dinp    [B, T, 3C]      (+=) dq, dk, dv side by side
+ *   dout    [B, T, C]
+ *   inp     [B, T, 3C]      forward input
+ *   stats   [B, NH, T, 2]   saved by attention_forward
+ *   written 1: dinp is written instead (bitwise the sum into a zeroed dinp,
+ *           the sign of a zero included; its values are never read), 0: +=
  */
 int attention_backward(float* dinp, const float* dout, const float* inp, const float* stats,
-                       int B, int T, int C, int NH);
+                       int B, int T, int C, int NH, int written);
 
 /*
  * attention_gqa_forward: causal grouped-query attention over packed q, k, v
@@ -553,10 +555,11 @@ int attention_gqa_forward(float* out, float* stats, const float* inp, const floa
  *   stats  [B, NH, T, 2]            saved by attention_gqa_forward
  *   slopes [NH] the forward's, or NULL
  *   window, dropout, seed  the forward's
+ *   written 1: dinp written, not added into (as attention_backward's), or 0
  */
 int attention_gqa_backward(float* dinp, const float* dout, const float* inp, const float* stats,
                            const float* slopes, int B, int T, int NH, int NKV, int hs,
-                           int window, float dropout, uint64_t seed);
+                           int window, float dropout, uint64_t seed, int written);
 
 /* ---- attention_bf16.c --------------------------------------------------- */
 
@@ -578,10 +581,12 @@ int attention_gqa_forward_bf16(float* out, float* stats, const float* inp, const
  * (attention_gqa_backward's arrays), P recomputed bitwise from stats:
  *   dP = bf16(dout) . bf16(v)    dS = P (dP - sum_t2 P dP) / sqrt(hs)  (float32)
  *   dq += bf16(dS) bf16(k)   dk += bf16(dS)^T bf16(q)   dv += bf16(P)^T bf16(dout)
+ * written as attention_gqa_backward's.
  */
 int attention_gqa_backward_bf16(float* dinp, const float* dout, const float* inp,
                                 const float* stats, const float* slopes, int B, int T, int NH,
-                                int NKV, int hs, int window, float dropout, uint64_t seed);
+                                int NKV, int hs, int window, float dropout, uint64_t seed,
+                                int written);
 
 /* ---- attention_probs.c -------------------------------------------------- */
 
@@ -634,7 +639,7 @@ int attention_forward_naive(float* out, float* att, const float* inp, const floa
                             uint64_t seed);
 int attention_backward_naive(float* dinp, const float* dout, const float* inp, const float* att,
                              int B, int T, int NH, int NKV, int hs, int window, float dropout,
-                             uint64_t seed);
+                             uint64_t seed, int written);
 
 /*
  * attention_entropy_naive: attention_gqa_entropy's plain twin, from the

@@ -183,7 +183,7 @@ def test_attention_gqa_c_rejects_heads_not_dividing():
     buf = ffi.new("float[]", 1024)
     assert lib.attention_gqa_forward(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0, 0.0, 0) \
         == lib.LLMC_ERR_SHAPE
-    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0, 0.0, 0) \
+    assert lib.attention_gqa_backward(buf, buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0, 0.0, 0, 0) \
         == lib.LLMC_ERR_SHAPE
     assert lib.attention_gqa_probs(buf, buf, buf, ffi.NULL, 1, 2, 6, 4, 2, 0) \
         == lib.LLMC_ERR_SHAPE

@@ -170,9 +170,9 @@ def test_models_attend_in_their_precision(precision):
     calls = []
     backward = model._attention_backward
 
-    def recording_backward(dinp, dout, inp, stats, *rest):
-        backward(dinp, dout, inp, stats, *rest)
-        calls.append([v.copy() for v in (dinp, dout, inp, stats)] + list(rest))
+    def recording_backward(dinp, dout, inp, stats, *rest, **options):
+        backward(dinp, dout, inp, stats, *rest, **options)
+        calls.append([v.copy() for v in (dinp, dout, inp, stats)] + [options] + list(rest))
     model._attention_backward = recording_backward
     model.forward(x, y)
     a, c = model.acts, model.config
@@ -186,8 +186,8 @@ def test_models_attend_in_their_precision(precision):
             assert np.array_equal(out, a.atty[l]) == (kind == precision), (l, kind)
     model.backward()
     assert len(calls) == c.L
-    for dinp, dout, inp, stats, *rest in calls:
+    for dinp, dout, inp, stats, options, *rest in calls:
         for kind, (_, kernel) in kernels.items():
             ours = np.zeros_like(dinp)
-            kernel(ours, dout, inp, stats, *rest)
+            kernel(ours, dout, inp, stats, *rest, **options)
             assert np.array_equal(ours, dinp) == (kind == precision), kind

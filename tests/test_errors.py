@@ -119,6 +119,10 @@ _WRITTEN_MASK = dict(not_sizes=frozenset({"written"}),
                      bad=(({"written": 4}, "LLMC_ERR_VALUE"), ({"written": -1}, "LLMC_ERR_VALUE")))
 _WRITTEN_FLAG = dict(not_sizes=frozenset({"written"}),
                      bad=(({"written": 2}, "LLMC_ERR_VALUE"), ({"written": -1}, "LLMC_ERR_VALUE")))
+# the attention backwards: windowed, dropped, and written 0 or 1
+_WINDOWED_WRITTEN = dict(_WINDOWED_DROPPED,
+                         not_sizes=_WINDOWED["not_sizes"] | _WRITTEN_FLAG["not_sizes"],
+                         bad=_WINDOWED_DROPPED["bad"] + _WRITTEN_FLAG["bad"])
 
 
 # One row per kernel in csrc/llmc_api.h; a kernel without a row fails
@@ -163,15 +167,16 @@ ROWS = {
     "matmul_forward_quant_panels": Row(**_QUANT_MATMUL),
     "matmul_backward_quant_panels": Row(**_QUANT),
     "attention_forward": Row(bad=_C_NOT_DIVISIBLE),
-    "attention_backward": Row(bad=_C_NOT_DIVISIBLE),
+    "attention_backward": Row(not_sizes=_WRITTEN_FLAG["not_sizes"],
+                              bad=_C_NOT_DIVISIBLE + _WRITTEN_FLAG["bad"]),
     "attention_gqa_forward": Row(**_WINDOWED_DROPPED),
-    "attention_gqa_backward": Row(**_WINDOWED_DROPPED),
+    "attention_gqa_backward": Row(**_WINDOWED_WRITTEN),
     "attention_gqa_forward_bf16": Row(**_WINDOWED_DROPPED),
-    "attention_gqa_backward_bf16": Row(**_WINDOWED_DROPPED),
+    "attention_gqa_backward_bf16": Row(**_WINDOWED_WRITTEN),
     "attention_gqa_probs": Row(**_WINDOWED),
     "attention_forward_naive": Row(**_WINDOWED_DROPPED),
-    "attention_backward_naive": Row(not_sizes=_WINDOWED["not_sizes"],
-                                    bad=_WINDOWED_DROPPED["bad"]),
+    "attention_backward_naive": Row(not_sizes=_WINDOWED_WRITTEN["not_sizes"],
+                                    bad=_WINDOWED_WRITTEN["bad"]),
     "attention_gqa_entropy": Row(**_WINDOWED),
     "attention_entropy_naive": Row(),
     "attention_decode": Row(fill={"len": 1}, **_WINDOWED),

@@ -420,8 +420,10 @@ attention_forward = _kernel(
 
 attention_backward = _kernel(
     "attention_backward",
-    "dinp[B,T,3*C] +=, dout[B,T,C], inp[B,T,3*C], stats[B,NH,T,2] | B T C NH from qkv(inp, NH)",
-    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], stats[B,NH,T,2].""")
+    "dinp[B,T,3*C] +=, dout[B,T,C], inp[B,T,3*C], stats[B,NH,T,2] | B T C NH from qkv(inp, NH)"
+    " | written:flag=0",
+    """dinp[B,T,3C] (+=) <- dout[B,T,C], inp[B,T,3C], stats[B,NH,T,2]. written=True:
+    dinp written instead (bitwise the sum into zeros; the caller need not zero it).""")
 
 attention_gqa_forward = _kernel(
     "attention_gqa_forward",
@@ -440,9 +442,11 @@ attention_gqa_forward = _kernel(
 attention_gqa_backward = _kernel(
     "attention_gqa_backward",
     f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
-    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    " | B T NH NKV hs from heads(inp, NH, NKV)"
+    " | window:window=0, dropout=0.0, seed:seed=0, written:flag=0",
     """dinp[B,T,(NH+2*NKV)*hs] (+=) <- dout[B,T,NH*hs], inp, stats[B,NH,T,2],
-    slopes[NH] (the forward's) or None, window, dropout and seed (the forward's).""")
+    slopes[NH] (the forward's) or None, window, dropout and seed (the forward's).
+    written=True: dinp written instead (bitwise the sum into zeros).""")
 
 attention_gqa_forward_bf16 = _kernel(
     "attention_gqa_forward_bf16",
@@ -455,7 +459,8 @@ attention_gqa_forward_bf16 = _kernel(
 attention_gqa_backward_bf16 = _kernel(
     "attention_gqa_backward_bf16",
     f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], stats[B,NH,T,2], slopes[NH] or None"
-    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    " | B T NH NKV hs from heads(inp, NH, NKV)"
+    " | window:window=0, dropout=0.0, seed:seed=0, written:flag=0",
     """attention_gqa_backward's contract for attention_gqa_forward_bf16: every
     product's operands (dout, P, dS, q, k, v) rounded to bf16, sums, the
     softmax's backward and stats float32.""")
@@ -486,7 +491,8 @@ attention_forward_naive = _kernel(
 attention_backward_naive = _kernel(
     "attention_backward_naive",
     f"dinp[B,T,{_QKV}] +=, dout[B,T,NH*hs], inp[B,T,{_QKV}], att[B,NH,T,T]"
-    " | B T NH NKV hs from heads(inp, NH, NKV) | window:window=0, dropout=0.0, seed:seed=0",
+    " | B T NH NKV hs from heads(inp, NH, NKV)"
+    " | window:window=0, dropout=0.0, seed:seed=0, written:flag=0",
     """attention_gqa_backward's contract, by plain loops (llm.c's): the reference.""")
 
 attention_entropy_naive = _kernel(

@@ -431,7 +431,8 @@ class Block:
         """d.qkv = d(layer l's qkv) from ``dout`` = d(the attention
         projection's output after its dropout): back through attproj,
         attention (with its dropout), RoPE and qk_norm (model.position_qkv's
-        steps, undone in reverse); adds into their gradients."""
+        steps, undone in reverse); adds into their gradients (the attention's
+        own d(qkv) written, not added into)."""
         c, m = self.config, self.model
         p = m.params
         dout = undrop(dout, d.attention_output, dropout.site("attention_output", l))
@@ -439,14 +440,12 @@ class Block:
         site = dropout.site("attention", l)
         rope, qk_norm = c.position == "rope", c.qk_norm
         if not (rope or qk_norm):
-            d.qkv[...] = 0.0
             m._attention_backward(d.qkv, d.atty, a.qkv[l], a.att_stats[l], m.slopes,
-                                  c.NH, c.NKV, c.sliding_window, *site)
+                                  c.NH, c.NKV, c.sliding_window, *site, written=True)
             return d.qkv
         # with both steps d.qkv is d.qkvr's buffer, used again once RoPE's backward has read it
-        d.qkvr[...] = 0.0
         m._attention_backward(d.qkvr, d.atty, a.qkvr[l], a.att_stats[l], m.slopes,
-                              c.NH, c.NKV, c.sliding_window, *site)
+                              c.NH, c.NKV, c.sliding_window, *site, written=True)
         dnormed = d.qkvr
         if rope:
             d.qkvn[...] = 0.0
