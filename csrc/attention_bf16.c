@@ -161,6 +161,16 @@ static ALWAYS_INLINE void row_pairs(int isa, uint32_t* out, const float* x, int 
     }
 }
 
+/* Rows this far ahead of the one a loop over the rows of q, k, v or dO
+   reads are asked of the cache (prefetch_rows): those rows lie a whole row
+   of inp apart, so no hardware prefetcher brings them in. */
+#define ROWS_AHEAD 8
+
+/* Asks for row t of x (ldx floats apart, hs floats) when t < n. */
+static ALWAYS_INLINE void prefetch_row(const float* x, size_t ldx, int t, int n, int hs) {
+    if (t < n) { prefetch_rows(x + (size_t)t * ldx, ldx, 1, hs); }
+}
+
 /* The panel of n rows of x (ldx floats apart) with pairs of rows in the
    lanes' halves: out[j][c] = (x[2j][c], x[2j+1][c]) for c < hs (16 columns
    a vector, ldo pairs a row of out, hs rounded up to 16), rows past n 0. */
@@ -169,6 +179,8 @@ static ALWAYS_INLINE void value_panel(int isa, uint32_t* out, size_t ldo, const 
     for (int j = 0; 2 * j < n; j++) {
         const float* x0 = x + (size_t)(2 * j) * ldx;
         const float* x1 = x0 + ldx;
+        prefetch_row(x, ldx, 2 * j + ROWS_AHEAD, n, hs);
+        prefetch_row(x, ldx, 2 * j + 1 + ROWS_AHEAD, n, hs);
         for (int c0 = 0; c0 < hs; c0 += 16) {
             const int m = hs - c0 < 16 ? hs - c0 : 16;
             const vec16f odd = 2 * j + 1 < n ? load_part(x1 + c0, m) : (vec16f){0};
@@ -187,6 +199,7 @@ static ALWAYS_INLINE void key_panel(int isa, uint32_t* out, size_t ldo, const fl
                                     size_t ldx, int n, int hs) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
+        for (int j = 16; j < 32; j++) { prefetch_row(x, ldx, k0 + j, n, hs); }   // the next block
         for (int i0 = 0; i0 < hs; i0 += 16) {
             const int ci = hs - i0 < 16 ? hs - i0 : 16;
             vec16f r[16];
@@ -393,6 +406,7 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
     }
     for (int t = 0; t < T; t++) {
+        prefetch_row(q, row, t + ROWS_AHEAD, T, hs);
         row_pairs(isa, qpairs + (size_t)t * z.hp, q + (size_t)t * row, 0, z.hp, 0, hs, 1.0f);
     }
     for (int t0 = 0; t0 < T; t0 += SCORE_ROWS) {
@@ -551,6 +565,8 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
         const backward_head hd = backward_head_of(a, b, h);
         for (int t = 0; t < T; t++) {
+            prefetch_row(hd.q, row, t + ROWS_AHEAD, T, hs);
+            prefetch_row(hd.dout, C, t + ROWS_AHEAD, T, hs);
             row_pairs(isa, w.qpairs + (size_t)t * z.hp, hd.q + (size_t)t * row, 0, z.hp, 0, hs,
                       1.0f);
             row_pairs(isa, w.dopairs + (size_t)t * z.hp, hd.dout + (size_t)t * C, 0, z.hp, 0,
