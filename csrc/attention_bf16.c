@@ -33,7 +33,9 @@
  *                [rows/2][Tp] (16 keys a vector)               8 channels x 32 keys
  * A row's keys outside its window and past its last key are 0 in bf16(P),
  * bf16(dS) and their row pairs, so a tile's rows share their loops: such a
- * term adds exactly 0. dk^T and dv^T of a kv head are summed in scratch,
+ * term adds exactly 0 (finite operands; a sum from +0 is never -0). dk^T
+ * and dv^T leave out the row pairs before a key's first row, which hold
+ * only such terms. dk^T and dv^T of a kv head are summed in scratch,
  * over its query heads in order, blocks of rows in order, row pairs in
  * order, and added to dinp at the end. Every element is summed by one
  * thread in an order fixed by the shapes: results never depend on the
@@ -488,14 +490,19 @@ static size_t carve(bf16_backward_scratch* w, float* base, int T, int hs) {
 }
 
 /* dk^T or dv^T [hs][ldo] of keys k0 .. k_end (multiples of 16) += over the
-   block's nj row pairs: a = x^T's [hs][lda] pairs of rows from the block's
-   first pair on, b = [nj][ldb] the block's row pairs of dS or P. */
+   row pairs of the block of rows from t0 (even) on, nj of them: a = x^T's
+   [hs][lda] pairs of rows from the block's first pair on, b = [nj][ldb] the
+   block's row pairs of dS or P. Keys from k on sum from the first pair with
+   a row t >= k: the pairs before it are all 0 there (causal), terms that
+   leave the sums unchanged (see the top), so they are left out. */
 static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const uint32_t* a,
-                                          size_t lda, const uint32_t* b, size_t ldb, int nj,
-                                          int k0, int k_end, int hs) {
+                                          size_t lda, const uint32_t* b, size_t ldb, int t0,
+                                          int nj, int k0, int k_end, int hs) {
     for (int c0 = 0; c0 < hs; c0 += SCORE_ROWS) {
         const int nr = hs - c0 < SCORE_ROWS ? hs - c0 : SCORE_ROWS;
         for (int k = k0; k < k_end; k += 32) {
+            const int j0 = k > t0 ? (k - t0) / 2 : 0;   // its rows t0 + 2 j0 + 1 >= k
+            if (j0 >= nj) { break; }
             vec16f acc[SCORE_ROWS * 2];
             const int NV = k_end - k > 16 ? 2 : 1;
             for (int r = 0; r < SCORE_ROWS; r++) {
@@ -506,9 +513,11 @@ static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const u
                 }
             }
             if (NV == 2) {
-                dp_tile(isa, acc, SCORE_ROWS, 2, a + (size_t)c0 * lda, lda, nr, b + k, ldb, 0, nj);
+                dp_tile(isa, acc, SCORE_ROWS, 2, a + (size_t)c0 * lda, lda, nr, b + k, ldb, j0,
+                        nj);
             } else {
-                dp_tile(isa, acc, SCORE_ROWS, 1, a + (size_t)c0 * lda, lda, nr, b + k, ldb, 0, nj);
+                dp_tile(isa, acc, SCORE_ROWS, 1, a + (size_t)c0 * lda, lda, nr, b + k, ldb, j0,
+                        nj);
             }
             for (int r = 0; r < nr; r++) {
                 for (int v = 0; v < NV; v++) {
@@ -638,9 +647,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                                  load_between(dsa, k, lo_a, ta + 1), ds_b);
                 }
             }
-            transposed_rows(isa, w.dkT, Tp, w.qT + t0 / 2, (size_t)z.Tq, w.dspairs, Tp, nj,
+            transposed_rows(isa, w.dkT, Tp, w.qT + t0 / 2, (size_t)z.Tq, w.dspairs, Tp, t0, nj,
                             k_block, k_end, hs);
-            transposed_rows(isa, w.dvT, Tp, w.doT + t0 / 2, (size_t)z.Tq, w.ppairs, Tp, nj,
+            transposed_rows(isa, w.dvT, Tp, w.doT + t0 / 2, (size_t)z.Tq, w.ppairs, Tp, t0, nj,
                             k_block, k_end, hs);
         }
     }
