@@ -46,9 +46,12 @@
  *   dv += P^T dO                 cols_tile
  * (a key tile before the block takes the full rectangle of its rows, one on
  * the block's diagonal the triangle, then the rest). dq, dk and dv are
- * summed onto dinp's values in place; an element of dk or dv sums over the
- * group's heads in order, then over t ascending, blocks carrying the partial
- * sum through dinp (a float, so a store and a load change nothing). No two
+ * summed onto dinp's values in place (written: dq's one sum per row starts
+ * from 0, and the group's dk, dv rows are zeroed first, so dinp is never
+ * read and the bits are those of a zeroed dinp); an element of dk or dv
+ * sums over the group's heads in order, then over t ascending, blocks
+ * carrying the partial sum through dinp (a float, so a store and a load
+ * change nothing). No two
  * threads touch the same element, and every element is summed in one order
  * whatever the thread count. Scratch per thread: the key panel and the
  * panel of v (T hs each) and the blocks of P and dS (min(T, BACKWARD_ROWS)

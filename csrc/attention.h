@@ -53,7 +53,8 @@ static inline int gqa_att_sizes_ok(int B, int T, int NH, int NKV, int hs, int wi
    and what follows from them. */
 typedef struct {
     float* out;            /* what the call writes: out, att or entropy; or
-                              the backward's dinp, which it adds to */
+                              the backward's dinp, which it adds to
+                              (or writes: written) */
     float* stats_out;      /* the forward's statistics (written) */
     const float* stats;    /* the statistics the others read */
     const float* inp;
