@@ -544,6 +544,51 @@ TARGET_AVX512VNNI static void rows_avx512vnni(float* out, int OC, const uint8_t*
     }
 }
 
+/* quantize_input_row (below) with AVX-512, bitwise: the same max (NaNs
+   skipped, as fmaxf skips them), scale and products, and roundf's halves
+   away from zero as trunc(v) + sign(v) where |v - trunc(v)| >= 1/2 (v -
+   trunc(v) is exact) */
+TARGET_AVX512VNNI static void quantize_input_row_512(int8_t* q, float* d, int32_t* corr,
+                                                     const float* x, int nb, int qtype) {
+    const int offset = weight_offset(qtype);
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f),
+                 one = _mm512_set1_ps(1.0f);
+    for (int b = 0; b < nb; b++) {
+        __m512 v[2];
+        __m512i i[2];
+        for (int h = 0; h < 2; h++) { v[h] = _mm512_loadu_ps(x + (size_t)b * QK + 16 * h); }
+        const __m512 a0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[0], v[0], _CMP_ORD_Q),
+                                              _mm512_andnot_ps(sign, v[0]));
+        const __m512 a1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[1], v[1], _CMP_ORD_Q),
+                                              _mm512_andnot_ps(sign, v[1]));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        const float scale = amax / 127.0f;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        d[b] = fp16_to_float(fp16_from_float(scale));
+        for (int h = 0; h < 2; h++) {
+            const __m512 p = _mm512_mul_ps(v[h], _mm512_set1_ps(inverse));
+            const __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 away = _mm512_cmp_ps_mask(
+                _mm512_andnot_ps(sign, _mm512_sub_ps(p, t)), half, _CMP_GE_OQ);
+            const __m512 r = _mm512_mask_add_ps(t, away, t,
+                                                _mm512_or_ps(_mm512_and_ps(p, sign), one));
+            i[h] = _mm512_cvttps_epi32(r);
+        }
+        // the int8s (a NaN's int32 0x80000000 truncates to 0, as in C's
+        // conversion here), summed from their bytes
+        uint8_t bytes[QK];
+        _mm_storeu_si128((__m128i*)bytes, _mm512_cvtepi32_epi8(i[0]));
+        _mm_storeu_si128((__m128i*)(bytes + 16), _mm512_cvtepi32_epi8(i[1]));
+        const __m512i wide = _mm512_add_epi32(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)bytes)),
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bytes + 16))));
+        corr[b] = -offset * _mm512_reduce_add_epi32(wide);
+        for (int k = 0; k < QK / 4; k++) {
+            memcpy(q + chunk_offset(nb, b, k, QK), bytes + 4 * k, 4);
+        }
+    }
+}
+
 /* 256 bits: a group as two halves of 8 lanes, a row at a time; a partial
    half (a last group of g blocks not a multiple of 8) through masked loads
    of 4-byte lanes. 8 int32 at p, the first `count` of them (the rest 0). */
@@ -741,6 +786,19 @@ static void quantize_input_row(int8_t* q, float* d, int32_t* corr, const float* 
     }
 }
 
+typedef void (*quantize_fn)(int8_t* q, float* d, int32_t* corr, const float* x, int nb,
+                            int qtype);
+
+/* the input quantizer a path runs: the vector one on AVX512-VNNI's (so the
+   tests that compare paths compare the two quantizers too) */
+static quantize_fn path_quantizer(int path) {
+#ifdef LLMC_X86_DISPATCH
+    if (path == PATH_AVX512VNNI) { return quantize_input_row_512; }
+#endif
+    (void)path;
+    return quantize_input_row;
+}
+
 static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
                         const float* bias, int N, int IC, int OC, int qtype) {
     LLMC_REQUIRE(LLMC_NONNULL3(out, inp, weight), LLMC_ERR_NULL);
@@ -751,6 +809,7 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
                  && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
     const rows_fn rows = path_function(path);
+    const quantize_fn quantize_input = path_quantizer(path);
 
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
@@ -761,8 +820,8 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
         return LLMC_ERR_NOMEM;
     }
     for (int n = 0; n < N; n++) {
-        quantize_input_row(xq + (size_t)n * IC, xd + (size_t)n * nb, corr + (size_t)n * nb,
-                           inp + (size_t)n * IC, nb, qtype);
+        quantize_input(xq + (size_t)n * IC, xd + (size_t)n * nb, corr + (size_t)n * nb,
+                       inp + (size_t)n * IC, nb, qtype);
     }
 
     // each thread one contiguous run of output rows (whole groups of ROWS),
@@ -949,9 +1008,9 @@ typedef struct {
 /* grouped_quant's experts of 1 .. few_rows rows (`few` of them): their
    input rows quantized, then all their groups of output rows in one
    parallel loop. */
-static int few_row_experts(rows_fn rows, float* out, const float* inp, const uint8_t* weight,
-                           const int* offsets, int R, int IC, int OC, int E, int qtype,
-                           int few_rows, int few) {
+static int few_row_experts(rows_fn rows, quantize_fn quantize_input, float* out,
+                           const float* inp, const uint8_t* weight, const int* offsets, int R,
+                           int IC, int OC, int E, int qtype, int few_rows, int few) {
     const int nb = IC / QK, groups = (OC + ROWS - 1) / ROWS;
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
     // indexed by the grouped row r (the many-row experts' slots unused)
@@ -968,8 +1027,8 @@ static int few_row_experts(rows_fn rows, float* out, const float* inp, const uin
         const int r0 = offsets[e], n = offsets[e + 1] - r0;
         if (n == 0 || n > few_rows) { continue; }
         for (int r = r0; r < r0 + n; r++) {
-            quantize_input_row(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
-                               inp + (size_t)r * IC, nb, qtype);
+            quantize_input(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
+                           inp + (size_t)r * IC, nb, qtype);
         }
         for (int grp = 0; grp < groups; grp++) { jobs[count++] = (expert_group){e, grp * ROWS}; }
     }
@@ -1002,8 +1061,8 @@ static int grouped_quant(int path, float* out, const float* inp, const uint8_t* 
         const int n = offsets[e + 1] - offsets[e];
         few += n > 0 && n <= few_rows;
     }
-    int status = few > 0 ? few_row_experts(path_function(path), out, inp, weight, offsets, R,
-                                           IC, OC, E, qtype, few_rows, few)
+    int status = few > 0 ? few_row_experts(path_function(path), path_quantizer(path), out, inp,
+                                           weight, offsets, R, IC, OC, E, qtype, few_rows, few)
                          : LLMC_OK;
     const size_t expert_bytes = (size_t)OC * (IC / QK) * block_bytes(qtype);
     for (int e = 0; e < E && status == LLMC_OK; e++) {
