@@ -384,9 +384,10 @@ ROWS_OF_SUMS(rows_portable, sums_portable)
 /* the n bytes 8 KiB past p, into L1: one weight stream a thread keeps too
    few misses in flight on the hardware prefetchers alone (timed on Zen 5,
    2 threads: 8 KiB ahead beat 2, 4, 16 and 32, and L2 hints) */
+#define PREFETCH_BYTES 8192
 static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n) {
     for (size_t at = 0; at < n; at += 64) {
-        _mm_prefetch((const char*)p + 8192 + at, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PREFETCH_BYTES + at, _MM_HINT_T0);
     }
 }
 
@@ -469,11 +470,13 @@ TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i group_sums(const uint8_t* wq
 
 /* The group of g blocks from b0 of R rows at w0 (row_bytes apart) into
    their lanes acc[r], for input row n: its chunks, scales and corr loaded
-   once for the R rows. */
+   once for the R rows. pf (or NULL): R shares of `share` bytes to prefetch,
+   one a row. */
 TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void group_512(__m512 acc[ROWS], const uint8_t* w0,
                                                            size_t row_bytes, const int R,
                                                            const quant_input* in, int n, int b0,
-                                                           int g, int qtype) {
+                                                           int g, int qtype, const uint8_t* pf,
+                                                           size_t share) {
     const int nb = in->nb;
     const size_t qbytes = quant_bytes(qtype);
     const int8_t* xg = in->q + ((size_t)n * nb + b0) * QK;
@@ -484,6 +487,11 @@ TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void group_512(__m512 acc[ROWS], con
     const __m512 dx = _mm512_castsi512_ps(load_group(in->d + (size_t)n * nb + b0, g));
     for (int r = 0; r < R; r++) {
         const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+        if (pf != NULL) {
+            for (size_t at = 0; at < share; at += 64) {
+                _mm_prefetch((const char*)pf + (size_t)r * share + at, _MM_HINT_T0);
+            }
+        }
         const __m512i s = group_sums(wrow + (size_t)nb * 2 + (size_t)b0 * qbytes, x, corr, g,
                                      qtype);
         const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, g), dx);
@@ -498,15 +506,22 @@ TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(float* out, int OC, co
                                                           size_t row_bytes, int o, const int R,
                                                           const float* bias,
                                                           const quant_input* in, int qtype) {
-    const int nb = in->nb, full = nb / GROUP * GROUP;
-    prefetch_ahead(w0, R * row_bytes);
+    const int nb = in->nb, full = nb / GROUP * GROUP, groups = (nb + GROUP - 1) / GROUP;
+    // the bytes PREFETCH_BYTES past the R rows, an equal share at each of
+    // the first input row's R * groups steps (spread, not in one burst)
+    const uint8_t* pf = w0 + PREFETCH_BYTES;
+    const size_t share = ((size_t)R * row_bytes / ((size_t)R * groups) + 63) / 64 * 64;
     for (int n = 0; n < in->N; n++) {
         __m512 acc[ROWS];
         for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); }
         for (int b0 = 0; b0 < full; b0 += GROUP) {
-            group_512(acc, w0, row_bytes, R, in, n, b0, GROUP, qtype);
+            group_512(acc, w0, row_bytes, R, in, n, b0, GROUP, qtype,
+                      n == 0 ? pf + (size_t)(b0 / GROUP) * R * share : NULL, share);
         }
-        if (full < nb) { group_512(acc, w0, row_bytes, R, in, n, full, nb - full, qtype); }
+        if (full < nb) {
+            group_512(acc, w0, row_bytes, R, in, n, full, nb - full, qtype,
+                      n == 0 ? pf + (size_t)(groups - 1) * R * share : NULL, share);
+        }
         float* dst = out + (size_t)n * OC + o;
         if (R == ROWS) {
             const __m256d b = bias != NULL ? _mm256_cvtps_pd(_mm_loadu_ps(bias + o))
