@@ -16,9 +16,11 @@
  *   avx2        AVX2: maddubs + madd, 8 blocks a ymm (Haswell, Zen)
  *   avxvnni     AVX-VNNI vpdpbusd, 8 blocks a ymm (Alder Lake, Zen 5)
  *   avx512vnni  AVX512-VNNI vpdpbusd, 16 blocks a zmm (Ice Lake, Zen 4)
- * As llama.cpp does, each input row is first quantized to Q8_0 blocks. The
- * weights are read in a packed layout (below: 16 blocks interleaved so that
- * one vpdpbusd lane sums a whole block), ROWS weight rows a call, every
+ * As llama.cpp does, each input row is first quantized to Q8_0 blocks
+ * (once a call; AVX512-VNNI's path with its own vector twin). The weights
+ * are read in a packed layout (below: 16 blocks interleaved so that one
+ * vpdpbusd lane sums a whole block), each thread one contiguous run of
+ * output rows, ROWS rows a pass sharing each group's input chunks, every
  * input row served by one pass over them. A block's int32 dot product S is
  * exact, and exact in float (|S| < 2^24), as is the product of its two fp16
  * scales; each block adds S * d_w * d_x into float lane b mod 16 by one
