@@ -16,9 +16,11 @@
  *   avx2        AVX2: maddubs + madd, 8 blocks a ymm (Haswell, Zen)
  *   avxvnni     AVX-VNNI vpdpbusd, 8 blocks a ymm (Alder Lake, Zen 5)
  *   avx512vnni  AVX512-VNNI vpdpbusd, 16 blocks a zmm (Ice Lake, Zen 4)
- * As llama.cpp does, each input row is first quantized to Q8_0 blocks. The
- * weights are read in a packed layout (below: 16 blocks interleaved so that
- * one vpdpbusd lane sums a whole block), ROWS weight rows a call, every
+ * As llama.cpp does, each input row is first quantized to Q8_0 blocks
+ * (once a call; AVX512-VNNI's path with its own vector twin). The weights
+ * are read in a packed layout (below: 16 blocks interleaved so that one
+ * vpdpbusd lane sums a whole block), each thread one contiguous run of
+ * output rows, ROWS rows a pass sharing each group's input chunks, every
  * input row served by one pass over them. A block's int32 dot product S is
  * exact, and exact in float (|S| < 2^24), as is the product of its two fp16
  * scales; each block adds S * d_w * d_x into float lane b mod 16 by one
@@ -281,16 +283,25 @@ typedef struct {
 } quant_input;
 
 /*
- * A path's kernel for nrows (1 or ROWS) consecutive output rows at w0, each
- * row_bytes: sums[r * N + n] (written) = lane_tree of the row's 16 float
- * lanes for input row n, lane j (written) = the sum over the row's groups,
- * in order, of fmaf(float(S), d_w * d_x, lane) for block b0 + j of the
- * group (S = the block's exact int32 dot product, d_w and d_x its scales).
- * S < 2^24 is exact in float, and d_w * d_x (two fp16 numbers) too, so
- * every path rounds the same single fused multiply-add, then sums the lanes
- * in the same tree: all paths agree bitwise.
+ * The sum of output row o for input row n is lane_tree of the row's 16
+ * float lanes, lane j (from 0) the sum over the row's groups, in order, of
+ * fmaf(float(S), d_w * d_x, lane) for block b0 + j of the group (S = the
+ * block's exact int32 dot product, d_w and d_x its scales). S < 2^24 is
+ * exact in float, and d_w * d_x (two fp16 numbers) too, so every path
+ * rounds the same single fused multiply-add, then sums the lanes in the
+ * same tree: all paths agree bitwise.
+ *
+ * A path's kernel for the output rows o0 .. o1 of the packed weight (row o
+ * at weight + o * row_bytes): out[n * OC + o] (written) = that sum plus
+ * bias[o] (or 0) in double, rounded once to float.
  */
-typedef void (*rows_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+typedef void (*rows_fn)(float* out, int OC, const uint8_t* weight, size_t row_bytes, int o0,
+                        int o1, const float* bias, const quant_input* in, int qtype);
+
+/* The older kernels' shape, under rows_of_sums: for nrows (1 .. ROWS)
+   consecutive output rows at w0 and at most MAX_ROWS input rows,
+   sums[r * N + n] (written) = the sums above. */
+typedef void (*sums_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
                         const quant_input* in, int qtype);
 
 /* output rows a kernel call computes together (their accumulations are
@@ -315,7 +326,7 @@ static LLMC_ALWAYS_INLINE double lane_tree(const float lanes[GROUP]) {
 static int weight_offset(int qtype) { return qtype == LLMC_QUANT_Q8_0 ? 128 : 8; }
 
 /* the plain twin (signed weights: no corr), a row at a time */
-static void rows_portable(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
+static void sums_portable(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
                           const quant_input* in, int qtype) {
     const int nb = in->nb;
     for (int r = 0; r < nrows; r++) {
@@ -338,29 +349,66 @@ static void rows_portable(double* sums, const uint8_t* w0, size_t row_bytes, int
     }
 }
 
+/* A sums_fn's path as a rows_fn: ROWS output rows a call (the last fewer),
+   MAX_ROWS input rows a call. */
+static void rows_of_sums(sums_fn sums_of, float* out, int OC, const uint8_t* weight,
+                         size_t row_bytes, int o0, int o1, const float* bias,
+                         const quant_input* in, int qtype) {
+    const int nb = in->nb;
+    for (int o = o0; o < o1; o += ROWS) {
+        const int nrows = o1 - o < ROWS ? o1 - o : ROWS;
+        for (int n0 = 0; n0 < in->N; n0 += MAX_ROWS) {
+            const quant_input part = {in->q + (size_t)n0 * nb * QK, in->d + (size_t)n0 * nb,
+                                      in->corr + (size_t)n0 * nb,
+                                      in->N - n0 < MAX_ROWS ? in->N - n0 : MAX_ROWS, nb};
+            double sums[ROWS * MAX_ROWS];
+            sums_of(sums, weight + (size_t)o * row_bytes, row_bytes, nrows, &part, qtype);
+            for (int r = 0; r < nrows; r++) {
+                for (int n = 0; n < part.N; n++) {
+                    out[(size_t)(n0 + n) * OC + o + r] =
+                        (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o + r] : 0.0));
+                }
+            }
+        }
+    }
+}
+
+/* a sums_fn path's rows_fn */
+#define ROWS_OF_SUMS(NAME, SUMS)                                                          \
+    static void NAME(float* out, int OC, const uint8_t* weight, size_t row_bytes, int o0,   \
+                     int o1, const float* bias, const quant_input* in, int qtype) {         \
+        rows_of_sums(SUMS, out, OC, weight, row_bytes, o0, o1, bias, in, qtype);            \
+    }
+ROWS_OF_SUMS(rows_portable, sums_portable)
+
 #ifdef LLMC_X86_DISPATCH
 
 /* the n bytes 8 KiB past p, into L1: one weight stream a thread keeps too
    few misses in flight on the hardware prefetchers alone (timed on Zen 5,
    2 threads: 8 KiB ahead beat 2, 4, 16 and 32, and L2 hints) */
+#define PREFETCH_BYTES 8192
 static LLMC_ALWAYS_INLINE void prefetch_ahead(const uint8_t* p, size_t n) {
     for (size_t at = 0; at < n; at += 64) {
-        _mm_prefetch((const char*)p + 8192 + at, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PREFETCH_BYTES + at, _MM_HINT_T0);
     }
 }
 
-/* 512 bits. Masked loads only in a last group of g < 16 blocks (zeros
-   beyond g: they add 0 * 0): masked loads from memory are slow on Zen. */
-TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_bytes(const void* p, __mmask64 bytes) {
-    return bytes == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bytes, p);
+/* 512 bits, a group of g blocks a zmm: 4g bytes at p, zeros beyond (g = 16:
+   a whole zmm, 8: a ymm; other g only in a last group, masked, which is
+   slow from memory on Zen). */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_group(const void* p, int g) {
+    if (g == GROUP) { return _mm512_loadu_si512(p); }
+    if (g == GROUP / 2) { return _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)p)); }
+    return _mm512_maskz_loadu_epi8(((__mmask64)1 << (4 * g)) - 1, p);
 }
-TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i load_ints(const void* p, __mmask16 lanes) {
-    return lanes == 0xffff ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(lanes, p);
-}
-TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512 load_halves(const uint8_t* p,
-                                                               __mmask16 lanes) {
-    return _mm512_cvtph_ps(lanes == 0xffff ? _mm256_loadu_si256((const __m256i*)p)
-                                           : _mm256_maskz_loadu_epi16(lanes, p));
+
+/* the g fp16 scales at p as floats (zeros beyond g) */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512 load_halves(const uint8_t* p, int g) {
+    if (g == GROUP) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    if (g == GROUP / 2) {
+        return _mm512_cvtph_ps(_mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)p)));
+    }
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << g) - 1), p));
 }
 
 /* lane_tree on a zmm of 16 floats */
@@ -373,65 +421,187 @@ TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE double lane_tree_512(__m512 lanes) {
     return _mm_cvtsd_f64(_mm_add_sd(s2, _mm_unpackhi_pd(s2, s2)));
 }
 
-/* R rows, a group's 16 lanes in one zmm per row, a row after another (one
-   sequential stream: the prefetchers keep up with it); the R rows' chains
-   are independent, so their work overlaps */
-TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(
-        double* sums, const uint8_t* w0, size_t row_bytes, const int R,
-        const quant_input* in, int qtype) {
+/* lane_tree of four rows' zmms at once: the same additions, the rows side
+   by side (2 by 2, then 4 in one zmm), their sums as 4 doubles */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m256d lane_trees_4(const __m512 lanes[4]) {
+    __m512d s8[4];   // row r: lane j + lane j + 8, j < 8
+    for (int r = 0; r < 4; r++) {
+        const __m512d high = _mm512_cvtps_pd(
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lanes[r]), 1)));
+        s8[r] = _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(lanes[r])), high);
+    }
+    // rows 0, 1 (then 2, 3): j + (j + 4), j < 4, row 0's in the low half
+    const __m512d s4a = _mm512_add_pd(_mm512_shuffle_f64x2(s8[0], s8[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_f64x2(s8[0], s8[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512d s4b = _mm512_add_pd(_mm512_shuffle_f64x2(s8[2], s8[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                      _mm512_shuffle_f64x2(s8[2], s8[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    // 128-bit lane r: row r's j + (j + 2), j < 2; then j 0 + j 1
+    const __m512d s2 = _mm512_add_pd(_mm512_shuffle_f64x2(s4a, s4b, _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f64x2(s4a, s4b, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512d s1 = _mm512_add_pd(_mm512_unpacklo_pd(s2, s2), _mm512_unpackhi_pd(s2, s2));
+    return _mm512_castpd512_pd256(
+        _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), s1));
+}
+
+/* S + corr of the g blocks of one group of a weight row (its quants at wq,
+   chunks 4g bytes apart) against an input row's chunks x[0 .. 8) */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE __m512i group_sums(const uint8_t* wq,
+                                                               const __m512i x[8], __m512i corr,
+                                                               int g, int qtype) {
+    const size_t stride = (size_t)g * 4;
+    __m512i s0 = corr, s1 = _mm512_setzero_si512();
+    if (qtype == LLMC_QUANT_Q8_0) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int c = 0; c < 8; c += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(load_group(wq + c * stride, g), flip),
+                                     x[c]);
+            s1 = _mm512_dpbusd_epi32(
+                s1, _mm512_xor_si512(load_group(wq + (c + 1) * stride, g), flip), x[c + 1]);
+        }
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int k = 0; k < 4; k++) {
+            const __m512i raw = load_group(wq + k * stride, g);
+            s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low), x[k]);
+            s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                     x[k + 4]);
+        }
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+
+/* The group of g blocks from b0 of R rows at w0 (row_bytes apart) into
+   their lanes acc[r], for input row n: its chunks, scales and corr loaded
+   once for the R rows. pf (or NULL): R shares of `share` bytes to prefetch,
+   one a row. */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void group_512(__m512 acc[ROWS], const uint8_t* w0,
+                                                           size_t row_bytes, const int R,
+                                                           const quant_input* in, int n, int b0,
+                                                           int g, int qtype, const uint8_t* pf,
+                                                           size_t share) {
     const int nb = in->nb;
     const size_t qbytes = quant_bytes(qtype);
-    for (int n = 0; n < in->N; n++) {
-        const int8_t* xrow = in->q + (size_t)n * nb * QK;
-        for (int r = 0; r < R; r++) {
-            const uint8_t* wrow = w0 + (size_t)r * row_bytes;
-            if (n == 0) { prefetch_ahead(wrow, row_bytes); }
-            __m512 acc = _mm512_setzero_ps();
-            for (int b0 = 0; b0 < nb; b0 += GROUP) {
-                const int g = nb - b0 < GROUP ? nb - b0 : GROUP;
-                const __mmask16 lanes = (__mmask16)((1u << g) - 1);
-                const __mmask64 bytes = g == GROUP ? ~(__mmask64)0
-                                                   : ((__mmask64)1 << (4 * g)) - 1;
-                const int8_t* x = xrow + (size_t)b0 * QK;
-                const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;
-                __m512i s0 = load_ints(in->corr + (size_t)n * nb + b0, lanes);
-                __m512i s1 = _mm512_setzero_si512();
-                if (qtype == LLMC_QUANT_Q8_0) {
-                    const __m512i flip = _mm512_set1_epi8((char)0x80);
-                    for (int c = 0; c < 8; c += 2) {
-                        s0 = _mm512_dpbusd_epi32(s0, _mm512_xor_si512(
-                            load_bytes(wq + (size_t)c * g * 4, bytes), flip),
-                            load_bytes(x + (size_t)c * g * 4, bytes));
-                        s1 = _mm512_dpbusd_epi32(s1, _mm512_xor_si512(
-                            load_bytes(wq + (size_t)(c + 1) * g * 4, bytes), flip),
-                            load_bytes(x + (size_t)(c + 1) * g * 4, bytes));
-                    }
-                } else {
-                    const __m512i low = _mm512_set1_epi8(0x0f);
-                    for (int k = 0; k < 4; k++) {
-                        const __m512i raw = load_bytes(wq + (size_t)k * g * 4, bytes);
-                        s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(raw, low),
-                                                 load_bytes(x + (size_t)k * g * 4, bytes));
-                        s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                                 load_bytes(x + (size_t)(k + 4) * g * 4, bytes));
-                    }
-                }
-                const __m512 dx = _mm512_castsi512_ps(load_ints(in->d + (size_t)n * nb + b0, lanes));
-                const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, lanes), dx);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc);
+    const int8_t* xg = in->q + ((size_t)n * nb + b0) * QK;
+    __m512i x[8];
+    for (int c = 0; c < 8; c++) { x[c] = load_group(xg + (size_t)c * g * 4, g); }
+    // a block's corr and d are 4 bytes, as its chunks
+    const __m512i corr = load_group(in->corr + (size_t)n * nb + b0, g);
+    const __m512 dx = _mm512_castsi512_ps(load_group(in->d + (size_t)n * nb + b0, g));
+    for (int r = 0; r < R; r++) {
+        const uint8_t* wrow = w0 + (size_t)r * row_bytes;
+        if (pf != NULL) {
+            for (size_t at = 0; at < share; at += 64) {
+                _mm_prefetch((const char*)pf + (size_t)r * share + at, _MM_HINT_T0);
             }
-            sums[r * in->N + n] = lane_tree_512(acc);
+        }
+        const __m512i s = group_sums(wrow + (size_t)nb * 2 + (size_t)b0 * qbytes, x, corr, g,
+                                     qtype);
+        const __m512 scale = _mm512_mul_ps(load_halves(wrow + (size_t)b0 * 2, g), dx);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+    }
+}
+
+/* R (1 or ROWS) output rows from o of the weight rows at w0, every input
+   row in turn (their chunks shared by the R rows; the rows' bytes, read
+   from memory for the first, stay in L1 for the others) */
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void rows_512(float* out, int OC, const uint8_t* w0,
+                                                          size_t row_bytes, int o, const int R,
+                                                          const float* bias,
+                                                          const quant_input* in, int qtype) {
+    const int nb = in->nb, full = nb / GROUP * GROUP, groups = (nb + GROUP - 1) / GROUP;
+    // the bytes PREFETCH_BYTES past the R rows, an equal share at each of
+    // the first input row's R * groups steps (spread, not in one burst)
+    const uint8_t* pf = w0 + PREFETCH_BYTES;
+    const size_t share = ((size_t)R * row_bytes / ((size_t)R * groups) + 63) / 64 * 64;
+    for (int n = 0; n < in->N; n++) {
+        __m512 acc[ROWS];
+        for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); }
+        for (int b0 = 0; b0 < full; b0 += GROUP) {
+            group_512(acc, w0, row_bytes, R, in, n, b0, GROUP, qtype,
+                      n == 0 ? pf + (size_t)(b0 / GROUP) * R * share : NULL, share);
+        }
+        if (full < nb) {
+            group_512(acc, w0, row_bytes, R, in, n, full, nb - full, qtype,
+                      n == 0 ? pf + (size_t)(groups - 1) * R * share : NULL, share);
+        }
+        float* dst = out + (size_t)n * OC + o;
+        if (R == ROWS) {
+            const __m256d b = bias != NULL ? _mm256_cvtps_pd(_mm_loadu_ps(bias + o))
+                                           : _mm256_setzero_pd();
+            _mm_storeu_ps(dst, _mm256_cvtpd_ps(_mm256_add_pd(lane_trees_4(acc), b)));
+        } else {
+            for (int r = 0; r < R; r++) {
+                dst[r] = (float)(lane_tree_512(acc[r]) + (bias != NULL ? (double)bias[o + r] : 0.0));
+            }
         }
     }
 }
 
-TARGET_AVX512VNNI static void rows_avx512vnni(double* sums, const uint8_t* w0,
-                                              size_t row_bytes, int nrows,
+TARGET_AVX512VNNI static LLMC_ALWAYS_INLINE void range_512(float* out, int OC, const uint8_t* weight,
+                                                           size_t row_bytes, int o0, int o1,
+                                                           const float* bias,
+                                                           const quant_input* in, int qtype) {
+    int o = o0;
+    for (; o + ROWS <= o1; o += ROWS) {
+        rows_512(out, OC, weight + (size_t)o * row_bytes, row_bytes, o, ROWS, bias, in, qtype);
+    }
+    for (; o < o1; o++) {
+        rows_512(out, OC, weight + (size_t)o * row_bytes, row_bytes, o, 1, bias, in, qtype);
+    }
+}
+
+/* one function a block type, so that each compiles with its type known */
+TARGET_AVX512VNNI static void rows_avx512vnni(float* out, int OC, const uint8_t* weight,
+                                              size_t row_bytes, int o0, int o1, const float* bias,
                                               const quant_input* in, int qtype) {
-    if (nrows == ROWS) { rows_512(sums, w0, row_bytes, ROWS, in, qtype); }
-    else {
-        for (int r = 0; r < nrows; r++) {
-            rows_512(sums + r * in->N, w0 + (size_t)r * row_bytes, row_bytes, 1, in, qtype);
+    if (qtype == LLMC_QUANT_Q8_0) {
+        range_512(out, OC, weight, row_bytes, o0, o1, bias, in, LLMC_QUANT_Q8_0);
+    } else {
+        range_512(out, OC, weight, row_bytes, o0, o1, bias, in, LLMC_QUANT_Q4_0);
+    }
+}
+
+/* quantize_input_row (below) with AVX-512, bitwise: the same max (NaNs
+   skipped, as fmaxf skips them), scale and products, and roundf's halves
+   away from zero as trunc(v) + sign(v) where |v - trunc(v)| >= 1/2 (v -
+   trunc(v) is exact) */
+TARGET_AVX512VNNI static void quantize_input_row_512(int8_t* q, float* d, int32_t* corr,
+                                                     const float* x, int nb, int qtype) {
+    const int offset = weight_offset(qtype);
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f),
+                 one = _mm512_set1_ps(1.0f);
+    for (int b = 0; b < nb; b++) {
+        __m512 v[2];
+        __m512i i[2];
+        for (int h = 0; h < 2; h++) { v[h] = _mm512_loadu_ps(x + (size_t)b * QK + 16 * h); }
+        const __m512 a0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[0], v[0], _CMP_ORD_Q),
+                                              _mm512_andnot_ps(sign, v[0]));
+        const __m512 a1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[1], v[1], _CMP_ORD_Q),
+                                              _mm512_andnot_ps(sign, v[1]));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        const float scale = amax / 127.0f;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        d[b] = fp16_to_float(fp16_from_float(scale));
+        for (int h = 0; h < 2; h++) {
+            const __m512 p = _mm512_mul_ps(v[h], _mm512_set1_ps(inverse));
+            const __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __mmask16 away = _mm512_cmp_ps_mask(
+                _mm512_andnot_ps(sign, _mm512_sub_ps(p, t)), half, _CMP_GE_OQ);
+            const __m512 r = _mm512_mask_add_ps(t, away, t,
+                                                _mm512_or_ps(_mm512_and_ps(p, sign), one));
+            i[h] = _mm512_cvttps_epi32(r);
+        }
+        // the int8s (a NaN's int32 0x80000000 truncates to 0, as in C's
+        // conversion here), summed from their bytes
+        uint8_t bytes[QK];
+        _mm_storeu_si128((__m128i*)bytes, _mm512_cvtepi32_epi8(i[0]));
+        _mm_storeu_si128((__m128i*)(bytes + 16), _mm512_cvtepi32_epi8(i[1]));
+        const __m512i wide = _mm512_add_epi32(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)bytes)),
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(bytes + 16))));
+        corr[b] = -offset * _mm512_reduce_add_epi32(wide);
+        for (int k = 0; k < QK / 4; k++) {
+            memcpy(q + chunk_offset(nb, b, k, QK), bytes + 4 * k, 4);
         }
     }
 }
@@ -540,8 +710,10 @@ TARGET_AVX2 static LLMC_ALWAYS_INLINE void avx2_weights(__m256i u[8], const uint
 #define DOT_AVXVNNI(s, u, x) _mm256_dpbusd_avx_epi32(s, u, x)
 #define INIT_CORR(corr, count) load_lanes(corr, count)
 
-ROWS_256(rows_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
-ROWS_256(rows_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
+ROWS_256(sums_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
+ROWS_256(sums_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
+ROWS_OF_SUMS(rows_avx2, sums_avx2)
+ROWS_OF_SUMS(rows_avxvnni, sums_avxvnni)
 #endif
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };
@@ -631,28 +803,17 @@ static void quantize_input_row(int8_t* q, float* d, int32_t* corr, const float* 
     }
 }
 
-/* out[n, o0 .. o0 + ROWS) (at most OC; out rows OC apart) for each input
-   row n of `in`, from the packed weight rows at weight (row_bytes each):
-   the rows function's sums, MAX_ROWS input rows a call, plus bias[o] (or
-   none) in double, rounded once to float. */
-static void quant_output_rows(rows_fn rows, float* out, const quant_input* in,
-                              const uint8_t* weight, size_t row_bytes, int o0, int OC,
-                              const float* bias, int qtype) {
-    const int nrows = OC - o0 < ROWS ? OC - o0 : ROWS, nb = in->nb;
-    for (int n0 = 0; n0 < in->N; n0 += MAX_ROWS) {
-        const quant_input part = {in->q + (size_t)n0 * nb * QK, in->d + (size_t)n0 * nb,
-                                  in->corr + (size_t)n0 * nb,
-                                  in->N - n0 < MAX_ROWS ? in->N - n0 : MAX_ROWS, nb};
-        double sums[ROWS * MAX_ROWS];
-        rows(sums, weight + (size_t)o0 * row_bytes, row_bytes, nrows, &part, qtype);
-        for (int r = 0; r < nrows; r++) {
-            for (int n = 0; n < part.N; n++) {
-                const int o = o0 + r;
-                out[(size_t)(n0 + n) * OC + o] =
-                    (float)(sums[r * part.N + n] + (bias != NULL ? (double)bias[o] : 0.0));
-            }
-        }
-    }
+typedef void (*quantize_fn)(int8_t* q, float* d, int32_t* corr, const float* x, int nb,
+                            int qtype);
+
+/* the input quantizer a path runs: the vector one on AVX512-VNNI's (so the
+   tests that compare paths compare the two quantizers too) */
+static quantize_fn path_quantizer(int path) {
+#ifdef LLMC_X86_DISPATCH
+    if (path == PATH_AVX512VNNI) { return quantize_input_row_512; }
+#endif
+    (void)path;
+    return quantize_input_row;
 }
 
 static int matmul_quant(int path, float* out, const float* inp, const uint8_t* weight,
@@ -665,6 +826,7 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
                  && llmc_count_fits((size_t)N, (size_t)OC, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(path_supported(path), LLMC_ERR_UNSUPPORTED);
     const rows_fn rows = path_function(path);
+    const quantize_fn quantize_input = path_quantizer(path);
 
     const int nb = IC / QK;
     int8_t* xq = malloc((size_t)N * IC);
@@ -675,20 +837,22 @@ static int matmul_quant(int path, float* out, const float* inp, const uint8_t* w
         return LLMC_ERR_NOMEM;
     }
     for (int n = 0; n < N; n++) {
-        quantize_input_row(xq + (size_t)n * IC, xd + (size_t)n * nb, corr + (size_t)n * nb,
-                           inp + (size_t)n * IC, nb, qtype);
+        quantize_input(xq + (size_t)n * IC, xd + (size_t)n * nb, corr + (size_t)n * nb,
+                       inp + (size_t)n * IC, nb, qtype);
     }
 
-    // each thread a contiguous run of groups of ROWS output rows, each
-    // row's weights read from memory once for all N input rows; every
+    // each thread one contiguous run of output rows (whole groups of ROWS),
+    // each row's weights read from memory once for all N input rows; every
     // out[n, o] is summed by one thread: its 16 lanes in group order, then
     // the lanes in a fixed tree in double with the bias, rounded once to float
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
-    const int groups = (OC + ROWS - 1) / ROWS;
     const quant_input all = {xq, xd, corr, N, nb};
-    #pragma omp parallel for schedule(static)
-    for (int grp = 0; grp < groups; grp++) {
-        quant_output_rows(rows, out, &all, weight, row_bytes, grp * ROWS, OC, bias, qtype);
+    #pragma omp parallel
+    {
+        int64_t lo, hi;
+        llmc_thread_share((OC + ROWS - 1) / ROWS, &lo, &hi);
+        const int o0 = (int)lo * ROWS, o1 = hi * ROWS < OC ? (int)hi * ROWS : OC;
+        if (o0 < o1) { rows(out, OC, weight, row_bytes, o0, o1, bias, &all, qtype); }
     }
     free(xq); free(xd); free(corr);
     return LLMC_OK;
@@ -861,9 +1025,9 @@ typedef struct {
 /* grouped_quant's experts of 1 .. few_rows rows (`few` of them): their
    input rows quantized, then all their groups of output rows in one
    parallel loop. */
-static int few_row_experts(rows_fn rows, float* out, const float* inp, const uint8_t* weight,
-                           const int* offsets, int R, int IC, int OC, int E, int qtype,
-                           int few_rows, int few) {
+static int few_row_experts(rows_fn rows, quantize_fn quantize_input, float* out,
+                           const float* inp, const uint8_t* weight, const int* offsets, int R,
+                           int IC, int OC, int E, int qtype, int few_rows, int few) {
     const int nb = IC / QK, groups = (OC + ROWS - 1) / ROWS;
     const size_t row_bytes = (size_t)nb * block_bytes(qtype);
     // indexed by the grouped row r (the many-row experts' slots unused)
@@ -880,8 +1044,8 @@ static int few_row_experts(rows_fn rows, float* out, const float* inp, const uin
         const int r0 = offsets[e], n = offsets[e + 1] - r0;
         if (n == 0 || n > few_rows) { continue; }
         for (int r = r0; r < r0 + n; r++) {
-            quantize_input_row(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
-                               inp + (size_t)r * IC, nb, qtype);
+            quantize_input(xq + (size_t)r * IC, xd + (size_t)r * nb, corr + (size_t)r * nb,
+                           inp + (size_t)r * IC, nb, qtype);
         }
         for (int grp = 0; grp < groups; grp++) { jobs[count++] = (expert_group){e, grp * ROWS}; }
     }
@@ -890,8 +1054,9 @@ static int few_row_experts(rows_fn rows, float* out, const float* inp, const uin
         const int e = jobs[j].expert, r0 = offsets[e];
         const quant_input mine = {xq + (size_t)r0 * IC, xd + (size_t)r0 * nb,
                                   corr + (size_t)r0 * nb, offsets[e + 1] - r0, nb};
-        quant_output_rows(rows, out + (size_t)r0 * OC, &mine, weight + (size_t)e * OC * row_bytes,
-                          row_bytes, jobs[j].o0, OC, NULL, qtype);
+        const int o0 = jobs[j].o0, o1 = OC - o0 < ROWS ? OC : o0 + ROWS;
+        rows(out + (size_t)r0 * OC, OC, weight + (size_t)e * OC * row_bytes, row_bytes, o0, o1,
+             NULL, &mine, qtype);
     }
     free(xq); free(xd); free(corr); free(jobs);
     return LLMC_OK;
@@ -913,8 +1078,8 @@ static int grouped_quant(int path, float* out, const float* inp, const uint8_t* 
         const int n = offsets[e + 1] - offsets[e];
         few += n > 0 && n <= few_rows;
     }
-    int status = few > 0 ? few_row_experts(path_function(path), out, inp, weight, offsets, R,
-                                           IC, OC, E, qtype, few_rows, few)
+    int status = few > 0 ? few_row_experts(path_function(path), path_quantizer(path), out, inp,
+                                           weight, offsets, R, IC, OC, E, qtype, few_rows, few)
                          : LLMC_OK;
     const size_t expert_bytes = (size_t)OC * (IC / QK) * block_bytes(qtype);
     for (int e = 0; e < E && status == LLMC_OK; e++) {

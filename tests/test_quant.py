@@ -170,6 +170,26 @@ def test_matmul_quant_matches_reference(rng, path, qtype, N, IC, OC, with_bias):
                                   matmul(x, wq, bias, qtype).view(np.uint32))
 
 
+@pytest.mark.parametrize("IC", [96, 768])
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_matmul_quant_input_rounding_same_on_every_path(rng, path, qtype, IC):
+    """The input rows' Q8_0 rounding (ties, zeros, tiny and overflowing
+    scales, every magnitude) is the portable path's on every path (the
+    AVX512-VNNI path quantizes them with its own vector code)."""
+    x = special_rows(rng, IC)
+    scales = 10.0 ** rng.uniform(-12, 9, (4, IC // 32, 1))
+    x = np.concatenate([x, (rng.standard_normal((4, IC // 32, 32)) * scales)
+                        .astype(np.float32).reshape(4, IC)])
+    wq = quantize(rng.standard_normal((21, IC)).astype(np.float32), qtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ours, plain = (matmul(x, wq, None, qtype, p) for p in (path, "portable"))
+    # the overflowing scale's row is inf or NaN: NaNs where the plain path's are
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(plain))
+    np.testing.assert_array_equal(np.where(np.isnan(ours), 0, ours).view(np.uint32),
+                                  np.where(np.isnan(plain), 0, plain).view(np.uint32))
+
+
 def numpy_pack(wq, qtype):
     """quant.c's packed layout, from its description: per row the blocks'
     fp16 scales, then the quants in groups of 16 blocks (the last group g
