@@ -249,10 +249,13 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
  *   inp      [B, T, (NH + 2 NKV) hs]  forward input
  *   qweight, kweight [hs]
  *   rstd     [B, T, NH + NKV]         saved by head_rmsnorm_forward
+ *   written  1: dinp is written instead (bitwise the sum into a zeroed dinp,
+ *            without reading or zeroing it first); 0: added into
  */
 int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout,
                           const float* inp, const float* qweight, const float* kweight,
-                          const float* rstd, int B, int T, int NH, int NKV, int hs);
+                          const float* rstd, int B, int T, int NH, int NKV, int hs,
+                          int written);
 
 /* ---- matmul.c ----------------------------------------------------------- */
 
@@ -716,9 +719,12 @@ int rope_forward(float* out, const float* inp, const int* pos, const double* inv
  *   dout [B, T, (NH + 2 NKV) hs]
  *   pos  [B] int32 or NULL, inv_freq [hs/2] or NULL, interleaved, as in the
  *        forward
+ *   written 1: dinp is written instead (bitwise the sum into a zeroed dinp,
+ *        without reading or zeroing it first); 0: added into
  */
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
-                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved);
+                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
+                  int written);
 
 /*
  * rope_table: the cos and sin rope_forward turns pair i by at position p,

@@ -286,6 +286,30 @@ def test_head_rmsnorm_thread_invariant(rng, isa, set_threads):
     assert_thread_invariant(set_threads, run)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", HEAD_SHAPES)
+def test_head_rmsnorm_backward_written_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, B,
+                                                                     T, NH, NKV, hs, frozen):
+    """written=True ignores what dinp held (NaN here) and gives bitwise the
+    (+=) result on a zeroed dinp, the sign of a zero included (a token's
+    gradient of -0, q, k and v heads); the weights' gradients unchanged."""
+    x, qw, kw, dout = head_inputs(rng, B, T, NH, NKV, hs)
+    dout[0, 0, :] = -0.0   # 0 + (-0) is +0
+    _, rstd = head_forward(x, qw, kw, NH, NKV)
+    into_zeros = head_backward(dout, x, qw, kw, rstd, NH, NKV)
+    assert np.signbit(into_zeros[0][0, 0]).sum() == 0
+
+    def run():
+        dinp = np.full_like(x, np.nan)
+        dqw, dkw = (None, None) if frozen else (np.zeros_like(qw), np.zeros_like(kw))
+        K.head_rmsnorm_backward(dinp, dqw, dkw, dout, x, qw, kw, rstd, NH, NKV, written=True)
+        return {"dinp": dinp} if frozen else {"dinp": dinp, "dqw": dqw, "dkw": dkw}
+    for name, ours in run().items():
+        theirs = into_zeros[("dinp", "dqw", "dkw").index(name)]
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), name
+    assert_thread_invariant(set_threads, run)
+
+
 @pytest.mark.parametrize("bad", ["qweight", "kweight", "rstd"])
 def test_head_rmsnorm_rejects_wrong_shape(rng, bad):
     x, qw, kw, _ = head_inputs(rng, 2, 3, 4, 2, 8)

@@ -100,10 +100,11 @@ head_rmsnorm_backward = _kernel(
     "head_rmsnorm_backward",
     f"dinp[B,T,{_QKV}] +=, dqweight[hs] += or None, dkweight[hs] += or None, dout[B,T,{_QKV}],"
     f" inp[B,T,{_QKV}], qweight[hs], kweight[hs], rstd[B,T,NH+NKV]"
-    " | B T NH NKV hs from heads(inp, NH, NKV)",
+    " | B T NH NKV hs from heads(inp, NH, NKV) | written:flag=0",
     """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
     the weights, rstd[B,T,NH+NKV] (the forward's). dqweight and dkweight may
-    both be None (frozen): their sums are skipped.""")
+    both be None (frozen): their sums are skipped. written=True: dinp written,
+    not added into.""")
 
 # ---- matmul.c, matmul_bf16.c, bf16.c: "naive" runs the plain reference loops ------
 
@@ -313,9 +314,11 @@ rope_forward = _kernel(
 rope_backward = _kernel(
     "rope_backward",
     f"dinp[B,T,{_QKV}] +=, dout[B,T,{_QKV}], pos[B] or None, inv_freq[hs//2]=None"
-    " | B T NH NKV hs from rope_heads(dout, NH, NKV) | theta=10000.0, interleaved:flag=False",
-    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through).""",
-    args="dinp dout pos NH NKV theta inv_freq interleaved")
+    " | B T NH NKV hs from rope_heads(dout, NH, NKV) | theta=10000.0, interleaved:flag=False,"
+    " written:flag=0",
+    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through;
+    written=True: written, not added into).""",
+    args="dinp dout pos NH NKV theta inv_freq interleaved written")
 
 rope_table = _kernel(
     "rope_table",

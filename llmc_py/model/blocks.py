@@ -449,15 +449,13 @@ class Block:
                               c.NH, c.NKV, c.sliding_window, *site)
         dnormed = d.qkvr
         if rope:
-            d.qkvn[...] = 0.0
             K.rope_backward(d.qkvn, d.qkvr, None, c.NH, c.NKV, c.rope_theta, m.rope_inv_freq,
-                            c.rope_interleaved)
+                            c.rope_interleaved, written=True)
             dnormed = d.qkvn
         if qk_norm:
-            d.qkv[...] = 0.0
             K.head_rmsnorm_backward(d.qkv, m.base_grad("qnormw", l), m.base_grad("knormw", l),
                                     dnormed, a.qkv[l], p.qnormw[l], p.knormw[l], a.qk_rstd[l],
-                                    c.NH, c.NKV)
+                                    c.NH, c.NKV, written=True)
         return d.qkv
 
 
