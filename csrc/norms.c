@@ -109,11 +109,13 @@ int residual_layernorm_forward(float* residual, void* out, float* mean, float* r
                           out_dtype);
 }
 
-/* One row of pass 1 of the backward, dinp. With n = (x - mean) * rstd and
-   g = dout * weight:  dx = rstd * (g - mean(g) - n * mean(g * n)) */
+/* One row of pass 1 of the backward, dinp, added into dx (written: onto 0,
+   llmc_grad_start). With n = (x - mean) * rstd and g = dout * weight:
+   dx = rstd * (g - mean(g) - n * mean(g * n)) */
 static LLMC_ALWAYS_INLINE void layernorm_backward_row_body(float* dx, const float* dy,
                                                            const float* x, const float* weight,
-                                                           float m, float s, int C) {
+                                                           float m, float s, int C,
+                                                           int written) {
     // 16 lanes each; the zero-filled lanes past C give g = 0
     vec16f g_sum = {0}, gn_sum = {0};
     for (int i = 0; i < C; i += 16) {
@@ -125,30 +127,32 @@ static LLMC_ALWAYS_INLINE void layernorm_backward_row_body(float* dx, const floa
     const float g_mean = llmc_hsum16(g_sum) / C, gn_mean = llmc_hsum16(gn_sum) / C;
     for (int i = 0; i < C; i++) {
         const float n = (x[i] - m) * s;
-        dx[i] += s * (dy[i] * weight[i] - g_mean - n * gn_mean);
+        dx[i] = llmc_grad_start(dx + i, written) + s * (dy[i] * weight[i] - g_mean - n * gn_mean);
     }
 }
 LLMC_ISA_VARIANTS(layernorm_backward_row, (float* dx, const float* dy, const float* x,
-                                           const float* weight, float m, float s, int C),
-                  dx, dy, x, weight, m, s, C)
+                                           const float* weight, float m, float s, int C,
+                                           int written),
+                  dx, dy, x, weight, m, s, C, written)
 
 int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
-                       int B, int T, int C) {
+                       int B, int T, int C, int written) {
     LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL2(inp, weight)
                  && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
-    void (*const row)(float*, const float*, const float*, const float*, float, float, int) =
+    void (*const row)(float*, const float*, const float*, const float*, float, float, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), layernorm_backward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
-            mean[bt], rstd[bt], C);
+            mean[bt], rstd[bt], C, written);
     }
 
     // pass 2, the parameter gradients (those asked for): sums over rows
@@ -245,10 +249,11 @@ LLMC_ISA_VARIANTS(rmsnorm_backward_row, (float* dx, const float* dy, const float
 
 int rmsnorm_backward(float* dinp, float* dweight,
                      const float* dout, const float* inp, const float* weight,
-                     const float* rstd, int B, int T, int C) {
+                     const float* rstd, int B, int T, int C, int written) {
     LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL3(inp, weight, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
@@ -257,7 +262,7 @@ int rmsnorm_backward(float* dinp, float* dweight,
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
-            rstd[bt], C, 0);
+            rstd[bt], C, written);
     }
 
     // pass 2, dweight (unless frozen): sums over rows

@@ -948,10 +948,9 @@ class Transformer:
         one layer's (grad_act_specs)."""
         c, p, a = self.config, self.params, self.acts
         layer = LayerGrads(c, d, self.B, self.T)
-        d.residual[...] = 0.0
         apply_norm_backward(c, d.residual, self.base_grad("lnfw"), self.base_grad("lnfb"),
                             layer.ln, self.layer_output(a, c.L - 1), p.lnfw,
-                            optional(a, "lnf_mean"), a.lnf_rstd)
+                            optional(a, "lnf_mean"), a.lnf_rstd, written=True)
         for l in reversed(range(c.L)):
             # d.residual is d(layer l's output); after, d(its input)
             x = a.encoded if l == 0 else self.layer_output(a, l - 1)
