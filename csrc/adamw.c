@@ -1,5 +1,6 @@
-/* The AdamW update over the flat parameter buffer, and gradient-norm helpers.
-   The loops are built per instruction set (isa.h). */
+/* The AdamW update over the flat parameter buffer, and the gradient buffer's
+   helpers (its norm, scale and zeroing). The loops are built per instruction
+   set (isa.h). */
 #include <stdlib.h>
 #include "llmc.h"
 #include "common.h"
@@ -39,6 +40,13 @@ LLMC_ISA_VARIANTS(adamw_range, (float* params, uint16_t* params_bf16, float* m, 
 typedef void (*adamw_range_fn)(float*, uint16_t*, float*, float*, const float*, int64_t, float,
                                float, float, float, float, float, float);
 
+/* From this many floats (16 MiB) on, an array the update or fill_zero writes
+   is stored with streaming (non-temporal) stores on AVX2 and AVX-512: far
+   larger than the caches, it gains nothing from keeping the lines written,
+   and an array only written is then not read for ownership first. Below it,
+   the arrays may still be in the caches, where the next step reads them. */
+#define STREAM_MIN ((int64_t)1 << 22)
+
 #ifdef LLMC_X86_DISPATCH
 #include <immintrin.h>
 
@@ -46,14 +54,11 @@ typedef void (*adamw_range_fn)(float*, uint16_t*, float*, float*, const float*, 
 #define ADAMW_CHUNK 512
 
 /*
- * adamw_range in place, but with streaming (non-temporal) stores: an array
- * much larger than the caches gains nothing from keeping the lines it
- * writes, and the bf16 copy, only written, is then not read for ownership
- * first. Each chunk is computed by the same loop into scratch, then stored
- * 32 bytes at a time (from the first element where params is 64-byte
- * aligned; the elements before it, and every element when m, v or the copy
- * do not share that alignment, in place). The sfence orders the streamed
- * stores before whatever follows.
+ * adamw_range with streaming stores (STREAM_MIN): each chunk is computed by
+ * the same loop into scratch, then stored 32 bytes at a time, from the first
+ * element where params is 64-byte aligned (the elements before it, and every
+ * element when m, v or the copy do not share that alignment, in place). The
+ * sfence orders the streamed stores before whatever follows.
  */
 LLMC_TARGET_AVX2 static LLMC_ALWAYS_INLINE void adamw_streamed_body(
         float* params, uint16_t* params_bf16, float* m, float* v, const float* grads, int64_t n,
@@ -94,37 +99,43 @@ LLMC_TARGET_AVX2 static LLMC_ALWAYS_INLINE void adamw_streamed_body(
                      eps, weight_decay, c1, c2);
     _mm_sfence();
 }
-LLMC_TARGET_AVX2 __attribute__((noinline)) static void adamw_streamed_avx2(
-        float* params, uint16_t* params_bf16, float* m, float* v, const float* grads, int64_t n,
-        float learning_rate, float beta1, float beta2, float eps, float weight_decay, float c1,
-        float c2) {
-    adamw_streamed_body(params, params_bf16, m, v, grads, n, learning_rate, beta1, beta2, eps,
-                        weight_decay, c1, c2);
-}
-LLMC_TARGET_AVX512 __attribute__((noinline)) static void adamw_streamed_avx512(
-        float* params, uint16_t* params_bf16, float* m, float* v, const float* grads, int64_t n,
-        float learning_rate, float beta1, float beta2, float eps, float weight_decay, float c1,
-        float c2) {
-    adamw_streamed_body(params, params_bf16, m, v, grads, n, learning_rate, beta1, beta2, eps,
-                        weight_decay, c1, c2);
+/* adamw_streamed_avx2 and adamw_streamed_avx512 (isa.h's variants) */
+#define ADAMW_STREAMED(attr, name)                                                          \
+    LLMC_ISA_VARIANT_(attr, name,                                                           \
+                      (float* params, uint16_t* params_bf16, float* m, float* v,            \
+                       const float* grads, int64_t n, float learning_rate, float beta1,     \
+                       float beta2, float eps, float weight_decay, float c1, float c2),     \
+                      adamw_streamed_body(params, params_bf16, m, v, grads, n,              \
+                                          learning_rate, beta1, beta2, eps, weight_decay,   \
+                                          c1, c2))
+ADAMW_STREAMED(LLMC_TARGET_AVX2, adamw_streamed_avx2)
+ADAMW_STREAMED(LLMC_TARGET_AVX512, adamw_streamed_avx512)
+
+/* x[0 .. n) = 0 with streaming stores from the first 32-byte aligned element. */
+LLMC_TARGET_AVX2 __attribute__((noinline)) static void zero_streamed(float* x, int64_t n) {
+    int64_t head = (int64_t)(((32 - (uintptr_t)x % 32) % 32) / sizeof(float));
+    head = head < n ? head : n;
+    memset(x, 0, (size_t)head * sizeof(float));
+    int64_t i = head;
+    for (; i + 8 <= n; i += 8) { _mm256_stream_ps(x + i, _mm256_setzero_ps()); }
+    memset(x + i, 0, (size_t)(n - i) * sizeof(float));
+    _mm_sfence();
 }
 #endif
 
-/* Below this many parameters (16 MiB of each float array) the update runs in
-   place: its arrays may still be in the caches, and the next step reads them. */
-#define ADAMW_STREAM_MIN ((int64_t)1 << 22)
-
-/* The update's per-thread function: adamw_range, or for N >= ADAMW_STREAM_MIN
-   on AVX2 and AVX-512 adamw_streamed (the same bits). */
+/* The update's per-thread function: adamw_range, or for N >= STREAM_MIN on
+   AVX2 and AVX-512 adamw_streamed (the same bits). */
 static adamw_range_fn adamw_choice(int isa, int64_t N) {
 #ifdef LLMC_X86_DISPATCH
-    if (N >= ADAMW_STREAM_MIN && isa >= LLMC_ISA_AVX2) {
+    if (N >= STREAM_MIN && isa >= LLMC_ISA_AVX2) {
         return isa >= LLMC_ISA_AVX512 ? adamw_streamed_avx512 : adamw_streamed_avx2;
     }
 #endif
     (void)N;
     return LLMC_ISA_SELECT(isa, adamw_range);
 }
+
+static void zero_plain(float* x, int64_t n) { memset(x, 0, (size_t)n * sizeof(float)); }
 
 /* *out = the sum of squares of x[i0 .. i1), in double, in order. */
 static LLMC_ALWAYS_INLINE void chunk_norm_body(double* out, const float* x, int64_t i0,
@@ -195,6 +206,22 @@ int scale_inplace(float* x, int64_t N, float scale) {
         int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         if (i0 < i1) { range(x, i0, i1, scale); }
+    }
+    return LLMC_OK;
+}
+
+int fill_zero(float* x, int64_t N) {
+    LLMC_REQUIRE(x != NULL, LLMC_ERR_NULL);
+    LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
+    void (*range)(float*, int64_t) = zero_plain;
+#ifdef LLMC_X86_DISPATCH
+    if (N >= STREAM_MIN && llmc_get_isa() >= LLMC_ISA_AVX2) { range = zero_streamed; }
+#endif
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(N, &i0, &i1);
+        if (i0 < i1) { range(x + i0, i1 - i0); }
     }
     return LLMC_OK;
 }

@@ -990,6 +990,14 @@ int global_norm_squared(double* out, const float* x, int64_t N);
  */
 int scale_inplace(float* x, int64_t N, float scale);
 
+/*
+ * fill_zero: x = 0 (zero_grad's fill of a flat gradient buffer; a large one
+ * with streaming stores, which do not read each line before writing it)
+ *
+ *   x [N]  (written)
+ */
+int fill_zero(float* x, int64_t N);
+
 /* ---- moe.c -------------------------------------------------------------- */
 
 /*

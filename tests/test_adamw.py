@@ -5,6 +5,7 @@ import pytest
 import llmc_py
 from llmc_py import kernels as K
 from helpers import TOL, assert_close, assert_thread_invariant, randn, t64
+from llmc_py.model.layout import TensorGroup
 from reference import adamw_step as ref_adamw_step
 
 # llm.c's defaults, with weight decay on so that its term is exercised; the
@@ -111,6 +112,33 @@ def test_adamw_streamed_is_bitwise_the_update_of_its_parts(rng, isa, set_threads
     for name, whole in update([(0, N)]).items():
         assert np.array_equal(whole, in_parts[name]), name
     assert_thread_invariant(set_threads, lambda: update([(0, N)]))
+
+
+@pytest.mark.parametrize("N,at", [(1, 4), (37, 12), (STREAM_MIN + 13, 0), (STREAM_MIN + 13, 20)])
+def test_fill_zero_writes_every_element_and_nothing_else(isa, set_threads, N, at):
+    """Over NaN, every element +0 (streamed from STREAM_MIN floats on, from a
+    start anywhere), the floats around the array untouched."""
+    def run():
+        around = at_byte(np.full(N + 2, np.nan, np.float32), at)
+        K.fill_zero(around[1:-1])
+        return {"around": around.view(np.uint32)}   # bits: NaN != NaN
+    result = run()["around"].view(np.float32)
+    assert np.isnan(result[[0, -1]]).all()
+    assert not result[1:-1].view(np.uint32).any()
+    assert_thread_invariant(set_threads, run)
+
+
+def test_tensor_group_zero_fills_the_named_tensors_alone():
+    """TensorGroup.zero(names): those tensors zero, the others as they were,
+    in float32 (fill_zero over each run of adjacent tensors) and uint16."""
+    specs = [(name, lambda n=n: (n,)) for name, n in (("a", 5), ("b", 7), ("c", 3), ("d", 4))]
+    for dtype in (np.float32, np.uint16):
+        group = TensorGroup(specs, dtype=dtype)
+        group.memory[...] = 9
+        group.zero(["d", "a", "b"])
+        assert [int(group[n].sum()) for n in "abcd"] == [0, 0, 27, 0]
+        group.zero()
+        assert not group.memory.any()
 
 
 def test_adamw_rejects_step_zero_and_mismatched_state(rng):

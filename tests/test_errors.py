@@ -217,6 +217,7 @@ ROWS = {
                         bad=(({"t": 0}, "LLMC_ERR_VALUE"), ({"t": -1}, "LLMC_ERR_VALUE"))),
     "global_norm_squared": Row(),
     "scale_inplace": Row(),
+    "fill_zero": Row(),
     "moe_route_forward": Row(**_ROUTE),
     "moe_route_backward": Row(**dict(_ROUTE_BACKWARD,
                                      not_sizes=_ROUTE["not_sizes"] | _WRITTEN_FLAG["not_sizes"],

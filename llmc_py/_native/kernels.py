@@ -289,6 +289,10 @@ scale_inplace = _kernel(
     "scale_inplace", "x[N] updated | N from x | scale",
     """x *= scale over a flat float32 array.""")
 
+fill_zero = _kernel(
+    "fill_zero", "x[N] written | N from x",
+    """x = 0 over a flat float32 array (a large one with streaming stores).""")
+
 
 def global_norm_squared(x):
     """sum(x**2) over a flat float32 array, as a Python float (summed in double)."""

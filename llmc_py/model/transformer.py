@@ -874,9 +874,8 @@ class Transformer:
         unwritten = {(self._head_name(), None)}
         unwritten |= {(name, l) for name in FIRST_WRITTEN_GRADS if name in grads.names
                       for l in range(grads[name].shape[0])}
-        for name in grads.names:
-            if (name, None) not in unwritten and name not in FIRST_WRITTEN_GRADS:
-                grads[name][...] = 0.0
+        grads.zero([name for name in grads.names
+                    if (name, None) not in unwritten and name not in FIRST_WRITTEN_GRADS])
         self._unwritten = unwritten
 
     def _start_backward(self, loss_scale):
