@@ -72,6 +72,13 @@ static LLMC_ALWAYS_INLINE float llmc_bf16_widen(uint16_t h) {
     return x;
 }
 
+/* What a backward adds its gradient onto: *dinp (+=), or 0 when dinp is
+   written (the sum 0 + g, so bitwise a zeroed dinp's result, -0 turned +0);
+   written is loop-invariant, so the compiler keeps a loop per case. */
+static LLMC_ALWAYS_INLINE float llmc_grad_start(const float* dinp, int written) {
+    return written ? 0.0f : *dinp;
+}
+
 /* Index of the first id outside [0, V) of ids[0 .. n), or -1 if all are in
    range (token ids and targets). */
 static inline int64_t llmc_first_bad_index(const int* ids, int64_t n, int V) {

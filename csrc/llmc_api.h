@@ -181,11 +181,13 @@ int residual_layernorm_forward(float* residual, void* out, float* mean, float* r
  *   weight  [C]
  *   mean    [B, T]     saved by layernorm_forward
  *   rstd    [B, T]     saved by layernorm_forward
+ *   written 1: dinp is written instead (bitwise the sum into a zeroed dinp,
+ *           without reading or zeroing it first); 0: added into
  */
 int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
-                       int B, int T, int C);
+                       int B, int T, int C, int written);
 
 /*
  * rmsnorm_forward: out = inp * rstd * weight, per row of C, with
@@ -217,10 +219,11 @@ int residual_rmsnorm_forward(float* residual, void* out, float* rstd, const floa
  *   inp     [B, T, C]  forward input
  *   weight  [C]
  *   rstd    [B, T]     saved by rmsnorm_forward
+ *   written as layernorm_backward's
  */
 int rmsnorm_backward(float* dinp, float* dweight,
                      const float* dout, const float* inp, const float* weight,
-                     const float* rstd, int B, int T, int C);
+                     const float* rstd, int B, int T, int C, int written);
 
 /*
  * head_rmsnorm_forward: RMSNorm of each q head and each k head of packed
@@ -249,10 +252,12 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
  *   inp      [B, T, (NH + 2 NKV) hs]  forward input
  *   qweight, kweight [hs]
  *   rstd     [B, T, NH + NKV]         saved by head_rmsnorm_forward
+ *   written  as layernorm_backward's
  */
 int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout,
                           const float* inp, const float* qweight, const float* kweight,
-                          const float* rstd, int B, int T, int NH, int NKV, int hs);
+                          const float* rstd, int B, int T, int NH, int NKV, int hs,
+                          int written);
 
 /* ---- matmul.c ----------------------------------------------------------- */
 
@@ -721,9 +726,12 @@ int rope_forward(float* out, const float* inp, const int* pos, const double* inv
  *   dout [B, T, (NH + 2 NKV) hs]
  *   pos  [B] int32 or NULL, inv_freq [hs/2] or NULL, interleaved, as in the
  *        forward
+ *   written 1: dinp is written instead (bitwise the sum into a zeroed dinp,
+ *        without reading or zeroing it first); 0: added into
  */
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
-                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved);
+                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
+                  int written);
 
 /*
  * rope_table: the cos and sin rope_forward turns pair i by at position p,
@@ -987,6 +995,14 @@ int global_norm_squared(double* out, const float* x, int64_t N);
  */
 int scale_inplace(float* x, int64_t N, float scale);
 
+/*
+ * fill_zero: x = 0 (zero_grad's fill of a flat gradient buffer; a large one
+ * with streaming stores, which do not read each line before writing it)
+ *
+ *   x [N]  (written)
+ */
+int fill_zero(float* x, int64_t N);
+
 /* ---- moe.c -------------------------------------------------------------- */
 
 /*
@@ -1035,10 +1051,12 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
  *   logits    [N, E]  the forward's
  *   experts   [N, k]  the forward's, each in [0, E) (else LLMC_ERR_RANGE)
  *   fractions [E]     double, each finite (else LLMC_ERR_VALUE), or NULL
+ *   written   1: dlogits is written instead (bitwise the sum into zeros); 0
  */
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
                        const float* logits, const int* experts, const double* fractions, int N,
-                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef);
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef,
+                       int written);
 
 /*
  * moe_permute: the grouped order of the forward's assignments.
@@ -1061,11 +1079,12 @@ int moe_permute(int* offsets, int* positions, const int* experts, int N, int E, 
  *   inp, dinp         [N, C]    the tokens, (+=)
  *   positions         [N, k]    int32 from moe_permute, each in [0, N k)
  *                               (else LLMC_ERR_RANGE)
+ *   written           1: dinp is written instead (bitwise the sum into zeros); 0
  */
 int moe_gather_forward(void* grouped, const void* inp, const int* positions, int N, int C, int k,
                        int grouped_dtype, int inp_dtype);
 int moe_gather_backward(float* dinp, const float* dgrouped, const int* positions, int N, int C,
-                        int k);
+                        int k, int written);
 
 /*
  * moe_combine_forward: out[n, :] = sum_j weights[n, j] expert_out[positions[n, j], :],

@@ -160,12 +160,13 @@ int moe_route_forward(float* probs, float* weights, int* experts, float* aux, co
  * balancing term (balance[e], the same for every token), gets the top-k
  * weights' gradient (through w_j = p_j / s when renormalised:
  * dp_j = (dw_j - sum_i dw_i w_i) / s), and goes through the softmax:
- * dx[e] += p[e] (g[e] - sum_i g[i] p[i]) + z_scale lse p[e].
+ * dx[e] += p[e] (g[e] - sum_i g[i] p[i]) + z_scale lse p[e] (written: onto 0).
  */
 static LLMC_ALWAYS_INLINE void route_back_row_body(float* dx, float* g, const float* dw,
                                                    const float* p, const float* x,
                                                    const int* expert, const float* balance,
-                                                   int E, int k, int norm, float z_scale) {
+                                                   int E, int k, int norm, float z_scale,
+                                                   int written) {
     memcpy(g, balance, (size_t)E * sizeof(float));
     if (dw != NULL) {
         float s = 1.0f, dot = 0.0f;
@@ -185,21 +186,24 @@ static LLMC_ALWAYS_INLINE void route_back_row_body(float* dx, float* g, const fl
         row_exp_sum(NULL, x, E, &maxval, &sum);
         zterm = z_scale * (float)((double)maxval + log(sum));
     }
-    for (int e = 0; e < E; e++) { dx[e] += p[e] * (g[e] - gp) + zterm * p[e]; }
+    for (int e = 0; e < E; e++) {
+        dx[e] = llmc_grad_start(dx + e, written) + (p[e] * (g[e] - gp) + zterm * p[e]);
+    }
 }
 LLMC_ISA_VARIANTS(route_back_row, (float* dx, float* g, const float* dw, const float* p,
                                    const float* x, const int* expert, const float* balance,
-                                   int E, int k, int norm, float z_scale),
-                  dx, g, dw, p, x, expert, balance, E, k, norm, z_scale)
+                                   int E, int k, int norm, float z_scale, int written),
+                  dx, g, dw, p, x, expert, balance, E, k, norm, z_scale, written)
 
 int moe_route_backward(float* dlogits, const float* dweights, const float* probs,
                        const float* logits, const int* experts, const double* fractions, int N,
-                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef) {
+                       int E, int k, int norm_topk_prob, float aux_coef, float z_coef,
+                       int written) {
     LLMC_REQUIRE(LLMC_NONNULL4(dlogits, probs, logits, experts), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && E > 0 && k > 0 && k <= E, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(N, E, 1, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE((norm_topk_prob == 0 || norm_topk_prob == 1) && isfinite(aux_coef)
-                 && isfinite(z_coef), LLMC_ERR_VALUE);
+                 && isfinite(z_coef) && (written == 0 || written == 1), LLMC_ERR_VALUE);
     LLMC_REQUIRE(experts_in_range(experts, (int64_t)N * k, E), LLMC_ERR_RANGE);
     LLMC_REQUIRE(fractions == NULL || all_finite(fractions, E), LLMC_ERR_VALUE);
     const int nthreads = omp_get_max_threads();
@@ -222,7 +226,7 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
     // d(z_coef * mean lse^2) / d x[n, e] = z_coef (2 lse / N) p[n, e]
     const float z_scale = (float)(2.0 * z_coef / N);
     void (*const row)(float*, float*, const float*, const float*, const float*, const int*,
-                      const float*, int, int, int, float) =
+                      const float*, int, int, int, float, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), route_back_row);
     #pragma omp parallel
     {
@@ -231,7 +235,7 @@ int moe_route_backward(float* dlogits, const float* dweights, const float* probs
         for (int64_t n = 0; n < N; n++) {
             row(dlogits + (size_t)n * E, g, dweights != NULL ? dweights + (size_t)n * k : NULL,
                 probs + (size_t)n * E, logits + (size_t)n * E, experts + (size_t)n * k, balance,
-                E, k, norm_topk_prob, z_scale);
+                E, k, norm_topk_prob, z_scale, written);
         }
     }
     free(scratch);
@@ -289,29 +293,32 @@ int moe_gather_forward(void* grouped, const void* inp, const int* positions, int
     return LLMC_OK;
 }
 
-/* One token of the gather's backward: dx += its k grouped rows, in order j. */
+/* One token of the gather's backward: dx += its k grouped rows, in order j
+   (written: onto 0, not dx). */
 static LLMC_ALWAYS_INLINE void gather_back_row_body(float* dx, const float* dgrouped,
-                                                    const int* pos, int C, int k) {
+                                                    const int* pos, int C, int k, int written) {
     for (int i = 0; i < C; i += 16) {
         const int n = C - i < 16 ? C - i : 16;
-        vec16f acc = llmc_load16(dx + i, n);
+        vec16f acc = written ? (vec16f){0} : llmc_load16(dx + i, n);
         for (int j = 0; j < k; j++) { acc += llmc_load16(dgrouped + (size_t)pos[j] * C + i, n); }
         llmc_store16(dx + i, acc, n);
     }
 }
-LLMC_ISA_VARIANTS(gather_back_row, (float* dx, const float* dgrouped, const int* pos, int C, int k),
-                  dx, dgrouped, pos, C, k)
+LLMC_ISA_VARIANTS(gather_back_row, (float* dx, const float* dgrouped, const int* pos, int C, int k,
+                                    int written),
+                  dx, dgrouped, pos, C, k, written)
 
 int moe_gather_backward(float* dinp, const float* dgrouped, const int* positions, int N, int C,
-                        int k) {
+                        int k, int written) {
     LLMC_REQUIRE(LLMC_NONNULL3(dinp, dgrouped, positions), LLMC_ERR_NULL);
     LLMC_REQUIRE(N > 0 && C > 0 && k > 0 && llmc_count_fits(N, k, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     LLMC_REQUIRE(positions_in_range(positions, (int64_t)N * k), LLMC_ERR_RANGE);
-    void (*const row)(float*, const float*, const int*, int, int) =
+    void (*const row)(float*, const float*, const int*, int, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), gather_back_row);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        row(dinp + (size_t)n * C, dgrouped, positions + (size_t)n * k, C, k);
+        row(dinp + (size_t)n * C, dgrouped, positions + (size_t)n * k, C, k, written);
     }
     return LLMC_OK;
 }

@@ -109,11 +109,13 @@ int residual_layernorm_forward(float* residual, void* out, float* mean, float* r
                           out_dtype);
 }
 
-/* One row of pass 1 of the backward, dinp. With n = (x - mean) * rstd and
-   g = dout * weight:  dx = rstd * (g - mean(g) - n * mean(g * n)) */
+/* One row of pass 1 of the backward, dinp, added into dx (written: onto 0,
+   llmc_grad_start). With n = (x - mean) * rstd and g = dout * weight:
+   dx = rstd * (g - mean(g) - n * mean(g * n)) */
 static LLMC_ALWAYS_INLINE void layernorm_backward_row_body(float* dx, const float* dy,
                                                            const float* x, const float* weight,
-                                                           float m, float s, int C) {
+                                                           float m, float s, int C,
+                                                           int written) {
     // 16 lanes each; the zero-filled lanes past C give g = 0
     vec16f g_sum = {0}, gn_sum = {0};
     for (int i = 0; i < C; i += 16) {
@@ -125,30 +127,32 @@ static LLMC_ALWAYS_INLINE void layernorm_backward_row_body(float* dx, const floa
     const float g_mean = llmc_hsum16(g_sum) / C, gn_mean = llmc_hsum16(gn_sum) / C;
     for (int i = 0; i < C; i++) {
         const float n = (x[i] - m) * s;
-        dx[i] += s * (dy[i] * weight[i] - g_mean - n * gn_mean);
+        dx[i] = llmc_grad_start(dx + i, written) + s * (dy[i] * weight[i] - g_mean - n * gn_mean);
     }
 }
 LLMC_ISA_VARIANTS(layernorm_backward_row, (float* dx, const float* dy, const float* x,
-                                           const float* weight, float m, float s, int C),
-                  dx, dy, x, weight, m, s, C)
+                                           const float* weight, float m, float s, int C,
+                                           int written),
+                  dx, dy, x, weight, m, s, C, written)
 
 int layernorm_backward(float* dinp, float* dweight, float* dbias,
                        const float* dout, const float* inp, const float* weight,
                        const float* mean, const float* rstd,
-                       int B, int T, int C) {
+                       int B, int T, int C, int written) {
     LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL2(inp, weight)
                  && LLMC_NONNULL2(mean, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
-    void (*const row)(float*, const float*, const float*, const float*, float, float, int) =
+    void (*const row)(float*, const float*, const float*, const float*, float, float, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), layernorm_backward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
-            mean[bt], rstd[bt], C);
+            mean[bt], rstd[bt], C, written);
     }
 
     // pass 2, the parameter gradients (those asked for): sums over rows
@@ -227,36 +231,38 @@ int residual_rmsnorm_forward(float* residual, void* out, float* rstd, const floa
     return rmsnorm_rows(residual, out, rstd, inp1, inp2, weight, B, T, C, eps, out_dtype);
 }
 
-/* One row of pass 1 of the backward, dinp. With s = rstd, n = x * s and
-   g = dout * weight, and ds/dx_j = -s^3 x_j / C:
+/* One row of pass 1 of the backward, dinp, added into dx (written: onto 0,
+   llmc_grad_start). With s = rstd, n = x * s and g = dout * weight, and
+   ds/dx_j = -s^3 x_j / C:
      dx_j = s g_j - s^3 x_j mean(g x) = s (g_j - n_j mean(g n)) */
 static LLMC_ALWAYS_INLINE void rmsnorm_backward_row_body(float* dx, const float* dy,
                                                          const float* x, const float* weight,
-                                                         float s, int C) {
+                                                         float s, int C, int written) {
     const float gn_mean = dot3(dy, weight, x, C) * s / C;
     for (int i = 0; i < C; i++) {
-        dx[i] += s * (dy[i] * weight[i] - x[i] * s * gn_mean);
+        dx[i] = llmc_grad_start(dx + i, written) + s * (dy[i] * weight[i] - x[i] * s * gn_mean);
     }
 }
 LLMC_ISA_VARIANTS(rmsnorm_backward_row, (float* dx, const float* dy, const float* x,
-                                         const float* weight, float s, int C),
-                  dx, dy, x, weight, s, C)
+                                         const float* weight, float s, int C, int written),
+                  dx, dy, x, weight, s, C, written)
 
 int rmsnorm_backward(float* dinp, float* dweight,
                      const float* dout, const float* inp, const float* weight,
-                     const float* rstd, int B, int T, int C) {
+                     const float* rstd, int B, int T, int C, int written) {
     LLMC_REQUIRE(LLMC_NONNULL2(dinp, dout) && LLMC_NONNULL3(inp, weight, rstd), LLMC_ERR_NULL);
     LLMC_REQUIRE(B > 0 && T > 0 && C > 0, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(llmc_count_fits(B, T, C, 1), LLMC_ERR_SHAPE);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const int64_t BT = (int64_t)B * T;
 
     // pass 1, dinp: rows are independent
-    void (*const row)(float*, const float*, const float*, const float*, float, int) =
+    void (*const row)(float*, const float*, const float*, const float*, float, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_backward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t bt = 0; bt < BT; bt++) {
         row(dinp + (size_t)bt * C, dout + (size_t)bt * C, inp + (size_t)bt * C, weight,
-            rstd[bt], C);
+            rstd[bt], C, written);
     }
 
     // pass 2, dweight (unless frozen): sums over rows
@@ -329,27 +335,32 @@ static void head_weight_grads(float* dweight, const float* dout, const float* in
 
 int head_rmsnorm_backward(float* dinp, float* dqweight, float* dkweight, const float* dout,
                           const float* inp, const float* qweight, const float* kweight,
-                          const float* rstd, int B, int T, int NH, int NKV, int hs) {
+                          const float* rstd, int B, int T, int NH, int NKV, int hs,
+                          int written) {
     const int status = head_rmsnorm_check(dinp, rstd, inp, qweight, kweight, B, T, NH, NKV, hs);
     LLMC_REQUIRE(status == LLMC_OK, status);
     LLMC_REQUIRE(dout != NULL && (dqweight == NULL) == (dkweight == NULL), LLMC_ERR_NULL);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
     const int nnorm = NH + NKV;
     const size_t row = (size_t)(NH + 2 * NKV) * hs;
     const int64_t BT = (int64_t)B * T;
     const int64_t rows = BT * nnorm;
 
     // pass 1, dinp: every (b, t, head) row is independent; v heads pass through
-    void (*const norm_row)(float*, const float*, const float*, const float*, float, int) =
+    void (*const norm_row)(float*, const float*, const float*, const float*, float, int, int) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_backward_row);
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t bt = r / nnorm;
         const int h = (int)(r % nnorm);
         const size_t at = (size_t)bt * row + (size_t)h * hs;
-        norm_row(dinp + at, dout + at, inp + at, h < NH ? qweight : kweight, rstd[r], hs);
+        norm_row(dinp + at, dout + at, inp + at, h < NH ? qweight : kweight, rstd[r], hs,
+                 written);
         if (h == nnorm - 1) {
             const size_t v0 = (size_t)bt * row + (size_t)nnorm * hs;
-            for (size_t i = 0; i < (size_t)NKV * hs; i++) { dinp[v0 + i] += dout[v0 + i]; }
+            for (size_t i = 0; i < (size_t)NKV * hs; i++) {
+                dinp[v0 + i] = llmc_grad_start(dinp + v0 + i, written) + dout[v0 + i];
+            }
         }
     }
 

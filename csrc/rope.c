@@ -72,16 +72,18 @@ static LLMC_ALWAYS_INLINE void rope_angles(float* c, float* s, int64_t p, int i0
 /*
  * Turns n pairs: pair j is (x[j step], x[j step + partner]), step 1 and
  * partner hs/2 half-split, step 2 and partner 1 interleaved; forward writes
- * the rotation by +a, backward adds the rotation by -a.
+ * the rotation by +a, backward adds the rotation by -a (written: adds it to
+ * 0, llmc_grad_start).
  */
 static LLMC_ALWAYS_INLINE void turn_pairs(float* y, const float* x, const float* c,
                                           const float* s, int n, int step, int partner,
-                                          int backward) {
+                                          int backward, int written) {
     if (backward) {
         for (int j = 0; j < n; j++) {
             const float a1 = x[j * step], a2 = x[j * step + partner];
-            y[j * step] += a1 * c[j] + a2 * s[j];
-            y[j * step + partner] += a2 * c[j] - a1 * s[j];
+            y[j * step] = llmc_grad_start(y + j * step, written) + (a1 * c[j] + a2 * s[j]);
+            y[j * step + partner] = llmc_grad_start(y + j * step + partner, written)
+                                    + (a2 * c[j] - a1 * s[j]);
         }
     } else {
         for (int j = 0; j < n; j++) {
@@ -94,7 +96,8 @@ static LLMC_ALWAYS_INLINE void turn_pairs(float* y, const float* x, const float*
 
 /*
  * One row at position p, the one loop behind every direction: the forward
- * rotates by +a and writes, the backward rotates by -a and accumulates. The
+ * rotates by +a and writes, the backward rotates by -a and accumulates (or
+ * with written, writes the sum into zeros). The
  * row's NH rotated q heads go to yq, its NKV k heads to yk and its NKV v
  * heads (copied or accumulated unchanged) to yv: a packed row's three parts
  * (rope_apply), or KV-cache decoding's q and cache slots (kv_cache_write).
@@ -105,7 +108,7 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* yq, float* yk, float* yv, co
                                              int64_t p, const float* tab_cos,
                                              const float* tab_sin, int NH, int NKV, int hs,
                                              float theta, const double* inv_freq,
-                                             int interleaved, int backward) {
+                                             int interleaved, int backward, int written) {
     const int half = hs / 2;
     const int nrot = NH + NKV;                          // heads that turn
     float angle_cos[ROPE_CHUNK], angle_sin[ROPE_CHUNK];
@@ -124,28 +127,29 @@ static LLMC_ALWAYS_INLINE void rope_row_body(float* yq, float* yk, float* yv, co
             float* y = (h < NH ? yq + (size_t)h * hs : yk + (size_t)(h - NH) * hs) + first;
             const float* x_h = x + (size_t)h * hs + first;
             if (interleaved) {   // constant strides in each branch: two specialised loops
-                turn_pairs(y, x_h, c, s, n, 2, 1, backward);
+                turn_pairs(y, x_h, c, s, n, 2, 1, backward, written);
             } else {
-                turn_pairs(y, x_h, c, s, n, 1, half, backward);
+                turn_pairs(y, x_h, c, s, n, 1, half, backward, written);
             }
         }
     }
     const float* xv = x + (size_t)nrot * hs;
     const size_t nv = (size_t)NKV * hs;
     if (backward) {
-        for (size_t i = 0; i < nv; i++) { yv[i] += xv[i]; }
+        for (size_t i = 0; i < nv; i++) { yv[i] = llmc_grad_start(yv + i, written) + xv[i]; }
     } else {
         for (size_t i = 0; i < nv; i++) { yv[i] = xv[i]; }
     }
 }
 LLMC_ISA_VARIANTS(rope_row, (float* yq, float* yk, float* yv, const float* x, int64_t p,
                              const float* tab_cos, const float* tab_sin, int NH, int NKV, int hs,
-                             float theta, const double* inv_freq, int interleaved, int backward),
+                             float theta, const double* inv_freq, int interleaved, int backward,
+                             int written),
                   yq, yk, yv, x, p, tab_cos, tab_sin, NH, NKV, hs, theta, inv_freq, interleaved,
-                  backward)
+                  backward, written)
 
 typedef void (*rope_row_fn)(float*, float*, float*, const float*, int64_t, const float*,
-                            const float*, int, int, int, float, const double*, int, int);
+                            const float*, int, int, int, float, const double*, int, int, int);
 
 /* cos_table, sin_table [P, hs/2] = the angles' cos and sin at positions
    0 .. P-1: rope_angles one chunk at a time, as rope_row_body calls it (the
@@ -166,7 +170,7 @@ static void fill_table(float* cos_table, float* sin_table, const double* inv_fre
 /* Both directions over all rows, in parallel. */
 static void rope_apply(float* out, const float* inp, const int* pos, const double* inv_freq,
                        int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
-                       int backward) {
+                       int backward, int written) {
     const size_t row = (size_t)(NH + 2 * NKV) * hs;     // floats per (b, t)
     const int64_t BT = (int64_t)B * T;
     const rope_row_fn row_fn = LLMC_ISA_SELECT(llmc_get_isa(), rope_row);
@@ -188,7 +192,7 @@ static void rope_apply(float* out, const float* inp, const int* pos, const doubl
         const float* tab_sin = table != NULL ? table + ((size_t)T + (size_t)p) * half : NULL;
         float* y = out + (size_t)bt * row;
         row_fn(y, y + k0, y + v0, inp + (size_t)bt * row, p, tab_cos, tab_sin, NH, NKV, hs,
-               theta, inv_freq, interleaved, backward);
+               theta, inv_freq, interleaved, backward, written);
     }
     free(table);
 }
@@ -198,16 +202,18 @@ int rope_forward(float* out, const float* inp, const int* pos, const double* inv
     const int status = rope_check(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
     LLMC_REQUIRE(interleaved == 0 || interleaved == 1, LLMC_ERR_VALUE);
-    rope_apply(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 0);
+    rope_apply(out, inp, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 0, 0);
     return LLMC_OK;
 }
 
 int rope_backward(float* dinp, const float* dout, const int* pos, const double* inv_freq,
-                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved) {
+                  int B, int T, int NH, int NKV, int hs, float theta, int interleaved,
+                  int written) {
     const int status = rope_check(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta);
     LLMC_REQUIRE(status == LLMC_OK, status);
     LLMC_REQUIRE(interleaved == 0 || interleaved == 1, LLMC_ERR_VALUE);
-    rope_apply(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 1);
+    LLMC_REQUIRE(written == 0 || written == 1, LLMC_ERR_VALUE);
+    rope_apply(dinp, dout, pos, inv_freq, B, T, NH, NKV, hs, theta, interleaved, 1, written);
     return LLMC_OK;
 }
 
@@ -253,7 +259,7 @@ int kv_cache_write(float* q, float* k_cache, float* v_cache, const float* qkv, c
         if (rotate) {
             const size_t t = (size_t)p * (size_t)(hs / 2);
             row_fn(q_b, k_cache + at, v_cache + at, x, p, cos_table + t, sin_table + t, NH,
-                   NKV, hs, 1.0f, NULL, interleaved, 0);
+                   NKV, hs, 1.0f, NULL, interleaved, 0, 0);
         } else {
             memcpy(q_b, x, q_row * sizeof(float));
             memcpy(k_cache + at, x + q_row, kv_row * sizeof(float));

@@ -136,6 +136,9 @@ def test_profile_rows_count_gpt2s_kernel_calls(precision):
                 ("backward", "gelu_backward"): L,
                 ("backward", "encoder_backward"): 1, ("update", "adamw_update"): 1,
                 ("step", ZERO_GRAD): 1,
+                # zero_grad's runs of adjacent gradients that no product writes first:
+                # wpe to ln1b, qkvb, attprojb to ln2b, fcb, fcprojb to lnfb
+                ("update", "fill_zero"): 5,
                 ("forward", "head fwd"): 1, ("backward", "head dinp"): 1,
                 ("backward", "head dW"): 1}
     for linear in ("qkv", "attproj", "fc", "fcproj"):
@@ -147,7 +150,8 @@ def test_profile_rows_count_gpt2s_kernel_calls(precision):
     BT, C = B * T, TINY["channels"]
     assert shapes["fc fwd"] == f"{BT}x{C}x{4 * C}" and shapes["head dW"] == f"{BT}x{C}x64"
     rates = {r["row"]: r["rate"] for r in p["rows"]}
-    assert all(r["rate"] > 0 and r["share"] >= 0 for r in p["rows"])
+    # zero_grad besides its fill_zero calls: Python, no bytes left to numpy
+    assert all((r["rate"] > 0 or r["row"] == ZERO_GRAD) and r["share"] >= 0 for r in p["rows"])
     kernels = sum(r["ms"] for r in p["rows"] if r["kind"] != "numpy")
     assert kernels == pytest.approx(p["kernels_ms"]) and kernels <= p["step_ms"]
     assert p["between_ms"] >= 0 and rates

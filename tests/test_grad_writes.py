@@ -97,3 +97,20 @@ def test_zero_grad_leaves_the_stacks_of_experts_to_backward():
     zero_grad_over_garbage(model)
     assert {("expertfcw", 0), ("expertprojw", 0)} <= model._unwritten
     assert np.isnan(model._grad_tensors().expertfcw).all()   # not filled by zero_grad
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_activation_gradients_over_nan_are_bitwise_the_plain_way(name, precision):
+    """Every activation gradient backward reads was written first in that
+    backward (the kernels' written flags: rope_backward's, head_rmsnorm_backward's,
+    the products' and the activations'), so NaN left in their memory changes
+    nothing."""
+    base = MODELS[name]()
+    batch = make_batch(base.config, 3, 17, seed=1)
+    plain = accumulated_grads(twin(base, precision), [batch], True, zeroed_in_memory)
+    model = twin(base, precision)
+    model.forward_backward(*batch)   # plans the activation gradients
+    model.grads_acts.memory[...] = np.nan
+    ours = accumulated_grads(model, [batch], True, zero_grad_over_garbage)
+    assert np.array_equal(ours.view(np.uint32), plain.view(np.uint32))

@@ -427,6 +427,34 @@ def test_grouped_backward_skips_what_is_not_wanted(rng):
     assert np.all(dweight[1] == -0.25)   # the expert without rows keeps its gradient
 
 
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("E,k", ROUTES)
+def test_written_backwards_are_the_sums_into_zeros_bitwise(rng, isa, set_threads, E, k, norm):
+    """moe_route_backward's and moe_gather_backward's written=True ignore what
+    the output held (NaN here) and give bitwise the (+=) result on zeros, the
+    sign of a zero included (a token whose grouped rows' gradients are -0)."""
+    N, C = 53, C_ODD
+    logits = router_logits(rng, N, E)
+    probs, weights, experts, aux = route(logits, k, norm)
+    dweights = randn(rng, N, k)
+    _, positions = permute(experts, E)
+    dgrouped = randn(rng, N * k, C)
+    dgrouped[positions[2]] = -0.0   # 0 + (-0) is +0
+
+    def run(written):
+        dlogits = np.zeros_like(logits) if not written else np.full_like(logits, np.nan)
+        K.moe_route_backward(dlogits, dweights, probs, logits, experts, norm_topk_prob=norm,
+                             aux_coef=0.3, z_coef=0.05, written=written)
+        dx = np.zeros((N, C), np.float32) if not written else np.full((N, C), np.nan, np.float32)
+        K.moe_gather_backward(dx, dgrouped, positions, written=written)
+        return {"dlogits": dlogits, "dx": dx}
+    into_zeros = run(False)
+    assert not np.signbit(into_zeros["dx"][2]).any()
+    for name, value in run(True).items():
+        assert np.array_equal(value.view(np.uint32), into_zeros[name].view(np.uint32)), name
+    assert_thread_invariant(set_threads, lambda: run(True))
+
+
 # ---- every kernel: threads, and the whole layer --------------------------------------
 
 @pytest.mark.parametrize("isa_name", ALL_ISAS)

@@ -147,6 +147,38 @@ def test_rmsnorm_matches_reference(rng, isa, B, T, C, scale):
         assert_close(name, ours, theirs, tol[kind])
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("B,T,C", RMS_SHAPES)
+def test_norm_backward_written_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, B, T, C,
+                                                             norm, frozen):
+    """written=True ignores what dinp held (NaN here) and gives bitwise the
+    (+=) result on a zeroed dinp, the sign of a zero included (a token's
+    gradient of -0); the parameter gradients unchanged."""
+    x, w, b, dout = make_inputs(rng, B, T, C)
+    dout[0, 0] = -0.0   # 0 + (-0) is +0
+    if norm == "layernorm":
+        _, mean, rstd = forward(x, w, b)
+        into_zeros = backward(dout, x, w, mean, rstd)
+    else:
+        _, rstd = rms_forward(x, w)
+        into_zeros = rms_backward(dout, x, w, rstd)
+    assert not np.signbit(into_zeros[0][0, 0]).any()
+
+    def run():
+        dinp = np.full_like(x, np.nan)
+        params = [None if frozen else np.zeros_like(w) for _ in into_zeros[1:]]
+        if norm == "layernorm":
+            K.layernorm_backward(dinp, *params, dout, x, w, mean, rstd, written=True)
+        else:
+            K.rmsnorm_backward(dinp, *params, dout, x, w, rstd, written=True)
+        return {f"d{i}": g for i, g in enumerate([dinp] + params) if g is not None}
+    for name, ours in run().items():
+        theirs = into_zeros[int(name[1:])]
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), name
+    assert_thread_invariant(set_threads, run)
+
+
 def test_rmsnorm_passes_eps_through(rng):
     x, w, _, _ = make_inputs(rng, 2, 3, 16)
     x *= np.float32(1e-2)                        # mean(x^2) ~ 1e-4, against eps = 1e-3
@@ -283,6 +315,30 @@ def test_head_rmsnorm_thread_invariant(rng, isa, set_threads):
         out, rstd = head_forward(x, qw, kw, 8, 2)
         dinp, dqw, dkw = head_backward(dout, x, qw, kw, rstd, 8, 2)
         return dict(out=out, rstd=rstd, dinp=dinp, dqw=dqw, dkw=dkw)
+    assert_thread_invariant(set_threads, run)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", HEAD_SHAPES)
+def test_head_rmsnorm_backward_written_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, B,
+                                                                     T, NH, NKV, hs, frozen):
+    """written=True ignores what dinp held (NaN here) and gives bitwise the
+    (+=) result on a zeroed dinp, the sign of a zero included (a token's
+    gradient of -0, q, k and v heads); the weights' gradients unchanged."""
+    x, qw, kw, dout = head_inputs(rng, B, T, NH, NKV, hs)
+    dout[0, 0, :] = -0.0   # 0 + (-0) is +0
+    _, rstd = head_forward(x, qw, kw, NH, NKV)
+    into_zeros = head_backward(dout, x, qw, kw, rstd, NH, NKV)
+    assert np.signbit(into_zeros[0][0, 0]).sum() == 0
+
+    def run():
+        dinp = np.full_like(x, np.nan)
+        dqw, dkw = (None, None) if frozen else (np.zeros_like(qw), np.zeros_like(kw))
+        K.head_rmsnorm_backward(dinp, dqw, dkw, dout, x, qw, kw, rstd, NH, NKV, written=True)
+        return {"dinp": dinp} if frozen else {"dinp": dinp, "dqw": dqw, "dkw": dkw}
+    for name, ours in run().items():
+        theirs = into_zeros[("dinp", "dqw", "dkw").index(name)]
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), name
     assert_thread_invariant(set_threads, run)
 
 

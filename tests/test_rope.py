@@ -115,6 +115,28 @@ def test_rope_backward_accumulates(rng):
     assert_close("dinp", twice, 2.0 * once, TOL["rope"]["bwd"])
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("pos_kind", [None, "offset"])
+@pytest.mark.parametrize("B,T,NH,NKV,hs", [(3, 37, 12, 4, 64), (2, 7, 2, 1, 130),
+                                          (1, 1, 1, 1, 2)])
+def test_rope_backward_written_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, B, T, NH,
+                                                             NKV, hs, pos_kind, interleaved):
+    """written=True ignores what dinp held (NaN here) and gives bitwise the
+    (+=) result on a zeroed dinp, the sign of a zero included."""
+    _, dout = make_inputs(rng, B, T, NH, NKV, hs)
+    dout[0, 0, :] = -0.0   # a -0 gradient (q, k and v heads): 0 + (-0) is +0
+    pos = make_pos(rng, B, pos_kind)
+    into_zeros = backward(dout, pos, NH, NKV, interleaved=interleaved)
+    assert np.signbit(into_zeros[0, 0]).sum() == 0
+
+    def run():
+        dinp = np.full_like(dout, np.nan)
+        K.rope_backward(dinp, dout, pos, NH, NKV, interleaved=interleaved, written=True)
+        return {"dinp": dinp}
+    assert np.array_equal(run()["dinp"].view(np.uint32), into_zeros.view(np.uint32))
+    assert_thread_invariant(set_threads, run)
+
+
 def test_rope_null_pos_is_position_zero(rng):
     x, dout = make_inputs(rng, 3, 5, 4, 2, 8)
     zeros = np.zeros(3, np.int32)
@@ -205,16 +227,16 @@ def test_rope_c_rejects_odd_head_size_and_bad_values():
     pos = ffi.new("int[]", [3, -2])
     N = ffi.NULL
     assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4, 0) == lib.LLMC_ERR_SHAPE
-    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4, 0) == lib.LLMC_ERR_SHAPE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 3, 1e4, 0, 0) == lib.LLMC_ERR_SHAPE
     assert lib.rope_forward(buf, buf, N, N, 1, 2, 2, 1, 4, 0.0, 0) == lib.LLMC_ERR_VALUE
-    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0, 0) == lib.LLMC_ERR_VALUE
+    assert lib.rope_backward(buf, buf, N, N, 1, 2, 2, 1, 4, -1.0, 0, 0) == lib.LLMC_ERR_VALUE
     assert lib.rope_forward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_RANGE
-    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_RANGE
+    assert lib.rope_backward(buf, buf, pos, N, 2, 1, 2, 1, 4, 1e4, 0, 0) == lib.LLMC_ERR_RANGE
     assert lib.rope_forward(buf, buf, pos, N, 1, 1, 2, 1, 4, 1e4, 0) == lib.LLMC_OK   # pos[0] only
     for bad in ([1.0, 0.0], [1.0, -1.0], [float("nan"), 1.0], [float("inf"), 1.0]):
         freq = ffi.new("double[]", bad)
         assert lib.rope_forward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_VALUE
-        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4, 0) == lib.LLMC_ERR_VALUE
+        assert lib.rope_backward(buf, buf, N, freq, 1, 2, 2, 1, 4, 1e4, 0, 0) == lib.LLMC_ERR_VALUE
 
 
 @pytest.mark.parametrize("B,T,NH,NKV,hs", [(2, 37, 4, 2, 16), (1, 5, 3, 1, 2)])

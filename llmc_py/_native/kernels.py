@@ -63,9 +63,10 @@ residual_layernorm_forward = _kernel(
 layernorm_backward = _kernel(
     "layernorm_backward",
     "dinp[B,T,C] +=, dweight[C] += or None, dbias[C] += or None, dout[B,T,C], inp[B,T,C],"
-    " weight[C], mean[B,T], rstd[B,T] | B T C from inp",
+    " weight[C], mean[B,T], rstd[B,T] | B T C from inp | written:flag=0",
     """dinp[B,T,C], dweight[C], dbias[C] (+=) <- dout, inp, weight, mean, rstd.
-    dweight and dbias may be None (frozen): that sum is skipped.""")
+    dweight and dbias may be None (frozen): that sum is skipped. written=True:
+    dinp written, not added into.""")
 
 rmsnorm_forward = _kernel(
     "rmsnorm_forward",
@@ -84,9 +85,9 @@ residual_rmsnorm_forward = _kernel(
 rmsnorm_backward = _kernel(
     "rmsnorm_backward",
     "dinp[B,T,C] +=, dweight[C] += or None, dout[B,T,C], inp[B,T,C], weight[C], rstd[B,T]"
-    " | B T C from inp",
+    " | B T C from inp | written:flag=0",
     """dinp[B,T,C] (+=), dweight[C] (+=; None: frozen, skipped) <- dout[B,T,C], inp,
-    weight[C], rstd[B,T].""")
+    weight[C], rstd[B,T]. written=True: dinp written, not added into.""")
 
 head_rmsnorm_forward = _kernel(
     "head_rmsnorm_forward",
@@ -100,10 +101,11 @@ head_rmsnorm_backward = _kernel(
     "head_rmsnorm_backward",
     f"dinp[B,T,{_QKV}] +=, dqweight[hs] += or None, dkweight[hs] += or None, dout[B,T,{_QKV}],"
     f" inp[B,T,{_QKV}], qweight[hs], kweight[hs], rstd[B,T,NH+NKV]"
-    " | B T NH NKV hs from heads(inp, NH, NKV)",
+    " | B T NH NKV hs from heads(inp, NH, NKV) | written:flag=0",
     """dinp[B,T,(NH+2NKV)hs] (+=), dqweight[hs], dkweight[hs] (+=) <- dout, inp,
     the weights, rstd[B,T,NH+NKV] (the forward's). dqweight and dkweight may
-    both be None (frozen): their sums are skipped.""")
+    both be None (frozen): their sums are skipped. written=True: dinp written,
+    not added into.""")
 
 # ---- matmul.c, matmul_bf16.c, bf16.c: "naive" runs the plain reference loops ------
 
@@ -287,6 +289,10 @@ scale_inplace = _kernel(
     "scale_inplace", "x[N] updated | N from x | scale",
     """x *= scale over a flat float32 array.""")
 
+fill_zero = _kernel(
+    "fill_zero", "x[N] written | N from x",
+    """x = 0 over a flat float32 array (a large one with streaming stores).""")
+
 
 def global_norm_squared(x):
     """sum(x**2) over a flat float32 array, as a Python float (summed in double)."""
@@ -313,9 +319,11 @@ rope_forward = _kernel(
 rope_backward = _kernel(
     "rope_backward",
     f"dinp[B,T,{_QKV}] +=, dout[B,T,{_QKV}], pos[B] or None, inv_freq[hs//2]=None"
-    " | B T NH NKV hs from rope_heads(dout, NH, NKV) | theta=10000.0, interleaved:flag=False",
-    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through).""",
-    args="dinp dout pos NH NKV theta inv_freq interleaved")
+    " | B T NH NKV hs from rope_heads(dout, NH, NKV) | theta=10000.0, interleaved:flag=False,"
+    " written:flag=0",
+    """dinp[B,T,(NH+2NKV)hs] (+=) the inverse rotation of dout (v heads pass through;
+    written=True: written, not added into).""",
+    args="dinp dout pos NH NKV theta inv_freq interleaved written")
 
 rope_table = _kernel(
     "rope_table",
@@ -547,11 +555,12 @@ moe_route_backward = _kernel(
     "moe_route_backward",
     "dlogits[N,E] +=, dweights[N,k] or None, probs[N,E], logits[N,E], experts[N,k],"
     " fractions[E]=None | N E k from probs, experts"
-    " | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0",
+    " | norm_topk_prob:flag=True, aux_coef=0.0, z_coef=0.0, written:flag=0",
     """dlogits[N,E] (+=) <- dweights[N,k] (or None) through the renormalisation and
     the softmax, plus the gradients of aux_coef * aux[0] + z_coef * aux[1]; probs,
     logits, experts the forward's. fractions float64 [E]: the balance loss's f_e
-    of the whole batch these N rows are a rank's part of (None: these rows').""")
+    of the whole batch these N rows are a rank's part of (None: these rows').
+    written=True: dlogits written, not added into.""")
 
 moe_permute = _kernel(
     "moe_permute",
@@ -570,8 +579,10 @@ moe_gather_forward = _kernel(
 
 moe_gather_backward = _kernel(
     "moe_gather_backward",
-    "dinp[N,C] +=, dgrouped[N*k,C], positions[N,k] | N C k from dinp, positions",
-    """dinp[N,C] (+=) sum_j dgrouped[positions[n,j]], in the order j = 0 .. k-1.""")
+    "dinp[N,C] +=, dgrouped[N*k,C], positions[N,k] | N C k from dinp, positions"
+    " | written:flag=0",
+    """dinp[N,C] (+=) sum_j dgrouped[positions[n,j]], in the order j = 0 .. k-1
+    (written=True: written, not added into).""")
 
 moe_combine_forward = _kernel(
     "moe_combine_forward",

@@ -15,7 +15,8 @@ its name. A matmul
 backward runs its products as calls of their own, which give the same bits
 as one call (in C each product is a loop of its own), so that each is
 timed apart. The classifier runs forward and backward a block of rows at a
-time: there a backward kernel counts to the backward.
+time: there a backward kernel counts to the backward. zero_grad's
+fill_zero calls count to the update.
 
 Rates: a GEMM's 2 M N K FLOP per product; attention's 2 hs FLOP per
 (query, key) pair and product over the causal pairs (T (T + 1) / 2 per
@@ -62,14 +63,14 @@ LORA_UP = {"lora_up_forward_bf16": ("up", 1), "lora_up_backward_bf16": ("up dh+d
 SITES = {"wte": "head", "lm_head": "head"}
 PEAK_GEMM = 2048       # the square GEMM of the peak: n x n x n
 PEAK_COPY_MIB = 256    # the copy of the peak: this many MiB read and as many written
-ZERO_GRAD = "zero_grad (numpy fill)"
+ZERO_GRAD = "zero_grad besides its fill_zero"
 _MISSING = object()
 
 
 class Call(NamedTuple):
     """One timed call: its phase, row and kernel, kind ("gemm", "attention",
-    "memory"; "numpy" for zero_grad, not a kernel), seconds, its work (FLOP,
-    or bytes for "memory" and "numpy"), its shape label and, for a GEMM
+    "memory"; "numpy" for zero_grad's time besides its kernel calls), seconds,
+    its work (FLOP, or bytes for "memory" and "numpy"), its shape label and, for a GEMM
     product, its replay key (_replay_key)."""
     phase: str
     row: str
@@ -172,11 +173,16 @@ class Profiler:
         def timed_zero_grad():
             # read before: model.grads would zero what zero_grad leaves to backward
             model, total = self.model, self.model.trained[1].memory.nbytes
+            self.phase = "update"   # its fill_zero calls: rows of the update
+            first = len(self.calls)
             start = time.perf_counter()
             zero_grad()
             seconds = time.perf_counter() - start
+            kernels = self.calls[first:]
             left = sum(model.base_grad(name, l).nbytes for name, l in model._unwritten)
-            self.calls.append(Call("step", ZERO_GRAD, "", "numpy", seconds, total - left))
+            self.calls.append(Call("step", ZERO_GRAD, "", "numpy",
+                                   seconds - sum(c.seconds for c in kernels),
+                                   total - left - sum(c.work for c in kernels)))
         return timed_zero_grad
 
     def _timed_kernel(self, name, kernel):

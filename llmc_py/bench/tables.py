@@ -245,17 +245,16 @@ def print_profile(args, results):
           f"{p['between_ms'] / p['step_ms']:8.1%}")
     if zero_grad:
         r = zero_grad
-        print(f"{'':<9}{'  of which ' + ZERO_GRAD:<54}{r['ms']:10.2f}{r['share']:8.1%}"
-              f"{r['rate']:10.1f} {r['unit']:<7}{r['of_peak']:8.2f}")
+        print(f"{'':<9}{'  of which ' + ZERO_GRAD:<54}{r['ms']:10.2f}{r['share']:8.1%}")
     print("  rates: a GEMM's 2*M*N*K FLOP per product (a backward's dinp, dW and dbias timed "
           "as calls of their own); attention's 2*hs FLOP per causal (query, key) pair and "
           "product, 2 forward, 5 backward (the scores again, dP, dq, dk, dv); GB/s: each "
           "array argument's bytes, twice for an output added into or updated")
     print("  between the kernels: the step less its kernel calls: Python, the numpy zeroing "
-          "left (activation gradients that no product writes first, d.qkv[...] = 0.0, ...), "
-          "zero_grad's fill of the gradients that no weight-gradient product writes first, "
+          "left (activation gradients that no kernel writes first, d.qkvr[...] = 0.0, ...), "
           "the loss's sum, allocation, and the profiler's timing of each call (profiled - "
-          "unprofiled is its cost)")
+          "unprofiled is its cost); zero_grad's fill of the gradients that no weight-gradient "
+          "product writes first is the update's fill_zero")
     alone = p["matmuls_alone"]
     print(f"\nmatmuls alone: each GEMM call of a step replayed on fresh arrays of its shapes "
           f"and dtypes (median of {p['repeats']}), beside its time in the profiled step")

@@ -60,11 +60,13 @@ def apply_residual_norm(config, residual, out, mean, rstd, inp1, inp2, weight, b
                                      config.norm_eps)
 
 
-def apply_norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd):
+def apply_norm_backward(config, dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                        written=False):
     if config.norm == "rmsnorm":
-        K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd)
+        K.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, written=written)
     else:
-        K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd)
+        K.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd,
+                             written=written)
 
 
 def drop(x, site):
@@ -355,11 +357,11 @@ class Block:
         input-gradient products and its ln1's backward are skipped)."""
         return l > 0 or self.model.lora is None
 
-    def norm_backward(self, a, dinp, dout, inp, name, l):
+    def norm_backward(self, a, dinp, dout, inp, name, l, written=False):
         m = self.model
         apply_norm_backward(self.config, dinp, m.base_grad(name + "w", l),
                             m.base_grad(name + "b", l), dout, inp, m.params[name + "w"][l],
-                            optional(a, name + "_mean", l), a[name + "_rstd"][l])
+                            optional(a, name + "_mean", l), a[name + "_rstd"][l], written)
 
     def mlp_backward(self, a, d, l, dinp, dout, inp, dropout, write_dinp=False):
         """Adds d(layer l's MLP input ``inp``) into ``dinp`` (``write_dinp``:
@@ -368,9 +370,7 @@ class Block:
         changes (they may be one buffer)."""
         dout = undrop(dout, d.mlp_output, dropout.site("mlp_output", l))
         if self.config.is_moe_layer(l):
-            if write_dinp:
-                dinp[...] = 0.0
-            self.experts_backward(a, d, l, dinp, dout, inp)
+            self.experts_backward(a, d, l, dinp, dout, inp, write_dinp)
             return
         i = self.mlp_index[l]
         self.saved.fch(a, i, inp, dropout)
@@ -385,11 +385,12 @@ class Block:
         grad = self.model.base_grad(name, m)
         return grad, (self.model.grad_written(name, m) if grad is not None else 0)
 
-    def experts_backward(self, a, d, l, dinp, dout, inp):
+    def experts_backward(self, a, d, l, dinp, dout, inp, write_dinp=False):
         """experts() backward: from ``dout`` (B, T, C), d(inp) added into
-        ``dinp`` through the experts and the router, whose logits' gradient
-        also carries the auxiliary losses' (their coefficients times the
-        model's loss_scale, averaged over the MoE layers). The grouping is
+        ``dinp`` (``write_dinp``: written, as into zeros) through the experts
+        and the router, whose logits' gradient also carries the auxiliary
+        losses' (their coefficients times the model's loss_scale, averaged
+        over the MoE layers). The grouping is
         computed again from topk_index, the gathered rows gathered again, the
         expert activations recomputed with recompute (kept otherwise)."""
         c, model = self.config, self.model
@@ -417,13 +418,13 @@ class Block:
         dweight, written = self._expert_grad("expertfcw", m)
         grouped(dgathered, dweight, dfch, a.expert_in, w.expertfcw[m], offsets,
                 written=K.WRITE_DINP | written)
-        K.moe_gather_backward(dinp.reshape(N, C), dgathered, positions)
-        d.router[...] = 0.0
+        K.moe_gather_backward(dinp.reshape(N, C), dgathered, positions, written=write_dinp)
         scale = model.loss_scale / c.num_moe_layers
         K.moe_route_backward(d.router.reshape(N, E), dweights, a.router_probs[m].reshape(N, E),
                              a.router_logits[m].reshape(N, E), experts, self.fractions[m],
                              norm_topk_prob=c.norm_topk_prob,
-                             aux_coef=c.router_aux_loss * scale, z_coef=c.router_z_loss * scale)
+                             aux_coef=c.router_aux_loss * scale, z_coef=c.router_z_loss * scale,
+                             written=True)
         model._matmul_backward(dinp, model.base_grad("routerw", m), None, d.router, inp,
                                w.routerw[m])
 
@@ -448,15 +449,13 @@ class Block:
                               c.NH, c.NKV, c.sliding_window, *site, written=True)
         dnormed = d.qkvr
         if rope:
-            d.qkvn[...] = 0.0
             K.rope_backward(d.qkvn, d.qkvr, None, c.NH, c.NKV, c.rope_theta, m.rope_inv_freq,
-                            c.rope_interleaved)
+                            c.rope_interleaved, written=True)
             dnormed = d.qkvn
         if qk_norm:
-            d.qkv[...] = 0.0
             K.head_rmsnorm_backward(d.qkv, m.base_grad("qnormw", l), m.base_grad("knormw", l),
                                     dnormed, a.qkv[l], p.qnormw[l], p.knormw[l], a.qk_rstd[l],
-                                    c.NH, c.NKV)
+                                    c.NH, c.NKV, written=True)
         return d.qkv
 
 
@@ -531,13 +530,11 @@ class PostNorm(Block):
 
     def backward(self, a, d, l, x, dropout):
         ln1 = self.saved.norm(a, "ln1", l, a.residual2[l])
-        d.ln[...] = 0.0
-        self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l)
+        self.norm_backward(a, d.ln, d.residual, a.residual3[l], "ln2", l, written=True)
         # now d(residual3[l]); the MLP's input gradient adds into it
         self.mlp_backward(a, d, l, d.ln, d.ln, ln1, dropout)
         # now d(ln1[l])
-        d.residual[...] = 0.0
-        self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l)
+        self.norm_backward(a, d.residual, d.ln, a.residual2[l], "ln1", l, written=True)
         # now d(residual2[l]); attention's input gradient adds into it
         dqkv = self.attention_backward(a, d, l, d.residual, dropout)
         self.linear_backward(d.residual if self.input_gradient(l) else None, dqkv, x, "qkv", l,

@@ -94,8 +94,10 @@ class TensorGroup:
         self.buffer = memory               # the whole allocation, possibly larger
         self.memory = memory[:self.size]   # exactly this layout's tensors
         self._views = {}
+        self._spans = {}   # name: (start, stop) in memory
         offset = 0
         for name, shape in self.shapes.items():
+            self._spans[name] = (offset, offset + units[name])
             part = self.memory[offset:offset + units[name]]
             if self.dtypes[name] != part.dtype:
                 part = part.view(self.dtypes[name])
@@ -124,8 +126,24 @@ class TensorGroup:
     def items(self):
         return self._views.items()
 
-    def zero(self):
-        self.memory[...] = 0
+    def zero(self, names=None):
+        """Zeroes every tensor, or those ``names`` lists: each run of them that
+        lies back to back in memory at once (float32: K.fill_zero, whose large
+        fills do not read memory first)."""
+        runs = []
+        for name in self.names if names is None else sorted(names, key=self._spans.get):
+            start, stop = self._spans[name]
+            if runs and runs[-1][1] == start:
+                runs[-1][1] = stop
+            else:
+                runs.append([start, stop])
+        for start, stop in runs:
+            if stop == start:
+                continue
+            if self.memory.dtype == np.float32:
+                K.fill_zero(self.memory[start:stop])
+            else:
+                self.memory[start:stop] = 0
 
 
 # ---- the layouts ---------------------------------------------------------------

@@ -874,9 +874,8 @@ class Transformer:
         unwritten = {(self._head_name(), None)}
         unwritten |= {(name, l) for name in FIRST_WRITTEN_GRADS if name in grads.names
                       for l in range(grads[name].shape[0])}
-        for name in grads.names:
-            if (name, None) not in unwritten and name not in FIRST_WRITTEN_GRADS:
-                grads[name][...] = 0.0
+        grads.zero([name for name in grads.names
+                    if (name, None) not in unwritten and name not in FIRST_WRITTEN_GRADS])
         self._unwritten = unwritten
 
     def _start_backward(self, loss_scale):
@@ -948,10 +947,9 @@ class Transformer:
         one layer's (grad_act_specs)."""
         c, p, a = self.config, self.params, self.acts
         layer = LayerGrads(c, d, self.B, self.T)
-        d.residual[...] = 0.0
         apply_norm_backward(c, d.residual, self.base_grad("lnfw"), self.base_grad("lnfb"),
                             layer.ln, self.layer_output(a, c.L - 1), p.lnfw,
-                            optional(a, "lnf_mean"), a.lnf_rstd)
+                            optional(a, "lnf_mean"), a.lnf_rstd, written=True)
         for l in reversed(range(c.L)):
             # d.residual is d(layer l's output); after, d(its input)
             x = a.encoded if l == 0 else self.layer_output(a, l - 1)
