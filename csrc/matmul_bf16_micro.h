@@ -326,21 +326,26 @@ static inline struct bf_lines bf_lines_part(struct bf_lines w, int64_t first, in
 }
 
 /*
- * The micro-kernel: c[r, 0..BF_NR) (+)= sum_{p < kp} ap[p][r] . bp[p][..]
- * for r < BF_MR, the tile in 24 accumulators. init: NULL starts from c,
- * else every row starts from init[0..BF_NR). Each lane's sum runs p = 0,
- * 1, ..., kp-1, one vdpbf16ps per pair. On the way it prefetches into L2
- * the lines of pf (up to two per pair) and of pf_a (one per pair), and the
- * tile of C at pf_c for writing (NULL: none).
+ * The micro-kernel: c[r, 0..16 nv) (+)= sum_{p < kp} ap[p][r] . bp[p][..]
+ * for r < BF_MR, the tile in 8 nv accumulators (nv <= BF_NV vectors of 16
+ * columns; of the last one only the lanes `last` are read and written).
+ * init: NULL starts from c, else every row starts from init[..]. Each
+ * lane's sum runs p = 0, 1, ..., kp-1, one vdpbf16ps per pair. On the way it
+ * prefetches into L2 the lines of pf (up to two per pair) and of pf_a (one
+ * per pair), and the tile of C at pf_c for writing (NULL: none). Inlined
+ * with nv a constant, so that the accumulators stay in registers.
  */
-LLMC_TARGET_AVX512BF16 __attribute__((noinline))
-static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
-                     const float* init, struct bf_lines pf, struct bf_lines pf_a,
-                     const float* pf_c) {
+LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_micro_nv(
+        int nv, __mmask16 last, int kp, const uint32_t* ap, const uint32_t* bp, float* c,
+        size_t ldc, const float* init, struct bf_lines pf, struct bf_lines pf_a,
+        const float* pf_c) {
     __m512 acc[BF_MR][BF_NV];
     for (int r = 0; r < BF_MR; r++) {
         const float* start = init != NULL ? init : c + r * ldc;
-        for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_loadu_ps(start + 16 * v); }
+        for (int v = 0; v < nv; v++) {
+            acc[r][v] = _mm512_maskz_loadu_ps(v + 1 < nv ? (__mmask16)0xffff : last,
+                                              start + 16 * v);
+        }
     }
     for (int p = 0; p < kp; p++) {
         // up to two lines of the next panel's source per pair (a few rows
@@ -356,19 +361,48 @@ static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, s
             if (++pf_a.line == pf_a.per_row) { pf_a.line = 0; pf_a.row += pf_a.stride; }
         }
         if (p < BF_MR && pf_c != NULL) {
-            for (int v = 0; v < BF_NV; v++) { __builtin_prefetch(pf_c + p * ldc + 16 * v, 1, 3); }
+            for (int v = 0; v < nv; v++) { __builtin_prefetch(pf_c + p * ldc + 16 * v, 1, 3); }
         }
         __m512bh b[BF_NV];
-        for (int v = 0; v < BF_NV; v++) {
+        for (int v = 0; v < nv; v++) {
             b[v] = (__m512bh)_mm512_loadu_si512(bp + (size_t)p * BF_NR + 16 * v);
         }
         for (int r = 0; r < BF_MR; r++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)ap[(size_t)p * BF_MR + r]);
-            for (int v = 0; v < BF_NV; v++) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b[v], a); }
+            for (int v = 0; v < nv; v++) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], b[v], a); }
         }
     }
     for (int r = 0; r < BF_MR; r++) {
-        for (int v = 0; v < BF_NV; v++) { _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]); }
+        for (int v = 0; v < nv; v++) {
+            _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v + 1 < nv ? (__mmask16)0xffff : last,
+                                  acc[r][v]);
+        }
+    }
+}
+
+/* The micro-kernel on a whole tile, BF_MR x BF_NR. */
+LLMC_TARGET_AVX512BF16 __attribute__((noinline))
+static void bf_micro(int kp, const uint32_t* ap, const uint32_t* bp, float* c, size_t ldc,
+                     const float* init, struct bf_lines pf, struct bf_lines pf_a,
+                     const float* pf_c) {
+    bf_micro_nv(BF_NV, 0xffff, kp, ap, bp, c, ldc, init, pf, pf_a, pf_c);
+}
+
+/* The micro-kernel on BF_MR whole rows of nr < BF_NR columns (N's last),
+   in place: only the vectors that hold columns are multiplied, so a tile
+   of 16 or 32 columns costs a third or two of a whole one, not all of it
+   plus a copy (bf_micro_edge). Each lane's sum is bf_micro's. */
+LLMC_TARGET_AVX512BF16 __attribute__((noinline))
+static void bf_micro_narrow(int kp, int nr, const uint32_t* ap, const uint32_t* bp, float* c,
+                            size_t ldc, const float* init, struct bf_lines pf,
+                            struct bf_lines pf_a, const float* pf_c) {
+    const __mmask16 last = bf_first16(nr - (nr - 1) / 16 * 16);
+    if (nr <= 16) {
+        bf_micro_nv(1, last, kp, ap, bp, c, ldc, init, pf, pf_a, pf_c);
+    } else if (nr <= 32) {
+        bf_micro_nv(2, last, kp, ap, bp, c, ldc, init, pf, pf_a, pf_c);
+    } else {
+        bf_micro_nv(3, last, kp, ap, bp, c, ldc, init, pf, pf_a, pf_c);
     }
 }
 
