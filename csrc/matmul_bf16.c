@@ -16,7 +16,7 @@
  *                instruction, from half the bytes. Each thread packs the
  *                operands of its tiles of C into k-pair panels (A: 8 rows,
  *                B: 48 columns, K in blocks of up to 768) and an 8 x 48 tile
- * *                of C stays in 24 registers over a block (N's last
+ *                of C stays in 24 registers over a block (N's last
  *                columns, fewer than 48, in one or two vectors a row when
  *                they fit: no whole tile's work for 16 columns); meanwhile the
  *                source of the next panel and K block is prefetched into L2,
