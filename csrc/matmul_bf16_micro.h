@@ -232,11 +232,12 @@ LLMC_TARGET_AVX512BF16 static void bf_pack_b(uint32_t* bp, const struct bf16_gem
         // pair p of 32 columns: a 64-byte load from each of source rows 2p
         // and 2p+1, zipped by a two-source shuffle per 16 columns (the last
         // 16 columns alike from loads of 16)
-        uint16_t zip[2][32];   // lane 32 + i: the odd row's column i
-        for (int i = 0; i < 16; i++) {
-            zip[0][2 * i] = (uint16_t)i, zip[0][2 * i + 1] = (uint16_t)(32 + i);
-            zip[1][2 * i] = (uint16_t)(16 + i), zip[1][2 * i + 1] = (uint16_t)(48 + i);
-        }
+        // lane 32 + i: the odd row's column i
+        static const uint16_t zip[2][32] = {
+            {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+             8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+            {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+             24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
         const __m512i zip_lo = _mm512_loadu_si512(zip[0]), zip_hi = _mm512_loadu_si512(zip[1]);
         const __mmask32 first = bf_first32(nr), last = bf_first32(nr - 32) & 0xffff;
         for (int p = 0; p < kp; p++) {
