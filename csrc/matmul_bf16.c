@@ -16,7 +16,9 @@
  *                instruction, from half the bytes. Each thread packs the
  *                operands of its tiles of C into k-pair panels (A: 8 rows,
  *                B: 48 columns, K in blocks of up to 768) and an 8 x 48 tile
- *                of C stays in 24 registers over a block; meanwhile the
+ *                of C stays in 24 registers over a block (N's last
+ *                columns, fewer than 48, in one or two vectors a row when
+ *                they fit: no whole tile's work for 16 columns); meanwhile the
  *                source of the next panel and K block is prefetched into L2,
  *                so that packing reads L2 rather than waiting on memory (the
  *                kernels are in matmul_bf16_micro.h). dweight's tiles pack
@@ -269,7 +271,7 @@ LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* 
                 init = g->init != NULL ? g->init + j0 : zeros;
             }
             float* c = g->c + (size_t)(m0 + i0) * g->ldc + j0;
-            if (mr < BF_MR || nr < BF_NR) {
+            if (mr < BF_MR) {
                 bf_micro_edge(kp, mr, nr, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a);
             } else {
                 const float* next_c = NULL;
@@ -280,7 +282,12 @@ LLMC_TARGET_AVX512BF16 static void bf_tile(const struct bf16_gemm* g, uint32_t* 
                                                    : (call + 1) / row_panels;
                     next_c = g->c + (size_t)(m0 + next_i * BF_MR) * g->ldc + n0 + next_j * BF_NR;
                 }
-                bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
+                if (nr < BF_NR) {
+                    bf_micro_narrow(kp, nr, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a,
+                                    next_c);
+                } else {
+                    bf_micro(kp, ap + (size_t)i0 * kp, b, c, g->ldc, init, pf_b, pf_a, next_c);
+                }
             }
             if (g->act != NULL && p0 + kp == Kp) { bf_tile_act(g, m0 + i0, mr, j0, nr); }
         }

@@ -205,6 +205,39 @@ def test_dot_product_path_is_the_pair_chain_bitwise(use_isa, isa, B, T, C, OC):
             f"{name}: {np.count_nonzero(diff)} elements differ, by up to {diff.max():.3e}")
 
 
+# the classifier's dinp: a block of rows, N = C not a multiple of the 48
+# columns of a tile (16 or 32 left over), K a long vocabulary (odd)
+HEAD_SHAPES = [(1, 203, 100, 7001),   # an edge row panel, a 4-column tile
+               (2, 64, 560, 6000)]    # 11 whole column panels and 32 columns
+
+
+@pytest.mark.parametrize("B,T,C,OC", HEAD_SHAPES)
+@pytest.mark.parametrize("isa", DOT)
+def test_head_dinp_is_the_pair_chain_on_every_thread_count(set_threads, use_isa, isa,
+                                                           B, T, C, OC):
+    """dinp of few rows over a long K (added onto a start, or written) is
+    bitwise the pair chain on 1, 2 and 3 threads (the weight's rows zipped
+    into pairs, the last columns' narrow tiles), and dweight beside it the
+    same on each."""
+    x, w16, _, dout, _ = layer(B, T, C, OC)
+    use_isa(isa)
+    db = rounded(dout).astype(np.float32).reshape(-1, OC)
+    start = np.random.default_rng(7).standard_normal((B * T, C), dtype=np.float32)
+    expected = {0: pair_chain(db, widen(w16), start),
+                K.WRITE_DINP: pair_chain(db, widen(w16), np.zeros_like(start))}
+    dweights = []
+    for n in (1, 2, 3):
+        set_threads(n)
+        for written, value in expected.items():
+            dinp = start.reshape(x.shape).copy() if written == 0 else np.full(x.shape, np.nan,
+                                                                            np.float32)
+            dweight = np.zeros(w16.shape, np.float32)
+            K.matmul_backward_bf16(dinp, dweight, None, dout, x, w16, written=written)
+            assert np.array_equal(dinp.reshape(-1, C), value), f"{n} threads, written={written}"
+            dweights.append(dweight)
+    assert all(np.array_equal(dw, dweights[0]) for dw in dweights), "dweight"
+
+
 @pytest.mark.parametrize("T", [5, 41])   # the skinny forward and the GEMM
 @pytest.mark.parametrize("isa", ISAS)
 def test_denormal_inputs_round_as_float_to_bf16(use_isa, isa, T):
