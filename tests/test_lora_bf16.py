@@ -7,6 +7,10 @@ kinds of a matmul_*_bf16 call on that block alone, so with more rows than the
 few-row forward path takes (12) every block is bitwise that call's; at any
 size it is within the bf16 GEMM's bound of float64 sums of the rounded
 operands (tests/test_matmul_bf16.py: 1.01 gamma_K (|start| + sum |a b|)).
+The backward on avx512bf16 is a kernel of its own (one pass over dout): its
+d(up) is still bitwise the matmul's, and so is dh where an adapter's columns
+are one of its units (up to 256 columns); dh of wider adapters adds the
+units' parts, within the bound.
 """
 import numpy as np
 import pytest
