@@ -1153,7 +1153,9 @@ int moe_grouped_backward_bf16(float* dinp, float* dweight, const float* dout, co
  * side by side, up_t their scaled B's transposed, of which adapter j's
  * block up_t[j, :, its columns] alone is read. Each product is the bf16
  * GEMM's (float32 operands rounded to bf16, sums in float32), one batch for
- * all adapters:
+ * all adapters, except that on avx512bf16 the backward reads dout once for
+ * both of its products, and dh sums each 256 to 1024 columns of an adapter
+ * apart, then adds those parts in column order (lora_bf16.c):
  *   lora_up_forward_bf16:  out[t, o] += sum_i h[t, j, i] up_t[j, i, o]
  *   lora_up_backward_bf16: dh[t, j, i] = sum_o dout[t, o] up_t[j, i, o]
  *                          dup_t[j, i, o] = sum_t h[t, j, i] dout[t, o]

@@ -7,6 +7,10 @@ kinds of a matmul_*_bf16 call on that block alone, so with more rows than the
 few-row forward path takes (12) every block is bitwise that call's; at any
 size it is within the bf16 GEMM's bound of float64 sums of the rounded
 operands (tests/test_matmul_bf16.py: 1.01 gamma_K (|start| + sum |a b|)).
+The backward on avx512bf16 is a kernel of its own (one pass over dout): its
+d(up) is still bitwise the matmul's, and so is dh where an adapter's columns
+are one of its units (up to 256 columns); dh of wider adapters adds the
+units' parts, within the bound.
 """
 import numpy as np
 import pytest
@@ -29,7 +33,14 @@ CASES = [  # B, T, W, r, the adapters' columns
     (3, 100, 200, 16, [(0, 100), (100, 150), (150, 200)]),
     # one block over every column: the adapters' d(input) += dh A (model/lora.py)
     (3, 100, 200, 48, [(0, 200)]),
+    # the backward's units (lora_bf16.c): adapters of several chunks of
+    # columns, rows in two blocks of 64, the last one odd
+    (1, 101, 1400, 16, [(0, 1100), (1100, 1400)]),
+    # rank past 16 (two groups of lanes), three chunks, one block
+    (2, 21, 700, 20, [(0, 650)]),
 ]
+# the cases whose adapters span several of the backward's units
+MANY_UNITS = [6, 7]
 
 
 def operands(B, T, W, r, columns, seed=0):
@@ -116,7 +127,25 @@ def test_each_adapter_is_bitwise_the_matmul_of_its_block(use_isa, isa, case):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", [0, 4])
+@pytest.mark.parametrize("case", MANY_UNITS)
+def test_d_up_stays_bitwise_the_matmul_across_units(use_isa, isa, case):
+    """Adapters of several units: d(up)'s sums run down every row in the
+    GEMM's order (bitwise matmul_backward_bf16's); dh adds the units' parts
+    (within the bound: test_each_adapter_is_its_own_product_within_the_bound)."""
+    use_isa(isa)
+    B, T, W, r, columns = CASES[case]
+    out, dout, h, up_t, rows = operands(B, T, W, r, columns, seed=2)
+    ours = run(out, dout, h, up_t, rows)
+    for j, (s, e) in enumerate(columns):
+        dup_j = np.zeros((r, e - s), np.float32)
+        K.matmul_backward_bf16(None, dup_j, None, np.ascontiguousarray(h[:, :, j]),
+                               np.ascontiguousarray(dout[..., s:e]),
+                               np.ascontiguousarray(up_t[j][:, s:e]))
+        assert np.array_equal(ours["dup_t"][j][:, s:e], dup_j)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", [0, 4, *MANY_UNITS])
 def test_results_do_not_depend_on_the_thread_count(use_isa, set_threads, isa, case):
     use_isa(isa)
     arrays = operands(*CASES[case])

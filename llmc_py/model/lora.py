@@ -231,9 +231,16 @@ class Lora:
         return to_bf16(A) if self.bf16 else A
 
     def _up_t(self, group, l):
-        """up^T (_up) as the products read it: float32 or bf16."""
-        up_t = np.ascontiguousarray(self._up(group, l).T)
-        return to_bf16(up_t) if self.bf16 else up_t
+        """up^T (_up) as the products read it: float32, or bf16 (each scale * B
+        rounded, then laid in, so that the zeros cost no rounding)."""
+        if not self.bf16:
+            return np.ascontiguousarray(self._up(group, l).T)
+        r = self.rank
+        up_t = np.zeros((len(group) * r, self._width[group[0][1].linear]), np.uint16)
+        for j, (_, t) in enumerate(group):
+            up_t[j * r:(j + 1) * r, t.rows] = to_bf16(
+                self.params[t.name + ".B"][l] * np.float32(self.scale)).T
+        return up_t
 
     def _by_adapter(self, x, group):
         """x (B, T, n r) of the adapters ``group`` as the bf16 up products
