@@ -1,8 +1,8 @@
 /* Element-wise layers: the MLP activations (GELU in its tanh approximation
    and exact with erf, ReLU) and the gated MLPs (SwiGLU, GeGLU, ReGLU), and
    the residual add. GELU and the gated kernels run on 16-lane vectors with
-   exponentials of their own (gelu_sigmoid16) or llmc_exp16 (common.h) in
-   place of libm's expf; exact GELU calls libm's erfcf per element (no vector
+   exponentials of their own (gelu_sigmoid16) or llmc_exp16's (common.h,
+   through llmc_exp_nonpositive16_isa) in place of libm's expf; exact GELU calls libm's erfcf per element (no vector
    erf of our own). Each vector kernel's loop is built per instruction set
    (isa.h); a thread runs its contiguous share of the blocks through one call.
    Each MLP activation's forward writes float32 or bf16 (llmc_store16_as:
@@ -14,8 +14,8 @@
 #include "isa.h"
 #include "gemm.h"
 
-/* The MLP activations' bf16 stores. The avx512bf16 build of gelu_forward
-   and relu_forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
+/* The MLP activations' bf16 stores. The avx512bf16 build of every MLP
+   activation's forward (LLMC_ISA_VARIANTS_BF16) stores whole vectors with
    vcvtneps2bf16, which rounds to nearest even as llmc_bf16_round does, NaNs
    too, but reads float32 denormals as 0. So it also gathers which lanes held
    a denormal (vfpclassps, AVX512DQ: part of isa.h's avx512bf16); if any
@@ -106,8 +106,57 @@ static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     *s = (vec16f)((vec16i)(1.0f / (1.0f + *e)) & ~vanishes);
 }
 
-/* The element-wise MLP activations' forwards (gelu_forward, relu_forward). */
-enum { ACT_GELU, ACT_RELU };
+/* What a forward computes: an element-wise MLP activation (gelu_forward,
+   relu_forward), or a gated MLP's gate (gate16) times its up half. */
+enum { ACT_GELU, ACT_RELU, GATE_SILU, GATE_GELU, GATE_RELU };
+
+/*
+ * The logistic sigmoid and its complement on 16 lanes, from e = exp(-|x|),
+ * which never overflows:
+ *   x >= 0: sig = 1 / (1 + e),  1 - sig = e / (1 + e)
+ *   x <  0: sig = e / (1 + e),  1 - sig = 1 / (1 + e)
+ * Both are then within a few ulp, also in the tails where 1 - sig or sig
+ * alone would cancel or overflow. For x < -87.3, e flushes to 0 (llmc_exp16
+ * gives no subnormals), so sig and silu are 0 where their true values are
+ * below 1e-36. NaN stays NaN. e is llmc_exp16's, from the exponential for
+ * x <= 0 that is bitwise it there and cheaper (llmc_exp_nonpositive16_isa).
+ */
+static LLMC_ALWAYS_INLINE void sigmoid16(const int isa, vec16f x, vec16f* sig, vec16f* sig_c) {
+    const vec16i sign_bit = (vec16i){0} + (int32_t)0x80000000;
+    const vec16f e = llmc_exp_nonpositive16_isa(isa, (vec16f)((vec16i)x | sign_bit));   // exp(-|x|)
+    const vec16f r = 1.0f / (1.0f + e);
+    const vec16f er = e * r;
+    const vec16i positive = x >= (vec16f){0};
+    *sig = llmc_select16(positive, r, er);
+    *sig_c = llmc_select16(positive, er, r);
+}
+
+/* The gate of a gated MLP (Shazeer's GLU variants): out = act(gate) * up,
+   act silu (SwiGLU), GELU's tanh form (GeGLU, as gelu_forward) or ReLU (ReGLU).
+   gate16 gives act(g) and act'(g); a caller that needs only act(g) lets the
+   compiler drop the derivative (everything here is inlined). */
+static LLMC_ALWAYS_INLINE void gate16(const int isa, const int act, vec16f g, vec16f* a,
+                                      vec16f* da) {
+    const vec16f zero = {0};
+    if (act == GATE_SILU) {
+        // silu(g) = g s, and since s' = s (1 - s), silu'(g) = s (1 + g (1 - s))
+        vec16f sig, sig_c;
+        sigmoid16(isa, g, &sig, &sig_c);
+        *a = g * sig;
+        *da = sig * (1.0f + g * sig_c);
+    } else if (act == GATE_GELU) {
+        // as gelu_forward and gelu_backward
+        vec16f s, e;
+        gelu_sigmoid16(g, &s, &e);
+        const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * g * g);
+        *a = g * s;
+        *da = s * (1.0f + 2.0f * g * (e * s) * du);
+    } else {
+        // relu(g) = g for g >= 0, else 0 (NaN stays NaN); relu'(g) = 1 for g > 0, else 0
+        *a = llmc_select16(g < zero, zero, g);
+        *da = llmc_select16(g > zero, zero + 1.0f, zero);
+    }
+}
 
 static LLMC_ALWAYS_INLINE vec16f activation16(const int act, vec16f x) {
     if (act == ACT_GELU) {
@@ -119,41 +168,61 @@ static LLMC_ALWAYS_INLINE vec16f activation16(const int act, vec16f x) {
     return llmc_select16(x < (vec16f){0}, (vec16f){0}, x);
 }
 
+/* The n (<= 16) outputs of kind from x: act(x[j]), or a gate's act(x[j]) *
+   x[j + up] (up: where a row's up half starts, FF). */
+static LLMC_ALWAYS_INLINE vec16f forward16(const int isa, const int kind, const float* x,
+                                           int64_t up, int n) {
+    if (kind < GATE_SILU) { return activation16(kind, llmc_load16(x, n)); }
+    vec16f a, da;
+    gate16(isa, kind, llmc_load16(x, n), &a, &da);
+    return a * llmc_load16(x + up, n);
+}
+
 /* Vectors a bf16 store converts before it checks for denormals (a run
    holding one is stored again, rounded in integers). */
 #define CONVERTED_RUN 64
 
+/* out[out0 + j] = forward16 of x + j, for j in [j0, j1) in whole vectors
+   (j1 - j0 a multiple of 16), float32 or bf16 (out_bf16): one loop per
+   output type, so that no vector tests its type or its size. */
+static LLMC_ALWAYS_INLINE void forward_vectors(const int isa, const int kind, void* out,
+                                               int out_bf16, int64_t out0, const float* x,
+                                               int64_t up, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; !out_bf16 && j < j1; j += 16) {
+        llmc_store16((float*)out + out0 + j, forward16(isa, kind, x + j, up, 16), 16);
+    }
+    for (int64_t run = j0; out_bf16 && run < j1; run += 16 * CONVERTED_RUN) {
+        const int64_t end = j1 - run < 16 * CONVERTED_RUN ? j1 : run + 16 * CONVERTED_RUN;
+#ifdef LLMC_X86_DISPATCH
+        if (isa == LLMC_ISA_AVX512BF16) {
+            unsigned denormal_lanes = 0;
+            for (int64_t j = run; j < end; j += 16) {
+                const vec16f y = forward16(isa, kind, x + j, up, 16);
+                store16_bf16_converted((uint16_t*)out + out0 + j, &y, &denormal_lanes);
+            }
+            if (denormal_lanes == 0) { continue; }
+        }
+#endif
+        for (int64_t j = run; j < end; j += 16) {
+            llmc_store16_as(out, 1, out0 + j, forward16(isa, kind, x + j, up, 16), 16);
+        }
+    }
+}
+
 /* Blocks [blk0, blk1) of 16 elements of an activation's forward; the last
-   block of N may be partial. Whole blocks run in a loop per output type,
-   so that no block tests its type or its size. */
+   block of N may be partial. */
 static LLMC_ALWAYS_INLINE void activation_forward_blocks(const int isa, const int act, void* out,
                                                          int out_bf16, const float* inp,
                                                          int64_t N, int64_t blk0,
                                                          int64_t blk1) {
     const int64_t whole = blk1 < N / 16 ? blk1 : N / 16;
-    for (int64_t run = blk0; out_bf16 && run < whole; run += CONVERTED_RUN) {
-        const int64_t end = (whole - run < CONVERTED_RUN ? whole : run + CONVERTED_RUN) * 16;
-#ifdef LLMC_X86_DISPATCH
-        if (isa == LLMC_ISA_AVX512BF16) {
-            unsigned denormal_lanes = 0;
-            for (int64_t i = run * 16; i < end; i += 16) {
-                const vec16f y = activation16(act, llmc_load16(inp + i, 16));
-                store16_bf16_converted((uint16_t*)out + i, &y, &denormal_lanes);
-            }
-            if (denormal_lanes == 0) { continue; }
-        }
-#endif
-        for (int64_t i = run * 16; i < end; i += 16) {
-            llmc_store16_as(out, 1, i, activation16(act, llmc_load16(inp + i, 16)), 16);
-        }
-    }
-    for (int64_t i = blk0 * 16; !out_bf16 && i < whole * 16; i += 16) {
-        llmc_store16((float*)out + i, activation16(act, llmc_load16(inp + i, 16)), 16);
+    if (blk0 < whole) {
+        forward_vectors(isa, act, out, out_bf16, 0, inp, 0, blk0 * 16, whole * 16);
     }
     for (int64_t blk = whole > blk0 ? whole : blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
-        llmc_store16_as(out, out_bf16, i, activation16(act, llmc_load16(inp + i, n)), n);
+        llmc_store16_as(out, out_bf16, i, forward16(isa, act, inp + i, 0, n), n);
     }
 }
 
@@ -208,112 +277,90 @@ int gelu_backward(float* dinp, const float* dout, const float* inp, int64_t N, i
                                 dout, inp, N, written);
 }
 
-/*
- * The logistic sigmoid and its complement on 16 lanes, from e = exp(-|x|),
- * which never overflows:
- *   x >= 0: sig = 1 / (1 + e),  1 - sig = e / (1 + e)
- *   x <  0: sig = e / (1 + e),  1 - sig = 1 / (1 + e)
- * Both are then within a few ulp, also in the tails where 1 - sig or sig
- * alone would cancel or overflow. For x < -87.3, e flushes to 0 (llmc_exp16
- * gives no subnormals), so sig and silu are 0 where their true values are
- * below 1e-36. NaN stays NaN.
- */
-static LLMC_ALWAYS_INLINE void sigmoid16(vec16f x, vec16f* sig, vec16f* sig_c) {
-    const vec16i sign_bit = (vec16i){0} + (int32_t)0x80000000;
-    const vec16f e = llmc_exp16((vec16f)((vec16i)x | sign_bit));   // exp(-|x|)
-    const vec16f r = 1.0f / (1.0f + e);
-    const vec16f er = e * r;
-    const vec16i positive = x >= (vec16f){0};
-    *sig = llmc_select16(positive, r, er);
-    *sig_c = llmc_select16(positive, er, r);
-}
-
-/* The gate of a gated MLP (Shazeer's GLU variants): out = act(gate) * up,
-   act silu (SwiGLU), GELU's tanh form (GeGLU, as gelu_forward) or ReLU (ReGLU).
-   gate16 gives act(g) and act'(g); a caller that needs only act(g) lets the
-   compiler drop the derivative (everything here is inlined). */
-enum { GATE_SILU, GATE_GELU, GATE_RELU };
-
-static LLMC_ALWAYS_INLINE void gate16(const int act, vec16f g, vec16f* a, vec16f* da) {
-    const vec16f zero = {0};
-    if (act == GATE_SILU) {
-        // silu(g) = g s, and since s' = s (1 - s), silu'(g) = s (1 + g (1 - s))
-        vec16f sig, sig_c;
-        sigmoid16(g, &sig, &sig_c);
-        *a = g * sig;
-        *da = sig * (1.0f + g * sig_c);
-    } else if (act == GATE_GELU) {
-        // as gelu_forward and gelu_backward
-        vec16f s, e;
-        gelu_sigmoid16(g, &s, &e);
-        const vec16f du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * g * g);
-        *a = g * s;
-        *da = s * (1.0f + 2.0f * g * (e * s) * du);
-    } else {
-        // relu(g) = g for g >= 0, else 0 (NaN stays NaN); relu'(g) = 1 for g > 0, else 0
-        *a = llmc_select16(g < zero, zero, g);
-        *da = llmc_select16(g > zero, zero + 1.0f, zero);
-    }
-}
-
 /* The gated kernels work on blocks of 16 columns of one row, the last block
    of each row possibly partial; rows and blocks are flattened (block k is
    block k % row_blocks of row k / row_blocks), so that one row (N == 1, as
-   in decoding) still spreads over the threads. These run blocks [k0, k1). */
-static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int act, void* out, int out_bf16,
-                                                    const float* inp, int FF, int64_t k0,
-                                                    int64_t k1) {
+   in decoding) still spreads over the threads. A thread's blocks [k0, k1)
+   run row by row: row r's columns [*c0, *c1) hold its whole vectors
+   [*c0, *whole) and, if *c1 > *whole, the row's partial last block. */
+static LLMC_ALWAYS_INLINE void row_columns(int64_t r, int FF, int64_t k0, int64_t k1,
+                                           int64_t* c0, int64_t* whole, int64_t* c1) {
+    const int64_t row_blocks = (FF + 15) / 16, first = r * row_blocks;
+    *c0 = (k0 > first ? k0 - first : 0) * 16;
+    *c1 = k1 - first < row_blocks ? (k1 - first) * 16 : FF;
+    *whole = *c1 < (FF & ~15) ? *c1 : (FF & ~15);
+}
+
+static LLMC_ALWAYS_INLINE void gated_forward_blocks(const int isa, const int act, void* out,
+                                                    int out_bf16, const float* inp, int FF,
+                                                    int64_t k0, int64_t k1) {
     const int64_t row_blocks = (FF + 15) / 16;
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t r = k / row_blocks;
-        const int i = (int)(k % row_blocks) * 16;
-        const int n = FF - i < 16 ? FF - i : 16;
-        const float* gate = inp + (size_t)r * 2 * FF + i;
-        const vec16f g = llmc_load16(gate, n), u = llmc_load16(gate + FF, n);
-        vec16f a, da;
-        gate16(act, g, &a, &da);
-        llmc_store16_as(out, out_bf16, (int64_t)r * FF + i, a * u, n);
+    for (int64_t r = k0 / row_blocks; r * row_blocks < k1; r++) {
+        int64_t c0, whole, c1;
+        row_columns(r, FF, k0, k1, &c0, &whole, &c1);
+        const float* x = inp + (size_t)r * 2 * FF;
+        forward_vectors(isa, act, out, out_bf16, r * FF, x, FF, c0, whole);
+        if (c1 > whole) {
+            llmc_store16_as(out, out_bf16, r * FF + whole,
+                            forward16(isa, act, x + whole, FF, (int)(c1 - whole)),
+                            (int)(c1 - whole));
+        }
     }
 }
 
-/* dgate += dout * up * act'(gate),  dup += dout * act(gate) (or = when written) */
-static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int act, float* dinp, const float* dout,
-                                                     const float* inp, int FF, int64_t k0,
-                                                     int64_t k1, int written) {
+/* dgate += dout * up * act'(gate),  dup += dout * act(gate) (or = when
+   written), for the n (<= 16) columns of one row at x (its gate), dx, dy */
+static LLMC_ALWAYS_INLINE void gated_backward16(const int isa, const int act, float* dx,
+                                                const float* dy, const float* x, int FF, int n,
+                                                int written) {
+    const vec16f g = llmc_load16(x, n), u = llmc_load16(x + FF, n);
+    const vec16f d = llmc_load16(dy, n);
+    vec16f a, da;
+    gate16(isa, act, g, &a, &da);
+    llmc_store16(dx, dinp_start(dx, n, written) + d * u * da, n);
+    llmc_store16(dx + FF, dinp_start(dx + FF, n, written) + d * a, n);
+}
+
+static LLMC_ALWAYS_INLINE void gated_backward_blocks(const int isa, const int act, float* dinp,
+                                                     const float* dout, const float* inp,
+                                                     int FF, int64_t k0, int64_t k1,
+                                                     int written) {
     const int64_t row_blocks = (FF + 15) / 16;
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t r = k / row_blocks;
-        const int i = (int)(k % row_blocks) * 16;
-        const int n = FF - i < 16 ? FF - i : 16;
-        const float* gate = inp + (size_t)r * 2 * FF + i;
-        float* dgate = dinp + (size_t)r * 2 * FF + i;
-        const vec16f g = llmc_load16(gate, n), u = llmc_load16(gate + FF, n);
-        const vec16f dy = llmc_load16(dout + (size_t)r * FF + i, n);
-        vec16f a, da;
-        gate16(act, g, &a, &da);
-        llmc_store16(dgate, dinp_start(dgate, n, written) + dy * u * da, n);
-        llmc_store16(dgate + FF, dinp_start(dgate + FF, n, written) + dy * a, n);
+    for (int64_t r = k0 / row_blocks; r * row_blocks < k1; r++) {
+        int64_t c0, whole, c1;
+        row_columns(r, FF, k0, k1, &c0, &whole, &c1);
+        const size_t x0 = (size_t)r * 2 * FF, y0 = (size_t)r * FF;
+        for (int64_t j = c0; j < whole; j += 16) {
+            gated_backward16(isa, act, dinp + x0 + j, dout + y0 + j, inp + x0 + j, FF, 16,
+                             written);
+        }
+        if (c1 > whole) {
+            gated_backward16(isa, act, dinp + x0 + whole, dout + y0 + whole, inp + x0 + whole,
+                             FF, (int)(c1 - whole), written);
+        }
     }
 }
 
 /* one forward and one backward variant set per gate */
 #define GATED_VARIANTS(name, act)                                                          \
     static LLMC_ALWAYS_INLINE void name##_forward_blocks_body(                             \
-            void* out, int out_bf16, const float* inp, int FF, int64_t k0, int64_t k1) {  \
-        gated_forward_blocks(act, out, out_bf16, inp, FF, k0, k1);                         \
+            const int isa, void* out, int out_bf16, const float* inp, int FF, int64_t k0, \
+            int64_t k1) {                                                                  \
+        gated_forward_blocks(isa, act, out, out_bf16, inp, FF, k0, k1);                    \
     }                                                                                      \
-    LLMC_ISA_VARIANTS(name##_forward_blocks, (void* out, int out_bf16, const float* inp,  \
-                                              int FF, int64_t k0, int64_t k1),             \
-                      out, out_bf16, inp, FF, k0, k1)                                      \
+    LLMC_ISA_VARIANTS_BF16(name##_forward_blocks, (void* out, int out_bf16,               \
+                                                   const float* inp, int FF, int64_t k0,  \
+                                                   int64_t k1),                            \
+                           out, out_bf16, inp, FF, k0, k1)                                 \
     static LLMC_ALWAYS_INLINE void name##_backward_blocks_body(                            \
-            float* dinp, const float* dout, const float* inp, int FF, int64_t k0,         \
-            int64_t k1, int written) {                                                     \
-        gated_backward_blocks(act, dinp, dout, inp, FF, k0, k1, written);                  \
+            const int isa, float* dinp, const float* dout, const float* inp, int FF,      \
+            int64_t k0, int64_t k1, int written) {                                         \
+        gated_backward_blocks(isa, act, dinp, dout, inp, FF, k0, k1, written);             \
     }                                                                                      \
-    LLMC_ISA_VARIANTS(name##_backward_blocks, (float* dinp, const float* dout,            \
-                                               const float* inp, int FF, int64_t k0,      \
-                                               int64_t k1, int written),                   \
-                      dinp, dout, inp, FF, k0, k1, written)
+    LLMC_ISA_VARIANTS_ISA(name##_backward_blocks, (float* dinp, const float* dout,        \
+                                                   const float* inp, int FF, int64_t k0,  \
+                                                   int64_t k1, int written),               \
+                          dinp, dout, inp, FF, k0, k1, written)
 
 GATED_VARIANTS(swiglu, GATE_SILU)
 GATED_VARIANTS(geglu, GATE_GELU)
@@ -353,7 +400,7 @@ static int gated_backward(gated_backward_fn blocks, float* dinp, const float* do
 }
 
 int swiglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
-    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), swiglu_forward_blocks), out, inp, N,
+    return gated_forward(LLMC_ISA_SELECT_BF16(llmc_get_isa(), swiglu_forward_blocks), out, inp, N,
                          FF, out_dtype);
 }
 
@@ -364,7 +411,7 @@ int swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N,
 }
 
 int geglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
-    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), geglu_forward_blocks), out, inp, N,
+    return gated_forward(LLMC_ISA_SELECT_BF16(llmc_get_isa(), geglu_forward_blocks), out, inp, N,
                          FF, out_dtype);
 }
 
@@ -375,7 +422,7 @@ int geglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
 }
 
 int reglu_forward(void* out, const float* inp, int64_t N, int FF, int out_dtype) {
-    return gated_forward(LLMC_ISA_SELECT(llmc_get_isa(), reglu_forward_blocks), out, inp, N,
+    return gated_forward(LLMC_ISA_SELECT_BF16(llmc_get_isa(), reglu_forward_blocks), out, inp, N,
                          FF, out_dtype);
 }
 
@@ -387,22 +434,23 @@ int reglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, 
 
 ACTIVATION_FORWARD(relu, ACT_RELU)
 
-static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(float* dinp, const float* dout,
-                                                         const float* inp, int64_t N, int64_t blk0,
-                                                         int64_t blk1, int written) {
+static LLMC_ALWAYS_INLINE void relu_backward_blocks_body(const int isa, float* dinp,
+                                                         const float* dout, const float* inp,
+                                                         int64_t N, int64_t blk0, int64_t blk1,
+                                                         int written) {
     for (int64_t blk = blk0; blk < blk1; blk++) {
         const int64_t i = blk * 16;
         const int n = N - i < 16 ? (int)(N - i) : 16;
         vec16f a, da;
-        gate16(GATE_RELU, llmc_load16(inp + i, n), &a, &da);
+        gate16(isa, GATE_RELU, llmc_load16(inp + i, n), &a, &da);
         llmc_store16(dinp + i, dinp_start(dinp + i, n, written) + da * llmc_load16(dout + i, n),
                      n);
     }
 }
-LLMC_ISA_VARIANTS(relu_backward_blocks,
-                  (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
-                   int64_t blk1, int written),
-                  dinp, dout, inp, N, blk0, blk1, written)
+LLMC_ISA_VARIANTS_ISA(relu_backward_blocks,
+                      (float* dinp, const float* dout, const float* inp, int64_t N, int64_t blk0,
+                       int64_t blk1, int written),
+                      dinp, dout, inp, N, blk0, blk1, written)
 
 int relu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int written) {
     return elementwise_backward(LLMC_ISA_SELECT(llmc_get_isa(), relu_backward_blocks), dinp,

@@ -99,4 +99,39 @@
 #define LLMC_ISA_SELECT_BF16 LLMC_ISA_SELECT
 #endif
 
+/* llmc_exp_nonpositive16 (common.h) in a body built for isa: bitwise the
+   same lanes (checked over every float x <= 0). The AVX-512 builds take
+   n = floor(x / ln2 + 0.5) in one vrndscaleps and p * 2^n in one vscalefps
+   (one rounding of the exact product, as the multiply by 2^n's bits), so a
+   lane costs about half the instructions. Not always-inline, and x by
+   pointer, as activations.c's store16_bf16_converted: the other builds hold
+   a call that their constant isa removes. */
+#ifdef LLMC_X86_DISPATCH
+#include <immintrin.h>
+LLMC_TARGET_AVX512 static inline void llmc_exp_nonpositive16_avx512(vec16f* x) {
+    const __m512 v = (__m512)*x;
+    const __mmask16 too_small = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.3365478515625f),
+                                                   _CMP_LT_OQ);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512 t = _mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f),
+                                     _mm512_set1_ps(0.5f));
+    const __m512 nf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    // lanes below lo or NaN compute garbage here, replaced just below
+    const vec16f p = llmc_exp_reduced16(*x, (vec16f)nf);
+    const __m512 result = _mm512_maskz_scalef_ps((__mmask16)~too_small, (__m512)p, nf);
+    *x = (vec16f)_mm512_mask_mov_ps(result, nan, v);
+}
+#endif
+
+static LLMC_ALWAYS_INLINE vec16f llmc_exp_nonpositive16_isa(const int isa, vec16f x) {
+#ifdef LLMC_X86_DISPATCH
+    if (isa >= LLMC_ISA_AVX512) {
+        llmc_exp_nonpositive16_avx512(&x);
+        return x;
+    }
+#endif
+    (void)isa;
+    return llmc_exp_nonpositive16(x);
+}
+
 #endif

@@ -436,3 +436,54 @@ def test_written_backward_is_the_sum_into_zeros_bitwise(rng, isa, set_threads, n
         return {"dinp": dinp}
     assert np.array_equal(run()["dinp"].view(np.uint32), into_zeros.view(np.uint32))
     assert_thread_invariant(set_threads, run)
+
+
+@pytest.mark.parametrize("isa_name", llmc_py.supported_isas())
+@pytest.mark.parametrize("name", ["swiglu", "geglu", "reglu"])
+def test_gated_bf16_output_converted_is_the_integer_rounding(rng, use_isa, set_threads,
+                                                              isa_name, name):
+    """As test_bf16_output_converted_is_the_integer_rounding, for the gated
+    kernels, whose runs of vectors stop at each row's end: rows of two runs
+    and a partial block, denormal outputs (a gate of 1 times an up of ~1e-39)
+    in some runs only, NaN and infinite ups, rows split across threads."""
+    use_isa(isa_name)
+    forward_kernel = K.MLP_ACTIVATIONS[name][0]
+    N, FF = 3, 2 * 64 * 16 + 7
+    x = randn(rng, N, 2 * FF, scale=3.0)
+    gate, up = x[:, :FF], x[:, FF:]
+    cols = 1024 + rng.integers(0, 1024, 40)      # the second run of row 1
+    gate[1, cols] = 1.0
+    up[1, cols] = rng.integers(0x100, 0x00800000, 40, dtype=np.uint32).view(np.float32)
+    gate[2, FF - 3:] = 1.0                        # the partial block of row 2
+    up[2, FF - 3:] = np.array([1e-39, np.nan, np.inf], np.float32)
+    f32 = assert_bf16_out_rounded(forward_kernel, x, (N, FF), set_threads, f"{name}, {isa_name}")
+    assert ((f32 != 0) & (np.abs(f32) < np.finfo(np.float32).tiny)).sum() >= 10
+
+
+@pytest.mark.skipif("avx512" not in llmc_py.supported_isas(), reason="no AVX-512 here")
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gated_kernels_are_the_same_bits_on_every_isa(rng, use_isa, name):
+    """SwiGLU's sigmoid on the AVX-512 builds takes exp(-|gate|) by
+    vrndscaleps and vscalefps, bitwise the portable form that the avx2 build
+    compiles with the same fused multiply-adds: out (float32 and bf16) and
+    dinp to the bit, for gates spread over every float from -104 to +104
+    and a row that ends in a partial vector."""
+    forward_kernel, backward_kernel = K.MLP_ACTIVATIONS[name]
+    N, FF = 5, 4096 + 9
+    bits = rng.integers(0, 0x42D00000, size=(N, FF), dtype=np.int64).astype(np.uint32)
+    bits[rng.random((N, FF)) < 0.5] |= 0x80000000
+    x = np.concatenate([bits.view(np.float32), randn(rng, N, FF)], axis=1)
+    dout = randn(rng, N, FF)
+    results = {}
+    for isa_name in [i for i in ("avx2", "avx512", "avx512bf16") if i in llmc_py.supported_isas()]:
+        use_isa(isa_name)
+        out = np.empty((N, FF), np.float32)
+        forward_kernel(out, x)
+        out_bf16 = np.empty((N, FF), np.uint16)
+        forward_kernel(out_bf16, x)
+        dinp = randn(rng, N, 2 * FF)
+        backward_kernel(dinp, dout, x, written=True)
+        results[isa_name] = (out.view(np.uint32), out_bf16, dinp.view(np.uint32))
+    for isa_name, result in results.items():
+        for what, ours, portable in zip(("out", "out bf16", "dinp"), result, results["avx2"]):
+            assert np.array_equal(ours, portable), f"{what}, {isa_name}"

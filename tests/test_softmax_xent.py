@@ -231,3 +231,54 @@ def test_softmax_exponentials_down_to_the_smallest_denormal(rng, isa):
         assert ((probs[row] > 0) & (probs[row] < np.finfo(np.float32).tiny)).any()
     assert probs[1, 3] == 0.0
     assert np.isnan(probs[2]).all() and np.isnan(probs[3]).all()
+
+
+def nonpositive_logits(rng, rows, V):
+    """Rows of V logits whose bit patterns are spread evenly over every float
+    from -0 down to -104 (exp's whole range, its underflow below -87.34 and
+    denormal differences), with a 0 that is each row's max and a -inf."""
+    bits = rng.integers(0x80000000, 0xC2D00000, size=(rows, V), dtype=np.int64)
+    logits = bits.astype(np.uint32).view(np.float32)
+    logits[:, 0] = 0.0
+    logits[0, 1] = -np.inf
+    return logits[None]
+
+
+@pytest.mark.skipif("avx512" not in llmc_py.supported_isas(), reason="no AVX-512 here")
+def test_exponentials_are_the_same_bits_on_every_isa(rng, use_isa):
+    """The AVX-512 builds' exponential (floor and 2^n by vrndscaleps and
+    vscalefps) is bitwise the portable form's, which the avx2 build compiles
+    with the same fused multiply-adds: probabilities, stats, losses and
+    gradients all to the bit, at V not a multiple of 16."""
+    V = 40_000 + 7
+    logits = nonpositive_logits(rng, 3, V)
+    targets = rng.integers(0, V, size=(1, 3), dtype=np.int32)
+    dlosses = randn(rng, 1, 3)
+    results = {}
+    for isa_name in ("avx2", "avx512"):
+        use_isa(isa_name)
+        probs = np.empty_like(logits)
+        K.softmax_forward(probs, logits, V)
+        losses, stats = forward(logits, targets, V)
+        results[isa_name] = (probs, losses, stats, backward(dlosses, logits, stats, targets, V))
+    for name, ours, portable in zip(("probs", "losses", "stats", "dlogits"), results["avx512"],
+                                    results["avx2"]):
+        assert np.array_equal(ours.view(np.uint32), portable.view(np.uint32)), name
+    probs = results["avx512"][0]
+    assert (probs == 0).any() and ((probs > 0) & (probs < np.finfo(np.float32).tiny)).any()
+
+
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 63, 64, 65, 130, 200])
+def test_row_max_at_every_position(isa, V):
+    """A row's max is found wherever it sits (in each of the four vectors
+    the max runs on, or the tail): stats[0] is it exactly, and the loss of
+    the target at the max is -log of its probability in float64."""
+    logits = np.full((1, V, V), -3.0, np.float32)
+    logits[0] -= np.arange(V, dtype=np.float32)[None, :] / V   # distinct values
+    logits[0, np.arange(V), np.arange(V)] = 2.5                 # row r's max at column r
+    targets = np.arange(V, dtype=np.int32)[None]
+    losses, stats = forward(logits, targets, V)
+    assert np.array_equal(stats[0, :, 0], np.full(V, 2.5, np.float32))
+    x = logits[0].astype(np.float64)
+    ref = -(2.5 - x.max(-1) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)))
+    assert np.allclose(losses[0], ref, rtol=1e-6, atol=1e-6)
