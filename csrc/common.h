@@ -144,6 +144,14 @@ static LLMC_ALWAYS_INLINE vec16f llmc_exp_reduced16(vec16f x, vec16f nf) {
     return p * r * r + r + 1.0f;
 }
 
+/* llmc_exp_reduced16 through pointers, for a caller built for another
+   instruction set (isa.h): a vector passed by value across that boundary
+   changes the ABI, which clang refuses */
+static LLMC_ALWAYS_INLINE void llmc_exp_reduced16_at(vec16f* p, const vec16f* x,
+                                                    const vec16f* nf) {
+    *p = llmc_exp_reduced16(*x, *nf);
+}
+
 /*
  * exp(x) on 16 lanes in plain vector arithmetic (libm's expf does not
  * vectorise without -ffast-math). Cody-Waite range reduction x = n ln2 + r,

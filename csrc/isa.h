@@ -117,7 +117,9 @@ LLMC_TARGET_AVX512 static inline void llmc_exp_nonpositive16_avx512(vec16f* x) {
                                      _mm512_set1_ps(0.5f));
     const __m512 nf = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     // lanes below lo or NaN compute garbage here, replaced just below
-    const vec16f p = llmc_exp_reduced16(*x, (vec16f)nf);
+    const vec16f n = (vec16f)nf;
+    vec16f p;
+    llmc_exp_reduced16_at(&p, x, &n);
     const __m512 result = _mm512_maskz_scalef_ps((__mmask16)~too_small, (__m512)p, nf);
     *x = (vec16f)_mm512_mask_mov_ps(result, nan, v);
 }

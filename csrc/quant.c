@@ -561,6 +561,14 @@ TARGET_AVX512VNNI static void rows_avx512vnni(float* out, int OC, const uint8_t*
     }
 }
 
+/* +1 or -1 with p's sign, in AVX-512F's integer ops (the float and/or are
+   AVX512DQ's) */
+TARGET_AVX512VNNI static inline __m512 sign_or_one(__m512 p) {
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u), one = _mm512_set1_epi32(0x3f800000);
+    return _mm512_castsi512_ps(
+        _mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(p), sign), one));
+}
+
 /* quantize_input_row (below) with AVX-512, bitwise: the same max (NaNs
    skipped, as fmaxf skips them), scale and products, and roundf's halves
    away from zero as trunc(v) + sign(v) where |v - trunc(v)| >= 1/2 (v -
@@ -568,16 +576,15 @@ TARGET_AVX512VNNI static void rows_avx512vnni(float* out, int OC, const uint8_t*
 TARGET_AVX512VNNI static void quantize_input_row_512(int8_t* q, float* d, int32_t* corr,
                                                      const float* x, int nb, int qtype) {
     const int offset = weight_offset(qtype);
-    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f),
-                 one = _mm512_set1_ps(1.0f);
+    const __m512 half = _mm512_set1_ps(0.5f);
     for (int b = 0; b < nb; b++) {
         __m512 v[2];
         __m512i i[2];
         for (int h = 0; h < 2; h++) { v[h] = _mm512_loadu_ps(x + (size_t)b * QK + 16 * h); }
         const __m512 a0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[0], v[0], _CMP_ORD_Q),
-                                              _mm512_andnot_ps(sign, v[0]));
+                                              _mm512_abs_ps(v[0]));
         const __m512 a1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v[1], v[1], _CMP_ORD_Q),
-                                              _mm512_andnot_ps(sign, v[1]));
+                                              _mm512_abs_ps(v[1]));
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
         const float scale = amax / 127.0f;
         const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
@@ -586,9 +593,9 @@ TARGET_AVX512VNNI static void quantize_input_row_512(int8_t* q, float* d, int32_
             const __m512 p = _mm512_mul_ps(v[h], _mm512_set1_ps(inverse));
             const __m512 t = _mm512_roundscale_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
             const __mmask16 away = _mm512_cmp_ps_mask(
-                _mm512_andnot_ps(sign, _mm512_sub_ps(p, t)), half, _CMP_GE_OQ);
+                _mm512_abs_ps(_mm512_sub_ps(p, t)), half, _CMP_GE_OQ);
             const __m512 r = _mm512_mask_add_ps(t, away, t,
-                                                _mm512_or_ps(_mm512_and_ps(p, sign), one));
+                                                sign_or_one(p));
             i[h] = _mm512_cvttps_epi32(r);
         }
         // the int8s (a NaN's int32 0x80000000 truncates to 0, as in C's
