@@ -6,136 +6,33 @@
 #include "common.h"
 #include "isa.h"
 
-/* The update of elements [0, n): reads params_in, m_in, v_in and grads,
-   writes params_out, params_bf16 (unless NULL), m_out and v_out: the inputs
-   themselves (in place), or adamw_streamed's chunk of scratch. c1, c2 are
-   the bias corrections. */
-static LLMC_ALWAYS_INLINE void adamw_range_body(float* params_out, uint16_t* params_bf16,
-                                                float* m_out, float* v_out,
-                                                const float* params_in, const float* m_in,
-                                                const float* v_in, const float* grads, int64_t n,
+/* The update of elements [i0, i1); c1, c2 are the bias corrections. */
+static LLMC_ALWAYS_INLINE void adamw_range_body(float* params, uint16_t* params_bf16,
+                                                float* m, float* v,
+                                                const float* grads, int64_t i0, int64_t i1,
                                                 float learning_rate, float beta1, float beta2,
                                                 float eps, float weight_decay, float c1,
                                                 float c2) {
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         const float g = grads[i];
-        const float m_i = beta1 * m_in[i] + (1.0f - beta1) * g;
-        const float v_i = beta2 * v_in[i] + (1.0f - beta2) * g * g;
-        m_out[i] = m_i;
-        v_out[i] = v_i;
+        const float m_i = beta1 * m[i] + (1.0f - beta1) * g;
+        const float v_i = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = m_i;
+        v[i] = v_i;
         const float m_hat = m_i / c1;
         const float v_hat = v_i / c2;
-        const float p = params_in[i]
-                        - learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * params_in[i]);
-        params_out[i] = p;
+        const float p = params[i]
+                        - learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * params[i]);
+        params[i] = p;
         if (params_bf16 != NULL) { params_bf16[i] = llmc_bf16_round(p); }
     }
 }
 LLMC_ISA_VARIANTS(adamw_range, (float* params, uint16_t* params_bf16, float* m, float* v,
-                                const float* grads, int64_t n, float learning_rate, float beta1,
-                                float beta2, float eps, float weight_decay, float c1, float c2),
-                  params, params_bf16, m, v, params, m, v, grads, n, learning_rate, beta1, beta2,
-                  eps, weight_decay, c1, c2)
-
-typedef void (*adamw_range_fn)(float*, uint16_t*, float*, float*, const float*, int64_t, float,
-                               float, float, float, float, float, float);
-
-/* From this many floats (16 MiB) on, an array the update or fill_zero writes
-   is stored with streaming (non-temporal) stores on AVX2 and AVX-512: far
-   larger than the caches, it gains nothing from keeping the lines written,
-   and an array only written is then not read for ownership first. Below it,
-   the arrays may still be in the caches, where the next step reads them. */
-#define STREAM_MIN ((int64_t)1 << 22)
-
-#ifdef LLMC_X86_DISPATCH
-#include <immintrin.h>
-
-/* Elements per chunk of adamw_streamed: its scratch stays in L1. */
-#define ADAMW_CHUNK 512
-
-/*
- * adamw_range with streaming stores (STREAM_MIN): each chunk is computed by
- * the same loop into scratch, then stored 32 bytes at a time, from the first
- * element where params is 64-byte aligned (the elements before it, and every
- * element when m, v or the copy do not share that alignment, in place). The
- * sfence orders the streamed stores before whatever follows.
- */
-LLMC_TARGET_AVX2 static LLMC_ALWAYS_INLINE void adamw_streamed_body(
-        float* params, uint16_t* params_bf16, float* m, float* v, const float* grads, int64_t n,
-        float learning_rate, float beta1, float beta2, float eps, float weight_decay, float c1,
-        float c2) {
-    int64_t head = (int64_t)(((64 - (uintptr_t)params % 64) % 64) / sizeof(float));
-    const int aligned = (uintptr_t)params % sizeof(float) == 0
-                        && ((uintptr_t)m - (uintptr_t)params) % 64 == 0
-                        && ((uintptr_t)v - (uintptr_t)params) % 64 == 0
-                        && (params_bf16 == NULL
-                            || (uintptr_t)(params_bf16 + head) % 32 == 0);
-    if (!aligned || head > n) { head = n; }
-    adamw_range_body(params, params_bf16, m, v, params, m, v, grads, head, learning_rate, beta1,
-                     beta2, eps, weight_decay, c1, c2);
-    float p_chunk[ADAMW_CHUNK] __attribute__((aligned(64)));
-    float m_chunk[ADAMW_CHUNK] __attribute__((aligned(64)));
-    float v_chunk[ADAMW_CHUNK] __attribute__((aligned(64)));
-    uint16_t bf16_chunk[ADAMW_CHUNK] __attribute__((aligned(64)));
-    int64_t i = head;
-    for (; i + ADAMW_CHUNK <= n; i += ADAMW_CHUNK) {
-        adamw_range_body(p_chunk, params_bf16 != NULL ? bf16_chunk : NULL, m_chunk, v_chunk,
-                         params + i, m + i, v + i, grads + i, ADAMW_CHUNK, learning_rate, beta1,
-                         beta2, eps, weight_decay, c1, c2);
-        for (int j = 0; j < ADAMW_CHUNK; j += 8) {
-            _mm256_stream_ps(params + i + j, _mm256_load_ps(p_chunk + j));
-            _mm256_stream_ps(m + i + j, _mm256_load_ps(m_chunk + j));
-            _mm256_stream_ps(v + i + j, _mm256_load_ps(v_chunk + j));
-        }
-        if (params_bf16 != NULL) {
-            for (int j = 0; j < ADAMW_CHUNK; j += 16) {
-                _mm256_stream_si256((__m256i*)(params_bf16 + i + j),
-                                    _mm256_load_si256((const __m256i*)(bf16_chunk + j)));
-            }
-        }
-    }
-    adamw_range_body(params + i, params_bf16 != NULL ? params_bf16 + i : NULL, m + i, v + i,
-                     params + i, m + i, v + i, grads + i, n - i, learning_rate, beta1, beta2,
-                     eps, weight_decay, c1, c2);
-    _mm_sfence();
-}
-/* adamw_streamed_avx2 and adamw_streamed_avx512 (isa.h's variants) */
-#define ADAMW_STREAMED(attr, name)                                                          \
-    LLMC_ISA_VARIANT_(attr, name,                                                           \
-                      (float* params, uint16_t* params_bf16, float* m, float* v,            \
-                       const float* grads, int64_t n, float learning_rate, float beta1,     \
-                       float beta2, float eps, float weight_decay, float c1, float c2),     \
-                      adamw_streamed_body(params, params_bf16, m, v, grads, n,              \
-                                          learning_rate, beta1, beta2, eps, weight_decay,   \
-                                          c1, c2))
-ADAMW_STREAMED(LLMC_TARGET_AVX2, adamw_streamed_avx2)
-ADAMW_STREAMED(LLMC_TARGET_AVX512, adamw_streamed_avx512)
-
-/* x[0 .. n) = 0 with streaming stores from the first 32-byte aligned element. */
-LLMC_TARGET_AVX2 __attribute__((noinline)) static void zero_streamed(float* x, int64_t n) {
-    int64_t head = (int64_t)(((32 - (uintptr_t)x % 32) % 32) / sizeof(float));
-    head = head < n ? head : n;
-    memset(x, 0, (size_t)head * sizeof(float));
-    int64_t i = head;
-    for (; i + 8 <= n; i += 8) { _mm256_stream_ps(x + i, _mm256_setzero_ps()); }
-    memset(x + i, 0, (size_t)(n - i) * sizeof(float));
-    _mm_sfence();
-}
-#endif
-
-/* The update's per-thread function: adamw_range, or for N >= STREAM_MIN on
-   AVX2 and AVX-512 adamw_streamed (the same bits). */
-static adamw_range_fn adamw_choice(int isa, int64_t N) {
-#ifdef LLMC_X86_DISPATCH
-    if (N >= STREAM_MIN && isa >= LLMC_ISA_AVX2) {
-        return isa >= LLMC_ISA_AVX512 ? adamw_streamed_avx512 : adamw_streamed_avx2;
-    }
-#endif
-    (void)N;
-    return LLMC_ISA_SELECT(isa, adamw_range);
-}
-
-static void zero_plain(float* x, int64_t n) { memset(x, 0, (size_t)n * sizeof(float)); }
+                                const float* grads, int64_t i0, int64_t i1, float learning_rate,
+                                float beta1, float beta2, float eps, float weight_decay, float c1,
+                                float c2),
+                  params, params_bf16, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps,
+                  weight_decay, c1, c2)
 
 /* *out = the sum of squares of x[i0 .. i1), in double, in order. */
 static LLMC_ALWAYS_INLINE void chunk_norm_body(double* out, const float* x, int64_t i0,
@@ -160,18 +57,43 @@ int adamw_update(float* params, uint16_t* params_bf16, float* m, float* v, const
     const float c1 = 1.0f - powf(beta1, (float)t);
     const float c2 = 1.0f - powf(beta2, (float)t);
 
-    const adamw_range_fn range = adamw_choice(llmc_get_isa(), N);
+    void (*const range)(float*, uint16_t*, float*, float*, const float*, int64_t, int64_t, float,
+                        float, float, float, float, float, float) =
+        LLMC_ISA_SELECT(llmc_get_isa(), adamw_range);
     #pragma omp parallel
     {
         int64_t i0, i1;
         llmc_thread_share(N, &i0, &i1);
         if (i0 < i1) {
-            range(params + i0, params_bf16 != NULL ? params_bf16 + i0 : NULL, m + i0, v + i0,
-                  grads + i0, i1 - i0, learning_rate, beta1, beta2, eps, weight_decay, c1, c2);
+            range(params, params_bf16, m, v, grads, i0, i1, learning_rate, beta1, beta2, eps, weight_decay,
+                  c1, c2);
         }
     }
     return LLMC_OK;
 }
+
+/* From this many floats (16 MiB) on, fill_zero stores with streaming
+   (non-temporal) stores on AVX2 and AVX-512: far larger than the caches, the
+   array gains nothing from keeping the lines written, and is then not read
+   for ownership first. */
+#define STREAM_MIN ((int64_t)1 << 22)
+
+#ifdef LLMC_X86_DISPATCH
+#include <immintrin.h>
+
+/* x[0 .. n) = 0 with streaming stores from the first 32-byte aligned element. */
+LLMC_TARGET_AVX2 __attribute__((noinline)) static void zero_streamed(float* x, int64_t n) {
+    int64_t head = (int64_t)(((32 - (uintptr_t)x % 32) % 32) / sizeof(float));
+    head = head < n ? head : n;
+    memset(x, 0, (size_t)head * sizeof(float));
+    int64_t i = head;
+    for (; i + 8 <= n; i += 8) { _mm256_stream_ps(x + i, _mm256_setzero_ps()); }
+    memset(x + i, 0, (size_t)(n - i) * sizeof(float));
+    _mm_sfence();
+}
+#endif
+
+static void zero_plain(float* x, int64_t n) { memset(x, 0, (size_t)n * sizeof(float)); }
 
 int global_norm_squared(double* out, const float* x, int64_t N) {
     LLMC_REQUIRE(LLMC_NONNULL2(out, x), LLMC_ERR_NULL);

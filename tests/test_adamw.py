@@ -69,8 +69,8 @@ def test_adamw_writes_the_bf16_copy_of_what_it_writes(rng, isa, N):
                        params_bf16=np.zeros(N + 1, np.uint16))
 
 
-# adamw.c's ADAMW_STREAM_MIN: from this many parameters up, AVX2 and AVX-512
-# store the update with streaming stores, a chunk at a time
+# adamw.c's STREAM_MIN: from this many floats up, fill_zero on AVX2 and
+# AVX-512 stores with streaming stores
 STREAM_MIN = 1 << 22
 
 
@@ -81,37 +81,6 @@ def at_byte(a, offset):
     out = raw[first:first + a.nbytes].view(a.dtype)
     out[...] = a
     return out
-
-
-# bytes past a 64-byte boundary of params, m, v and the bf16 copy (None: no copy)
-LAYOUTS = {"aligned": (0, 0, 0, 0), "shifted": (12, 12, 12, 6), "no copy": (0, 0, 0, None),
-           "m apart": (0, 4, 0, 0), "v apart": (0, 0, 8, 0), "copy apart": (0, 0, 0, 10)}
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_adamw_streamed_is_bitwise_the_update_of_its_parts(rng, isa, set_threads, layout):
-    """A buffer large enough for streaming stores (each thread's part from
-    an element where params is 64-byte aligned, the rest in place; all of it
-    in place when m, v or the copy is not aligned with params) gets the bits
-    of its parts' updates, each small enough to run in place, on any thread
-    count."""
-    N = STREAM_MIN + 1037
-    p0, g = randn(rng, N, scale=0.02), randn(rng, N)
-    m0, v0 = np.abs(randn(rng, N)) * np.float32(0.1), np.abs(randn(rng, N)) * np.float32(0.01)
-    p_at, m_at, v_at, copy_at = LAYOUTS[layout]
-
-    def update(parts):
-        p, m, v = at_byte(p0, p_at), at_byte(m0, m_at), at_byte(v0, v_at)
-        copy = None if copy_at is None else at_byte(np.zeros(N, np.uint16), copy_at)
-        for a, b in parts:
-            K.adamw_update(p[a:b], m[a:b], v[a:b], g[a:b], t=3, **HYPER,
-                           params_bf16=None if copy is None else copy[a:b])
-        return {"params": p, "m": m, "v": v, **({} if copy is None else {"bf16": copy})}
-    step = STREAM_MIN // 4
-    in_parts = update([(a, min(a + step, N)) for a in range(0, N, step)])
-    for name, whole in update([(0, N)]).items():
-        assert np.array_equal(whole, in_parts[name]), name
-    assert_thread_invariant(set_threads, lambda: update([(0, N)]))
 
 
 @pytest.mark.parametrize("N,at", [(1, 4), (37, 12), (STREAM_MIN + 13, 0), (STREAM_MIN + 13, 20)])
