@@ -4,6 +4,7 @@ the step, --lora, --moe and the quality runs run at tiny sizes (their rows, not
 their times)."""
 import argparse
 import re
+import statistics
 
 import numpy as np
 import pytest
@@ -131,6 +132,22 @@ def test_bench_lora_times_ours_and_peft_each_in_its_own_process(capsys):
 def test_bench_lora_without_torch_has_our_two_rows():
     args = argparse.Namespace(batch=(1, 4), layers=1, repeats=1, skip_torch=True)
     assert list(measure_lora(args, TINY_QWEN3)) == ["llmc_py_lora", "llmc_py_full_bf16"]
+
+
+def test_bench_lora_rounds_alternate_the_processes_and_take_the_median_ratio(capsys):
+    args = argparse.Namespace(batch=(1, 4), layers=1, repeats=2, rounds=3, skip_torch=True)
+    steps = measure_lora(args, TINY_QWEN3)
+    ours, full = steps["llmc_py_lora"], steps["llmc_py_full_bf16"]
+    for t in (ours, full):   # every repeat of every round
+        assert len(t["times"]) == 6 and t["median"] == statistics.median(t["times"])
+    per_round = ours["rounds_over"]["llmc_py_full_bf16"]
+    assert len(per_round) == 3 and all(r > 0 for r in per_round)
+    print_lora(args, {"threads": 2, "isa": "x", "step": steps, "peak_rss_mib": 1.0})
+    out = capsys.readouterr().out
+    ratio = re.search(r"llmc_py_lora over llmc_py_full_bf16: ([0-9.]+)x the speed, the median "
+                      r"of 3 rounds' ([0-9., ]+) \(floor 1.4x", out)
+    assert ratio and float(ratio[1]) == round(statistics.median(per_round), 2)
+    assert [float(r) for r in ratio[2].split(", ")] == [round(r, 2) for r in per_round]
 
 
 def test_random_frozen_base_is_random_bf16_with_unit_norms():

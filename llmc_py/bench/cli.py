@@ -27,7 +27,7 @@ from .tables import (print_generation, print_lora, print_lora_quality, print_moe
 
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-FLAG_RANGES = {"repeats": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
+FLAG_RANGES = {"repeats": POSITIVE, "rounds": POSITIVE, "threads": NON_NEGATIVE, "batch": POSITIVE,
                "layers": POSITIVE, "gen": POSITIVE, "attention_window": NON_NEGATIVE}
 
 
@@ -107,6 +107,12 @@ def build_parser():
                         "the same model and transformers + peft (bf16 weights, autocast "
                         "bf16, the same adapters); each in a process of its own, with its "
                         "peak RSS; with --profile, that LoRA step profiled")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--lora: run the three steps' processes this many times in turn (ours, "
+                        "ours in full, peft; then again), each with --repeats, so that a "
+                        "drift of the machine's speed meets all three alike; a step's figures "
+                        "are over all its repeats, a speed ratio the median of the rounds' "
+                        "ratios (default 1)")
     p.add_argument("--moe", action="store_true",
                    help="instead: a training step of a Llama-style model (C=512) with 8 "
                         "experts of 1024, top-2, beside a dense SwiGLU of 2048 (the same "

@@ -2,6 +2,7 @@
 weights) beside our full fine-tuning step of the same model and beside
 transformers + peft, each in a process of its own (step.py, pytorch.py)."""
 import functools
+import statistics
 
 from .pytorch import torch_job
 from .step import own_step_job
@@ -36,16 +37,34 @@ def measure_lora(args, config=None):
     --layers: ours with LoRA on a frozen bf16 base ("llmc_py_lora"), ours
     fine-tuning every parameter in bf16 ("llmc_py_full_bf16"), and unless
     --skip-torch transformers + peft ("peft_bf16"; None when not installed).
-    ``config``: LlamaConfig fields other than num_layers (default
-    QWEN3_0_6B)."""
+    With --rounds N the three processes run N times in turn, each timing
+    --repeats steps: a step's median, min and max are over all its repeats,
+    its peak RSS the largest, and ours gain "rounds_over" {name: the other's
+    median over ours, per round}. ``config``: LlamaConfig fields other than
+    num_layers (default QWEN3_0_6B)."""
     config = QWEN3_0_6B if config is None else config
     B, T = args.batch
     own_step = functools.partial(own_step_job, args.layers, B, T, args.repeats, "bf16",
                                  config=config, arch="llama")
-    steps = {"llmc_py_lora": lora_step_job(args, config),
-             "llmc_py_full_bf16": own_step()}
+    jobs = {"llmc_py_lora": lambda: lora_step_job(args, config), "llmc_py_full_bf16": own_step}
     if not args.skip_torch:
-        steps["peft_bf16"] = torch_job("lora", config=dict(config, num_layers=args.layers),
-                                       B=B, T=T, repeats=args.repeats, rank=RANK,
-                                       alpha=ALPHA, targets=TARGETS)
+        jobs["peft_bf16"] = lambda: torch_job("lora", config=dict(config, num_layers=args.layers),
+                                              B=B, T=T, repeats=args.repeats, rank=RANK,
+                                              alpha=ALPHA, targets=TARGETS)
+    rounds = [{name: job() for name, job in jobs.items()}
+              for _ in range(getattr(args, "rounds", 1))]
+    steps = {name: _over_rounds([r[name] for r in rounds]) for name in jobs}
+    ours = steps["llmc_py_lora"]
+    ours["rounds_over"] = {name: [r[name]["median"] / r["llmc_py_lora"]["median"] for r in rounds]
+                           for name in jobs if name != "llmc_py_lora" and steps[name]}
     return steps
+
+
+def _over_rounds(results):
+    """One step's results of every round as one: the first's fields, the
+    timing over all repeats, the largest peak RSS (None when not installed)."""
+    if results[0] is None:
+        return None
+    times = [t for result in results for t in result["times"]]
+    return dict(results[0], times=times, median=statistics.median(times), min=min(times),
+                max=max(times), peak_rss_mib=max(r["peak_rss_mib"] for r in results))

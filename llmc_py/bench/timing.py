@@ -21,7 +21,8 @@ def timed(fn, repeats, warmup=1, settle=0.2):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+    return {"median": statistics.median(times), "min": min(times), "max": max(times),
+            "times": times}
 
 
 def run_job(module, job, what):
