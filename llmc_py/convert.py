@@ -13,7 +13,8 @@ Llama file, or BF16 safetensors). Needs ``pip install "llmc_py[hf]"``.
 A DST ending in .gguf is a GGUF file (io.gguf) of any SRC, with SRC's
 tokenizer (a folder's tokenizer.json, else GPT-2's); --dtype fp32, f16, bf16,
 q8_0 or q4_0 (norms, biases, position embeddings and the experts' routers
-stay fp32). Mixtral and Qwen3-MoE are written as llama.cpp's llama and
+stay fp32), the head (or a tied embedding) as --head-dtype (default
+--dtype's). Mixtral and Qwen3-MoE are written as llama.cpp's llama and
 qwen3moe, their experts stacked per layer. A GGUF SRC (dequantised) converts
 to a model file, as a folder does. Needs ``pip install "llmc_py[gguf]"``. A
 sliding window (Mistral's, Mixtral's) is written, but llama.cpp's llama
@@ -45,6 +46,10 @@ def build_parser():
     p.add_argument("--dtype", choices=list(GGUF_DTYPES), default="fp32",
                    help=f"parameters as stored ({', '.join(DTYPES)}; a .gguf file also f16, "
                         f"q8_0, q4_0)")
+    p.add_argument("--head-dtype", choices=list(GGUF_DTYPES), default=None,
+                   help="a .gguf file's head (output, or token_embd when tied) as this "
+                        "instead of --dtype (e.g. --dtype q4_0 --head-dtype q8_0: a 4-bit "
+                        "model with an 8-bit head)")
     return p
 
 
@@ -53,9 +58,12 @@ def convert(args):
     parameters converted."""
     config, params = read_model_file(args.src)
     if Path(args.dst).suffix == ".gguf":
+        head = None if args.head_dtype is None else GGUF_DTYPES[args.head_dtype]
         write_gguf(args.dst, config, params, dtype=GGUF_DTYPES[args.dtype],
-                   tokenizer=load_tokenizer(args.src), source=args.src)
+                   tokenizer=load_tokenizer(args.src), source=args.src, head_dtype=head)
         return config, params
+    if args.head_dtype is not None:
+        raise UsageError("--head-dtype: only a .gguf DST holds a head of its own type")
     if args.dtype not in DTYPES:
         raise UsageError(f"--dtype {args.dtype}: only a .gguf DST holds it; model files and "
                          f"folders hold {', '.join(DTYPES)}")

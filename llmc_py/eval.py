@@ -142,9 +142,12 @@ def build_parser():
                    help="evaluate with each of these weights in turn (instead of "
                         "--precision): fp32, bf16 (as --precision bf16), or llama.cpp's "
                         "8-bit or 4-bit blocks of the linear layers' weights (q8_0, q4_0; "
-                        "the embedding and head at q8_0); with several, a last column gives each "
-                        "perplexity's change from the first's (e.g. --weights fp32 bf16 "
-                        "q8_0 q4_0: the cost of each)")
+                        "the embedding and head too, unless --head-weights); with several, a "
+                        "last column gives each perplexity's change from the first's (e.g. "
+                        "--weights fp32 bf16 q8_0 q4_0: the cost of each)")
+    p.add_argument("--head-weights", choices=tuple(QUANT_TYPES), default=None,
+                   help="the quantized --weights' embedding and head in these blocks instead "
+                        "(e.g. --weights q4_0 --head-weights q8_0)")
     return p
 
 
@@ -161,23 +164,28 @@ def parse(argv):
     elif args.precision != "fp32":
         raise UsageError(f"--precision {args.precision} and --weights: give one (--weights "
                          f"takes bf16 too)")
+    if args.head_weights and not set(args.weights) & set(QUANT_TYPES):
+        raise UsageError(f"--head-weights {args.head_weights}: the head of quantized --weights "
+                         f"({', '.join(QUANT_TYPES)}); none is given")
     return args
 
 
-def load_with_weights(path, weights):
+def load_with_weights(path, weights, head_weights=None):
     """The model at ``path`` with ``weights`` (WEIGHTS): in float32, a frozen
-    bf16 base (the matmuls on bf16 alone), or quantized."""
+    bf16 base (the matmuls on bf16 alone), or quantized (its embedding and
+    head in ``head_weights``, default the same)."""
     from .model import load_model
     quantized = weights in QUANT_TYPES
     return load_model(path, precision="fp32" if quantized else weights,
-                      weights=weights if quantized else None, frozen=weights == "bf16")
+                      weights=weights if quantized else None, frozen=weights == "bf16",
+                      head_weights=head_weights if quantized else None)
 
 
 def evaluate(args):
     """The number of tokens read, and a row (weights, length, stride,
     windows, targets, loss) per --weights and --lengths, each evaluated as
     it is taken (so that a table shows each as soon as it is known)."""
-    model = load_with_weights(args.model, args.weights[0])
+    model = load_with_weights(args.model, args.weights[0], args.head_weights)
     c = model.config
     too_long = [L for L in args.lengths if c.learned_positions and L > c.max_seq_len]
     if too_long:
@@ -189,7 +197,7 @@ def evaluate(args):
 
     def rows(model):
         for weights in args.weights:
-            model = model or load_with_weights(args.model, weights)
+            model = model or load_with_weights(args.model, weights, args.head_weights)
             for L in args.lengths:
                 stride = min(args.stride or L, L)
                 loss, counted, n = evaluate_length(model, tokens, L, stride, args.batch_size,

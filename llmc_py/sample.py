@@ -47,8 +47,12 @@ def build_parser():
                         "no float32 copy: half the memory and bytes per token)")
     p.add_argument("--weights", choices=tuple(QUANT_TYPES), default=None,
                    help="decode on llama.cpp's 8-bit or 4-bit blocks of the linear layers' "
-                        "and experts' weights (the embedding and head at q8_0, routers float32; "
-                        "a GGUF file's blocks of that type are used as they are)")
+                        "and experts' weights (the embedding and head too, unless "
+                        "--head-weights; routers float32; a GGUF file's blocks of that type "
+                        "are used as they are)")
+    p.add_argument("--head-weights", choices=tuple(QUANT_TYPES), default=None,
+                   help="with --weights: the embedding and head in these blocks instead "
+                        "(e.g. --weights q4_0 --head-weights q8_0)")
     p.add_argument("--lora", metavar="FOLDER", default=None,
                    help="a PEFT LoRA adapter folder (adapter_config.json, "
                         "adapter_model.safetensors) to load onto the model -e")
@@ -77,6 +81,7 @@ def load(args):
     own or GPT-2's."""
     from .tokenizer import load_tokenizer
     model = load_model(args.checkpoint, precision=args.precision, weights=args.weights,
+                       head_weights=args.head_weights,
                        frozen=args.precision == "bf16" and args.weights is None)
     if args.lora:
         model.load_lora(args.lora)

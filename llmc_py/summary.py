@@ -18,7 +18,7 @@ alone, as sample and eval load it); with --lora-rank the training step is a LoRA
 step's: the frozen base (bf16 alone with --precision bf16), the adapters,
 their gradients and moments, and the activations it keeps. --base-weights
 plans the base quantized (model.quantize: the linear layers in those
-blocks, the embedding and head in Q8_0), for the LoRA step (QLoRA) and the
+blocks, the embedding and head too), for the LoRA step (QLoRA) and the
 forward. --tensors shows
 instead llm.c's table of the parameter tensors, one row per tensor of that
 layout (GPT-2's are llm.c's 16), per-layer ones with L first.
@@ -259,8 +259,8 @@ def build_parser():
                         "...; default all the model has)")
     p.add_argument("--base-weights", choices=("q8_0", "q4_0"), default=None,
                    help="plan the base quantized, as train --base-weights and sample --weights "
-                        "hold it: the linear layers in these blocks, the embedding and head in "
-                        "Q8_0 (the training step: a LoRA step with --lora-rank)")
+                        "hold it: the linear layers, the embedding and the head in these "
+                        "blocks (the training step: a LoRA step with --lora-rank)")
     p.add_argument("--tensors", action="store_true",
                    help="instead: llm.c's table of the parameter tensors (name, shape, "
                         "parameters, bytes), per-layer ones with L first")

@@ -85,11 +85,12 @@ def logits_of(model, x):
     return model.logits[..., :model.config.vocab_size].copy()
 
 
-def saved(folder, tmp_path, dtype):
-    """Our model of ``folder`` and its GGUF file of ``dtype``."""
+def saved(folder, tmp_path, dtype, head_dtype=None):
+    """Our model of ``folder`` and its GGUF file of ``dtype`` (the head
+    ``head_dtype``)."""
     model = load_model(folder)
-    path = tmp_path / f"model.{dtype}.gguf"
-    model.save_gguf(path, dtype=dtype, tokenizer=folder)
+    path = tmp_path / f"model.{dtype}.{head_dtype}.gguf"
+    model.save_gguf(path, dtype=dtype, tokenizer=folder, head_dtype=head_dtype)
     return model, path
 
 
@@ -326,14 +327,16 @@ def converter_tensors(name, config, params):
     return out
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
-def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
-    """Every weight in ``dtype`` but the head (the output matrix: output, or
-    token_embd when tied), which is Q8_0: the types llama.cpp's own quantizer
-    (llama_model_quantize) gives our f32 file of these models, seen byte for
-    byte equal to ours."""
+@pytest.mark.parametrize("dtype,head_dtype", [("q8_0", None), ("q4_0", None),
+                                              ("q4_0", "q8_0")])
+def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype, head_dtype):
+    """Every weight in ``dtype``, the head (the output matrix: output, or
+    token_embd when tied) too (llama.cpp's quantizer with --pure) or in
+    ``head_dtype``: q4_0 with a Q8_0 head are the types llama.cpp's own
+    quantizer (llama_model_quantize) gives our f32 file of these models by
+    default, seen byte for byte equal to ours."""
     name, folder = folder
-    model, path = saved(folder, tmp_path, dtype)
+    model, path = saved(folder, tmp_path, dtype, head_dtype)
     expected = converter_tensors(name, model.config, model.params.memory)
     reader = gguf.GGUFReader(path)
     assert {t.name for t in reader.tensors} == set(expected)
@@ -344,7 +347,8 @@ def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
             or t.name == "position_embd.weight"
         head = t.name == ("token_embd.weight" if model.config.tied_embeddings else
                           "output.weight")
-        kind = Q.F32 if one_d else Q.Q8_0 if head else Q[dtype.upper()]
+        kind = Q.F32 if one_d else Q[(head_dtype or dtype).upper()] if head else \
+            Q[dtype.upper()]
         assert t.tensor_type == kind, t.name
         assert np.array_equal(np.asarray(t.data).reshape(-1).view(np.uint8),
                               gguf.quants.quantize(data, kind).reshape(-1).view(np.uint8)), \

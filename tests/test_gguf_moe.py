@@ -206,18 +206,19 @@ def test_reader_finds_every_key_and_tensor_llama_cpp_needs(folder, tmp_path):
     assert shapes == llama_cpp_shapes(arch, c)
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
-def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,head_dtype", [("q8_0", None), ("q4_0", None),
+                                              ("q4_0", "q8_0")])
+def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype, head_dtype):
     """The converter's names for the folder's own tensors, stacked as it
     stacks them; each expert's rows in ``dtype`` blocks, the router
     (ffn_gate_inp) F32 as the converter and llama.cpp's quantizer keep it,
-    the head Q8_0 under q4_0 (test_gguf), and with 8 experts attn_k and
-    attn_v too; rows that are no whole number of 32-wide blocks F16, as the
+    the head in ``head_dtype`` (default dtype; test_gguf), and under q4_0
+    with 8 experts attn_k and attn_v Q8_0; rows that are no whole number of 32-wide blocks F16, as the
     converter falls back. The types llama.cpp's own quantizer
     (llama_model_quantize) gives our f32 file of these models, seen byte for
     byte equal to ours."""
     name, folder = folder
-    model, path = saved(folder, tmp_path, dtype)
+    model, path = saved(folder, tmp_path, dtype, head_dtype)
     expected = converter_tensors(name, model.config, folder)
     reader = gguf.GGUFReader(path)
     assert {t.name for t in reader.tensors} == set(expected)
@@ -228,7 +229,8 @@ def test_quantised_bytes_equal_gguf_quantize(folder, tmp_path, dtype):
         f32 = data.ndim == 1 or t.name.endswith(("_norm.weight", ".ffn_gate_inp.weight"))
         raised = dtype == "q4_0" and model.config.num_experts == 8 and t.name.endswith(
             (".attn_k.weight", ".attn_v.weight"))
-        kind = Q.F32 if f32 else Q.Q8_0 if t.name == head or raised else Q[dtype.upper()]
+        kind = Q.F32 if f32 else Q[(head_dtype or dtype).upper()] if t.name == head else \
+            Q.Q8_0 if raised else Q[dtype.upper()]
         if data.shape[-1] % 32 and kind != Q.F32:
             kind = Q.F16   # Mixtral's ffn_down_exps: rows of 48, no whole block
         assert t.tensor_type == kind, t.name

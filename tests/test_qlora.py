@@ -32,13 +32,14 @@ def batch(seed=0, B=2, T=12):
 
 
 def dequantised(name, qtype):
-    """The float32 model whose weights are the quantized model's values."""
+    """The float32 model whose weights are the quantized model's values
+    (quantize's default: the embedding and head in qtype too)."""
     model = MODELS[name]()
     p, c = model.params, model.config
     for n in LINEARS:
         p[n][...] = round_trip(p[n].reshape(-1, p[n].shape[-1]), qtype).reshape(p[n].shape)
     for n in ("wte",) if c.tied_embeddings else ("wte", "lm_head"):
-        p[n][...] = round_trip(p[n], "q8_0")
+        p[n][...] = round_trip(p[n], qtype)
     return model
 
 
@@ -179,7 +180,7 @@ def test_the_plan_is_what_a_qlora_step_allocates(name, qtype):
         for layer in w if isinstance(w, list) else [w]:
             blocks[layer.qtype] = blocks.get(layer.qtype, 0) + layer.nbytes
     if not model.config.tied_embeddings:
-        assert model._weights.lm_head.qtype == "q8_0"
+        assert model._weights.lm_head.qtype == qtype
     allocated = {"parameters": model.params.memory.nbytes,
                  **{f"parameters ({kind})": nbytes for kind, nbytes in blocks.items()},
                  "LoRA adapters": model.lora.params.memory.nbytes,
@@ -197,7 +198,7 @@ def test_qwen3_8b_qlora_plan_within_the_floor(tmp_path, capsys, qtype, floor):
     """The issue's floors: LoRA r16 on all seven projections of Qwen3-8B at
     B=1, T=512 with recompute plans at most 12 GiB on Q8_0, 8 GiB on Q4_0;
     the quantized bytes are 34 (Q8_0) or 18 (Q4_0) per 32 weights, the
-    embedding and the untied head at Q8_0, the norms float32."""
+    embedding and the untied head in the same blocks, the norms float32."""
     import json
     from llmc_py import summary
     from test_summary import QWEN3_8B
@@ -211,11 +212,10 @@ def test_qwen3_8b_qlora_plan_within_the_floor(tmp_path, capsys, qtype, floor):
     linears = 36 * 4096 * (4096 + 2 * 1024 + 4096 + 3 * 12288)
     tables = 2 * 151936 * 4096
     norms = 36 * 2 * 4096 + 4096 + 36 * 2 * 128
-    q8, q4 = linears // 32 * 34 + tables // 32 * 34, None
-    if qtype == "q4_0":
-        q8, q4 = tables // 32 * 34, linears // 32 * 18
-        assert lora["parameters (q4_0)"] == forward["parameters (q4_0)"] == q4
-    assert lora["parameters (q8_0)"] == forward["parameters (q8_0)"] == q8
+    per_block = {"q8_0": 34, "q4_0": 18}[qtype]
+    assert lora[f"parameters ({qtype})"] == forward[f"parameters ({qtype})"] \
+        == (linears + tables) // 32 * per_block
+    assert not {"parameters (q8_0)", "parameters (q4_0)"} - {f"parameters ({qtype})"} & set(lora)
     assert lora["parameters"] == 4 * norms
     assert f"memory at B=1, T=512, {qtype} base" in out and "LoRA step, r=16" in out
 

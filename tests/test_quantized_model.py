@@ -55,9 +55,10 @@ def bf16(x):
     return (to_bf16(np.ascontiguousarray(x, np.float32)).astype(np.uint32) << 16).view(np.float32)
 
 
-def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda w: w):
+def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda w: w,
+              head=None):
     """The float32 model with each linear weight replaced by its dequantised
-    blocks (the embedding's and the head's Q8_0), whose matmuls take each input row through
+    blocks (the embedding's and the head's ``head``, default qtype), whose matmuls take each input row through
     Q8_0 as the few-row kernel does and sum in float64; ``rows`` and
     ``weights`` (bf16 for the panel path) say what the operands go through."""
     model = make()
@@ -66,7 +67,7 @@ def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda 
         p[name][...] = round_trip(p[name].reshape(-1, p[name].shape[-1]),
                                   qtype).reshape(p[name].shape)
     for name in ("wte",) if c.tied_embeddings else ("wte", "lm_head"):
-        p[name][...] = round_trip(p[name], "q8_0")
+        p[name][...] = round_trip(p[name], head or qtype)
 
     def matmul(out, inp, weight, bias):
         x = rows(np.ascontiguousarray(inp).reshape(-1, inp.shape[-1]))
@@ -79,16 +80,18 @@ def reference(make, qtype, rows=lambda x: round_trip(x, "q8_0"), weights=lambda 
     return model
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype,head", [("q8_0", None), ("q4_0", None), ("q4_0", "q8_0"),
+                                        ("q8_0", "q4_0")])
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype):
-    """FEW_ROWS rows: the decoding kernel."""
+def test_logits_equal_the_reference_of_the_same_arithmetic(name, qtype, head):
+    """FEW_ROWS rows: the decoding kernel; the embedding and head in the
+    linear layers' type, or in ``head``'s."""
     model = MODELS[name]()
-    model.quantize(qtype)
+    model.quantize(qtype, head=head)
     x = tokens(2, 4)
     assert x.size == FEW_ROWS
     model.forward(x)
-    ref = reference(MODELS[name], qtype)
+    ref = reference(MODELS[name], qtype, head=head)
     ref.forward(x)
     got, want = model.logits[..., :V], ref.logits[..., :V]
     # float32 sums in another order; an activation on a rounding boundary may
@@ -131,11 +134,12 @@ def test_kv_cache_decoding_equals_its_own_full_forward(name, qtype):
     assert new == seq[len(prompt):]
 
 
+@pytest.mark.parametrize("head", [None, "q8_0"])
 @pytest.mark.parametrize("name", MODELS)
-def test_the_float32_weights_are_released(name):
+def test_the_float32_weights_are_released(name, head):
     model = MODELS[name]()
     before = model.params.memory.nbytes
-    model.quantize("q4_0")
+    model.quantize("q4_0", head=head)
     for n in LINEARS + ("lm_head", "wte"):
         assert n not in model.params
     c = model.config
@@ -145,11 +149,14 @@ def test_the_float32_weights_are_released(name):
     assert model.params_bf16 is None
     # Q4_0: 18 bytes per 32 weights
     assert model._weights["fcw"][0].nbytes * 32 == 18 * np.prod(model._weights["fcw"][0].shape)
-    # the embedding (and the head) in Q8_0: 34 bytes per 32 weights; a tied head is the same
-    assert model._weights.wte.qtype == "q8_0" and model._weights.wte.shape == (c.Vp, c.C)
-    assert model._weights.wte.nbytes == c.Vp * c.C // 32 * 34
-    head = model._head(model._weights)
-    assert (head is model._weights.wte) == c.tied_embeddings and head.qtype == "q8_0"
+    # the embedding (and the head) in Q4_0 too, or in Q8_0 (34 bytes per 32
+    # weights) with head="q8_0"; a tied head is the same
+    kind = head or "q4_0"
+    assert model._weights.wte.qtype == kind and model._weights.wte.shape == (c.Vp, c.C)
+    assert model._weights.wte.nbytes == c.Vp * c.C // 32 * {"q4_0": 18, "q8_0": 34}[kind]
+    assert model.quantized_head == kind
+    table = model._head(model._weights)
+    assert (table is model._weights.wte) == c.tied_embeddings and table.qtype == kind
 
 
 def one_buffer(model):
@@ -361,3 +368,59 @@ def test_eval_tables_several_weights(tmp_path, capsys):
     assert evaluation.main([str(path), str(data), "--lengths", "8", "--precision", "bf16",
                             "--weights", "q8_0"]) == 1
     assert "--precision bf16 and --weights: give one" in capsys.readouterr().err
+
+
+def test_the_head_in_a_type_of_its_own(tmp_path, capsys):
+    """head_weights / --head-weights / --head-dtype: the embedding and head
+    in other blocks than the linear layers'; a GGUF file's head read back
+    into its own type keeps its bytes; each refused without a quantized
+    model to belong to."""
+    from llmc_py import UsageError, load_model
+    from llmc_py import convert
+    from llmc_py import eval as evaluation
+    from llmc_py.io.tokens import write_tokens
+    import json
+    import re
+    model = Llama(dataclasses.replace(LLAMA, tied_embeddings=False), seed=5)   # wte, lm_head
+    path = tmp_path / "model.gguf"
+    model.save_gguf(path, dtype="q4_0", tokenizer=write_tokenizer(tmp_path), head_dtype="q8_0")
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert stored["output.weight"].tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert stored["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    for head in ("q8_0", None):
+        loaded = load_model(path, weights="q4_0", head_weights=head)
+        assert loaded.quantized == "q4_0" and loaded.quantized_head == (head or "q4_0")
+        assert loaded._weights.lm_head.qtype == (head or "q4_0")
+        assert loaded.memory_plan(1, 4, training=False).keys() >= {
+            f"parameters ({head or 'q4_0'})"}
+    # a Q8_0 head read into Q8_0: the file's blocks, byte for byte
+    blocks = load_model(path, weights="q4_0", head_weights="q8_0")._weights.lm_head.blocks
+    assert np.array_equal(blocks[:V].reshape(-1).view(np.uint8),
+                          np.asarray(stored["output.weight"].data).reshape(-1).view(np.uint8))
+    with pytest.raises(UsageError, match="head_weights='q8_0'.*give weights too"):
+        load_model(path, head_weights="q8_0")
+    with pytest.raises(ValueError, match="head_weights='q8_0'.*give weights too"):
+        Llama(LLAMA, head_weights="q8_0")
+    with pytest.raises(ValueError, match="unknown quantisation type 'q6_k'"):
+        Llama(LLAMA, seed=5).quantize("q4_0", head="q6_k")
+    # the CLIs
+    folder, out = tmp_path / "hf", tmp_path / "cli.gguf"
+    model.save_pretrained(folder)
+    hf_config = json.loads((folder / "config.json").read_text())
+    write_tokenizer(folder)
+    (folder / "config.json").write_text(json.dumps(dict(hf_config, eos_token_id=256)))
+    assert convert.main([str(folder), str(out), "--dtype", "q8_0", "--head-dtype", "q4_0"]) in (
+        None, 0)
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert kinds["output.weight"] == gguf.GGMLQuantizationType.Q4_0
+    assert kinds["blk.1.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert convert.main([str(path), str(tmp_path / "m.bin"), "--head-dtype", "q8_0"]) == 1
+    assert "--head-dtype: only a .gguf DST" in capsys.readouterr().err
+    data = tmp_path / "val.bin"
+    write_tokens(data, tokens(1, 40)[0])
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "--weights", "fp32",
+                            "--head-weights", "q8_0"]) == 1
+    assert "--head-weights q8_0: the head of quantized --weights" in capsys.readouterr().err
+    assert evaluation.main([str(path), str(data), "--lengths", "8", "--weights", "q4_0",
+                            "--head-weights", "q8_0"]) == 0
+    assert re.search(r"^ +8 +8 +\d+ +\d+ +[0-9.]+ +[0-9.]+$", capsys.readouterr().out, re.M)

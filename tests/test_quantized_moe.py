@@ -183,8 +183,7 @@ def test_quantized_experts_hold_gguf_blocks(rng):
 
 def reference(name, qtype, monkeypatch, many=False):
     """The float32 model with every quantized weight replaced by its
-    dequantised blocks (the experts' and linear layers' qtype, the
-    embedding's and head's Q8_0), its products in float64 on the operands
+    dequantised blocks (qtype, the embedding's and head's too), its products in float64 on the operands
     the kernels see: Q8_0 input rows for few rows, bf16 inputs and weights
     for more (the panel path), per expert by its row count in the grouped
     products; the routers float32 on unquantized inputs, as the quantized
@@ -195,7 +194,7 @@ def reference(name, qtype, monkeypatch, many=False):
         if n in p:
             p[n][...] = round_trip(p[n].reshape(-1, p[n].shape[-1]), qtype).reshape(p[n].shape)
     for n in ("wte",) if c.tied_embeddings else ("wte", "lm_head"):
-        p[n][...] = round_trip(p[n], "q8_0")
+        p[n][...] = round_trip(p[n], qtype)
 
     def product(x, weight):
         x = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
@@ -304,7 +303,7 @@ def test_float32_experts_are_released_and_planned(name):
     model = make(name)
     c = model.config
     shapes = dict(model.params.shapes)
-    model.quantize("q4_0")
+    model.quantize("q4_0", head="q8_0")
     for n in STACKS:
         assert n not in model.params
         for m, stack in enumerate(model._weights[n]):
@@ -336,9 +335,8 @@ def test_summary_plans_qwen3_30b_a3b_quantized(tmp_path, capsys, qtype):
     assert held > 29e9   # the experts are most of the 30.5B
     assert summary.main([str(folder), "-b", "1", "-t", "512", "--base-weights", qtype]) == 0
     out = capsys.readouterr().out
-    tables = math.prod(shapes["wte"]) + math.prod(shapes["lm_head"])   # Q8_0 either way
-    want = {"q8_0": (held + tables) // 32 * 34} if qtype == "q8_0" else {
-        "q4_0": held // 32 * 18, "q8_0": tables // 32 * 34}
+    tables = math.prod(shapes["wte"]) + math.prod(shapes["lm_head"])   # in qtype too
+    want = {qtype: (held + tables) // 32 * {"q8_0": 34, "q4_0": 18}[qtype]}
     for kind, nbytes in want.items():
         line = next(line for line in out.splitlines() if f"parameters ({kind})" in line)
         assert line.split()[-2:] == summary.format_bytes(nbytes).split()

@@ -31,8 +31,10 @@ of the same config (io.hf.hf_tensors):
   RoPE pairs into the interleaved pairs llama.cpp's llama rope uses, as the
   converter's LlamaModel.permute does; "qwen3" (NEOX rope) keeps them.
 - Which tensors are quantised is the converter's rule: 1-D tensors, norms,
-  biases and position_embd stay F32; every other weight gets ``dtype``
-  (with q4_0 the head is Q8_0, as llama.cpp's quantizer makes it). A
+  biases and position_embd stay F32; every other weight gets ``dtype``,
+  the head (output, or token_embd when tied) ``head_dtype`` (default the
+  same: llama.cpp's quantizer with --pure; its default would be Q6_K,
+  which we do not write, and "q8_0" is the nearest we do). A
   weight whose input dimension is not a multiple of the 32-wide Q8_0/Q4_0
   block falls back to F16, as the converter does. The bytes are
   gguf.quants.quantize's.
@@ -380,22 +382,21 @@ def tokenizer_vocab(tokenizer):
 
 # ---- writing -----------------------------------------------------------------
 
-def _qtype(gguf, name, shape, dtype, head, experts):
+def _qtype(gguf, name, shape, dtype, head, head_dtype, experts):
     """The GGML type convert_hf_to_gguf gives a tensor: F32 for 1-D tensors,
     norms, biases, position_embd and the experts' routers (ffn_gate_inp);
-    ``dtype`` for the other weights (each expert's rows quantised as any
-    matrix's: the blocks run along a row of one expert). With
-    q4_0 the ``head`` (output.weight, or token_embd.weight when tied) is
-    Q8_0, as llama.cpp's quantizer keeps it (Q6_K where its rows are a
-    multiple of 256, which we do not write, else Q8_0) and as our quantized
-    model holds it; so are attn_k and attn_v of a model of 8 ``experts``,
-    which that quantizer raises to Q8_0 (seen on our f32 file)."""
+    ``head_dtype`` for the ``head`` (output.weight, or token_embd.weight
+    when tied); ``dtype`` for the other weights (each expert's rows
+    quantised as any matrix's: the blocks run along a row of one expert),
+    but with q4_0 attn_k and attn_v of a model of 8 ``experts`` Q8_0, as
+    llama.cpp's quantizer raises them (seen on our f32 file)."""
     Q = gguf.GGMLQuantizationType
     if len(shape) <= 1 or name.endswith("_norm.weight") or not name.endswith(".weight") \
             or name == "position_embd.weight" or name.endswith(".ffn_gate_inp.weight"):
         return Q.F32
-    if dtype == "q4_0" and (name == head or experts == 8 and name.endswith(
-            (".attn_k.weight", ".attn_v.weight"))):
+    if name == head:
+        return Q[head_dtype.upper()]
+    if dtype == "q4_0" and experts == 8 and name.endswith((".attn_k.weight", ".attn_v.weight")):
         return Q.Q8_0
     return Q[dtype.upper()]
 
@@ -472,14 +473,17 @@ def _rope_rows(config, name):
     return None
 
 
-def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
+def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None,
+               head_dtype=None):
     """Writes a GGUF file of a model of ``config`` with flat ``params``,
     weights as ``dtype`` (DTYPES), with ``tokenizer``'s vocabulary
     (tokenizer_vocab; ``source`` names it in errors), atomically."""
     gguf = _gguf()
-    if dtype not in DTYPES:
-        raise UnsupportedError(f"dtype is {dtype!r}; GGUF export writes one of "
-                               f"{', '.join(DTYPES)}")
+    head_dtype = dtype if head_dtype is None else head_dtype
+    for what, value in (("dtype", dtype), ("head_dtype", head_dtype)):
+        if value not in DTYPES:
+            raise UnsupportedError(f"{what} is {value!r}; GGUF export writes one of "
+                                   f"{', '.join(DTYPES)}")
     hf_arch = architecture(config)
     arch = gguf_arch(hf_arch)
     _refuse_unexpressible(config, hf_arch)
@@ -504,7 +508,7 @@ def write_gguf(path, config, params, dtype="f32", tokenizer=None, source=None):
                                                  config.head_size)
             data = np.ascontiguousarray(data, dtype=np.float32)
             raw, qtype = _quantized(gguf, data, _qtype(gguf, name, data.shape, dtype, head,
-                                                        config.num_experts))
+                                                        head_dtype, config.num_experts))
             writer.add_tensor(name, raw, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -44,7 +44,7 @@ def recomputes_fch(recompute, base_weights=None):
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
                 recompute=False, moment_params=None, adapter_params=0, adapter_width=0,
-                frozen=False, base_weights=None, keep_activations=None):
+                frozen=False, base_weights=None, head_weights=None, keep_activations=None):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -67,7 +67,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     alone ("parameters (bf16)"), the rest float32; training it needs
     adapters. ``base_weights`` "q8_0" or "q4_0": a quantized base
     (Transformer.quantize), its linear layers in those blocks, the embedding
-    and head in Q8_0 (quantized_parameters), the rest float32 (recompute 1
+    and head in ``head_weights``' (default the same; quantized_parameters),
+    the rest float32 (recompute 1
     then recomputes fch too, as 2 does). The
     activations are those a full step keeps: a LoRA step keeps the same
     (its adapters need the linear layers' inputs, as weight gradients
@@ -91,7 +92,7 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
         in_bf16 = frozen_bf16_parameters(c)
         weights = {"parameters": f32 * (n - in_bf16), "parameters (bf16)": 2 * in_bf16}
     elif base_weights is not None:
-        in_blocks = quantized_parameters(c, base_weights)
+        in_blocks = quantized_parameters(c, base_weights, head_weights)
         weights = {"parameters": f32 * (n - sum(count for count, _ in in_blocks.values()))}
         for kind, (_, nbytes) in in_blocks.items():
             weights[f"parameters ({kind})"] = nbytes
@@ -120,17 +121,19 @@ def bf16_activations(precision, base_weights=None):
     return precision == "bf16" and base_weights is None
 
 
-def quantized_parameters(config, qtype):
+def quantized_parameters(config, qtype, head=None):
     """{block type: (parameters, bytes)} a model quantized to ``qtype``
     holds in blocks: its linear layers (qkv, attention projection, MLP,
-    the experts) in qtype, the embedding table and an untied head in Q8_0
-    (one table when tied); the routers stay float32."""
+    the experts) in qtype, the embedding table and an untied head in
+    ``head`` (default qtype; one table when tied); the routers stay float32."""
     check_weights_type(qtype)
+    head = qtype if head is None else head
+    check_weights_type(head)
     held = {}
     in_qtype = QUANTIZED_LINEARS + QUANTIZED_EXPERTS
     for name, fn in param_specs(config):
         if name in in_qtype or name in ("wte", "lm_head"):
-            kind = qtype if name in in_qtype else "q8_0"
+            kind = qtype if name in in_qtype else head
             count = math.prod(fn(config))
             before = held.get(kind, (0, 0))
             held[kind] = (before[0] + count, before[1] + count // 32 * block_bytes(kind))

@@ -21,7 +21,7 @@ class GPT2(Transformer):
     """GPT-2 in llm.c's layout (layout.PARAM_SPECS)."""
 
     def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False,
-                 weights=None):
+                 weights=None, head_weights=None):
         """A GPT-2 of ``config`` (default: GPT2Config(), 124M) with fresh GPT-2
         initialisation from ``seed``, or with the given flat float32 ``params``
         (in llm.c's order); ``precision`` "fp32" or "bf16", ``frozen``,
@@ -31,7 +31,7 @@ class GPT2(Transformer):
             raise ShapeError(f"GPT2 takes a GPT2Config, got {type(config).__name__}; "
                              f"use Transformer or Llama for other choices")
         super().__init__(config, seed, params=params, precision=precision, frozen=frozen,
-                         weights=weights)
+                         weights=weights, head_weights=head_weights)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -45,13 +45,14 @@ class Llama(Transformer):
     """The Llama family: the transformer with LlamaConfig's choices."""
 
     def __init__(self, config=None, seed=0, *, params=None, precision="fp32", frozen=False,
-                 weights=None):
+                 weights=None, head_weights=None):
         """A model of ``config`` (default: LlamaConfig()) with GPT-2's
         initialisation from ``seed``, or with the given flat float32
         ``params`` (in layout.param_specs order); ``precision`` "fp32" or
-        "bf16", ``frozen``, ``weights`` (Transformer)."""
+        "bf16", ``frozen``, ``weights``, ``head_weights`` (Transformer)."""
         super().__init__(LlamaConfig() if config is None else config, seed, params=params,
-                         precision=precision, frozen=frozen, weights=weights)
+                         precision=precision, frozen=frozen, weights=weights,
+                         head_weights=head_weights)
 
     @classmethod
     def from_checkpoint(cls, path, precision="fp32"):
@@ -61,23 +62,28 @@ class Llama(Transformer):
         return cls(config, params=params, precision=precision)
 
 
-def load_model(path, precision="fp32", weights=None, frozen=False):
+def load_model(path, precision="fp32", weights=None, frozen=False, head_weights=None):
     """A GPT2 or a Llama, whichever the model file at ``path`` holds (fp32
     or bf16 parameters), or the Hugging Face model folder or GGUF file at
     ``path`` (io.hf, io.gguf), in ``precision`` "fp32" or "bf16".
     ``weights`` "q8_0" or "q4_0": quantized (Transformer.quantize) for
-    generation; a GGUF file's tensors stored in that type keep their bytes.
+    generation, the embedding and head in ``head_weights`` (default
+    ``weights``); a GGUF file's tensors stored in that type keep their bytes.
     ``frozen`` (bf16): a frozen bf16 base (Transformer), its matrices in
     bf16 alone (bf16 tensors as they are, others rounded to nearest even).
     Either way the file is read into the model tensor by tensor, never whole
     in float32: the loading peak is the model's own size and one tensor."""
+    if head_weights is not None and weights is None:
+        raise UsageError(f"load_model: head_weights={head_weights!r} is a quantized model's "
+                         f"head: give weights too")
     if weights is not None:
         check_weights_type(weights)
         if frozen:
             raise UsageError(f"load_model: weights={weights!r} and frozen=True are two ways of "
                              f"holding the weights; give one")
         config = read_config(path)
-        model = preset_for(config)(config, precision=precision, weights=weights)
+        model = preset_for(config)(config, precision=precision, weights=weights,
+                                   head_weights=head_weights)
         blocks = read_quantized_blocks(path, weights)
 
         def put(name, l, values):

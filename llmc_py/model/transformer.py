@@ -160,20 +160,24 @@ class Transformer:
     rather than compute a wrong result. Two models in two threads are fine."""
 
     def __init__(self, config, seed=0, *, params=None, precision="fp32", frozen=False,
-                 weights=None):
+                 weights=None, head_weights=None):
         """A model of ``config`` with GPT-2's initialisation from ``seed``, or
         with the given flat float32 ``params`` (in layout.param_specs order);
         ``precision`` "fp32" or "bf16" (mixed precision, see the module).
         ``frozen`` (bf16 only): a frozen bf16 base (see the module), its
         matrices ``params`` rounded to bf16, or zero without ``params`` (for
         a loader to fill, as load_model does). ``weights`` "q8_0" or "q4_0"
-        (without ``params``): a quantized model (quantize()) whose tensors
-        a loader gives one by one to put_quantized, never whole in float32."""
+        (without ``params``): a quantized model (quantize(), ``head_weights``
+        its ``head``) whose tensors a loader gives one by one to
+        put_quantized, never whole in float32."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision is {precision!r}, expected one of {PRECISIONS}")
         if frozen and precision != "bf16":
             raise ValueError(f"frozen=True is a base held in bf16 alone: precision must be "
                              f"'bf16', got {precision!r}")
+        if head_weights is not None and weights is None:
+            raise ValueError(f"head_weights={head_weights!r} is a quantized model's head: "
+                             f"give weights too")
         if weights is not None and (frozen or params is not None):
             raise ValueError(f"weights={weights!r} is a quantized model filled by "
                              f"put_quantized: give neither params nor frozen=True")
@@ -236,12 +240,13 @@ class Transformer:
         self.moment_params = self.num_parameters   # parameters whose moments we keep
         self.lora = None   # the LoRA adapters (model.lora) of a frozen base: add_lora, load_lora
         self.quantized = None   # "q8_0" or "q4_0" after quantize()
+        self.quantized_head = None   # the embedding's and head's type after quantize()
         self.mean_loss = None   # the last forward's loss: cross-entropy + the auxiliary terms
         self.ce_loss = None     # its cross-entropy alone
         self.loss_scale = 1.0   # the last backward's (the auxiliary losses' gradients read it)
         self._drop_activations()   # made by the first forward, for its (B, T)
         if weights is not None:
-            self._start_quantized(weights)
+            self._start_quantized(weights, head_weights)
 
     def initialize(self, seed=0, scheme="gpt2", std=INIT_STD):
         """Draws fresh parameters from ``seed`` (the constructor's: GPT-2's
@@ -298,8 +303,8 @@ class Transformer:
     def embed(self, out, tokens, pos=None):
         """out (B, T, C) = the embedding of int32 ``tokens`` (B, T), plus the
         learned position table's rows (t, or pos[b] + t); a frozen bf16 base
-        gathers its bf16 rows, widened exactly, a quantized one its Q8_0 rows,
-        dequantised exactly."""
+        gathers its bf16 rows, widened exactly, a quantized one its blocks'
+        rows, dequantised exactly."""
         c, p = self.config, self.params
         if self.frozen:
             out[...] = (self.params_bf16.wte[tokens].astype(np.uint32) << 16).view(np.float32)
@@ -382,10 +387,11 @@ class Transformer:
             params = dict(self.params.items()) | dict(self.params_bf16.items())
         write_hf(folder, self.config, params, dtype=dtype, token_ids=token_ids)
 
-    def save_gguf(self, path, dtype="f32", tokenizer=None):
+    def save_gguf(self, path, dtype="f32", tokenizer=None, head_dtype=None):
         """Writes a GGUF file (io.gguf) that llama.cpp loads: weights as
         ``dtype`` "f32", "f16", "bf16", "q8_0" or "q4_0" (norms, biases and
-        position embeddings stay f32), with ``tokenizer``'s vocabulary: a Hugging
+        position embeddings stay f32; the head, or a tied embedding, as
+        ``head_dtype``, default dtype), with ``tokenizer``'s vocabulary: a Hugging
         Face folder or tokenizer.json path, a tokenizer from
         tokenizer.load_tokenizer, or None for GPT-2's (whose 50257 tokens must
         fit the embedding)."""
@@ -397,7 +403,7 @@ class Transformer:
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_tokenizer(tokenizer)
         write_gguf(path, self.config, self.params.memory, dtype=dtype, tokenizer=tokenizer,
-                   source=source)
+                   source=source, head_dtype=head_dtype)
 
     @property
     def grads(self):
@@ -585,7 +591,7 @@ class Transformer:
                            moment_params=self.moment_params if self.lora is None else None,
                            adapter_params=0 if self.lora is None else self.lora.params.size,
                            adapter_width=0 if self.lora is None else self.lora.width,
-                           base_weights=self.quantized)
+                           base_weights=self.quantized, head_weights=self.quantized_head)
 
     @held
     def reserve(self, B, T, training=False, keep_logits=None, moment_params=None,
@@ -980,12 +986,14 @@ class Transformer:
     # ---- quantized weights -------------------------------------------------
 
     @held
-    def quantize(self, qtype, blocks=None):
+    def quantize(self, qtype, blocks=None, head=None):
         """Replaces the linear layers' weights (qkv, attention projection,
         MLP) by llama.cpp's ``qtype`` blocks ("q8_0" or "q4_0"), and the
-        embedding table and the output head by Q8_0 blocks (as llama.cpp
-        keeps its output tensor at 8 bits or more; a tied head is the
-        embedding's blocks themselves); their float32 copies are released.
+        embedding table and the output head by ``head``'s blocks (default
+        qtype: every matrix in one type, as llama.cpp's quantizer makes it
+        with --pure; "q8_0" keeps them at 8 bits, nearer llama.cpp's default
+        Q6_K head; a tied head is the embedding's blocks themselves); their
+        float32 copies are released.
         The embedding's gather dequantises its rows (exact: d * q); norms,
         biases and a learned position table stay float32. A mixture of
         experts' stacks of expert weights take ``qtype`` too (QuantizedExperts:
@@ -1005,7 +1013,7 @@ class Transformer:
             raise RuntimeError(f"quantize: this model is quantized ({self.quantized}) already")
         blocks = blocks or {}
         whole = self.params
-        self._start_quantized(qtype)
+        self._start_quantized(qtype, head)
         self.params = TensorGroup(_float32_when_quantized(self.param_specs), self.config)
         self.params_bf16 = None
         for name in whole.names:
@@ -1013,11 +1021,14 @@ class Transformer:
                 self.put_quantized(name, l, blocks[name][l] if name in blocks else
                                    whole[name] if l is None else whole[name][l])
 
-    def _start_quantized(self, qtype):
+    def _start_quantized(self, qtype, head=None):
         """Empty slots for the quantized weights (put_quantized fills them),
-        and the quantized matmul; first, before anything changes, the type
-        and every weight's input dimension checked."""
+        and the quantized matmul; first, before anything changes, the types
+        (``head``: the embedding's and head's, default qtype) and every
+        weight's input dimension checked."""
         check_weights_type(qtype)
+        head = qtype if head is None else head
+        check_weights_type(head)
         shapes, tables = dict(self.param_specs), self._quantized_tables()
         # the linear layers and stacks of experts this config has (a model
         # whose every MLP has experts has no fcw)
@@ -1025,18 +1036,18 @@ class Transformer:
         for name in linears:
             check_input_dim(f"{name}[0]", shapes[name](self.config)[1:], qtype)
         for name in tables:
-            check_input_dim(name, shapes[name](self.config), "q8_0")
+            check_input_dim(name, shapes[name](self.config), head)
         slots = {name: [None] * shapes[name](self.config)[0] for name in linears}
         slots.update(dict.fromkeys(tables))
         self._weights = QuantizedWeights(slots)
-        self._lay_out_quantized(qtype, shapes, tables)
+        self._lay_out_quantized(qtype, head, shapes, tables)
         self._matmul_forward = _quantized_matmul
         self._matmul_backward = _quantized_matmul_backward
-        self.quantized = qtype
+        self.quantized, self.quantized_head = qtype, head
         # a quantized base's activations: float32 (act_dtypes), also fch with recompute
         self._lay_out(self.recompute)
 
-    def _lay_out_quantized(self, qtype, shapes, tables):
+    def _lay_out_quantized(self, qtype, head, shapes, tables):
         """One buffer for every quantized weight's packed blocks, in the order
         a decoding step reads them: like the float32 and bf16 parameters, an
         allocation numpy asks Linux to back with huge pages (those of 4 MiB
@@ -1048,8 +1059,8 @@ class Transformer:
         order = [(name, l) for l in range(c.L) for name in layers if l < layers[name]]
         for name, l in order + [(name, None) for name in tables]:
             OC, IC = shapes[name](c)[-2:]
-            # the embedding and an untied head at Q8_0
-            row_bytes = IC // K.QUANT_BLOCK * block_bytes(qtype if l is not None else "q8_0")
+            # the embedding and an untied head at ``head``
+            row_bytes = IC // K.QUANT_BLOCK * block_bytes(qtype if l is not None else head)
             extents[name, l] = (total, OC, row_bytes)
             total += -(-OC * row_bytes // ALIGN_BYTES) * ALIGN_BYTES
         memory = aligned_empty(total, np.uint8, what=f"the {qtype} weights")
@@ -1057,13 +1068,14 @@ class Transformer:
                                  for key, (start, OC, row_bytes) in extents.items()}
 
     def _quantized_tables(self):
-        """The embedding and an untied head: whole tensors held at Q8_0."""
+        """The embedding and an untied head: whole tensors held at quantized_head."""
         return ("wte",) if self.config.tied_embeddings else ("wte", "lm_head")
 
     def put_quantized(self, name, l, values):
         """Writes tensor ``name`` (of layer l; None: a whole one) of a
         quantized model from ``values``: a linear layer's weight is quantized
-        to the model's type, the embedding and an untied head to Q8_0, unless
+        to the model's type, the embedding and an untied head to its head's
+        (quantize), unless
         given as a QuantizedLinear (a GGUF file's blocks, kept as they are);
         the other tensors go into ``params`` in float32. ``values`` may be
         float32, float16 or bf16, with fewer rows than the tensor for the
@@ -1084,7 +1096,8 @@ class Transformer:
             padded[:len(values)] = values
             values = padded
         label = name if l is None else f"{name}[{l}]"
-        qtype, part = "q8_0" if l is None else self.quantized, self._quantized_parts[name, l]
+        qtype = self.quantized_head if l is None else self.quantized
+        part = self._quantized_parts[name, l]
         if not isinstance(values, QuantizedLinear):
             values = QuantizedLinear.quantize(values, qtype, label, part)
         shape = dict(self.param_specs)[name](c)[0 if l is None else 1:]

@@ -170,7 +170,7 @@ def build_parser():
                       help="1: scale by alpha / sqrt(R) (rsLoRA)")
     lora.add_argument("--base-weights", choices=("q8_0", "q4_0"), default=RunSpec.base_weights,
                       help="hold the frozen base quantized (QLoRA): its linear layers in "
-                           "llama.cpp's Q8_0 or Q4_0 blocks, the embedding and head in Q8_0, "
+                           "llama.cpp's Q8_0 or Q4_0 blocks, the embedding and head too, "
                            "as sample --weights does; needs --lora-rank")
     llama = p.add_argument_group(
         "model family", "for a fresh model (-e dN); a model file carries its own choices")
