@@ -28,7 +28,8 @@ from .tables import (print_generation, print_lora, print_lora_quality, print_moe
 # the environment variables that set numpy's (OpenBLAS's) and OpenMP's threads
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 FLAG_RANGES = {"repeats": POSITIVE, "rounds": POSITIVE, "threads": NON_NEGATIVE,
-               "batch": POSITIVE, "layers": POSITIVE, "gen": POSITIVE, "attention_window": NON_NEGATIVE}
+               "batch": POSITIVE, "layers": POSITIVE, "gen": POSITIVE,
+               "attention_window": NON_NEGATIVE}
 
 
 def build_parser():
