@@ -210,8 +210,14 @@ LLMC_TARGET_AVX512BF16 static void up_backward_unit(const struct up_backward* w,
                 }
             }
         }
+        const int ahead = w->BT - t0 - BLOCK_ROWS < BLOCK_ROWS ? w->BT - t0 - BLOCK_ROWS
+                                                               : BLOCK_ROWS;
         for (int q = 0; q < width; q += 16) {   // d(up), carried on from the last block
             const __mmask16 cols = first16(width - q);
+            // the next block's line of dout at these columns, row by row: its
+            // rows lie W floats apart, which no hardware prefetcher follows
+            const float* next = w->dout + (size_t)(t0 + BLOCK_ROWS) * W + c0 + q;
+            for (int i = 0; i < ahead; i++) { __builtin_prefetch(next + (size_t)i * W, 0, 2); }
             for (int g = 0; g < lanes; g += 16) {
                 const int ranks = r - g < 16 ? r - g : 16;
                 float* out = w->dup_t + (size_t)(j * r + g) * W + c0 + q;
@@ -294,7 +300,9 @@ static int up_backward_avx512bf16(float* dh, float* dup_t, const float* dout, co
         #pragma omp parallel num_threads(nthreads)
         {
             uint32_t* mine = scratch + (size_t)omp_get_thread_num() * words;
-            #pragma omp for schedule(static)
+            // units taken as they come: q's are twice k's and v's width, and
+            // a unit's results do not depend on the thread that runs it
+            #pragma omp for schedule(dynamic)
             for (int u = 0; u < w.units; u++) { up_backward_unit(&w, u, mine); }
         }
         up_backward_sum_parts(&w);
