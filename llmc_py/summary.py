@@ -151,7 +151,8 @@ def memory_table(config, B, T, precision="fp32", recompute=False, lora_rank=0,
     if lora_rank:
         train = memory_plan(config, B, T, training=True, **base,
                             adapter_params=adapter_parameters(config, lora_rank, lora_targets),
-                            adapter_width=adapter_width(config, lora_rank, lora_targets))
+                            adapter_width=adapter_width(config, lora_rank, lora_targets),
+                            adapter_rank=lora_rank)
     elif base_weights is None:
         train = memory_plan(config, B, T, training=True, precision=precision,
                             recompute=recompute)

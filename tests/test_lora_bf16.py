@@ -12,6 +12,8 @@ d(up) is still bitwise the matmul's, and so is dh where an adapter's columns
 are one of its units (up to 256 columns); dh of wider adapters adds the
 units' parts, within the bound.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ import llmc_py
 from llmc_py import kernels as K
 from llmc_py.errors import RangeError
 from llmc_py.io.files import from_bf16, to_bf16
+from llmc_py.model.planning import MATMUL_SCRATCH_PER_THREAD, lora_backward_scratch
 from helpers import assert_thread_invariant
 
 ISAS = llmc_py.supported_isas()
@@ -168,3 +171,53 @@ def test_bad_columns_are_refused_before_anything_is_written(columns):
     with pytest.raises(RangeError):
         K.lora_up_backward_bf16(dh, dup_t, dout, h, up_t, rows)
     assert np.array_equal(out, before) and not dh.any() and not dup_t.any()
+
+
+def fill_arena_with_nan():
+    """The kernels' arena left holding NaNs: a bf16 product of NaN rows packs
+    them into its panels (its first few MiB)."""
+    x = np.full((4, 256, 1024), np.nan, np.float32)
+    weight = to_bf16(np.ones((512, 1024), np.float32))
+    K.matmul_forward_bf16(np.empty((4, 256, 512), np.float32), x, weight, None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", [0, 2, *MANY_UNITS])
+def test_a_reused_arena_gives_the_bits_of_a_fresh_one(use_isa, isa, case):
+    """The backward's scratch is the arena's (kept between calls, its
+    contents undefined): after other kernels left NaNs there, the same bits
+    as on a just-released arena."""
+    use_isa(isa)
+    arrays = operands(*CASES[case])
+    llmc_py.release_scratch()
+    fresh = run(*arrays)
+    fill_arena_with_nan()
+    reused = run(*arrays)
+    for name in fresh:
+        assert np.array_equal(fresh[name], reused[name], equal_nan=True), name
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_backward_scratch_is_the_arena_within_the_plan(use_isa, set_threads, isa,
+                                                           threads):
+    """Its scratch (dh's parts of every unit, B T rows each, and each
+    thread's) is held in the arena, so that a step's calls allocate nothing,
+    and within memory_plan's estimate (planning.lora_backward_scratch); more
+    rows than the matmuls' panels take here (3 adapters of 3 and more units
+    each, 2 groups of lanes, 8192 rows)."""
+    use_isa(isa)
+    set_threads(threads)
+    B, T, W, r, columns = 2, 4096, 1600, 20, [(0, 800), (800, 1200), (1200, 1600)]
+    arrays = operands(B, T, W, r, columns)
+    out, dout, h, up_t, rows = arrays
+    dh, dup_t = np.empty(h.shape, np.float32), np.empty(up_t.shape, np.float32)
+    llmc_py.release_scratch()
+    K.lora_up_backward_bf16(dh, dup_t, dout, h, up_t, rows)
+    held = llmc_py.scratch_bytes()
+    K.lora_up_backward_bf16(dh, dup_t, dout, h, up_t, rows)
+    assert llmc_py.scratch_bytes() == held > 0
+    planned = lora_backward_scratch(SimpleNamespace(qkv_channels=W, C=W // 2, fc_channels=W),
+                                    B, T, r, threads)
+    if isa == "avx512bf16":   # its own kernel (elsewhere the bf16 GEMM's jobs)
+        assert MATMUL_SCRATCH_PER_THREAD < held <= planned

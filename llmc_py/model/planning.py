@@ -23,6 +23,10 @@ ATTENTION_BLOCK_ROWS = 64
 # block (3 MiB) and a dweight tile's B panels (768 columns x 384 k pairs);
 # the float32 GEMM's panels take less
 MATMUL_SCRATCH_PER_THREAD = (3 << 20) + 4 * 768 * 384
+# lora_bf16.c's up backward on avx512bf16 (its scratch in the same arena):
+# its units' most columns (CHUNK_COLS), fewest (256 unless the adapter is
+# narrower) and rows a block (BLOCK_ROWS)
+LORA_CHUNK_COLS, LORA_UNIT_COLS, LORA_BLOCK_ROWS = 1024, 256, 64
 
 
 def head_rows(B, T, keep_logits):
@@ -44,7 +48,8 @@ def recomputes_fch(recompute, base_weights=None):
 
 def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp32",
                 recompute=False, moment_params=None, adapter_params=0, adapter_width=0,
-                frozen=False, base_weights=None, head_weights=None, keep_activations=None):
+                adapter_rank=0, frozen=False, base_weights=None, head_weights=None,
+                keep_activations=None):
     """Bytes by part that a model of ``config`` in ``precision`` needs for a
     forward of (B, T), computed from the config alone (nothing is
     allocated); with ``training`` a whole step's: the parameter gradients,
@@ -63,7 +68,7 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
     on a frozen base, whose gradients and moments are then the adapters'
     alone; ``adapter_width``: the numbers of x A^T a layer's adapters have a
     row (Lora.width), which a step keeps from forward to backward ("LoRA
-    activations"). ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
+    activations"); ``adapter_rank``: their rank (a bf16 step's scratch). ``frozen`` (bf16): a frozen bf16 base, its matrices in bf16
     alone ("parameters (bf16)"), the rest float32; training it needs
     adapters. ``base_weights`` "q8_0" or "q4_0": a quantized base
     (Transformer.quantize), its linear layers in those blocks, the embedding
@@ -111,7 +116,8 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
                                            precision, base_weights))),
             "logits": f32 * rows * c.Vp,
             "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
-            "scratch": scratch_bytes(c, B, T, rows, precision, base_weights)}
+            "scratch": scratch_bytes(c, B, T, rows, precision, base_weights,
+                                     adapter_rank if training else 0)}
 
 
 def bf16_activations(precision, base_weights=None):
@@ -140,10 +146,11 @@ def quantized_parameters(config, qtype, head=None):
     return held
 
 
-def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
+def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter_rank=0):
     """An upper estimate of the kernels' temporary memory at (B, T): per
     thread, attention's panels and score blocks and the matmuls' packed
-    panels (their arena, kept between calls: llmc_py.scratch_bytes); where
+    panels (their arena, kept between calls: llmc_py.scratch_bytes), or the
+    bf16 LoRA backward's (rank ``adapter_rank``) there if more; where
     the bf16 matmul widens its operands to float32 (no AVX512_BF16), those
     copies for its largest product (in the arena too); on a quantized base,
     the panel path's bf16 tile and output part (and their widened copies)."""
@@ -153,6 +160,8 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
     attention = f32 * (2 * (T + 15) * hs + 2 * ATTENTION_BLOCK_ROWS * T)
     matmul = MATMUL_SCRATCH_PER_THREAD
     total = threads * (attention + matmul)
+    if adapter_rank and precision == "bf16" and get_isa() == "avx512bf16":
+        total = max(total, lora_backward_scratch(config, B, T, adapter_rank, threads))
     linears = ((c.qkv_channels, c.C), (c.C, c.attn_channels), (c.fc_channels, c.C),
                (c.C, c.FF), (c.Vp, c.C))   # (OC, IC), the head last
     if precision == "bf16" and get_isa() != "avx512bf16":
@@ -170,6 +179,20 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None):
             products += [(R, c.expert_fc_channels, c.C), (R, c.C, c.expert_hidden)]
         total += max(panel_scratch_bytes(N, OC, IC, widened) for N, OC, IC in products)
     return total
+
+
+def lora_backward_scratch(config, B, T, rank, threads):
+    """lora_up_backward_bf16's arena scratch on avx512bf16 (lora_bf16.c) at
+    most, for rank-``rank`` adapters of a model of ``config``: each thread's
+    unit scratch, and dh's parts of every unit of the widest linear layer
+    (units of 256 columns or more, one more for each of its up to 3
+    adapters), B T rows each."""
+    lanes = -(-rank // 16) * 16
+    words = (LORA_BLOCK_ROWS * LORA_CHUNK_COLS // 2 + LORA_CHUNK_COLS // 2 * lanes
+             + LORA_BLOCK_ROWS // 2 * lanes)
+    units = -(-max(config.qkv_channels, config.C, config.fc_channels) // LORA_UNIT_COLS) + 3
+    return 4 * (threads * -(-words // 16) * 16 + units * -(-B * T // 16) * 16 * lanes
+                + 3 * units)
 
 
 def require_missing(model, B, T, training, keep_logits, keep_activations):

@@ -591,6 +591,7 @@ class Transformer:
                            moment_params=self.moment_params if self.lora is None else None,
                            adapter_params=0 if self.lora is None else self.lora.params.size,
                            adapter_width=0 if self.lora is None else self.lora.width,
+                           adapter_rank=0 if self.lora is None else self.lora.rank,
                            base_weights=self.quantized, head_weights=self.quantized_head)
 
     @held
