@@ -108,7 +108,7 @@
 LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int n, int hs,
                                 float scale),
                   panel, k, stride, n, hs, scale)
-LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
+LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
 
 /* Every thread's per_thread floats of scratch in the kernels' arena (the
@@ -162,7 +162,7 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
     int lo[SCORE_ROWS], n[SCORE_ROWS];
     float maxval[SCORE_ROWS], inv[SCORE_ROWS];
     row_windows(lo, n, t0, R, window);
-    softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
+    softmax_tile_exps(isa, s, (size_t)T, lo, n, R, maxval, inv);
     for (int r = 0; r < R; r++) {
         float* p_row = s + (size_t)r * T + lo[r];
         scale_row(p_row, n[r], inv[r]);

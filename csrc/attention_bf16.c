@@ -357,7 +357,7 @@ static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumula
     }
 }
 
-LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
+LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
 
 /* The sizes of one call's panels: hn channel pairs (the last may hold one
@@ -421,7 +421,7 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         int lo[SCORE_ROWS], n[SCORE_ROWS];
         float maxval[SCORE_ROWS], inv[SCORE_ROWS];
         row_windows(lo, n, t0, R, window);
-        softmax_tile_exps(s, (size_t)T, lo, n, R, maxval, inv);
+        softmax_tile_exps(isa, s, (size_t)T, lo, n, R, maxval, inv);
         for (int r = 0; r < R; r++) {
             const int t = t0 + r;
             float* s_row = s + (size_t)r * T;

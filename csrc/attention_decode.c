@@ -24,7 +24,7 @@
 
 #define DECODE_HEADS 4  /* query heads of a kv head the decode scores at once */
 
-LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
+LLMC_ISA_VARIANTS_ISA(softmax_row, (float* p, int n, float* stats), p, n, stats)
 
 /* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
    apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,

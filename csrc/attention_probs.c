@@ -29,7 +29,7 @@
 LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int n, int hs,
                                 float scale),
                   panel, k, stride, n, hs, scale)
-LLMC_ISA_VARIANTS(probs_row, (float* p, int n, const float* stats), p, n, stats)
+LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
 /* The entropy of the probabilities of one row of n keys, from its scores s
    and its saved max and inv. With d = s - max, P = exp(d) inv and

@@ -28,10 +28,13 @@
  * Beside them, the row primitives softmax_row_body and probs_row_body: P =
  * exp(s - max) * inv by the same vector operations in both, so the
  * probabilities recomputed from a row's saved max and inv are bitwise the
- * forward's; and dscore_tile, the backward through the softmax.
+ * forward's; and dscore_tile, the backward through the softmax. The
+ * softmax primitives take the variant's isa for llmc_exp_nonpositive16_isa
+ * (isa.h): bitwise llmc_exp_nonpositive16 on every instruction set, in about
+ * half the instructions on AVX-512.
  * Bodies only: a file builds the per-ISA variants of those it calls
- * (LLMC_ISA_VARIANTS, isa.h) from these, with the same flags, so every file
- * runs the same code.
+ * (LLMC_ISA_VARIANTS / _ISA, isa.h) from these, with the same flags, so every
+ * file runs the same code.
  */
 #ifndef LLMC_ATTENTION_TILES_H
 #define LLMC_ATTENTION_TILES_H
@@ -195,16 +198,16 @@ static ALWAYS_INLINE vec16f row_max16(const float* p, int n) {
 
 /* p[0 .. n) becomes exp(p - maxval); returns their lane-wise sum (lanes past
    n take no part). */
-static ALWAYS_INLINE vec16f row_exps16(float* p, int n, float maxval) {
+static ALWAYS_INLINE vec16f row_exps16(int isa, float* p, int n, float maxval) {
     const int whole = n & ~15, m = n - whole;
     vec16f expsum16 = {0};
     for (int k0 = 0; k0 < whole; k0 += 16) {
-        const vec16f e = llmc_exp_nonpositive16(load_part(p + k0, 16) - maxval);
+        const vec16f e = llmc_exp_nonpositive16_isa(isa, load_part(p + k0, 16) - maxval);
         store_part(p + k0, e, 16);
         expsum16 += e;
     }
     if (m > 0) {
-        const vec16f e = llmc_exp_nonpositive16(load_part(p + whole, m) - maxval);
+        const vec16f e = llmc_exp_nonpositive16_isa(isa, load_part(p + whole, m) - maxval);
         store_part(p + whole, e, m);
         expsum16 += llmc_select16(llmc_lanes_below(m), e, (vec16f){0});
     }
@@ -214,12 +217,12 @@ static ALWAYS_INLINE vec16f row_exps16(float* p, int n, float maxval) {
 /* The first two passes of softmax_row_body below: p[0 .. n) becomes
    exp(s - max), its max the lanes' in order; returns inv, the inverse of
    the lanes' sum in order, and the max in *max_out. */
-static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
+static ALWAYS_INLINE float softmax_exps(int isa, float* p, int n, float* max_out) {
     const vec16f max16 = row_max16(p, n);
     float maxval = -INFINITY;
     for (int j = 0; j < 16; j++) { maxval = max16[j] > maxval ? max16[j] : maxval; }
     *max_out = maxval;
-    return 1.0f / llmc_hsum16(row_exps16(p, n, maxval));
+    return 1.0f / llmc_hsum16(row_exps16(isa, p, n, maxval));
 }
 
 /* softmax_exps of the R rows of a tile (R <= 16) at once, bitwise the same:
@@ -227,8 +230,9 @@ static ALWAYS_INLINE float softmax_exps(float* p, int n, float* max_out) {
    inv to inv_out[r]. One row's reductions over its 16 lanes are serial
    chains; here the rows' lanes are transposed so that one vector operation
    takes the same step, in the same order, of every row's chain. */
-static ALWAYS_INLINE void softmax_tile_exps(float* s, size_t lds, const int* lo, const int* n,
-                                            int R, float* max_out, float* inv_out) {
+static ALWAYS_INLINE void softmax_tile_exps(int isa, float* s, size_t lds, const int* lo,
+                                            const int* n, int R, float* max_out,
+                                            float* inv_out) {
     vec16f lanes[16];
     for (int r = 0; r < 16; r++) {
         lanes[r] = r < R ? row_max16(s + (size_t)r * lds + lo[r], n[r]) : (vec16f){0};
@@ -237,7 +241,8 @@ static ALWAYS_INLINE void softmax_tile_exps(float* s, size_t lds, const int* lo,
     vec16f maxv = (vec16f){0} - INFINITY;
     for (int j = 0; j < 16; j++) { maxv = llmc_select16(lanes[j] > maxv, lanes[j], maxv); }
     for (int r = 0; r < 16; r++) {
-        lanes[r] = r < R ? row_exps16(s + (size_t)r * lds + lo[r], n[r], maxv[r]) : (vec16f){0};
+        lanes[r] = r < R ? row_exps16(isa, s + (size_t)r * lds + lo[r], n[r], maxv[r])
+                         : (vec16f){0};
     }
     llmc_transpose16(lanes);
     vec16f sum = {0};
@@ -261,9 +266,9 @@ static ALWAYS_INLINE void scale_row(float* p, int n, float inv) {
    taken 16 lanes at a time and summed lane by lane, then the lanes in order.
    Unless stats is NULL, stats[0] = the max and stats[1] = inv, the inverse of
    the sum. The forward's rows and the decode's both run its variants. */
-static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
+static ALWAYS_INLINE void softmax_row_body(int isa, float* p, int n, float* stats) {
     float maxval;
-    const float inv = softmax_exps(p, n, &maxval);
+    const float inv = softmax_exps(isa, p, n, &maxval);
     scale_row(p, n, inv);
     if (stats != NULL) {
         stats[0] = maxval;
@@ -274,11 +279,12 @@ static ALWAYS_INLINE void softmax_row_body(float* p, int n, float* stats) {
 /* softmax_row_body again from its saved max and inv: p[0 .. n) holds the row's
    scores on entry and its probabilities on return, each exp(s - max) * inv
    by the same vector operations as softmax_row_body, so bitwise the same. */
-static ALWAYS_INLINE void probs_row_body(float* p, int n, const float* stats) {
+static ALWAYS_INLINE void probs_row_body(int isa, float* p, int n, const float* stats) {
     const float maxval = stats[0], inv = stats[1];
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
-        store_part(p + k0, llmc_exp_nonpositive16(load_part(p + k0, m) - maxval) * inv, m);
+        const vec16f e = llmc_exp_nonpositive16_isa(isa, load_part(p + k0, m) - maxval);
+        store_part(p + k0, e * inv, m);
     }
 }
 
