@@ -177,8 +177,8 @@ def test_sample_and_eval_load_a_frozen_bf16_base(cli, tmp_path, monkeypatch):
     for extra in (["--precision", "bf16"], []):
         with pytest.raises(RuntimeError, match="stop here"):
             module.main(args + extra)
-    assert seen == [dict(precision="bf16", weights=None, frozen=True),
-                    dict(precision="fp32", weights=None, frozen=False)]
+    assert seen == [dict(precision="bf16", weights=None, frozen=True, head_weights=None),
+                    dict(precision="fp32", weights=None, frozen=False, head_weights=None)]
 
 
 def test_quantized_weights_and_a_frozen_base_are_one_choice():
