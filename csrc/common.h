@@ -44,6 +44,15 @@ static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
            && !__builtin_mul_overflow(abc, d, &abcd) && abcd <= LLMC_MAX_COUNT;
 }
 
+/* Elements (or rows times their length) below which a forward kernel runs
+   on the calling thread alone, its parallel region's `if` false: the fork
+   and join (about a microsecond on 2 threads, a scheduler's time slice on a
+   loaded machine) cost more than a share of so little work saves. One
+   decoding position's rows (C, FF, the heads of a few rows) stay below it.
+   Results do not depend on it: each row or element is computed alike on
+   any thread. */
+#define LLMC_PARALLEL_MIN 16384
+
 /* Inside a parallel region: the calling thread's contiguous share
    [*lo, *hi) of n items, as schedule(static) would hand them out. For
    element-wise kernels, which call their per-ISA function once per thread. */

@@ -84,7 +84,7 @@ static int layernorm_rows(float* residual, void* out, float* mean, float* rstd,
     void (*const row)(void*, int, float*, float*, float*, const float*, const float*,
                       const float*, const float*, int, float) =
         LLMC_ISA_SELECT(isa, layernorm_forward_row);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (BT * C >= LLMC_PARALLEL_MIN)
     for (int64_t bt = 0; bt < BT; bt++) {
         row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, mean + bt,
             rstd + bt, add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
@@ -210,7 +210,7 @@ static int rmsnorm_rows(float* residual, void* out, float* rstd, const float* in
     // rows are independent
     void (*const row)(void*, int, float*, float*, const float*, const float*, const float*, int,
                       float) = LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (BT * C >= LLMC_PARALLEL_MIN)
     for (int64_t bt = 0; bt < BT; bt++) {
         row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, rstd + bt,
             add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
@@ -295,7 +295,7 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
     void (*const norm_row)(void*, int, float*, float*, const float*, const float*,
                            const float*, int, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (rows * hs >= LLMC_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t bt = r / nnorm;
         const int h = (int)(r % nnorm);
