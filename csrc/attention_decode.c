@@ -7,8 +7,9 @@
  * the chunk's heads, instead of building a panel (no allocation per call,
  * one pass over the cache); key_block gives the panel's values, so its
  * scores are the forward's, lane by lane. It then runs the forward's
- * softmax_row and rows_tile (one row), so a decoded position equals that
- * position of a full forward bitwise. The scores need a row of up to maxT
+ * softmax_row and rows_tile's sums (one row's, each row of values loaded
+ * once for the chunk's heads), so a decoded position equals that position
+ * of a full forward bitwise. The scores need a row of up to maxT
  * floats per (b, h): the caller's att buffer holds them, since a stack
  * buffer of maxT floats could overflow a worker thread's stack for long
  * contexts.
@@ -67,6 +68,51 @@ static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q
     }
 }
 
+/* rows_tile's chunk (attention_tiles.h) for R heads that all have n value
+   rows: each loaded row of values serves the R heads (rows_tile's rows
+   differ by a key, a decode's heads do not). A head's sum takes the same
+   FMAs in the same order as rows_tile of its one row: bitwise equal. */
+static ALWAYS_INLINE void decode_values_chunk(float* o, size_t ldo, int accumulate,
+                                              const float* a, size_t lda, const float* x,
+                                              size_t ldx, int R, int n, int NV, int mlast) {
+    vec16f acc[DECODE_HEADS][TILE_CH / 16], xv[TILE_CH / 16];
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_chunk(acc[r], o + (size_t)r * ldo, NV, mlast);
+        } else {
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] = (vec16f){0}; }
+        }
+    }
+    for (int t2 = 0; t2 < n; t2++) {
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
+        UNROLL for (int r = 0; r < R; r++) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
+    }
+    UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
+}
+
+/* o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n} a[r][t2] * x[t2][c]
+   for R heads (1 .. DECODE_HEADS, a constant in each case), c < hs. */
+static ALWAYS_INLINE void decode_values(float* o, size_t ldo, int accumulate, const float* a,
+                                        size_t lda, const float* x, size_t ldx, int R, int n,
+                                        int hs) {
+    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
+        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+#define VALUES_CHUNK(NV, mlast)                                                            \
+        switch (R) {                                                                      \
+        case 4: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 4, n,   \
+                                    NV, mlast); break;                                    \
+        case 3: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 3, n,   \
+                                    NV, mlast); break;                                    \
+        case 2: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 2, n,   \
+                                    NV, mlast); break;                                    \
+        default: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 1, n,  \
+                                     NV, mlast); break;                                   \
+        }
+        DISPATCH_CHUNK(nc, VALUES_CHUNK);
+#undef VALUES_CHUNK
+    }
+}
+
 /* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,
    each the forward's last row of a window of n keys: its scores,
    softmax_row and rows_tile. The keys lie in the cache's ring of maxT slots
@@ -86,13 +132,10 @@ static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0
                           hs, scale, R);
     }
     for (int r = 0; r < R; r++) {
-        float* att_h = att_h0 + (size_t)r * maxT;
-        LLMC_ISA_SELECT(isa, softmax_row)(att_h, n, NULL);
-        rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v + at, kv_row, 1, n1, hs);
-        if (n1 < n) {
-            rows_tile(out_h0 + (size_t)r * hs, hs, 1, att_h + n1, maxT, v, kv_row, 1, n - n1, hs);
-        }
+        LLMC_ISA_SELECT(isa, softmax_row)(att_h0 + (size_t)r * maxT, n, NULL);
     }
+    decode_values(out_h0, hs, 0, att_h0, maxT, v + at, kv_row, R, n1, hs);
+    if (n1 < n) { decode_values(out_h0, hs, 1, att_h0 + n1, maxT, v, kv_row, R, n - n1, hs); }
 }
 LLMC_ISA_VARIANTS_ISA(decode_unit, (float* out_h0, float* att_h0, const float* q_h0,
                                     const float* k, const float* v, const float* slopes_h0, int n,
