@@ -27,6 +27,24 @@
 
 LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
 
+/* positions the scores prefetch a kv head's keys ahead of the block they reach */
+#define PREFETCH_KEYS 32
+
+/* Prefetches rows [r0, min(r1, n)) of x (stride floats apart), hs floats
+   each: into L1 (keys, read next) or L2 (values, read after the softmax).
+   A kv head's row of one cached position lies a whole cache row (NKV hs
+   floats) from the next, in another page at the usual sizes: the hardware
+   prefetchers do not follow such a walk. */
+static ALWAYS_INLINE void prefetch_cache_rows(const float* x, size_t stride, int r0, int r1,
+                                              int n, int hs, int to_l1) {
+    for (int r = r0; r < (r1 < n ? r1 : n); r++) {
+        for (int i = 0; i < hs; i += 16) {
+            if (to_l1) { __builtin_prefetch(x + (size_t)r * stride + i, 0, 3); }
+            else { __builtin_prefetch(x + (size_t)r * stride + i, 0, 2); }
+        }
+    }
+}
+
 /* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
    apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,
    against n keys (stride floats apart) of which the first lies dist0
@@ -34,10 +52,14 @@ LLMC_ISA_VARIANTS(softmax_row, (float* p, int n, float* stats), p, n, stats)
    of k times scale. The 16 x 16 key blocks are transposed on the fly, once
    for all R heads. Writes row r at s + r lds. */
 static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, size_t ldq,
-                                        const float* slopes, const float* k, size_t stride,
-                                        int n, int dist0, int hs, float scale, int R) {
+                                        const float* slopes, const float* k, const float* v,
+                                        size_t stride, int n, int dist0, int hs, float scale,
+                                        int R) {
+    prefetch_cache_rows(k, stride, 0, PREFETCH_KEYS, n, hs, 1);
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
+        prefetch_cache_rows(k, stride, k0 + PREFETCH_KEYS, k0 + PREFETCH_KEYS + 16, n, hs, 1);
+        prefetch_cache_rows(v, stride, k0, k0 + 16, n, hs, 0);
         vec16f acc[DECODE_HEADS];
         UNROLL for (int r = 0; r < R; r++) {
             acc[r] = score_init(dist0 + 1, k0, slopes != NULL ? slopes[r] : 0.0f);
@@ -58,13 +80,14 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
 
 /* decode_scores with R (1 .. DECODE_HEADS) a constant in each case. */
 static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q, size_t ldq,
-                                            const float* slopes, const float* k, size_t stride,
-                                            int n, int dist0, int hs, float scale, int R) {
+                                            const float* slopes, const float* k, const float* v,
+                                            size_t stride, int n, int dist0, int hs, float scale,
+                                            int R) {
     switch (R) {
-    case 4: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 4); break;
-    case 3: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 3); break;
-    case 2: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 2); break;
-    default: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 1); break;
+    case 4: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 4); break;
+    case 3: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 3); break;
+    case 2: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 2); break;
+    default: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 1); break;
     }
 }
 
@@ -125,11 +148,11 @@ static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0
                                            size_t kv_row, int hs, int maxT, float scale, int R) {
     const int n1 = maxT - first < n ? maxT - first : n;   // keys before the wrap
     const size_t at = (size_t)first * kv_row;
-    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, kv_row, n1, n - 1, hs, scale,
-                      R);
+    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, v + at, kv_row, n1, n - 1, hs,
+                      scale, R);
     if (n1 < n) {
-        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, kv_row, n - n1, n - 1 - n1,
-                          hs, scale, R);
+        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, v, kv_row, n - n1,
+                          n - 1 - n1, hs, scale, R);
     }
     for (int r = 0; r < R; r++) {
         LLMC_ISA_SELECT(isa, softmax_row)(att_h0 + (size_t)r * maxT, n, NULL);
