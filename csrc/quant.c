@@ -298,7 +298,7 @@ typedef struct {
 typedef void (*rows_fn)(float* out, int OC, const uint8_t* weight, size_t row_bytes, int o0,
                         int o1, const float* bias, const quant_input* in, int qtype);
 
-/* The older kernels' shape, under rows_of_sums: for nrows (1 .. ROWS)
+/* The plain twin's shape, under rows_of_sums: for nrows (1 .. ROWS)
    consecutive output rows at w0 and at most MAX_ROWS input rows,
    sums[r * N + n] (written) = the sums above. */
 typedef void (*sums_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
