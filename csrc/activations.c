@@ -45,12 +45,8 @@ static int elementwise_forward(elementwise_forward_fn blocks, void* out, const f
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     LLMC_REQUIRE(out_dtype == LLMC_DTYPE_F32 || out_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
     const int out_bf16 = out_dtype == LLMC_DTYPE_BF16;
-    #pragma omp parallel
-    {
-        int64_t blk0, blk1;
-        llmc_thread_share((N + 15) / 16, &blk0, &blk1);
-        if (blk0 < blk1) { blocks(out, out_bf16, inp, N, blk0, blk1); }
-    }
+    LLMC_SHARES((N + 15) / 16, N, blk0, blk1,
+                if (blk0 < blk1) { blocks(out, out_bf16, inp, N, blk0, blk1); });
     return LLMC_OK;
 }
 
@@ -376,12 +372,8 @@ static int gated_forward(gated_forward_fn blocks, void* out, const float* inp, i
     LLMC_REQUIRE(N > 0 && FF > 0 && llmc_count_fits(N, FF, 2, 1), LLMC_ERR_SHAPE);
     LLMC_REQUIRE(out_dtype == LLMC_DTYPE_F32 || out_dtype == LLMC_DTYPE_BF16, LLMC_ERR_VALUE);
     const int out_bf16 = out_dtype == LLMC_DTYPE_BF16;
-    #pragma omp parallel
-    {
-        int64_t k0, k1;
-        llmc_thread_share(N * ((FF + 15) / 16), &k0, &k1);
-        if (k0 < k1) { blocks(out, out_bf16, inp, FF, k0, k1); }
-    }
+    LLMC_SHARES(N * ((FF + 15) / 16), N * FF, k0, k1,
+                if (k0 < k1) { blocks(out, out_bf16, inp, FF, k0, k1); });
     return LLMC_OK;
 }
 
@@ -515,12 +507,7 @@ int residual_forward(float* out, const float* inp1, const float* inp2, int64_t N
     LLMC_REQUIRE(N > 0 && (size_t)N <= LLMC_MAX_COUNT, LLMC_ERR_SHAPE);
     void (*const range)(float*, const float*, const float*, int64_t, int64_t) =
         LLMC_ISA_SELECT(llmc_get_isa(), residual_forward_range);
-    #pragma omp parallel
-    {
-        int64_t i0, i1;
-        llmc_thread_share(N, &i0, &i1);
-        if (i0 < i1) { range(out, inp1, inp2, i0, i1); }
-    }
+    LLMC_SHARES(N, N, i0, i1, if (i0 < i1) { range(out, inp1, inp2, i0, i1); });
     return LLMC_OK;
 }
 

@@ -7,8 +7,9 @@
  * the chunk's heads, instead of building a panel (no allocation per call,
  * one pass over the cache); key_block gives the panel's values, so its
  * scores are the forward's, lane by lane. It then runs the forward's
- * softmax_row and rows_tile (one row), so a decoded position equals that
- * position of a full forward bitwise. The scores need a row of up to maxT
+ * softmax_row and rows_tile's sums (one row's, each row of values loaded
+ * once for the chunk's heads), so a decoded position equals that position
+ * of a full forward bitwise. The scores need a row of up to maxT
  * floats per (b, h): the caller's att buffer holds them, since a stack
  * buffer of maxT floats could overflow a worker thread's stack for long
  * contexts.
@@ -26,6 +27,24 @@
 
 LLMC_ISA_VARIANTS_ISA(softmax_row, (float* p, int n, float* stats), p, n, stats)
 
+/* positions the scores prefetch a kv head's keys ahead of the block they reach */
+#define PREFETCH_KEYS 32
+
+/* Prefetches rows [r0, min(r1, n)) of x (stride floats apart), hs floats
+   each: into L1 (keys, read next) or L2 (values, read after the softmax).
+   A kv head's row of one cached position lies a whole cache row (NKV hs
+   floats) from the next, in another page at the usual sizes: the hardware
+   prefetchers do not follow such a walk. */
+static ALWAYS_INLINE void prefetch_cache_rows(const float* x, size_t stride, int r0, int r1,
+                                              int n, int hs, int to_l1) {
+    for (int r = r0; r < (r1 < n ? r1 : n); r++) {
+        for (int i = 0; i < hs; i += 16) {
+            if (to_l1) { __builtin_prefetch(x + (size_t)r * stride + i, 0, 3); }
+            else { __builtin_prefetch(x + (size_t)r * stride + i, 0, 2); }
+        }
+    }
+}
+
 /* The decode's scores: R query heads (R <= DECODE_HEADS, rows ldq floats
    apart, their slopes at slopes[0 .. R), or NULL) that share one kv head,
    against n keys (stride floats apart) of which the first lies dist0
@@ -33,10 +52,14 @@ LLMC_ISA_VARIANTS_ISA(softmax_row, (float* p, int n, float* stats), p, n, stats)
    of k times scale. The 16 x 16 key blocks are transposed on the fly, once
    for all R heads. Writes row r at s + r lds. */
 static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, size_t ldq,
-                                        const float* slopes, const float* k, size_t stride,
-                                        int n, int dist0, int hs, float scale, int R) {
+                                        const float* slopes, const float* k, const float* v,
+                                        size_t stride, int n, int dist0, int hs, float scale,
+                                        int R) {
+    prefetch_cache_rows(k, stride, 0, PREFETCH_KEYS, n, hs, 1);
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
+        prefetch_cache_rows(k, stride, k0 + PREFETCH_KEYS, k0 + PREFETCH_KEYS + 16, n, hs, 1);
+        prefetch_cache_rows(v, stride, k0, k0 + 16, n, hs, 0);
         vec16f acc[DECODE_HEADS];
         UNROLL for (int r = 0; r < R; r++) {
             acc[r] = score_init(dist0 + 1, k0, slopes != NULL ? slopes[r] : 0.0f);
@@ -57,13 +80,59 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
 
 /* decode_scores with R (1 .. DECODE_HEADS) a constant in each case. */
 static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q, size_t ldq,
-                                            const float* slopes, const float* k, size_t stride,
-                                            int n, int dist0, int hs, float scale, int R) {
+                                            const float* slopes, const float* k, const float* v,
+                                            size_t stride, int n, int dist0, int hs, float scale,
+                                            int R) {
     switch (R) {
-    case 4: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 4); break;
-    case 3: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 3); break;
-    case 2: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 2); break;
-    default: decode_scores(s, lds, q, ldq, slopes, k, stride, n, dist0, hs, scale, 1); break;
+    case 4: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 4); break;
+    case 3: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 3); break;
+    case 2: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 2); break;
+    default: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 1); break;
+    }
+}
+
+/* rows_tile's chunk (attention_tiles.h) for R heads that all have n value
+   rows: each loaded row of values serves the R heads (rows_tile's rows
+   differ by a key, a decode's heads do not). A head's sum takes the same
+   FMAs in the same order as rows_tile of its one row: bitwise equal. */
+static ALWAYS_INLINE void decode_values_chunk(float* o, size_t ldo, int accumulate,
+                                              const float* a, size_t lda, const float* x,
+                                              size_t ldx, int R, int n, int NV, int mlast) {
+    vec16f acc[DECODE_HEADS][TILE_CH / 16], xv[TILE_CH / 16];
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_chunk(acc[r], o + (size_t)r * ldo, NV, mlast);
+        } else {
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] = (vec16f){0}; }
+        }
+    }
+    for (int t2 = 0; t2 < n; t2++) {
+        load_shared_chunk(xv, x + (size_t)t2 * ldx, NV, mlast);
+        UNROLL for (int r = 0; r < R; r++) { fma_chunk(acc[r], a[(size_t)r * lda + t2], xv, NV); }
+    }
+    UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
+}
+
+/* o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n} a[r][t2] * x[t2][c]
+   for R heads (1 .. DECODE_HEADS, a constant in each case), c < hs. */
+static ALWAYS_INLINE void decode_values(float* o, size_t ldo, int accumulate, const float* a,
+                                        size_t lda, const float* x, size_t ldx, int R, int n,
+                                        int hs) {
+    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
+        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+#define VALUES_CHUNK(NV, mlast)                                                            \
+        switch (R) {                                                                      \
+        case 4: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 4, n,   \
+                                    NV, mlast); break;                                    \
+        case 3: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 3, n,   \
+                                    NV, mlast); break;                                    \
+        case 2: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 2, n,   \
+                                    NV, mlast); break;                                    \
+        default: decode_values_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, 1, n,  \
+                                     NV, mlast); break;                                   \
+        }
+        DISPATCH_CHUNK(nc, VALUES_CHUNK);
+#undef VALUES_CHUNK
     }
 }
 
@@ -79,20 +148,17 @@ static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0
                                            size_t kv_row, int hs, int maxT, float scale, int R) {
     const int n1 = maxT - first < n ? maxT - first : n;   // keys before the wrap
     const size_t at = (size_t)first * kv_row;
-    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, kv_row, n1, n - 1, hs, scale,
-                      R);
+    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, v + at, kv_row, n1, n - 1, hs,
+                      scale, R);
     if (n1 < n) {
-        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, kv_row, n - n1, n - 1 - n1,
-                          hs, scale, R);
+        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, v, kv_row, n - n1,
+                          n - 1 - n1, hs, scale, R);
     }
     for (int r = 0; r < R; r++) {
-        float* att_h = att_h0 + (size_t)r * maxT;
-        LLMC_ISA_SELECT(isa, softmax_row)(att_h, n, NULL);
-        rows_tile(out_h0 + (size_t)r * hs, hs, 0, att_h, maxT, v + at, kv_row, 1, n1, hs);
-        if (n1 < n) {
-            rows_tile(out_h0 + (size_t)r * hs, hs, 1, att_h + n1, maxT, v, kv_row, 1, n - n1, hs);
-        }
+        LLMC_ISA_SELECT(isa, softmax_row)(att_h0 + (size_t)r * maxT, n, NULL);
     }
+    decode_values(out_h0, hs, 0, att_h0, maxT, v + at, kv_row, R, n1, hs);
+    if (n1 < n) { decode_values(out_h0, hs, 1, att_h0 + n1, maxT, v, kv_row, R, n - n1, hs); }
 }
 LLMC_ISA_VARIANTS_ISA(decode_unit, (float* out_h0, float* att_h0, const float* q_h0,
                                     const float* k, const float* v, const float* slopes_h0, int n,

@@ -446,7 +446,6 @@ static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t
 #undef COLS_CHUNK
     }
 }
-#undef DISPATCH_CHUNK
 
 /* The scratch floats of a key panel of T keys. */
 static inline size_t panel_count(int T, int hs) {

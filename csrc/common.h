@@ -44,6 +44,15 @@ static inline int llmc_count_fits(size_t a, size_t b, size_t c, size_t d) {
            && !__builtin_mul_overflow(abc, d, &abcd) && abcd <= LLMC_MAX_COUNT;
 }
 
+/* Elements (or rows times their length) below which a forward kernel runs
+   on the calling thread alone (LLMC_SHARES): a parallel region's fork and
+   join (about a microsecond on 2 threads, a scheduler's time slice on a
+   loaded machine) cost more than a share of so little work saves. One
+   decoding position's rows (C, FF, the heads of a few rows) stay below it.
+   Results do not depend on it: each row or element is computed alike on
+   any thread. */
+#define LLMC_PARALLEL_MIN 16384
+
 /* Inside a parallel region: the calling thread's contiguous share
    [*lo, *hi) of n items, as schedule(static) would hand them out. For
    element-wise kernels, which call their per-ISA function once per thread. */
@@ -53,6 +62,26 @@ static inline void llmc_thread_share(int64_t n, int64_t* lo, int64_t* hi) {
     *lo = id * q + (id < r ? id : r);
     *hi = *lo + q + (id < r ? 1 : 0);
 }
+
+/* Runs the statements `...` on [lo, hi) shares of n items: each thread of
+   a parallel region its share (llmc_thread_share), or, when `work`
+   (elements) is below LLMC_PARALLEL_MIN, the calling thread all of [0, n)
+   without opening a region (even a one-thread region costs libgomp a team
+   and a futex call: about half a microsecond). */
+#define LLMC_SHARES(n, work, lo, hi, ...)                                   \
+    do {                                                                    \
+        if ((work) < LLMC_PARALLEL_MIN) {                                   \
+            const int64_t lo = 0, hi = (n);                                 \
+            __VA_ARGS__                                                     \
+        } else {                                                            \
+            _Pragma("omp parallel")                                         \
+            {                                                               \
+                int64_t lo, hi;                                             \
+                llmc_thread_share((n), &lo, &hi);                           \
+                __VA_ARGS__                                                 \
+            }                                                               \
+        }                                                                   \
+    } while (0)
 
 /* x rounded to the nearest bf16 (the upper half of a float32), ties to
    even; a NaN stays a quiet NaN. Branch-free, so loops over it vectorise. */

@@ -84,12 +84,11 @@ static int layernorm_rows(float* residual, void* out, float* mean, float* rstd,
     void (*const row)(void*, int, float*, float*, float*, const float*, const float*,
                       const float*, const float*, int, float) =
         LLMC_ISA_SELECT(isa, layernorm_forward_row);
-    #pragma omp parallel for schedule(static)
-    for (int64_t bt = 0; bt < BT; bt++) {
+    LLMC_SHARES(BT, BT * C, bt0, bt1, for (int64_t bt = bt0; bt < bt1; bt++) {
         row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, mean + bt,
             rstd + bt, add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
             add != NULL ? add + (size_t)bt * C : NULL, weight, bias, C, eps);
-    }
+    });
     return LLMC_OK;
 }
 
@@ -210,12 +209,11 @@ static int rmsnorm_rows(float* residual, void* out, float* rstd, const float* in
     // rows are independent
     void (*const row)(void*, int, float*, float*, const float*, const float*, const float*, int,
                       float) = LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
-    #pragma omp parallel for schedule(static)
-    for (int64_t bt = 0; bt < BT; bt++) {
+    LLMC_SHARES(BT, BT * C, bt0, bt1, for (int64_t bt = bt0; bt < bt1; bt++) {
         row((char*)out + (size_t)bt * C * elem, out_dtype == LLMC_DTYPE_BF16, rstd + bt,
             add != NULL ? residual + (size_t)bt * C : NULL, inp + (size_t)bt * C,
             add != NULL ? add + (size_t)bt * C : NULL, weight, C, eps);
-    }
+    });
     return LLMC_OK;
 }
 
@@ -295,8 +293,7 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
     void (*const norm_row)(void*, int, float*, float*, const float*, const float*,
                            const float*, int, float) =
         LLMC_ISA_SELECT(llmc_get_isa(), rmsnorm_forward_row);
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
+    LLMC_SHARES(rows, rows * hs, r0, r1, for (int64_t r = r0; r < r1; r++) {
         const int64_t bt = r / nnorm;
         const int h = (int)(r % nnorm);
         const size_t at = (size_t)bt * row + (size_t)h * hs;
@@ -306,7 +303,7 @@ int head_rmsnorm_forward(float* out, float* rstd, const float* inp, const float*
             const size_t v0 = (size_t)bt * row + (size_t)nnorm * hs;
             for (size_t i = 0; i < (size_t)NKV * hs; i++) { out[v0 + i] = inp[v0 + i]; }
         }
-    }
+    });
     return LLMC_OK;
 }
 

@@ -298,7 +298,7 @@ typedef struct {
 typedef void (*rows_fn)(float* out, int OC, const uint8_t* weight, size_t row_bytes, int o0,
                         int o1, const float* bias, const quant_input* in, int qtype);
 
-/* The older kernels' shape, under rows_of_sums: for nrows (1 .. ROWS)
+/* The plain twin's shape, under rows_of_sums: for nrows (1 .. ROWS)
    consecutive output rows at w0 and at most MAX_ROWS input rows,
    sums[r * N + n] (written) = the sums above. */
 typedef void (*sums_fn)(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,
@@ -625,54 +625,88 @@ TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256i load_lanes(const void* p, int coun
 
 /* the 8 fp16 scales at p as floats, the first `count` (the rest 0) */
 TARGET_AVX2 static LLMC_ALWAYS_INLINE __m256 load_scales(const uint8_t* p, int count) {
+    if (count == 8) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
     uint16_t h[8] = {0};
     memcpy(h, p, (size_t)count * 2);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h));
 }
 
-/* The 256-bit paths' shared loop: DOT(s, u, x) adds the 8 int32 lane sums
-   of one chunk (weights u times the input's int8s x) to s, INIT the
-   starting sums (corr, or 0 where DOT takes signed weights), WEIGHTS the
-   weights' form DOT wants. */
+/* The 256-bit paths' kernel, as rows_512's shape: R (1 or ROWS) output
+   rows from o of the weight rows at w0, every input row in turn, a group
+   as two halves of 8 lanes; each half's input chunks, scales and corr
+   loaded once for the R rows, whose lanes stay in registers. DOT(s, u, x)
+   adds the 8 int32 lane sums of one chunk (weights u times the input's
+   int8s x) to s, INIT the starting sums (corr, or 0 where DOT takes signed
+   weights), WEIGHTS the weights' form DOT wants. */
 #define ROWS_256(NAME, TARGET, DOT, INIT, WEIGHTS)                                        \
-TARGET static void NAME(double* sums, const uint8_t* w0, size_t row_bytes, int nrows,     \
-                        const quant_input* in, int qtype) {                               \
+TARGET static LLMC_ALWAYS_INLINE void NAME##_pass(float* out, int OC, const uint8_t* w0,  \
+                                                  size_t row_bytes, int o, const int R,   \
+                                                  const float* bias,                      \
+                                                  const quant_input* in, int qtype) {     \
     const int nb = in->nb;                                                                \
     const size_t qbytes = quant_bytes(qtype);                                             \
-    for (int r = 0; r < nrows; r++) {                                                     \
-        const uint8_t* wrow = w0 + (size_t)r * row_bytes;                                 \
-        prefetch_ahead(wrow, row_bytes);                                                  \
-        float acc[MAX_ROWS][GROUP];                                                       \
-        for (int n = 0; n < in->N; n++) {                                                 \
-            _mm256_storeu_ps(acc[n], _mm256_setzero_ps());                                \
-            _mm256_storeu_ps(acc[n] + 8, _mm256_setzero_ps());                            \
-        }                                                                                 \
+    prefetch_ahead(w0, (size_t)R * row_bytes);                                            \
+    for (int n = 0; n < in->N; n++) {                                                     \
+        __m256 acc[ROWS][2];                                                              \
+        for (int r = 0; r < R; r++) { acc[r][0] = acc[r][1] = _mm256_setzero_ps(); }     \
         for (int b0 = 0; b0 < nb; b0 += GROUP) {                                          \
             const int g = nb - b0 < GROUP ? nb - b0 : GROUP;                              \
-            const uint8_t* wq = wrow + (size_t)nb * 2 + (size_t)b0 * qbytes;              \
             for (int h = 0; h * 8 < g; h++) {                                             \
                 const int count = g - 8 * h < 8 ? g - 8 * h : 8;                          \
-                __m256i u[8];                                                             \
-                WEIGHTS(u, wq + 32 * h, (size_t)g * 4, count, qtype);                     \
-                const __m256 dw = load_scales(wrow + (size_t)(b0 + 8 * h) * 2, count);     \
-                for (int n = 0; n < in->N; n++) {                                         \
-                    const size_t at = (size_t)n * nb + b0 + 8 * h;                        \
-                    const int8_t* x = in->q + ((size_t)n * nb + b0) * QK + 32 * h;        \
-                    __m256i s0 = INIT(in->corr + at, count), s1 = _mm256_setzero_si256(); \
+                const size_t at = (size_t)n * nb + b0 + 8 * h;                            \
+                const int8_t* x = in->q + ((size_t)n * nb + b0) * QK + 32 * h;            \
+                __m256i xc[8];                                                            \
+                for (int c = 0; c < 8; c++) { xc[c] = load_lanes(x + (size_t)c * g * 4, count); } \
+                const __m256i init = INIT(in->corr + at, count);                          \
+                const __m256 dx = _mm256_castsi256_ps(load_lanes(in->d + at, count));     \
+                for (int r = 0; r < R; r++) {                                             \
+                    const uint8_t* wrow = w0 + (size_t)r * row_bytes;                     \
+                    __m256i u[8];                                                         \
+                    WEIGHTS(u, wrow + (size_t)nb * 2 + (size_t)b0 * qbytes + 32 * h,       \
+                            (size_t)g * 4, count, qtype);                                 \
+                    __m256i s0 = init, s1 = _mm256_setzero_si256();                       \
                     for (int c = 0; c < 8; c += 2) {                                      \
-                        s0 = DOT(s0, u[c], load_lanes(x + (size_t)c * g * 4, count));     \
-                        s1 = DOT(s1, u[c + 1], load_lanes(x + (size_t)(c + 1) * g * 4, count)); \
+                        s0 = DOT(s0, u[c], xc[c]);                                        \
+                        s1 = DOT(s1, u[c + 1], xc[c + 1]);                                \
                     }                                                                     \
                     const __m256 scale = _mm256_mul_ps(                                   \
-                        dw, _mm256_castsi256_ps(load_lanes(in->d + at, count)));          \
-                    float* lane = acc[n] + 8 * h;                                         \
-                    _mm256_storeu_ps(lane, _mm256_fmadd_ps(                               \
-                        _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), scale,              \
-                        _mm256_loadu_ps(lane)));                                          \
+                        load_scales(wrow + (size_t)(b0 + 8 * h) * 2, count), dx);          \
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), \
+                                                scale, acc[r][h]);                        \
                 }                                                                         \
             }                                                                             \
         }                                                                                 \
-        for (int n = 0; n < in->N; n++) { sums[r * in->N + n] = lane_tree(acc[n]); }      \
+        for (int r = 0; r < R; r++) {                                                     \
+            float lanes[GROUP];                                                           \
+            _mm256_storeu_ps(lanes, acc[r][0]);                                           \
+            _mm256_storeu_ps(lanes + 8, acc[r][1]);                                       \
+            out[(size_t)n * OC + o + r] =                                                 \
+                (float)(lane_tree(lanes) + (bias != NULL ? (double)bias[o + r] : 0.0));   \
+        }                                                                                 \
+    }                                                                                     \
+}                                                                                         \
+TARGET static LLMC_ALWAYS_INLINE void NAME##_range(float* out, int OC, const uint8_t* weight, \
+                                                   size_t row_bytes, int o0, int o1,      \
+                                                   const float* bias,                     \
+                                                   const quant_input* in, int qtype) {    \
+    int o = o0;                                                                           \
+    for (; o + ROWS <= o1; o += ROWS) {                                                   \
+        NAME##_pass(out, OC, weight + (size_t)o * row_bytes, row_bytes, o, ROWS, bias, in, \
+                    qtype);                                                               \
+    }                                                                                     \
+    for (; o < o1; o++) {                                                                 \
+        NAME##_pass(out, OC, weight + (size_t)o * row_bytes, row_bytes, o, 1, bias, in,   \
+                    qtype);                                                               \
+    }                                                                                     \
+}                                                                                         \
+/* one function a block type, so that each compiles with its type known */               \
+TARGET static void NAME(float* out, int OC, const uint8_t* weight, size_t row_bytes,     \
+                        int o0, int o1, const float* bias, const quant_input* in,         \
+                        int qtype) {                                                      \
+    if (qtype == LLMC_QUANT_Q8_0) {                                                       \
+        NAME##_range(out, OC, weight, row_bytes, o0, o1, bias, in, LLMC_QUANT_Q8_0);      \
+    } else {                                                                              \
+        NAME##_range(out, OC, weight, row_bytes, o0, o1, bias, in, LLMC_QUANT_Q4_0);      \
     }                                                                                     \
 }
 
@@ -717,10 +751,8 @@ TARGET_AVX2 static LLMC_ALWAYS_INLINE void avx2_weights(__m256i u[8], const uint
 #define DOT_AVXVNNI(s, u, x) _mm256_dpbusd_avx_epi32(s, u, x)
 #define INIT_CORR(corr, count) load_lanes(corr, count)
 
-ROWS_256(sums_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
-ROWS_256(sums_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
-ROWS_OF_SUMS(rows_avx2, sums_avx2)
-ROWS_OF_SUMS(rows_avxvnni, sums_avxvnni)
+ROWS_256(rows_avx2, TARGET_AVX2, DOT_AVX2, INIT_AVX2, avx2_weights)
+ROWS_256(rows_avxvnni, TARGET_AVXVNNI, DOT_AVXVNNI, INIT_CORR, unsigned_weights)
 #endif
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVXVNNI, PATH_AVX512VNNI };

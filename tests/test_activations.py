@@ -59,8 +59,11 @@ def test_gelu_backward_accumulates(rng):
                  TOL["gelu"]["bwd"])
 
 
-def test_gelu_and_residual_thread_invariant(rng, isa, set_threads):
-    x, dout = gelu_inputs(rng, (3, 37, 67))   # 7437 elements: uneven shares, a partial block
+# 7437 elements: uneven shares, a partial block; 18685: above LLMC_PARALLEL_MIN
+# (common.h, 16384), below which a forward runs on one thread
+@pytest.mark.parametrize("shape", [(3, 37, 67), (5, 37, 101)])
+def test_gelu_and_residual_thread_invariant(rng, isa, set_threads, shape):
+    x, dout = gelu_inputs(rng, shape)
     other = randn(rng, *x.shape)
 
     def run():
@@ -212,7 +215,8 @@ def test_swiglu_backward_accumulates(rng):
                  TOL["swiglu"]["bwd"])
 
 
-@pytest.mark.parametrize("shape", [(37, 2 * 67), (1, 2 * 2048)])   # one long row: split too
+# one long row: split too; 37 x 467 outputs: above LLMC_PARALLEL_MIN
+@pytest.mark.parametrize("shape", [(37, 2 * 67), (1, 2 * 2048), (37, 2 * 467)])
 def test_swiglu_thread_invariant(rng, isa, set_threads, shape):
     x, dout = swiglu_inputs(rng, shape)
     assert_thread_invariant(set_threads, lambda: dict(out=swiglu_forward(x),
@@ -324,13 +328,14 @@ def test_relu_derivative_at_zero_and_nan():
     assert dinp[:3].tolist() == [0.0, 0.0, 3.0]   # relu'(0) = 0, as torch
 
 
+@pytest.mark.parametrize("wide", [1, 7])   # 7: above LLMC_PARALLEL_MIN
 @pytest.mark.parametrize("name", list(ELEMENTWISE) + list(GATED))
-def test_new_activations_accumulate_and_are_thread_invariant(rng, isa, set_threads, name):
+def test_new_activations_accumulate_and_are_thread_invariant(rng, isa, set_threads, name, wide):
     if name in GATED:
-        x, dout = swiglu_inputs(rng, (37, 2 * 67))
+        x, dout = swiglu_inputs(rng, (37, 2 * 67 * wide))
         run = gated_run
     else:
-        x, dout = gelu_inputs(rng, (3, 37, 67))
+        x, dout = gelu_inputs(rng, (3, 37, 67 * wide))
         run = elementwise_run
     once, twice = run(name, x, dout)[1], run(name, x, dout, calls=2)[1]
     assert_close("dinp", twice, 2.0 * once.astype(np.float64), 2.0 ** -23)

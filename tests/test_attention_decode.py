@@ -18,6 +18,7 @@ DECODE_SHAPES = [  # lengths (B = len), maxT, NH, NKV, hs, slopes
     ([3, 1, 13], 13, 6, 6, 15, "alibi"),        # and NH = 6 slopes
     ([40, 17], 40, 4, 2, 16, "steep"),          # far keys' weights underflow to 0
     ([1], 1, 2, 1, 8, "alibi"),                 # maxT = 1
+    ([9, 70, 96], 96, 16, 8, 128, None),        # Qwen3's heads: 2 a kv head, 2 chunks of hs
 ]
 
 

@@ -237,13 +237,45 @@ def test_bench_weights_table_has_a_row_per_model_batch_and_weights(capsys, monke
     assert [(t[0], t[1], t[2]) for t in table] == [(m, str(b), w) for m in models
                                                    for w in WEIGHT_TYPES for b in (1, 8)]
     # columns: model batch weights tok/s min-max step-MiB limit of-limit vs-bf16 [floor]
-    # vs bf16: each row's median over the bf16 median of its model and batch
-    bf16 = {(r["model"], r["batch"]): r["median"] for r in rows if r["weights"] == "bf16"}
-    assert [float(t[8]) for t in table] == [round(r["median"] / bf16[r["model"], r["batch"]], 2)
-                                            for r in rows]
+    # vs bf16: each row's median of its per-repeat ratios (test_time_decoding_alternates)
+    assert [float(t[8]) for t in table] == [round(r["vs_bf16"], 2) for r in rows]
     assert [t[8] for t in table if t[2] == "bf16"] == ["1.00"] * 4
     assert [t[9] for t in table if len(t) > 9] == [">=1.7", ">=2.6"] * 2
     assert all(t[1] == "1" for t in table if len(t) > 9)
+
+
+def test_time_decoding_alternates_the_weight_types(monkeypatch):
+    """time_decoding: a warm-up of each type, then the types in turn repeat
+    by repeat; "vs_bf16" is the median of the per-repeat ratios, not the
+    ratio of medians (which a drift of the machine's speed between two
+    types' runs would skew)."""
+    from llmc_py import GPT2Config
+    from llmc_py.bench import generate
+    config = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=64, num_layers=1,
+                        num_heads=2, channels=32)
+    fp32 = generate.preset_for(config)(config, seed=0)
+    models = {kind: generate.with_weights(fp32, kind) for kind in ("bf16", "q8_0", "q4_0")}
+    kinds = {id(model): kind for kind, model in models.items()}
+    # seconds of each call in turn (3 tokens): the warm-ups, then per repeat
+    # bf16 1, 4, 2 (the machine's speed drifting), q8_0 always half the bf16
+    # run before it, q4_0 0.5, 0.5, 2
+    script = iter([9, 9, 9] + [1, 0.5, 0.5] + [4, 2, 0.5] + [2, 1, 2])
+    order = []
+
+    def fake(decoder, prompts, new_tokens):
+        order.append(kinds[id(decoder.model)])
+        return next(script), [[0] * new_tokens]
+
+    monkeypatch.setattr(generate, "decode_once", fake)
+    out = generate.time_decoding(models, [[1, 2]], 3, 3)
+    assert order == ["bf16", "q8_0", "q4_0"] * 4
+    assert [out[k]["median"] for k in models] == [1.5, 3.0, 6.0]
+    assert out["bf16"]["vs_bf16"] == 1.0 and out["q8_0"]["vs_bf16"] == 2.0
+    # q4_0 per repeat: 2, 8, 1 times bf16; the ratio of medians would say 4
+    assert out["q4_0"]["vs_bf16"] == 2.0
+    script = iter([1, 1])   # without bf16: no ratio
+    assert "vs_bf16" not in generate.time_decoding({"q8_0": models["q8_0"]}, [[1, 2]], 3,
+                                                   1)["q8_0"]
 
 
 def test_generate_weights_with_experts(monkeypatch):

@@ -129,6 +129,21 @@ def test_steps_after_the_first_replay_its_kernel_calls(monkeypatch):
     assert got.cache.lengths.tolist() == [6, 4]
 
 
+def test_replay_raises_a_failed_calls_error_by_its_kernel_name():
+    """replay checks each status as the wrappers do (only a failure reaches
+    check): a NULL pointer is the NullPointerError naming the kernel."""
+    from llmc_py._native.lib import ffi, lib, replay
+    from llmc_py.errors import NullPointerError
+    x = np.ones(4, np.float32)
+    good = (lib.residual_forward, (ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", x),
+                                   ffi.from_buffer("float[]", x), 4))
+    replay([good])
+    assert x.tolist() == [2.0] * 4
+    with pytest.raises(NullPointerError, match="residual_forward"):
+        replay([good, (lib.residual_forward, (ffi.NULL, ffi.NULL, ffi.NULL, 4))])
+    assert x.tolist() == [4.0] * 4   # the calls before it ran
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama-rope-gqa", "alibi-gqa"])
 def test_greedy_is_the_argmax_chain_of_full_forwards(name):
     model = MODELS[name]()

@@ -96,7 +96,9 @@ def build_parser():
                         "a Qwen3-0.6B-shaped model (random weights) with each of these weight "
                         "types, batch 1 and 8, beside the bandwidth limit measured in the same "
                         "run (a streaming read's GB/s over the bytes a step reads: weights + "
-                        "KV cache) and the ratio to bf16 (e.g. --weights fp32 bf16 q8_0 q4_0); "
+                        "KV cache) and the ratio to bf16 (the types alternate repeat by repeat; "
+                        "the ratio is the median of the per-repeat ratios) (e.g. --weights "
+                        "fp32 bf16 q8_0 q4_0); "
                         "with --moe, a Qwen3-MoE-shaped model instead (8 layers of Qwen3-0.6B's "
                         "width, 32 experts of 384, top-8)")
     p.add_argument("--gen", type=int, nargs=2, default=(64, 256), metavar=("PROMPT", "NEW"),

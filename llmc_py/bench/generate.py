@@ -155,54 +155,77 @@ def _weight_bytes(model, name):
     return sum(w.nbytes for w in weight) if isinstance(weight, list) else weight.nbytes
 
 
-def time_decoding(model, prompts, new_tokens, repeats):
-    """Tokens/s (median, min, max over ``repeats``) of greedy decoding after
-    ``prompts`` (B lists): the steps alone, each repeat after an untimed
-    prefill (which a quantized model runs on its few-row kernel); and the
-    tokens of the last repeat."""
+def decode_once(decoder, prompts, new_tokens):
+    """Seconds of one greedy decoding of ``new_tokens`` after ``prompts`` (B
+    lists): the steps alone, after an untimed prefill (which a quantized
+    model runs on its few-row kernel); and its tokens (B lists)."""
+    V = decoder.model.config.vocab_size
+    logits = decoder.prefill(prompts)
+    tokens = []
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        new = np.argmax(logits[:, :V], axis=1)
+        tokens.append(new)
+        logits = decoder.step(new)
+    return time.perf_counter() - start, np.stack(tokens, axis=1).tolist()
+
+
+def time_decoding(models, prompts, new_tokens, repeats):
+    """{weights: tokens/s (median, min, max over ``repeats``), "vs_bf16"
+    and the tokens of the last repeat} for each of ``models`` {weights:
+    model} decoding ``prompts`` greedily (decode_once), one Decoder each.
+    The types alternate repeat by repeat, after one warm-up each, so a drift
+    of the machine's memory bandwidth hits them alike; "vs_bf16" is the
+    median over repeats of a type's rate over that repeat's bf16 rate
+    (absent without bf16)."""
     B = len(prompts)
-    decoder = Decoder(model, B, len(prompts[0]) + new_tokens)
-    V = model.config.vocab_size
-    times = []
-    for _ in range(repeats + 1):   # the first is a warm-up
-        logits = decoder.prefill(prompts)
-        tokens = []
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            new = np.argmax(logits[:, :V], axis=1)
-            tokens.append(new)
-            logits = decoder.step(new)
-        times.append(time.perf_counter() - start)
-    rates = sorted(B * new_tokens / t for t in times[1:])
-    return {"median": statistics.median(rates), "min": rates[0], "max": rates[-1],
-            "tokens": np.stack(tokens, axis=1).tolist()}
+    decoders = {kind: Decoder(model, B, len(prompts[0]) + new_tokens)
+                for kind, model in models.items()}
+    for decoder in decoders.values():
+        decode_once(decoder, prompts, new_tokens)
+    rates = {kind: [] for kind in models}
+    tokens = {}
+    for _ in range(repeats):
+        for kind, decoder in decoders.items():
+            seconds, tokens[kind] = decode_once(decoder, prompts, new_tokens)
+            rates[kind].append(B * new_tokens / seconds)
+    out = {}
+    for kind, rate in rates.items():
+        out[kind] = {"median": statistics.median(rate), "min": min(rate), "max": max(rate),
+                     "tokens": tokens[kind]}
+        if "bf16" in rates:
+            out[kind]["vs_bf16"] = statistics.median(
+                r / b for r, b in zip(rate, rates["bf16"]))
+    return out
 
 
 def bench_weights(name, config, weights, prompt_len, new_tokens, repeats, bandwidth, rng,
                   peer=None):
-    """Rows of the --weights table for one model: per batch (1 and 8) and
-    weight type, tokens/s beside the bandwidth limit: bandwidth over the
-    bytes of a step (linear_bytes and expert_bytes, plus the KV cache at the
-    mean position, per row). ``peer``: the optional llama.cpp row's function (llama_cpp_peer)."""
+    """Rows of the --weights table for one model: per weight type and batch
+    (1 and 8), tokens/s beside the bandwidth limit: bandwidth over the bytes
+    of a step (linear_bytes and expert_bytes, plus the KV cache at the mean
+    position, per row), and the ratio to bf16 (time_decoding: the types
+    alternate). ``peer``: the optional llama.cpp row's function
+    (llama_cpp_peer)."""
     fp32 = preset_for(config)(config, seed=0)
     prompts = rng.integers(0, config.vocab_size, size=(max(WEIGHTS_BATCHES), prompt_len))
     # every step reads the keys and values of prompt_len + i positions, per row
     kv_bytes = 2 * config.num_layers * config.kv_dim * 4 * (prompt_len + (new_tokens - 1) / 2)
+    models = {kind: with_weights(fp32, kind) for kind in weights}
+    timings = {B: time_decoding(models, prompts[:B].tolist(), new_tokens, repeats)
+               for B in WEIGHTS_BATCHES}
     rows = []
-    for kind in weights:
-        model = with_weights(fp32, kind)
+    for kind, model in models.items():
         for B in WEIGHTS_BATCHES:
             step_bytes = linear_bytes(model) + expert_bytes(model, B) + B * kv_bytes
             rows.append({"model": name, "weights": kind, "batch": B,
                          "step_mib": step_bytes / 2**20,
-                         "limit": B * bandwidth * 1e9 / step_bytes,
-                         **time_decoding(model, prompts[:B].tolist(), new_tokens, repeats)})
+                         "limit": B * bandwidth * 1e9 / step_bytes, **timings[B][kind]})
             if peer is not None:
                 row = peer(fp32, kind, prompts[:B].tolist(), new_tokens, repeats)
                 if row is not None:
                     rows.append({"model": name, "weights": kind, "batch": B,
                                  "peer": "llama.cpp", **row})
-        del model
     return rows
 
 

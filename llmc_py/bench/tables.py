@@ -86,11 +86,14 @@ def print_generation(args, results):
 
 def print_weights(args, results):
     """Per model and batch: tokens/s of each weight type beside its
-    bandwidth limit, and the ratio to bf16 with the issue's floors."""
+    bandwidth limit, and the ratio to bf16 with the issue's floors: the
+    median of the per-repeat ratios (the types alternate repeat by repeat);
+    a llama.cpp row's, its median over our bf16 median."""
     print(f"threads: {results['threads']}; greedy decoding, {results['new_tokens']} new tokens "
           f"after {results['prompt']} (tokens/s: median, min-max of {args.repeats}); streaming "
           f"read {results['bandwidth_gbps']:.1f} GB/s; limit = that over a step's bytes "
-          f"(weights + KV cache)")
+          f"(weights + KV cache); the weight types alternate repeat by repeat, vs bf16 = "
+          f"median of the per-repeat ratios (llama.cpp: over our bf16 median)")
     print(f"{'model':<20} {'batch':>5} {'weights':>8} {'tok/s':>9} {'min-max':>19} "
           f"{'step MiB':>9} {'limit':>9} {'of limit':>8} {'vs bf16':>7} {'floor':>6}")
     rows = results["weights"]
@@ -106,10 +109,11 @@ def print_weights(args, results):
             line += (f" {r['step_mib']:9.1f} {r['limit']:9.1f} "
                      f"{r['median'] / r['limit']:8.2f}")
         base = bf16.get((r["model"], r["batch"]))
-        line += f" {r['median'] / base:7.2f}" if base else f" {'-':>7}"
+        ratio = r.get("vs_bf16", r["median"] / base if base and "peer" in r else None)
+        line += f" {ratio:7.2f}" if ratio else f" {'-':>7}"
         floor = DECODE_FLOORS.get(r["weights"]) if r["batch"] == 1 and "peer" not in r else None
-        if floor and base:
-            line += f" {'>=' + str(floor):>6}" + ("" if r["median"] / base >= floor else " MISSED")
+        if floor and ratio:
+            line += f" {'>=' + str(floor):>6}" + ("" if ratio >= floor else " MISSED")
         print(line)
     print(f"peak memory (max RSS of this process): {results['peak_rss_mib']:.0f} MiB")
 
