@@ -1,4 +1,38 @@
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+
+class ParallelBuildExt(build_ext):
+    """build_ext that compiles an extension's C files in parallel, one job a
+    core (LLMC_BUILD_JOBS=N sets the count): setuptools compiles them one by
+    one, and csrc/'s attention files take a minute each on a slow core. Uses
+    the compiler's own steps (distutils' CCompiler.compile, file by file);
+    a compiler class without them compiles as setuptools does."""
+
+    def build_extension(self, ext):
+        compiler = self.compiler
+        jobs = int(os.environ.get("LLMC_BUILD_JOBS") or os.cpu_count() or 1)
+        steps = ("_setup_compile", "_get_cc_args", "_compile")
+        if jobs > 1 and all(hasattr(compiler, step) for step in steps):
+            def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=False,
+                        extra_preargs=None, extra_postargs=None, depends=None):
+                macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                    output_dir, macros, include_dirs, sources, depends, extra_postargs)
+                cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+                stale = [obj for obj in objects if obj in build]
+
+                def compile_one(obj):
+                    src, src_ext = build[obj]
+                    compiler._compile(obj, src, src_ext, cc_args, extra_postargs, pp_opts)
+                with ThreadPoolExecutor(jobs) as pool:
+                    list(pool.map(compile_one, stale))   # re-raises a failed file's error
+                return objects
+            compiler.compile = compile
+        super().build_extension(ext)
+
 
 # Hugging Face folders (llmc_py.io.hf) and tokenizer.json files: safetensors
 # reads and writes the weights, ml_dtypes gives numpy their bf16 type, jinja2 renders
@@ -29,5 +63,6 @@ setup(
                     "parquet": PARQUET,
                     "mpi": MPI},
     cffi_modules=["llmc_py/_native/build.py:ffibuilder"],
+    cmdclass={"build_ext": ParallelBuildExt},
     zip_safe=False,
 )

@@ -37,9 +37,10 @@
  *                weight rows are read in place, once, and turned into the
  *                GEMM's panel layout in registers; threads take columns.
  *   widened      every other instruction set (portable, AVX2, AVX-512F): the
- *                float32 operands are rounded to bf16 and the bf16 weight
- *                widened, both into float32 scratch, and matmul.c's float32
- *                kernels run on them (GEMM, or its skinny kernel).
+ *                float32 operands are rounded to bf16 into float32 scratch,
+ *                and the bf16 weight widened there a block of about 4 MiB of
+ *                rows at a time (never the whole weight), and matmul.c's
+ *                float32 kernels run on them (GEMM, or its skinny kernel).
  *   naive        plain loops: the reference the tests check against.
  *
  * Rounding and order. A product of two bf16 numbers (8 significant bits
@@ -645,6 +646,94 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
     return status;
 }
 
+/* The widened layer widens its bf16 weight a block of rows at a time, each
+   block's products run before the next is widened: about 4 MiB of float32
+   (at least WIDEN_ROWS rows, a multiple of it), not the whole weight (2.3
+   GiB for Qwen3-8B's head). A multiple of matmul.c's depth block (KC), so
+   that dinp, whose K the blocks cut, takes no extra pass over its output. */
+#define WIDEN_ROWS 384
+#define WIDEN_FLOATS (1 << 20)
+
+/* Rows of a widened block of a weight of C columns. */
+static int64_t widen_rows(int C) {
+    const int64_t rows = ((int64_t)WIDEN_FLOATS / C + WIDEN_ROWS - 1) / WIDEN_ROWS * WIDEN_ROWS;
+    return rows > WIDEN_ROWS ? rows : WIDEN_ROWS;
+}
+
+/* matmul_forward_bf16 without vdpbf16ps: inp rounded (or widened) once,
+   then per block of weight rows [o0, o1): the block widened and
+   out[:, o0:o1] = bias + inp . block^T, by matmul.c's kernels (the few-row
+   one through a small [BT, o1 - o0] part, copied into out). Each element
+   sums k = 0 .. C-1 in order from its bias: the naive loops' bits. */
+static int widened_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
+                           const float* bias, int64_t BT, int C, int OC) {
+    const int64_t rows = widen_rows(C) < OC ? widen_rows(C) : OC;
+    const int few = BT <= LLMC_FEW_ROWS_F32;
+    float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C
+                                        + (size_t)rows * C + (few ? (size_t)BT * rows : 0));
+    LLMC_REQUIRE(inp_rounded != NULL, LLMC_ERR_NOMEM);
+    float* block = inp_rounded + (size_t)BT * C;
+    float* part = block + (size_t)rows * C;   // few rows' output of one block
+    inp_into(inp_rounded, inp, inp_bf16, BT * C);
+    int status = LLMC_OK;
+    for (int64_t o0 = 0; o0 < OC && status == LLMC_OK; o0 += rows) {
+        const int n = (int)(OC - o0 < rows ? OC - o0 : rows);
+        widen_into(block, weight + (size_t)o0 * C, (int64_t)n * C);
+        const float* init = bias != NULL ? bias + o0 : NULL;
+        if (few) {
+            const struct llmc_few_rows_job job = {.out = part, .inp = inp_rounded,
+                                                  .weight = block, .bias = init, .M = (int)BT};
+            llmc_forward_few_rows_many(&job, 1, C, n);
+            for (int64_t m = 0; m < BT; m++) {
+                memcpy(out + (size_t)m * OC + o0, part + (size_t)m * n, (size_t)n * sizeof(float));
+            }
+            continue;
+        }
+        #pragma omp parallel for schedule(static)
+        for (int64_t m = 0; m < BT; m++) {
+            float* out_m = out + (size_t)m * OC + o0;
+            if (init != NULL) { memcpy(out_m, init, (size_t)n * sizeof(float)); }
+            else { memset(out_m, 0, (size_t)n * sizeof(float)); }
+        }
+        status = llmc_gemm_f32(out + o0, (size_t)OC, inp_rounded, (size_t)C, 1, block, 1,
+                               (size_t)C, (int)BT, n, C);
+    }
+    llmc_scratch_done();
+    return status;
+}
+
+/* matmul_backward_bf16's products without vdpbf16ps: dout rounded (and inp,
+   for dweight) once, dweight += dout^T . inp on them, and dinp += dout .
+   weight a block of weight rows at a time, each widened, in the order of
+   the blocks: K = OC summed o = 0 .. OC-1 as one product sums it. */
+static int widened_backward(float* dinp, float* dweight, const float* dout, const void* inp,
+                            int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC,
+                            int written) {
+    const size_t n_dout = (size_t)BT * OC, n_inp = dweight != NULL ? (size_t)BT * C : 0;
+    const int64_t rows = widen_rows(C) < OC ? widen_rows(C) : OC;
+    const size_t n_block = dinp != NULL ? (size_t)rows * C : 0;
+    float* dout_rounded = scratch_floats(LLMC_SCRATCH_COPIES, n_dout + n_inp + n_block);
+    LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
+    float* inp_rounded = dout_rounded + n_dout;
+    float* block = inp_rounded + n_inp;
+    round_into(dout_rounded, dout, (int64_t)n_dout);
+    llmc_zero_written(dinp, dweight, written, BT, C, OC);
+    int status = LLMC_OK;
+    if (dweight != NULL) {
+        inp_into(inp_rounded, inp, inp_bf16, (int64_t)n_inp);
+        status = llmc_gemm_f32(dweight, (size_t)C, dout_rounded, 1, (size_t)OC, inp_rounded,
+                               (size_t)C, 1, OC, C, (int)BT);
+    }
+    for (int64_t o0 = 0; dinp != NULL && o0 < OC && status == LLMC_OK; o0 += rows) {
+        const int n = (int)(OC - o0 < rows ? OC - o0 : rows);
+        widen_into(block, weight + (size_t)o0 * C, (int64_t)n * C);
+        status = llmc_gemm_f32(dinp, (size_t)C, dout_rounded + o0, (size_t)OC, 1, block,
+                               (size_t)C, 1, (int)BT, C, n);
+    }
+    llmc_scratch_done();
+    return status;
+}
+
 #ifdef LLMC_X86_DISPATCH
 int llmc_bf16_few_rows_supported(void) { return llmc_get_isa() == LLMC_ISA_AVX512BF16; }
 #else
@@ -679,14 +768,7 @@ int matmul_forward_bf16(float* out, const void* inp, const uint16_t* weight,
         return bf_forward(out, inp, inp_bf16, weight, bias, BT, C, OC, NULL, NULL, 0);
     }
 #endif
-    float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C + (size_t)OC * C);
-    LLMC_REQUIRE(inp_rounded != NULL, LLMC_ERR_NOMEM);
-    float* weight_wide = inp_rounded + (size_t)BT * C;
-    inp_into(inp_rounded, inp, inp_bf16, BT * C);
-    widen_into(weight_wide, weight, (int64_t)OC * C);
-    const int status = matmul_forward(out, inp_rounded, weight_wide, bias, B, T, C, OC);
-    llmc_scratch_done();
-    return status;
+    return widened_forward(out, inp, inp_bf16, weight, bias, BT, C, OC);
 }
 
 int matmul_gelu_forward_bf16(float* out, void* act_out, const void* inp, const uint16_t* weight,
@@ -728,19 +810,7 @@ int matmul_backward_bf16(float* dinp, float* dweight, float* dbias,
 #endif
     int status = LLMC_OK;
     if (dinp != NULL || dweight != NULL) {
-        // dout rounded, then inp rounded (dweight) and the weight widened (dinp)
-        const size_t n_dout = (size_t)BT * OC, n_inp = dweight != NULL ? (size_t)BT * C : 0;
-        const size_t n_weight = dinp != NULL ? (size_t)OC * C : 0;
-        float* dout_rounded = scratch_floats(LLMC_SCRATCH_COPIES, n_dout + n_inp + n_weight);
-        LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
-        float* inp_rounded = dweight != NULL ? dout_rounded + n_dout : NULL;
-        float* weight_wide = dinp != NULL ? dout_rounded + n_dout + n_inp : NULL;
-        round_into(dout_rounded, dout, (int64_t)n_dout);
-        if (inp_rounded != NULL) { inp_into(inp_rounded, inp, inp_bf16, (int64_t)n_inp); }
-        if (weight_wide != NULL) { widen_into(weight_wide, weight, (int64_t)n_weight); }
-        status = matmul_backward(dinp, dweight, NULL, dout_rounded, inp_rounded, weight_wide,
-                                 B, T, C, OC, written);
-        llmc_scratch_done();
+        status = widened_backward(dinp, dweight, dout, inp, inp_bf16, weight, BT, C, OC, written);
     }
     // dbias sums dout itself, unrounded, as the float32 layer does
     if (status == LLMC_OK && dbias != NULL) {

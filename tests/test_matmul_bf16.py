@@ -58,6 +58,9 @@ SHAPES = [  # B, T, C, OC
 EXACT_SHAPES = [(1, 32, 768, 768), (2, 17, 67, 45), (1, 37, 37, 29), (3, 13, 100, 97),
                 (1, 5, 130, 200), (1, 12, 33, 50), (1, 13, 33, 50), (2, 9, 1000, 70),
                 (1, 801, 40, 1001), (1, 1, 1, 1)]
+# weights the widened path widens in blocks of 384 rows (C > 2730): three
+# blocks, the last partial; few rows (the skinny kernel) and the GEMM
+WIDENED_BLOCK_SHAPES = [(1, 5, 2900, 800), (2, 9, 2900, 800), (1, 3, 4096, 385)]
 
 
 def rounded(x):
@@ -151,7 +154,7 @@ def test_bound_is_not_vacuous(B, T, C, OC):
 
 
 @pytest.mark.parametrize("isa", WIDENED)
-@pytest.mark.parametrize("B,T,C,OC", EXACT_SHAPES)
+@pytest.mark.parametrize("B,T,C,OC", EXACT_SHAPES + WIDENED_BLOCK_SHAPES)
 def test_widened_equals_naive_bitwise(use_isa, isa, B, T, C, OC):
     """Rounded operands, widened, through the float32 kernels: each product is
     exact, so fused or not, each element is the naive loops' k = 0, 1, ...

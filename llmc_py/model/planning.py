@@ -27,6 +27,9 @@ MATMUL_SCRATCH_PER_THREAD = (3 << 20) + 4 * 768 * 384
 # its units' most columns (CHUNK_COLS), fewest (256 unless the adapter is
 # narrower) and rows a block (BLOCK_ROWS)
 LORA_CHUNK_COLS, LORA_UNIT_COLS, LORA_BLOCK_ROWS = 1024, 256, 64
+# matmul_bf16.c's widened path: a weight's rows widened at once, a multiple
+# of WIDEN_ROWS of about WIDEN_FLOATS floats
+WIDEN_ROWS, WIDEN_FLOATS = 384, 1 << 20
 
 
 def head_rows(B, T, keep_logits):
@@ -165,10 +168,12 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter
     linears = ((c.qkv_channels, c.C), (c.C, c.attn_channels), (c.fc_channels, c.C),
                (c.C, c.FF), (c.Vp, c.C))   # (OC, IC), the head last
     if precision == "bf16" and get_isa() != "avx512bf16":
-        # a backward's copies at once: dout and inp (rows x (OC + IC)) and the
-        # weight (OC x IC); the experts' batch: each expert's rows and weight
+        # a backward's copies at once: dout and inp (rows x (OC + IC)) and a
+        # block of the weight's rows (widened_block_rows of them); the
+        # experts' batch: each expert's rows and weight
         rows = [B * T] * (len(linears) - 1) + [head_rows]
-        total += f32 * max(max(n * (OC + IC) + OC * IC for n, (OC, IC) in zip(rows, linears)),
+        total += f32 * max(max(n * (OC + IC) + min(OC, widened_block_rows(IC)) * IC
+                               for n, (OC, IC) in zip(rows, linears)),
                            routed_rows(c, B, T) * (c.expert_fc_channels + c.C)
                            + c.num_experts * c.expert_fc_channels * c.C)
     if base_weights is not None:
@@ -179,6 +184,13 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter
             products += [(R, c.expert_fc_channels, c.C), (R, c.C, c.expert_hidden)]
         total += max(panel_scratch_bytes(N, OC, IC, widened) for N, OC, IC in products)
     return total
+
+
+def widened_block_rows(IC):
+    """Rows of a weight of IC columns that the bf16 matmul without
+    AVX512_BF16 widens to float32 at once (matmul_bf16.c's widen_rows): about
+    4 MiB, at least WIDEN_ROWS rows and a multiple of them."""
+    return max(WIDEN_ROWS, -(-(WIDEN_FLOATS // IC) // WIDEN_ROWS) * WIDEN_ROWS)
 
 
 def lora_backward_scratch(config, B, T, rank, threads):
