@@ -59,7 +59,7 @@ EXACT_SHAPES = [(1, 32, 768, 768), (2, 17, 67, 45), (1, 37, 37, 29), (3, 13, 100
                 (1, 5, 130, 200), (1, 12, 33, 50), (1, 13, 33, 50), (2, 9, 1000, 70),
                 (1, 801, 40, 1001), (1, 1, 1, 1)]
 # weights the widened path widens in blocks of 384 rows (C > 2730): three
-# blocks, the last partial; few rows (the skinny kernel) and the GEMM
+# blocks, the last partial (two at OC 385); few rows (the skinny kernel) and the GEMM
 WIDENED_BLOCK_SHAPES = [(1, 5, 2900, 800), (2, 9, 2900, 800), (1, 3, 4096, 385)]
 
 
