@@ -120,7 +120,7 @@ def memory_plan(config, B, T, training=True, keep_logits=None, *, precision="fp3
             "logits": f32 * rows * c.Vp,
             "activation gradients": specs_bytes(grad_act_specs(c), c, B, T) if training else 0,
             "scratch": scratch_bytes(c, B, T, rows, precision, base_weights,
-                                     adapter_rank if training else 0)}
+                                     adapter_rank if training else 0, training)}
 
 
 def bf16_activations(precision, base_weights=None):
@@ -149,7 +149,8 @@ def quantized_parameters(config, qtype, head=None):
     return held
 
 
-def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter_rank=0):
+def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter_rank=0,
+                  training=True):
     """An upper estimate of the kernels' temporary memory at (B, T): per
     thread, attention's panels and score blocks and the matmuls' packed
     panels (their arena, kept between calls: llmc_py.scratch_bytes), or the
@@ -168,11 +169,12 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter
     linears = ((c.qkv_channels, c.C), (c.C, c.attn_channels), (c.fc_channels, c.C),
                (c.C, c.FF), (c.Vp, c.C))   # (OC, IC), the head last
     if precision == "bf16" and get_isa() != "avx512bf16":
-        # a backward's copies at once: dout and inp (rows x (OC + IC)) and a
-        # block of the weight's rows (widened_block_rows of them); the
-        # experts' batch: each expert's rows and weight
+        # a backward's copies at once: dout and inp (rows x (OC + IC)), a
+        # forward's inp alone, and a block of the weight's rows
+        # (widened_block_rows of them); the experts' batch: each expert's
+        # rows and weight
         rows = [B * T] * (len(linears) - 1) + [head_rows]
-        total += f32 * max(max(n * (OC + IC) + min(OC, widened_block_rows(IC)) * IC
+        total += f32 * max(max(n * (OC * training + IC) + min(OC, widened_block_rows(IC)) * IC
                                for n, (OC, IC) in zip(rows, linears)),
                            routed_rows(c, B, T) * (c.expert_fc_channels + c.C)
                            + c.num_experts * c.expert_fc_channels * c.C)
