@@ -174,7 +174,8 @@ def scratch_bytes(config, B, T, head_rows, precision, base_weights=None, adapter
         # (widened_block_rows of them); the experts' batch: each expert's
         # rows and weight
         rows = [B * T] * (len(linears) - 1) + [head_rows]
-        total += f32 * max(max(n * (OC * training + IC) + min(OC, widened_block_rows(IC)) * IC
+        total += f32 * max(max(n * ((OC if training else 0) + IC)
+                               + min(OC, widened_block_rows(IC)) * IC
                                for n, (OC, IC) in zip(rows, linears)),
                            routed_rows(c, B, T) * (c.expert_fc_channels + c.C)
                            + c.num_experts * c.expert_fc_channels * c.C)
