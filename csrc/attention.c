@@ -110,6 +110,45 @@ LLMC_ISA_VARIANTS(build_panel, (float* panel, const float* k, size_t stride, int
                   panel, k, stride, n, hs, scale)
 LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
+/* rows_tile and cols_tile, built per instruction set out of the heads'
+   bodies: with their chunk cases inlined at every call, gcc 12 took 214 s
+   over this file (Zen 1), nearly all in passes whose time grows faster than
+   a function's size (PRE, load CSE after reload); 42 s so, the forward's
+   time within 2%. A tile of TILE_ROWS rows (TILE_KEYS keys) runs as one,
+   any other count one row (key) at a time: an element's sum does not
+   depend on the tile it falls in. */
+static ALWAYS_INLINE void rows_tile_any_body(float* o, size_t ldo, int accumulate,
+                                             const float* a, size_t lda, const float* x,
+                                             size_t ldx, int R, int n0, int hs) {
+    if (R == TILE_ROWS) {
+        rows_tile(o, ldo, accumulate, a, lda, x, ldx, TILE_ROWS, n0, hs);
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        rows_tile(o + (size_t)r * ldo, ldo, accumulate, a + (size_t)r * lda, lda, x, ldx, 1,
+                  n0 + r, hs);
+    }
+}
+LLMC_ISA_VARIANTS(rows_tile_any, (float* o, size_t ldo, int accumulate, const float* a,
+                                  size_t lda, const float* x, size_t ldx, int R, int n0, int hs),
+                  o, ldo, accumulate, a, lda, x, ldx, R, n0, hs)
+
+static ALWAYS_INLINE void cols_tile_any_body(float* o, size_t ldo, const float* a, size_t lda,
+                                             const float* x, size_t ldx, int KT, int t2a,
+                                             int ta, int tb, int hs) {
+    if (KT == TILE_KEYS) {
+        cols_tile(o, ldo, a, lda, x, ldx, TILE_KEYS, t2a, ta, tb, hs);
+        return;
+    }
+    for (int j = 0; j < KT; j++) {
+        cols_tile(o + (size_t)j * ldo, ldo, a, lda, x, ldx, 1, t2a + j, ta, tb, hs);
+    }
+}
+LLMC_ISA_VARIANTS(cols_tile_any, (float* o, size_t ldo, const float* a, size_t lda,
+                                  const float* x, size_t ldx, int KT, int t2a, int ta, int tb,
+                                  int hs),
+                  o, ldo, a, lda, x, ldx, KT, t2a, ta, tb, hs)
+
 
 /* Every thread's per_thread floats of scratch in the kernels' arena (the
    GEMM panels' buffer, already large enough at a model's shapes): a call
@@ -176,8 +215,10 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
         for (int d = 1; d < R_pv; d++) {
             zero_keys(s + (size_t)(r + d) * T, lo, first_key(t0 + r + d, window));
         }
-        rows_tile(out_bh + (size_t)(t0 + r) * C, C, 0, s + (size_t)r * T + lo, (size_t)T,
-                  v + (size_t)lo * row, row, R_pv, t0 + r + 1 - lo, hs);
+        LLMC_ISA_SELECT(isa, rows_tile_any)(out_bh + (size_t)(t0 + r) * C, C, 0,
+                                            s + (size_t)r * T + lo, (size_t)T,
+                                            v + (size_t)lo * row, row, R_pv, t0 + r + 1 - lo,
+                                            hs);
     }
 }
 
@@ -273,9 +314,9 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     const int R_dq = R < TILE_ROWS ? R : TILE_ROWS;
     for (int r = 0; r < R; r += R_dq) {
         const int lo = first_key(t + r, window);
-        rows_tile(dq + (size_t)(t + r) * row, row, !written, ds_t + (size_t)r * T + lo,
-                  (size_t)T,
-                  k + (size_t)lo * row, row, R_dq, t + r + 1 - lo, hs);
+        LLMC_ISA_SELECT(isa, rows_tile_any)(dq + (size_t)(t + r) * row, row, !written,
+                                            ds_t + (size_t)r * T + lo, (size_t)T,
+                                            k + (size_t)lo * row, row, R_dq, t + r + 1 - lo, hs);
     }
 }
 
@@ -325,18 +366,12 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
             // dk += dS^T q and dv += P^T dO over the block's rows, for every
             // key from the block's first (a multiple of 16, so no tile
             // straddles t0) up to its last row, TILE_KEYS keys at a time
-            int t2 = k_block;
-            for (; t2 + TILE_KEYS <= t1; t2 += TILE_KEYS) {
-                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, hd.q, row,
-                          TILE_KEYS, t2, t0, t1, hs);
-                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, hd.dout, C,
-                          TILE_KEYS, t2, t0, t1, hs);
-            }
-            for (; t2 < t1; t2++) {
-                cols_tile(dinp_b + (size_t)t2 * row + k_head, row, ds, (size_t)T, hd.q, row,
-                          1, t2, t0, t1, hs);
-                cols_tile(dinp_b + (size_t)t2 * row + v_head, row, p, (size_t)T, hd.dout, C,
-                          1, t2, t0, t1, hs);
+            for (int t2 = k_block; t2 < t1; t2 += TILE_KEYS) {
+                const int KT = t1 - t2 < TILE_KEYS ? t1 - t2 : TILE_KEYS;
+                LLMC_ISA_SELECT(isa, cols_tile_any)(dinp_b + (size_t)t2 * row + k_head, row, ds,
+                                                    (size_t)T, hd.q, row, KT, t2, t0, t1, hs);
+                LLMC_ISA_SELECT(isa, cols_tile_any)(dinp_b + (size_t)t2 * row + v_head, row, p,
+                                                    (size_t)T, hd.dout, C, KT, t2, t0, t1, hs);
             }
         }
     }

@@ -176,8 +176,8 @@ static ALWAYS_INLINE void prefetch_row(const float* x, size_t ldx, int t, int n,
 /* The panel of n rows of x (ldx floats apart) with pairs of rows in the
    lanes' halves: out[j][c] = (x[2j][c], x[2j+1][c]) for c < hs (16 columns
    a vector, ldo pairs a row of out, hs rounded up to 16), rows past n 0. */
-static ALWAYS_INLINE void value_panel(int isa, uint32_t* out, size_t ldo, const float* x,
-                                      size_t ldx, int n, int hs) {
+static ALWAYS_INLINE void value_panel_body(int isa, uint32_t* out, size_t ldo, const float* x,
+                                           size_t ldx, int n, int hs) {
     for (int j = 0; 2 * j < n; j++) {
         const float* x0 = x + (size_t)(2 * j) * ldx;
         const float* x1 = x0 + ldx;
@@ -190,6 +190,9 @@ static ALWAYS_INLINE void value_panel(int isa, uint32_t* out, size_t ldo, const 
         }
     }
 }
+LLMC_ISA_VARIANTS_BF16(value_panel, (uint32_t* out, size_t ldo, const float* x, size_t ldx,
+                                     int n, int hs),
+                       out, ldo, x, ldx, n, hs)
 
 /* The transposed panel of n rows of x (ldx floats apart) of hs channels:
    pairs of channels in the lanes' halves, rows in the lanes:
@@ -197,8 +200,8 @@ static ALWAYS_INLINE void value_panel(int isa, uint32_t* out, size_t ldo, const 
    rounded up to 16), rows past n and a last odd channel's half 0. The key
    panel of the scores (x = k or v) and q^T, dO^T of dk, dv (x = their
    row pairs, already pairs: then "channel" 2i, 2i+1 are halves) share it. */
-static ALWAYS_INLINE void key_panel(int isa, uint32_t* out, size_t ldo, const float* x,
-                                    size_t ldx, int n, int hs) {
+static ALWAYS_INLINE void key_panel_body(int isa, uint32_t* out, size_t ldo, const float* x,
+                                         size_t ldx, int n, int hs) {
     for (int k0 = 0; k0 < n; k0 += 16) {
         const int m = n - k0 < 16 ? n - k0 : 16;
         for (int j = 16; j < 32; j++) { prefetch_row(x, ldx, k0 + j, n, hs); }   // the next block
@@ -212,11 +215,14 @@ static ALWAYS_INLINE void key_panel(int isa, uint32_t* out, size_t ldo, const fl
         }
     }
 }
+LLMC_ISA_VARIANTS_BF16(key_panel, (uint32_t* out, size_t ldo, const float* x, size_t ldx, int n,
+                                   int hs),
+                       out, ldo, x, ldx, n, hs)
 
 /* transposes a panel of pairs (as 32-bit lanes): out[c][j] = in[j][c] for
    j < nj (16 a block, in's rows past nj read as 0) and c < n_cols. */
-static ALWAYS_INLINE void transpose_pairs(uint32_t* out, size_t ldo, const uint32_t* in,
-                                          size_t ldi, int nj, int n_cols) {
+static ALWAYS_INLINE void transpose_pairs_body(uint32_t* out, size_t ldo, const uint32_t* in,
+                                               size_t ldi, int nj, int n_cols) {
     for (int j0 = 0; j0 < nj; j0 += 16) {
         for (int c0 = 0; c0 < n_cols; c0 += 16) {
             vec16f r[16];
@@ -232,6 +238,9 @@ static ALWAYS_INLINE void transpose_pairs(uint32_t* out, size_t ldo, const uint3
         }
     }
 }
+LLMC_ISA_VARIANTS(transpose_pairs, (uint32_t* out, size_t ldo, const uint32_t* in, size_t ldi,
+                                    int nj, int n_cols),
+                  out, ldo, in, ldi, nj, n_cols)
 
 /*
  * dp_tile: R rows x NV vectors (compile-time constants at every call),
@@ -288,9 +297,10 @@ static ALWAYS_INLINE void dp_tile(int isa, vec16f* acc, int R, int NV, const uin
    k_first (a multiple of 16) on: a [rows][lda] pairs of the rows, panel
    [hn][ldp] the key panel; s[r][t2] = scale * sum + the ALiBi bias, stored
    for keys before the row's last only (lds floats a row of s). */
-static ALWAYS_INLINE void score_rows(int isa, float* s, size_t lds, const uint32_t* a,
-                                     size_t lda, const uint32_t* panel, size_t ldp, int hn,
-                                     int nr, int n0, float scale, float slope, int k_first) {
+static ALWAYS_INLINE void score_rows_body(int isa, float* s, size_t lds, const uint32_t* a,
+                                          size_t lda, const uint32_t* panel, size_t ldp, int hn,
+                                          int nr, int n0, float scale, float slope,
+                                          int k_first) {
     const int nmax = n0 + nr - 1;
     for (int k0 = k_first; k0 < nmax; k0 += 32) {
         vec16f acc[SCORE_ROWS * 2] = {{0}};
@@ -311,12 +321,22 @@ static ALWAYS_INLINE void score_rows(int isa, float* s, size_t lds, const uint32
     }
 }
 
+/* score_rows, value_rows and transposed_rows, like the panels above, are
+   built per instruction set, out of the heads' bodies that call them: with
+   all inlined at every call, gcc 12 took 175 s over this file (Zen 1),
+   nearly all in passes whose time grows faster than a function's size
+   (PRE, load CSE after reload); 34 s so. */
+LLMC_ISA_VARIANTS_BF16(score_rows, (float* s, size_t lds, const uint32_t* a, size_t lda,
+                                    const uint32_t* panel, size_t ldp, int hn, int nr, int n0,
+                                    float scale, float slope, int k_first),
+                       s, lds, a, lda, panel, ldp, hn, nr, n0, scale, slope, k_first)
+
 /* o[r][c] (+)= sum_{p0 <= p < p1} a[r][p] . panel[p][c] for nr rows (<= 4)
    and c < hs: a [rows][lda] pairs of keys, panel [pairs][ldp] a value
    panel; rows of o ldo floats apart, accumulate: add to o's values. */
-static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumulate,
-                                     const uint32_t* a, size_t lda, const uint32_t* panel,
-                                     size_t ldp, int nr, int p0, int p1, int hs) {
+static ALWAYS_INLINE void value_rows_body(int isa, float* o, size_t ldo, int accumulate,
+                                          const uint32_t* a, size_t lda, const uint32_t* panel,
+                                          size_t ldp, int nr, int p0, int p1, int hs) {
     for (int c0 = 0; c0 < hs; c0 += ROWS_CH) {
         const int nc = hs - c0 < ROWS_CH ? hs - c0 : ROWS_CH;
         vec16f acc[TILE_ROWS * 4];
@@ -356,6 +376,10 @@ static ALWAYS_INLINE void value_rows(int isa, float* o, size_t ldo, int accumula
         }
     }
 }
+LLMC_ISA_VARIANTS_BF16(value_rows, (float* o, size_t ldo, int accumulate, const uint32_t* a,
+                                    size_t lda, const uint32_t* panel, size_t ldp, int nr, int p0,
+                                    int p1, int hs),
+                       o, ldo, accumulate, a, lda, panel, ldp, nr, p0, p1, hs)
 
 LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, stats)
 
@@ -404,8 +428,10 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     uint32_t* ppairs = (uint32_t*)(s + (size_t)SCORE_ROWS * T);
     const size_t ldpp = (size_t)z.Tp / 2;
     if (!follows_its_kv_head(a, b, h)) {
-        key_panel(isa, kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row, T, hs);
-        value_panel(isa, vpanel, (size_t)z.hsv, inp_b + v_offset(a, g), row, T, hs);
+        LLMC_ISA_SELECT_BF16(isa, key_panel)(kpanel, (size_t)z.Tp, inp_b + k_offset(a, g), row,
+                                             T, hs);
+        LLMC_ISA_SELECT_BF16(isa, value_panel)(vpanel, (size_t)z.hsv, inp_b + v_offset(a, g),
+                                               row, T, hs);
     }
     for (int t = 0; t < T; t++) {
         prefetch_row(q, row, t + ROWS_AHEAD, T, hs);
@@ -414,8 +440,9 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
     for (int t0 = 0; t0 < T; t0 += SCORE_ROWS) {
         const int R = T - t0 < SCORE_ROWS ? T - t0 : SCORE_ROWS;
         prefetch_forward(a, b, g, nb, nh, t0, R);
-        score_rows(isa, s, (size_t)T, qpairs + (size_t)t0 * z.hp, (size_t)z.hp, kpanel,
-                   (size_t)z.Tp, z.hn, R, t0 + 1, a->scale, slope, first_block_key(t0, window));
+        LLMC_ISA_SELECT_BF16(isa, score_rows)(s, (size_t)T, qpairs + (size_t)t0 * z.hp,
+                                              (size_t)z.hp, kpanel, (size_t)z.Tp, z.hn, R, t0 + 1,
+                                              a->scale, slope, first_block_key(t0, window));
         const int p_first = first_row_pair(t0, window);
         const int p_last = (t0 + R + 31) / 32 * 16;   // whole vectors of pairs
         int lo[SCORE_ROWS], n[SCORE_ROWS];
@@ -438,9 +465,10 @@ static ALWAYS_INLINE void forward_head_body(int isa, const attention_call* a, in
         }
         for (int r = 0; r < R; r += TILE_ROWS) {
             const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
-            value_rows(isa, out_bh + (size_t)(t0 + r) * C, C, 0, ppairs + (size_t)r * ldpp, ldpp,
-                       vpanel, (size_t)z.hsv, nr, first_pair(t0 + r, window),
-                       end_pair(t0 + r + nr - 1), hs);
+            LLMC_ISA_SELECT_BF16(isa, value_rows)(out_bh + (size_t)(t0 + r) * C, C, 0,
+                                                  ppairs + (size_t)r * ldpp, ldpp, vpanel,
+                                                  (size_t)z.hsv, nr, first_pair(t0 + r, window),
+                                                  end_pair(t0 + r + nr - 1), hs);
         }
     }
 }
@@ -495,9 +523,10 @@ static size_t carve(bf16_backward_scratch* w, float* base, int T, int hs) {
    block's row pairs of dS or P. Keys from k on sum from the first pair with
    a row t >= k: the pairs before it are all 0 there (causal), terms that
    leave the sums unchanged (see the top), so they are left out. */
-static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const uint32_t* a,
-                                          size_t lda, const uint32_t* b, size_t ldb, int t0,
-                                          int nj, int k0, int k_end, int hs) {
+static ALWAYS_INLINE void transposed_rows_body(int isa, float* o, size_t ldo,
+                                               const uint32_t* a, size_t lda, const uint32_t* b,
+                                               size_t ldb, int t0, int nj, int k0, int k_end,
+                                               int hs) {
     for (int c0 = 0; c0 < hs; c0 += SCORE_ROWS) {
         const int nr = hs - c0 < SCORE_ROWS ? hs - c0 : SCORE_ROWS;
         for (int k = k0; k < k_end; k += 32) {
@@ -527,12 +556,16 @@ static ALWAYS_INLINE void transposed_rows(int isa, float* o, size_t ldo, const u
         }
     }
 }
+LLMC_ISA_VARIANTS_BF16(transposed_rows, (float* o, size_t ldo, const uint32_t* a, size_t lda,
+                                         const uint32_t* b, size_t ldb, int t0, int nj, int k0,
+                                         int k_end, int hs),
+                       o, ldo, a, lda, b, ldb, t0, nj, k0, k_end, hs)
 
 /* dst[t][c] += src[c][t] for t < n, c < hs (rows of dst ldd floats apart,
    of src lds), 16 x 16 blocks at a time; written: dst[t][c] = 0 + src[c][t]
    (the sign of a zero as in the sum into zeros), dst not read. */
-static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* src, size_t lds,
-                                         int n, int hs, int written) {
+static ALWAYS_INLINE void add_transposed_body(float* dst, size_t ldd, const float* src, size_t lds,
+                                              int n, int hs, int written) {
     for (int t0 = 0; t0 < n; t0 += 16) {
         for (int c0 = 0; c0 < hs; c0 += 16) {
             const int nc = hs - c0 < 16 ? hs - c0 : 16, nt = n - t0 < 16 ? n - t0 : 16;
@@ -549,6 +582,9 @@ static ALWAYS_INLINE void add_transposed(float* dst, size_t ldd, const float* sr
         }
     }
 }
+LLMC_ISA_VARIANTS(add_transposed, (float* dst, size_t ldd, const float* src, size_t lds, int n,
+                                   int hs, int written),
+                  dst, ldd, src, lds, n, hs, written)
 
 /* The backward of one (b, kv head g): its query heads in order, each in
    blocks of BACKWARD_ROWS rows; per tile of rows, P (recomputed), dP, dS and
@@ -566,9 +602,9 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
     float* dinp_b = a->out + (size_t)b * T * row;
     bf16_backward_scratch w;
     carve(&w, scratch, T, hs);
-    key_panel(isa, w.kpanel, Tp, inp_b + k_head, row, T, hs);
-    key_panel(isa, w.vpanel, Tp, inp_b + v_head, row, T, hs);
-    value_panel(isa, w.kvalues, (size_t)z.hsv, inp_b + k_head, row, T, hs);
+    LLMC_ISA_SELECT_BF16(isa, key_panel)(w.kpanel, Tp, inp_b + k_head, row, T, hs);
+    LLMC_ISA_SELECT_BF16(isa, key_panel)(w.vpanel, Tp, inp_b + v_head, row, T, hs);
+    LLMC_ISA_SELECT_BF16(isa, value_panel)(w.kvalues, (size_t)z.hsv, inp_b + k_head, row, T, hs);
     memset(w.dkT, 0, (size_t)hs * Tp * sizeof(float));
     memset(w.dvT, 0, (size_t)hs * Tp * sizeof(float));
     for (int h = g * kv_mul; h < (g + 1) * kv_mul; h++) {
@@ -582,10 +618,12 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                       hs, 1.0f);
         }
         // q^T and dO^T by row pairs: the value panels of q and dO, transposed
-        value_panel(isa, w.rows_tmp, (size_t)z.hsv, hd.q, row, T, hs);
-        transpose_pairs(w.qT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
-        value_panel(isa, w.rows_tmp, (size_t)z.hsv, hd.dout, C, T, hs);
-        transpose_pairs(w.doT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv, (T + 1) / 2, hs);
+        LLMC_ISA_SELECT_BF16(isa, value_panel)(w.rows_tmp, (size_t)z.hsv, hd.q, row, T, hs);
+        LLMC_ISA_SELECT(isa, transpose_pairs)(w.qT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv,
+                                              (T + 1) / 2, hs);
+        LLMC_ISA_SELECT_BF16(isa, value_panel)(w.rows_tmp, (size_t)z.hsv, hd.dout, C, T, hs);
+        LLMC_ISA_SELECT(isa, transpose_pairs)(w.doT, (size_t)z.Tq, w.rows_tmp, (size_t)z.hsv,
+                                              (T + 1) / 2, hs);
         for (int t0 = 0; t0 < T; t0 += BACKWARD_ROWS) {
             const int t1 = T - t0 < BACKWARD_ROWS ? T : t0 + BACKWARD_ROWS;
             const int k_block = first_block_key(t0, window);
@@ -596,10 +634,13 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 float* p_t = w.p + (size_t)(t - t0) * T;
                 float* ds_t = w.ds + (size_t)(t - t0) * T;
                 const int k_first = first_block_key(t, window);
-                score_rows(isa, p_t, (size_t)T, w.qpairs + (size_t)t * z.hp, (size_t)z.hp,
-                           w.kpanel, Tp, z.hn, R, t + 1, scale, hd.slope, k_first);
-                score_rows(isa, ds_t, (size_t)T, w.dopairs + (size_t)t * z.hp, (size_t)z.hp,
-                           w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f, k_first);
+                LLMC_ISA_SELECT_BF16(isa, score_rows)(p_t, (size_t)T, w.qpairs + (size_t)t * z.hp,
+                                                      (size_t)z.hp, w.kpanel, Tp, z.hn, R, t + 1,
+                                                      scale, hd.slope, k_first);
+                LLMC_ISA_SELECT_BF16(isa, score_rows)(ds_t, (size_t)T,
+                                                      w.dopairs + (size_t)t * z.hp, (size_t)z.hp,
+                                                      w.vpanel, Tp, z.hn, R, t + 1, 1.0f, 0.0f,
+                                                      k_first);
                 const int p_first = first_row_pair(t, window), p_last = (t + R + 31) / 32 * 16;
                 int lo[SCORE_ROWS], n[SCORE_ROWS];
                 row_windows(lo, n, t, R, window);
@@ -623,10 +664,10 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                 }
                 for (int r = 0; r < R; r += TILE_ROWS) {
                     const int nr = R - r < TILE_ROWS ? R - r : TILE_ROWS;
-                    value_rows(isa, hd.dq + (size_t)(t + r) * row, row, !a->written,
-                               w.dsrows + (size_t)(t - t0 + r) * ldrow, ldrow, w.kvalues,
-                               (size_t)z.hsv, nr, first_pair(t + r, window),
-                               end_pair(t + r + nr - 1), hs);
+                    LLMC_ISA_SELECT_BF16(isa, value_rows)(
+                        hd.dq + (size_t)(t + r) * row, row, !a->written,
+                        w.dsrows + (size_t)(t - t0 + r) * ldrow, ldrow, w.kvalues, (size_t)z.hsv,
+                        nr, first_pair(t + r, window), end_pair(t + r + nr - 1), hs);
                 }
             }
             // the block's row pairs of dS and P over its keys, each row's
@@ -647,14 +688,14 @@ static ALWAYS_INLINE void backward_group_body(int isa, const attention_call* a, 
                                  load_between(dsa, k, lo_a, ta + 1), ds_b);
                 }
             }
-            transposed_rows(isa, w.dkT, Tp, w.qT + t0 / 2, (size_t)z.Tq, w.dspairs, Tp, t0, nj,
-                            k_block, k_end, hs);
-            transposed_rows(isa, w.dvT, Tp, w.doT + t0 / 2, (size_t)z.Tq, w.ppairs, Tp, t0, nj,
-                            k_block, k_end, hs);
+            LLMC_ISA_SELECT_BF16(isa, transposed_rows)(w.dkT, Tp, w.qT + t0 / 2, (size_t)z.Tq,
+                                                       w.dspairs, Tp, t0, nj, k_block, k_end, hs);
+            LLMC_ISA_SELECT_BF16(isa, transposed_rows)(w.dvT, Tp, w.doT + t0 / 2, (size_t)z.Tq,
+                                                       w.ppairs, Tp, t0, nj, k_block, k_end, hs);
         }
     }
-    add_transposed(dinp_b + k_head, row, w.dkT, Tp, T, hs, a->written);
-    add_transposed(dinp_b + v_head, row, w.dvT, Tp, T, hs, a->written);
+    LLMC_ISA_SELECT(isa, add_transposed)(dinp_b + k_head, row, w.dkT, Tp, T, hs, a->written);
+    LLMC_ISA_SELECT(isa, add_transposed)(dinp_b + v_head, row, w.dvT, Tp, T, hs, a->written);
 }
 LLMC_ISA_VARIANTS_BF16(backward_group,
                        (const attention_call* a, int b, int g, int nb, int ng, float* scratch),

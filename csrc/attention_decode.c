@@ -78,11 +78,15 @@ static ALWAYS_INLINE void decode_scores(float* s, size_t lds, const float* q, si
     }
 }
 
-/* decode_scores with R (1 .. DECODE_HEADS) a constant in each case. */
-static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q, size_t ldq,
-                                            const float* slopes, const float* k, const float* v,
-                                            size_t stride, int n, int dist0, int hs, float scale,
-                                            int R) {
+/* decode_scores with R (1 .. DECODE_HEADS) a constant in each case. Built
+   per instruction set, out of the decode's body, as is decode_values: with
+   both inlined twice into it, gcc 12 took 297 s over this file (Zen 1),
+   nearly all in passes whose time grows faster than a function's size (PRE,
+   load CSE after reload); 58 s so. */
+static ALWAYS_INLINE void decode_scores_any_body(float* s, size_t lds, const float* q,
+                                                 size_t ldq, const float* slopes, const float* k,
+                                                 const float* v, size_t stride, int n, int dist0,
+                                                 int hs, float scale, int R) {
     switch (R) {
     case 4: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 4); break;
     case 3: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 3); break;
@@ -90,6 +94,10 @@ static ALWAYS_INLINE void decode_scores_any(float* s, size_t lds, const float* q
     default: decode_scores(s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, 1); break;
     }
 }
+LLMC_ISA_VARIANTS(decode_scores_any, (float* s, size_t lds, const float* q, size_t ldq,
+                                      const float* slopes, const float* k, const float* v,
+                                      size_t stride, int n, int dist0, int hs, float scale, int R),
+                  s, lds, q, ldq, slopes, k, v, stride, n, dist0, hs, scale, R)
 
 /* rows_tile's chunk (attention_tiles.h) for R heads that all have n value
    rows: each loaded row of values serves the R heads (rows_tile's rows
@@ -115,9 +123,9 @@ static ALWAYS_INLINE void decode_values_chunk(float* o, size_t ldo, int accumula
 
 /* o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n} a[r][t2] * x[t2][c]
    for R heads (1 .. DECODE_HEADS, a constant in each case), c < hs. */
-static ALWAYS_INLINE void decode_values(float* o, size_t ldo, int accumulate, const float* a,
-                                        size_t lda, const float* x, size_t ldx, int R, int n,
-                                        int hs) {
+static ALWAYS_INLINE void decode_values_body(float* o, size_t ldo, int accumulate,
+                                             const float* a, size_t lda, const float* x,
+                                             size_t ldx, int R, int n, int hs) {
     for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
         const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
 #define VALUES_CHUNK(NV, mlast)                                                            \
@@ -135,6 +143,9 @@ static ALWAYS_INLINE void decode_values(float* o, size_t ldo, int accumulate, co
 #undef VALUES_CHUNK
     }
 }
+LLMC_ISA_VARIANTS(decode_values, (float* o, size_t ldo, int accumulate, const float* a,
+                                  size_t lda, const float* x, size_t ldx, int R, int n, int hs),
+                  o, ldo, accumulate, a, lda, x, ldx, R, n, hs)
 
 /* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,
    each the forward's last row of a window of n keys: its scores,
@@ -148,17 +159,20 @@ static ALWAYS_INLINE void decode_unit_body(int isa, float* out_h0, float* att_h0
                                            size_t kv_row, int hs, int maxT, float scale, int R) {
     const int n1 = maxT - first < n ? maxT - first : n;   // keys before the wrap
     const size_t at = (size_t)first * kv_row;
-    decode_scores_any(att_h0, maxT, q_h0, hs, slopes_h0, k + at, v + at, kv_row, n1, n - 1, hs,
-                      scale, R);
+    LLMC_ISA_SELECT(isa, decode_scores_any)(att_h0, maxT, q_h0, hs, slopes_h0, k + at, v + at,
+                                            kv_row, n1, n - 1, hs, scale, R);
     if (n1 < n) {
-        decode_scores_any(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, v, kv_row, n - n1,
-                          n - 1 - n1, hs, scale, R);
+        LLMC_ISA_SELECT(isa, decode_scores_any)(att_h0 + n1, maxT, q_h0, hs, slopes_h0, k, v,
+                                                kv_row, n - n1, n - 1 - n1, hs, scale, R);
     }
     for (int r = 0; r < R; r++) {
         LLMC_ISA_SELECT(isa, softmax_row)(att_h0 + (size_t)r * maxT, n, NULL);
     }
-    decode_values(out_h0, hs, 0, att_h0, maxT, v + at, kv_row, R, n1, hs);
-    if (n1 < n) { decode_values(out_h0, hs, 1, att_h0 + n1, maxT, v, kv_row, R, n - n1, hs); }
+    LLMC_ISA_SELECT(isa, decode_values)(out_h0, hs, 0, att_h0, maxT, v + at, kv_row, R, n1, hs);
+    if (n1 < n) {
+        LLMC_ISA_SELECT(isa, decode_values)(out_h0, hs, 1, att_h0 + n1, maxT, v, kv_row, R,
+                                            n - n1, hs);
+    }
 }
 LLMC_ISA_VARIANTS_ISA(decode_unit, (float* out_h0, float* att_h0, const float* q_h0,
                                     const float* k, const float* v, const float* slopes_h0, int n,
