@@ -654,10 +654,11 @@ static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
 #define WIDEN_ROWS 384
 #define WIDEN_FLOATS (1 << 20)
 
-/* Rows of a widened block of a weight of C columns. */
-static int64_t widen_rows(int C) {
-    const int64_t rows = ((int64_t)WIDEN_FLOATS / C + WIDEN_ROWS - 1) / WIDEN_ROWS * WIDEN_ROWS;
-    return rows > WIDEN_ROWS ? rows : WIDEN_ROWS;
+/* Rows of a widened block of a weight [OC, C]: at most OC. */
+static int64_t widen_rows(int C, int OC) {
+    int64_t rows = ((int64_t)WIDEN_FLOATS / C + WIDEN_ROWS - 1) / WIDEN_ROWS * WIDEN_ROWS;
+    rows = rows > WIDEN_ROWS ? rows : WIDEN_ROWS;
+    return rows < OC ? rows : OC;
 }
 
 /* matmul_forward_bf16 without vdpbf16ps: inp rounded (or widened) once,
@@ -667,7 +668,7 @@ static int64_t widen_rows(int C) {
    sums k = 0 .. C-1 in order from its bias: the naive loops' bits. */
 static int widened_forward(float* out, const void* inp, int inp_bf16, const uint16_t* weight,
                            const float* bias, int64_t BT, int C, int OC) {
-    const int64_t rows = widen_rows(C) < OC ? widen_rows(C) : OC;
+    const int64_t rows = widen_rows(C, OC);
     const int few = BT <= LLMC_FEW_ROWS_F32;
     float* inp_rounded = scratch_floats(LLMC_SCRATCH_COPIES, (size_t)BT * C
                                         + (size_t)rows * C + (few ? (size_t)BT * rows : 0));
@@ -710,7 +711,7 @@ static int widened_backward(float* dinp, float* dweight, const float* dout, cons
                             int inp_bf16, const uint16_t* weight, int64_t BT, int C, int OC,
                             int written) {
     const size_t n_dout = (size_t)BT * OC, n_inp = dweight != NULL ? (size_t)BT * C : 0;
-    const int64_t rows = widen_rows(C) < OC ? widen_rows(C) : OC;
+    const int64_t rows = widen_rows(C, OC);
     const size_t n_block = dinp != NULL ? (size_t)rows * C : 0;
     float* dout_rounded = scratch_floats(LLMC_SCRATCH_COPIES, n_dout + n_inp + n_block);
     LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
