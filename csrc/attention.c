@@ -149,7 +149,6 @@ LLMC_ISA_VARIANTS(cols_tile_any, (float* o, size_t ldo, const float* a, size_t l
                                   int hs),
                   o, ldo, a, lda, x, ldx, KT, t2a, ta, tb, hs)
 
-
 /* Every thread's per_thread floats of scratch in the kernels' arena (the
    GEMM panels' buffer, already large enough at a model's shapes): a call
    allocates nothing, and touches no fresh pages, once the arena has grown.
