@@ -117,34 +117,34 @@ LLMC_ISA_VARIANTS_ISA(probs_row, (float* p, int n, const float* stats), p, n, st
    time within 2%. A tile of TILE_ROWS rows (TILE_KEYS keys) runs as one,
    any other count one row (key) at a time: an element's sum does not
    depend on the tile it falls in. */
-static ALWAYS_INLINE void rows_tile_any_body(float* o, size_t ldo, int accumulate,
+static ALWAYS_INLINE void rows_tile_any_body(int isa, float* o, size_t ldo, int accumulate,
                                              const float* a, size_t lda, const float* x,
                                              size_t ldx, int R, int n0, int hs) {
     if (R == TILE_ROWS) {
-        rows_tile(o, ldo, accumulate, a, lda, x, ldx, TILE_ROWS, n0, hs);
+        rows_tile(isa, o, ldo, accumulate, a, lda, x, ldx, TILE_ROWS, n0, hs);
         return;
     }
     for (int r = 0; r < R; r++) {
-        rows_tile(o + (size_t)r * ldo, ldo, accumulate, a + (size_t)r * lda, lda, x, ldx, 1,
-                  n0 + r, hs);
+        rows_tile(isa, o + (size_t)r * ldo, ldo, accumulate, a + (size_t)r * lda, lda, x, ldx,
+                  1, n0 + r, hs);
     }
 }
-LLMC_ISA_VARIANTS(rows_tile_any, (float* o, size_t ldo, int accumulate, const float* a,
+LLMC_ISA_VARIANTS_ISA(rows_tile_any, (float* o, size_t ldo, int accumulate, const float* a,
                                   size_t lda, const float* x, size_t ldx, int R, int n0, int hs),
                   o, ldo, accumulate, a, lda, x, ldx, R, n0, hs)
 
-static ALWAYS_INLINE void cols_tile_any_body(float* o, size_t ldo, const float* a, size_t lda,
-                                             const float* x, size_t ldx, int KT, int t2a,
-                                             int ta, int tb, int hs) {
+static ALWAYS_INLINE void cols_tile_any_body(int isa, float* o, size_t ldo, const float* a,
+                                             size_t lda, const float* x, size_t ldx, int KT,
+                                             int t2a, int ta, int tb, int hs) {
     if (KT == TILE_KEYS) {
-        cols_tile(o, ldo, a, lda, x, ldx, TILE_KEYS, t2a, ta, tb, hs);
+        cols_tile(isa, o, ldo, a, lda, x, ldx, TILE_KEYS, t2a, ta, tb, hs);
         return;
     }
     for (int j = 0; j < KT; j++) {
-        cols_tile(o + (size_t)j * ldo, ldo, a, lda, x, ldx, 1, t2a + j, ta, tb, hs);
+        cols_tile(isa, o + (size_t)j * ldo, ldo, a, lda, x, ldx, 1, t2a + j, ta, tb, hs);
     }
 }
-LLMC_ISA_VARIANTS(cols_tile_any, (float* o, size_t ldo, const float* a, size_t lda,
+LLMC_ISA_VARIANTS_ISA(cols_tile_any, (float* o, size_t ldo, const float* a, size_t lda,
                                   const float* x, size_t ldx, int KT, int t2a, int ta, int tb,
                                   int hs),
                   o, ldo, a, lda, x, ldx, KT, t2a, ta, tb, hs)
@@ -194,7 +194,7 @@ static ALWAYS_INLINE void forward_rows(int isa, float* out_bh, size_t C, float* 
                                        float* s, const float* q, const float* panel,
                                        const float* v, size_t row, int T, int hs, float slope,
                                        int window, llmc_dropout drop, int t0, int R) {
-    score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
+    score_tile(isa, s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, R, t0 + 1, slope,
                first_block_key(t0, window));
     // each row's softmax_row, its reductions run for the tile's rows at once
     int lo[SCORE_ROWS], n[SCORE_ROWS];
@@ -288,8 +288,9 @@ static ALWAYS_INLINE void backward_rows(int isa, float* dq, float* p, float* ds,
     float* p_t = p + (size_t)(t - t0) * T;
     float* ds_t = ds + (size_t)(t - t0) * T;
     const int k_first = first_block_key(t, window);
-    score_tile(p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope, k_first);
-    score_tile(ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
+    score_tile(isa, p_t, (size_t)T, q + (size_t)t * row, row, kpanel, hs, R, t + 1, slope,
+               k_first);
+    score_tile(isa, ds_t, (size_t)T, dout_h + (size_t)t * C, C, vpanel, hs, R, t + 1, 0.0f,
                k_first);
     int lo[SCORE_ROWS], n[SCORE_ROWS];
     row_windows(lo, n, t, R, window);

@@ -75,10 +75,10 @@ static ALWAYS_INLINE void recompute_head(int isa, const attention_call* a, int b
         float* s = entropy ? panel + panel_count(T, hs) : a->out + (bh * T + t0) * T;
         const int k_first = first_block_key(t0, window);
         if (R == SCORE_ROWS) {
-            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS, t0 + 1,
-                       slope, k_first);
+            score_tile(isa, s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, SCORE_ROWS,
+                       t0 + 1, slope, k_first);
         } else {
-            score_tile(s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope,
+            score_tile(isa, s, (size_t)T, q + (size_t)t0 * row, row, panel, hs, 1, t0 + 1, slope,
                        k_first);
         }
         for (int r = 0; r < R; r++) {

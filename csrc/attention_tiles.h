@@ -21,6 +21,9 @@
  *   cols_tile   O[t2, c] += sum_t A[t, t2] * X[t, c]       (t ascending,
  *               t >= t2); channels in the lanes, 4 keys x 64 channels a tile
  *
+ * (Those are AVX-512's tiles, which its 32 registers hold; AVX2's 16 run
+ * them in smaller blocks and chunks: score_block_rows, tile_channels.)
+ *
  * The causal triangle is kept exact: a tile runs the terms all its rows
  * share, then the few that only its later rows (or earlier keys) have, so no
  * masked entry is ever read or added.
@@ -131,50 +134,84 @@ static ALWAYS_INLINE vec16f score_init(int n, int t2, float slope) {
     return ((float)(n - 1 - t2) - lane) * -slope;
 }
 
+/* score_tile's sums for its rows r0 .. r0+RS-1 and NV (1 or 2) vectors of
+   keys from k0 (RS and NV constants): one FMA per i, i ascending, and the
+   keys before each row's last stored. */
+static ALWAYS_INLINE void score_block(float* s, size_t lds, const float* a, size_t lda,
+                                      const float* panel, int hs, int r0, int RS, int NV, int n0,
+                                      float slope, int k0) {
+    const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
+    const float* p1 = p0 + (size_t)16 * hs;       // keys k0+16 .. k0+31 (read when NV = 2)
+    vec16f acc[SCORE_ROWS][2];
+    UNROLL for (int r = 0; r < RS; r++) {
+        UNROLL for (int v = 0; v < NV; v++) {
+            acc[r][v] = score_init(n0 + r0 + r, k0 + 16 * v, slope);
+        }
+    }
+    for (int i = 0; i < hs; i++) {
+        vec16f k_v[2];
+        UNROLL for (int v = 0; v < NV; v++) {
+            k_v[v] = llmc_load16((v == 0 ? p0 : p1) + (size_t)i * 16, 16);
+            KEEP_IN_REGISTER(k_v[v]);
+        }
+        UNROLL for (int r = 0; r < RS; r++) {
+            const float a_ri = a[(size_t)(r0 + r) * lda + i];
+            UNROLL for (int v = 0; v < NV; v++) { acc[r][v] += a_ri * k_v[v]; }
+        }
+    }
+    UNROLL for (int r = 0; r < RS; r++) {
+        UNROLL for (int v = 0; v < NV; v++) {
+            const int m = n0 + r0 + r - (k0 + 16 * v);
+            if (m > 0) { store_part(s + (size_t)(r0 + r) * lds + k0 + 16 * v, acc[r][v], m); }
+        }
+    }
+}
+
+/* The query rows of score_tile's blocks and the channels of rows_tile's
+   and cols_tile's chunks in a variant for isa (a constant). A whole tile,
+   SCORE_ROWS x 32 keys or TILE_ROWS (TILE_KEYS) x TILE_CH channels, is 16
+   vectors of accumulators: AVX-512's 32 registers hold it, but on AVX2 it
+   is 32 ymm registers of 16, and the spilled loops ran the forward at 5
+   GFLOP/s beside the GEMM's 65 (Zen 1, 2 threads). There a block is 4
+   rows of 16 keys and a chunk 16 channels: 8 ymm accumulators. (The
+   portable build's SSE: 2 rows.) An element's sum is the same chain in any
+   block or chunk. */
+static ALWAYS_INLINE int score_block_rows(int isa) {
+    return isa >= LLMC_ISA_AVX512 ? SCORE_ROWS : isa == LLMC_ISA_AVX2 ? 4 : 2;
+}
+static ALWAYS_INLINE int tile_channels(int isa) { return isa >= LLMC_ISA_AVX512 ? TILE_CH : 16; }
+
 /*
  * score_tile: R query rows (R <= SCORE_ROWS) against the keys of a panel,
  * from key k_first on (a multiple of 16: a panel block). Row r has n0 + r
  * keys; for k_first <= t2 < n0 + r,
  *   s[r][t2] = score_init(n0 + r, t2) + sum_i a[r][i] * panel(i, t2)
  * one FMA per i, i ascending. a's rows lie lda floats apart, s's lds apart.
- * Keys past a row's last are computed in their lanes but never stored.
+ * Keys past a row's last are computed in their lanes but never stored. On
+ * AVX-512 a block is all R rows and 32 keys (16 for the last keys: the
+ * next block may lie past the panel); see score_block_rows.
  */
-static ALWAYS_INLINE void score_tile(float* s, size_t lds, const float* a, size_t lda,
+static ALWAYS_INLINE void score_tile(int isa, float* s, size_t lds, const float* a, size_t lda,
                                      const float* panel, int hs, int R, int n0, float slope,
                                      int k_first) {
     const int nmax = n0 + R - 1;
-    for (int k0 = k_first; k0 < nmax; k0 += 32) {
-        const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
-        const float* p1 = p0 + (size_t)16 * hs;       // keys k0+16 .. k0+31
-        vec16f acc[SCORE_ROWS][2];
-        UNROLL for (int r = 0; r < R; r++) {
-            acc[r][0] = score_init(n0 + r, k0, slope);
-            acc[r][1] = score_init(n0 + r, k0 + 16, slope);
-        }
-        if (nmax - k0 > 16) {
-            for (int i = 0; i < hs; i++) {
-                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
-                vec16f k_b = llmc_load16(p1 + (size_t)i * 16, 16);
-                KEEP_IN_REGISTER(k_a);
-                KEEP_IN_REGISTER(k_b);
-                UNROLL for (int r = 0; r < R; r++) {
-                    const float a_ri = a[(size_t)r * lda + i];
-                    acc[r][0] += a_ri * k_a;
-                    acc[r][1] += a_ri * k_b;
-                }
-            }
-        } else {   // the last 16 keys (p1 may lie past the panel)
-            for (int i = 0; i < hs; i++) {
-                vec16f k_a = llmc_load16(p0 + (size_t)i * 16, 16);
-                KEEP_IN_REGISTER(k_a);
-                UNROLL for (int r = 0; r < R; r++) { acc[r][0] += a[(size_t)r * lda + i] * k_a; }
+    if (isa >= LLMC_ISA_AVX512) {
+        for (int k0 = k_first; k0 < nmax; k0 += 32) {
+            if (nmax - k0 > 16) {
+                score_block(s, lds, a, lda, panel, hs, 0, R, 2, n0, slope, k0);
+            } else {
+                score_block(s, lds, a, lda, panel, hs, 0, R, 1, n0, slope, k0);
             }
         }
-        UNROLL for (int r = 0; r < R; r++) {
-            UNROLL for (int half = 0; half < 2; half++) {
-                const int m = n0 + r - (k0 + 16 * half);
-                if (m > 0) { store_part(s + (size_t)r * lds + k0 + 16 * half, acc[r][half], m); }
-            }
+        return;
+    }
+    const int RS = score_block_rows(isa);
+    for (int k0 = k_first; k0 < nmax; k0 += 16) {
+        UNROLL for (int r0 = 0; r0 < R; r0 += RS) {
+            // rows whose last key is before k0 have nothing to store here
+            if (n0 + r0 + (R - r0 < RS ? R - r0 : RS) - 1 <= k0) { continue; }
+            score_block(s, lds, a, lda, panel, hs, r0, R - r0 < RS ? R - r0 : RS, 1, n0, slope,
+                        k0);
         }
     }
 }
@@ -390,11 +427,12 @@ static ALWAYS_INLINE void rows_chunk(float* o, size_t ldo, int accumulate,
  *   o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n0 + r} a[r][t2] * x[t2][c]
  * one FMA per t2, t2 ascending. Rows of a, x and o lie lda, ldx, ldo apart.
  */
-static ALWAYS_INLINE void rows_tile(float* o, size_t ldo, int accumulate,
+static ALWAYS_INLINE void rows_tile(int isa, float* o, size_t ldo, int accumulate,
                                     const float* a, size_t lda, const float* x, size_t ldx,
                                     int R, int n0, int hs) {
-    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
-        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+    const int chunk = tile_channels(isa);
+    for (int c0 = 0; c0 < hs; c0 += chunk) {
+        const int nc = hs - c0 < chunk ? hs - c0 : chunk;
 #define ROWS_CHUNK(NV, mlast) \
         rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, NV, mlast)
         DISPATCH_CHUNK(nc, ROWS_CHUNK);
@@ -435,11 +473,12 @@ static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_
  * (t2a + KT <= ta: the full rectangle) or among them (t2a >= ta: the
  * triangle, then the rest). Rows of x (by t) and o lie ldx, ldo apart.
  */
-static ALWAYS_INLINE void cols_tile(float* o, size_t ldo, const float* a, size_t lda,
+static ALWAYS_INLINE void cols_tile(int isa, float* o, size_t ldo, const float* a, size_t lda,
                                     const float* x, size_t ldx, int KT, int t2a, int ta, int tb,
                                     int hs) {
-    for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
-        const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
+    const int chunk = tile_channels(isa);
+    for (int c0 = 0; c0 < hs; c0 += chunk) {
+        const int nc = hs - c0 < chunk ? hs - c0 : chunk;
 #define COLS_CHUNK(NV, mlast) \
         cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, ta, tb, NV, mlast)
         DISPATCH_CHUNK(nc, COLS_CHUNK);
