@@ -91,8 +91,8 @@ static LLMC_ALWAYS_INLINE void gelu_sigmoid16(vec16f x, vec16f* s, vec16f* e) {
     const vec16f zero = {0};
     const vec16f shifter = zero + 12582912.0f;   // 1.5 * 2^23
     vec16f t = -2.0f * GELU_SCALE * (x + GELU_CUBIC * x * x * x);
-    const vec16i vanishes = t > GELU_EXP_BOUND;
-    t = llmc_select16(t < -GELU_EXP_BOUND, zero - GELU_EXP_BOUND, t);
+    const vec16i vanishes = LLMC_CMP16(t, >, zero + GELU_EXP_BOUND);
+    t = llmc_select16(LLMC_CMP16(t, <, zero - GELU_EXP_BOUND), zero - GELU_EXP_BOUND, t);
     t = llmc_select16(vanishes, zero + GELU_EXP_BOUND, t);
     const vec16f shifted = t * 1.44269504088896341f + shifter;
     const vec16i n = (vec16i)shifted - (vec16i)shifter;
@@ -122,7 +122,7 @@ static LLMC_ALWAYS_INLINE void sigmoid16(const int isa, vec16f x, vec16f* sig, v
     const vec16f e = llmc_exp_nonpositive16_isa(isa, (vec16f)((vec16i)x | sign_bit));   // exp(-|x|)
     const vec16f r = 1.0f / (1.0f + e);
     const vec16f er = e * r;
-    const vec16i positive = x >= (vec16f){0};
+    const vec16i positive = LLMC_CMP16(x, >=, (vec16f){0});
     *sig = llmc_select16(positive, r, er);
     *sig_c = llmc_select16(positive, er, r);
 }
@@ -149,8 +149,8 @@ static LLMC_ALWAYS_INLINE void gate16(const int isa, const int act, vec16f g, ve
         *da = s * (1.0f + 2.0f * g * (e * s) * du);
     } else {
         // relu(g) = g for g >= 0, else 0 (NaN stays NaN); relu'(g) = 1 for g > 0, else 0
-        *a = llmc_select16(g < zero, zero, g);
-        *da = llmc_select16(g > zero, zero + 1.0f, zero);
+        *a = llmc_select16(LLMC_CMP16(g, <, zero), zero, g);
+        *da = llmc_select16(LLMC_CMP16(g, >, zero), zero + 1.0f, zero);
     }
 }
 
@@ -161,7 +161,7 @@ static LLMC_ALWAYS_INLINE vec16f activation16(const int act, vec16f x) {
         return x * s;
     }
     // relu(x) = x for x >= 0, else 0 (NaN stays NaN), as gate16's
-    return llmc_select16(x < (vec16f){0}, (vec16f){0}, x);
+    return llmc_select16(LLMC_CMP16(x, <, (vec16f){0}), (vec16f){0}, x);
 }
 
 /* The n (<= 16) outputs of kind from x: act(x[j]), or a gate's act(x[j]) *

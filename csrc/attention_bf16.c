@@ -81,9 +81,9 @@ static ALWAYS_INLINE vec16u bf16_bits(vec16f x) {
     const vec16u u = (vec16u)x;
     const vec16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     const vec16u quiet_nan = (u >> 16) | 0x40u;
-    const vec16u r = (vec16u)llmc_select16((vec16i)((u & 0x7fffffffu) > 0x7f800000u),
-                                           (vec16f)quiet_nan, (vec16f)rounded);
-    return (vec16u)llmc_select16((vec16i)((r & 0x7f80u) == 0), (vec16f)(r & 0x8000u),
+    const vec16i is_nan = LLMC_CMP16(u & 0x7fffffffu, >, (vec16u){0} + 0x7f800000u);
+    const vec16u r = (vec16u)llmc_select16(is_nan, (vec16f)quiet_nan, (vec16f)rounded);
+    return (vec16u)llmc_select16(LLMC_CMP16(r & 0x7f80u, ==, (vec16u){0}), (vec16f)(r & 0x8000u),
                                  (vec16f)r);
 }
 

@@ -224,11 +224,11 @@ static ALWAYS_INLINE vec16f row_max16(const float* p, int n) {
     vec16f max16 = (vec16f){0} - INFINITY;
     for (int k0 = 0; k0 < whole; k0 += 16) {
         const vec16f x = load_part(p + k0, 16);
-        max16 = llmc_select16(x > max16, x, max16);
+        max16 = llmc_select16(LLMC_CMP16(x, >, max16), x, max16);
     }
     if (m > 0) {
         const vec16f x = llmc_select16(llmc_lanes_below(m), load_part(p + whole, m), max16);
-        max16 = llmc_select16(x > max16, x, max16);
+        max16 = llmc_select16(LLMC_CMP16(x, >, max16), x, max16);
     }
     return max16;
 }
@@ -276,7 +276,9 @@ static ALWAYS_INLINE void softmax_tile_exps(int isa, float* s, size_t lds, const
     }
     llmc_transpose16(lanes);   // lanes[j] lane r: row r's lane j
     vec16f maxv = (vec16f){0} - INFINITY;
-    for (int j = 0; j < 16; j++) { maxv = llmc_select16(lanes[j] > maxv, lanes[j], maxv); }
+    for (int j = 0; j < 16; j++) {
+        maxv = llmc_select16(LLMC_CMP16(lanes[j], >, maxv), lanes[j], maxv);
+    }
     for (int r = 0; r < 16; r++) {
         lanes[r] = r < R ? row_exps16(isa, s + (size_t)r * lds + lo[r], n[r], maxv[r])
                          : (vec16f){0};

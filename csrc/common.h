@@ -153,6 +153,33 @@ int llmc_column_sums(float* dweight, float* dbias, const float* dout, const floa
 typedef float vec16f __attribute__((vector_size(64)));
 typedef int32_t vec16i __attribute__((vector_size(64)));
 
+/* (a op b) lane by lane as a vec16i mask (lanes -1 or 0), for a and b
+   64-byte vectors of one type (vec16f, vec16i, llmc_vec16u, vec16u). Unless
+   the build's flags have AVX-512, GCC 12 compiles a comparison of two
+   64-byte vectors one lane at a time in scalar code (a compare, a set and
+   a move each), which made llmc_exp_nonpositive16 about 10x slower on AVX2
+   (Zen 1: the classifier's softmax, the MLP's gates, attention's softmax);
+   compared in 32-byte halves, each half is one vector compare on AVX2. */
+typedef int32_t llmc_vec8i __attribute__((vector_size(32)));
+#ifdef __AVX512F__
+#define LLMC_CMP16(a, op, b) ((vec16i)((a) op (b)))
+#else
+#define LLMC_CMP16(a, op, b) __extension__({                                            \
+    const __typeof__(a) a_ = (a), b_ = (b);                                            \
+    typedef __typeof__(a_[0] + 0) llmc_half_t_ __attribute__((vector_size(32)));       \
+    llmc_half_t_ a_lo_, a_hi_, b_lo_, b_hi_;                                           \
+    memcpy(&a_lo_, &a_, 32);                                                           \
+    memcpy(&a_hi_, (const char*)&a_ + 32, 32);                                         \
+    memcpy(&b_lo_, &b_, 32);                                                           \
+    memcpy(&b_hi_, (const char*)&b_ + 32, 32);                                         \
+    const llmc_vec8i lo_ = (llmc_vec8i)(a_lo_ op b_lo_), hi_ = (llmc_vec8i)(a_hi_ op b_hi_); \
+    vec16i mask_;                                                                      \
+    memcpy(&mask_, &lo_, 32);                                                          \
+    memcpy((char*)&mask_ + 32, &hi_, 32);                                              \
+    mask_;                                                                             \
+})
+#endif
+
 /* mask ? a : b, lane by lane (mask lanes are -1 or 0, as comparisons give). */
 static LLMC_ALWAYS_INLINE vec16f llmc_select16(vec16i mask, vec16f a, vec16f b) {
     return (vec16f)(((vec16i)a & mask) | ((vec16i)b & ~mask));
@@ -190,14 +217,15 @@ static LLMC_ALWAYS_INLINE void llmc_exp_reduced16_at(vec16f* p, const vec16f* x,
 static LLMC_ALWAYS_INLINE vec16f llmc_exp16(vec16f x) {
     const vec16f zero = {0};
     const float hi = 88.72283f, lo = -87.3365478515625f;
-    const vec16i too_big = x > zero + hi, too_small = x < zero + lo, nan = x != x;
+    const vec16i too_big = LLMC_CMP16(x, >, zero + hi), too_small = LLMC_CMP16(x, <, zero + lo);
+    const vec16i nan = LLMC_CMP16(x, !=, x);
     vec16f xc = llmc_select16(too_big, zero + hi, x);
     xc = llmc_select16(too_small, zero + lo, xc);
     xc = llmc_select16(nan, zero, xc);
     // n = floor(x / ln2 + 0.5): truncate, then step down where that rounded up
     const vec16f t = xc * 1.44269504088896341f + 0.5f;
     vec16i n = __builtin_convertvector(t, vec16i);
-    n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
+    n += LLMC_CMP16(__builtin_convertvector(n, vec16f), >, t);   // true lanes are -1
     const vec16f nf = __builtin_convertvector(n, vec16f);
     const vec16f p = llmc_exp_reduced16(xc, nf);
     // times 2^n, in two halves so that n = 128 (x near hi) still fits
@@ -217,12 +245,12 @@ static LLMC_ALWAYS_INLINE vec16f llmc_exp16(vec16f x) {
 static LLMC_ALWAYS_INLINE vec16f llmc_exp_nonpositive16(vec16f x) {
     const vec16f zero = {0};
     const float lo = -87.3365478515625f;
-    const vec16i too_small = x < zero + lo, nan = x != x;
+    const vec16i too_small = LLMC_CMP16(x, <, zero + lo), nan = LLMC_CMP16(x, !=, x);
     const vec16f xc = llmc_select16(too_small | nan, zero, x);
     // n = floor(x / ln2 + 0.5), as llmc_exp16 takes it
     const vec16f t = xc * 1.44269504088896341f + 0.5f;
     vec16i n = __builtin_convertvector(t, vec16i);
-    n += (vec16i)(__builtin_convertvector(n, vec16f) > t);   // true lanes are -1
+    n += LLMC_CMP16(__builtin_convertvector(n, vec16f), >, t);   // true lanes are -1
     const vec16f p = llmc_exp_reduced16(xc, __builtin_convertvector(n, vec16f));
     const vec16f result = p * (vec16f)((n + 127) << 23);
     return llmc_select16(nan, x, llmc_select16(too_small, zero, result));
@@ -255,7 +283,8 @@ static LLMC_ALWAYS_INLINE void llmc_store16_as(void* out, int out_bf16, int64_t 
     const llmc_vec16u u = (llmc_vec16u)v;
     const llmc_vec16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     const llmc_vec16u quiet_nan = (u >> 16) | 0x40u;
-    const llmc_vec16u is_nan = (llmc_vec16u)((u & 0x7fffffffu) > 0x7f800000u);   // lanes -1 or 0
+    const llmc_vec16u is_nan = (llmc_vec16u)LLMC_CMP16(u & 0x7fffffffu, >,
+                                                      (llmc_vec16u){0} + 0x7f800000u);
     const llmc_vec16h h = __builtin_convertvector((rounded & ~is_nan) | (quiet_nan & is_nan),
                                                   llmc_vec16h);
     if (n >= 16) {   // a constant size: one vector store, not a call
@@ -268,7 +297,7 @@ static LLMC_ALWAYS_INLINE void llmc_store16_as(void* out, int out_bf16, int64_t 
 /* A mask whose first n lanes are set. */
 static LLMC_ALWAYS_INLINE vec16i llmc_lanes_below(int n) {
     const vec16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    return lane < n;
+    return LLMC_CMP16(lane, <, (vec16i){0} + n);
 }
 
 /* The sum of a vector's 16 lanes, added in a fixed order. */

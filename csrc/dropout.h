@@ -87,7 +87,7 @@ static LLMC_ALWAYS_INLINE void llmc_dropout_row(float* out, const float* inp, in
     for (int c0 = 0; c0 < n; c0 += 16) {
         const int m = n - c0 < 16 ? n - c0 : 16;
         const vec16u h = llmc_dropout_hash16(bits, lane + (uint32_t)(col0 + c0));
-        const vec16i keep = (vec16i)((h >> 8) < d.keep_below);
+        const vec16i keep = LLMC_CMP16(h >> 8, <, (vec16u){0} + d.keep_below);
         const vec16f x = llmc_load16(inp + c0, m);
         llmc_store16(out + c0, llmc_select16(keep, x * d.scale, (vec16f){0}), m);
     }

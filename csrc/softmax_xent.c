@@ -33,18 +33,18 @@ static LLMC_ALWAYS_INLINE float row_max(const float* x, int V) {
     for (; i + 64 <= V; i += 64) {
         const vec16f v0 = llmc_load16(x + i, 16), v1 = llmc_load16(x + i + 16, 16);
         const vec16f v2 = llmc_load16(x + i + 32, 16), v3 = llmc_load16(x + i + 48, 16);
-        m0 = llmc_select16(v0 > m0, v0, m0);
-        m1 = llmc_select16(v1 > m1, v1, m1);
-        m2 = llmc_select16(v2 > m2, v2, m2);
-        m3 = llmc_select16(v3 > m3, v3, m3);
+        m0 = llmc_select16(LLMC_CMP16(v0, >, m0), v0, m0);
+        m1 = llmc_select16(LLMC_CMP16(v1, >, m1), v1, m1);
+        m2 = llmc_select16(LLMC_CMP16(v2, >, m2), v2, m2);
+        m3 = llmc_select16(LLMC_CMP16(v3, >, m3), v3, m3);
     }
     for (; i < V; i += 16) {
         const vec16f v = llmc_select16(llmc_lanes_below(V - i), llmc_load16(x + i, V - i), m0);
-        m0 = llmc_select16(v > m0, v, m0);
+        m0 = llmc_select16(LLMC_CMP16(v, >, m0), v, m0);
     }
-    m0 = llmc_select16(m1 > m0, m1, m0);
-    m0 = llmc_select16(m2 > m0, m2, m0);
-    m0 = llmc_select16(m3 > m0, m3, m0);
+    m0 = llmc_select16(LLMC_CMP16(m1, >, m0), m1, m0);
+    m0 = llmc_select16(LLMC_CMP16(m2, >, m0), m2, m0);
+    m0 = llmc_select16(LLMC_CMP16(m3, >, m0), m3, m0);
     float maxval = -INFINITY;
     for (int l = 0; l < 16; l++) { if (m0[l] > maxval) { maxval = m0[l]; } }
     return maxval;
