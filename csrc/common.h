@@ -164,19 +164,20 @@ typedef int32_t llmc_vec8i __attribute__((vector_size(32)));
 #ifdef __AVX512F__
 #define LLMC_CMP16(a, op, b) ((vec16i)((a) op (b)))
 #else
-#define LLMC_CMP16(a, op, b) __extension__({                                            \
-    const __typeof__(a) a_ = (a), b_ = (b);                                            \
-    typedef __typeof__(a_[0] + 0) llmc_half_t_ __attribute__((vector_size(32)));       \
-    llmc_half_t_ a_lo_, a_hi_, b_lo_, b_hi_;                                           \
-    memcpy(&a_lo_, &a_, 32);                                                           \
-    memcpy(&a_hi_, (const char*)&a_ + 32, 32);                                         \
-    memcpy(&b_lo_, &b_, 32);                                                           \
-    memcpy(&b_hi_, (const char*)&b_ + 32, 32);                                         \
-    const llmc_vec8i lo_ = (llmc_vec8i)(a_lo_ op b_lo_), hi_ = (llmc_vec8i)(a_hi_ op b_hi_); \
-    vec16i mask_;                                                                      \
-    memcpy(&mask_, &lo_, 32);                                                          \
-    memcpy((char*)&mask_ + 32, &hi_, 32);                                              \
-    mask_;                                                                             \
+#define LLMC_CMP16(a, op, b) __extension__({                                           \
+    const __typeof__(a) llmc_a_ = (a), llmc_b_ = (b);                                 \
+    typedef __typeof__(llmc_a_[0] + 0) llmc_half_ __attribute__((vector_size(32)));   \
+    llmc_half_ llmc_a0_, llmc_a1_, llmc_b0_, llmc_b1_;                                \
+    memcpy(&llmc_a0_, &llmc_a_, 32);                                                  \
+    memcpy(&llmc_a1_, (const char*)&llmc_a_ + 32, 32);                                \
+    memcpy(&llmc_b0_, &llmc_b_, 32);                                                  \
+    memcpy(&llmc_b1_, (const char*)&llmc_b_ + 32, 32);                                \
+    const llmc_vec8i llmc_m0_ = (llmc_vec8i)(llmc_a0_ op llmc_b0_);                   \
+    const llmc_vec8i llmc_m1_ = (llmc_vec8i)(llmc_a1_ op llmc_b1_);                   \
+    vec16i llmc_mask_;                                                                \
+    memcpy(&llmc_mask_, &llmc_m0_, 32);                                               \
+    memcpy((char*)&llmc_mask_ + 32, &llmc_m1_, 32);                                   \
+    llmc_mask_;                                                                       \
 })
 #endif
 
