@@ -76,25 +76,39 @@ static LLMC_ALWAYS_INLINE float inp_value(const void* inp, int inp_bf16, size_t 
                                     : llmc_bf16_round(((const float*)inp)[i]));
 }
 
-/* out[i] = bf16(x[i]) (rounded), as float32, for i < n. */
-static void round_into(float* out, const float* x, int64_t n) {
-    #pragma omp parallel
-    {
-        int64_t i0, i1;
-        llmc_thread_share(n, &i0, &i1);
-        for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(llmc_bf16_round(x[i])); }
+/* out[i] = x[i] as the products read it, float32, for i < n: a float32 x
+   rounded to bf16 (as llmc_bf16_round), a bf16 x (is_bf16) widened; 16 at
+   a time (the scalar loop compiled one element at a time). */
+static LLMC_ALWAYS_INLINE void as_products_read_body(float* out, const void* x, int is_bf16,
+                                                     int64_t n) {
+    int64_t i = 0;
+    if (is_bf16) {
+        const uint16_t* h = x;
+        for (; i + 16 <= n; i += 16) {
+            llmc_vec16h v;
+            memcpy(&v, h + i, sizeof v);
+            const llmc_vec16u widened = __builtin_convertvector(v, llmc_vec16u) << 16;
+            memcpy(out + i, &widened, sizeof widened);
+        }
+        for (; i < n; i++) { out[i] = llmc_bf16_widen(h[i]); }
+        return;
     }
-}
-
-/* out[i] = x[i] widened to float32 (exact), for i < n. */
-static void widen_into(float* out, const uint16_t* x, int64_t n) {
-    #pragma omp parallel
-    {
-        int64_t i0, i1;
-        llmc_thread_share(n, &i0, &i1);
-        for (int64_t i = i0; i < i1; i++) { out[i] = llmc_bf16_widen(x[i]); }
+    const float* f = x;
+    for (; i + 16 <= n; i += 16) {
+        llmc_vec16u u;
+        memcpy(&u, f + i, sizeof u);
+        // the upper halves of llmc_bf16_round's results (magnitudes compare as signed)
+        const llmc_vec16u rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        const llmc_vec16u quiet_nan = (u & 0xffff0000u) | 0x400000u;
+        const llmc_vec16u is_nan = (llmc_vec16u)LLMC_CMP16((vec16i)(u & 0x7fffffffu), >,
+                                                           (vec16i){0} + 0x7f800000);
+        const llmc_vec16u result = (rounded & ~is_nan) | (quiet_nan & is_nan);
+        memcpy(out + i, &result, sizeof result);
     }
+    for (; i < n; i++) { out[i] = llmc_bf16_widen(llmc_bf16_round(f[i])); }
 }
+LLMC_ISA_VARIANTS(as_products_read, (float* out, const void* x, int is_bf16, int64_t n), out, x,
+                  is_bf16, n)
 
 /* The arena's slot (scratch.h) as `floats` floats, or NULL if out of memory
    (also when their bytes would not fit a size_t). */
@@ -102,12 +116,17 @@ static float* scratch_floats(int slot, size_t floats) {
     return floats <= LLMC_MAX_COUNT ? llmc_scratch_acquire(slot, floats * sizeof(float)) : NULL;
 }
 
-/* out[i] = inp's element i as float32 (a float32 inp rounded to bf16, a bf16 one widened). */
+/* out[i] = inp's element i as float32 (a float32 inp rounded to bf16, a
+   bf16 one widened), for i < n, shared by the threads. */
 static void inp_into(float* out, const void* inp, int inp_bf16, int64_t n) {
-    if (inp_bf16) {
-        widen_into(out, inp, n);
-    } else {
-        round_into(out, inp, n);
+    void (*const part)(float*, const void*, int, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), as_products_read);
+    const size_t size = inp_bf16 ? sizeof(uint16_t) : sizeof(float);
+    #pragma omp parallel
+    {
+        int64_t i0, i1;
+        llmc_thread_share(n, &i0, &i1);
+        part(out + i0, (const char*)inp + (size_t)i0 * size, inp_bf16, i1 - i0);
     }
 }
 
@@ -588,60 +607,107 @@ static int bf_gemm_many(const struct bf16_gemm* jobs, int count) {
    bf16, or bf16 widened (exact). */
 static void bf16_dense_copy(float* dst, const void* src, int is_bf16, size_t ld, int rows,
                             int cols) {
+    void (*const row)(float*, const void*, int, int64_t) =
+        LLMC_ISA_SELECT(llmc_get_isa(), as_products_read);
+    const size_t size = is_bf16 ? sizeof(uint16_t) : sizeof(float);
     #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
-        float* d = dst + (size_t)r * cols;
-        if (is_bf16) {
-            const uint16_t* s = (const uint16_t*)src + (size_t)r * ld;
-            for (int c = 0; c < cols; c++) { d[c] = llmc_bf16_widen(s[c]); }
-        } else {
-            const float* s = (const float*)src + (size_t)r * ld;
-            for (int c = 0; c < cols; c++) { d[c] = llmc_bf16_widen(llmc_bf16_round(s[c])); }
-        }
+        row(dst + (size_t)r * cols, (const char*)src + (size_t)r * ld * size, is_bf16, cols);
     }
+}
+
+/* One operand of a job as widened_gemm_many copies it: rows x cols from
+   src (row stride ld), bf16 or float32, into copies + offset; shared: an
+   earlier operand's copy, made there. */
+struct dense_operand {
+    const void* src;
+    int is_bf16;
+    size_t ld;
+    int rows, cols;
+    size_t offset;
+    int shared;
+};
+
+/* Job g's operand (A if which is 0, else B) as it is copied: A rows by K, or
+   (A_COLS) K rows by M; B K rows by N, or (B_COLS_W) N rows by K. */
+static struct dense_operand dense_operand_of(const struct bf16_gemm* j, int which) {
+    if (which == 0) {
+        const int a_rows = j->a_kind != BF16_A_COLS;
+        return (struct dense_operand){.src = j->a, .is_bf16 = j->a_kind == BF16_A_ROWS_BF16,
+                                      .ld = j->lda, .rows = a_rows ? j->M : j->K,
+                                      .cols = a_rows ? j->K : j->M};
+    }
+    const int b_cols = j->b_kind == BF16_B_COLS_W;
+    return (struct dense_operand){.src = j->b, .is_bf16 = j->b_kind != BF16_B_ROWS_F32,
+                                  .ld = j->ldb, .rows = b_cols ? j->N : j->K,
+                                  .cols = b_cols ? j->K : j->N};
 }
 
 /* llmc_gemm_bf16_many without vdpbf16ps: each job's operands as dense
    float32 copies (A rounded; B rounded or widened), its output started from
    init as asked, then the float32 GEMM on them all; the sums are the naive
-   loops' (k = 0, 1, ..., K-1), as matmul_forward_bf16's widened path. */
+   loops' (k = 0, 1, ..., K-1), as matmul_forward_bf16's widened path. An
+   operand that an earlier job reads too (the same array, kind and shape:
+   lora_up_backward_bf16's dout, read by both of an adapter's products, or
+   the up block that each slice of its forward reads) is copied once. */
 static int widened_gemm_many(const struct bf16_gemm* jobs, int count) {
-    size_t floats = 0;
-    for (int g = 0; g < count; g++) {
-        floats += ((size_t)jobs[g].M + (size_t)jobs[g].N) * (size_t)jobs[g].K;
-    }
+    struct dense_operand* operands = malloc((size_t)2 * count * sizeof *operands);
     struct llmc_gemm_f32_job* f32 = malloc((size_t)count * sizeof *f32);
-    float* copies = f32 != NULL ? scratch_floats(LLMC_SCRATCH_COPIES, floats > 0 ? floats : 1)
-                                : NULL;
-    int status = LLMC_ERR_NOMEM;
-    if (copies != NULL && f32 != NULL) {
-        float* next = copies;
-        for (int g = 0; g < count; g++) {
-            const struct bf16_gemm* j = &jobs[g];
-            const int M = j->M, N = j->N, K = j->K;
-            float* a = next;
-            float* b = a + (size_t)M * K;
-            next = b + (size_t)K * N;
-            const int a_rows = j->a_kind != BF16_A_COLS, b_cols = j->b_kind == BF16_B_COLS_W;
-            bf16_dense_copy(a, j->a, j->a_kind == BF16_A_ROWS_BF16, j->lda, a_rows ? M : K,
-                            a_rows ? K : M);
-            bf16_dense_copy(b, j->b, j->b_kind != BF16_B_ROWS_F32, j->ldb, b_cols ? N : K,
-                            b_cols ? K : N);
-            if (j->init != NULL || j->init_zero) {
-                for (int m = 0; m < M; m++) {
-                    float* c_m = j->c + (size_t)m * j->ldc;
-                    if (j->init != NULL) { memcpy(c_m, j->init, (size_t)N * sizeof(float)); }
-                    else { memset(c_m, 0, (size_t)N * sizeof(float)); }
-                }
-            }
-            f32[g] = (struct llmc_gemm_f32_job){
-                .c = j->c, .ldc = j->ldc, .a = a, .ars = a_rows ? (size_t)K : 1,
-                .aks = a_rows ? 1 : (size_t)M, .b = b, .brs = b_cols ? 1 : (size_t)N,
-                .bcs = b_cols ? (size_t)K : 1, .M = M, .N = N, .K = K};
-        }
-        status = llmc_gemm_f32_many(f32, count);
+    if (operands == NULL || f32 == NULL) {
+        free(operands);
+        free(f32);
+        return LLMC_ERR_NOMEM;
     }
-    if (copies != NULL) { llmc_scratch_done(); }
+    // each operand's place: an earlier equal one's, else the next free one
+    size_t floats = 0;
+    for (int i = 0; i < 2 * count; i++) {
+        struct dense_operand* x = &operands[i];
+        *x = dense_operand_of(&jobs[i / 2], i % 2);
+        x->offset = floats;
+        int same = -1;
+        for (int e = 0; e < i && same < 0; e++) {
+            const struct dense_operand* y = &operands[e];
+            if (y->src == x->src && y->is_bf16 == x->is_bf16 && y->ld == x->ld
+                && y->rows == x->rows && y->cols == x->cols) {
+                same = e;
+            }
+        }
+        x->shared = same >= 0;
+        if (x->shared) { x->offset = operands[same].offset; }
+        else { floats += (size_t)x->rows * x->cols; }
+    }
+    float* copies = scratch_floats(LLMC_SCRATCH_COPIES, floats > 0 ? floats : 1);
+    if (copies == NULL) {
+        free(operands);
+        free(f32);
+        return LLMC_ERR_NOMEM;
+    }
+    for (int i = 0; i < 2 * count; i++) {
+        const struct dense_operand* x = &operands[i];
+        if (!x->shared) {
+            bf16_dense_copy(copies + x->offset, x->src, x->is_bf16, x->ld, x->rows, x->cols);
+        }
+    }
+    for (int g = 0; g < count; g++) {
+        const struct bf16_gemm* j = &jobs[g];
+        const int M = j->M, N = j->N, K = j->K;
+        if (j->init != NULL || j->init_zero) {
+            for (int m = 0; m < M; m++) {
+                float* c_m = j->c + (size_t)m * j->ldc;
+                if (j->init != NULL) { memcpy(c_m, j->init, (size_t)N * sizeof(float)); }
+                else { memset(c_m, 0, (size_t)N * sizeof(float)); }
+            }
+        }
+        const int a_rows = j->a_kind != BF16_A_COLS, b_cols = j->b_kind == BF16_B_COLS_W;
+        f32[g] = (struct llmc_gemm_f32_job){
+            .c = j->c, .ldc = j->ldc, .a = copies + operands[2 * g].offset,
+            .ars = a_rows ? (size_t)K : 1, .aks = a_rows ? 1 : (size_t)M,
+            .b = copies + operands[2 * g + 1].offset, .brs = b_cols ? 1 : (size_t)N,
+            .bcs = b_cols ? (size_t)K : 1, .M = M, .N = N, .K = K};
+    }
+    const int status = llmc_gemm_f32_many(f32, count);
+    llmc_scratch_done();
+    free(operands);
     free(f32);
     return status;
 }
@@ -679,7 +745,7 @@ static int widened_forward(float* out, const void* inp, int inp_bf16, const uint
     int status = LLMC_OK;
     for (int64_t o0 = 0; o0 < OC && status == LLMC_OK; o0 += rows) {
         const int n = (int)(OC - o0 < rows ? OC - o0 : rows);
-        widen_into(block, weight + (size_t)o0 * C, (int64_t)n * C);
+        inp_into(block, weight + (size_t)o0 * C, 1, (int64_t)n * C);
         const float* init = bias != NULL ? bias + o0 : NULL;
         if (few) {
             const struct llmc_few_rows_job job = {.out = part, .inp = inp_rounded,
@@ -717,7 +783,7 @@ static int widened_backward(float* dinp, float* dweight, const float* dout, cons
     LLMC_REQUIRE(dout_rounded != NULL, LLMC_ERR_NOMEM);
     float* inp_rounded = dout_rounded + n_dout;
     float* block = inp_rounded + n_inp;
-    round_into(dout_rounded, dout, (int64_t)n_dout);
+    inp_into(dout_rounded, dout, 0, (int64_t)n_dout);
     llmc_zero_written(dinp, dweight, written, BT, C, OC);
     int status = LLMC_OK;
     if (dweight != NULL) {
@@ -727,7 +793,7 @@ static int widened_backward(float* dinp, float* dweight, const float* dout, cons
     }
     for (int64_t o0 = 0; dinp != NULL && o0 < OC && status == LLMC_OK; o0 += rows) {
         const int n = (int)(OC - o0 < rows ? OC - o0 : rows);
-        widen_into(block, weight + (size_t)o0 * C, (int64_t)n * C);
+        inp_into(block, weight + (size_t)o0 * C, 1, (int64_t)n * C);
         status = llmc_gemm_f32(dinp, (size_t)C, dout_rounded + o0, (size_t)OC, 1, block,
                                (size_t)C, 1, (int)BT, C, n);
     }

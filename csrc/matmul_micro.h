@@ -12,10 +12,12 @@
  *                 operation as in the skinny kernel (see matmul.c)
  * and matmul_skinny.h, included after this file, undefines them again.
  *
- * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR.
- * a is either A itself (row-major: ars = lda, aks = 1) or a packed
- * micro-panel (ars = 1, aks = MR); bp is a packed B panel (NR floats per k);
- * c has row stride ldc.
+ * c[r, 0..NR) += sum_{k < kc} a[r*ars + k*aks] * bp[k, 0..NR)  for r < MR,
+ * pass by pass (below) while a pass starts before column nr: an edge panel
+ * of nr <= NR columns runs only the passes it needs (on AVX2, a 16-column
+ * panel one of its two). a is either A itself (row-major: ars = lda,
+ * aks = 1) or a packed micro-panel (ars = 1, aks = MR); bp is a packed B
+ * panel (NR floats per k); c has row stride ldc.
  *
  * The tile of C is held in 2 * MR vector registers (two vectors per row),
  * 2 * MICRO_W columns at a time: one pass over the NR columns with 16-float
@@ -31,8 +33,8 @@
  */
 MICRO_TARGET
 static void MICRO_NAME(int kc, const float* a, size_t ars, size_t aks,
-                       const float* bp, float* c, size_t ldc) {
-    for (int j = 0; j < NR; j += 2 * MICRO_W) {
+                       const float* bp, float* c, size_t ldc, int nr) {
+    for (int j = 0; j < nr; j += 2 * MICRO_W) {
         MICRO_VEC acc[MR][2];
         for (int r = 0; r < MR; r++) {
             memcpy(&acc[r][0], c + r * ldc + j, sizeof(MICRO_VEC));
