@@ -168,15 +168,16 @@ static micro_kernel_fn active_micro_kernel(void) {
     }
 }
 
-/* The micro-kernel for a partial tile (mr <= MR rows, nr <= NR columns) with
-   a packed, zero-padded A micro-panel: runs the passes that reach the nr
-   columns on a local copy of the tile and writes back only its valid part. */
-static void edge_kernel(micro_kernel_fn micro_kernel, int kc, int mr, int nr,
-                        const float* ap, const float* bp, float* c, size_t ldc) {
+/* The micro-kernel for a partial tile (mr <= MR rows, nr <= NR columns):
+   runs the passes that reach the nr columns on a local copy of the tile and
+   writes back only its valid part. a is a packed, zero-padded A micro-panel
+   (ars = 1, aks = MR), or A itself where the tile has all MR rows. */
+static void edge_kernel(micro_kernel_fn micro_kernel, int kc, int mr, int nr, const float* a,
+                        size_t ars, size_t aks, const float* bp, float* c, size_t ldc) {
     float tile[MR * NR];
     memset(tile, 0, sizeof tile);
     for (int r = 0; r < mr; r++) { memcpy(tile + r * NR, c + r * ldc, nr * sizeof(float)); }
-    micro_kernel(kc, ap, 1, MR, bp, tile, NR, nr);
+    micro_kernel(kc, a, ars, aks, bp, tile, NR, nr);
     for (int r = 0; r < mr; r++) { memcpy(c + r * ldc, tile + r * NR, nr * sizeof(float)); }
 }
 
@@ -310,17 +311,15 @@ static void gemm_tile(micro_kernel_fn micro_kernel, const struct llmc_gemm_f32_j
                 if (mp < full_rows && nr == NR) {
                     micro_kernel(kc, a + (size_t)(m0 + mp) * ars + k0, ars, 1, bp, c_mj, ldc,
                                  NR);
-                } else if (mp < full_rows) {
-                    // in place but a partial column panel: copy A rows
-                    float panel[KC * MR];
-                    pack_a_block(panel, a, ars, aks, m0 + mp, MR, k0, kc);
-                    edge_kernel(micro_kernel, kc, MR, nr, panel, bp, c_mj, ldc);
+                } else if (mp < full_rows) {   // in place, a partial column panel
+                    edge_kernel(micro_kernel, kc, MR, nr, a + (size_t)(m0 + mp) * ars + k0, ars,
+                                1, bp, c_mj, ldc);
                 } else if (mr == MR && nr == NR) {
                     micro_kernel(kc, ap + (size_t)(mp - full_rows) * kc, 1, MR, bp, c_mj, ldc,
                                  NR);
                 } else {
-                    edge_kernel(micro_kernel, kc, mr, nr, ap + (size_t)(mp - full_rows) * kc,
-                                bp, c_mj, ldc);
+                    edge_kernel(micro_kernel, kc, mr, nr, ap + (size_t)(mp - full_rows) * kc, 1,
+                                MR, bp, c_mj, ldc);
                 }
             }
         }
