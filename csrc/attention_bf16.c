@@ -282,18 +282,13 @@ static ALWAYS_INLINE void dp_widened(vec16f* acc, int NV, int r0, int RS, int v0
 #define SUB_ROWS_PORTABLE 2
 
 /* dp_widened's sub-tile of RS <= SUB_ROWS_AVX2 rows from r0 and one vector
-   v, in halves of 8 lanes: each half's sums held in a 32-byte vector (one
-   ymm register on AVX2) and each a_r[p] broadcast, then split into its
-   halves in vector registers: per lane the same operations in the same
-   order as dp_widened's. As vec16f sums (dp_widened's), GCC 12 moved every
-   sum through the stack and 64-bit general registers after each
-   multiply-add, having no one register for them. */
-typedef float half_vec __attribute__((vector_size(32)));
-typedef uint32_t half_vec_u __attribute__((vector_size(32)));
+   v, its sums in halves (see half16f), each a_r[p] broadcast, then split
+   into its halves in vector registers: per lane the same operations in the
+   same order as dp_widened's. */
 static ALWAYS_INLINE void dp_widened_sub(vec16f* acc, int NV, int r0, int RS, int v,
                                          const uint32_t* const* a_r, const uint32_t* b,
                                          size_t ldb, int p0, int p1) {
-    half_vec lo[SUB_ROWS_AVX2], hi[SUB_ROWS_AVX2];
+    half16f lo[SUB_ROWS_AVX2], hi[SUB_ROWS_AVX2];
     const uint32_t* rows[SUB_ROWS_AVX2];
     UNROLL for (int r = 0; r < RS; r++) {
         memcpy(&lo[r], &acc[(r0 + r) * NV + v], sizeof lo[r]);
@@ -302,14 +297,14 @@ static ALWAYS_INLINE void dp_widened_sub(vec16f* acc, int NV, int r0, int RS, in
     }
     const uint32_t* b_v = b + 16 * v;
     for (int p = p0; p < p1; p++) {
-        half_vec_u b_lo, b_hi;
+        half16u b_lo, b_hi;
         memcpy(&b_lo, b_v + (size_t)p * ldb, sizeof b_lo);
         memcpy(&b_hi, b_v + (size_t)p * ldb + 8, sizeof b_hi);
-        const half_vec odd_lo = (half_vec)(b_lo & 0xffff0000u), even_lo = (half_vec)(b_lo << 16);
-        const half_vec odd_hi = (half_vec)(b_hi & 0xffff0000u), even_hi = (half_vec)(b_hi << 16);
+        const half16f odd_lo = (half16f)(b_lo & 0xffff0000u), even_lo = (half16f)(b_lo << 16);
+        const half16f odd_hi = (half16f)(b_hi & 0xffff0000u), even_hi = (half16f)(b_hi << 16);
         UNROLL for (int r = 0; r < RS; r++) {
-            const half_vec_u a_rp = (half_vec_u){0} + rows[r][p];
-            const half_vec a_odd = (half_vec)(a_rp & 0xffff0000u), a_even = (half_vec)(a_rp << 16);
+            const half16u a_rp = (half16u){0} + rows[r][p];
+            const half16f a_odd = (half16f)(a_rp & 0xffff0000u), a_even = (half16f)(a_rp << 16);
             lo[r] += a_odd * odd_lo;
             lo[r] += a_even * even_lo;
             hi[r] += a_odd * odd_hi;

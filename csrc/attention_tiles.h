@@ -96,6 +96,36 @@ static ALWAYS_INLINE void store_part(float* p, vec16f v, int m) {
 #define KEEP_IN_REGISTER(x) ((void)0)
 #endif
 
+/* Half a vec16f: 8 lanes, one ymm register on AVX2 (two xmm on SSE).
+   Without AVX-512 in the build's flags, GCC 12 keeps no vec16f sum of a
+   tile in registers across its loop of FMAs: it stores every sum to the
+   stack after each FMA and moves it back through 64-bit general registers.
+   The sub-tiles of AVX2 and the portable build hold their sums as halves
+   instead (1.7-2.5x faster on Zen 1); each lane's operations and their
+   order are the same. */
+typedef float half16f __attribute__((vector_size(32)));
+typedef uint32_t half16u __attribute__((vector_size(32)));
+
+static ALWAYS_INLINE void split16(vec16f v, half16f* lo, half16f* hi) {
+    memcpy(lo, &v, sizeof *lo);
+    memcpy(hi, (const char*)&v + sizeof *lo, sizeof *hi);
+}
+static ALWAYS_INLINE vec16f join16(half16f lo, half16f hi) {
+    vec16f v;
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char*)&v + sizeof lo, &hi, sizeof hi);
+    return v;
+}
+/* load_part's lanes as halves. */
+static ALWAYS_INLINE void load_halves(const float* p, int m, half16f* lo, half16f* hi) {
+    if (m >= 16) {
+        memcpy(lo, p, sizeof *lo);
+        memcpy(hi, p + 8, sizeof *hi);
+    } else {
+        split16(load_part(p, m), lo, hi);
+    }
+}
+
 /* The 16 x 16 block of keys k0 .. k0+15 (m of them real, the rest 0) and
    channels i0 .. i0+15 (ci real), transposed: r[ii] lane j = k[k0 + j][i0 + ii],
    times scale. The key panel and the decode's on-the-fly keys both come from
@@ -167,6 +197,31 @@ static ALWAYS_INLINE void score_block(float* s, size_t lds, const float* a, size
     }
 }
 
+/* score_block for RS <= 4 rows and one vector of keys, its sums in halves
+   (AVX2 and the portable build; see half16f). */
+static ALWAYS_INLINE void score_block_halves(float* s, size_t lds, const float* a, size_t lda,
+                                             const float* panel, int hs, int r0, int RS, int n0,
+                                             float slope, int k0) {
+    const float* p0 = panel + (size_t)k0 * hs;    // keys k0 .. k0+15
+    half16f lo[4], hi[4];
+    UNROLL for (int r = 0; r < RS; r++) {
+        split16(score_init(n0 + r0 + r, k0, slope), &lo[r], &hi[r]);
+    }
+    for (int i = 0; i < hs; i++) {
+        half16f k_lo, k_hi;
+        load_halves(p0 + (size_t)i * 16, 16, &k_lo, &k_hi);
+        UNROLL for (int r = 0; r < RS; r++) {
+            const float a_ri = a[(size_t)(r0 + r) * lda + i];
+            lo[r] += a_ri * k_lo;
+            hi[r] += a_ri * k_hi;
+        }
+    }
+    UNROLL for (int r = 0; r < RS; r++) {
+        const int m = n0 + r0 + r - k0;
+        if (m > 0) { store_part(s + (size_t)(r0 + r) * lds + k0, join16(lo[r], hi[r]), m); }
+    }
+}
+
 /* The query rows of score_tile's blocks and the channels of rows_tile's
    and cols_tile's chunks in a variant for isa (a constant). A whole tile,
    SCORE_ROWS x 32 keys or TILE_ROWS (TILE_KEYS) x TILE_CH channels, is 16
@@ -210,8 +265,8 @@ static ALWAYS_INLINE void score_tile(int isa, float* s, size_t lds, const float*
         UNROLL for (int r0 = 0; r0 < R; r0 += RS) {
             // rows whose last key is before k0 have nothing to store here
             if (n0 + r0 + (R - r0 < RS ? R - r0 : RS) - 1 <= k0) { continue; }
-            score_block(s, lds, a, lda, panel, hs, r0, R - r0 < RS ? R - r0 : RS, 1, n0, slope,
-                        k0);
+            score_block_halves(s, lds, a, lda, panel, hs, r0, R - r0 < RS ? R - r0 : RS, n0,
+                               slope, k0);
         }
     }
 }
@@ -406,6 +461,43 @@ static ALWAYS_INLINE void rows_chunk(float* o, size_t ldo, int accumulate,
     UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
 }
 
+/* rows_chunk for a chunk of one vector (m <= 16 channels), its sums in
+   halves (AVX2 and the portable build; see half16f). */
+static ALWAYS_INLINE void rows_chunk_halves(float* o, size_t ldo, int accumulate,
+                                            const float* a, size_t lda, const float* x,
+                                            size_t ldx, int R, int n0, int m) {
+    half16f lo[TILE_ROWS], hi[TILE_ROWS];
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_halves(o + (size_t)r * ldo, m, &lo[r], &hi[r]);
+        } else {
+            lo[r] = hi[r] = (half16f){0};
+        }
+    }
+    for (int t2 = 0; t2 < n0; t2++) {           // the terms all R rows have
+        half16f x_lo, x_hi;
+        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
+        UNROLL for (int r = 0; r < R; r++) {
+            const float a_r = a[(size_t)r * lda + t2];
+            lo[r] += a_r * x_lo;
+            hi[r] += a_r * x_hi;
+        }
+    }
+    UNROLL for (int d = 1; d < R; d++) {        // then those only rows d .. R-1 have
+        const int t2 = n0 - 1 + d;
+        half16f x_lo, x_hi;
+        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
+        UNROLL for (int r = 0; r < R; r++) {
+            if (r >= d) {
+                const float a_r = a[(size_t)r * lda + t2];
+                lo[r] += a_r * x_lo;
+                hi[r] += a_r * x_hi;
+            }
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) { store_part(o + (size_t)r * ldo, join16(lo[r], hi[r]), m); }
+}
+
 /* Runs CHUNK(NV, mlast) for the chunk of nc channels (1 <= nc <= TILE_CH) with
    NV and, when the chunk is whole vectors, mlast as constants: no lane masks
    in the loops of the common head sizes. */
@@ -435,6 +527,10 @@ static ALWAYS_INLINE void rows_tile(int isa, float* o, size_t ldo, int accumulat
     const int chunk = tile_channels(isa);
     for (int c0 = 0; c0 < hs; c0 += chunk) {
         const int nc = hs - c0 < chunk ? hs - c0 : chunk;
+        if (isa < LLMC_ISA_AVX512) {   // chunks of one vector
+            rows_chunk_halves(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, nc);
+            continue;
+        }
 #define ROWS_CHUNK(NV, mlast) \
         rows_chunk(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R, n0, NV, mlast)
         DISPATCH_CHUNK(nc, ROWS_CHUNK);
@@ -467,6 +563,43 @@ static ALWAYS_INLINE void cols_chunk(float* o, size_t ldo, const float* a, size_
     UNROLL for (int j = 0; j < KT; j++) { store_chunk(o + (size_t)j * ldo, acc[j], NV, mlast); }
 }
 
+/* cols_chunk for a chunk of one vector (m <= 16 channels), its sums in
+   halves (AVX2 and the portable build; see half16f). */
+static ALWAYS_INLINE void cols_chunk_halves(float* o, size_t ldo, const float* a, size_t lda,
+                                            const float* x, size_t ldx, int KT, int t2a, int ta,
+                                            int tb, int m) {
+    half16f lo[TILE_KEYS], hi[TILE_KEYS];
+    UNROLL for (int j = 0; j < KT; j++) { load_halves(o + (size_t)j * ldo, m, &lo[j], &hi[j]); }
+    int t = ta;
+    if (t2a >= ta) {                            // the keys lie on the rows' diagonal:
+        UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
+            t = t2a + d;
+            half16f x_lo, x_hi;
+            load_halves(x + (size_t)t * ldx, m, &x_lo, &x_hi);
+            UNROLL for (int j = 0; j < KT; j++) {
+                if (j <= d) {
+                    const float a_tj = a[(size_t)(t - ta) * lda + t2a + j];
+                    lo[j] += a_tj * x_lo;
+                    hi[j] += a_tj * x_hi;
+                }
+            }
+        }
+        t = t2a + KT - 1;
+    }
+    for (; t < tb; t++) {                       // then those all KT keys have
+        half16f x_lo, x_hi;
+        load_halves(x + (size_t)t * ldx, m, &x_lo, &x_hi);
+        const float* a_t = a + (size_t)(t - ta) * lda + t2a;
+        UNROLL for (int j = 0; j < KT; j++) {
+            lo[j] += a_t[j] * x_lo;
+            hi[j] += a_t[j] * x_hi;
+        }
+    }
+    UNROLL for (int j = 0; j < KT; j++) {
+        store_part(o + (size_t)j * ldo, join16(lo[j], hi[j]), m);
+    }
+}
+
 /*
  * cols_tile: KT keys (KT <= TILE_KEYS), key j at t2a + j, and the rows
  * ta .. tb-1 of a (row t at a + (t - ta) lda); for c < hs,
@@ -481,6 +614,10 @@ static ALWAYS_INLINE void cols_tile(int isa, float* o, size_t ldo, const float* 
     const int chunk = tile_channels(isa);
     for (int c0 = 0; c0 < hs; c0 += chunk) {
         const int nc = hs - c0 < chunk ? hs - c0 : chunk;
+        if (isa < LLMC_ISA_AVX512) {   // chunks of one vector
+            cols_chunk_halves(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, ta, tb, nc);
+            continue;
+        }
 #define COLS_CHUNK(NV, mlast) \
         cols_chunk(o + c0, ldo, a, lda, x + c0, ldx, KT, t2a, ta, tb, NV, mlast)
         DISPATCH_CHUNK(nc, COLS_CHUNK);
