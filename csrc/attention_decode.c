@@ -121,11 +121,54 @@ static ALWAYS_INLINE void decode_values_chunk(float* o, size_t ldo, int accumula
     UNROLL for (int r = 0; r < R; r++) { store_chunk(o + (size_t)r * ldo, acc[r], NV, mlast); }
 }
 
+/* decode_values_chunk for a chunk of one vector (m <= 16 channels), its
+   sums in halves (AVX2 and the portable build; see half16f in
+   attention_tiles.h), as rows_tile's chunks there: bitwise equal still. */
+static ALWAYS_INLINE void decode_values_halves(float* o, size_t ldo, int accumulate,
+                                               const float* a, size_t lda, const float* x,
+                                               size_t ldx, int R, int n, int m) {
+    half16f lo[DECODE_HEADS], hi[DECODE_HEADS];
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_halves(o + (size_t)r * ldo, m, &lo[r], &hi[r]);
+        } else {
+            lo[r] = hi[r] = (half16f){0};
+        }
+    }
+    for (int t2 = 0; t2 < n; t2++) {
+        half16f x_lo, x_hi;
+        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
+        UNROLL for (int r = 0; r < R; r++) {
+            const float a_r = a[(size_t)r * lda + t2];
+            lo[r] += a_r * x_lo;
+            hi[r] += a_r * x_hi;
+        }
+    }
+    UNROLL for (int r = 0; r < R; r++) {
+        store_part(o + (size_t)r * ldo, join16(lo[r], hi[r]), m);
+    }
+}
+
 /* o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n} a[r][t2] * x[t2][c]
    for R heads (1 .. DECODE_HEADS, a constant in each case), c < hs. */
-static ALWAYS_INLINE void decode_values_body(float* o, size_t ldo, int accumulate,
+static ALWAYS_INLINE void decode_values_body(int isa, float* o, size_t ldo, int accumulate,
                                              const float* a, size_t lda, const float* x,
                                              size_t ldx, int R, int n, int hs) {
+    if (isa < LLMC_ISA_AVX512) {   // chunks of one vector
+        for (int c0 = 0; c0 < hs; c0 += 16) {
+            const int m = hs - c0 < 16 ? hs - c0 : 16;
+#define VALUES_HALVES(R_) \
+            decode_values_halves(o + c0, ldo, accumulate, a, lda, x + c0, ldx, R_, n, m)
+            switch (R) {
+            case 4: VALUES_HALVES(4); break;
+            case 3: VALUES_HALVES(3); break;
+            case 2: VALUES_HALVES(2); break;
+            default: VALUES_HALVES(1); break;
+            }
+#undef VALUES_HALVES
+        }
+        return;
+    }
     for (int c0 = 0; c0 < hs; c0 += TILE_CH) {
         const int nc = hs - c0 < TILE_CH ? hs - c0 : TILE_CH;
 #define VALUES_CHUNK(NV, mlast)                                                            \
@@ -143,9 +186,10 @@ static ALWAYS_INLINE void decode_values_body(float* o, size_t ldo, int accumulat
 #undef VALUES_CHUNK
     }
 }
-LLMC_ISA_VARIANTS(decode_values, (float* o, size_t ldo, int accumulate, const float* a,
-                                  size_t lda, const float* x, size_t ldx, int R, int n, int hs),
-                  o, ldo, accumulate, a, lda, x, ldx, R, n, hs)
+LLMC_ISA_VARIANTS_ISA(decode_values, (float* o, size_t ldo, int accumulate, const float* a,
+                                      size_t lda, const float* x, size_t ldx, int R, int n,
+                                      int hs),
+                      o, ldo, accumulate, a, lda, x, ldx, R, n, hs)
 
 /* The decode of R query heads (R <= DECODE_HEADS) that share one kv head,
    each the forward's last row of a window of n keys: its scores,
