@@ -334,8 +334,36 @@ static LLMC_ALWAYS_INLINE float llmc_dot(const float* a, const float* b, int n) 
 #define LLMC_SHUF(a, b, ...) LLMC_SHUF_T(vec16i, a, b, __VA_ARGS__)
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
-   Four rounds of two-source shuffles: 32-bit pairs, 64-bit pairs, then
-   128-bit quarters twice. */
+   With AVX-512 in the build's flags, four rounds of two-source shuffles of
+   whole vectors: 32-bit pairs, 64-bit pairs, then 128-bit quarters twice.
+   Without, GCC 12 lowers those 64-byte shuffles to one scalar move a lane
+   (~500 movss), so the block goes as 16 transposes of 4 x 4 (16-byte
+   vectors: unpcklps, unpckhps, movlhps, shufps on SSE and AVX2 alike). */
+#ifndef __AVX512F__
+typedef float llmc_vec4f __attribute__((vector_size(16)));
+typedef int32_t llmc_vec4i __attribute__((vector_size(16)));
+#define LLMC_SHUF4(a, b, ...) LLMC_SHUF_T(llmc_vec4i, a, b, __VA_ARGS__)
+static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
+    llmc_vec4f x[16][4];   // x[j][q]: lanes 4q .. 4q+3 of row j
+    memcpy(x, r, sizeof x);
+    for (int bi = 0; bi < 4; bi++) {       // rows 4 bi .. 4 bi + 3
+        for (int bj = 0; bj < 4; bj++) {   // lanes 4 bj .. 4 bj + 3 -> rows 4 bj .. 4 bj + 3
+            const llmc_vec4f a = x[4 * bi][bj], b = x[4 * bi + 1][bj];
+            const llmc_vec4f c = x[4 * bi + 2][bj], d = x[4 * bi + 3][bj];
+            const llmc_vec4f ab_lo = LLMC_SHUF4(a, b, 0, 4, 1, 5);
+            const llmc_vec4f ab_hi = LLMC_SHUF4(a, b, 2, 6, 3, 7);
+            const llmc_vec4f cd_lo = LLMC_SHUF4(c, d, 0, 4, 1, 5);
+            const llmc_vec4f cd_hi = LLMC_SHUF4(c, d, 2, 6, 3, 7);
+            const llmc_vec4f column[4] = {
+                LLMC_SHUF4(ab_lo, cd_lo, 0, 1, 4, 5), LLMC_SHUF4(ab_lo, cd_lo, 2, 3, 6, 7),
+                LLMC_SHUF4(ab_hi, cd_hi, 0, 1, 4, 5), LLMC_SHUF4(ab_hi, cd_hi, 2, 3, 6, 7)};
+            for (int k = 0; k < 4; k++) {
+                memcpy((char*)&r[4 * bj + k] + sizeof column[k] * bi, &column[k], sizeof column[k]);
+            }
+        }
+    }
+}
+#else
 static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
     vec16f t[16], u[16];
     for (int k = 0; k < 8; k++) {   // pairs of rows, 32 bits at a time
@@ -370,5 +398,6 @@ static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
         r[12 + m] = LLMC_SHUF(x1, y1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     }
 }
+#endif
 
 #endif
