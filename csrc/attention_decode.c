@@ -128,25 +128,11 @@ static ALWAYS_INLINE void decode_values_halves(float* o, size_t ldo, int accumul
                                                const float* a, size_t lda, const float* x,
                                                size_t ldx, int R, int n, int m) {
     half16f lo[DECODE_HEADS], hi[DECODE_HEADS];
-    UNROLL for (int r = 0; r < R; r++) {
-        if (accumulate) {
-            load_halves(o + (size_t)r * ldo, m, &lo[r], &hi[r]);
-        } else {
-            lo[r] = hi[r] = (half16f){0};
-        }
-    }
+    start_halves(lo, hi, o, ldo, accumulate, R, m);
     for (int t2 = 0; t2 < n; t2++) {
-        half16f x_lo, x_hi;
-        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
-        UNROLL for (int r = 0; r < R; r++) {
-            const float a_r = a[(size_t)r * lda + t2];
-            lo[r] += a_r * x_lo;
-            hi[r] += a_r * x_hi;
-        }
+        add_row_halves(lo, hi, a + t2, lda, x + (size_t)t2 * ldx, 0, R, m);
     }
-    UNROLL for (int r = 0; r < R; r++) {
-        store_part(o + (size_t)r * ldo, join16(lo[r], hi[r]), m);
-    }
+    store_halves(o, ldo, lo, hi, R, m);
 }
 
 /* o[r][c] = (accumulate ? o[r][c] : 0) + sum_{t2 < n} a[r][t2] * x[t2][c]

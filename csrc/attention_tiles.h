@@ -126,6 +126,36 @@ static ALWAYS_INLINE void load_halves(const float* p, int m, half16f* lo, half16
     }
 }
 
+/* The sums of R rows of m (<= 16) channels, as halves: started from o's
+   rows (ldo floats apart) or 0, added to, stored back. */
+static ALWAYS_INLINE void start_halves(half16f* lo, half16f* hi, const float* o, size_t ldo,
+                                       int accumulate, int R, int m) {
+    UNROLL for (int r = 0; r < R; r++) {
+        if (accumulate) {
+            load_halves(o + (size_t)r * ldo, m, &lo[r], &hi[r]);
+        } else {
+            lo[r] = hi[r] = (half16f){0};
+        }
+    }
+}
+/* rows first .. end-1: sum[r] += a[r * lda] * the row x (m channels), one FMA a half */
+static ALWAYS_INLINE void add_row_halves(half16f* lo, half16f* hi, const float* a, size_t lda,
+                                         const float* x, int first, int end, int m) {
+    half16f x_lo, x_hi;
+    load_halves(x, m, &x_lo, &x_hi);
+    UNROLL for (int r = first; r < end; r++) {
+        const float a_r = a[(size_t)r * lda];
+        lo[r] += a_r * x_lo;
+        hi[r] += a_r * x_hi;
+    }
+}
+static ALWAYS_INLINE void store_halves(float* o, size_t ldo, const half16f* lo,
+                                       const half16f* hi, int R, int m) {
+    UNROLL for (int r = 0; r < R; r++) {
+        store_part(o + (size_t)r * ldo, join16(lo[r], hi[r]), m);
+    }
+}
+
 /* The 16 x 16 block of keys k0 .. k0+15 (m of them real, the rest 0) and
    channels i0 .. i0+15 (ci real), transposed: r[ii] lane j = k[k0 + j][i0 + ii],
    times scale. The key panel and the decode's on-the-fly keys both come from
@@ -467,35 +497,15 @@ static ALWAYS_INLINE void rows_chunk_halves(float* o, size_t ldo, int accumulate
                                             const float* a, size_t lda, const float* x,
                                             size_t ldx, int R, int n0, int m) {
     half16f lo[TILE_ROWS], hi[TILE_ROWS];
-    UNROLL for (int r = 0; r < R; r++) {
-        if (accumulate) {
-            load_halves(o + (size_t)r * ldo, m, &lo[r], &hi[r]);
-        } else {
-            lo[r] = hi[r] = (half16f){0};
-        }
-    }
+    start_halves(lo, hi, o, ldo, accumulate, R, m);
     for (int t2 = 0; t2 < n0; t2++) {           // the terms all R rows have
-        half16f x_lo, x_hi;
-        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
-        UNROLL for (int r = 0; r < R; r++) {
-            const float a_r = a[(size_t)r * lda + t2];
-            lo[r] += a_r * x_lo;
-            hi[r] += a_r * x_hi;
-        }
+        add_row_halves(lo, hi, a + t2, lda, x + (size_t)t2 * ldx, 0, R, m);
     }
     UNROLL for (int d = 1; d < R; d++) {        // then those only rows d .. R-1 have
         const int t2 = n0 - 1 + d;
-        half16f x_lo, x_hi;
-        load_halves(x + (size_t)t2 * ldx, m, &x_lo, &x_hi);
-        UNROLL for (int r = 0; r < R; r++) {
-            if (r >= d) {
-                const float a_r = a[(size_t)r * lda + t2];
-                lo[r] += a_r * x_lo;
-                hi[r] += a_r * x_hi;
-            }
-        }
+        add_row_halves(lo, hi, a + t2, lda, x + (size_t)t2 * ldx, d, R, m);
     }
-    UNROLL for (int r = 0; r < R; r++) { store_part(o + (size_t)r * ldo, join16(lo[r], hi[r]), m); }
+    store_halves(o, ldo, lo, hi, R, m);
 }
 
 /* Runs CHUNK(NV, mlast) for the chunk of nc channels (1 <= nc <= TILE_CH) with
@@ -569,35 +579,21 @@ static ALWAYS_INLINE void cols_chunk_halves(float* o, size_t ldo, const float* a
                                             const float* x, size_t ldx, int KT, int t2a, int ta,
                                             int tb, int m) {
     half16f lo[TILE_KEYS], hi[TILE_KEYS];
-    UNROLL for (int j = 0; j < KT; j++) { load_halves(o + (size_t)j * ldo, m, &lo[j], &hi[j]); }
+    start_halves(lo, hi, o, ldo, 1, KT, m);
     int t = ta;
     if (t2a >= ta) {                            // the keys lie on the rows' diagonal:
         UNROLL for (int d = 0; d < KT - 1; d++) {   // the terms only keys 0 .. d have
             t = t2a + d;
-            half16f x_lo, x_hi;
-            load_halves(x + (size_t)t * ldx, m, &x_lo, &x_hi);
-            UNROLL for (int j = 0; j < KT; j++) {
-                if (j <= d) {
-                    const float a_tj = a[(size_t)(t - ta) * lda + t2a + j];
-                    lo[j] += a_tj * x_lo;
-                    hi[j] += a_tj * x_hi;
-                }
-            }
+            add_row_halves(lo, hi, a + (size_t)(t - ta) * lda + t2a, 1, x + (size_t)t * ldx, 0,
+                           d + 1, m);
         }
         t = t2a + KT - 1;
     }
     for (; t < tb; t++) {                       // then those all KT keys have
-        half16f x_lo, x_hi;
-        load_halves(x + (size_t)t * ldx, m, &x_lo, &x_hi);
-        const float* a_t = a + (size_t)(t - ta) * lda + t2a;
-        UNROLL for (int j = 0; j < KT; j++) {
-            lo[j] += a_t[j] * x_lo;
-            hi[j] += a_t[j] * x_hi;
-        }
+        add_row_halves(lo, hi, a + (size_t)(t - ta) * lda + t2a, 1, x + (size_t)t * ldx, 0, KT,
+                       m);
     }
-    UNROLL for (int j = 0; j < KT; j++) {
-        store_part(o + (size_t)j * ldo, join16(lo[j], hi[j]), m);
-    }
+    store_halves(o, ldo, lo, hi, KT, m);
 }
 
 /*
