@@ -359,7 +359,7 @@ static ALWAYS_INLINE void softmax_tile_exps(int isa, float* s, size_t lds, const
     for (int r = 0; r < 16; r++) {
         lanes[r] = r < R ? row_max16(s + (size_t)r * lds + lo[r], n[r]) : (vec16f){0};
     }
-    llmc_transpose16(lanes);   // lanes[j] lane r: row r's lane j
+    llmc_transpose16_isa(isa, lanes);   // lanes[j] lane r: row r's lane j
     vec16f maxv = (vec16f){0} - INFINITY;
     for (int j = 0; j < 16; j++) {
         maxv = llmc_select16(LLMC_CMP16(lanes[j], >, maxv), lanes[j], maxv);
@@ -368,7 +368,7 @@ static ALWAYS_INLINE void softmax_tile_exps(int isa, float* s, size_t lds, const
         lanes[r] = r < R ? row_exps16(isa, s + (size_t)r * lds + lo[r], n[r], maxv[r])
                          : (vec16f){0};
     }
-    llmc_transpose16(lanes);
+    llmc_transpose16_isa(isa, lanes);
     vec16f sum = {0};
     for (int j = 0; j < 16; j++) { sum += lanes[j]; }
     const vec16f inv = 1.0f / sum;   // rows past R: inf, dropped

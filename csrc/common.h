@@ -380,16 +380,20 @@ static LLMC_ALWAYS_INLINE float llmc_dot(const float* a, const float* b, int n) 
 #define LLMC_SHUF(a, b, ...) LLMC_SHUF_T(vec16i, a, b, __VA_ARGS__)
 
 /* Transposes a 16 x 16 block in place: r[c][j] becomes the old r[j][c].
-   With AVX-512 in the build's flags, four rounds of two-source shuffles of
-   whole vectors: 32-bit pairs, 64-bit pairs, then 128-bit quarters twice.
-   Without, GCC 12 lowers those 64-byte shuffles to one scalar move a lane
-   (~500 movss), so the block goes as 16 transposes of 4 x 4 (16-byte
-   vectors: unpcklps, unpckhps, movlhps, shufps on SSE and AVX2 alike). */
-#ifndef __AVX512F__
+   Two ways, bitwise the same (the bits only move):
+   llmc_transpose16_wide: four rounds of two-source shuffles of whole
+     vectors (32-bit pairs, 64-bit pairs, then 128-bit quarters twice), for
+     code built for AVX-512;
+   llmc_transpose16_quarters: 16 transposes of 4 x 4 (16-byte vectors:
+     unpcklps, unpckhps, movlhps, shufps on SSE and AVX2 alike), elsewhere:
+     there GCC 12 lowers the 64-byte shuffles to one scalar move a lane
+     (~500 movss).
+   llmc_transpose16 is the one the build's flags suit; a body built per
+   instruction set picks by its isa (llmc_transpose16_isa, isa.h). */
 typedef float llmc_vec4f __attribute__((vector_size(16)));
 typedef int32_t llmc_vec4i __attribute__((vector_size(16)));
 #define LLMC_SHUF4(a, b, ...) LLMC_SHUF_T(llmc_vec4i, a, b, __VA_ARGS__)
-static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
+static LLMC_ALWAYS_INLINE void llmc_transpose16_quarters(vec16f r[16]) {
     llmc_vec4f x[16][4];   // x[j][q]: lanes 4q .. 4q+3 of row j
     memcpy(x, r, sizeof x);
     for (int bi = 0; bi < 4; bi++) {       // rows 4 bi .. 4 bi + 3
@@ -409,8 +413,7 @@ static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
         }
     }
 }
-#else
-static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
+static LLMC_ALWAYS_INLINE void llmc_transpose16_wide(vec16f r[16]) {
     vec16f t[16], u[16];
     for (int k = 0; k < 8; k++) {   // pairs of rows, 32 bits at a time
         t[2 * k] = LLMC_SHUF(r[2 * k], r[2 * k + 1],
@@ -444,6 +447,12 @@ static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
         r[12 + m] = LLMC_SHUF(x1, y1, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     }
 }
+static LLMC_ALWAYS_INLINE void llmc_transpose16(vec16f r[16]) {
+#ifdef __AVX512F__
+    llmc_transpose16_wide(r);
+#else
+    llmc_transpose16_quarters(r);
 #endif
+}
 
 #endif

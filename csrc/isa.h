@@ -125,6 +125,16 @@ LLMC_TARGET_AVX512 static inline void llmc_exp_nonpositive16_avx512(vec16f* x) {
 }
 #endif
 
+/* llmc_transpose16 (common.h) in a body built for isa: whole-vector
+   shuffles on the AVX-512 builds, 4 x 4 blocks elsewhere. */
+static LLMC_ALWAYS_INLINE void llmc_transpose16_isa(const int isa, vec16f r[16]) {
+    if (isa >= LLMC_ISA_AVX512) {
+        llmc_transpose16_wide(r);
+    } else {
+        llmc_transpose16_quarters(r);
+    }
+}
+
 static LLMC_ALWAYS_INLINE vec16f llmc_exp_nonpositive16_isa(const int isa, vec16f x) {
 #ifdef LLMC_X86_DISPATCH
     if (isa >= LLMC_ISA_AVX512) {

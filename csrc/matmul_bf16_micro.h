@@ -68,11 +68,12 @@ LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_transpose8x16(const __m
     }
 }
 
-/* A 16 x 16 block of 32-bit lanes transposed in registers (common.h's). */
+/* A 16 x 16 block of 32-bit lanes transposed in registers (common.h's
+   whole-vector shuffles). */
 LLMC_TARGET_AVX512BF16 static LLMC_ALWAYS_INLINE void bf_transpose16(__m512i v[16]) {
     vec16f r[16];
     memcpy(r, v, sizeof r);
-    llmc_transpose16(r);
+    llmc_transpose16_wide(r);
     memcpy(v, r, sizeof r);
 }
 
